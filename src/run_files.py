@@ -1,0 +1,101 @@
+"""The files of a run directory, `results/<run_name>/`, and how they are written and read.
+
+Every writer and reader of a run directory goes through this module, so the format lives in one place:
+
+- `training_info.json`  the resolved setup, library versions, final summary and judged results (one JSON object).
+- `metrics.jsonl`       one JSON object per logged event (train and eval, TRL's metric names, with `step`),
+                        appended as training goes; non-finite floats are written as the strings "nan", "inf", "-inf".
+- `samples_<split>.jsonl`  one JSON object per judged held-out prompt (see `src/generation.py`).
+
+Appends are one `write` of a whole line followed by a flush, so a crash loses at most the line being written;
+readers skip a torn last line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+TRAINING_INFO = "training_info.json"
+METRICS = "metrics.jsonl"
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def samples_file(split: str) -> str:
+    return f"samples_{split}.jsonl"
+
+
+def _encode(value: Any) -> Any:
+    """Replace non-finite floats (which strict JSON cannot hold) by strings, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: _encode(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(item) for item in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    if isinstance(value, dict):
+        return {key: _decode(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_decode(item) for item in value]
+    return value
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(_encode(value), allow_nan=False, default=str)
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    line = dumps(record) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """All complete records of a JSONL file; a torn last line (a crash mid-write) is skipped."""
+    records = []
+    path = Path(path)
+    if not path.exists():
+        return records
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_decode(json.loads(line)))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # the line being written when the process died
+            raise ValueError(f"{path}: line {number} is not valid JSON") from None
+    return records
+
+
+def write_json(path: str | os.PathLike, value: Any) -> None:
+    """Write through a temporary file and rename, so a reader never sees half a file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    temporary.write_text(json.dumps(_encode(value), indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return _decode(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def update_json(path: str | os.PathLike, **fields: Any) -> dict:
+    """Merge `fields` into the JSON object at `path` (created if missing) and return the result."""
+    path = Path(path)
+    current = read_json(path) if path.exists() else {}
+    current.update(fields)
+    write_json(path, current)
+    return current
