@@ -1,0 +1,814 @@
+"""What a run is asked to do, and what the toolkit derives from it.
+
+    python -m src.main_distributed --config configs/<recipe>.yaml [--flag value ...]
+
+One dataclass per concern; every field's help is its documentation and becomes a `--flag`. A YAML recipe sets the
+same keys, flags override the recipe, and any other field of TRL's `DPOConfig` / `SFTConfig` (e.g.
+`--lr_scheduler_type cosine`) passes through to TRL untouched. Unknown keys are refused with the closest known name.
+
+`resolve_plan` turns the request plus the world it runs in (processes, devices) into the numbers that are used:
+per-device batch, gradient accumulation, global batch, the learning rate scaled with the global batch, precision and
+backend. It is pure, computed once, printed once and written to `training_info.json`; nothing recomputes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from trl import ModelConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
+EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
+STAGES = ("dpo", "sft", "sft_then_dpo")
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration: reported as one line, no traceback."""
+
+
+@dataclass
+class ModelArguments(ModelConfig):
+    """TRL's ModelConfig (model path, LoRA, bitsandbytes) plus what the toolkit adds."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": f"Hub id or local directory of the model to train; '{EMBEDDED}' builds the small offline "
+                  "default model on first use (cached after)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models and tokenizers that ship their own Python code (runs that code: only for "
+                  "sources you trust)."},
+    )
+    use_lora: bool = field(
+        default=False,
+        metadata={"help": "Train LoRA adapters through peft instead of all weights (same as TRL's --use_peft). "
+                  "For DPO the reference model is then the base with adapters disabled: no second copy in memory."},
+    )
+    lora_target_modules: list[str] | None = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Module names to adapt with LoRA, or 'all-linear' (every linear layer but the output head)."},
+    )
+    use_bnb_nested_quant: bool = field(
+        default=True,
+        metadata={"help": "Double quantization of the 4-bit quantization constants (QLoRA): ~0.4 bit/param saved."},
+    )
+    merge_adapter: bool = field(
+        default=False,
+        metadata={"help": "Also save a copy of the final model with the LoRA adapter merged into the base weights."},
+    )
+
+    def __post_init__(self):
+        self.use_peft = self.use_peft or self.use_lora
+        self.use_lora = self.use_peft
+        super().__post_init__()
+
+
+@dataclass
+class DataArguments:
+    """Where the data comes from and how its columns map onto TRL's shapes."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": f"Hub id, a `save_to_disk` directory, or a .json/.jsonl/.parquet/.csv file; '{EMBEDDED}' "
+                  "uses the preference data shipped with the project."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration (subset) name."})
+    dataset_split: str = field(
+        default="train", metadata={"help": "Split of the source to train on when it has several."}
+    )
+    prompt_column: str | None = field(default=None, metadata={"help": "Column holding the prompt (mapped to 'prompt')."})
+    chosen_column: str | None = field(default=None, metadata={"help": "Column holding the preferred answer."})
+    rejected_column: str | None = field(default=None, metadata={"help": "Column holding the dispreferred answer."})
+    messages_column: str | None = field(default=None, metadata={"help": "SFT: column holding a chat (list of messages)."})
+    completion_column: str | None = field(default=None, metadata={"help": "SFT: column holding the target completion."})
+    text_column: str | None = field(default=None, metadata={"help": "SFT: column holding plain text to model."})
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "System message prepended to every conversational prompt that has none."}
+    )
+    val_size: float = field(
+        default=0.05,
+        metadata={"help": "Validation split carved from the training data when the source has none: a fraction (<1) "
+                  "or a number of rows (>=1)."},
+    )
+    test_size: float = field(
+        default=0.05,
+        metadata={"help": "Test split carved from the training data when the source has none: a fraction or a count."},
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use at most this many training rows (after the split): quick experiments."}
+    )
+    max_length: int = field(
+        default=1024,
+        metadata={"help": "Maximum tokens of prompt + completion. Longer rows are truncated at the end; rows whose "
+                  "prompt alone fills it are dropped (both counted and reported before training)."},
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (datasets.map)."})
+
+
+@dataclass
+class TrainingArguments:
+    """The run: stage, batch and learning-rate semantics, precision, schedule, checkpoints, outputs."""
+
+    stage: str = field(
+        default="dpo",
+        metadata={"help": "dpo, sft, or sft_then_dpo (SFT, then DPO from the SFT model; `sft:` in the recipe holds "
+                  "the SFT stage's overrides).", "choices": list(STAGES)},
+    )
+    run_name: str | None = field(
+        default=None,
+        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name, else "
+                  "<stage>-<model name>."},
+    )
+    results_dir: str = field(default="results", metadata={"help": "Parent directory of every run's results."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Checkpoints and the final model. Default: <results_dir>/<run_name>/model."}
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "Replace the results of an earlier run with the same run name."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order, splits and sampling."})
+
+    # Batch semantics. Either a global batch (divided across processes and accumulation steps) or a per-device batch
+    # (the global batch then grows with the number of processes).
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Global batch per optimizer step (sequences, or preference pairs for DPO), divided across "
+                  "processes and, when --micro_batch_size caps the per-device batch, accumulation steps. Fixed "
+                  "global batch = the same run on any number of GPUs. Default 32 when neither batch flag is set."},
+    )
+    per_device_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Alternative to --batch_size: fix the batch each device sees; global batch = per-device x "
+                  "accumulation x processes, so it grows with the world size."},
+    )
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Largest batch one device may take at once (memory cap); with --batch_size the rest of the "
+                  "global batch comes from gradient accumulation."},
+    )
+    gradient_accumulation_steps: int | None = field(
+        default=None,
+        metadata={"help": "Micro-batches per optimizer step. Default: 1, or what --micro_batch_size requires."},
+    )
+    learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Peak learning rate, tuned for --base_batch_size (scaled per --lr_scaling). Default: TRL's "
+                  "default for the stage (DPO 1e-6, SFT 2e-5)."},
+    )
+    base_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Global batch --learning_rate was tuned for. Default: --batch_size, or with "
+                  "--per_device_batch_size the global batch of a single process."},
+    )
+    lr_scaling: str = field(
+        default="sqrt",
+        metadata={"help": "How the learning rate follows global batch / base batch: sqrt (the rule for Adam-type "
+                  "optimizers), linear (Goyal et al., for SGD), or none.", "choices": ["none", "linear", "sqrt"]},
+    )
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to train; -1 trains --num_epochs epochs."})
+    num_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training split when --max_steps is -1."})
+    warmup_steps: float = field(
+        default=0.0, metadata={"help": "Learning-rate warmup: steps (>=1) or a fraction of all steps (<1)."}
+    )
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "Schedule after warmup (transformers' names)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
+
+    mixed_precision: str = field(
+        default="auto",
+        metadata={"help": "auto: bf16 where every GPU supports it (compute capability >= 8.0), fp16 on older GPUs, "
+                  "fp32 on CPU. Or no, fp16, bf16.", "choices": ["auto", "no", "fp16", "bf16"]},
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute activations in the backward pass: much less activation memory, ~20-30%% "
+                  "slower. Turn on for large models or long sequences."},
+    )
+
+    logging_steps: int = field(default=10, metadata={"help": "Optimizer steps between logged metrics."})
+    eval_strategy: str = field(
+        default="steps", metadata={"help": "When to evaluate on the validation split.", "choices": ["no", "steps", "epoch"]}
+    )
+    eval_steps: int | None = field(
+        default=None, metadata={"help": "Steps between evaluations. Default: about 10 evaluations per run."}
+    )
+    save_strategy: str = field(
+        default="steps", metadata={"help": "When to checkpoint.", "choices": ["no", "steps", "epoch", "best"]}
+    )
+    save_steps: int | None = field(default=None, metadata={"help": "Steps between checkpoints. Default: --eval_steps."})
+    save_total_limit: int | None = field(
+        default=2, metadata={"help": "Checkpoints kept on disk (the best by eval loss is always kept as well)."}
+    )
+    num_samples: int = field(
+        default=64,
+        metadata={"help": "Held-out prompts per split (val, test) answered by the starting and the trained model "
+                  "and written to the sample files; judged where a judge exists."},
+    )
+    max_new_tokens: int = field(default=128, metadata={"help": "Generation length cap for the sample answers."})
+    judge: str = field(
+        default="auto",
+        metadata={"help": f"How held-out answers are judged: auto (the embedded tasks are checked by code, other data "
+                  f"is not judged), none, {EMBEDDED}, or the path/Hub id of a reward model (sequence classifier) "
+                  "that scores the starting model's answers against the trained model's (win rate)."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Check the configuration and the data (tokenizing it into the cache), print the plan, "
+                  "and stop before loading a model or starting a process group."},
+    )
+    report_to: list[str] = field(
+        default_factory=lambda: ["none"], metadata={"help": "Experiment trackers (transformers' names), or none."}
+    )
+
+
+@dataclass
+class DPOArguments:
+    """DPO's own knobs (the rest of TRL's DPOConfig passes through by name)."""
+
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta)."},
+    )
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": "TRL loss type(s): sigmoid, ipo, hinge, robust, bco_pair, nca_pair, apo_zero, sft, ... "
+                  "(several are combined with --loss_weights)."},
+    )
+    loss_weights: list[float] | None = field(default=None, metadata={"help": "Weights when combining loss types."})
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "Label-flip probability for robust / eps for exo_pair (no effect on sigmoid)."}
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={"help": "Compute the reference model's log-probs once before training and free the reference "
+                  "model: less memory per step."},
+    )
+
+
+@dataclass
+class SFTArguments:
+    """SFT's own knobs (the rest of TRL's SFTConfig passes through by name)."""
+
+    assistant_only_loss: bool = field(
+        default=False,
+        metadata={"help": "Chat data: train only on assistant turns (needs {% generation %} in the chat template)."},
+    )
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Prompt/completion data: train only on the completion (TRL's default: yes)."}
+    )
+    packing: bool = field(default=False, metadata={"help": "Pack several short sequences into one of --max_length."})
+
+
+CONCERNS = (ModelArguments, DataArguments, TrainingArguments, DPOArguments, SFTArguments)
+
+# Fields of TRL's configs that the toolkit derives itself: setting them directly would bypass the batch, learning-rate
+# and precision resolution, so they are refused with the flag to use instead.
+DERIVED_TRL_FIELDS = {
+    "per_device_train_batch_size": "--batch_size (global) or --per_device_batch_size",
+    "per_device_eval_batch_size": "--per_device_batch_size",
+    "train_batch_size": "--batch_size",
+    "num_train_epochs": "--num_epochs",
+    "bf16": "--mixed_precision bf16",
+    "fp16": "--mixed_precision fp16",
+    "use_cpu": "nothing: the CPU is used when no GPU is visible",
+    "ddp_backend": "nothing: NCCL on GPUs, gloo on CPU",
+    "use_peft": "--use_lora",
+    "activation_checkpointing": "--gradient_checkpointing",
+}
+
+
+@dataclass
+class Config:
+    """Everything one run was asked for: the concerns above plus TRL pass-through fields."""
+
+    model: ModelArguments
+    data: DataArguments
+    training: TrainingArguments
+    dpo: DPOArguments
+    sft: SFTArguments
+    trl_overrides: dict[str, Any] = field(default_factory=dict)
+    sft_stage_overrides: dict[str, Any] = field(default_factory=dict)
+    recipe: str | None = None
+
+    def flat(self) -> dict[str, Any]:
+        """Every field as one flat dict (the shape of a recipe), for training_info.json."""
+        values = {}
+        for part in (self.model, self.data, self.training, self.dpo, self.sft):
+            values.update(dataclasses.asdict(part))
+        values.update(self.trl_overrides)
+        if self.sft_stage_overrides:
+            values["sft"] = dict(self.sft_stage_overrides)
+        return values
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parsing: recipe + flags → Config
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _field_types(dataclass_type: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(dataclass_type)
+    return {item.name: hints[item.name] for item in dataclasses.fields(dataclass_type) if item.init}
+
+
+def toolkit_fields() -> dict[str, tuple[type, Any]]:
+    """Every toolkit key → (its dataclass, its type). ModelConfig's fields count as the toolkit's."""
+    return {name: (concern, kind) for concern in CONCERNS for name, kind in _field_types(concern).items()}
+
+
+def trl_fields(stage: str) -> dict[str, Any]:
+    """Fields (name → type) of the TRL config(s) a stage builds, which may pass through as overrides."""
+    from trl import DPOConfig, SFTConfig
+
+    configs = {"dpo": [DPOConfig], "sft": [SFTConfig], "sft_then_dpo": [DPOConfig, SFTConfig]}[stage]
+    return {name: kind for config in configs for name, kind in _field_types(config).items()}
+
+
+def _closest(name: str, candidates) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _convert(value: Any, annotation: Any, key: str, where: str) -> Any:
+    """Convert a YAML or command-line value to a field's annotated type, or fail naming the key."""
+    is_union = get_origin(annotation) in (types.UnionType, typing.Union)
+    options = [option for option in get_args(annotation) if option is not type(None)] if is_union else [annotation]
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in get_args(annotation):
+        return None
+    errors = []
+    for option in options:
+        origin = get_origin(option) or option
+        try:
+            if origin is bool:
+                if isinstance(value, bool):
+                    return value
+                if str(value).lower() in ("true", "yes", "1"):
+                    return True
+                if str(value).lower() in ("false", "no", "0"):
+                    return False
+                raise ValueError
+            if origin is int:
+                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                    raise ValueError
+                return int(value)
+            if origin is float:
+                if isinstance(value, bool):
+                    raise ValueError
+                return float(value)
+            if origin is str:
+                if isinstance(value, (dict, list)):
+                    raise ValueError
+                return str(value)
+            if origin is list:
+                (item_type,) = get_args(option) or (Any,)
+                items = value if isinstance(value, list) else [value]
+                return [_convert(item, item_type, key, where) for item in items]
+            if origin is dict:
+                if isinstance(value, str):
+                    value = yaml.safe_load(value)
+                if not isinstance(value, dict):
+                    raise ValueError
+                return value
+            if origin is typing.Literal:
+                if value in get_args(option):
+                    return value
+                raise ValueError
+            if option is Any or (isinstance(option, type) and isinstance(value, option)):
+                return value
+        except (TypeError, ValueError):
+            errors.append(getattr(option, "__name__", str(option)))
+    raise ConfigError(f"{where}: '{key}' must be {' or '.join(errors) or annotation}, got {value!r}")
+
+
+def _split_flags(argv: list[str]) -> list[tuple[str, Any, str]]:
+    """['--lr', '1e-4', '--use_lora', '--x=y'] → [(key, raw value or True, '--flag'), ...]."""
+    pairs = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument '{token}': flags look like --name value")
+        name = token[2:]
+        if "=" in name:
+            name, raw = name.split("=", 1)
+            pairs.append((name, raw, token))
+            index += 1
+            continue
+        values = []
+        index += 1
+        while index < len(argv) and not argv[index].startswith("--"):
+            values.append(argv[index])
+            index += 1
+        if not values:
+            pairs.append((name, True, token))  # a bare boolean flag
+        else:
+            pairs.append((name, values[0] if len(values) == 1 else values, token))
+    return pairs
+
+
+def _parse_flag_value(raw: Any) -> Any:
+    """Command-line strings are read as YAML scalars (1e-4 → float, true → bool, [a, b] → list)."""
+    if isinstance(raw, list):
+        return [_parse_flag_value(item) for item in raw]
+    if isinstance(raw, str):
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+    return raw
+
+
+def _load_recipe(path: str) -> dict[str, Any]:
+    recipe_path = Path(path)
+    if not recipe_path.is_file():
+        raise ConfigError(f"--config: {path} does not exist (recipes live in configs/, e.g. configs/default.yaml)")
+    try:
+        values = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(error, 'problem', error)})") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of keys to values, got {type(values).__name__}")
+    return values
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Flags (and the recipe named by --config) → Config. Raises ConfigError with one readable line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = _split_flags(argv)
+    recipe_paths = [value for key, value, _ in flags if key == "config"]
+    flags = [item for item in flags if item[0] != "config"]
+    flag_keys = {key for key, _, _ in flags}
+    if len(recipe_paths) > 1:
+        raise ConfigError("--config given more than once: one recipe per run")
+    if recipe_paths:
+        recipe = str(recipe_paths[0])
+    elif "model_name_or_path" not in flag_keys and "dataset_name" not in flag_keys:
+        recipe = str(DEFAULT_RECIPE)  # no recipe, no model, no data: the embedded default
+    else:
+        recipe = None
+
+    # Precedence: dataclass defaults < recipe < flags.
+    requested: dict[str, tuple[Any, str]] = {}
+    if recipe:
+        for key, value in _load_recipe(recipe).items():
+            requested[key] = (value, Path(recipe).name)
+    for key, raw, token in flags:
+        if key.startswith("sft."):
+            sft_overrides = dict(requested.get("sft", ({}, ""))[0] or {})
+            sft_overrides[key[4:]] = _parse_flag_value(raw)
+            requested["sft"] = (sft_overrides, token)
+        else:
+            requested[key] = (_parse_flag_value(raw), token)
+
+    stage = requested.get("stage", ("dpo", ""))[0]
+    if stage not in STAGES:
+        raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    config = _build_config(requested, stage)
+    config.recipe = recipe
+    if config.sft_stage_overrides and stage != "sft_then_dpo":
+        raise ConfigError("'sft' overrides apply only to --stage sft_then_dpo")
+    return config
+
+
+def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
+    known = toolkit_fields()
+    passthrough = trl_fields(stage)
+    values: dict[type, dict[str, Any]] = {concern: {} for concern in CONCERNS}
+    trl_overrides: dict[str, Any] = {}
+    sft_stage_overrides: dict[str, Any] = {}
+    for key, (value, where) in requested.items():
+        if key == "sft":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: 'sft' holds the SFT stage's overrides as a mapping, got {value!r}")
+            for sft_key, sft_value in value.items():
+                if sft_key not in known and sft_key not in trl_fields("sft"):
+                    raise ConfigError(f"{where}: unknown key 'sft.{sft_key}'{_closest(sft_key, known)}")
+                if sft_key in ("stage", "sft"):
+                    raise ConfigError(f"{where}: 'sft.{sft_key}' cannot be overridden per stage")
+            sft_stage_overrides = dict(value)
+            continue
+        if key in known:
+            concern, kind = known[key]
+            values[concern][key] = _convert(value, kind, key, where)
+            choices = concern.__dataclass_fields__[key].metadata.get("choices")
+            if choices and values[concern][key] not in choices:
+                raise ConfigError(f"{where}: '{key}' must be one of {', '.join(choices)}, got {value!r}")
+        elif key in DERIVED_TRL_FIELDS:
+            raise ConfigError(f"{where}: '{key}' is derived by the toolkit; set {DERIVED_TRL_FIELDS[key]} instead")
+        elif key in passthrough:
+            trl_overrides[key] = _convert(value, passthrough[key], key, where)
+        else:
+            raise ConfigError(f"{where}: unknown key '{key}'{_closest(key, list(known) + list(passthrough))}")
+    try:
+        parts = {concern: concern(**values[concern]) for concern in CONCERNS}
+    except ValueError as error:  # ModelConfig's own checks, e.g. 4-bit and 8-bit together
+        raise ConfigError(str(error)) from None
+    config = Config(
+        model=parts[ModelArguments],
+        data=parts[DataArguments],
+        training=parts[TrainingArguments],
+        dpo=parts[DPOArguments],
+        sft=parts[SFTArguments],
+        trl_overrides=trl_overrides,
+        sft_stage_overrides=sft_stage_overrides,
+    )
+    validate(config)
+    return config
+
+
+def stage_config(config: Config, stage: str) -> Config:
+    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_dpo, the `sft:` overrides apply."""
+    if config.training.stage != "sft_then_dpo":
+        return config
+    requested = {key: (value, "sft") for key, value in config.flat().items() if key != "sft"}
+    requested = {key: value for key, value in requested.items() if key in toolkit_fields() or key in config.trl_overrides}
+    if stage == "sft":
+        for key, value in config.sft_stage_overrides.items():
+            requested[key] = (value, "sft")
+    requested["stage"] = (stage, "sft")
+    staged = _build_config(requested, stage)
+    staged.recipe = config.recipe
+    return staged
+
+
+def validate(config: Config) -> None:
+    """Checks that need no data, model or process group; each names its flag and what to do."""
+    training, data = config.training, config.data
+    for name in ("batch_size", "per_device_batch_size", "micro_batch_size", "gradient_accumulation_steps",
+                 "base_batch_size", "eval_steps", "save_steps"):
+        value = getattr(training, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be a positive whole number, got {value}")
+    if training.learning_rate is not None and not training.learning_rate > 0:
+        raise ConfigError(f"--learning_rate must be positive, got {training.learning_rate}")
+    if training.max_steps == 0 or training.max_steps < -1:
+        raise ConfigError(f"--max_steps must be positive (or -1 to train --num_epochs), got {training.max_steps}")
+    if training.max_steps == -1 and not training.num_epochs > 0:
+        raise ConfigError(f"--num_epochs must be positive, got {training.num_epochs}")
+    if training.logging_steps < 1:
+        raise ConfigError(f"--logging_steps must be at least 1, got {training.logging_steps}")
+    if training.num_samples < 0:
+        raise ConfigError(f"--num_samples must be 0 or more, got {training.num_samples}")
+    if data.max_length < 8:
+        raise ConfigError(f"--max_length must be at least 8 tokens, got {data.max_length}")
+    for name in ("val_size", "test_size"):
+        value = getattr(data, name)
+        if value < 0 or (1 <= value and not float(value).is_integer()):
+            raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
+    if config.dpo.beta <= 0:
+        raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
+    if config.model.merge_adapter and config.model.load_in_4bit:
+        raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
+                          "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
+    if config.model.load_in_4bit and not config.model.use_peft:
+        raise ConfigError("--load_in_4bit trains adapters on a frozen 4-bit base: add --use_lora (QLoRA)")
+    if config.training.run_name is not None and (
+        not config.training.run_name.strip() or ".." in Path(config.training.run_name).parts
+    ):
+        raise ConfigError(f"--run_name must be a plain name, got {config.training.run_name!r}")
+    if config.model.model_name_or_path is None:
+        raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
+    if config.data.dataset_name is None:
+        raise ConfigError(f"--dataset_name is required (a Hub id, a directory or a data file, or '{EMBEDDED}')")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resolution: request + world → the numbers that are used
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The accelerators one process can see (all processes of a job are assumed to see the same kind)."""
+
+    kind: str  # "cuda" or "cpu"
+    names: tuple[str, ...] = ()
+    compute_capabilities: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def detect(cls) -> Devices:
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(kind="cpu")
+        count = torch.cuda.device_count()
+        return cls(
+            kind="cuda",
+            names=tuple(torch.cuda.get_device_name(index) for index in range(count)),
+            compute_capabilities=tuple(torch.cuda.get_device_capability(index) for index in range(count)),
+        )
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of the job, as torchrun (or a plain `python`) describes them."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @classmethod
+    def from_environment(cls, environ: dict[str, str] | None = None) -> World:
+        environ = os.environ if environ is None else environ
+        world_size = int(environ.get("WORLD_SIZE", 1))
+        return cls(
+            world_size=world_size,
+            rank=int(environ.get("RANK", 0)),
+            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved values a run uses. Computed once by `resolve_plan`; everything else reads it."""
+
+    stage: str
+    world_size: int
+    num_nodes: int
+    backend: str
+    device: str
+    batch_mode: str  # "global" or "per_device"
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    base_batch_size: int
+    base_learning_rate: float
+    lr_scaling: str
+    lr_scale_factor: float
+    learning_rate: float
+    precision: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, int, int, int]:
+    """(batch mode, per-device batch, accumulation steps, global batch) for `world_size` processes.
+
+    Global mode: batch_size = per_device x accumulation x world_size exactly, so the optimizer sees the same batch on
+    any number of GPUs. Per-device mode: per_device x accumulation is fixed and the global batch grows with the world.
+    """
+    if training.batch_size is not None and training.per_device_batch_size is not None:
+        raise ConfigError(
+            f"--batch_size {training.batch_size} (global) and --per_device_batch_size "
+            f"{training.per_device_batch_size} both set: choose one batch mode"
+        )
+    accumulation = training.gradient_accumulation_steps
+    if training.per_device_batch_size is not None:
+        per_device = training.per_device_batch_size
+        if training.micro_batch_size is not None and per_device > training.micro_batch_size:
+            if accumulation is not None:
+                raise ConfigError(
+                    f"--per_device_batch_size {per_device} exceeds --micro_batch_size {training.micro_batch_size}: "
+                    "lower it, or drop --gradient_accumulation_steps to have it derived"
+                )
+            per_device, accumulation = _split_under_cap(per_device, training.micro_batch_size)
+        accumulation = accumulation or 1
+        return "per_device", per_device, accumulation, per_device * accumulation * world_size
+
+    global_batch = training.batch_size or 32
+    if global_batch % world_size:
+        lower = global_batch - global_batch % world_size
+        suggestion = f"{lower} or {lower + world_size}" if lower else str(world_size)
+        raise ConfigError(
+            f"--batch_size {global_batch} cannot be split across {world_size} processes: use a multiple of "
+            f"{world_size} (e.g. {suggestion}), or set --per_device_batch_size instead"
+        )
+    per_process = global_batch // world_size
+    if accumulation is not None:
+        if per_process % accumulation:
+            raise ConfigError(
+                f"--batch_size {global_batch} over {world_size} processes is {per_process} per process, which "
+                f"--gradient_accumulation_steps {accumulation} does not divide: use a batch size that is a multiple "
+                f"of {world_size * accumulation}"
+            )
+        per_device = per_process // accumulation
+        if training.micro_batch_size is not None and per_device > training.micro_batch_size:
+            raise ConfigError(
+                f"--batch_size {global_batch} with {accumulation} accumulation steps on {world_size} processes puts "
+                f"{per_device} on each device, over --micro_batch_size {training.micro_batch_size}: raise "
+                "--gradient_accumulation_steps or drop it to have it derived"
+            )
+        return "global", per_device, accumulation, global_batch
+    per_device, accumulation = _split_under_cap(per_process, training.micro_batch_size or per_process)
+    return "global", per_device, accumulation, global_batch
+
+
+def _split_under_cap(batch: int, cap: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) with micro-batch <= cap and micro-batch x steps == batch exactly: the
+    fewest steps that split it evenly (12 under a cap of 5: 3 x 4, since 2 x 6 breaks the cap)."""
+    accumulation = math.ceil(batch / cap)
+    while batch % accumulation:
+        accumulation += 1
+    return batch // accumulation, accumulation
+
+
+def scale_learning_rate(base_learning_rate: float, global_batch: int, base_batch: int, rule: str) -> tuple[float, float]:
+    """(scaled learning rate, factor) for a global batch, given the batch the base rate was tuned for."""
+    ratio = global_batch / base_batch
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+    return base_learning_rate * factor, factor
+
+
+def resolve_precision(requested: str, devices: Devices) -> str:
+    """bf16 only where every GPU has compute capability >= 8.0 (T4/V100 emulate it slowly), fp16 on older GPUs."""
+    if devices.kind == "cpu":
+        if requested == "fp16":
+            raise ConfigError("--mixed_precision fp16 needs a GPU; on CPU use no (fp32) or bf16")
+        return "bf16" if requested == "bf16" else "fp32"
+    all_bf16 = all(capability >= (8, 0) for capability in devices.compute_capabilities)
+    if requested == "auto":
+        return "bf16" if all_bf16 else "fp16"
+    if requested == "bf16" and not all_bf16:
+        older = sorted({name for name, cc in zip(devices.names, devices.compute_capabilities) if cc < (8, 0)})
+        raise ConfigError(
+            f"--mixed_precision bf16 needs compute capability 8.0+ on every GPU ({', '.join(older)} has less): "
+            "use fp16 or auto"
+        )
+    return {"no": "fp32"}.get(requested, requested)
+
+
+def default_learning_rate(stage: str) -> float:
+    """TRL's own default for the stage's trainer."""
+    from trl import DPOConfig, SFTConfig
+
+    config_class = {"dpo": DPOConfig, "sft": SFTConfig}[stage]
+    return next(item.default for item in dataclasses.fields(config_class) if item.name == "learning_rate")
+
+
+def resolve_plan(config: Config, world: World, devices: Devices, stage: str | None = None) -> Plan:
+    training = config.training
+    stage = stage or training.stage
+    batch_mode, per_device, accumulation, global_batch = resolve_batch(training, world.world_size)
+    if training.base_batch_size is not None:
+        base_batch = training.base_batch_size
+    elif batch_mode == "global":
+        base_batch = global_batch
+    else:
+        base_batch = per_device * accumulation  # the global batch of one process: the rate follows the world size
+    base_learning_rate = training.learning_rate or default_learning_rate(stage)
+    learning_rate, factor = scale_learning_rate(base_learning_rate, global_batch, base_batch, training.lr_scaling)
+    return Plan(
+        stage=stage,
+        world_size=world.world_size,
+        num_nodes=world.num_nodes,
+        backend="nccl" if devices.kind == "cuda" else "gloo",
+        device=devices.kind,
+        batch_mode=batch_mode,
+        per_device_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        global_batch_size=global_batch,
+        base_batch_size=base_batch,
+        base_learning_rate=base_learning_rate,
+        lr_scaling=training.lr_scaling,
+        lr_scale_factor=factor,
+        learning_rate=learning_rate,
+        precision=resolve_precision(training.mixed_precision, devices),
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The small table printed once on rank 0."""
+    rule = f"x{plan.lr_scale_factor:.3g} ({plan.lr_scaling}, global {plan.global_batch_size} / base {plan.base_batch_size})"
+    rows = [
+        ("stage", plan.stage),
+        ("processes", f"{plan.world_size} on {plan.num_nodes} node(s), {plan.device}, backend {plan.backend}"),
+        ("batch", f"{plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} accumulation x "
+                  f"{plan.world_size} processes = {plan.global_batch_size} global ({plan.batch_mode} mode)"),
+        ("learning rate", f"{plan.learning_rate:.3g} = {plan.base_learning_rate:.3g} {rule}"),
+        ("precision", plan.precision),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)

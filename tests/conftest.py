@@ -1,0 +1,137 @@
+"""Shared fixtures: an offline, isolated environment and tiny models built locally (no Hub on this machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT_ROOT))
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|system|>{{ message['content'] }}{{ '\\n' }}"
+    "{%- elif message['role'] == 'user' -%}<|user|>{{ message['content'] }}{{ '\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>{% generation %}{{ message['content'] }}<|end|>"
+    "{% endgeneration %}{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+WORDS = ("the sky is blue green red yellow sun moon sea river cat dog bird fish tree leaf happy sad fast slow "
+         "what color where is in the question answer yes no one two three four five hello world").split()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def offline_environment(tmp_path_factory):
+    """No Hub, and every cache in a temporary directory, for this process and the ones it starts."""
+    home = tmp_path_factory.mktemp("hf_home")
+    values = {
+        "HF_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PREFKIT_CACHE": str(tmp_path_factory.mktemp("prefkit_cache")),
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+    }
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    yield values
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def build_tiny_tokenizer(corpus: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|unk|>"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>",
+                                      unk_token="<|unk|>",
+                                      additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"])
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_model(path: Path, corpus: list[str], seed: int = 0) -> Path:
+    """A 2-layer, 32-wide Llama with a BPE tokenizer trained on `corpus`, saved (and reloadable) at `path`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer(corpus)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def preference_rows(count: int, seed: int = 0) -> list[dict]:
+    """Toy conversational preference pairs: the chosen answer names the colour asked about."""
+    import random
+
+    rng = random.Random(seed)
+    colours = ["blue", "green", "red", "yellow"]
+    things = ["sky", "sea", "leaf", "sun", "moon", "river", "tree", "fish"]
+    rows = []
+    for index in range(count):
+        thing, colour = things[index % len(things)], rng.choice(colours)
+        wrong = rng.choice([c for c in colours if c != colour])
+        rows.append({
+            "prompt": [{"role": "user", "content": f"what color is the {thing} {index}"}],
+            "chosen": [{"role": "assistant", "content": f"the {thing} is {colour}"}],
+            "rejected": [{"role": "assistant", "content": f"the {thing} is {wrong} no"}],
+        })
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[str]:
+    rows = preference_rows(64)
+    texts = [" ".join(WORDS)]
+    for row in rows:
+        texts += [row["prompt"][0]["content"], row["chosen"][0]["content"], row["rejected"][0]["content"]]
+    return texts
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, corpus) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), corpus)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture
+def preference_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))

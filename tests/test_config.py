@@ -1,0 +1,174 @@
+"""Config: recipes parse, batch and learning-rate resolution across world sizes, clear errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from src.config import (
+    PROJECT_ROOT, ConfigError, Devices, World, parse_config, resolve_batch, resolve_plan, resolve_precision,
+    stage_config,
+)
+
+USER = ["--model_name_or_path", "some/model", "--dataset_name", "some/data"]
+
+
+def plan_for(argv, world_size, devices=Devices("cpu")):
+    return resolve_plan(parse_config(USER + argv), World(world_size=world_size, local_world_size=world_size), devices)
+
+
+@pytest.mark.parametrize("recipe", sorted((PROJECT_ROOT / "configs").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_shipped_recipe_parses_and_resolves(recipe: Path):
+    config = parse_config(["--config", str(recipe)])
+    for stage in (["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]):
+        staged = stage_config(config, stage)
+        for world_size in (1, 2):
+            resolve_plan(staged, World(world_size=world_size, local_world_size=world_size), Devices("cpu"), stage)
+
+
+def test_no_arguments_means_the_embedded_default():
+    config = parse_config([])
+    assert config.recipe.endswith("configs/default.yaml")
+    assert config.model.model_name_or_path == "embedded" and config.training.stage == "sft_then_dpo"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_global_batch_is_world_size_invariant(world_size):
+    """batch_size 64, learning rate 1e-4 tuned for 64: every world size optimizes with the same batch and rate."""
+    plan = plan_for(["--batch_size", "64", "--learning_rate", "1e-4"], world_size)
+    assert plan.global_batch_size == 64
+    assert plan.per_device_batch_size * plan.gradient_accumulation_steps * world_size == 64
+    assert plan.gradient_accumulation_steps == 1 and plan.per_device_batch_size == 64 // world_size
+    assert plan.learning_rate == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("world_size, per_device, accumulation", [(1, 8, 8), (2, 8, 4), (4, 8, 2), (8, 8, 1)])
+def test_micro_batch_cap_moves_the_rest_into_accumulation(world_size, per_device, accumulation):
+    """64 global, at most 8 per device: 64/(8 x world) accumulation steps."""
+    plan = plan_for(["--batch_size", "64", "--micro_batch_size", "8"], world_size)
+    assert (plan.per_device_batch_size, plan.gradient_accumulation_steps) == (per_device, accumulation)
+    assert plan.global_batch_size == 64
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("rule, factor", [("linear", lambda n: n), ("sqrt", math.sqrt), ("none", lambda n: 1)])
+def test_per_device_batch_grows_global_batch_and_scales_learning_rate(world_size, rule, factor):
+    """per-device 4 x accumulation 2: global 8n; base batch = the single-process global batch (8), so the rate is
+    1e-4 x (8n/8) under linear, x sqrt(n) under sqrt, unchanged under none."""
+    plan = plan_for(["--per_device_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-4",
+                     "--lr_scaling", rule], world_size)
+    assert plan.global_batch_size == 8 * world_size
+    assert plan.base_batch_size == 8
+    assert plan.learning_rate == pytest.approx(1e-4 * factor(world_size))
+
+
+def test_explicit_base_batch_scales_a_global_batch():
+    plan = plan_for(["--batch_size", "128", "--base_batch_size", "32", "--learning_rate", "1e-5",
+                     "--lr_scaling", "linear"], 4)
+    assert plan.learning_rate == pytest.approx(4e-5) and plan.lr_scale_factor == pytest.approx(4)
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    (["--batch_size", "6"], 4, "--batch_size 6 cannot be split across 4 processes: use a multiple of 4 (e.g. 4 or 8)"),
+    (["--batch_size", "2"], 4, "use a multiple of 4 (e.g. 4)"),
+    (["--batch_size", "24", "--gradient_accumulation_steps", "4"], 4,
+     "6 per process, which --gradient_accumulation_steps 4 does not divide: use a batch size that is a multiple of 16"),
+    (["--batch_size", "64", "--gradient_accumulation_steps", "1", "--micro_batch_size", "8"], 2,
+     "puts 32 on each device, over --micro_batch_size 8"),
+    (["--per_device_batch_size", "6", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1"], 1,
+     "--per_device_batch_size 6 exceeds --micro_batch_size 4"),
+    (["--batch_size", "8", "--per_device_batch_size", "2"], 1, "both set: choose one batch mode"),
+])
+def test_impossible_splits_name_the_numbers_and_a_fix(argv, world_size, message):
+    with pytest.raises(ConfigError) as error:
+        plan_for(argv, world_size)
+    assert message in str(error.value)
+
+
+def test_odd_split_uses_the_smallest_even_accumulation():
+    """12 per process, cap 5: 3 accumulation steps of 4 (2 steps of 6 would break the cap); per-device 7 under a
+    cap of 4: 7 steps of 1, the only exact split."""
+    assert resolve_batch(parse_config(USER + ["--batch_size", "12", "--micro_batch_size", "5"]).training, 1) == (
+        "global", 4, 3, 12)
+    assert resolve_batch(parse_config(USER + ["--per_device_batch_size", "7", "--micro_batch_size", "4"]).training,
+                         2) == ("per_device", 1, 7, 14)
+
+
+@pytest.mark.parametrize("requested, devices, expected", [
+    ("auto", Devices("cpu"), "fp32"),
+    ("auto", Devices("cuda", ("A100", "A100"), ((8, 0), (8, 0))), "bf16"),
+    ("auto", Devices("cuda", ("T4", "A100"), ((7, 5), (8, 0))), "fp16"),
+    ("no", Devices("cuda", ("H100",), ((9, 0),)), "fp32"),
+    ("fp16", Devices("cuda", ("V100",), ((7, 0),)), "fp16"),
+])
+def test_precision(requested, devices, expected):
+    assert resolve_precision(requested, devices) == expected
+
+
+def test_bf16_refused_where_a_gpu_lacks_it():
+    with pytest.raises(ConfigError, match="T4 has less"):
+        resolve_precision("bf16", Devices("cuda", ("T4", "A100"), ((7, 5), (8, 0))))
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        resolve_precision("fp16", Devices("cpu"))
+
+
+def test_backend_follows_the_device():
+    assert plan_for([], 2).backend == "gloo"
+    assert plan_for([], 2, Devices("cuda", ("H100",) * 2, ((9, 0),) * 2)).backend == "nccl"
+
+
+def test_stage_default_learning_rates_come_from_trl():
+    assert plan_for(["--stage", "dpo"], 1).learning_rate == pytest.approx(1e-6)
+    assert plan_for(["--stage", "sft"], 1).learning_rate == pytest.approx(2e-5)
+
+
+def test_flags_override_the_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: d\nbeta: 0.5\nlearning_rate: 1.0e-5\nuse_lora: true\n")
+    config = parse_config(["--config", str(recipe), "--beta", "0.2"])
+    assert config.dpo.beta == 0.2 and config.training.learning_rate == 1e-5 and config.model.use_peft
+
+
+def test_trl_fields_pass_through_and_derived_ones_are_refused():
+    config = parse_config(USER + ["--lr_scheduler_type", "cosine", "--use_weighting", "--ld_alpha", "0.5"])
+    assert config.training.lr_scheduler_type == "cosine"
+    assert config.trl_overrides == {"use_weighting": True, "ld_alpha": 0.5}
+    with pytest.raises(ConfigError, match="'per_device_train_batch_size' is derived by the toolkit; set --batch_size"):
+        parse_config(USER + ["--per_device_train_batch_size", "4"])
+    with pytest.raises(ConfigError, match="'bf16' is derived.*--mixed_precision bf16"):
+        parse_config(USER + ["--bf16", "true"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--learnign_rate", "1e-4"], "unknown key 'learnign_rate' (did you mean 'learning_rate'?)"),
+    (["--batch_size", "0"], "--batch_size must be a positive whole number, got 0"),
+    (["--learning_rate", "-1e-5"], "--learning_rate must be positive"),
+    (["--max_steps", "0"], "--max_steps must be positive"),
+    (["--batch_size", "many"], "'batch_size' must be int, got 'many'"),
+    (["--mixed_precision", "fp8"], "mixed_precision"),
+    (["--load_in_4bit"], "--load_in_4bit trains adapters on a frozen 4-bit base: add --use_lora"),
+    (["--stage", "ppo"], "stage must be one of dpo, sft, sft_then_dpo"),
+    (["--sft.max_steps", "3"], "'sft' overrides apply only to --stage sft_then_dpo"),
+])
+def test_bad_flags_get_one_clear_line(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_config(USER + argv)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_recipe_key_names_the_file_and_suggests(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: d\nper_device_batchsize: 4\n")
+    with pytest.raises(ConfigError, match=r"mine.yaml: unknown key 'per_device_batchsize' \(did you mean "
+                                          r"'per_device_batch_size'\?\)"):
+        parse_config(["--config", str(recipe)])
+
+
+def test_sft_stage_overrides_apply_to_the_sft_stage_only():
+    config = parse_config(["--max_steps", "7", "--sft.max_steps", "3", "--sft.learning_rate", "0.01"])
+    assert stage_config(config, "sft").training.max_steps == 3
+    assert stage_config(config, "sft").training.learning_rate == 0.01
+    assert stage_config(config, "dpo").training.max_steps == 7
