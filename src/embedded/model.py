@@ -1,0 +1,115 @@
+"""The embedded default's model: a character-level tokenizer trained with `tokenizers` on the shipped data and a
+small Llama built from a config, randomly initialised, saved once into the cache and loaded from there after.
+
+    python -m src.embedded.model            # builds it (if missing) and prints where it is
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from src.embedded.generate import DATA_DIR
+from src.locking import build_once
+
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|unk|>"]
+# Roles are marked by special tokens, so no newlines are needed; {% generation %} marks the assistant tokens for
+# TRL's assistant_only_loss.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|system|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}<|user|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>{% generation %}{{ message['content'] }}<|end|>"
+    "{% endgeneration %}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+# 4 layers x 128 wide: big enough to learn the tasks in about a minute of CPU, small enough to stay there.
+MODEL_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 128,
+}
+VERSION = "embedded-model-v1"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PREFKIT_CACHE", Path.home() / ".cache" / "prefkit"))
+
+
+def _corpus() -> list[str]:
+    texts = []
+    for path in sorted(DATA_DIR.glob("*/*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            for key in ("messages", "prompt", "chosen", "rejected"):
+                texts.extend(message["content"] for message in row.get(key, []))
+    return texts
+
+
+def build_tokenizer(texts: list[str]):
+    """A character-level tokenizer: BPE trained with no room for merges, so every character is one token — digits
+    and letters stay separate, which is what arithmetic and string tasks need."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(set("".join(texts)))
+    tokenizer = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tokenizer.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>", unk_token="<|unk|>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_model(tokenizer, seed: int = 0):
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    return model
+
+
+def embedded_model_dir() -> Path:
+    digest = hashlib.sha256(
+        (VERSION + json.dumps(MODEL_SHAPE, sort_keys=True) + CHAT_TEMPLATE).encode()
+        + b"".join(path.read_bytes() for path in sorted(DATA_DIR.glob("*/*.jsonl")))
+    ).hexdigest()[:12]
+    return cache_root() / f"{VERSION}-{digest}"
+
+
+def ensure_embedded_model() -> Path:
+    """Build the model once per cache (concurrent processes wait for the one building it) and return its path."""
+
+    def build(target: Path) -> None:
+        tokenizer = build_tokenizer(_corpus())
+        model = build_model(tokenizer)
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+    return build_once(embedded_model_dir(), build)
+
+
+if __name__ == "__main__":
+    print(ensure_embedded_model())
