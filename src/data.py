@@ -1,0 +1,604 @@
+"""Training data: load it, recognise its shape, check it, split it and tokenize it, once, before training.
+
+The result is a `DatasetDict` (train / validation / test) saved to disk under a key of everything that determines it
+(source files, tokenizer, stage, lengths, column mapping, split sizes, seed). One process per machine builds it under
+a file lock while the others wait on the lock, not on a collective, so a long tokenization cannot run into NCCL's
+timeout; every rank then memory-maps the same files (`load_from_disk`), which also keeps TRL's reference log-prob
+precomputation working under several processes.
+
+Tokenization mirrors what TRL's trainers do themselves (same helpers, same prompt/completion boundary, same EOS
+rules; `tests/test_data.py` checks the ids are identical), so the trainers receive ready columns and skip it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from src.config import EMBEDDED, DataArguments, SFTArguments
+from src.locking import build_once
+
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
+SUMMARY_FILE = "summary.json"
+PREPARED_FORMAT = 1  # bump when the prepared layout changes, so old caches are not reused
+_HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+class DataError(ValueError):
+    """A problem with the user's data: reported as one line naming the file, row or column."""
+
+
+@dataclass
+class PreparedData:
+    path: Path
+    splits: Any  # datasets.DatasetDict, file-backed
+    summary: dict
+
+    @property
+    def train(self):
+        return self.splits["train"]
+
+    @property
+    def validation(self):
+        return self.splits["validation"] if "validation" in self.splits else None
+
+    @property
+    def test(self):
+        return self.splits["test"] if "test" in self.splits else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def source_location(data: DataArguments, stage: str) -> str:
+    """Where the data comes from: the embedded default resolves to its shipped directory for the stage."""
+    if data.dataset_name == EMBEDDED:
+        return str(EMBEDDED_DATA / stage)
+    return data.dataset_name
+
+
+def _check_json_lines(path: Path) -> None:
+    """Find the first line of a JSON Lines file that does not parse: datasets' own error does not say which."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise DataError(
+                        f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); fix or remove "
+                        "that line"
+                    ) from None
+
+
+def _check_data_file(path: Path) -> None:
+    if path.stat().st_size == 0:
+        raise DataError(f"{path} is empty: it needs one row per example")
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and path.read_bytes()[:1] != b"["):
+        _check_json_lines(path)
+
+
+def _split_files(directory: Path) -> dict[str, str]:
+    """Data files in a directory named by split: train.jsonl, validation.parquet, test.csv, ..."""
+    files = {}
+    for path in sorted(directory.iterdir()):
+        if path.suffix in DATA_FILE_BUILDERS:
+            files[path.stem] = str(path)
+    return files
+
+
+def load_source(data: DataArguments, stage: str):
+    """The raw data as a DatasetDict, from a file, a directory (save_to_disk or split files) or the Hub."""
+    import datasets
+
+    location = source_location(data, stage)
+    path = Path(location)
+    if path.is_file():
+        if path.suffix not in DATA_FILE_BUILDERS:
+            raise DataError(f"--dataset_name {location}: unsupported file type; use .json, .jsonl, .parquet or .csv")
+        _check_data_file(path)
+        return _load_files(DATA_FILE_BUILDERS[path.suffix], {"train": str(path)}, location)
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
+            loaded = datasets.load_from_disk(str(path))
+            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+        files = _split_files(path)
+        if not files:
+            raise DataError(
+                f"--dataset_name {location}: the directory holds neither a save_to_disk dataset nor data files "
+                "(train.jsonl, validation.jsonl, ...)"
+            )
+        builders = {DATA_FILE_BUILDERS[Path(file).suffix] for file in files.values()}
+        if len(builders) > 1:
+            raise DataError(f"--dataset_name {location}: split files of one format please, found {sorted(builders)}")
+        for file in files.values():
+            _check_data_file(Path(file))
+        return _load_files(builders.pop(), files, location)
+    if path.suffix in DATA_FILE_BUILDERS or location.startswith((".", "/", "~")) or location.count("/") > 1:
+        raise DataError(f"--dataset_name {location}: no such file or directory")
+    try:
+        loaded = datasets.load_dataset(location, data.dataset_config)
+    except Exception as error:  # the Hub client raises many types; the user needs the reason, not the type
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(
+            f"--dataset_name {location}: could not load it from the Hugging Face Hub ({reason}); pass a local "
+            "file or directory instead if this machine is offline"
+        ) from None
+    return loaded
+
+
+def _load_files(builder: str, files: dict[str, str], location: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(builder, data_files=files)
+    except Exception as error:  # malformed files surface as several datasets/pyarrow error types
+        raise DataError(f"--dataset_name {location}: could not read it ({str(error).strip().splitlines()[0]})") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shapes: recognise the common layouts and bring them to TRL's
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) and "role" in item and "content" in item
+                                           for item in value) and len(value) > 0
+
+
+def _hh_to_messages(transcript: str) -> list[dict]:
+    """Anthropic HH transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") → chat messages."""
+    parts = _HH_TURN.split("\n\n" + transcript.lstrip("\n"))
+    messages = []
+    for speaker, content in zip(parts[1::2], parts[2::2]):
+        messages.append({"role": "user" if speaker == "Human" else "assistant", "content": content.strip()})
+    return messages
+
+
+def apply_column_mapping(columns: list[str], data: DataArguments) -> dict[str, str]:
+    """{source column: canonical name} from the --*_column flags, checked against what exists."""
+    mapping = {}
+    for flag, canonical in (("prompt_column", "prompt"), ("chosen_column", "chosen"),
+                            ("rejected_column", "rejected"), ("messages_column", "messages"),
+                            ("completion_column", "completion"), ("text_column", "text")):
+        source = getattr(data, flag)
+        if source is None or source == canonical:
+            continue
+        if source not in columns:
+            raise DataError(f"--{flag} {source}: no such column; the data has {', '.join(columns)}")
+        mapping[source] = canonical
+    return mapping
+
+
+def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
+    """Name the layout of the (column-mapped) data, or explain what is missing."""
+    names = set(columns)
+    if stage == "dpo":
+        if {"prompt", "chosen", "rejected"} <= names:
+            if _is_chat(first_row["chosen"]) and isinstance(first_row["prompt"], str):
+                return "ultrafeedback"  # the prompt column is a text copy of the user turn inside chosen/rejected
+            return "explicit_prompt"
+        if {"question", "chosen", "rejected"} <= names:
+            return "orca"
+        if {"chosen", "rejected"} <= names:
+            if isinstance(first_row["chosen"], str) and "\n\nHuman: " in "\n\n" + first_row["chosen"].lstrip("\n"):
+                return "anthropic_hh"
+            return "implicit_prompt"
+        missing = [name for name in ("prompt", "chosen", "rejected") if name not in names]
+        raise DataError(
+            f"preference data needs chosen and rejected answers (and a prompt, explicit or shared): missing "
+            f"{', '.join(missing)}; the data has {', '.join(columns)}; map yours with --prompt_column / "
+            "--chosen_column / --rejected_column"
+        )
+    if "messages" in names:
+        return "messages"
+    if "conversations" in names:
+        return "sharegpt"
+    if {"prompt", "completion"} <= names:
+        return "prompt_completion"
+    if "text" in names:
+        return "text"
+    if {"chosen", "rejected"} <= names or {"question", "chosen", "rejected"} <= names:
+        return "preference"  # SFT on the preferred answers
+    raise DataError(
+        f"SFT data needs a 'messages' chat, 'prompt' + 'completion', or 'text' column; the data has "
+        f"{', '.join(columns)}; map yours with --messages_column, --prompt_column/--completion_column or --text_column"
+    )
+
+
+def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_template: bool = True) -> dict:
+    """One row of a recognised shape → TRL's standard or conversational columns (plus `meta`/`tools` if present).
+
+    Transcript shapes (Anthropic HH, orca) become chats when the tokenizer has a chat template to render them, and
+    stay text otherwise, so base models without a template can still train on them."""
+    from trl.data_utils import extract_prompt, maybe_convert_to_chatml
+
+    extra = {key: row[key] for key in ("meta", "tools") if key in row}
+    if shape == "explicit_prompt":
+        out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"]}
+    elif shape in ("ultrafeedback", "implicit_prompt"):
+        out = dict(extract_prompt({"chosen": row["chosen"], "rejected": row["rejected"]}))
+    elif shape == "anthropic_hh" and has_chat_template:
+        out = dict(extract_prompt({"chosen": _hh_to_messages(row["chosen"]),
+                                   "rejected": _hh_to_messages(row["rejected"])}))
+    elif shape == "anthropic_hh":
+        out = dict(extract_prompt({"chosen": row["chosen"], "rejected": row["rejected"]}))
+    elif shape == "orca" and has_chat_template:
+        prompt = [{"role": "user", "content": row["question"]}]
+        if row.get("system"):
+            prompt.insert(0, {"role": "system", "content": row["system"]})
+        out = {"prompt": prompt, "chosen": [{"role": "assistant", "content": row["chosen"]}],
+               "rejected": [{"role": "assistant", "content": row["rejected"]}]}
+    elif shape == "orca":
+        system = f"{row['system']}\n\n" if row.get("system") else ""
+        out = {"prompt": f"{system}{row['question']}\n\n", "chosen": row["chosen"], "rejected": row["rejected"]}
+    elif shape == "messages":
+        out = {"messages": row["messages"]}
+    elif shape == "sharegpt":
+        out = {"messages": maybe_convert_to_chatml({"conversations": row["conversations"]})["messages"]}
+    elif shape == "prompt_completion":
+        out = {"prompt": row["prompt"], "completion": row["completion"]}
+    elif shape == "text":
+        out = {"text": row["text"]}
+    elif shape == "preference":
+        pair = normalize_row(row, detect_shape(list(row), row, "dpo"), system_prompt, has_chat_template)
+        out = {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    else:
+        raise ValueError(f"unknown shape {shape}")
+    if system_prompt:
+        for key in ("prompt", "messages"):
+            if _is_chat(out.get(key)) and out[key][0]["role"] != "system":
+                out[key] = [{"role": "system", "content": system_prompt}] + out[key]
+    return out | extra
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checks on rows: each problem names the row and column
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _text_of(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if _is_chat(value):
+        return "".join(str(message["content"] or "") for message in value)
+    return ""
+
+
+def check_rows(rows: list[dict], stage: str, source: str) -> tuple[list[dict], dict]:
+    """Refuse malformed rows (wrong types), drop rows with no training signal (empty or identical answers) and
+    count them; refuse when nothing is left."""
+    answer_columns = ("chosen", "rejected") if "chosen" in rows[0] else (
+        ("completion",) if "completion" in rows[0] else ("messages",) if "messages" in rows[0] else ("text",))
+    kept, empty, identical = [], [], []
+    for index, row in enumerate(rows):
+        for column in ("prompt",) + answer_columns:
+            if column not in row or row[column] is None:
+                if column == "prompt" and column not in row:
+                    continue
+                raise DataError(f"{source} row {index + 1}: '{column}' is missing")
+            value = row[column]
+            if not isinstance(value, str) and not _is_chat(value):
+                raise DataError(
+                    f"{source} row {index + 1}: '{column}' must be text or a list of {{role, content}} messages, "
+                    f"got {type(value).__name__}"
+                )
+        if stage == "dpo" and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+            raise DataError(f"{source} row {index + 1}: 'chosen' and 'rejected' must both be text or both messages")
+        if any(not _text_of(row[column]).strip() for column in answer_columns):
+            empty.append(index + 1)
+        elif stage == "dpo" and row["chosen"] == row["rejected"]:
+            identical.append(index + 1)
+        else:
+            kept.append(row)
+    counts = {"rows": len(rows), "empty_answers": len(empty), "identical_pairs": len(identical), "kept": len(kept)}
+    if not kept:
+        reason = "chosen identical to rejected" if identical and not empty else "an empty answer"
+        raise DataError(f"{source}: every one of its {len(rows)} rows has {reason}: nothing to learn from")
+    counts["first_empty_rows"] = empty[:5]
+    counts["first_identical_rows"] = identical[:5]
+    return kept, counts
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenization (mirrors TRL 1.16's DPOTrainer / SFTTrainer preparation)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _template_kwargs(row: dict) -> dict:
+    tools = row.get("tools")
+    return {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+
+
+def tokenize_preference(row: dict, tokenizer) -> dict:
+    """prompt_ids / chosen_ids / rejected_ids exactly as TRL's DPOTrainer builds them."""
+    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+
+    kwargs = _template_kwargs(row)
+    if is_conversational(row):
+        prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+        chosen_full = _tokenize(tokenizer, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
+        rejected_full = _tokenize(tokenizer, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
+    else:
+        eos = tokenizer.eos_token
+        chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
+        rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
+        prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
+        chosen_full = _tokenize(tokenizer, row["prompt"] + chosen)["input_ids"]
+        rejected_full = _tokenize(tokenizer, row["prompt"] + rejected)["input_ids"]
+    # The completion starts where prompt and prompt+completion diverge (TRL's rule for templates that render the
+    # prompt alone differently).
+    prompt_length = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
+    return {
+        "prompt_ids": prompt_ids[:prompt_length],
+        "chosen_ids": chosen_full[prompt_length:],
+        "rejected_ids": rejected_full[prompt_length:],
+    }
+
+
+def sft_chat_template(tokenizer, sft: SFTArguments) -> str | None:
+    """The template TRL's SFTTrainer tokenizes with: its training template when assistant-only loss needs
+    generation markers the model's own template lacks."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    if sft.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+        return get_training_chat_template(tokenizer)
+    return None
+
+
+def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None) -> dict:
+    """input_ids (+ completion_mask / assistant_masks) exactly as TRL's SFTTrainer builds them."""
+    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+
+    kwargs = {"chat_template": chat_template, **_template_kwargs(row)}
+    eos = tokenizer.eos_token
+    if "prompt" in row:
+        if is_conversational(row):
+            prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+            full = _tokenize(tokenizer, row["prompt"] + row["completion"],
+                             return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+        else:
+            completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
+            prompt_ids = _tokenize(tokenizer, row["prompt"], chat_template=chat_template)["input_ids"]
+            full = _tokenize(tokenizer, row["prompt"] + completion, chat_template=chat_template)
+        prompt_length = common_prefix_length(prompt_ids, full["input_ids"])
+        output = {"input_ids": full["input_ids"],
+                  "completion_mask": [0] * prompt_length + [1] * (len(full["input_ids"]) - prompt_length)}
+        if "assistant_masks" in full:
+            output["assistant_masks"] = full["assistant_masks"]
+        return output
+    if is_conversational(row):
+        full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+        return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
+    text = row["text"] if row["text"].endswith(eos) else row["text"] + eos
+    return {"input_ids": _tokenize(tokenizer, text, chat_template=chat_template)["input_ids"]}
+
+
+def sample_fields(row: dict, tokenizer) -> dict:
+    """What the sample outputs need for a held-out row: the prompt as the model sees it and the dataset's answer."""
+    from trl.data_utils import is_conversational
+
+    if "chosen" in row:
+        prompt, reference, rejected = row["prompt"], row["chosen"], row["rejected"]
+    elif "completion" in row:
+        prompt, reference, rejected = row["prompt"], row["completion"], None
+    elif "messages" in row:
+        last_assistant = max(i for i, message in enumerate(row["messages"]) if message["role"] == "assistant")
+        prompt, reference, rejected = row["messages"][:last_assistant], row["messages"][last_assistant:], None
+    else:
+        return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": _text_of(row["text"]),
+                "sample_rejected": None}
+    if is_conversational({"prompt": prompt}):
+        rendered = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                 **_template_kwargs(row))
+    else:
+        rendered = prompt
+    prompt_ids = tokenizer(rendered, add_special_tokens=not is_conversational({"prompt": prompt}))["input_ids"]
+    return {
+        "sample_prompt": rendered,
+        "sample_prompt_ids": prompt_ids,
+        "sample_chosen": _text_of(reference),
+        "sample_rejected": None if rejected is None else _text_of(rejected),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Splits and the prepared, cached result
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _find_split(names: list[str], train_split: str, kind: str) -> str | None:
+    candidates = {"validation": ["validation", "valid", "val", "dev"], "test": ["test"]}[kind]
+    for candidate in [train_split.replace("train", name) for name in candidates] + candidates:
+        if candidate in names and candidate != train_split:
+            return candidate
+    return None
+
+
+def _split_count(size: float, rows: int) -> int:
+    return int(size) if size >= 1 else int(round(size * rows))
+
+
+def split_rows(raw, data: DataArguments, seed: int) -> dict[str, list[dict]]:
+    """train / validation / test rows: the source's own splits where it has them, else carved with `seed`."""
+    import random
+
+    names = list(raw.keys())
+    if data.dataset_split not in names:
+        raise DataError(f"--dataset_split {data.dataset_split}: no such split; the data has {', '.join(names)}")
+    splits = {"train": raw[data.dataset_split].to_list()}
+    for kind in ("validation", "test"):
+        found = _find_split(names, data.dataset_split, kind)
+        if found:
+            splits[kind] = raw[found].to_list()
+    carve = [kind for kind in ("validation", "test") if kind not in splits]
+    if carve:
+        order = list(range(len(splits["train"])))
+        random.Random(seed).shuffle(order)
+        rows = splits["train"]
+        counts = {kind: _split_count(getattr(data, f"{'val' if kind == 'validation' else 'test'}_size"), len(rows))
+                  for kind in carve}
+        if sum(counts.values()) >= len(rows):
+            raise DataError(
+                f"{len(rows)} training rows cannot give {counts} held-out rows: lower --val_size / --test_size"
+            )
+        start = 0
+        for kind in carve:
+            splits[kind] = [rows[i] for i in order[start:start + counts[kind]]]
+            start += counts[kind]
+        splits["train"] = [rows[i] for i in sorted(order[start:])]
+    if data.max_train_samples:
+        splits["train"] = splits["train"][: data.max_train_samples]
+    return {kind: rows for kind, rows in splits.items() if rows}
+
+
+def _source_fingerprint(location: str) -> list:
+    """Identity of the source files (path, size, modification time) without reading them."""
+    path = Path(location)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(item for item in path.rglob("*") if item.is_file())
+    else:
+        return [location]  # a Hub id: keyed by name (and config)
+    return [(str(item.resolve()), item.stat().st_size, item.stat().st_mtime_ns) for item in files]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = json.dumps([tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token,
+                        type(tokenizer).__name__], default=str)
+    return hashlib.sha256((state + extra).encode()).hexdigest()[:16]
+
+
+def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> str:
+    parts = {
+        "format": PREPARED_FORMAT,
+        "stage": stage,
+        "source": _source_fingerprint(source_location(data, stage)),
+        "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
+                                                   "chosen_column", "rejected_column", "messages_column",
+                                                   "completion_column", "text_column", "system_prompt", "val_size",
+                                                   "test_size", "max_train_samples", "max_length")},
+        "assistant_only_loss": sft.assistant_only_loss if stage == "sft" else None,
+        "seed": seed,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
+    import datasets
+
+    location = source_location(data, stage)
+    raw = load_source(data, stage)
+    first_split = raw[next(iter(raw))]
+    if len(first_split) == 0:
+        raise DataError(f"--dataset_name {location}: the data has no rows")
+    mapping = apply_column_mapping(first_split.column_names, data)
+    if mapping:
+        raw = raw.rename_columns(mapping)
+    columns = raw[next(iter(raw))].column_names
+    shape = detect_shape(columns, raw[next(iter(raw))][0], stage)
+    summary = {"source": location, "shape": shape, "stage": stage, "max_length": data.max_length, "splits": {}}
+    chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
+    built = {}
+    has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    for kind, rows in split_rows(raw, data, seed).items():
+        rows = [normalize_row(row, shape, data.system_prompt, has_chat_template) for row in rows]
+        rows, counts = check_rows(rows, stage, f"{location} ({kind})")
+        if not has_chat_template and any(_is_chat(value) for value in rows[0].values()):
+            raise DataError(
+                f"{location}: the data is a chat but the model's tokenizer has no chat template to render it; use "
+                "a chat/instruct model or text data (prompt/chosen/rejected as strings)"
+            )
+        if stage == "dpo":
+            tokenized = [tokenize_preference(row, tokenizer) for row in rows]
+            prompt_lengths = [len(item["prompt_ids"]) for item in tokenized]
+            full_lengths = [len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                            for item in tokenized]
+            # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+            keep = [length < data.max_length for length in prompt_lengths]
+        else:
+            tokenized = [tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template) for row in rows]
+            full_lengths = [len(item["input_ids"]) for item in tokenized]
+            keep = [_has_trainable_token(item, data.max_length, sft) for item in tokenized]
+        counts["dropped_prompt_too_long"] = keep.count(False)
+        counts["truncated"] = sum(1 for length, kept in zip(full_lengths, keep) if kept and length > data.max_length)
+        counts["longest_tokens"] = max(full_lengths)
+        records = []
+        for row, item, kept in zip(rows, tokenized, keep):
+            if not kept:
+                continue
+            record = {**_serializable(row), **item}
+            if kind != "train":
+                record.update(sample_fields(row, tokenizer))
+            records.append(record)
+        if not records:
+            raise DataError(
+                f"{location} ({kind}): every prompt is at least --max_length {data.max_length} tokens long; raise "
+                "--max_length"
+            )
+        counts["kept"] = len(records)
+        summary["splits"][kind] = counts
+        built[kind] = datasets.Dataset.from_list(records)
+    datasets.DatasetDict(built).save_to_disk(str(target))
+    (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _has_trainable_token(item: dict, max_length: int, sft: SFTArguments) -> bool:
+    """Whether an SFT row keeps a token that contributes to the loss after truncation to max_length."""
+    masks = [item[key] for key in ("completion_mask", "assistant_masks") if key in item]
+    if "completion_mask" in item and sft.completion_only_loss is False:
+        masks = [item[key] for key in ("assistant_masks",) if key in item]
+    if not masks:
+        return True
+    return any(all(bits) for bits in zip(*(mask[:max_length] for mask in masks)))
+
+
+def _serializable(row: dict) -> dict:
+    """Chat columns go through JSON where their message dicts differ in keys (tool calls), which Arrow can't mix."""
+    return {key: (json.dumps(value) if key == "tools" and not isinstance(value, str) else value)
+            for key, value in row.items()}
+
+
+def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> PreparedData:
+    """Build (once per machine) or reuse the tokenized splits, and open them file-backed in this process."""
+    import datasets
+
+    key = prepared_key(data, sft, stage, seed, tokenizer)
+    target = build_once(Path(cache_dir) / f"{stage}-{key}",
+                        lambda temporary: _build(temporary, data, sft, stage, seed, tokenizer))
+    splits = datasets.load_from_disk(str(target))
+    summary = json.loads((target / SUMMARY_FILE).read_text())
+    return PreparedData(path=target, splits=splits, summary=summary)
+
+
+def format_summary(summary: dict) -> str:
+    """A few lines for rank 0: what was recognised and what was dropped or truncated, per split."""
+    lines = [f"  data: {summary['source']} ({summary['shape']}, {summary['stage']})"]
+    for kind, counts in summary["splits"].items():
+        notes = []
+        if counts["empty_answers"]:
+            notes.append(f"{counts['empty_answers']} rows with an empty answer dropped (first: rows "
+                         f"{counts['first_empty_rows']})")
+        if counts["identical_pairs"]:
+            notes.append(f"{counts['identical_pairs']} pairs with chosen == rejected dropped (first: rows "
+                         f"{counts['first_identical_rows']})")
+        if counts["dropped_prompt_too_long"]:
+            notes.append(f"{counts['dropped_prompt_too_long']} prompts of --max_length {summary['max_length']}+ "
+                         "tokens dropped")
+        if counts["truncated"]:
+            notes.append(f"{counts['truncated']} rows truncated to {summary['max_length']} tokens")
+        suffix = f"; {'; '.join(notes)}" if notes else ""
+        lines.append(f"  {kind:<10} {counts['kept']:>7} rows (longest {counts['longest_tokens']} tokens){suffix}")
+    return "\n".join(lines)

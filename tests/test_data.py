@@ -1,0 +1,214 @@
+"""Data: every recognised shape becomes the same training rows; tokenization matches TRL's own; bad data is named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import preference_rows, write_jsonl
+from src.config import DataArguments, SFTArguments
+from src.data import DataError, prepare_data, tokenize_preference, tokenize_sft
+
+ROWS = preference_rows(40)
+
+
+def prepared(tokenizer, tmp_path, stage="dpo", sft=None, **data_fields):
+    data = DataArguments(**({"val_size": 4, "test_size": 4, "max_length": 64} | data_fields))
+    return prepare_data(data, sft or SFTArguments(), stage, 0, tokenizer, tmp_path / "cache")
+
+
+def _text(messages):
+    return messages[0]["content"]
+
+
+SHAPES = {
+    "explicit_prompt": lambda row: row,
+    "implicit_prompt": lambda row: {"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]},
+    "ultrafeedback": lambda row: {"prompt": _text(row["prompt"]), "chosen": row["prompt"] + row["chosen"],
+                                  "rejected": row["prompt"] + row["rejected"], "score_chosen": 8.0},
+    "anthropic_hh": lambda row: {
+        "chosen": f"\n\nHuman: {_text(row['prompt'])}\n\nAssistant: {_text(row['chosen'])}",
+        "rejected": f"\n\nHuman: {_text(row['prompt'])}\n\nAssistant: {_text(row['rejected'])}"},
+    "orca": lambda row: {"system": "", "question": _text(row["prompt"]), "chosen": _text(row["chosen"]),
+                         "rejected": _text(row["rejected"])},
+}
+
+
+def _train_ids(result):
+    train = result.train
+    return [train["prompt_ids"], train["chosen_ids"], train["rejected_ids"]]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_preference_shape_gives_the_same_training_rows(shape, tiny_tokenizer, tmp_path):
+    reference = prepared(tiny_tokenizer, tmp_path / "ref", dataset_name=str(write_jsonl(tmp_path / "ref.jsonl", ROWS)))
+    path = write_jsonl(tmp_path / f"{shape}.jsonl", [SHAPES[shape](row) for row in ROWS])
+    result = prepared(tiny_tokenizer, tmp_path / shape, dataset_name=str(path))
+    assert result.summary["shape"] == shape
+    assert _train_ids(result) == _train_ids(reference)
+    assert len(result.train) == 32 and len(result.validation) == 4 and len(result.test) == 4
+
+
+def test_column_mapping_gives_the_same_training_rows(tiny_tokenizer, tmp_path):
+    reference = prepared(tiny_tokenizer, tmp_path / "ref", dataset_name=str(write_jsonl(tmp_path / "ref.jsonl", ROWS)))
+    renamed = [{"query": row["prompt"], "good": row["chosen"], "bad": row["rejected"]} for row in ROWS]
+    result = prepared(tiny_tokenizer, tmp_path / "mapped", dataset_name=str(write_jsonl(tmp_path / "m.jsonl", renamed)),
+                      prompt_column="query", chosen_column="good", rejected_column="bad")
+    assert _train_ids(result) == _train_ids(reference)
+
+
+def test_parquet_csv_and_save_to_disk_load_the_same_rows(tiny_tokenizer, tmp_path):
+    import datasets
+
+    text_rows = [{"prompt": _text(r["prompt"]), "chosen": _text(r["chosen"]), "rejected": _text(r["rejected"])}
+                 for r in ROWS]
+    reference = prepared(tiny_tokenizer, tmp_path / "j", dataset_name=str(write_jsonl(tmp_path / "t.jsonl", text_rows)))
+    table = datasets.Dataset.from_list(text_rows)
+    table.to_parquet(tmp_path / "t.parquet")
+    table.to_csv(tmp_path / "t.csv", index=False)
+    table.save_to_disk(tmp_path / "saved")
+    for source in ("t.parquet", "t.csv", "saved"):
+        assert _train_ids(prepared(tiny_tokenizer, tmp_path / source.replace(".", "_"),
+                                   dataset_name=str(tmp_path / source))) == _train_ids(reference)
+
+
+def test_a_directory_of_split_files_keeps_its_splits(tiny_tokenizer, tmp_path):
+    write_jsonl(tmp_path / "d" / "train.jsonl", ROWS[:30])
+    write_jsonl(tmp_path / "d" / "validation.jsonl", ROWS[30:35])
+    write_jsonl(tmp_path / "d" / "test.jsonl", ROWS[35:])
+    result = prepared(tiny_tokenizer, tmp_path, dataset_name=str(tmp_path / "d"))
+    assert (len(result.train), len(result.validation), len(result.test)) == (30, 5, 5)
+    assert result.test[0]["sample_chosen"] == _text(ROWS[35]["chosen"])
+
+
+def _trl_dpo_dataset(tokenizer, model_path, rows, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], max_length=64,
+                     activation_checkpointing=False)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_path), args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    return trainer.train_dataset
+
+
+@pytest.mark.parametrize("conversational", [True, False])
+def test_preference_tokenization_matches_trl(conversational, tiny_tokenizer, tiny_model, tmp_path):
+    rows = ROWS[:12] if conversational else [
+        {"prompt": _text(r["prompt"]) + " ", "chosen": _text(r["chosen"]), "rejected": _text(r["rejected"])}
+        for r in ROWS[:12]]
+    theirs = _trl_dpo_dataset(tiny_tokenizer, tiny_model, rows, tmp_path)
+    ours = [tokenize_preference(row, tiny_tokenizer) for row in rows]
+    for column in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        assert [item[column] for item in ours] == theirs[column]
+
+
+SFT_DATA = {
+    "messages": lambda row: {"messages": row["prompt"] + row["chosen"]},
+    "prompt_completion_chat": lambda row: {"prompt": row["prompt"], "completion": row["chosen"]},
+    "prompt_completion_text": lambda row: {"prompt": _text(row["prompt"]) + " ", "completion": _text(row["chosen"])},
+    "text": lambda row: {"text": _text(row["prompt"]) + " " + _text(row["chosen"])},
+}
+
+
+@pytest.mark.parametrize("shape", list(SFT_DATA))
+@pytest.mark.parametrize("assistant_only_loss", [False, True])
+def test_sft_tokenization_matches_trl(shape, assistant_only_loss, tiny_tokenizer, tiny_model, tmp_path):
+    """Our pre-tokenized rows, given to TRL's SFTTrainer, train on exactly the tokens and labels TRL's own
+    preparation of the raw rows produces."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    if assistant_only_loss and shape not in ("messages", "prompt_completion_chat"):
+        return  # TRL refuses assistant-only loss on non-chat data; covered by the chat shapes
+    rows = [SFT_DATA[shape](row) for row in ROWS[:12]]
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], max_length=64,
+                     activation_checkpointing=False, assistant_only_loss=assistant_only_loss)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    theirs = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                        processing_class=tiny_tokenizer).train_dataset
+    ours_rows = [row | tokenize_sft(row, tiny_tokenizer, assistant_only_loss, None) for row in rows]
+    ours = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(ours_rows),
+                      processing_class=tiny_tokenizer).train_dataset
+    assert ours["input_ids"] == theirs["input_ids"]
+    assert ours["labels"] == theirs["labels"]
+    assert any(label == -100 for labels in ours["labels"] for label in labels) == (
+        assistant_only_loss or shape.startswith("prompt_completion"))
+
+
+def test_sft_recognises_chat_prompt_completion_text_and_preference_data(tiny_tokenizer, tmp_path):
+    for shape, make in (("messages", SFT_DATA["messages"]), ("prompt_completion", SFT_DATA["prompt_completion_chat"]),
+                        ("text", SFT_DATA["text"]), ("preference", lambda row: row)):
+        path = write_jsonl(tmp_path / f"{shape}.jsonl", [make(row) for row in ROWS])
+        result = prepared(tiny_tokenizer, tmp_path / shape, stage="sft", dataset_name=str(path))
+        assert result.summary["shape"] == shape
+        assert len(result.train) == 32 and all(result.train["input_ids"])
+
+
+def test_tool_calling_chat_with_a_tools_column(tiny_tokenizer, tmp_path):
+    tools = [{"type": "function", "function": {"name": "get_heart_rate", "description": "read the sensor",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+    rows = [{"messages": [{"role": "user", "content": f"how is my heart {i}"},
+                          {"role": "assistant", "content": "", "tool_calls": [
+                              {"type": "function", "function": {"name": "get_heart_rate", "arguments": {}}}]},
+                          {"role": "tool", "name": "get_heart_rate", "content": str(60 + i)},
+                          {"role": "assistant", "content": f"your heart rate is {60 + i}"}],
+             "tools": json.dumps(tools)} for i in range(20)]
+    result = prepared(tiny_tokenizer, tmp_path, stage="sft", dataset_name=str(write_jsonl(tmp_path / "t.jsonl", rows)))
+    assert result.summary["shape"] == "messages" and len(result.train) == 12
+
+
+def test_prepared_data_is_cached_and_reused(tiny_tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    first = prepared(tiny_tokenizer, tmp_path, dataset_name=str(path))
+    second = prepared(tiny_tokenizer, tmp_path, dataset_name=str(path))
+    assert first.path == second.path
+    path.write_text(path.read_text() + json.dumps(ROWS[0]) + "\n")  # the source changed: a new key
+    assert prepared(tiny_tokenizer, tmp_path, dataset_name=str(path)).path != first.path
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "is empty: it needs one row per example"),
+    ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n', "line 2: not valid JSON"),
+    ('{"prompt": "a", "answer": "b"}\n', "missing chosen, rejected; the data has prompt, answer"),
+    ('{"prompt": "a", "chosen": 3, "rejected": "c"}\n' * 12, "row 1: 'chosen' must be text or a list of"),
+    ('{"prompt": "a", "chosen": "same", "rejected": "same"}\n' * 12, "chosen identical to rejected: nothing to learn"),
+])
+def test_bad_data_is_named(content, message, tiny_tokenizer, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError) as error:
+        prepared(tiny_tokenizer, tmp_path, dataset_name=str(path))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_missing_path_and_unknown_mapped_column(tiny_tokenizer, tmp_path):
+    with pytest.raises(DataError, match="no such file or directory"):
+        prepared(tiny_tokenizer, tmp_path, dataset_name=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match="--chosen_column good: no such column; the data has prompt, chosen, rejected"):
+        prepared(tiny_tokenizer, tmp_path, dataset_name=str(write_jsonl(tmp_path / "p.jsonl", ROWS)),
+                 chosen_column="good")
+
+
+def test_identical_and_empty_pairs_are_dropped_and_counted(tiny_tokenizer, tmp_path):
+    rows = [dict(row) for row in ROWS]
+    rows[3]["rejected"] = rows[3]["chosen"]
+    rows[5]["chosen"] = [{"role": "assistant", "content": "  "}]
+    result = prepared(tiny_tokenizer, tmp_path, dataset_name=str(write_jsonl(tmp_path / "p.jsonl", rows)),
+                      val_size=0, test_size=0)
+    counts = result.summary["splits"]["train"]
+    assert (counts["identical_pairs"], counts["empty_answers"], counts["kept"]) == (1, 1, 38)
+    assert counts["first_identical_rows"] == [4] and counts["first_empty_rows"] == [6]
+
+
+def test_long_prompts_are_counted_and_dropped(tiny_tokenizer, tmp_path):
+    rows = [dict(row) for row in ROWS]
+    rows[0] = dict(rows[0], prompt=[{"role": "user", "content": "what color is the sky " * 40}])
+    result = prepared(tiny_tokenizer, tmp_path, dataset_name=str(write_jsonl(tmp_path / "p.jsonl", rows)),
+                      val_size=0, test_size=0)
+    assert result.summary["splits"]["train"]["dropped_prompt_too_long"] == 1
+    assert len(result.train) == 39
