@@ -1,0 +1,65 @@
+"""The process group, and the one place that knows which rank does what.
+
+    print0(...)        prints on rank 0 only, so logging code never branches on rank
+    init(plan, world)  starts the process group the way TRL's Trainer will find it (accelerate's PartialState)
+
+On CPU, accelerate runs every torchrun rank alone (distributed type NO, world size 1, no error) unless told to use the
+CPU; `init` tells it, and `check_world_size` makes the silent failure loud.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from src.config import Plan, World
+
+# Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
+# data preparation never waits on a collective (see src/locking.py), so it does not count against it.
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+
+_world = World.from_environment()
+
+
+def print0(*args, **kwargs) -> None:
+    if _world.is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def init(plan: Plan, world: World):
+    """Start (or join) the process group for this job and return accelerate's state."""
+    from accelerate import PartialState
+
+    if plan.device == "cpu":
+        # ACCELERATE_USE_CPU is what TrainingArguments(use_cpu=True) sets too; set it before the first PartialState.
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    if world.world_size == 1:
+        return PartialState(cpu=plan.device == "cpu")
+    return PartialState(cpu=plan.device == "cpu", backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+
+
+def check_world_size(trainer_world_size: int, world: World) -> None:
+    """The trainer must see the same job torchrun started: otherwise each rank would be training alone."""
+    if trainer_world_size != world.world_size:
+        raise RuntimeError(
+            f"torchrun started {world.world_size} processes but the trainer sees a world of {trainer_world_size}: "
+            "the ranks would each train alone. This is a bug in the launch setup, please report it."
+        )
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def gather_objects(local: list) -> list[list]:
+    """Every rank's list, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [local]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return gathered

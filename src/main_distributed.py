@@ -1,0 +1,336 @@
+"""DPO and SFT on TRL, under torchrun or as a plain process.
+
+    ./run_distributed.sh [NUM_PROCS] [ARGS...]               # torchrun underneath; see README
+    python -m src.main_distributed [--config R.yaml] [ARGS]  # one process
+    torchrun --nproc_per_node 4 -m src.main_distributed ...  # what run_distributed.sh runs
+
+The pipeline, top to bottom: parse config → resolve the plan (batch, learning rate, precision, backend) → prepare the
+data (tokenized once per machine, before any process group) → start the process group → for each stage: load the
+model, answer held-out prompts, train, answer them again, judge, save, report.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from src import run_files
+from src.config import (
+    EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, Plan, World, format_plan, parse_config, resolve_plan,
+    stage_config,
+)
+from src.data import DataError, PreparedData, format_summary, prepare_data
+from src.distributed import barrier, check_world_size, init, print0
+from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+
+USER_ERRORS = (ConfigError, DataError, ModelError)
+LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
+
+
+@dataclass
+class Stage:
+    """One stage of the run as planned before anything heavy starts."""
+
+    name: str
+    config: Config
+    plan: Plan
+    run_dir: Path
+    output_dir: Path
+
+
+def run_name_for(config: Config) -> str:
+    if config.training.run_name:
+        return config.training.run_name
+    if config.recipe:
+        return Path(config.recipe).stem
+    model = Path(config.model.model_name_or_path.rstrip("/")).name
+    return f"{config.training.stage}-{model}"
+
+
+def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
+    """Every stage's config, plan and directories: all validated before the first one starts."""
+    run_dir = Path(config.training.results_dir) / run_name_for(config)
+    names = ["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]
+    stages = []
+    for name in names:
+        staged = stage_config(config, name)
+        # In a pipeline the final stage's results are the run's; earlier stages get a subdirectory.
+        stage_dir = run_dir if name == names[-1] else run_dir / name
+        staged.training.run_name = str(stage_dir.relative_to(config.training.results_dir))
+        output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
+        if len(names) > 1 and name != names[-1] and staged.training.output_dir:
+            output_dir = output_dir / name
+        stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir))
+    return stages
+
+
+def check_run_dir_free(run_dir: Path, overwrite: bool) -> None:
+    """An earlier run's results are never replaced unless asked."""
+    if (run_dir / run_files.TRAINING_INFO).exists() and not overwrite:
+        raise ConfigError(
+            f"{run_dir} already holds a run: pass --overwrite to replace it, or --run_name to keep both"
+        )
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": sys.version.split()[0]}
+    for library in LIBRARIES:
+        try:
+            found[library] = version(library)
+        except PackageNotFoundError:
+            found[library] = "not installed"
+    return found
+
+
+def git_commit() -> str | None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}{'-dirty' if dirty else ''}" if commit else None
+
+
+def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: World) -> dict:
+    config, plan = stage.config, stage.plan
+    info = {
+        "stage": stage.name,
+        "run_name": config.training.run_name,
+        "model_name_or_path": model_path if config.model.model_name_or_path != EMBEDDED else
+        f"{EMBEDDED} ({model_path})",
+        "dataset_name": config.data.dataset_name,
+        **plan.as_dict(),
+        "local_world_size": world.local_world_size,
+        "gradient_checkpointing": config.training.gradient_checkpointing,
+        "use_lora": config.model.use_peft,
+        "load_in_4bit": config.model.load_in_4bit,
+        "max_steps": config.training.max_steps,
+        "num_epochs": config.training.num_epochs,
+        "seed": config.training.seed,
+        "max_length": config.data.max_length,
+        "data": prepared.summary,
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "recipe": config.recipe,
+        "config": config.flat(),
+    }
+    if stage.name == "dpo":
+        info.update(beta=config.dpo.beta, loss_type=config.dpo.loss_type)
+    return info
+
+
+def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
+    dataset = prepared.splits[split] if split in prepared.splits else None
+    if dataset is None or count == 0:
+        return []
+    rows = dataset.select(range(min(count, len(dataset)))).to_list()
+    return [row for row in rows if row["sample_prompt_ids"]]
+
+
+def make_judge(config: Config):
+    """The judge for held-out answers: the embedded tasks are checked by code; a reward model path judges
+    anything; none otherwise."""
+    choice = config.training.judge
+    if choice == "none" or (choice == "auto" and config.data.dataset_name != EMBEDDED):
+        return None
+    from src.judges import ProgrammaticJudge, RewardModelJudge
+
+    if choice in ("auto", EMBEDDED):
+        from src.embedded.tasks import check
+
+        return ProgrammaticJudge(check, metric="correct_and_preferred")
+    return RewardModelJudge(choice)
+
+
+def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
+                    plan: Plan, world: World) -> dict[str, list[str]]:
+    from src.generation import generate_answers
+
+    return {
+        split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
+                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world)
+        for split, rows in rows_by_split.items()
+    }
+
+
+def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
+    """samples_<split>.jsonl on rank 0, and the judged results per split."""
+    results = {}
+    for split, rows in rows_by_split.items():
+        judged = None
+        if judge is not None and rows:
+            judge_rows = [{"prompt": row["sample_prompt"], "meta": row.get("meta") or {},
+                           "chosen": row["sample_chosen"]} for row in rows]
+            judged = judge.judge(judge_rows, before[split], after[split])
+            results[split] = judged.to_dict()
+        path = run_dir / run_files.samples_file(split)
+        path.unlink(missing_ok=True)
+        for index, row in enumerate(rows):
+            run_files.append_jsonl(path, {
+                "index": index,
+                "split": split,
+                "prompt": row["sample_prompt"],
+                "reference_answer": before[split][index],
+                "trained_answer": after[split][index],
+                "chosen": row["sample_chosen"],
+                "rejected": row["sample_rejected"],
+                "meta": row.get("meta") or {},
+                "verdict": judged.verdicts[index] if judged else None,
+            })
+    return results
+
+
+def peak_memory_mb(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
+              previous: dict | None) -> dict:
+    """Train one stage; returns what the next stage needs (its model path and judged results)."""
+    from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
+
+    config, plan = stage.config, stage.plan
+    started = time.monotonic()
+    metrics_path = stage.run_dir / run_files.METRICS
+    info_path = stage.run_dir / run_files.TRAINING_INFO
+    total_steps = planned_steps(len(prepared.train), plan, config)
+    warnings = silent_no_op_warnings(stage.name, config)
+    if world.is_main:
+        stage.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.unlink(missing_ok=True)
+        info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps,
+                                                                      "warnings": warnings}
+        if previous:
+            info["previous_stage"] = previous
+        run_files.write_json(info_path, info)
+    print0(f"\n== {stage.name.upper()} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
+           f"{format_summary(prepared.summary)}")
+    for warning in warnings:
+        print0(f"  warning: {warning}")
+    barrier()
+
+    model = load_model(model_path, config.model, plan, world)
+    rows = {split: held_out_rows(prepared, split, config.training.num_samples) for split in ("validation", "test")}
+    rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
+    before = answer_held_out(model, tokenizer, rows, config, plan, world)
+
+    trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
+                                  total_steps)
+    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model),
+                            metrics_path)
+    check_world_size(trainer.args.world_size, world)
+    trainer.train()
+
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    after = answer_held_out(trained, tokenizer, rows, config, plan, world)
+    saved = save_final_model(trainer, tokenizer, stage.output_dir, config.model.merge_adapter or (
+        stage.name == "sft" and config.training.stage == "sft_then_dpo" and config.model.use_peft), world.is_main)
+
+    outcome = {"stage": stage.name, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
+                                                                                              saved["final_model"])}
+    if world.is_main:
+        judged = record_samples(stage.run_dir, rows, before, after, make_judge(config))
+        summary = {
+            "wall_time_s": round(time.monotonic() - started, 1),
+            "peak_memory_mb": round(peak_memory_mb(plan.device), 1),
+            "best_checkpoint": trainer.state.best_model_checkpoint,
+            "completed_steps": trainer.state.global_step,
+        }
+        fields = {"summary": summary, **saved}
+        if judged:
+            test = judged.get("test") or next(iter(judged.values()))
+            split = "test" if "test" in judged else next(iter(judged))
+            fields["judge"] = {"metric": test["metric"], "split": split, "n": test["n"], "before": test["before"],
+                               "after": test["after"]}
+            fields["judges"] = judged
+            outcome["judge"] = fields["judge"]
+        run_files.update_json(info_path, **fields)
+        publish_report(stage.run_dir, stage.name)
+    barrier()
+    return outcome
+
+
+def publish_report(run_dir: Path, stage: str) -> None:
+    """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
+    from src.alerts import detect_alerts, format_alerts
+    from src.report import build_report
+
+    report = build_report(run_dir)
+    alerts = detect_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage)
+    if alerts:
+        print0(format_alerts(alerts))
+    print0(f"  report: {report}")
+
+
+def quiet_libraries() -> None:
+    """Progress bars from datasets and transformers drown the plan and the metrics on the console."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def run(argv: list[str] | None = None) -> int:
+    quiet_libraries()
+    config = parse_config(argv)
+    world = World.from_environment()
+    stages = plan_stages(config, world, Devices.detect())
+    check_run_dir_free(stages[-1].run_dir, config.training.overwrite)
+
+    model_path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
+    from src.embedded.model import cache_root
+
+    # Every stage's data is checked and tokenized now, before any process group or model exists.
+    prepared = {stage.name: prepare_data(stage.config.data, stage.config.sft, stage.name, stage.config.training.seed,
+                                         tokenizer, cache_root() / "datasets") for stage in stages}
+    if config.training.dry_run:
+        if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
+            return 0  # run_distributed.sh's preflight: the workers print the plan
+        for stage in stages:
+            print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
+                   f"\n{format_summary(prepared[stage.name].summary)}")
+        return 0
+
+    init(stages[0].plan, world)
+    if world.is_main and config.training.overwrite and stages[-1].run_dir.exists():
+        shutil.rmtree(stages[-1].run_dir)
+    barrier()
+    previous = None
+    for stage in stages:
+        previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
+        model_path = previous["model_path"]  # the next stage starts from this one's model
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        return run([arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"])
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        if World.from_environment().is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

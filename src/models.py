@@ -1,0 +1,136 @@
+"""Models and tokenizers: where they come from, how each rank loads them, and how the result is saved.
+
+- A Hub id or a local directory; `trust_remote_code` only when asked.
+- LoRA through peft (TRL wraps the model from `peft_config`; the DPO reference is the base with adapters disabled).
+- 4-bit NF4 (QLoRA) through bitsandbytes, each rank loading onto its own device: `device_map={"": local device}`,
+  never "auto", which would spread one copy over every GPU and fight DDP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from src.config import EMBEDDED, ConfigError, ModelArguments, Plan, World
+
+
+class ModelError(ValueError):
+    """A model that cannot be found, read or run as asked: one line, no traceback."""
+
+
+def resolve_model_path(model: ModelArguments) -> str:
+    """A local directory or Hub id to load from; the embedded default is built (once) on first use."""
+    name = model.model_name_or_path
+    if name == EMBEDDED:
+        from src.embedded.model import ensure_embedded_model
+
+        return str(ensure_embedded_model())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelError(f"--model_name_or_path {name}: the directory has no config.json (not a saved model)")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelError(f"--model_name_or_path {name}: no such directory")
+    return name
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise ModelError(f"--model_name_or_path {path}: could not load its tokenizer ({_first_line(error)})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # what TRL does too; padded positions are masked out
+    return tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def quantization_config(model: ModelArguments, plan: Plan):
+    """NF4 with double quantization for QLoRA; compute in the run's precision."""
+    if not model.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=model.use_bnb_nested_quant,
+        bnb_4bit_compute_dtype=torch_dtype(plan.precision),
+    )
+
+
+def check_4bit_supported(plan: Plan) -> None:
+    """bitsandbytes' 4-bit kernels: CUDA, or its CPU backend. Fail before loading anything if neither can run."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as error:  # a broken native library raises more than ImportError
+        raise ConfigError(f"--load_in_4bit: bitsandbytes cannot be imported here ({_first_line(error)})") from None
+
+
+def load_model(path: str, model: ModelArguments, plan: Plan, world: World):
+    """The policy for this rank, on this rank's device. Full fine-tuning keeps fp32 master weights (mixed precision
+    autocasts the compute); a 4-bit base is quantized on load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"trust_remote_code": model.trust_remote_code, "dtype": torch.float32}
+    if model.attn_implementation:
+        kwargs["attn_implementation"] = model.attn_implementation
+    quantization = quantization_config(model, plan)
+    if quantization is not None:
+        check_4bit_supported(plan)
+        kwargs["quantization_config"] = quantization
+        kwargs["dtype"] = torch_dtype(plan.precision)
+        kwargs["device_map"] = {"": world.local_rank if plan.device == "cuda" else "cpu"}
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
+        raise ModelError(f"--model_name_or_path {path}: could not load the model ({_first_line(error)})") from None
+    if plan.device == "cuda" and quantization is None:
+        loaded.to(torch.device("cuda", world.local_rank))
+    return loaded
+
+
+def peft_config(model: ModelArguments):
+    """TRL's own LoRA config from the model arguments (None without --use_lora)."""
+    from trl import get_peft_config
+
+    return get_peft_config(model)
+
+
+def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:
+    """Save the trained model (adapter only under LoRA) with its tokenizer, and a merged copy on request; return
+    where each went. Every rank must call this (saving can gather sharded weights); rank 0 writes."""
+    from peft import PeftModel
+
+    final_dir = output_dir / "final"
+    trainer.save_model(str(final_dir))
+    paths = {"final_model": str(final_dir)}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_main:
+        tokenizer.save_pretrained(final_dir)
+        if isinstance(model, PeftModel):
+            adapter_file = next(final_dir.glob("adapter_model.*"), None)
+            if adapter_file is None or adapter_file.stat().st_size == 0:
+                raise ModelError(f"{final_dir}: the LoRA adapter was saved empty")
+        if merge_adapter and isinstance(model, PeftModel):
+            merged_dir = output_dir / "merged"
+            merged = model.merge_and_unload(safe_merge=True)
+            merged.save_pretrained(merged_dir)
+            tokenizer.save_pretrained(merged_dir)
+            paths["merged_model"] = str(merged_dir)
+    trainer.accelerator.wait_for_everyone()
+    return paths

@@ -1,0 +1,62 @@
+"""The real entry point under torchrun, instrumented so a test can prove the ranks trained as one job.
+
+    torchrun --nproc_per_node 2 tests/rank_probe.py PROBE_DIR [main_distributed flags...]
+
+Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw, a digest of every training row it
+was fed (per optimizer step) and a digest of its weights when training ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from src import main_distributed, training  # noqa: E402
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def instrument(build_trainer, probe_dir: Path):
+    def build(stage, *args, **kwargs):
+        trainer = build_trainer(stage, *args, **kwargs)
+        seen: dict[int, list[str]] = {}
+        compute_loss = trainer.compute_loss
+
+        def recording_compute_loss(model, inputs, *more, **options):
+            if model.training:
+                rows = seen.setdefault(trainer.state.global_step, [])
+                rows.extend(_digest(row[row != trainer.processing_class.pad_token_id]) for row in inputs["input_ids"])
+            return compute_loss(model, inputs, *more, **options)
+
+        trainer.compute_loss = recording_compute_loss
+
+        class WriteProbe(TrainerCallback):
+            def on_train_end(self, args, state, control, model=None, **kw):
+                weights = torch.cat([p.detach().float().flatten() for p in trainer.accelerator.unwrap_model(
+                    trainer.model).parameters()])
+                record = {"rank": int(os.environ.get("RANK", 0)), "world_size": trainer.args.world_size,
+                          "seen": seen, "weights": _digest(weights), "steps": state.global_step}
+                path = probe_dir / f"{stage}_rank{record['rank']}.json"
+                path.write_text(json.dumps(record))
+
+        trainer.add_callback(WriteProbe())
+        return trainer
+
+    return build
+
+
+if __name__ == "__main__":
+    probe_dir = Path(sys.argv[1])
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    training.build_trainer = instrument(training.build_trainer, probe_dir)
+    sys.exit(main_distributed.main(sys.argv[2:]))

@@ -1,0 +1,117 @@
+"""End to end on CPU: real torchrun jobs (gloo) that train as one, world-size invariance, LoRA and 4-bit, reloading."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+from src import run_files
+
+
+def launch(nproc: int, args: list[str], probe_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """torchrun on `nproc` CPU processes running the instrumented entry point; fails the test with its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "tests/rank_probe.py", str(probe_dir), *args]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def probes(probe_dir: Path, stage: str, world_size: int) -> list[dict]:
+    return [json.loads((probe_dir / f"{stage}_rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def common_args(model: Path, data: Path, results: Path, run_name: str, stage: str) -> list[str]:
+    return ["--stage", stage, "--model_name_or_path", str(model), "--dataset_name", str(data),
+            "--results_dir", str(results), "--run_name", run_name, "--max_length", "64", "--logging_steps", "1",
+            "--eval_steps", "2", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3"]
+
+
+def assert_trained_as_one_job(probe_dir: Path, stage: str, steps: int):
+    ranks = probes(probe_dir, stage, 2)
+    assert [rank["world_size"] for rank in ranks] == [2, 2]
+    assert [rank["steps"] for rank in ranks] == [steps, steps]
+    assert ranks[0]["weights"] == ranks[1]["weights"], "the ranks ended with different weights"
+    for step in ranks[0]["seen"]:
+        mine, theirs = set(ranks[0]["seen"][step]), set(ranks[1]["seen"][step])
+        assert mine and theirs and not mine & theirs, f"step {step}: the ranks trained on the same rows"
+
+
+def assert_run_dir_complete(run_dir: Path, world_size: int, stage: str):
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    for key in ("world_size", "backend", "per_device_batch_size", "gradient_accumulation_steps", "global_batch_size",
+                "learning_rate", "base_learning_rate", "precision", "stage", "versions", "git_commit", "summary"):
+        assert key in info, key
+    assert (info["world_size"], info["backend"], info["stage"], info["precision"]) == (world_size, "gloo", stage,
+                                                                                     "fp32")
+    metrics = run_files.read_jsonl(run_dir / run_files.METRICS)
+    train = [record for record in metrics if "loss" in record]
+    assert train and all(math.isfinite(record["loss"]) for record in train)
+    assert any("eval_loss" in record for record in metrics)
+    for split in ("val", "test"):
+        samples = run_files.read_jsonl(run_dir / run_files.samples_file(split))
+        assert [sample["index"] for sample in samples] == [0, 1, 2, 3]
+    return info, metrics
+
+
+def assert_reloads_generates_and_changed(final_dir: Path, initial_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(final_dir)
+    trained = AutoModelForCausalLM.from_pretrained(final_dir)
+    initial = AutoModelForCausalLM.from_pretrained(initial_dir)
+    changed = [name for (name, p), (_, q) in zip(trained.named_parameters(), initial.named_parameters())
+               if not torch.equal(p, q)]
+    assert len(changed) > len(list(trained.parameters())) // 2, "training left most parameters unchanged"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "what color is the sky"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = trained.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert output.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_dpo_on_two_processes_trains_as_one_job(tiny_model, preference_file, tmp_path):
+    args = common_args(tiny_model, preference_file, tmp_path / "results", "dpo2", "dpo") + [
+        "--batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3"]
+    launch(2, args, tmp_path / "probe")
+    assert_trained_as_one_job(tmp_path / "probe", "dpo", 4)
+    run_dir = tmp_path / "results" / "dpo2"
+    info, metrics = assert_run_dir_complete(run_dir, 2, "dpo")
+    assert (info["per_device_batch_size"], info["gradient_accumulation_steps"], info["global_batch_size"]) == (4, 1, 8)
+    assert all(key in metrics[-2] or key in metrics[-3] for key in ("rewards/margins",))
+    assert_reloads_generates_and_changed(run_dir / "model" / "final", tiny_model)
+
+
+def test_sft_on_two_processes_trains_as_one_job(tiny_model, tmp_path):
+    rows = [{"messages": row["prompt"] + row["chosen"]} for row in preference_rows(48)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    args = common_args(tiny_model, data, tmp_path / "results", "sft2", "sft") + [
+        "--batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3", "--assistant_only_loss"]
+    launch(2, args, tmp_path / "probe")
+    assert_trained_as_one_job(tmp_path / "probe", "sft", 4)
+    assert_run_dir_complete(tmp_path / "results" / "sft2", 2, "sft")
+    assert_reloads_generates_and_changed(tmp_path / "results" / "sft2" / "model" / "final", tiny_model)
+
+
+def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, preference_file, tmp_path):
+    """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2."""
+    losses = {}
+    for nproc in (1, 2):
+        args = common_args(tiny_model, preference_file, tmp_path / "results", f"w{nproc}", "dpo") + [
+            "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "5", "--learning_rate", "1e-3",
+            "--num_samples", "0", "--eval_strategy", "no"]
+        launch(nproc, args, tmp_path / f"probe{nproc}")
+        info = run_files.read_json(tmp_path / "results" / f"w{nproc}" / run_files.TRAINING_INFO)
+        assert info["gradient_accumulation_steps"] == 4 // nproc and info["per_device_batch_size"] == 2
+        metrics = run_files.read_jsonl(tmp_path / "results" / f"w{nproc}" / run_files.METRICS)
+        losses[nproc] = [record["loss"] for record in metrics if "loss" in record]
+    assert len(losses[1]) == 5
+    assert losses[1] == pytest.approx(losses[2], rel=1e-4, abs=1e-6)
