@@ -208,7 +208,7 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
         if positive and max(positive) > 100 * min(positive):
             ax.set_yscale("log")
     if ax.get_yscale() == "linear":
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True, useOffset=False)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     ax.set_xlim(left=0)
     if len(ax.get_legend_handles_labels()[1]) > 1:
         ax.legend(fontsize=8.5, framealpha=0.85, loc="best")
@@ -217,12 +217,16 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
 
 def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     """Draw one chart into `path`; False (and no file) when none of its metrics was logged."""
-    figure = Figure(figsize=(8.5, 0.6 + 3.9 * len(chart.panels)), dpi=110, layout="constrained")
+    height = 0.75 + 3.75 * len(chart.panels)
+    figure = Figure(figsize=(8.5, height), dpi=110)
+    # Fixed margins instead of a layout engine: the panels are alike, and a layout engine renders every figure twice.
+    figure.subplots_adjust(left=0.095, right=0.975, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.22)
     axes = figure.subplots(len(chart.panels), 1, sharex=True, squeeze=False)[:, 0]
     drew = [_draw_panel(ax, metrics, panel, bottom=index == len(axes) - 1)
             for index, (ax, panel) in enumerate(zip(axes, chart.panels))]
     if not any(drew):
         return False
+    figure.align_ylabels(axes)
     figure.savefig(path)
     return True
 

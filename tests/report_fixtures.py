@@ -131,8 +131,8 @@ def sft_history(kind: str = "healthy", steps: int = 200, eval_every: int | None 
         records.append(record)
         if eval_every and step % eval_every == 0:
             eval_loss = mean_loss + 0.1 + (0.004 * max(0, step - 60) if kind == "overfit" else 0.0)
-            records.append({"step": step, "epoch": record["epoch"], "time_s": record["time_s"],
-                            "eval_loss": math.nan if kind == "nan" and step >= 0.75 * steps else eval_loss,
+            eval_loss = math.nan if kind == "nan" and step >= 0.75 * steps else eval_loss
+            records.append({"step": step, "epoch": record["epoch"], "time_s": record["time_s"], "eval_loss": eval_loss,
                             "eval_mean_token_accuracy": 0.93 - 0.25 * eval_loss, "eval_runtime": 1.2,
                             "eval_samples_per_second": 160.0})
     if finished:
