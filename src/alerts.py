@@ -157,7 +157,8 @@ def _dpo_displacement(metrics: list[dict]) -> Alert | None:
     chosen_start, chosen_end = _windows(chosen)
     rejected_start, rejected_end = _windows(rejected)
     chosen_fall, rejected_fall = chosen_start - chosen_end, rejected_start - rejected_end
-    if not (rejected_fall > DISPLACEMENT_MIN_FALL and chosen_end < 0 and chosen_fall >= DISPLACEMENT_RATIO * rejected_fall):
+    displaced = chosen_end < 0 and chosen_fall >= DISPLACEMENT_RATIO * rejected_fall
+    if not (rejected_fall > DISPLACEMENT_MIN_FALL and displaced):
         return None
     return Alert(
         "warning", "Chosen and rejected rewards both falling (likelihood displacement)",
@@ -203,7 +204,8 @@ def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
     if len(margins) < MIN_RECORDS:
         return None
     _, margin_end = _windows(margins)
-    last_third = [(step, value) for step, value in zip(steps, margins) if step >= steps[0] + (steps[-1] - steps[0]) * 2 / 3]
+    two_thirds = steps[0] + (steps[-1] - steps[0]) * 2 / 3
+    last_third = [(step, value) for step, value in zip(steps, margins) if step >= two_thirds]
     if margin_end <= MARGIN_LARGE or len(last_third) < 3:
         return None
     xs, ys = zip(*last_third)
@@ -236,7 +238,8 @@ def _sft_not_decreasing(metrics: list[dict]) -> Alert | None:
     return Alert(
         "error" if rose else "warning",
         "SFT loss rising" if rose else "SFT loss not decreasing",
-        f"train loss {loss_start:.4f} at the start vs {loss_end:.4f} at the end ({(loss_end - loss_start) / loss_start:+.1%})",
+        f"train loss {loss_start:.4f} at the start vs {loss_end:.4f} at the end "
+        f"({(loss_end - loss_start) / loss_start:+.1%})",
         "Too low a learning rate leaves the loss flat (check the scaled learning rate in the setup table); too high "
         "a one makes it rise. Also check that the completion tokens are not all masked out and that the data has "
         "something the model does not already know.",

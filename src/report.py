@@ -82,7 +82,7 @@ def _duration(seconds: float | None) -> str:
 
 
 def _metric_name(metric: str) -> str:
-    return metric.replace("_", "-")
+    return metric.replace("_", " ")
 
 
 def _cell(text) -> str:
@@ -95,8 +95,9 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def _fenced(text: str, limit: int | None = None) -> list[str]:
-    text = text if text is not None else ""
+def _fenced(text, limit: int | None = None) -> list[str]:
+    """A fenced code block holding `text` verbatim (cut at `limit` characters)."""
+    text = "" if text is None else (text if isinstance(text, str) else json.dumps(text, ensure_ascii=False))
     if limit and len(text) > limit:
         text = text[:limit] + f"\n… ({len(text) - limit} more characters; full text in the .txt file)"
     fence = "````" if "```" in text else "```"
@@ -122,16 +123,11 @@ def _change(sample: dict) -> tuple[str, float | None]:
     verdict = sample.get("verdict") or {}
     before, after = _score(verdict.get("reference")), _score(verdict.get("trained"))
     delta = None if before is None or after is None else after - before
-    if delta is None:
-        label = "answer changed" if sample.get("trained_answer") != sample.get("reference_answer") else "same answer"
-    elif delta > 0:
-        label = "improved"
-    elif delta < 0:
-        label = "regressed"
-    else:
-        label = "answer changed, same verdict" if sample.get("trained_answer") != sample.get("reference_answer") \
-            else "same answer"
-    return label, delta
+    if delta:
+        return ("improved" if delta > 0 else "regressed"), delta
+    if sample.get("trained_answer") == sample.get("reference_answer"):
+        return "same answer", delta
+    return ("answer changed" if delta is None else "answer changed, same verdict"), delta
 
 
 # ------------------------------------------------------------------------------------------------------ samples
@@ -139,7 +135,8 @@ def _change(sample: dict) -> tuple[str, float | None]:
 
 def render_samples_text(samples: list[dict], split: str, run_name: str = "", judge: dict | None = None) -> str:
     """The human-readable sample file: every prompt with the reference, trained and dataset answers and verdicts."""
-    lines = [f"prefkit held-out samples: split {split}, {len(samples)} prompts" + (f", run {run_name}" if run_name else "")]
+    lines = [f"prefkit held-out samples: split {split}, {len(samples)} prompts"
+             + (f", run {run_name}" if run_name else "")]
     if judge:
         lines.append(f"judge: {judge.get('judge') or 'n/a'}; {judge.get('metric')}: before {_pct(judge.get('before'))}"
                      f" -> after {_pct(judge.get('after'))} (n={judge.get('n')})")
@@ -149,7 +146,8 @@ def render_samples_text(samples: list[dict], split: str, run_name: str = "", jud
     for position, sample in enumerate(samples, start=1):
         verdict = sample.get("verdict") or {}
         label, _ = _change(sample)
-        lines += ["", rule, f"[{position}/{len(samples)}] {sample.get('split', split)} #{sample.get('index')}  ->  {label}"]
+        title = f"[{position}/{len(samples)}] {sample.get('split', split)} #{sample.get('index')}  ->  {label}"
+        lines += ["", rule, title]
         if verdict:
             lines += [f"  verdict reference: {_format_verdict(verdict.get('reference'))}",
                       f"  verdict trained:   {_format_verdict(verdict.get('trained'))}"]
@@ -174,7 +172,8 @@ def pick_examples(samples: list[dict], count: int = EXAMPLES_IN_REPORT) -> list[
     changes = [(_change(sample), position) for position, sample in enumerate(samples)]
     improved = sorted((item for item in changes if item[0][1] is not None and item[0][1] > 0), key=lambda i: -i[0][1])
     regressed = sorted((item for item in changes if item[0][1] is not None and item[0][1] < 0), key=lambda i: i[0][1])
-    differing = [item for item in changes if samples[item[1]].get("trained_answer") != samples[item[1]].get("reference_answer")]
+    differing = [item for item in changes
+                 if samples[item[1]].get("trained_answer") != samples[item[1]].get("reference_answer")]
     order = improved[:1] + regressed[:1] + improved[1:] + regressed[1:] + differing + changes
     picked: list[int] = []
     for _, position in order:
@@ -186,91 +185,103 @@ def pick_examples(samples: list[dict], count: int = EXAMPLES_IN_REPORT) -> list[
 # ------------------------------------------------------------------------------------------------------- report
 
 
-def _judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
-    """Markdown for the judged results and the one-sentence verdict they support."""
-    stage = info.get("stage", "").upper()
+def _judge_results(info: dict) -> dict[str, dict]:
+    """Judged results per split: `judges` when the job wrote them, else the single headline `judge`."""
     judges = dict(info.get("judges") or {})
     if not judges and info.get("judge"):
         judges[info["judge"].get("split", "test")] = info["judge"]
+    return {split: judges[split] for split in [*SPLITS, *judges] if split in judges}
+
+
+def _previous_judge_results(info: dict, run_dir: Path) -> dict[str, dict]:
+    """The previous pipeline stage's judged results: its own run directory's (per split, with details) when it is
+    there, else the `previous_stage.judge` summary copied into this run's training_info.json."""
+    previous = info.get("previous_stage") or {}
+    if not previous:
+        return {}
+    try:
+        results = _judge_results(read_json(run_dir / previous.get("run_dir", "") / TRAINING_INFO))
+    except (OSError, ValueError):
+        results = {}
+    if previous.get("judge"):
+        results.setdefault(previous["judge"].get("split", "test"), previous["judge"])
+    return results
+
+
+def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
+    """Each judged model's numbers in training order, as {"main": metric, <detail name>: value}:
+    [starting model, trained] or, in a pipeline, [untrained, after the previous stage, after this stage]."""
+    def numbers(source: dict, side: str) -> dict:
+        values = {name: pair.get(side) for name, pair in _sub_metrics(source).items()}
+        return {"main": source.get(side), **values}
+
+    starting, trained = numbers(result, "before"), numbers(result, "after")
+    if not pipeline:
+        return [starting, trained]
+    if earlier is None:
+        return [{}, starting, trained]
+    # The previous stage's own measurement of its trained model is the canonical "after" for that stage.
+    after_previous = {**starting, **{k: v for k, v in numbers(earlier, "after").items() if v is not None}}
+    return [numbers(earlier, "before"), after_previous, trained]
+
+
+def _judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
+    """Markdown for the judged results, and the one-sentence verdict they support."""
+    stage = info["stage"].upper()
+    judges, previous_judges = _judge_results(info), _previous_judge_results(info, run_dir)
     if not judges:
         return ["No held-out prompts were judged in this run."], None
-    previous = info.get("previous_stage") or {}
-    previous_judges = {}
-    if previous:
-        previous_info = run_dir / previous.get("run_dir", "") / TRAINING_INFO
-        try:
-            previous_judges = read_json(previous_info).get("judges") or {}
-        except (OSError, ValueError):
-            previous_judges = {}
-        if previous.get("judge") and previous["judge"].get("split", "test") not in previous_judges:
-            previous_judges[previous["judge"].get("split", "test")] = previous["judge"]
+    pipeline = bool(previous_judges)
+    previous_stage = (info.get("previous_stage") or {}).get("stage", "previous").upper()
+    header = (["split", "metric", "n", "untrained", f"after {previous_stage}", f"after {stage}", f"{stage} change"]
+              if pipeline else ["split", "metric", "n", "before (starting model)", "after (trained)", "change"])
+    rows, notes = [], []
+    for split, result in judges.items():
+        earlier = previous_judges.get(split)
+        models = _models(result, earlier, pipeline)
+        for name in ["main", *_sub_metrics(result)]:
+            values = [model.get(name) for model in models]
+            cells = [_detail(name, value) for value in values]
+            change = "" if name.startswith("mean_") else _points(values[-2], values[-1])
+            if name == "main":
+                cells[-1] += _ci95(values[-1], result.get("n") or 0)
+                rows.append([split, _metric_name(result.get("metric", "")), result.get("n"), *cells, change])
+            else:
+                rows.append(["", f"↳ {_metric_name(name)}", "", *cells, change])
+        if earlier and _differs(earlier.get("after"), result.get("before")):
+            notes.append(f"The {stage} stage measured its starting model at {_pct(result.get('before'))} on {split}, "
+                         f"the {previous_stage} stage at {_pct(earlier.get('after'))}: generation was not "
+                         f"deterministic or the prompts differ.")
 
-    lines, notes = [], []
-    splits = [split for split in SPLITS if split in judges] + [split for split in judges if split not in SPLITS]
-    if previous_judges:
-        previous_stage = previous.get("stage", "previous stage").upper()
-        header = ["split", "metric", "n", "untrained", f"after {previous_stage}", f"after {stage}", f"{stage} change"]
-        rows = []
-        for split in splits:
-            result, earlier = judges[split], previous_judges.get(split)
-            before_start = earlier.get("before") if earlier else None
-            after_previous = earlier.get("after") if earlier else result.get("before")
-            rows.append([split, _metric_name(result.get("metric", "")), result.get("n"), _pct(before_start),
-                         _pct(after_previous), _pct(result.get("after")) + _ci95(result.get("after"), result.get("n") or 0),
-                         _points(after_previous, result.get("after"))])
-            if earlier and _differs(earlier.get("after"), result.get("before")):
-                notes.append(f"The {stage} stage measured its starting model at {_pct(result.get('before'))} on {split} "
-                             f"({previous_stage} stage: {_pct(earlier.get('after'))}); a difference means generation "
-                             f"was not deterministic or the prompts differ.")
-            for name, values in _sub_metrics(result).items():
-                earlier_values = ((earlier or {}).get("details") or {}).get(name) or {}
-                rows.append(["", f"↳ {_metric_name(name)}", "", _detail(name, earlier_values.get("before")),
-                             _detail(name, earlier_values.get("after", values.get("before"))),
-                             _detail(name, values.get("after")),
-                             _points(earlier_values.get("after", values.get("before")), values.get("after"))
-                             if not name.startswith("mean_") else ""])
-    else:
-        header = ["split", "metric", "n", "before (starting model)", "after (trained)", "change"]
-        rows = []
-        for split in splits:
-            result = judges[split]
-            rows.append([split, _metric_name(result.get("metric", "")), result.get("n"), _pct(result.get("before")),
-                         _pct(result.get("after")) + _ci95(result.get("after"), result.get("n") or 0),
-                         _points(result.get("before"), result.get("after"))])
-            for name, values in _sub_metrics(result).items():
-                rows.append(["", f"↳ {_metric_name(name)}", "", _detail(name, values.get("before")),
-                             _detail(name, values.get("after")),
-                             "" if name.startswith("mean_") else _points(values.get("before"), values.get("after"))])
-    lines += _table(header, rows)
+    lines = _table(header, rows) + [""]
     judge_names = sorted({result.get("judge") for result in judges.values() if result.get("judge")})
-    lines.append("")
     if judge_names:
-        lines.append(f"Judge: {', '.join(judge_names)}. ")
+        lines.append(f"Judge: {', '.join(judge_names)}.")
     if any(result.get("metric") == "win_rate" for result in judges.values()):
         lines.append("Win rate = how often the trained answer gets a higher reward than the starting model's answer "
-                     "to the same prompt (ties count half), so 50% means no change. ")
+                     "to the same prompt (ties count half), so 50% means no change.")
     lines.append("± is the 95% interval of the trained model's fraction (normal approximation).")
-    for split in splits:
-        counts = (judges[split].get("details") or {}).get("changes") or (judges[split].get("details") or {}).get("outcomes")
+    for split, result in judges.items():
+        counts = (result.get("details") or {}).get("changes") or (result.get("details") or {}).get("outcomes")
         if counts:
             lines.append(f"\n{split}: " + ", ".join(f"{value} {key}" for key, value in counts.items()) + ".")
     lines += [f"\n> {note}" for note in notes]
+    return lines, _judged_sentence(stage, judges, previous_judges, previous_stage)
 
-    headline_split = "test" if "test" in judges else splits[0]
-    result = judges[headline_split]
-    metric, count = _metric_name(result.get("metric", "")), result.get("n")
+
+def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str) -> str:
+    split = "test" if "test" in judges else next(iter(judges))
+    result, earlier = judges[split], previous_judges.get(split)
+    metric, count = result.get("metric", "").replace("_", "-"), result.get("n")
     if result.get("metric") == "win_rate":
-        sentence = (f"{stage}'s answers beat the starting model's on {_pct(result.get('after'))} of {count} held-out "
-                    f"{headline_split} prompts (reward-model win rate; 50% = no change).")
-    elif previous_judges.get(headline_split):
-        earlier = previous_judges[headline_split]
-        sentence = (f"On {count} held-out {headline_split} prompts, {metric} went from {_pct(earlier.get('before'))} "
-                    f"(untrained) to {_pct(earlier.get('after'))} after {previous.get('stage', '').upper()} and "
-                    f"{_pct(result.get('after'))} after {stage}.")
-    else:
-        sentence = (f"{stage} moved {metric} from {_pct(result.get('before'))} to {_pct(result.get('after'))} on "
-                    f"{count} held-out {headline_split} prompts.")
-    return lines, sentence
+        return (f"{stage}'s answers beat the starting model's on {_pct(result.get('after'))} of {count} held-out "
+                f"{split} prompts (reward-model win rate; 50% = no change).")
+    if earlier:
+        return (f"On {count} held-out {split} prompts, {metric} went from {_pct(earlier.get('before'))} (untrained) "
+                f"to {_pct(earlier.get('after'))} after {previous_stage} and {_pct(result.get('after'))} "
+                f"after {stage}.")
+    return (f"{stage} moved {metric} from {_pct(result.get('before'))} to {_pct(result.get('after'))} on {count} "
+            f"held-out {split} prompts.")
 
 
 def _differs(first: float | None, second: float | None) -> bool:
@@ -290,14 +301,15 @@ def _detail(name: str, value: float | None) -> str:
 def _final_numbers(summary: dict, info: dict) -> list[str]:
     stage = summary.get("stage")
     max_steps = info.get("max_steps")
-    steps = _num(summary.get("last_step")) + (f" of {max_steps}" if isinstance(max_steps, int) and max_steps > 0 else "")
+    steps = _num(summary.get("last_step")) + _of_max_steps(info)
     best = summary.get("best_eval_loss")
     rows = [
         ["status", "finished" if summary.get("finished") else "**did not finish** (no end-of-training record)"],
         ["optimizer steps", steps + (f" ({summary['last_epoch']:.2f} epochs)" if summary.get("last_epoch") else "")],
         ["final train loss (last logged)", _num(summary.get("final_train_loss"))],
         ["mean train loss over the run", _num(summary.get("train_loss"))],
-        ["best eval loss", "n/a (no eval)" if best is None else f"{_num(best)} at step {summary.get('best_eval_step')}"],
+        ["best eval loss",
+         "n/a (no eval)" if best is None else f"{_num(best)} at step {summary.get('best_eval_step')}"],
         ["final eval loss", _num(summary.get("final_eval_loss"))],
     ]
     if stage == "dpo":
@@ -325,9 +337,9 @@ def _setup(info: dict) -> list[str]:
             ["processes", f"{get('world_size', '?')} ({get('num_nodes', '?')} node(s)), backend {get('backend', '?')}, "
                           f"device {get('device', '?')}"]]
     unit = "pairs" if get("stage") == "dpo" else "sequences"
-    per_device, accumulation, world = get("per_device_batch_size"), get("gradient_accumulation_steps"), get("world_size")
-    rows.append(["batch", f"{per_device} per device × {accumulation} accumulation × {world} processes = "
-                          f"{get('global_batch_size')} {unit} per optimizer step"])
+    rows.append(["batch", f"{get('per_device_batch_size')} per device × {get('gradient_accumulation_steps')} "
+                          f"accumulation × {get('world_size')} processes = {get('global_batch_size')} {unit} per "
+                          f"optimizer step"])
     rule = get("lr_scaling")
     if rule and rule != "none" and get("base_learning_rate") is not None:
         learning_rate = (f"{_num(get('base_learning_rate'))} at base batch {get('base_batch_size')} → "
@@ -337,7 +349,8 @@ def _setup(info: dict) -> list[str]:
     rows.append(["learning rate", learning_rate])
     if get("stage") == "dpo":
         loss_type = get("loss_type")
-        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {' + '.join(loss_type) if isinstance(loss_type, list) else loss_type}"])
+        loss_type = " + ".join(loss_type) if isinstance(loss_type, list) else loss_type
+        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {loss_type}"])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {_num(get('gradient_checkpointing'))}"],
              ["LoRA / 4-bit", f"{_num(get('use_lora'))} / {_num(get('load_in_4bit'))}"],
              ["max steps, seed", f"{_num(get('max_steps'))}, {_num(get('seed'))}"],
@@ -363,13 +376,15 @@ def _examples_section(samples_by_split: dict[str, list[dict]]) -> list[str]:
     split = "test" if samples_by_split.get("test") else next((s for s, rows in samples_by_split.items() if rows), None)
     if split is None:
         return ["No sample files in this run directory."]
-    lines = [f"Three of the {len(samples_by_split[split])} {split} prompts, chosen to be informative (largest "
-             f"improvement, worst regression, other changed answers). All of them: "
+    examples = pick_examples(samples_by_split[split])
+    lines = [f"{len(examples)} of the {len(samples_by_split[split])} {split} prompts, chosen to be informative "
+             f"(largest improvement, worst regression, other changed answers). All of them: "
              f"[`{samples_text_file(split)}`]({samples_text_file(split)})."]
-    for sample in pick_examples(samples_by_split[split]):
+    for sample in examples:
         verdict = sample.get("verdict") or {}
         label, _ = _change(sample)
-        lines += ["", f"#### {split} #{sample.get('index')}: {label}", "", "**Prompt**", *_fenced(sample.get("prompt"), REPORT_TEXT_LIMIT)]
+        lines += ["", f"#### {split} #{sample.get('index')}: {label}", "", "**Prompt**",
+                  *_fenced(sample.get("prompt"), REPORT_TEXT_LIMIT)]
         for title, key, side in (("Reference (starting model)", "reference_answer", "reference"),
                                  ("Trained", "trained_answer", "trained")):
             suffix = f" — {_format_verdict(verdict.get(side))}" if verdict else ""
@@ -379,28 +394,38 @@ def _examples_section(samples_by_split: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+def _of_max_steps(info: dict) -> str:
+    max_steps = info.get("max_steps")
+    return f" of {max_steps}" if isinstance(max_steps, int) and max_steps > 0 else ""
+
+
+def _eval_else_train(summary: dict, key: str) -> float | None:
+    value = summary.get(f"{key}_eval")
+    return value if value is not None else summary.get(f"{key}_train")
+
+
 def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert]) -> str:
     stage = (info.get("stage") or summary.get("stage") or "").upper()
     parts = []
     if judged_sentence:
         parts.append(judged_sentence)
     elif stage == "DPO":
-        parts.append(f"DPO ran {_num(summary.get('last_step'))} steps; final reward accuracy "
-                     f"{_pct(summary.get('final_reward_accuracy_eval') or summary.get('final_reward_accuracy_train'))}, "
-                     f"margin {_num(summary.get('final_reward_margin_eval') or summary.get('final_reward_margin_train'), 3)} "
-                     f"(no held-out judge).")
+        accuracy = _eval_else_train(summary, "final_reward_accuracy")
+        margin = _eval_else_train(summary, "final_reward_margin")
+        parts.append(f"DPO ran {_num(summary.get('last_step'))} steps; final reward accuracy {_pct(accuracy)}, "
+                     f"margin {_num(margin, 3)} (no held-out judge).")
     else:
         parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; final train loss "
                      f"{_num(summary.get('final_train_loss'))}, best eval loss {_num(summary.get('best_eval_loss'))} "
                      f"(no held-out judge).")
     if not summary.get("finished"):
-        max_steps = info.get("max_steps")
-        of_steps = f" of {max_steps}" if isinstance(max_steps, int) and max_steps > 0 else ""
-        parts.append(f"The run did not finish (last logged step {_num(summary.get('last_step'))}{of_steps}).")
+        parts.append(f"The run did not finish (last logged step {_num(summary.get('last_step'))}"
+                     f"{_of_max_steps(info)}).")
     errors = [alert for alert in alerts if alert.severity == "error"]
     if alerts:
-        parts.append(f"**{len(alerts)} health alert(s){' including ' + str(len(errors)) + ' error(s)' if errors else ''}:** "
-                     + "; ".join(alert.title for alert in alerts) + ".")
+        including = f" including {len(errors)} error(s)" if errors else ""
+        titles = "; ".join(alert.title for alert in alerts)
+        parts.append(f"**{len(alerts)} health alert(s){including}:** {titles}.")
     else:
         parts.append("No health alerts.")
     return " ".join(parts)
@@ -414,7 +439,8 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     run_name = info.get("run_name") or run_dir.name
     judged_lines, judged_sentence = _judged_section(info, run_dir)
     lines = [f"# {stage} run `{run_name}`", "", f"**Verdict:** {_headline(info, summary, judged_sentence, alerts)}", ""]
-    links = [f"[`{samples_text_file(split)}`]({samples_text_file(split)})" for split in SPLITS if samples_by_split.get(split)]
+    links = [f"[`{samples_text_file(split)}`]({samples_text_file(split)})"
+             for split in SPLITS if samples_by_split.get(split)]
     previous = info.get("previous_stage") or {}
     if previous.get("run_dir") and (run_dir / previous["run_dir"] / REPORT).exists():
         links.append(f"[{previous.get('stage', 'previous').upper()} stage report]({previous['run_dir']}/{REPORT})")
@@ -435,7 +461,8 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
 
 
 def _infer_stage(metrics: list[dict]) -> str:
-    return "dpo" if any("rewards/margins" in record or "eval_rewards/margins" in record for record in metrics) else "sft"
+    dpo = any("rewards/margins" in record or "eval_rewards/margins" in record for record in metrics)
+    return "dpo" if dpo else "sft"
 
 
 def build_report(run_dir: str | Path) -> Path:

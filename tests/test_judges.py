@@ -110,7 +110,8 @@ def test_programmatic_judge_on_nothing_reports_nan():
 
 def test_reward_model_scores_follow_the_hand_wired_weights(reward_model_path):
     judge = RewardModelJudge(reward_model_path, batch_size=4, device="cpu")
-    rewards = judge.score(["what is the answer ? "] * 5, ["good", "very good good", "bad", "the answer is ok", "bad bad good"])
+    replies = ["good", "very good good", "bad", "the answer is ok", "bad bad good"]
+    rewards = judge.score(["what is the answer ? "] * 5, replies)
     assert rewards[0] > 0 and rewards[1] > rewards[0] and rewards[2] < 0 and rewards[4] < 0
     assert abs(rewards[3]) < 1e-6  # neutral words only
 
@@ -124,7 +125,8 @@ def test_reward_model_scores_do_not_depend_on_batching_or_padding(reward_model_p
 
 
 def test_reward_model_win_rate(reward_model_path):
-    prompts = ["what is the answer ? ", "please reply ", "what ? ", "please reply what ? ", "the answer ? ", "what is ? "]
+    prompts = ["what is the answer ? ", "please reply ", "what ? ", "please reply what ? ", "the answer ? ",
+               "what is ? "]
     reference = ["bad", "ok", "bad bad", "fine", "good", "good good"]
     trained = ["good", "good ok", "ok", "fine", "bad", "good good good"]  # win win win tie loss win
     result = RewardModelJudge(reward_model_path, device="cpu").judge(

@@ -11,7 +11,7 @@ import pytest
 
 from src.plots import CHARTS, ema, plot_history
 from src.report import ReportError, build_report, main, pick_examples, render_samples_text
-from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file
+from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_json
 from src.summary import summarize
 from tests.report_fixtures import (dpo_history, judged_run_dir, pipeline_run_dir, sft_history, training_info,
                                    write_run_dir)
@@ -46,7 +46,8 @@ def test_summary_of_a_finished_dpo_run():
     last_train = [record for record in history if "loss" in record][-1]
     assert summary["final_train_loss"] == last_train["loss"]
     assert summary["final_reward_accuracy_train"] == last_train["rewards/accuracies"]
-    assert summary["final_reward_accuracy_eval"] == [r for r in history if "eval_loss" in r][-1]["eval_rewards/accuracies"]
+    last_eval = [record for record in history if "eval_loss" in record][-1]
+    assert summary["final_reward_accuracy_eval"] == last_eval["eval_rewards/accuracies"]
     assert summary["finished"] is True and summary["last_step"] == 200
     assert summary["wall_time_s"] == history[-1]["train_runtime"]
     assert summary["train_loss"] == history[-1]["train_loss"]
@@ -135,7 +136,8 @@ def test_sample_text_holds_every_prompt_once_with_all_answers(judged_run):
             for field in ("prompt", "reference_answer", "trained_answer", "chosen"):
                 assert sample[field].rstrip() in block
             verdict = sample["verdict"]["trained"]
-            assert f"verdict trained:   score {verdict['score']:g}, correct {'yes' if verdict['correct'] else 'no'}" in block
+            correct = "yes" if verdict["correct"] else "no"
+            assert f"verdict trained:   score {verdict['score']:g}, correct {correct}" in block
         assert "correct_and_preferred: before" in text.splitlines()[1]
 
 
@@ -170,7 +172,7 @@ def test_report_of_a_judged_dpo_run(judged_run):
     assert "| batch | 8 per device × 1 accumulation × 2 processes = 16 pairs per optimizer step |" in report
     assert "2.5e-07 at base batch 8 → 5e-07 at batch 16 (linear scaling)" in report
     assert "| versions | python 3.11.9 · torch 2.13.0" in report
-    assert "| ↳ preferred |" in report and "| val | correct-and-preferred | 40 |" in report
+    assert "| ↳ preferred |" in report and "| val | correct and preferred | 40 |" in report
     assert "| best eval loss |" in report and "| peak memory per device | 2,000 MB |" in report
     images = [line[line.index("(") + 1:-1] for line in lines if line.startswith("![")]
     assert len(images) == 6 and all((run_dir / image).is_file() for image in images)
@@ -189,6 +191,22 @@ def test_report_of_a_pipeline_shows_untrained_sft_and_dpo(tmp_path):
     assert "| split | metric | n | untrained | after SFT | after DPO | DPO change |" in report
     assert "[SFT stage report](sft/report.md)" in report
     assert "measured its starting model" not in report  # the DPO stage's "before" equals the SFT stage's "after"
+
+
+def test_pipeline_report_without_the_sft_directory_uses_the_copied_summary(tmp_path):
+    """Only the DPO run directory was copied: the SFT numbers come from previous_stage.judge (test split only)."""
+    run_dir = pipeline_run_dir(tmp_path / "run")
+    shutil.rmtree(run_dir / "sft")
+    info = read_json(run_dir / TRAINING_INFO)
+    info["judges"]["test"]["before"] += 0.05  # and the DPO stage measured its starting model differently
+    write_json(run_dir / TRAINING_INFO, info)
+    report = build_report(run_dir).read_text(encoding="utf-8")
+    sft = info["previous_stage"]["judge"]
+    test_row = next(line for line in report.splitlines() if line.startswith("| test |"))
+    assert f"| {100 * sft['before']:.1f}% | {100 * sft['after']:.1f}% |" in test_row
+    val_row = next(line for line in report.splitlines() if line.startswith("| val |"))
+    assert "| n/a |" in val_row  # the untrained model was judged on test only
+    assert "The DPO stage measured its starting model at" in report and "SFT stage report" not in report
 
 
 def test_report_lists_alerts_first_thing(tmp_path):
@@ -228,7 +246,7 @@ def test_reward_model_judge_results_read_as_win_rates(tmp_path):
     run_dir = write_run_dir(tmp_path / "run", dpo_history(), info)
     report = build_report(run_dir).read_text(encoding="utf-8")
     assert "DPO's answers beat the starting model's on 64.0% of 50 held-out test prompts" in report
-    assert "| ↳ mean-reward |  | -0.2 | 0.35 |  |" in report and "test: 31 wins, 2 ties, 17 losses." in report
+    assert "| ↳ mean reward |  | -0.2 | 0.35 |  |" in report and "test: 31 wins, 2 ties, 17 losses." in report
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
