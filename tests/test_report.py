@@ -80,8 +80,7 @@ def test_summary_without_eval_or_with_nan_eval():
 
 HISTORIES = {
     "dpo": dpo_history(perf=True), "dpo_no_eval": dpo_history(eval_every=None),
-    "dpo_one_point": dpo_history(steps=1, eval_every=None), "dpo_nan": dpo_history("nan"),
-    "dpo_crashed": dpo_history(steps=37, finished=False),
+    "dpo_one_point": dpo_history(steps=1, eval_every=None), "dpo_nan": dpo_history("nan", finished=False),
     "sft": sft_history(), "sft_no_eval": sft_history(eval_every=None),
     "sft_one_point": sft_history(steps=1, eval_every=None), "sft_nan": sft_history("nan"),
 }
