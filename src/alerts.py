@@ -1,0 +1,287 @@
+"""Health alerts read from a run's metric history: what went wrong, the numbers that show it, and what to do.
+
+    alerts = detect_alerts(read_jsonl(run_dir / "metrics.jsonl"), stage="dpo")
+    print(format_alerts(alerts))
+
+The training job prints them at the end of every run; `report.md` lists them (`python -m src.report RUN_DIR`).
+Every check reads only the logged metrics (TRL's names, see NOTES.md), so it works on a crashed or copied run.
+Trend checks compare the *start* window (first 10% of train records) with the *end* window (last 20%): averaging
+over windows keeps per-step noise of small batches from firing an alert, and needs at least `MIN_RECORDS` records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from src.summary import finite, series
+
+LN2 = math.log(2)
+
+# Fewer train records than this and a trend is noise: only the NaN/inf check runs.
+MIN_RECORDS = 5
+START_FRACTION = 0.10
+END_FRACTION = 0.20
+
+# Policy identical to the reference. For the sigmoid DPO loss, loss = softplus(-margin) ≈ ln 2 - margin / 2 near
+# zero, and rewards are β·(log π - log π_ref) summed over the answer. A margin below 0.01 for the whole second
+# half of training (β = 0.1: 0.1 nats over a whole answer) means the policy has not moved; a healthy run leaves
+# this band within its first few dozen steps.
+STUCK_TOLERANCE = 0.01
+
+# Likelihood displacement (Razin et al. 2024): the chosen answer's reward falls too. When it falls by at least
+# half as much as the rejected one, most probability mass taken from rejected answers goes to answers in neither
+# column rather than to the chosen ones. Chosen rewards dipping a little while rejected ones fall fast is normal DPO.
+DISPLACEMENT_RATIO = 0.5
+# The rejected reward must have fallen clearly beyond the "not moving" band for the comparison to mean anything.
+DISPLACEMENT_MIN_FALL = 5 * STUCK_TOLERANCE
+
+# Reward accuracy saturated early. A logged accuracy is the mean over every pair in the logging window, so 0.99+
+# means essentially every pair is already ranked right; reaching it within the first 5% of steps and staying
+# there (mean ≥ 0.95 afterwards) means there is little left to learn from these pairs.
+SATURATED_ACCURACY = 0.99
+SATURATED_MEAN_AFTER = 0.95
+EARLY_FRACTION = 0.05
+
+# Margins growing without bound. The sigmoid loss is softplus(-margin): at margin 5 it is 0.0067, so the pairs are
+# fit and further growth buys nothing but distance from the reference (β-independent: the loss sees the margin
+# only). "Still growing" = over the last third of training the fitted slope adds more than 15% of the final
+# margin; a curve that is levelling off (1 - e^(-t/τ) shape) adds under 10%.
+MARGIN_LARGE = 5.0
+MARGIN_STILL_GROWING = 0.15
+
+# SFT loss should fall: less than a 5% drop from start window to end window is "not decreasing" (a useful SFT
+# run drops by tens of percent; 5% stays clear of the noise of window means on a flat curve).
+SFT_MIN_RELATIVE_DROP = 0.05
+
+# Overfitting: the final eval loss is more than 5% and more than 0.01 nats above the best one (needs 3 eval points).
+# The absolute floor matters when the loss is near zero (a fit DPO run), where 5% is within evaluation noise.
+EVAL_RISE = 0.05
+EVAL_RISE_MIN = 0.01
+MIN_EVAL_POINTS = 3
+
+
+@dataclass
+class Alert:
+    severity: str  # "warning" | "error"
+    title: str
+    evidence: str  # numbers from the history
+    advice: str  # what to do
+    code: str = ""  # stable identifier, e.g. "dpo_stuck"
+
+
+def _windows(values: list[float]) -> tuple[float, float]:
+    """Mean of the start window and of the end window of a series (finite values only)."""
+    values = finite(values)
+    count = len(values)
+    start = values[: max(1, round(count * START_FRACTION))]
+    end = values[-max(1, round(count * END_FRACTION)):]
+    return sum(start) / len(start), sum(end) / len(end)
+
+
+def _finite_series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of `key` where the value is finite (the NaN/inf check reports the others)."""
+    steps, values = series(metrics, key)
+    points = [(step, value) for step, value in zip(steps, values) if math.isfinite(value)]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _non_finite(metrics: list[dict]) -> Alert | None:
+    first_step: dict[str, int] = {}
+    kinds: dict[str, set] = {}
+    bad_records = 0
+    for record in metrics:
+        bad = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+        bad_records += bool(bad)
+        for key in bad:
+            first_step.setdefault(key, record.get("step"))
+            kinds.setdefault(key, set()).add("NaN" if math.isnan(record[key]) else "inf")
+    if not bad_records:
+        return None
+    first = min(first_step.values(), key=lambda step: (step is None, step))
+    # The training signals first (loss, gradient norm), then other train metrics, then eval metrics.
+    priority = {"loss": 0, "grad_norm": 1}
+    keys = sorted((key for key in first_step if first_step[key] == first),
+                  key=lambda key: (priority.get(key, 2), key.startswith("eval_"), key))
+    named = ", ".join(f"{key} {'/'.join(sorted(kinds[key]))}" for key in keys[:5])
+    evidence = f"first at step {first}: {named}" + (f" and {len(keys) - 5} more metric(s)" if len(keys) > 5 else "")
+    later = len(first_step) - len(keys)
+    evidence += (f"; {later} more metric(s) later" if later else "") + \
+        f"; {bad_records} of {len(metrics)} logged records hold a non-finite value"
+    return Alert(
+        "error", "NaN/inf in the logged metrics", evidence,
+        "Training diverged or hit a numerical fault at the first step named. Lower the learning rate or add "
+        "warmup, keep gradient clipping on (max_grad_norm), prefer bf16 over fp16 (fp16 overflows), and look at "
+        "the batch at that step for empty or fully masked completions (a division by zero tokens).",
+        code="non_finite",
+    )
+
+
+def _dpo_stuck(metrics: list[dict]) -> Alert | None:
+    steps, margins = _finite_series(metrics, "rewards/margins")
+    if len(margins) < MIN_RECORDS:
+        return None
+    half = steps[-1] - (steps[-1] - steps[0]) / 2
+    late_margins = [value for step, value in zip(steps, margins) if step >= half]
+    if max(abs(value) for value in late_margins) >= STUCK_TOLERANCE:
+        return None
+    loss_steps, losses = _finite_series(metrics, "loss")
+    late_losses = [value for step, value in zip(loss_steps, losses) if step >= half]
+    rewards = [abs(value) for key in ("rewards/chosen", "rewards/rejected")
+               for step, value in zip(*_finite_series(metrics, key)) if step >= half]
+    loss_at_ln2 = bool(late_losses) and max(abs(value - LN2) for value in late_losses) < STUCK_TOLERANCE
+    rewards_zero = bool(rewards) and max(rewards) < STUCK_TOLERANCE
+    if not (loss_at_ln2 or rewards_zero):
+        return None
+    evidence = f"from step {int(half)} to {steps[-1]}: |rewards/margins| ≤ {max(map(abs, late_margins)):.2g}"
+    if late_losses:
+        evidence += f", loss {min(late_losses):.4f}..{max(late_losses):.4f} (ln 2 = {LN2:.4f})"
+    if rewards:
+        evidence += f", |rewards/chosen|, |rewards/rejected| ≤ {max(rewards):.2g}"
+    return Alert(
+        "error", "DPO loss stuck at ln 2 with zero margins: the policy is not moving away from the reference",
+        evidence,
+        "The policy still scores chosen and rejected exactly like the reference. Either the learning rate is too "
+        "low for this setup (check the scaled learning rate in the setup table; DPO commonly uses 5e-7..5e-6 for "
+        "full fine-tuning, 1e-5..1e-4 for LoRA) or the reference is the policy itself (the same model object, or "
+        "LoRA adapters that were never enabled). Also check that chosen and rejected actually differ.",
+        code="dpo_stuck",
+    )
+
+
+def _dpo_displacement(metrics: list[dict]) -> Alert | None:
+    _, chosen = _finite_series(metrics, "rewards/chosen")
+    _, rejected = _finite_series(metrics, "rewards/rejected")
+    if min(len(chosen), len(rejected)) < MIN_RECORDS:
+        return None
+    chosen_start, chosen_end = _windows(chosen)
+    rejected_start, rejected_end = _windows(rejected)
+    chosen_fall, rejected_fall = chosen_start - chosen_end, rejected_start - rejected_end
+    displaced = chosen_end < 0 and chosen_fall >= DISPLACEMENT_RATIO * rejected_fall
+    if not (rejected_fall > DISPLACEMENT_MIN_FALL and displaced):
+        return None
+    return Alert(
+        "warning", "Chosen and rejected rewards both falling (likelihood displacement)",
+        f"rewards/chosen {chosen_start:+.3f} → {chosen_end:+.3f}, rewards/rejected {rejected_start:+.3f} → "
+        f"{rejected_end:+.3f} (start vs end of training): the chosen answers lost {chosen_fall / rejected_fall:.0%} "
+        f"as much as the rejected ones",
+        "The margin grows by pushing both answers down, so probability moves to answers in neither column; the "
+        "trained model may get worse at producing the chosen answers. Lower the learning rate or train fewer steps, "
+        "raise beta, make chosen and rejected less similar (displacement is worst for near-identical pairs), or add "
+        "an SFT term on the chosen answers (loss_type=[\"sigmoid\", \"sft\"] with loss_weights).",
+        code="dpo_displacement",
+    )
+
+
+def _dpo_saturated(metrics: list[dict]) -> Alert | None:
+    steps, accuracies = _finite_series(metrics, "rewards/accuracies")
+    if len(accuracies) < MIN_RECORDS:
+        return None
+    last_step = max(record.get("step", 0) for record in metrics)
+    first_saturated = next((index for index, value in enumerate(accuracies) if value >= SATURATED_ACCURACY), None)
+    if first_saturated is None:
+        return None
+    # With a coarse logging interval the first record may lie beyond 5% of training: it still counts as "early".
+    early_limit = max(EARLY_FRACTION * last_step, steps[0])
+    after = accuracies[first_saturated:]
+    mean_after = sum(after) / len(after)
+    if steps[first_saturated] > early_limit or mean_after < SATURATED_MEAN_AFTER:
+        return None
+    return Alert(
+        "warning", "Reward accuracy saturated at 1.0 early in training",
+        f"rewards/accuracies reached {accuracies[first_saturated]:.2f} at step {steps[first_saturated]} of "
+        f"{last_step} ({steps[first_saturated] / max(last_step, 1):.0%} of training) and averaged {mean_after:.3f} "
+        f"afterwards",
+        "The pairs are too easy to tell apart, so DPO has little to learn from them and mostly grows margins. "
+        "Check that chosen and rejected do not differ in a trivial way (length, a fixed phrase, formatting); use "
+        "harder pairs (e.g. rejected answers sampled from the model itself); or raise beta if it is very small.",
+        code="dpo_saturated",
+    )
+
+
+def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
+    steps, margins = _finite_series(metrics, "rewards/margins")
+    if len(margins) < MIN_RECORDS:
+        return None
+    _, margin_end = _windows(margins)
+    two_thirds = steps[0] + (steps[-1] - steps[0]) * 2 / 3
+    last_third = [(step, value) for step, value in zip(steps, margins) if step >= two_thirds]
+    if margin_end <= MARGIN_LARGE or len(last_third) < 3:
+        return None
+    xs, ys = zip(*last_third)
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    variance = sum((x - x_mean) ** 2 for x in xs)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / variance if variance else 0.0
+    growth = slope * (xs[-1] - xs[0])
+    if growth <= MARGIN_STILL_GROWING * margin_end:
+        return None
+    return Alert(
+        "warning", "Reward margins growing without bound",
+        f"rewards/margins ends at {margin_end:.2f} (the sigmoid loss is {math.log1p(math.exp(-margin_end)):.1e} "
+        f"there) and still grew by {growth:.2f} over the last third of training (steps {xs[0]}..{xs[-1]})",
+        "The pairs are already fit; more steps only move the policy further from the reference, which usually "
+        "means over-optimisation (degenerate, repetitive or very long outputs). Stop earlier (use the checkpoint "
+        "at the best eval loss), raise beta, lower the learning rate, or use a bounded loss such as "
+        "loss_type=[\"ipo\"].",
+        code="dpo_unbounded_margins",
+    )
+
+
+def _sft_not_decreasing(metrics: list[dict]) -> Alert | None:
+    _, losses = _finite_series(metrics, "loss")
+    if len(losses) < MIN_RECORDS:
+        return None
+    loss_start, loss_end = _windows(losses)
+    if loss_end < loss_start * (1 - SFT_MIN_RELATIVE_DROP):
+        return None
+    rose = loss_end > loss_start
+    return Alert(
+        "error" if rose else "warning",
+        "SFT loss rising" if rose else "SFT loss not decreasing",
+        f"train loss {loss_start:.4f} at the start vs {loss_end:.4f} at the end "
+        f"({(loss_end - loss_start) / loss_start:+.1%})",
+        "Too low a learning rate leaves the loss flat (check the scaled learning rate in the setup table); too high "
+        "a one makes it rise. Also check that the completion tokens are not all masked out and that the data has "
+        "something the model does not already know.",
+        code="sft_not_decreasing",
+    )
+
+
+def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
+    steps, losses = _finite_series(metrics, "eval_loss")
+    if len(losses) < MIN_EVAL_POINTS:
+        return None
+    best = min(losses)
+    best_step = steps[losses.index(best)]
+    if losses[-1] <= best + max(EVAL_RISE * abs(best), EVAL_RISE_MIN):
+        return None
+    return Alert(
+        "warning", "Eval loss rising after its best point (overfitting)",
+        f"eval_loss best {best:.4f} at step {best_step}, final {losses[-1]:.4f} at step {steps[-1]}",
+        f"The model is fitting the training set at the expense of held-out data. Use the checkpoint nearest step "
+        f"{best_step}, train fewer steps/epochs, lower the learning rate, or add data.",
+        code="eval_loss_rising",
+    )
+
+
+def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:
+    """All health alerts for a metric history of `stage` ("dpo" or "sft"), errors first."""
+    checks = [_non_finite, _eval_loss_rising]
+    if stage == "dpo":
+        checks += [_dpo_stuck, _dpo_displacement, _dpo_saturated, _dpo_unbounded_margins]
+    else:
+        checks += [_sft_not_decreasing]
+    alerts = [alert for check in checks if (alert := check(metrics)) is not None]
+    return sorted(alerts, key=lambda alert: alert.severity != "error")
+
+
+def format_alerts(alerts: list[Alert]) -> str:
+    """The alerts as console text (several lines per alert)."""
+    if not alerts:
+        return "Health checks: no alerts."
+    lines = [f"Health checks: {len(alerts)} alert(s)"]
+    for alert in alerts:
+        lines += [f"[{alert.severity.upper()}] {alert.title}",
+                  f"    evidence:   {alert.evidence}",
+                  f"    what to do: {alert.advice}"]
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""Judges: score the starting (reference) model's answers and the trained model's answers to held-out prompts.
+
+    result = ProgrammaticJudge(check, metric="correct_and_preferred").judge(rows, reference_answers, trained_answers)
+    result = RewardModelJudge("path/or/hub-id-of-a-reward-model").judge(rows, reference_answers, trained_answers)
+
+`rows` are dicts with at least "prompt" (str, or a list of chat messages) and "meta" (dict), optionally "chosen".
+The per-sample verdicts go into `samples_<split>.jsonl`, the aggregates (`JudgeResult.to_dict()`) into
+`training_info.json`.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+
+@dataclass
+class JudgeResult:
+    """Aggregates of one judged split. `before`/`after` are fractions 0..1 for the starting and the trained model.
+
+    `details` maps a name to {"before": x, "after": y} (fractions 0..1, except names starting with "mean_", which
+    are raw means such as rewards) or to a dict of counts (e.g. {"improved": 3, "regressed": 1, "unchanged": 36}).
+    """
+
+    metric: str
+    n: int
+    before: float
+    after: float
+    verdicts: list[dict]  # per sample: {"reference": {...}, "trained": {...}}
+    details: dict = field(default_factory=dict)
+    judge: str = ""  # which judge produced it, e.g. "programmatic" or "reward model ./rm"
+
+    def to_dict(self) -> dict:
+        """JSON-ready aggregates, without the per-sample verdicts (those go in samples_*.jsonl)."""
+        result = asdict(self)
+        del result["verdicts"]
+        return result
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _check_lengths(rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> None:
+    if not len(rows) == len(reference_answers) == len(trained_answers):
+        raise ValueError(f"judge: {len(rows)} rows but {len(reference_answers)} reference answers and "
+                         f"{len(trained_answers)} trained answers; they must match one to one")
+
+
+def _changes(before: list[float], after: list[float]) -> dict:
+    return {"improved": sum(b < a for b, a in zip(before, after)),
+            "regressed": sum(b > a for b, a in zip(before, after)),
+            "unchanged": sum(b == a for b, a in zip(before, after))}
+
+
+class Judge(abc.ABC):
+    name: str = "judge"
+
+    @abc.abstractmethod
+    def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
+        """Verdicts for the reference and the trained answer to every row, and their aggregates."""
+
+
+class ProgrammaticJudge(Judge):
+    """Checks every answer with code: for verifiable tasks (the embedded default's tasks).
+
+    `check(row, answer)` returns a verdict dict with "score" (float 0..1) and any boolean sub-criteria
+    (e.g. "correct", "preferred"). before/after = mean score; details = the mean of each boolean sub-criterion.
+    """
+
+    name = "programmatic"
+
+    def __init__(self, check: Callable[[dict, str], dict], metric: str = "accuracy"):
+        self.check = check
+        self.metric = metric
+
+    def _verdict(self, row: dict, answer: str) -> dict:
+        verdict = dict(self.check(row, answer))
+        if not isinstance(verdict.get("score"), (int, float)) or isinstance(verdict.get("score"), bool):
+            raise ValueError(f"ProgrammaticJudge: check() must return a dict with a numeric 'score', got {verdict!r}")
+        return verdict
+
+    def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
+        _check_lengths(rows, reference_answers, trained_answers)
+        verdicts = [{"reference": self._verdict(row, reference), "trained": self._verdict(row, trained)}
+                    for row, reference, trained in zip(rows, reference_answers, trained_answers)]
+        before = [float(verdict["reference"]["score"]) for verdict in verdicts]
+        after = [float(verdict["trained"]["score"]) for verdict in verdicts]
+        criteria = sorted({key for verdict in verdicts for side in verdict.values() for key, value in side.items()
+                           if isinstance(value, bool)})
+        details = {key: {"before": _mean([float(v["reference"].get(key, False)) for v in verdicts]),
+                         "after": _mean([float(v["trained"].get(key, False)) for v in verdicts])} for key in criteria}
+        details["changes"] = _changes(before, after)
+        return JudgeResult(self.metric, len(rows), _mean(before), _mean(after), verdicts, details, judge=self.name)
+
+
+class RewardModelJudge(Judge):
+    """Scores answers with a sequence-classification reward model (one logit), e.g. one trained with TRL's
+    RewardTrainer, and reports how often the trained answer beats the reference answer.
+
+    The text is built the way RewardTrainer builds its training pairs, so such a model sees what it was trained
+    on: a chat prompt (list of messages) goes through the tokenizer's chat template with the answer as the
+    assistant turn; a string prompt is concatenated with the answer plus the EOS token. Over-long inputs are
+    truncated from the left, because the model scores the last token and the answer is at the end.
+
+    Metric "win_rate": after = fraction of prompts where reward(trained) > reward(reference), ties (identical
+    answers, or equal rewards) counting 0.5; before = 0.5, the reference model against itself. details:
+    mean rewards before/after, win/tie/loss counts and, when every row has a "chosen" answer,
+    "win_rate_vs_chosen" — how often each model's answer beats the dataset's chosen answer, a before/after pair
+    measured against one fixed anchor.
+    """
+
+    metric = "win_rate"
+
+    def __init__(self, model_name_or_path: str, batch_size: int = 16, device: str | None = None,
+                 max_length: int = 1024):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.name = f"reward model {model_name_or_path}"
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_name_or_path).to(self.device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"RewardModelJudge: {model_name_or_path} has num_labels={self.model.config.num_labels}; "
+                             f"a reward model has one output (num_labels=1), e.g. one trained with TRL's RewardTrainer")
+        # The model pools the last token that is not padding, so it must know the padding id; RewardTrainer falls
+        # back to EOS the same way when the tokenizer has no padding token.
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def _input_ids(self, prompt: str | list, answer: str) -> list[int]:
+        if isinstance(prompt, list) and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}],
+                                                     tokenize=True, return_dict=True)["input_ids"]
+        else:
+            if isinstance(prompt, list):  # a chat but no template to render it with: plain text turns
+                prompt = "".join(f"{message['role']}: {message['content']}\n" for message in prompt)
+            text = prompt + answer
+            eos = self.tokenizer.eos_token
+            if eos and not text.endswith(eos):
+                text += eos
+            ids = self.tokenizer(text)["input_ids"]
+        return list(ids)[-self.max_length:]
+
+    def score(self, prompts: list[str | list], answers: list[str]) -> list[float]:
+        """The reward of each (prompt, answer) pair."""
+        import torch
+
+        sequences = [self._input_ids(prompt, answer) for prompt, answer in zip(prompts, answers)]
+        # Batches of similar lengths waste less compute on padding; results go back in the original order.
+        order = sorted(range(len(sequences)), key=lambda index: len(sequences[index]))
+        rewards = [math.nan] * len(sequences)
+        pad = self.tokenizer.pad_token_id
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                width = max(len(sequences[index]) for index in batch)
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, index in enumerate(batch):
+                    input_ids[row, :len(sequences[index])] = torch.tensor(sequences[index])
+                    attention_mask[row, :len(sequences[index])] = 1
+                logits = self.model(input_ids=input_ids.to(self.device),
+                                    attention_mask=attention_mask.to(self.device)).logits
+                for index, value in zip(batch, logits[:, 0].float().cpu().tolist()):
+                    rewards[index] = value
+        return rewards
+
+    def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
+        _check_lengths(rows, reference_answers, trained_answers)
+        prompts = [row["prompt"] for row in rows]
+        reference_rewards = self.score(prompts, reference_answers)
+        trained_rewards = self.score(prompts, trained_answers)
+        wins = [_win(trained, reference, same_text=new == old)
+                for trained, reference, new, old in zip(trained_rewards, reference_rewards, trained_answers,
+                                                        reference_answers)]
+        verdicts = [{"reference": {"reward": reference}, "trained": {"reward": trained, "win": win}}
+                    for reference, trained, win in zip(reference_rewards, trained_rewards, wins)]
+        details = {"mean_reward": {"before": _mean(reference_rewards), "after": _mean(trained_rewards)},
+                   "outcomes": {"wins": wins.count(1.0), "ties": wins.count(0.5), "losses": wins.count(0.0)}}
+        chosen = [row.get("chosen") for row in rows]
+        if rows and all(isinstance(answer, str) for answer in chosen):
+            chosen_rewards = self.score(prompts, chosen)
+            details["win_rate_vs_chosen"] = {
+                "before": _mean([_win(r, c) for r, c in zip(reference_rewards, chosen_rewards)]),
+                "after": _mean([_win(t, c) for t, c in zip(trained_rewards, chosen_rewards)])}
+            for verdict, reward in zip(verdicts, chosen_rewards):
+                verdict["reference"]["chosen_reward"] = verdict["trained"]["chosen_reward"] = reward
+        return JudgeResult(self.metric, len(rows), 0.5 if rows else math.nan, _mean(wins), verdicts, details,
+                           judge=self.name)
+
+
+def _win(reward: float, other: float, same_text: bool = False) -> float:
+    """1 if `reward` beats `other`, 0.5 for a tie (or the very same answer), 0 otherwise."""
+    if same_text or reward == other:
+        return 0.5
+    return 1.0 if reward > other else 0.0

@@ -1,0 +1,244 @@
+"""Training curves as PNG files, drawn from the metric history alone (headless: matplotlib's Agg canvas, no pyplot).
+
+    plot_history(read_jsonl(run_dir / "metrics.jsonl"), stage="dpo", out_dir=run_dir / "plots")
+
+One file per concern. Train curves are EMA-smoothed with the raw values faint behind them; eval points are
+markers; NaN/inf values are marked with red crosses along the top edge at the step they were logged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from src.summary import series
+
+X_LABEL = "optimizer step"
+TRAIN_COLOR, EVAL_COLOR = "#1f77b4", "#ff7f0e"
+# Below this many finite points smoothing would hide the data: draw the raw points with markers instead.
+SMOOTH_MIN_POINTS = 10
+
+
+@dataclass(frozen=True)
+class Curve:
+    key: str  # train metric; its eval counterpart is "eval_" + key
+    label: str
+    color: str = TRAIN_COLOR
+    smooth: bool = True  # False for exact quantities such as the learning-rate schedule
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    ylabel: str
+    curves: tuple[Curve, ...]
+    reference_lines: tuple[tuple[float, str], ...] = ()  # (y, legend label)
+    ylim: tuple[float, float] | None = None
+    log_when_wide: bool = False  # log y axis when the values span more than two decades
+    # Smallest y range shown: a flat curve (a stuck run) then looks flat instead of its noise being blown up.
+    min_y_span: float | None = None
+    y_from_zero: bool = False  # for quantities read as "how much" (throughput, memory)
+
+
+@dataclass(frozen=True)
+class Chart:
+    filename: str
+    caption: str
+    panels: tuple[Panel, ...]
+
+
+_LR_GRAD = Chart("lr_grad_norm.png", "Learning rate and gradient norm", (
+    Panel("Learning rate schedule", "learning rate", (Curve("learning_rate", "learning rate", smooth=False),)),
+    Panel("Gradient norm (before clipping)", "grad norm (L2)", (Curve("grad_norm", "grad norm"),), log_when_wide=True),
+))
+_THROUGHPUT = Chart("throughput.png", "Throughput and memory", (
+    Panel("Training throughput", "tokens / second (all ranks)", (Curve("perf/tokens_per_second", "tokens/s"),),
+          y_from_zero=True),
+    Panel("Peak accelerator memory", "peak memory (MB, per device)",
+          (Curve("perf/peak_memory_mb", "peak memory", smooth=False),),
+          y_from_zero=True),
+))
+
+CHARTS = {
+    "dpo": (
+        Chart("loss.png", "DPO loss", (
+            Panel("DPO loss", "DPO loss", (Curve("loss", "loss"),),
+                  reference_lines=((math.log(2), "ln 2 = 0.693 (policy = reference)"),), min_y_span=0.2),)),
+        Chart("rewards.png", "Implicit rewards of chosen and rejected answers", (
+            Panel("Implicit rewards: chosen vs rejected", "reward (β·log-ratio, nats)",
+                  (Curve("rewards/chosen", "chosen", "#2ca02c"), Curve("rewards/rejected", "rejected", "#d62728")),
+                  reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
+        Chart("margins.png", "Reward margin", (
+            Panel("Reward margin (chosen − rejected)", "margin (β·log-ratio, nats)",
+                  (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
+                  min_y_span=0.5),)),
+        Chart("reward_accuracy.png", "Reward accuracy", (
+            Panel("Reward accuracy (chosen > rejected)", "accuracy (fraction of pairs)",
+                  (Curve("rewards/accuracies", "reward accuracy"),), reference_lines=((0.5, "chance"),),
+                  ylim=(-0.02, 1.04)),)),
+        _LR_GRAD,
+        _THROUGHPUT,
+    ),
+    "sft": (
+        Chart("loss.png", "SFT loss", (
+            Panel("SFT loss (cross-entropy on completion tokens)", "loss (nats/token)", (Curve("loss", "loss"),),
+                  min_y_span=0.2),)),
+        Chart("token_accuracy.png", "Next-token accuracy", (
+            Panel("Next-token accuracy on completion tokens", "accuracy (fraction of tokens)",
+                  (Curve("mean_token_accuracy", "token accuracy"),), ylim=(-0.02, 1.04)),)),
+        _LR_GRAD,
+        _THROUGHPUT,
+    ),
+}
+
+
+def ema(values: list[float], span: int) -> list[float]:
+    """Debiased exponential moving average (as TensorBoard draws it); non-finite values are skipped (NaN out)."""
+    alpha = 2.0 / (span + 1)
+    average, weight, smoothed = 0.0, 0.0, []
+    for value in values:
+        if not math.isfinite(value):
+            smoothed.append(math.nan)
+            continue
+        average = (1 - alpha) * average + alpha * value
+        weight = (1 - alpha) * weight + alpha
+        smoothed.append(average / weight)
+    return smoothed
+
+
+def _nan_for_non_finite(values: list[float]) -> list[float]:
+    return [value if math.isfinite(value) else math.nan for value in values]
+
+
+def _mark_non_finite(ax, steps: list[int], values: list[float], label: str, spans: bool) -> bool:
+    """Show where NaN/inf was logged: shaded bands over runs of train records, crosses on the top edge for eval."""
+    bad = [index for index, value in enumerate(values) if not math.isfinite(value)]
+    if not bad:
+        return False
+    legend = f"{label}: NaN/inf ({len(bad)}×, first at step {steps[bad[0]]})"
+    if spans:
+        runs, start = [], bad[0]
+        for previous, index in zip(bad, bad[1:] + [None]):
+            if index != previous + 1:
+                runs.append((steps[start], steps[previous]))
+                start = index
+        for number, (first, last) in enumerate(runs):
+            artist_label = legend if number == 0 else None
+            if first == last:
+                ax.axvline(first, color="red", alpha=0.5, linewidth=1.5, label=artist_label)
+            else:
+                ax.axvspan(first, last, color="red", alpha=0.12, linewidth=0, label=artist_label)
+    else:
+        # x in data coordinates, y in axes coordinates: the crosses sit on the top edge whatever the y range.
+        ax.plot([steps[index] for index in bad], [1.0] * len(bad), "x", color="red", markersize=8, mew=2,
+                transform=ax.get_xaxis_transform(), clip_on=False, label=legend)
+    return True
+
+
+def smoothing_span(count: int) -> int:
+    """EMA span for `count` points: about a twelfth of the curve, which irons out per-batch noise but keeps
+    trends that last longer than ~10% of training."""
+    return max(3, round(count / 12))
+
+
+def _draw_curve(ax, metrics: list[dict], curve: Curve, single_curve: bool) -> tuple[bool, int | None]:
+    """Draw the train and eval series of `curve`; returns (anything drawn, EMA span used or None)."""
+    drew, span = False, None
+    steps, values = series(metrics, curve.key)
+    finite_count = sum(math.isfinite(value) for value in values)
+    train_name = "train" if single_curve else f"{curve.label} (train)"
+    if finite_count >= SMOOTH_MIN_POINTS and curve.smooth:
+        span = smoothing_span(finite_count)
+        ax.plot(steps, _nan_for_non_finite(values), color=curve.color, alpha=0.25, linewidth=0.9)
+        ax.plot(steps, ema(values, span), color=curve.color, linewidth=2.0, label=train_name)
+        drew = True
+    elif finite_count:
+        few = finite_count < SMOOTH_MIN_POINTS
+        ax.plot(steps, _nan_for_non_finite(values), color=curve.color, linewidth=1.8, marker="o" if few else None,
+                markersize=5, label=train_name)
+        drew = True
+    drew |= _mark_non_finite(ax, steps, values, train_name, spans=True)
+
+    eval_steps, eval_values = series(metrics, "eval_" + curve.key)
+    eval_name = "eval" if single_curve else f"{curve.label} (eval)"
+    if any(math.isfinite(value) for value in eval_values):
+        color = EVAL_COLOR if single_curve else curve.color
+        ax.plot(eval_steps, _nan_for_non_finite(eval_values), color=color, linestyle="--", linewidth=1.3,
+                marker="o", markersize=6, markeredgecolor="black", markeredgewidth=0.8, label=eval_name, zorder=3)
+        drew = True
+    drew |= _mark_non_finite(ax, eval_steps, eval_values, eval_name, spans=False)
+    return drew, span
+
+
+def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
+    drew, spans = False, set()
+    for curve in panel.curves:
+        drew_curve, span = _draw_curve(ax, metrics, curve, single_curve=len(panel.curves) == 1)
+        drew |= drew_curve
+        spans |= {span} - {None}
+    ax.set_title(panel.title, fontsize=12, fontweight="bold", loc="left")
+    if spans:
+        ax.set_title(f"train: bold = EMA (~{max(spans)} points), faint = raw", fontsize=8.5,
+                     color="dimgray", loc="right")
+    if bottom:
+        ax.set_xlabel(X_LABEL)
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if not drew:
+        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray", fontsize=12)
+        return False
+    for y, label in panel.reference_lines:
+        ax.axhline(y, color="gray", linestyle=":", linewidth=1.2, label=label)
+    if panel.ylim:
+        ax.set_ylim(*panel.ylim)
+    elif panel.y_from_zero:
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.05)
+    elif panel.min_y_span:
+        low, high = ax.get_ylim()
+        if high - low < panel.min_y_span:
+            middle = (low + high) / 2
+            ax.set_ylim(middle - panel.min_y_span / 2, middle + panel.min_y_span / 2)
+    if panel.log_when_wide:
+        positive = [value for curve in panel.curves for value in series(metrics, curve.key)[1]
+                    if math.isfinite(value) and value > 0]
+        if positive and max(positive) > 100 * min(positive):
+            ax.set_yscale("log")
+    if ax.get_yscale() == "linear":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
+    ax.set_xlim(left=0)
+    if len(ax.get_legend_handles_labels()[1]) > 1:
+        ax.legend(fontsize=8.5, framealpha=0.85, loc="best")
+    return True
+
+
+def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
+    """Draw one chart into `path`; False (and no file) when none of its metrics was logged."""
+    height = 0.75 + 3.75 * len(chart.panels)
+    figure = Figure(figsize=(8.5, height), dpi=110)
+    # Fixed margins instead of a layout engine: the panels are alike, and a layout engine renders every figure twice.
+    figure.subplots_adjust(left=0.095, right=0.975, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.22)
+    axes = figure.subplots(len(chart.panels), 1, sharex=True, squeeze=False)[:, 0]
+    drew = [_draw_panel(ax, metrics, panel, bottom=index == len(axes) - 1)
+            for index, (ax, panel) in enumerate(zip(axes, chart.panels))]
+    if not any(drew):
+        return False
+    figure.align_ylabels(axes)
+    figure.savefig(path)
+    return True
+
+
+def plot_history(metrics: list[dict], stage: str, out_dir: str | Path) -> list[tuple[str, Path]]:
+    """Write every chart of `stage` that has data into `out_dir`; returns (caption, path) per written file."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for chart in CHARTS[stage]:
+        path = out_dir / chart.filename
+        if plot_chart(metrics, chart, path):
+            written.append((chart.caption, path))
+    return written

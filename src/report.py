@@ -1,0 +1,531 @@
+"""Build a run's report from its run directory alone: plots, readable sample files and a one-page report.md.
+
+    python -m src.report results/<run_name>
+
+Reads only `metrics.jsonl`, `training_info.json` and `samples_<split>.jsonl` (see src/run_files.py), so it works on
+a run that crashed and on a run directory copied off a cluster. Writes, inside the run directory:
+`plots/*.png`, `distributed_output_<split>.txt` (one per samples file) and `report.md`. The training job calls
+`build_report(run_dir)` on rank 0 at the end of every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from src.alerts import Alert, detect_alerts, format_alerts
+from src.plots import plot_history
+from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file
+from src.summary import summarize
+
+SPLITS = ("val", "test")
+REPORT = "report.md"
+PLOTS_DIR = "plots"
+EXAMPLES_IN_REPORT = 3
+# Longer answers are cut in report.md (the .txt files always hold the full text).
+REPORT_TEXT_LIMIT = 700
+
+
+class ReportError(Exception):
+    """The run directory cannot be reported on (missing, or no metrics); the message says why in one line."""
+
+
+def samples_text_file(split: str) -> str:
+    return f"distributed_output_{split}.txt"
+
+
+# ---------------------------------------------------------------------------------------------------- formatting
+
+
+def _pct(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%" if math.isfinite(value) else str(value)
+
+
+def _num(value, digits: int = 4) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _points(before: float | None, after: float | None) -> str:
+    if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
+        return "n/a"
+    return f"{100 * (after - before):+.1f} pts"
+
+
+def _ci95(fraction: float, count: int) -> str:
+    """Half-width of the normal-approximation 95% interval of a fraction, in percentage points."""
+    if not count or fraction is None or not math.isfinite(fraction):
+        return ""
+    return f" ±{196 * math.sqrt(max(fraction * (1 - fraction), 0.0) / count):.1f}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if hours else (f"{minutes} min {secs} s" if minutes else f"{seconds:.1f} s")
+
+
+def _metric_name(metric: str) -> str:
+    return metric.replace("_", " ")
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return lines
+
+
+def _fenced(text, limit: int | None = None) -> list[str]:
+    """A fenced code block holding `text` verbatim (cut at `limit` characters)."""
+    text = "" if text is None else (text if isinstance(text, str) else json.dumps(text, ensure_ascii=False))
+    if limit and len(text) > limit:
+        text = text[:limit] + f"\n… ({len(text) - limit} more characters; full text in the .txt file)"
+    fence = "````" if "```" in text else "```"
+    return [fence + "text", text.rstrip("\n") or "(empty)", fence]
+
+
+def _format_verdict(verdict: dict | None) -> str:
+    if not verdict:
+        return "no verdict"
+    return ", ".join(f"{key} {_num(value)}" for key, value in verdict.items())
+
+
+def _score(verdict: dict | None) -> float | None:
+    """The number a verdict ranks an answer by: a programmatic score or a reward."""
+    for key in ("score", "reward"):
+        value = (verdict or {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def _change(sample: dict) -> tuple[str, float | None]:
+    verdict = sample.get("verdict") or {}
+    before, after = _score(verdict.get("reference")), _score(verdict.get("trained"))
+    delta = None if before is None or after is None else after - before
+    if delta:
+        return ("improved" if delta > 0 else "regressed"), delta
+    if sample.get("trained_answer") == sample.get("reference_answer"):
+        return "same answer", delta
+    return ("answer changed" if delta is None else "answer changed, same verdict"), delta
+
+
+# ------------------------------------------------------------------------------------------------------ samples
+
+
+def render_samples_text(samples: list[dict], split: str, run_name: str = "", judge: dict | None = None) -> str:
+    """The human-readable sample file: every prompt with the reference, trained and dataset answers and verdicts."""
+    lines = [f"prefkit held-out samples: split {split}, {len(samples)} prompts"
+             + (f", run {run_name}" if run_name else "")]
+    if judge:
+        lines.append(f"judge: {judge.get('judge') or 'n/a'}; {judge.get('metric')}: before {_pct(judge.get('before'))}"
+                     f" -> after {_pct(judge.get('after'))} (n={judge.get('n')})")
+    lines.append("REFERENCE = the model this stage started from; TRAINED = the model after this stage; "
+                 "CHOSEN / REJECTED = the dataset's answers.")
+    rule = "=" * 100
+    for position, sample in enumerate(samples, start=1):
+        verdict = sample.get("verdict") or {}
+        label, _ = _change(sample)
+        title = f"[{position}/{len(samples)}] {sample.get('split', split)} #{sample.get('index')}  ->  {label}"
+        lines += ["", rule, title]
+        if verdict:
+            lines += [f"  verdict reference: {_format_verdict(verdict.get('reference'))}",
+                      f"  verdict trained:   {_format_verdict(verdict.get('trained'))}"]
+        lines.append(rule)
+        for title, text in (("PROMPT", sample.get("prompt")),
+                            ("REFERENCE answer (starting model)", sample.get("reference_answer")),
+                            ("TRAINED answer", sample.get("trained_answer")),
+                            ("CHOSEN (dataset)", sample.get("chosen")),
+                            ("REJECTED (dataset)", sample.get("rejected"))):
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                text = json.dumps(text, ensure_ascii=False, indent=1)
+            lines += [f"--- {title} ---", text.rstrip("\n") or "(empty)"]
+        if sample.get("meta"):
+            lines += ["--- meta ---", json.dumps(sample["meta"], ensure_ascii=False, sort_keys=True)]
+    return "\n".join(lines) + "\n"
+
+
+def pick_examples(samples: list[dict], count: int = EXAMPLES_IN_REPORT) -> list[dict]:
+    """Informative samples first: the biggest improvement, the worst regression, then other changed answers."""
+    changes = [(_change(sample), position) for position, sample in enumerate(samples)]
+    improved = sorted((item for item in changes if item[0][1] is not None and item[0][1] > 0), key=lambda i: -i[0][1])
+    regressed = sorted((item for item in changes if item[0][1] is not None and item[0][1] < 0), key=lambda i: i[0][1])
+    differing = [item for item in changes
+                 if samples[item[1]].get("trained_answer") != samples[item[1]].get("reference_answer")]
+    order = improved[:1] + regressed[:1] + improved[1:] + regressed[1:] + differing + changes
+    picked: list[int] = []
+    for _, position in order:
+        if position not in picked:
+            picked.append(position)
+    return [samples[position] for position in picked[:count]]
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+
+def _judge_results(info: dict) -> dict[str, dict]:
+    """Judged results per split: `judges` when the job wrote them, else the single headline `judge`."""
+    judges = dict(info.get("judges") or {})
+    if not judges and info.get("judge"):
+        judges[info["judge"].get("split", "test")] = info["judge"]
+    return {split: judges[split] for split in [*SPLITS, *judges] if split in judges}
+
+
+def _previous_judge_results(info: dict, run_dir: Path) -> dict[str, dict]:
+    """The previous pipeline stage's judged results: its own run directory's (per split, with details) when it is
+    there, else the `previous_stage.judge` summary copied into this run's training_info.json."""
+    previous = info.get("previous_stage") or {}
+    if not previous:
+        return {}
+    try:
+        results = _judge_results(read_json(run_dir / previous.get("run_dir", "") / TRAINING_INFO))
+    except (OSError, ValueError):
+        results = {}
+    if previous.get("judge"):
+        results.setdefault(previous["judge"].get("split", "test"), previous["judge"])
+    return results
+
+
+def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
+    """Each judged model's numbers in training order, as {"main": metric, <detail name>: value}:
+    [starting model, trained] or, in a pipeline, [untrained, after the previous stage, after this stage]."""
+    def numbers(source: dict, side: str) -> dict:
+        values = {name: pair.get(side) for name, pair in _sub_metrics(source).items()}
+        return {"main": source.get(side), **values}
+
+    starting, trained = numbers(result, "before"), numbers(result, "after")
+    if not pipeline:
+        return [starting, trained]
+    if earlier is None:
+        return [{}, starting, trained]
+    # The previous stage's own measurement of its trained model is the canonical "after" for that stage.
+    after_previous = {**starting, **{k: v for k, v in numbers(earlier, "after").items() if v is not None}}
+    return [numbers(earlier, "before"), after_previous, trained]
+
+
+def _judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
+    """Markdown for the judged results, and the one-sentence verdict they support."""
+    stage = info["stage"].upper()
+    judges, previous_judges = _judge_results(info), _previous_judge_results(info, run_dir)
+    if not judges:
+        return ["No held-out prompts were judged in this run."], None
+    pipeline = bool(previous_judges)
+    previous_stage = (info.get("previous_stage") or {}).get("stage", "previous").upper()
+    header = (["split", "metric", "n", "untrained", f"after {previous_stage}", f"after {stage}", f"{stage} change"]
+              if pipeline else ["split", "metric", "n", "before (starting model)", "after (trained)", "change"])
+    rows, notes = [], []
+    for split, result in judges.items():
+        earlier = previous_judges.get(split)
+        models = _models(result, earlier, pipeline)
+        for name in ["main", *_sub_metrics(result)]:
+            values = [model.get(name) for model in models]
+            cells = [_detail(name, value) for value in values]
+            change = "" if name.startswith("mean_") else _points(values[-2], values[-1])
+            if name == "main":
+                cells[-1] += _ci95(values[-1], result.get("n") or 0)
+                rows.append([split, _metric_name(result.get("metric", "")), result.get("n"), *cells, change])
+            else:
+                rows.append(["", f"↳ {_metric_name(name)}", "", *cells, change])
+        if earlier and _differs(earlier.get("after"), result.get("before")):
+            notes.append(f"The {stage} stage measured its starting model at {_pct(result.get('before'))} on {split}, "
+                         f"the {previous_stage} stage at {_pct(earlier.get('after'))}: generation was not "
+                         f"deterministic or the prompts differ.")
+
+    lines = _table(header, rows) + [""]
+    judge_names = sorted({result.get("judge") for result in judges.values() if result.get("judge")})
+    if judge_names:
+        lines.append(f"Judge: {', '.join(judge_names)}.")
+    if any(result.get("metric") == "win_rate" for result in judges.values()):
+        lines.append("Win rate = how often the trained answer gets a higher reward than the starting model's answer "
+                     "to the same prompt (ties count half), so 50% means no change.")
+    lines.append("± is the 95% interval of the trained model's fraction (normal approximation).")
+    for split, result in judges.items():
+        counts = (result.get("details") or {}).get("changes") or (result.get("details") or {}).get("outcomes")
+        if counts:
+            lines.append(f"\n{split}: " + ", ".join(f"{value} {key}" for key, value in counts.items()) + ".")
+    lines += [f"\n> {note}" for note in notes]
+    return lines, _judged_sentence(stage, judges, previous_judges, previous_stage)
+
+
+def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str) -> str:
+    split = "test" if "test" in judges else next(iter(judges))
+    result, earlier = judges[split], previous_judges.get(split)
+    metric, count = result.get("metric", "").replace("_", "-"), result.get("n")
+    if result.get("metric") == "win_rate":
+        return (f"{stage}'s answers beat the starting model's on {_pct(result.get('after'))} of {count} held-out "
+                f"{split} prompts (reward-model win rate; 50% = no change).")
+    if earlier:
+        return (f"On {count} held-out {split} prompts, {metric} went from {_pct(earlier.get('before'))} (untrained) "
+                f"to {_pct(earlier.get('after'))} after {previous_stage} and {_pct(result.get('after'))} "
+                f"after {stage}.")
+    return (f"{stage} moved {metric} from {_pct(result.get('before'))} to {_pct(result.get('after'))} on {count} "
+            f"held-out {split} prompts.")
+
+
+def _differs(first: float | None, second: float | None) -> bool:
+    return first is not None and second is not None and math.isfinite(first) and math.isfinite(second) \
+        and abs(first - second) > 1e-9
+
+
+def _sub_metrics(result: dict) -> dict:
+    return {name: values for name, values in (result.get("details") or {}).items()
+            if isinstance(values, dict) and ("before" in values or "after" in values)}
+
+
+def _detail(name: str, value: float | None) -> str:
+    return _num(value) if name.startswith("mean_") else _pct(value)
+
+
+def _final_numbers(summary: dict, info: dict) -> list[str]:
+    stage = summary.get("stage")
+    max_steps = info.get("max_steps")
+    steps = _num(summary.get("last_step")) + _of_max_steps(info)
+    best = summary.get("best_eval_loss")
+    rows = [
+        ["status", "finished" if summary.get("finished") else "**did not finish** (no end-of-training record)"],
+        ["optimizer steps", steps + (f" ({summary['last_epoch']:.2f} epochs)" if summary.get("last_epoch") else "")],
+        ["final train loss (last logged)", _num(summary.get("final_train_loss"))],
+        ["mean train loss over the run", _num(summary.get("train_loss"))],
+        ["best eval loss",
+         "n/a (no eval)" if best is None else f"{_num(best)} at step {summary.get('best_eval_step')}"],
+        ["final eval loss", _num(summary.get("final_eval_loss"))],
+    ]
+    if stage == "dpo":
+        rows += [["final reward accuracy (train / eval)", f"{_pct(summary.get('final_reward_accuracy_train'))} / "
+                                                          f"{_pct(summary.get('final_reward_accuracy_eval'))}"],
+                 ["final reward margin (train / eval)", f"{_num(summary.get('final_reward_margin_train'))} / "
+                                                        f"{_num(summary.get('final_reward_margin_eval'))}"]]
+    else:
+        rows += [["final token accuracy (train / eval)", f"{_pct(summary.get('final_token_accuracy_train'))} / "
+                                                         f"{_pct(summary.get('final_token_accuracy_eval'))}"]]
+    tokens_per_second, samples_per_second = summary.get("tokens_per_second"), summary.get("samples_per_second")
+    peak = summary.get("peak_memory_mb")
+    rows += [["throughput", f"{_num(tokens_per_second and round(tokens_per_second))} tokens/s, "
+                            f"{_num(samples_per_second, 3)} samples/s (all ranks)"],
+             ["wall time (training)", _duration(summary.get("wall_time_s"))],
+             ["peak memory per device", "n/a" if peak is None else f"{peak:,.0f} MB"]]
+    return _table(["", "value"], rows)
+
+
+def _setup(info: dict) -> list[str]:
+    if set(info) <= {"stage"}:
+        return [f"`{TRAINING_INFO}` is missing: setup unknown."]
+    get = info.get
+    rows = [["model", f"`{get('model_name_or_path', 'n/a')}`"], ["dataset", f"`{get('dataset_name', 'n/a')}`"],
+            ["processes", f"{get('world_size', '?')} ({get('num_nodes', '?')} node(s)), backend {get('backend', '?')}, "
+                          f"device {get('device', '?')}"]]
+    unit = "pairs" if get("stage") == "dpo" else "sequences"
+    rows.append(["batch", f"{get('per_device_batch_size')} per device × {get('gradient_accumulation_steps')} "
+                          f"accumulation × {get('world_size')} processes = {get('global_batch_size')} {unit} per "
+                          f"optimizer step"])
+    rule = get("lr_scaling")
+    if rule and rule != "none" and get("base_learning_rate") is not None:
+        learning_rate = (f"{_num(get('base_learning_rate'))} at base batch {get('base_batch_size')} → "
+                         f"{_num(get('learning_rate'))} at batch {get('global_batch_size')} ({rule} scaling)")
+    else:
+        learning_rate = f"{_num(get('learning_rate'))} (not scaled)"
+    rows.append(["learning rate", learning_rate])
+    if get("stage") == "dpo":
+        loss_type = get("loss_type")
+        loss_type = " + ".join(loss_type) if isinstance(loss_type, list) else loss_type
+        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {loss_type}"])
+    rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {_num(get('gradient_checkpointing'))}"],
+             ["LoRA / 4-bit", f"{_num(get('use_lora'))} / {_num(get('load_in_4bit'))}"],
+             ["max steps, seed", f"{_num(get('max_steps'))}, {_num(get('seed'))}"],
+             ["code", f"git {get('git_commit', 'n/a')}, started {get('started_at', 'n/a')}"]]
+    versions = get("versions") or {}
+    if versions:
+        rows.append(["versions", " · ".join(f"{name} {version}" for name, version in versions.items())])
+    return _table(["", "resolved value"], rows)
+
+
+def _alerts_section(alerts: list[Alert]) -> list[str]:
+    if not alerts:
+        return ["No health alerts: the logged metrics show none of the known failure patterns."]
+    lines = []
+    for alert in alerts:
+        icon = "⛔" if alert.severity == "error" else "⚠️"
+        lines += [f"- {icon} **{alert.severity}: {alert.title}**  ", f"  Evidence: {alert.evidence}.  ",
+                  f"  What to do: {alert.advice}"]
+    return lines
+
+
+def _examples_section(samples_by_split: dict[str, list[dict]]) -> list[str]:
+    split = "test" if samples_by_split.get("test") else next((s for s, rows in samples_by_split.items() if rows), None)
+    if split is None:
+        return ["No sample files in this run directory."]
+    examples = pick_examples(samples_by_split[split])
+    lines = [f"{len(examples)} of the {len(samples_by_split[split])} {split} prompts, chosen to be informative "
+             f"(largest improvement, worst regression, other changed answers). All of them: "
+             f"[`{samples_text_file(split)}`]({samples_text_file(split)})."]
+    for sample in examples:
+        verdict = sample.get("verdict") or {}
+        label, _ = _change(sample)
+        lines += ["", f"#### {split} #{sample.get('index')}: {label}", "", "**Prompt**",
+                  *_fenced(sample.get("prompt"), REPORT_TEXT_LIMIT)]
+        for title, key, side in (("Reference (starting model)", "reference_answer", "reference"),
+                                 ("Trained", "trained_answer", "trained")):
+            suffix = f" — {_format_verdict(verdict.get(side))}" if verdict else ""
+            lines += [f"**{title}**{suffix}", *_fenced(sample.get(key), REPORT_TEXT_LIMIT)]
+        if sample.get("chosen") is not None:
+            lines += ["**Chosen (dataset)**", *_fenced(sample.get("chosen"), REPORT_TEXT_LIMIT)]
+    return lines
+
+
+def _of_max_steps(info: dict) -> str:
+    max_steps = info.get("max_steps")
+    return f" of {max_steps}" if isinstance(max_steps, int) and max_steps > 0 else ""
+
+
+def _eval_else_train(summary: dict, key: str) -> float | None:
+    value = summary.get(f"{key}_eval")
+    return value if value is not None else summary.get(f"{key}_train")
+
+
+def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert]) -> str:
+    stage = (info.get("stage") or summary.get("stage") or "").upper()
+    parts = []
+    if judged_sentence:
+        parts.append(judged_sentence)
+    elif stage == "DPO":
+        accuracy = _eval_else_train(summary, "final_reward_accuracy")
+        margin = _eval_else_train(summary, "final_reward_margin")
+        parts.append(f"DPO ran {_num(summary.get('last_step'))} steps; final reward accuracy {_pct(accuracy)}, "
+                     f"margin {_num(margin, 3)} (no held-out judge).")
+    else:
+        parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; final train loss "
+                     f"{_num(summary.get('final_train_loss'))}, best eval loss {_num(summary.get('best_eval_loss'))} "
+                     f"(no held-out judge).")
+    if not summary.get("finished"):
+        parts.append(f"The run did not finish (last logged step {_num(summary.get('last_step'))}"
+                     f"{_of_max_steps(info)}).")
+    errors = [alert for alert in alerts if alert.severity == "error"]
+    if alerts:
+        including = f" including {len(errors)} error(s)" if errors else ""
+        titles = "; ".join(alert.title for alert in alerts)
+        parts.append(f"**{len(alerts)} health alert(s){including}:** {titles}.")
+    else:
+        parts.append("No health alerts.")
+    return " ".join(parts)
+
+
+def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert], charts: list[tuple[str, Path]],
+                  samples_by_split: dict[str, list[dict]]) -> str:
+    """report.md's text. `info` is training_info.json as read ({} when missing); `summary` names the stage."""
+    stage = summary["stage"].upper()
+    info = {**info, "stage": info.get("stage") or summary["stage"]}
+    run_name = info.get("run_name") or run_dir.name
+    judged_lines, judged_sentence = _judged_section(info, run_dir)
+    lines = [f"# {stage} run `{run_name}`", "", f"**Verdict:** {_headline(info, summary, judged_sentence, alerts)}", ""]
+    links = [f"[`{samples_text_file(split)}`]({samples_text_file(split)})"
+             for split in SPLITS if samples_by_split.get(split)]
+    previous = info.get("previous_stage") or {}
+    if previous.get("run_dir") and (run_dir / previous["run_dir"] / REPORT).exists():
+        links.append(f"[{previous.get('stage', 'previous').upper()} stage report]({previous['run_dir']}/{REPORT})")
+    lines += ["Files: " + " · ".join(links + [f"`{METRICS}`", f"`{TRAINING_INFO}`"]) + ". "
+              f"Rebuild with `python -m src.report {run_dir}`.", ""]
+    lines += ["## Health alerts", "", *_alerts_section(alerts), ""]
+    lines += ["## Judged results (held-out prompts)", "", *judged_lines, ""]
+    lines += ["## Final numbers", "", *_final_numbers(summary, info), ""]
+    lines += ["## Curves", ""]
+    if charts:
+        for caption, path in charts:
+            lines += [f"![{caption}]({path.relative_to(run_dir).as_posix()})", ""]
+    else:
+        lines += ["No curves: nothing plottable was logged.", ""]
+    lines += ["## Sample comparisons", "", *_examples_section(samples_by_split), ""]
+    lines += ["## Setup", "", *_setup(info), ""]
+    return "\n".join(lines)
+
+
+def _infer_stage(metrics: list[dict]) -> str:
+    dpo = any("rewards/margins" in record or "eval_rewards/margins" in record for record in metrics)
+    return "dpo" if dpo else "sft"
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write plots/, distributed_output_<split>.txt and report.md into `run_dir`; return report.md's path.
+
+    Raises ReportError when `run_dir` is not a run directory with at least one logged metric record.
+    """
+    return _build(Path(run_dir))[0]
+
+
+def _build(run_dir: Path) -> tuple[Path, list[Alert]]:
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir} is not a directory")
+    if not (run_dir / METRICS).exists():
+        raise ReportError(f"{run_dir} has no {METRICS}: not a prefkit run directory (results/<run_name>/)?")
+    try:
+        metrics = read_jsonl(run_dir / METRICS)
+    except ValueError as error:
+        raise ReportError(str(error)) from None
+    if not metrics:
+        raise ReportError(f"{run_dir / METRICS} holds no complete record: the run stopped before its first log")
+    try:
+        info = read_json(run_dir / TRAINING_INFO) if (run_dir / TRAINING_INFO).exists() else {}
+    except ValueError:
+        info = {}
+    stage = info.get("stage") or _infer_stage(metrics)
+
+    # Values measured by the job outside the metrics (e.g. wall time, peak memory) fill what the metrics lack.
+    summary = summarize(metrics, stage)
+    for key, value in (info.get("summary") or {}).items():
+        if summary.get(key) is None:
+            summary[key] = value
+    alerts = detect_alerts(metrics, stage)
+    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR)
+
+    samples_by_split = {}
+    for split in SPLITS:
+        path = run_dir / samples_file(split)
+        if path.exists():
+            samples_by_split[split] = sorted(read_jsonl(path), key=lambda sample: sample.get("index", 0))
+            judge = (info.get("judges") or {}).get(split)
+            text = render_samples_text(samples_by_split[split], split, info.get("run_name", ""), judge)
+            (run_dir / samples_text_file(split)).write_text(text, encoding="utf-8")
+
+    report = run_dir / REPORT
+    report.write_text(render_report(run_dir, info, summary, alerts, charts, samples_by_split),
+                      encoding="utf-8")
+    return report, alerts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m src.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. results/<run_name>")
+    args = parser.parse_args(argv)
+    try:
+        report, alerts = _build(Path(args.run_dir))
+    except ReportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(format_alerts(alerts))
+    print(f"report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

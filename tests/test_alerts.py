@@ -1,0 +1,116 @@
+"""Health alerts fire on synthetic histories made to show each failure, and stay silent on healthy ones."""
+
+import math
+
+import pytest
+
+from src.alerts import LN2, Alert, detect_alerts, format_alerts
+from tests.report_fixtures import dpo_history, sft_history
+
+DPO_FAILURES = [("stuck", "dpo_stuck"), ("displacement", "dpo_displacement"), ("saturated", "dpo_saturated"),
+                ("unbounded", "dpo_unbounded_margins"), ("nan", "non_finite")]
+
+
+def codes(alerts: list[Alert]) -> list[str]:
+    return sorted(alert.code for alert in alerts)
+
+
+def every(history: list[dict], interval: int) -> list[dict]:
+    """The history as logged with logging_steps=interval (eval and end-of-training records kept)."""
+    return [record for record in history if "loss" not in record or record["step"] % interval == 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_healthy_dpo_is_silent(seed):
+    assert detect_alerts(dpo_history("healthy", seed=seed), "dpo") == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("kind, code", DPO_FAILURES)
+def test_each_dpo_failure_fires_exactly_its_alert(kind, code, seed):
+    assert codes(detect_alerts(dpo_history(kind, seed=seed), "dpo")) == [code]
+
+
+@pytest.mark.parametrize("kind, code", DPO_FAILURES + [("healthy", None)])
+def test_alerts_do_not_depend_on_the_logging_interval(kind, code):
+    history = every(dpo_history(kind, steps=400, seed=5), interval=10)
+    assert codes(detect_alerts(history, "dpo")) == ([code] if code else [])
+
+
+def test_alerts_carry_numbers_from_the_history_and_advice():
+    (stuck,) = detect_alerts(dpo_history("stuck"), "dpo")
+    assert stuck.severity == "error" and f"{LN2:.4f}" in stuck.evidence and "learning rate" in stuck.advice
+    (nan,) = detect_alerts(dpo_history("nan"), "dpo")
+    assert nan.severity == "error" and "first at step 150: loss NaN, grad_norm inf" in nan.evidence
+    (displacement,) = detect_alerts(dpo_history("displacement"), "dpo")
+    assert displacement.severity == "warning" and "rewards/chosen" in displacement.evidence
+    (saturated,) = detect_alerts(dpo_history("saturated"), "dpo")
+    assert "at step 1 of 200" in saturated.evidence and "beta" in saturated.advice
+    (unbounded,) = detect_alerts(dpo_history("unbounded"), "dpo")
+    assert "rewards/margins ends at 1" in unbounded.evidence
+
+
+def test_accuracy_reaching_one_late_is_not_early_saturation():
+    history = dpo_history("healthy")
+    for record in history:
+        if "rewards/accuracies" in record and record["step"] > 60:
+            record["rewards/accuracies"] = 1.0
+    assert detect_alerts(history, "dpo") == []
+
+
+def test_chosen_dipping_while_rejected_falls_fast_is_not_displacement():
+    history = dpo_history("healthy")
+    for record in history:
+        if "rewards/chosen" in record:
+            record["rewards/chosen"] -= 0.2 * record["step"] / 200  # ends at about +0.05
+            record["rewards/rejected"] -= 0.2 * record["step"] / 200 + 1.0 * record["step"] / 200
+    assert detect_alerts(history, "dpo") == []
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_short_histories_raise_no_trend_alert(steps):
+    assert detect_alerts(dpo_history("stuck", steps=steps, eval_every=None), "dpo") == []
+    assert detect_alerts(sft_history("flat", steps=steps, eval_every=None), "sft") == []
+
+
+def test_empty_history_is_silent():
+    assert detect_alerts([], "dpo") == [] and detect_alerts([], "sft") == []
+
+
+def test_a_single_non_finite_value_fires():
+    history = dpo_history("healthy")
+    history[10]["grad_norm"] = -math.inf
+    (alert,) = detect_alerts(history, "dpo")
+    assert alert.code == "non_finite" and f"step {history[10]['step']}" in alert.evidence
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_sft_is_silent(seed):
+    assert detect_alerts(sft_history("healthy", seed=seed), "sft") == []
+    assert detect_alerts(sft_history("healthy", seed=seed, finished=False), "sft") == []
+
+
+@pytest.mark.parametrize("kind, code", [("flat", "sft_not_decreasing"), ("nan", "non_finite"),
+                                        ("overfit", "eval_loss_rising")])
+def test_each_sft_failure_fires_exactly_its_alert(kind, code):
+    assert codes(detect_alerts(sft_history(kind), "sft")) == [code]
+
+
+def test_rising_sft_loss_is_an_error():
+    history = sft_history("healthy", eval_every=None)
+    for record in history:
+        if "loss" in record:
+            record["loss"] = 1.0 + record["step"] / 100
+    (alert,) = detect_alerts(history, "sft")
+    assert alert.code == "sft_not_decreasing" and alert.severity == "error" and "rising" in alert.title
+
+
+def test_errors_come_first_and_format_for_the_console():
+    history = sft_history("overfit")
+    history[5]["loss"] = math.nan
+    alerts = detect_alerts(history, "sft")
+    assert [alert.severity for alert in alerts] == ["error", "warning"]
+    text = format_alerts(alerts)
+    assert text.splitlines()[0] == "Health checks: 2 alert(s)"
+    assert "[ERROR] NaN/inf" in text and "[WARNING] Eval loss rising" in text and "what to do:" in text
+    assert format_alerts([]) == "Health checks: no alerts."
