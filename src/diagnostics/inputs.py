@@ -84,6 +84,7 @@ class CheckOptions:
     bench_timeout_s: float = 90.0
     num_procs: int | None = None
     training: TrainingSetup = field(default_factory=TrainingSetup)
+    training_flags: dict[str, Any] = field(default_factory=dict)  # recipe keys given as flags, passed on to the launch
 
     @property
     def plan_requested(self) -> bool:

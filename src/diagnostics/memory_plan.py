@@ -48,10 +48,11 @@ class MethodEstimate:
     activation_bytes: int  # at the configured per-device batch
     margin_bytes: int
     total_bytes: int
+    runs_here: bool  # QLoRA and ZeRO need CUDA GPUs
     fits: bool
     max_per_device_batch: int  # 0 when even the model state does not fit
     chosen: bool = False  # the method of the user's recipe
-    note: str | None = None  # why it cannot run here, or a caveat (fits speaks of memory only)
+    note: str | None = None  # why it cannot run here, or a caveat
 
 
 @dataclass
@@ -211,6 +212,7 @@ def plan_memory(
                 activation_bytes=activations,
                 margin_bytes=total - (state + reference + activations),
                 total_bytes=total,
+                runs_here=runs_here,
                 fits=runs_here and total <= budget_bytes,
                 max_per_device_batch=largest_batch(state + reference, per_sample, budget_bytes),
                 chosen=setup.method_chosen and method == setup.method,

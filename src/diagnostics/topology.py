@@ -84,8 +84,8 @@ def nccl_path(pair: PairFacts) -> str | None:
     return NCCL_PATH_OF_LABEL.get(ANCESTOR_LABELS.get(pair.common_ancestor, ""))
 
 
-def _rank(path: str) -> int:
-    return NCCL_PATH_ORDER.index(path)
+def within_p2p_level(path: str | None, level: str) -> bool:
+    return path is not None and NCCL_PATH_ORDER.index(path) <= NCCL_PATH_ORDER.index(level)
 
 
 def p2p_level(nccl_settings: Mapping[str, str], cpu_vendor: str | None, gpu_count: int) -> tuple[str, str]:
@@ -106,7 +106,7 @@ def nccl_transport(pair: PairFacts, level: str, nccl_settings: Mapping[str, str]
     path = nccl_path(pair)
     if path is None:
         return Transport("SHM" if not is_truthy(nccl_settings.get("NCCL_SHM_DISABLE")) else "NET", "topology unknown")
-    if _rank(path) <= _rank(level):
+    if within_p2p_level(path, level):
         if p2p_ok(pair):
             return Transport("P2P/NVLink" if path == "NVL" else "P2P/PCIe", f"path {path} within P2P level {level}")
         if path == "NVL" and not is_truthy(nccl_settings.get("NCCL_IGNORE_DISABLED_P2P")):
