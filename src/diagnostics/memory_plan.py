@@ -149,8 +149,17 @@ def with_margin(bytes_needed: float) -> int:
 
 
 def largest_batch(static_bytes: int, per_sample_bytes: int, budget_bytes: int) -> int:
+    """The largest batch whose total with margin fits the budget, 0 when none does."""
+    if per_sample_bytes <= 0:
+        return 0
     room = (budget_bytes - RUNTIME_OVERHEAD_BYTES) / (1 + FRAGMENTATION_MARGIN) - static_bytes
-    return max(0, int(room // per_sample_bytes)) if per_sample_bytes else 0
+    batch = max(0, int(room // per_sample_bytes))
+    # The division above rounds; settle the last sample against with_margin itself so the two always agree.
+    while with_margin(static_bytes + (batch + 1) * per_sample_bytes) <= budget_bytes:
+        batch += 1
+    while batch and with_margin(static_bytes + batch * per_sample_bytes) > budget_bytes:
+        batch -= 1
+    return batch
 
 
 def _note(method: str, device_kind: str, num_devices: int, deepspeed_installed: bool) -> str | None:

@@ -79,7 +79,7 @@ def shape_from_param_count(param_count: int) -> ModelShape:
     embeddings = 2 * vocab * hidden
     layers = max(1, round((param_count - embeddings) / block))
     return ModelShape(
-        name=f"{param_count / 1e9:.2f}B parameters",
+        name="assumed Llama-style model",
         source=f"--params: Llama-style shape assumed (hidden {hidden}, vocab {vocab}, like {reference}); "
         "name the model with --model for exact numbers",
         exact=False,

@@ -234,7 +234,10 @@ def _memory_plan(report: dict) -> list[str]:
     model = plan["model"]
     on_gpu = plan["device_kind"] == "gpu"
     devices = f"{plan['num_devices']} GPU(s)" if on_gpu else f"{plan['num_devices']} process(es) on CPU"
-    lines = [f"MEMORY PLAN  {model['name']}: {model['total_params'] / 1e9:.2f}B parameters, {model['num_layers']} layers, hidden {model['hidden_size']}, vocab {model['vocab_size']}"]
+    lines = [
+        f"MEMORY PLAN  {model['name']} · {model['total_params'] / 1e9:.2f}B parameters · {model['num_layers']} layers · "
+        f"hidden {model['hidden_size']} · vocab {model['vocab_size']}"
+    ]
     lines += _wrapped(f"source: {model['source']}", INDENT, INDENT + "  ")
     lines += _wrapped(
         f"{plan['stage'].upper()} · max_length {plan['max_length']} · per-device batch {plan['per_device_batch_size']} ({plan['batch_source']}) · "

@@ -47,7 +47,11 @@ def needs_fp16(machine: Machine) -> bool:
 
 def _gpu_selection(machine: Machine) -> tuple[str | None, str | None]:
     """The CUDA_VISIBLE_DEVICES prefix when the launch GPUs are not simply the first visible ones, and why."""
-    if not machine.has_gpus or machine.launch_gpus == machine.cuda.visible[: len(machine.launch_gpus)]:
+    if not machine.has_gpus:
+        return None, None
+    first_visible = machine.launch_gpus == machine.cuda.visible[: len(machine.launch_gpus)]
+    # Name the GPUs whenever one is left out for a fault: CUDA may still enumerate it (MIG instances, a sick GPU).
+    if first_visible and not machine.excluded:
         return None, None
     left_out = [index for index in machine.cuda.visible if index not in machine.launch_gpus]
     reasons = ", ".join(f"GPU {index} ({machine.excluded.get(index, 'not needed')})" for index in left_out)
@@ -64,8 +68,8 @@ def _environment(machine: Machine, problems: list[Problem]) -> tuple[list[str], 
         notes.append("multi-node: run it on every node with its own NODE_RANK (0..NNODES-1)")
     for problem in problems:
         for name, value in problem.command_env.items():
-            if name not in assignments or assignments[name] != value:
-                notes.append(f"{name}={value}: {problem.code.replace('_', ' ')} (see {problem.severity}s)")
+            if assignments.get(name) != value:
+                notes.append(f"{name}={value}: see [{problem.severity}] {problem.what.split(':')[0]}")
             assignments[name] = value
     return [f"{name}={shlex.quote(value)}" for name, value in assignments.items()], notes
 
