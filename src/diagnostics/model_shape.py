@@ -109,15 +109,17 @@ def _hub_reachable(environ: Mapping[str, str]) -> bool:
 
 
 def _load_config(name_or_path: str, environ: Mapping[str, str]):
-    from transformers import AutoConfig
-
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise InputError(f"--model {name_or_path}: the directory has no config.json; point at a model directory or use --params")
-        return AutoConfig.from_pretrained(str(path)), f"config.json in {path}"
-    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise InputError(f"--model {name_or_path}: the directory has no config.json; point at a model directory or use --params")
+    if not path.is_dir() and (path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
         raise InputError(f"--model {name_or_path}: no such model directory; pass a directory with config.json, a Hub id, or --params 7e9")
+    from transformers import AutoConfig  # imported only now: it takes seconds
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()  # its warnings about configs are noise in this report
+    if path.is_dir():
+        return AutoConfig.from_pretrained(str(path)), f"config.json in {path}"
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True), f"Hub id {name_or_path} (cached config)"
     except OSError:
@@ -181,9 +183,6 @@ def _config_value(config, *names: str, default=None):
 
 def shape_from_model(name_or_path: str, environ: Mapping[str, str] | None = None) -> ModelShape:
     environ = os.environ if environ is None else environ
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()
     config, source = _load_config(name_or_path, environ)
     try:
         model = _build_on_meta_device(config)

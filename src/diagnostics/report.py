@@ -82,12 +82,14 @@ def _memory_budget(machine: Machine) -> tuple[int, str]:
     return available // machine.num_procs, f"available RAM / {machine.num_procs} processes"
 
 
-def _memory_plan(machine: Machine, sources: Sources) -> MemoryPlan:
+def _model_shape(options: CheckOptions, sources: Sources) -> ModelShape:
+    if options.training.model_name_or_path is not None:
+        return sources.model_shape(options.training.model_name_or_path)
+    return shape_from_param_count(options.training.param_count)
+
+
+def _memory_plan(machine: Machine, shape: ModelShape) -> MemoryPlan:
     training = machine.options.training
-    if training.model_name_or_path is not None:
-        shape = sources.model_shape(training.model_name_or_path)
-    else:
-        shape = shape_from_param_count(training.param_count)
     budget, budget_source = _memory_budget(machine)
     gpus = [machine.gpu(index) for index in machine.launch_gpus] if machine.has_gpus else []
     return plan_memory(
@@ -221,9 +223,11 @@ def assess(options: CheckOptions, sources: Sources) -> Machine:
 
 
 def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
+    # The model is looked up first, so a bad --model fails before the machine is read.
+    shape = _model_shape(options, sources) if options.plan_requested else None
     machine = assess(options, sources)
-    if options.plan_requested:
-        machine.memory_plan = _memory_plan(machine, sources)
+    if shape is not None:
+        machine.memory_plan = _memory_plan(machine, shape)
     bench_skipped = None
     if options.bench:
         machine.bench, bench_skipped = _bench(machine, sources)

@@ -6,11 +6,14 @@ lines; FAKE_BENCH_BEHAVIOUR says what NCCL would do:
   hang_with_p2p   hangs (sleeps past any timeout) unless NCCL_P2P_DISABLE=1, then correct at SHM speed
   wrong_with_p2p  wrong sums unless NCCL_P2P_DISABLE=1
   crash           exits with an NCCL-like error on stderr
+  hang_with_child starts a child that sleeps (its pid written to FAKE_BENCH_CHILD_PID_FILE), then hangs: the
+                  timeout must kill the whole process group, as it must kill the ranks of the real worker
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -25,6 +28,11 @@ def main() -> int:
     args = parser.parse_args()
     behaviour = os.environ.get("FAKE_BENCH_BEHAVIOUR", "ok")
     p2p_disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
+    if behaviour == "hang_with_child":
+        child = subprocess.Popen(["sleep", "3600"])
+        with open(os.environ["FAKE_BENCH_CHILD_PID_FILE"], "w") as pid_file:
+            pid_file.write(str(child.pid))
+        time.sleep(3600)
     if behaviour == "crash":
         print("torch.distributed.DistBackendError: NCCL error: unhandled cuda error", file=sys.stderr)
         return 1
