@@ -10,7 +10,7 @@ from src.diagnostics.render import render
 from src.diagnostics.report import check
 from src.diagnostics.system import InfinibandPort
 
-from fakes.fake_pynvml import FakeProcess, real_pynvml
+from fakes.fake_pynvml import real_pynvml
 from fakes.machines import (
     MACHINES,
     a100_busy,

@@ -184,6 +184,7 @@ def torch_build(machine: Machine) -> list[Problem]:
 def driver(machine: Machine) -> list[Problem]:
     nvml, system = machine.nvml, machine.system
     on_bus = system.nvidia_pci_devices
+    # /sys is not namespaced: a container sees the host's NVIDIA devices on the bus even when they are not passed in.
     container_hint = " In a container, start it with the NVIDIA container toolkit: docker run --gpus all ..." if system.in_container else ""
     if nvml.status == "ok" and nvml.gpus:
         return []
@@ -197,7 +198,7 @@ def driver(machine: Machine) -> list[Problem]:
                 "no_gpu",
                 "no NVIDIA GPU on this machine: training runs on CPU with gloo, fine for tiny models and tests, "
                 "far too slow for real ones",
-                "nothing to do for CPU runs; for real training use a machine with NVIDIA GPUs." + container_hint,
+                "nothing to do for CPU runs; for real training use a machine with NVIDIA GPUs",
             )
         ]
     if nvml.status == "no_pynvml":
@@ -222,11 +223,19 @@ def driver(machine: Machine) -> list[Problem]:
     return [Problem(ERROR, nvml.status if nvml.status in fixes else "nvml_failed", what, fix)]
 
 
+def driver_supports_torch(driver_cuda: tuple[int, int] | None, torch_cuda: str | None) -> bool | None:
+    """Whether the driver's CUDA version is at least the one torch was built for; None when either is unknown."""
+    wanted = _version_tuple(torch_cuda)
+    if driver_cuda is None or wanted is None:
+        return None
+    return driver_cuda >= wanted[:2]
+
+
 def driver_too_old(machine: Machine) -> list[Problem]:
     driver_cuda = machine.nvml.cuda_driver_version
-    torch_cuda = _version_tuple(machine.software.torch_cuda)
-    if not machine.has_gpus or driver_cuda is None or torch_cuda is None or driver_cuda >= torch_cuda[:2]:
+    if not machine.has_gpus or driver_supports_torch(driver_cuda, machine.software.torch_cuda) in (None, True):
         return []
+    torch_cuda = _version_tuple(machine.software.torch_cuda)
     wanted = ".".join(map(str, torch_cuda[:2]))
     have = ".".join(map(str, driver_cuda))
     minimum = MIN_DRIVER_FOR_CUDA.get(torch_cuda[:2])

@@ -89,7 +89,7 @@ def _system(report: dict) -> list[str]:
         ["CPU", f"{system['cpu_model'] or '?'} · {system['usable_cpus']} usable of {system['logical_cpus']} logical CPUs · {sockets} · NUMA nodes {','.join(map(str, system['numa_nodes'])) or '?'}"],
         ["memory", f"{_bytes(system['memory_total_bytes'])} total, {_bytes(system['memory_available_bytes'])} available"],
         ["host", f"/dev/shm {shm} · memlock {memlock} · container {'yes' if system['in_container'] else 'no'} · VM {'yes' if system['hypervisor'] else 'no'} · IOMMU {system['iommu']}"],
-        ["network", f"InfiniBand {_infiniband(system['infiniband_ports'])} · rendezvous {port}"],
+        ["network", f"{_infiniband(system['infiniband_ports'])} · rendezvous {port}"],
     ]
     return ["SYSTEM"] + _table(rows)
 
@@ -97,7 +97,7 @@ def _system(report: dict) -> list[str]:
 def _infiniband(ports: list[dict]) -> str:
     """'8 ports ACTIVE (mlx5_0..mlx5_7)' rather than a line per port."""
     if not ports:
-        return "none"
+        return "no InfiniBand"
     groups: dict[tuple[str, str], list[str]] = {}
     for port in ports:
         groups.setdefault((port["link_layer"], port["state"].split(":")[-1].strip()), []).append(f"{port['device']}/{port['port']}")
@@ -117,10 +117,10 @@ def _ecc_cell(gpu: dict) -> str:
     if gpu["ecc_uncorrected_volatile"]:
         findings.append(f"{gpu['ecc_uncorrected_volatile']} err")
     if gpu["remap_pending"]:
-        findings.append("remap pend.")
+        findings.append("remap")
     if gpu["remap_failed"]:
-        findings.append("remap FAIL")
-    return ",".join(findings) or "ok"
+        findings.append("FAIL")
+    return "+".join(findings) or "ok"
 
 
 def _on_off(value: bool | None) -> str:
@@ -161,7 +161,12 @@ def _gpu_rows(report: dict) -> list[str]:
                 gpu["bus_id"] or "?",
             ]
         )
-    lines = _table(rows) + [f"{INDENT}PCIe is generation x width; the generation drops while a GPU idles, the width should not."]
+    lines = _table(rows) + _wrapped(
+        "ECC: uncorrected errors since reset (err), pending row remap (remap), failed remap (FAIL). "
+        "PCIe: generation x width; the generation drops while a GPU idles, the width should not.",
+        INDENT + "Legend: ",
+        INDENT + "  ",
+    )
     details = [["GPU", "UUID", "compute mode", "persistence", "clocks", "launch"]]
     for gpu in report["gpus"]:
         launch = "used" if gpu["in_launch"] else ("left out: " + gpu["excluded"] if gpu["excluded"] else ("hidden" if gpu["cuda_index"] is None else "not needed"))
@@ -192,7 +197,7 @@ def _driver_and_gpus(report: dict) -> list[str]:
     order = {"torch": "as torch reports", "pci": "PCI bus order", "assumed-pci": "PCI bus order assumed"}[driver["cuda_order"]]
     lines.append(
         f"{INDENT}driver {driver['driver_version']} · CUDA {driver['cuda_driver_version']}"
-        + (f" (torch built for {torch_cuda})" if torch_cuda else "")
+        + (f" (torch built for {torch_cuda}: {'new enough' if driver['supports_torch_cuda'] else 'TOO OLD'})" if torch_cuda else "")
         + f" · cuda numbering: {order}"
         + (f" · CUDA_VISIBLE_DEVICES={report['launch']['cuda_visible_devices']}" if report["launch"]["cuda_visible_devices"] is not None else "")
     )
@@ -329,7 +334,11 @@ def _verdict(report: dict) -> list[str]:
     return lines
 
 
+def _title(report: dict) -> list[str]:
+    return [f"check_gpu.py on {report['system']['hostname']}: is this machine ready to train, and how to launch"]
+
+
 def render(report: dict[str, Any]) -> str:
-    sections = [_software, _system, _driver_and_gpus, _topology, _memory_plan, _bench, _problems, _verdict]
+    sections = [_title, _software, _system, _driver_and_gpus, _topology, _memory_plan, _bench, _problems, _verdict]
     blocks = [section(report) for section in sections]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"

@@ -17,10 +17,10 @@ from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
 from .devices import CudaView, cuda_view, torch_cuda_uuids
 from .inputs import CheckOptions
-from .memory_plan import GIB, MemoryPlan, plan_memory
+from .memory_plan import MemoryPlan, plan_memory
 from .model_shape import ModelShape, shape_from_model, shape_from_param_count
 from .nvml_probe import NvmlFacts, probe_nvml
-from .problems import Machine, exclusion_reason, find_problems, pci_positions
+from .problems import Machine, driver_supports_torch, exclusion_reason, find_problems, pci_positions
 from .software import SoftwareFacts, collect_software, effective_nccl_settings
 from .system import SystemFacts, collect_system
 from .verdict import decide
@@ -158,12 +158,13 @@ def _gpus(machine: Machine) -> list[dict[str, Any]]:
     return rows
 
 
-def _driver(nvml: NvmlFacts, cuda: CudaView | None) -> dict[str, Any]:
+def _driver(nvml: NvmlFacts, cuda: CudaView | None, software: SoftwareFacts) -> dict[str, Any]:
     return {
         "status": nvml.status,
         "error": nvml.error,
         "driver_version": nvml.driver_version,
         "cuda_driver_version": ".".join(map(str, nvml.cuda_driver_version)) if nvml.cuda_driver_version else None,
+        "supports_torch_cuda": driver_supports_torch(nvml.cuda_driver_version, software.torch_cuda),
         "cuda_order": cuda.order_source if cuda else None,
         "cuda_order_note": cuda.note if cuda else None,
     }
@@ -237,7 +238,7 @@ def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
         {
             "software": machine.software,
             "system": machine.system,
-            "driver": _driver(machine.nvml, machine.cuda),
+            "driver": _driver(machine.nvml, machine.cuda, machine.software),
             "gpus": _gpus(machine),
             "topology": _topology(machine),
             "launch": {
