@@ -6,12 +6,13 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-GIB = 1024**3
+from .memory_plan import GIB
+from .problems import CLOCK_EVENT_REASONS
+
 WIDTH = 110
 INDENT = "  "
 SEVERITY_MARKS = {"error": "[error]  ", "warning": "[warning]"}
 COMPUTE_MODES = {0: "Default", 1: "Excl. thread", 2: "Prohibited", 3: "Excl. process"}
-CLOCK_REASON_NAMES = {0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "power brake"}
 
 
 def _bytes(value: int | None) -> str:
@@ -131,7 +132,7 @@ def _clocks_cell(gpu: dict) -> str:
     reasons = gpu["clocks_event_reasons"]
     if reasons is None:
         return "n/a"
-    names = [name for bit, name in CLOCK_REASON_NAMES.items() if reasons & bit]
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if reasons & bit]
     return ", ".join(names) or "ok"
 
 
