@@ -15,6 +15,7 @@ import pytest
 
 from check_gpu import main
 from src.diagnostics.bandwidth import BenchRequest, run_attempt
+from src.diagnostics.inputs import InputError
 from src.diagnostics.model_shape import shape_from_model
 
 from fakes.machines import SCRIPTED_WORKER
@@ -133,6 +134,29 @@ def test_model_is_measured_from_its_config(tiny_model_directory):
     assert (shape.total_params, shape.num_layers, shape.hidden_size, shape.kv_size) == (90432, 2, 64, 32)
     assert (shape.embedding_params, shape.largest_layer_params, len(shape.linear_layers)) == (16384, 36992, 14)
     assert shape.exact
+
+
+def test_tied_embeddings_are_counted_once(tmp_path):
+    """The same model with the output layer tied to the embeddings: 90432 - 128*64 = 82240 parameters."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    shape = shape_from_model(str(tmp_path))
+    assert (shape.total_params, shape.embedding_params) == (82240, 8192)
+
+
+def test_unreadable_config_is_bad_input(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(InputError, match="transformers cannot read its config"):
+        shape_from_model(str(tmp_path))
 
 
 def test_model_directory_through_the_command_line(tiny_model_directory, capsys):

@@ -108,31 +108,44 @@ def _hub_reachable(environ: Mapping[str, str]) -> bool:
         return False
 
 
+def _read_config(name_or_path: str, **options):
+    """AutoConfig.from_pretrained, with a config transformers cannot read (custom code, unknown model type)
+    reported as bad input; OSError (not found) is left to the caller."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, **options)
+    except ValueError as error:
+        raise InputError(f"--model {name_or_path}: transformers cannot read its config ({str(error).splitlines()[0]}); use --params") from None
+
+
+def _offline(environ: Mapping[str, str]) -> bool:
+    return any(environ.get(name, "0") not in ("0", "") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
 def _load_config(name_or_path: str, environ: Mapping[str, str]):
     path = Path(name_or_path).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
         raise InputError(f"--model {name_or_path}: the directory has no config.json; point at a model directory or use --params")
     if not path.is_dir() and (path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
         raise InputError(f"--model {name_or_path}: no such model directory; pass a directory with config.json, a Hub id, or --params 7e9")
-    from transformers import AutoConfig  # imported only now: it takes seconds
-    from transformers.utils import logging as transformers_logging
+    from transformers.utils import logging as transformers_logging  # imported only now: transformers takes seconds
 
     transformers_logging.set_verbosity_error()  # its warnings about configs are noise in this report
     if path.is_dir():
-        return AutoConfig.from_pretrained(str(path)), f"config.json in {path}"
+        return _read_config(str(path)), f"config.json in {path}"
     try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True), f"Hub id {name_or_path} (cached config)"
+        return _read_config(name_or_path, local_files_only=True), f"Hub id {name_or_path} (cached config)"
     except OSError:
         pass
-    offline = environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or environ.get("TRANSFORMERS_OFFLINE", "0") not in ("0", "")
     # Checked first because the Hub client retries an unreachable host for about half a minute.
-    if offline or not _hub_reachable(environ):
+    if _offline(environ) or not _hub_reachable(environ):
         raise InputError(
             f"--model {name_or_path}: not in the local Hugging Face cache and the Hub is unreachable; "
             "pass a local directory with config.json, or the size with --params (e.g. --params 7e9)"
         )
     try:
-        return AutoConfig.from_pretrained(name_or_path), f"Hub id {name_or_path}"
+        return _read_config(name_or_path), f"Hub id {name_or_path}"
     except OSError as error:
         raise InputError(f"--model {name_or_path}: {str(error).splitlines()[0]} (or use --params)") from None
 
@@ -143,9 +156,13 @@ def _build_on_meta_device(config):
 
     with init_empty_weights():
         try:
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
         except ValueError:  # not a causal LM architecture; the plain model still has the sizes
-            return AutoModel.from_config(config)
+            model = AutoModel.from_config(config)
+    # Under init_empty_weights (transformers 5) the output layer comes out untied from the embeddings even when the
+    # config ties them, which would count the vocabulary matrix twice; tie_weights() follows the config.
+    model.tie_weights()
+    return model
 
 
 def _linear_layers(model) -> list[tuple[str, int, int]]:
@@ -186,8 +203,14 @@ def shape_from_model(name_or_path: str, environ: Mapping[str, str] | None = None
     config, source = _load_config(name_or_path, environ)
     try:
         model = _build_on_meta_device(config)
-    except Exception as error:  # custom architectures (trust_remote_code) and configs transformers cannot build
-        raise InputError(f"--model {name_or_path}: cannot build it from its config ({type(error).__name__}); use --params") from None
+        return _measure(model, config, name_or_path, source)
+    except InputError:
+        raise
+    except Exception as error:  # custom architectures and models without the usual embeddings/decoder layout
+        raise InputError(f"--model {name_or_path}: cannot measure it from its config ({type(error).__name__}: {error}); use --params") from None
+
+
+def _measure(model, config, name: str, source: str) -> ModelShape:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = _config_value(text_config, "hidden_size", "n_embd", "d_model")
     heads = _config_value(text_config, "num_attention_heads", "n_head")
@@ -201,7 +224,7 @@ def shape_from_model(name_or_path: str, environ: Mapping[str, str] | None = None
     blocks = _decoder_blocks(model)
     block_params = max((sum(parameter.numel() for parameter in block.parameters()) for block in blocks), default=0)
     return ModelShape(
-        name=name_or_path,
+        name=name,
         source=source,
         exact=True,
         total_params=sum(parameter.numel() for parameter in model.parameters()),
