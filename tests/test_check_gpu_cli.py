@@ -101,6 +101,14 @@ def test_bad_input_is_one_line_and_exit_3(arguments, message):
     assert completed.stdout == ""
 
 
+def test_recipe_model_that_cannot_be_found_names_the_recipe(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: ./checkpoints/gone\n")
+    completed, _seconds = run_cli("--config", str(recipe))
+    assert completed.returncode == 3
+    assert f"model_name_or_path ./checkpoints/gone in {recipe}: no such model directory" in completed.stderr
+
+
 def test_unreachable_hub_id_fails_fast_and_suggests_params(tmp_path):
     completed, seconds = run_cli("--model", "prefkit-tests/no-such-model", environ={"HF_HOME": str(tmp_path)})
     assert completed.returncode == 3 and "Traceback" not in completed.stderr

@@ -108,7 +108,7 @@ def _hub_reachable(environ: Mapping[str, str]) -> bool:
         return False
 
 
-def _read_config(name_or_path: str, **options):
+def _read_config(name_or_path: str, subject: str, **options):
     """AutoConfig.from_pretrained, with a config transformers cannot read (custom code, unknown model type)
     reported as bad input; OSError (not found) is left to the caller."""
     from transformers import AutoConfig
@@ -116,38 +116,38 @@ def _read_config(name_or_path: str, **options):
     try:
         return AutoConfig.from_pretrained(name_or_path, **options)
     except ValueError as error:
-        raise InputError(f"--model {name_or_path}: transformers cannot read its config ({str(error).splitlines()[0]}); use --params") from None
+        raise InputError(f"{subject}: transformers cannot read its config ({str(error).splitlines()[0]}); use --params") from None
 
 
 def _offline(environ: Mapping[str, str]) -> bool:
     return any(environ.get(name, "0") not in ("0", "") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def _load_config(name_or_path: str, environ: Mapping[str, str]):
+def _load_config(name_or_path: str, environ: Mapping[str, str], subject: str):
     path = Path(name_or_path).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
-        raise InputError(f"--model {name_or_path}: the directory has no config.json; point at a model directory or use --params")
+        raise InputError(f"{subject}: the directory has no config.json; point at a model directory or use --params")
     if not path.is_dir() and (path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
-        raise InputError(f"--model {name_or_path}: no such model directory; pass a directory with config.json, a Hub id, or --params 7e9")
+        raise InputError(f"{subject}: no such model directory; pass a directory with config.json, a Hub id, or --params 7e9")
     from transformers.utils import logging as transformers_logging  # imported only now: transformers takes seconds
 
     transformers_logging.set_verbosity_error()  # its warnings about configs are noise in this report
     if path.is_dir():
-        return _read_config(str(path)), f"config.json in {path}"
+        return _read_config(str(path), subject), f"config.json in {path}"
     try:
-        return _read_config(name_or_path, local_files_only=True), f"Hub id {name_or_path} (cached config)"
+        return _read_config(name_or_path, subject, local_files_only=True), f"Hub id {name_or_path} (cached config)"
     except OSError:
         pass
     # Checked first because the Hub client retries an unreachable host for about half a minute.
     if _offline(environ) or not _hub_reachable(environ):
         raise InputError(
-            f"--model {name_or_path}: not in the local Hugging Face cache and the Hub is unreachable; "
+            f"{subject}: not in the local Hugging Face cache and the Hub is unreachable; "
             "pass a local directory with config.json, or the size with --params (e.g. --params 7e9)"
         )
     try:
-        return _read_config(name_or_path), f"Hub id {name_or_path}"
+        return _read_config(name_or_path, subject), f"Hub id {name_or_path}"
     except OSError as error:
-        raise InputError(f"--model {name_or_path}: {str(error).splitlines()[0]} (or use --params)") from None
+        raise InputError(f"{subject}: {str(error).splitlines()[0]} (or use --params)") from None
 
 
 def _build_on_meta_device(config):
@@ -198,16 +198,18 @@ def _config_value(config, *names: str, default=None):
     return default
 
 
-def shape_from_model(name_or_path: str, environ: Mapping[str, str] | None = None) -> ModelShape:
+def shape_from_model(name_or_path: str, environ: Mapping[str, str] | None = None, subject: str | None = None) -> ModelShape:
+    """The model's sizes; `subject` names where the name came from in messages (default "--model NAME")."""
     environ = os.environ if environ is None else environ
-    config, source = _load_config(name_or_path, environ)
+    subject = subject or f"--model {name_or_path}"
+    config, source = _load_config(name_or_path, environ, subject)
     try:
         model = _build_on_meta_device(config)
         return _measure(model, config, name_or_path, source)
     except InputError:
         raise
     except Exception as error:  # custom architectures and models without the usual embeddings/decoder layout
-        raise InputError(f"--model {name_or_path}: cannot measure it from its config ({type(error).__name__}: {error}); use --params") from None
+        raise InputError(f"{subject}: cannot measure it from its config ({type(error).__name__}: {error}); use --params") from None
 
 
 def _measure(model, config, name: str, source: str) -> ModelShape:

@@ -38,7 +38,7 @@ class Sources:
     nvml: ModuleType | None  # the pynvml module, or None when nvidia-ml-py is missing
     torch_cuda_uuids: Callable[[], list[str] | None]
     bench: Callable[[BenchRequest], BenchResult]
-    model_shape: Callable[[str], ModelShape]
+    model_shape: Callable[[str, str], ModelShape]  # (name or path, how messages name it)
 
     @classmethod
     def this_machine(cls) -> "Sources":
@@ -54,7 +54,7 @@ class Sources:
             nvml=pynvml,
             torch_cuda_uuids=torch_cuda_uuids,
             bench=run_bench,
-            model_shape=lambda name: shape_from_model(name, environ),
+            model_shape=lambda name, subject: shape_from_model(name, environ, subject),
         )
 
 
@@ -83,9 +83,13 @@ def _memory_budget(machine: Machine) -> tuple[int, str]:
 
 
 def _model_shape(options: CheckOptions, sources: Sources) -> ModelShape:
-    if options.training.model_name_or_path is not None:
-        return sources.model_shape(options.training.model_name_or_path)
-    return shape_from_param_count(options.training.param_count)
+    training = options.training
+    if training.model_name_or_path is None:
+        return shape_from_param_count(training.param_count)
+    name = training.model_name_or_path
+    from_flag = "model_name_or_path" in options.training_flags
+    subject = f"--model {name}" if from_flag else f"model_name_or_path {name} in {training.recipe_path}"
+    return sources.model_shape(name, subject)
 
 
 def _memory_plan(machine: Machine, shape: ModelShape) -> MemoryPlan:

@@ -302,7 +302,7 @@ def fake_sources(spec: MachineSpec) -> Sources:
         nvml=make_fake_pynvml(spec.nvml),
         torch_cuda_uuids=lambda: spec.torch_uuids,
         bench=scripted_bench,
-        model_shape=lambda name: shape_from_model(name, spec.environ),
+        model_shape=lambda name, subject: shape_from_model(name, spec.environ, subject),
     )
 
 
