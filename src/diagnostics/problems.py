@@ -94,6 +94,10 @@ class Machine:
     def has_gpus(self) -> bool:
         return self.nvml.status == "ok" and bool(self.nvml.gpus)
 
+    @property
+    def multi_node(self) -> bool:
+        return self.environ.get("NNODES", "1").strip() not in ("", "1")
+
     def gpu(self, index: int) -> GpuFacts:
         return self.nvml.gpus[index]
 
@@ -691,16 +695,12 @@ def rendezvous_port(machine: Machine) -> list[Problem]:
     ]
 
 
-def _multi_node(machine: Machine) -> bool:
-    return machine.environ.get("NNODES", "1").strip() not in ("", "1")
-
-
 def infiniband(machine: Machine) -> list[Problem]:
     ports = [port for port in machine.system.infiniband_ports if port.link_layer.lower() == "infiniband"]
     if not ports or any(port.active for port in ports):
         return []
     devices = ", ".join(sorted({f"{port.device} port {port.port} {port.state}" for port in ports}))
-    scope = "a multi-node run" if _multi_node(machine) else "multi-node runs (single-node runs are unaffected)"
+    scope = "a multi-node run" if machine.multi_node else "multi-node runs (single-node runs are unaffected)"
     return [
         Problem(
             WARNING,
@@ -728,7 +728,7 @@ def memlock(machine: Machine) -> list[Problem]:
 
 
 def multi_node(machine: Machine) -> list[Problem]:
-    if not _multi_node(machine):
+    if not machine.multi_node:
         return []
     nodes = machine.environ.get("NNODES", "")
     if not nodes.isdigit():

@@ -61,7 +61,7 @@ def _gpu_selection(machine: Machine) -> tuple[str | None, str | None]:
 def _environment(machine: Machine, problems: list[Problem]) -> tuple[list[str], list[str]]:
     assignments: dict[str, str] = {}
     notes = []
-    if machine.environ.get("NNODES", "1").strip() not in ("", "1"):
+    if machine.multi_node:
         for name in MULTI_NODE_VARIABLES:
             if machine.environ.get(name):
                 assignments[name] = machine.environ[name]
