@@ -258,7 +258,7 @@ def _memory_plan(report: dict) -> list[str]:
     for estimate in plan["estimates"]:
         rows.append(
             [
-                estimate["label"] + (" <- recipe" if estimate["chosen"] else ""),
+                estimate["label"] + (" <- chosen" if estimate["chosen"] else ""),
                 f"{_gib(estimate['model_state_bytes'])} GiB",
                 f"{_gib(estimate['reference_bytes'])} GiB" if estimate["reference_bytes"] else "-",
                 f"{_gib(estimate['activation_bytes'])} GiB",
