@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--bench", action="store_true", help="measure all-reduce bus bandwidth in a child process")
-    parser.add_argument("--bench-timeout", type=float, default=90.0, help="seconds before a hung measurement is killed")
+    parser.add_argument("--bench_timeout", type=float, default=90.0, help="seconds before a hung measurement is killed")
     parser.add_argument("--num_procs", type=int, help="processes you intend to launch (default: one per usable GPU, 2 on CPU)")
     plan = parser.add_argument_group("memory plan (recipe keys; flags override --config)")
     plan.add_argument("--config", help="recipe YAML, e.g. configs/default.yaml")

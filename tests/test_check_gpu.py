@@ -404,7 +404,7 @@ def test_bf16_recipe_on_a_t4(tmp_path):
 def test_bench_retries_without_p2p_and_the_command_keeps_it_off(behaviour, first_status):
     spec = h100_nvswitch()
     spec.bench_behaviour = behaviour
-    report = run_check(spec, "--bench", "--bench-timeout", "2")
+    report = run_check(spec, "--bench", "--bench_timeout", "2")
     bench = report["bench"]
     assert [attempt["status"] for attempt in bench["attempts"]] == [first_status, "ok"]
     assert [attempt["p2p_disabled"] for attempt in bench["attempts"]] == [False, True]
