@@ -1,0 +1,318 @@
+"""check_gpu.py's pure pieces: input parsing, memory formulas (worked out by hand), topology labels and NCCL's
+transport rule, CUDA's device numbering, nccl.conf precedence, bus bandwidth."""
+
+import ctypes
+import inspect
+
+import pynvml
+import pytest
+
+from src.diagnostics.bandwidth import bus_bandwidth
+from src.diagnostics.devices import cuda_view
+from src.diagnostics.inputs import InputError, TrainingSetup, parse_param_count, training_setup
+from src.diagnostics.memory_plan import (
+    GIB,
+    activation_bytes_per_sample,
+    largest_batch,
+    lora_trainable_params,
+    model_state_bytes,
+    reference_bytes,
+    with_margin,
+)
+from src.diagnostics.model_shape import ModelShape, shape_from_param_count
+from src.diagnostics.nvml_probe import GpuFacts, PairFacts, normalise_bus_id
+from src.diagnostics.software import SoftwareFacts, effective_nccl_settings, read_nccl_conf
+from src.diagnostics.topology import cpu_ranges, link_label, nccl_transport, p2p_label, p2p_level
+
+from fakes.fake_pynvml import FakeGpu, FakeMachine, implemented_functions, make_fake_pynvml
+
+
+# --- inputs -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, count",
+    [("7e9", 7_000_000_000), ("1.5B", 1_500_000_000), ("350M", 350_000_000), ("70b", 70_000_000_000), ("7000000000", 7_000_000_000)],
+)
+def test_param_counts_parse(text, count):
+    assert parse_param_count(text) == count
+
+
+@pytest.mark.parametrize("text", ["abc", "7", "", "7 billion", "-7e9"])
+def test_bad_param_counts_name_the_flag(text):
+    with pytest.raises(InputError, match="--params"):
+        parse_param_count(text)
+
+
+def test_recipe_keys_are_read_unknown_keys_ignored_and_flags_win(tmp_path):
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(
+        "model_name_or_path: some/model\nuse_lora: true\nlora_r: 64\nlora_target_modules: [q_proj, v_proj]\n"
+        "batch_size: 32\nmax_length: 2048\nlearning_rate: 5.0e-7\nbeta: 0.1\n"
+    )
+    setup = training_setup(str(recipe), {"max_length": 512})
+    assert (setup.model_name_or_path, setup.lora_r, setup.lora_target_modules) == ("some/model", 64, ["q_proj", "v_proj"])
+    assert setup.max_length == 512  # the flag overrides the recipe
+    assert setup.method == "lora" and setup.method_chosen
+    assert setup.per_device_batch(4) == (8, "batch_size 32 / 4")
+
+
+def test_qlora_in_a_recipe_implies_lora(tmp_path):
+    recipe = tmp_path / "qlora.yaml"
+    recipe.write_text("load_in_4bit: true\nmicro_batch_size: 2\n")
+    setup = training_setup(str(recipe), {})
+    assert setup.use_lora and setup.method == "qlora"
+    assert setup.per_device_batch(8) == (2, "micro_batch_size")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("stage: ppo\n", "--stage 'ppo'"), ("- a\n- b\n", "expected a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "lora_r")],
+)
+def test_bad_recipes_say_what_is_wrong(tmp_path, content, message):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(content)
+    with pytest.raises(InputError, match=message.replace("[", r"\[")):
+        training_setup(str(recipe), {})
+
+
+def test_missing_recipe_names_the_flag():
+    with pytest.raises(InputError, match="--config nowhere.yaml: no such file"):
+        training_setup("nowhere.yaml", {})
+
+
+# --- memory formulas, on a shape small enough to work out by hand ------------------------------------------------
+
+
+@pytest.fixture
+def tiny_shape():
+    """2 layers, hidden 4, intermediate 8, vocab 10; linear layers as in a Llama block."""
+    layers = []
+    for layer in range(2):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            layers.append((f"model.layers.{layer}.self_attn.{name}", 4, 4))
+        layers += [(f"model.layers.{layer}.mlp.gate_proj", 4, 8), (f"model.layers.{layer}.mlp.up_proj", 4, 8)]
+        layers.append((f"model.layers.{layer}.mlp.down_proj", 8, 4))
+    return ModelShape(
+        name="tiny",
+        source="by hand",
+        exact=True,
+        total_params=1000,
+        num_layers=2,
+        hidden_size=4,
+        intermediate_size=8,
+        kv_size=4,
+        vocab_size=10,
+        embedding_params=80,
+        largest_layer_params=200,
+        linear_layers=layers,
+    )
+
+
+def test_lora_trainable_params(tiny_shape):
+    # per layer: q,k,v,o 4 * r(4+4) = 64 at r=2; gate, up 2 * 2(4+8) = 48; down 2(8+4) = 24 -> 136; two layers 272
+    assert lora_trainable_params(tiny_shape, "all-linear", 2) == 272
+    # q and v only: 2 * 2(4+4) = 32 per layer
+    assert lora_trainable_params(tiny_shape, ["q_proj", "v_proj"], 2) == 64
+    # a key matches a name's last component, not a substring of it
+    assert lora_trainable_params(tiny_shape, ["proj"], 2) == 0
+
+
+def test_model_state_per_method(tiny_shape):
+    """P = 1000, N = 4, 16-bit, T = 272 LoRA parameters, linear weights 2 * (4*16 + 2*32 + 32) = 320."""
+    assert model_state_bytes("full", tiny_shape, 0, 4, 2) == 18_000  # 18 B/param
+    assert model_state_bytes("full", tiny_shape, 0, 4, 4) == 16_000  # fp32: no 16-bit copy
+    assert model_state_bytes("lora", tiny_shape, 272, 4, 2) == 2_000 + 272 * 16
+    assert model_state_bytes("qlora", tiny_shape, 272, 4, 2) == int(320 * 0.55) + 680 * 2 + 272 * 16
+    assert model_state_bytes("zero2", tiny_shape, 0, 4, 2) == 2_000 + 18_000 // 4
+    assert model_state_bytes("zero3", tiny_shape, 0, 4, 2) == 18_000 // 4 + 4 * 200
+
+
+def test_reference_model_only_for_full_dpo_without_precomputed_log_probs(tiny_shape):
+    dpo = TrainingSetup(stage="dpo")
+    assert reference_bytes("full", dpo, tiny_shape, 4, 2) == 2_000  # a 16-bit copy on every GPU
+    assert reference_bytes("zero2", dpo, tiny_shape, 4, 2) == 2_000
+    assert reference_bytes("zero3", dpo, tiny_shape, 4, 2) == 500  # sharded only under ZeRO-3
+    assert reference_bytes("lora", dpo, tiny_shape, 4, 2) == 0  # adapters disabled = the reference
+    assert reference_bytes("full", TrainingSetup(precompute_ref_log_probs=True), tiny_shape, 4, 2) == 0
+    assert reference_bytes("full", TrainingSetup(stage="sft"), tiny_shape, 4, 2) == 0
+
+
+def test_activations_per_sample(tiny_shape):
+    """Per token per layer in 16-bit: 12*4 + 4*4 + 8*8 = 128 bytes; logits 10 * (2 + 8) = 100 bytes per token."""
+    dpo = TrainingSetup(stage="dpo", max_length=3, gradient_checkpointing=False)
+    assert activation_bytes_per_sample(tiny_shape, dpo, 2) == 6 * (2 * 128 + 100)  # chosen + rejected: 6 tokens
+    checkpointed = TrainingSetup(stage="dpo", max_length=3, gradient_checkpointing=True)
+    # only each layer's 16-bit input (2 * 4 bytes) is kept, plus one layer recomputed in backward
+    assert activation_bytes_per_sample(tiny_shape, checkpointed, 2) == 6 * (2 * 2 * 4 + 128 + 100)
+    sft_fp32 = TrainingSetup(stage="sft", max_length=3, gradient_checkpointing=False)
+    assert activation_bytes_per_sample(tiny_shape, sft_fp32, 4) == 3 * (2 * 256 + 10 * 12)
+
+
+@pytest.mark.parametrize("static, per_sample, budget", [(0, 10 * 1024**2, 3 * GIB), (5 * GIB, 3 * 1024**2, 40 * GIB), (2 * GIB, 1, 4 * GIB)])
+def test_largest_batch_is_the_last_that_fits(static, per_sample, budget):
+    batch = largest_batch(static, per_sample, budget)
+    assert with_margin(static + batch * per_sample) <= budget < with_margin(static + (batch + 1) * per_sample)
+
+
+def test_largest_batch_is_zero_when_the_model_alone_does_not_fit():
+    assert largest_batch(100 * GIB, 1024, 80 * GIB) == 0
+
+
+def test_assumed_shape_has_the_requested_size():
+    shape = shape_from_param_count(7_000_000_000)
+    assert shape.total_params == 7_000_000_000 and not shape.exact
+    assert shape.hidden_size == 4096  # nearest well-known model: Llama-2-7B
+    assert abs(sum(d_in * d_out for _name, d_in, d_out in shape.linear_layers) + shape.embedding_params - 7e9) < 0.05 * 7e9
+
+
+# --- topology and NCCL's transport rule ---------------------------------------------------------------------------
+
+OK, GNS = pynvml.NVML_P2P_STATUS_OK, pynvml.NVML_P2P_STATUS_GPU_NOT_SUPPORTED
+
+
+def pair(ancestor=pynvml.NVML_TOPOLOGY_SINGLE, p2p=OK, nvlinks=0):
+    return PairFacts(0, 1, ancestor, p2p, p2p, nvlinks)
+
+
+@pytest.mark.parametrize(
+    "ancestor, nvlinks, label",
+    [
+        (pynvml.NVML_TOPOLOGY_SINGLE, 0, "PIX"),
+        (pynvml.NVML_TOPOLOGY_MULTIPLE, 0, "PXB"),
+        (pynvml.NVML_TOPOLOGY_HOSTBRIDGE, 0, "PHB"),
+        (pynvml.NVML_TOPOLOGY_NODE, 0, "NODE"),
+        (pynvml.NVML_TOPOLOGY_SYSTEM, 0, "SYS"),
+        (pynvml.NVML_TOPOLOGY_SYSTEM, 18, "NV18"),  # NVLink wins, as in nvidia-smi topo -m
+    ],
+)
+def test_matrix_labels(ancestor, nvlinks, label):
+    assert link_label(pair(ancestor, nvlinks=nvlinks)) == label
+
+
+def test_p2p_labels_report_the_failing_direction():
+    assert p2p_label(pair()) == "OK"
+    assert p2p_label(PairFacts(0, 1, 10, OK, pynvml.NVML_P2P_STATUS_NOT_SUPPORTED, 0)) == "NS"
+    assert p2p_label(pair(p2p=pynvml.NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED)) == "TNS"
+    assert p2p_label(pair(p2p=None)) == "U"
+
+
+@pytest.mark.parametrize(
+    "the_pair, settings, cpu_vendor, kind",
+    [
+        (pair(nvlinks=12), {}, "GenuineIntel", "P2P/NVLink"),
+        (pair(pynvml.NVML_TOPOLOGY_MULTIPLE), {}, "GenuineIntel", "P2P/PCIe"),  # PXB: within the default level
+        (pair(pynvml.NVML_TOPOLOGY_HOSTBRIDGE), {}, "GenuineIntel", "SHM"),  # PHB: beyond it
+        (pair(pynvml.NVML_TOPOLOGY_NODE), {}, "GenuineIntel", "SHM"),  # NCCL calls NODE PHB too
+        (pair(pynvml.NVML_TOPOLOGY_HOSTBRIDGE), {}, "AuthenticAMD", "P2P/PCIe"),  # AMD, 2 GPUs: level SYS
+        (pair(p2p=GNS), {}, "GenuineIntel", "SHM"),  # within the level but the driver says no
+        (pair(nvlinks=4, p2p=GNS), {}, "GenuineIntel", "fails"),  # NCCL aborts on broken NVLink P2P
+        (pair(nvlinks=4, p2p=GNS), {"NCCL_IGNORE_DISABLED_P2P": "1"}, "GenuineIntel", "SHM"),
+        (pair(nvlinks=18), {"NCCL_P2P_DISABLE": "1"}, "GenuineIntel", "SHM"),
+        (pair(p2p=GNS), {"NCCL_SHM_DISABLE": "1"}, "GenuineIntel", "NET"),
+        (pair(pynvml.NVML_TOPOLOGY_SINGLE), {"NCCL_P2P_LEVEL": "NVL"}, "GenuineIntel", "SHM"),
+        (pair(pynvml.NVML_TOPOLOGY_SYSTEM), {"NCCL_P2P_LEVEL": "SYS"}, "GenuineIntel", "P2P/PCIe"),
+        (pair(pynvml.NVML_TOPOLOGY_HOSTBRIDGE), {"NCCL_P2P_LEVEL": "3"}, "GenuineIntel", "P2P/PCIe"),  # old 3 = PHB
+    ],
+)
+def test_nccl_transport_follows_ncclTopoCheckP2p(the_pair, settings, cpu_vendor, kind):
+    level, _source = p2p_level(settings, cpu_vendor, gpu_count=2)
+    assert nccl_transport(the_pair, level, settings).kind == kind
+
+
+def test_amd_rule_is_for_two_gpus_at_most():
+    assert p2p_level({}, "AuthenticAMD", 2)[0] == "SYS"
+    assert p2p_level({}, "AuthenticAMD", 4)[0] == "PXB"
+
+
+def test_cpu_ranges_are_written_like_nvidia_smi():
+    assert cpu_ranges([0, 1, 2, 3, 8, 9, 12]) == "0-3,8-9,12"
+    assert cpu_ranges([5]) == "5"
+    assert cpu_ranges(None) == "N/A"
+
+
+@pytest.mark.parametrize("bus_id", ["00000000:18:00.0", "0000:18:00.0", "18:00.0", b"00000000:18:00.0"])
+def test_bus_ids_from_nvml_and_cuda_compare_equal(bus_id):
+    assert normalise_bus_id(bus_id) == "0000:18:00.0"
+
+
+# --- CUDA's numbering ----------------------------------------------------------------------------------------------
+
+
+def gpus_for_cuda(names=("A", "A", "A")):
+    return [GpuFacts(index=index, name=name, uuid=f"GPU-{index}abc{index}-0000", bus_id=f"0000:{16 * (index + 1):02x}:00.0") for index, name in enumerate(names)]
+
+
+@pytest.mark.parametrize(
+    "setting, visible",
+    [
+        (None, [0, 1, 2]),
+        ("2,0", [2, 0]),
+        ("0,7,1", [0]),  # CUDA stops at the first invalid entry
+        ("", []),
+        ("-1", []),
+        ("GPU-1abc", [1]),  # a unique UUID prefix
+        ("1,1", [1]),  # a duplicate ends the list
+    ],
+)
+def test_cuda_visible_devices_like_cuda(setting, visible):
+    environ = {} if setting is None else {"CUDA_VISIBLE_DEVICES": setting}
+    assert cuda_view(gpus_for_cuda(), environ, None).visible == visible
+
+
+def test_mig_entries_are_kept_apart():
+    view = cuda_view(gpus_for_cuda(), {"CUDA_VISIBLE_DEVICES": "MIG-5c2a,0"}, None)
+    assert view.mig_devices == ["MIG-5c2a"] and view.visible == [0]
+
+
+def test_torch_numbering_is_authoritative_and_mixed_models_are_flagged_without_it():
+    gpus = gpus_for_cuda(("Tesla T4", "NVIDIA A100"))
+    from_torch = cuda_view(gpus, {}, ["1abc1-0000", "GPU-0abc0-0000"])  # torch omits the GPU- prefix
+    assert (from_torch.visible, from_torch.order_source) == ([1, 0], "torch")
+    assert cuda_view(gpus, {}, None).order_source == "assumed-pci"
+    assert cuda_view(gpus, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, None).order_source == "pci"
+
+
+# --- software, bandwidth -----------------------------------------------------------------------------------------
+
+
+def test_nccl_conf_precedence(tmp_path):
+    user, system = tmp_path / "user.conf", tmp_path / "system.conf"
+    user.write_text("# mine\nNCCL_DEBUG=INFO\n\n")
+    system.write_text("NCCL_DEBUG=WARN\nNCCL_IB_HCA = mlx5_0\nnot a setting\n")
+    settings, found = read_nccl_conf([str(user), str(tmp_path / "missing.conf"), str(system)])
+    assert settings == {"NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5_0"}  # the first file to set a variable wins
+    assert found == [str(user), str(system)]
+    software = SoftwareFacts(python="3", platform="x", torch=None, environment={"NCCL_DEBUG": "WARN"}, nccl_conf=settings)
+    assert effective_nccl_settings(software) == {"NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5_0"}  # environment wins
+
+
+def test_bus_bandwidth_as_nccl_tests():
+    assert bus_bandwidth(100.0, 8) == pytest.approx(175.0)  # 2 * 7 / 8
+    assert bus_bandwidth(100.0, 2) == pytest.approx(100.0)
+    assert bus_bandwidth(100.0, 1) == 0.0
+
+
+# --- the fake stays true to pynvml -------------------------------------------------------------------------------
+
+
+def test_fake_functions_have_pynvml_names_and_signatures():
+    fake = make_fake_pynvml(FakeMachine([]))
+    names = implemented_functions(fake)
+    assert len(names) > 30
+    for name in names:
+        assert inspect.signature(getattr(fake, name)) == inspect.signature(getattr(pynvml, name)), name
+
+
+def test_fake_keeps_pynvml_constants_errors_and_the_p2p_index_quirk():
+    fake = make_fake_pynvml(FakeMachine([FakeGpu("X", "0000:01:00.0", 1024, (8, 0), ("cpu0",))] * 2))
+    assert fake.NVML_P2P_CAPS_INDEX_READ == (0,)
+    assert fake.NVMLError_NotSupported is pynvml.NVMLError_NotSupported
+    fake.nvmlInit()
+    first, second = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(1)
+    with pytest.raises(ctypes.ArgumentError):
+        fake.nvmlDeviceGetP2PStatus(first, second, fake.NVML_P2P_CAPS_INDEX_READ)
+    assert fake.nvmlDeviceGetP2PStatus(first, second, 0) == pynvml.NVML_P2P_STATUS_OK
+    fake.nvmlShutdown()
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        fake.nvmlDeviceGetCount()
