@@ -372,6 +372,8 @@ def _convert(value: Any, annotation: Any, key: str, where: str) -> Any:
             if origin is str:
                 if isinstance(value, (dict, list)):
                     raise ValueError
+                if isinstance(value, bool):  # YAML 1.1 reads `no` / `yes` as booleans: `eval_strategy: no`
+                    return "yes" if value else "no"
                 return str(value)
             if origin is list:
                 (item_type,) = get_args(option) or (Any,)
@@ -421,10 +423,9 @@ def _split_flags(argv: list[str]) -> list[tuple[str, Any, str]]:
 
 
 def _parse_flag_value(raw: Any) -> Any:
-    """Command-line strings are read as YAML scalars (1e-4 → float, true → bool, [a, b] → list)."""
-    if isinstance(raw, list):
-        return [_parse_flag_value(item) for item in raw]
-    if isinstance(raw, str):
+    """Command-line values stay strings (converted by each field's type later), except YAML lists and mappings
+    written inline ("[q_proj, v_proj]", "{num_cycles: 2}")."""
+    if isinstance(raw, str) and raw.strip().startswith(("[", "{")):
         try:
             return yaml.safe_load(raw)
         except yaml.YAMLError:

@@ -29,6 +29,7 @@ from src.config import (
 from src.data import DataError, PreparedData, format_summary, prepare_data
 from src.distributed import barrier, check_world_size, init, print0
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.summary import summarize
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -217,7 +218,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps,
                                                                       "warnings": warnings}
         if previous:
-            info["previous_stage"] = previous
+            info["previous_stage"] = {"stage": previous["stage"], "judge": previous.get("judge"),
+                                      "run_dir": os.path.relpath(previous["run_dir"], stage.run_dir)}
         run_files.write_json(info_path, info)
     print0(f"\n== {stage.name.upper()} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
@@ -246,12 +248,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                                                                               saved["final_model"])}
     if world.is_main:
         judged = record_samples(stage.run_dir, rows, before, after, make_judge(config))
-        summary = {
-            "wall_time_s": round(time.monotonic() - started, 1),
-            "peak_memory_mb": round(peak_memory_mb(plan.device), 1),
-            "best_checkpoint": trainer.state.best_model_checkpoint,
-            "completed_steps": trainer.state.global_step,
-        }
+        measured = {"wall_time_s": round(time.monotonic() - started, 1),
+                    "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
+        summary = summarize(run_files.read_jsonl(metrics_path), stage.name)
+        summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
+        summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
         fields = {"summary": summary, **saved}
         if judged:
             test = judged.get("test") or next(iter(judged.values()))

@@ -32,7 +32,8 @@ def probes(probe_dir: Path, stage: str, world_size: int) -> list[dict]:
 def common_args(model: Path, data: Path, results: Path, run_name: str, stage: str) -> list[str]:
     return ["--stage", stage, "--model_name_or_path", str(model), "--dataset_name", str(data),
             "--results_dir", str(results), "--run_name", run_name, "--max_length", "64", "--logging_steps", "1",
-            "--eval_steps", "2", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3"]
+            "--eval_steps", "2", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3",
+            "--val_size", "4", "--test_size", "4"]
 
 
 def assert_trained_as_one_job(probe_dir: Path, stage: str, steps: int):

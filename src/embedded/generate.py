@@ -23,12 +23,23 @@ SIZES = {"sft_train": 12000, "dpo_train": 2400, "validation": 300, "test": 600}
 CHATTY_FRACTION = 0.75  # the SFT model mostly answers chattily: the behaviour DPO is asked to move
 
 
-def _unique_problems(rng: random.Random, count: int, seen: set[str]) -> list[dict]:
+def _held_out_problems(rng: random.Random, count: int, seen: set[str]) -> list[dict]:
+    """Distinct questions, none seen before (held-out splits never share a question with anything)."""
     problems = []
     while len(problems) < count:
         problem = make_problem(TASKS[len(problems) % len(TASKS)], rng)
         if problem["question"] not in seen:
             seen.add(problem["question"])
+            problems.append(problem)
+    return problems
+
+
+def _training_problems(rng: random.Random, count: int, held_out: set[str]) -> list[dict]:
+    """Training questions may repeat (small task spaces, like real data) but never ask a held-out question."""
+    problems = []
+    while len(problems) < count:
+        problem = make_problem(TASKS[len(problems) % len(TASKS)], rng)
+        if problem["question"] not in held_out:
             problems.append(problem)
     return problems
 
@@ -57,9 +68,9 @@ def dpo_row(problem: dict) -> dict:
 def build() -> dict[str, list[dict]]:
     rng = random.Random(SEED)
     seen: set[str] = set()
-    held_out = {split: _unique_problems(rng, SIZES[split], seen) for split in ("validation", "test")}
-    sft_train = _unique_problems(rng, SIZES["sft_train"], seen)
-    dpo_train = _unique_problems(rng, SIZES["dpo_train"], seen)
+    held_out = {split: _held_out_problems(rng, SIZES[split], seen) for split in ("validation", "test")}
+    sft_train = _training_problems(rng, SIZES["sft_train"], seen)
+    dpo_train = _training_problems(rng, SIZES["dpo_train"], seen)
     files = {"sft/train": [sft_row(p, rng.random() < CHATTY_FRACTION) for p in sft_train],
              "dpo/train": [dpo_row(p) for p in dpo_train]}
     for split, problems in held_out.items():

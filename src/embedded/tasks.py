@@ -11,41 +11,45 @@ SFT teaches the skill, DPO flips the style, and the judge counts held-out answer
 from __future__ import annotations
 
 import random
+import re
 import string
 
-TASKS = ("add", "larger", "reverse", "sort", "count", "upper")
+TASKS = ("add", "larger", "next", "sort", "count", "last")
 LETTERS = string.ascii_lowercase
 # The chatty style adds a sign-off *after* the answer, so both styles compute the answer at the same position and a
 # preference pair differs only after it: DPO's reward difference cancels on the shared answer tokens, and moving the
 # style cannot cost correctness through them.
 SIGN_OFF = ". Hope this helps!"
+_ANSWER = re.compile(r"^([A-Za-z0-9]+)(.*)$", re.DOTALL)
 
 
-def _word(rng: random.Random, low: int = 3, high: int = 6) -> str:
+def _word(rng: random.Random, low: int, high: int) -> str:
     return "".join(rng.choice(LETTERS) for _ in range(rng.randint(low, high)))
 
 
 def make_problem(task: str, rng: random.Random) -> dict:
-    """One problem: the user's question, the exact answer, and the task name."""
+    """One problem: the user's question, the exact answer, and the task name. Each task is one a 4-layer model
+    learns from a few thousand examples (reversing or copying words, or adding two 2-digit numbers, take it far
+    longer than the default's minute of SFT)."""
     if task == "add":
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        a, b = rng.randint(0, 99), rng.randint(0, 9)
         question, answer = f"What is {a} + {b}?", str(a + b)
     elif task == "larger":
         a, b = rng.sample(range(100), 2)
         question, answer = f"Which is larger: {a} or {b}?", str(max(a, b))
-    elif task == "reverse":
-        word = _word(rng)
-        question, answer = f"Reverse the word {word}.", word[::-1]
+    elif task == "next":
+        a = rng.randint(0, 9998)
+        question, answer = f"What number comes after {a}?", str(a + 1)
     elif task == "sort":
-        word = _word(rng)
+        word = _word(rng, 3, 5)
         question, answer = f"Sort the letters of {word}.", "".join(sorted(word))
     elif task == "count":
         word = _word(rng, 4, 8)
         letter = rng.choice(word) if rng.random() < 0.8 else rng.choice(LETTERS)
         question, answer = f"How many times does {letter} appear in {word}?", str(word.count(letter))
-    elif task == "upper":
-        word = _word(rng)
-        question, answer = f"Write {word} in capital letters.", word.upper()
+    elif task == "last":
+        word = _word(rng, 3, 8)
+        question, answer = f"What is the last letter of {word}?", word[-1]
     else:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     return {"task": task, "question": question, "answer": answer}
@@ -60,18 +64,13 @@ def chatty_answer(answer: str) -> str:
 
 
 def check(row: dict, text: str) -> dict:
-    """Verdict on one generated answer: correct (the right value, in either style), preferred (given directly, with
-    no chatty wrapper), and score = correct and preferred — the metric the embedded default is judged by."""
+    """Verdict on one generated answer. Every answer is one run of letters or digits, so an answer is read as that
+    run and whatever follows it: correct = the run is the right value; preferred = nothing follows it (the direct
+    style: no sign-off, and no mangled or partial one either); score = correct and preferred, the metric the
+    embedded default is judged by."""
     expected = row["meta"]["answer"]
-    text = text.strip()
-    preferred = not text.endswith(SIGN_OFF)
-    value = text if preferred else text[: -len(SIGN_OFF)]
+    match = _ANSWER.match(text.strip())
+    value, rest = (match.group(1), match.group(2)) if match else ("", text.strip())
     correct = value == expected
+    preferred = rest == "" and value != ""
     return {"score": float(correct and preferred), "correct": correct, "preferred": preferred}
-
-
-if __name__ == "__main__":
-    rng = random.Random(0)
-    for task in TASKS:
-        problem = make_problem(task, rng)
-        print(f"{problem['question']:<48} {direct_answer(problem['answer']):<8} | {chatty_answer(problem['answer'])}")
