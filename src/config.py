@@ -450,9 +450,35 @@ def _load_recipe(path: str) -> dict[str, Any]:
     return values
 
 
+class HelpRequested(Exception):
+    """--help: the caller prints `format_help()` and exits 0."""
+
+
+def format_help() -> str:
+    """Every flag, grouped by concern, with its default and help text (the dataclass fields are the source)."""
+    lines = ["usage: python -m src.main_distributed [--config RECIPE.yaml] [--flag value ...]",
+             "       ./run_distributed.sh [NUM_PROCS] [--config RECIPE.yaml] [--flag value ...]", "",
+             "Flags override the recipe; --sft.KEY VALUE overrides a key for the SFT stage of sft_then_dpo; any other",
+             "field of TRL's DPOConfig / SFTConfig passes through by name.", ""]
+    for concern in CONCERNS:
+        lines.append(f"{concern.__name__}: {(concern.__doc__ or '').strip().splitlines()[0]}")
+        for item in dataclasses.fields(concern):
+            if not item.init or "help" not in item.metadata:
+                continue
+            default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+            choices = item.metadata.get("choices")
+            shown = f"{{{','.join(choices)}}}" if choices else repr(default)
+            lines.append(f"  --{item.name} {shown}")
+            lines.append(f"      {item.metadata['help'].replace('%%', '%')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Flags (and the recipe named by --config) → Config. Raises ConfigError with one readable line."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        raise HelpRequested
     flags = _split_flags(argv)
     recipe_paths = [value for key, value, _ in flags if key == "config"]
     flags = [item for item in flags if item[0] != "config"]

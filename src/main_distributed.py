@@ -23,8 +23,8 @@ from pathlib import Path
 
 from src import run_files
 from src.config import (
-    EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, Plan, World, format_plan, parse_config, resolve_plan,
-    stage_config,
+    EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
+    parse_config, resolve_plan, stage_config,
 )
 from src.data import DataError, PreparedData, format_summary, prepare_data
 from src.distributed import barrier, check_world_size, init, print0
@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         return run([arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"])
+    except HelpRequested:
+        print(format_help())
+        return 0
     except USER_ERRORS as error:
         if debug:
             raise

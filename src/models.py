@@ -99,6 +99,17 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World):
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({_first_line(error)})") from None
+    if quantization is not None:
+        # bitsandbytes packs 4-bit weights lazily, at the first forward: run one now so an unsupported layout fails
+        # here with a clear message instead of inside generation or the first training step.
+        try:
+            with torch.no_grad():
+                loaded(input_ids=torch.zeros((1, 1), dtype=torch.long, device=loaded.device))
+        except (RuntimeError, ValueError) as error:
+            hint = "its CPU kernels need layer widths that are multiples of 64 — use a GPU, or drop --load_in_4bit" \
+                if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
+            raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({_first_line(error)}); "
+                             f"{hint}") from None
     if plan.device == "cuda" and quantization is None:
         loaded.to(torch.device("cuda", world.local_rank))
     return loaded

@@ -135,3 +135,8 @@ def tiny_tokenizer(tiny_model):
 @pytest.fixture
 def preference_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
+
+
+def pytest_configure(config):
+    # torch.jit's own deprecation of script_method fires on every import of transformers' models: noise, not ours.
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

@@ -116,3 +116,49 @@ def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(ti
         losses[nproc] = [record["loss"] for record in metrics if "loss" in record]
     assert len(losses[1]) == 5
     assert losses[1] == pytest.approx(losses[2], rel=1e-4, abs=1e-6)
+
+
+def run_single(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=os.environ)
+
+
+def test_lora_run_saves_an_adapter_that_reloads_and_a_merged_copy(tiny_model, preference_file, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    args = common_args(tiny_model, preference_file, tmp_path / "results", "lora", "dpo") + [
+        "--use_lora", "--lora_r", "4", "--batch_size", "4", "--max_steps", "3", "--learning_rate", "1e-3",
+        "--merge_adapter"]
+    result = run_single(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = tmp_path / "results" / "lora" / "model" / "final"
+    assert (final / "adapter_model.safetensors").stat().st_size > 0
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), final)
+    assert any("lora_B" in name and param.abs().sum() > 0 for name, param in reloaded.named_parameters())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "results" / "lora" / "model" / "merged")
+    assert sum(p.numel() for p in merged.parameters()) == sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    info = run_files.read_json(tmp_path / "results" / "lora" / run_files.TRAINING_INFO)
+    assert info["use_lora"] is True
+
+
+def test_qlora_runs_on_cpu_where_bitsandbytes_can(tmp_path):
+    """The embedded model (128 wide) quantizes on bitsandbytes' CPU backend; QLoRA trains and saves an adapter."""
+    args = ["--stage", "dpo", "--model_name_or_path", "embedded", "--dataset_name", "embedded", "--use_lora",
+            "--load_in_4bit", "--batch_size", "4", "--max_steps", "2", "--num_samples", "2", "--max_new_tokens", "4",
+            "--results_dir", str(tmp_path / "results"), "--run_name", "qlora", "--eval_strategy", "no",
+            "--max_length", "64", "--learning_rate", "1e-4"]
+    result = run_single(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = run_files.read_json(tmp_path / "results" / "qlora" / run_files.TRAINING_INFO)
+    assert info["load_in_4bit"] is True and info["summary"]["completed_steps"] == 2
+    assert (tmp_path / "results" / "qlora" / "model" / "final" / "adapter_model.safetensors").exists()
+
+
+def test_qlora_where_bitsandbytes_cannot_gets_a_clear_message(tiny_model, preference_file, tmp_path):
+    args = common_args(tiny_model, preference_file, tmp_path / "results", "q", "dpo") + [
+        "--use_lora", "--load_in_4bit", "--max_steps", "1", "--batch_size", "4"]
+    result = run_single(args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: --load_in_4bit: bitsandbytes could not run" in result.stderr

@@ -1,0 +1,72 @@
+"""The command line: mistakes get one line naming the flag, file, row or column, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+
+
+def run_main(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=os.environ)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.fixture
+def user_args(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    return ["--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--results_dir",
+            str(tmp_path / "results"), "--max_length", "64"]
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["--learnign_rate", "1e-4"], ["unknown key 'learnign_rate'", "did you mean 'learning_rate'"]),
+    (["--batch_size", "-4"], ["--batch_size must be a positive whole number"]),
+    (["--config", "configs/nope.yaml"], ["configs/nope.yaml does not exist"]),
+])
+def test_config_mistakes(extra, fragments, user_args):
+    assert_one_line_error(run_main(*user_args, *extra), *fragments)
+
+
+def test_data_and_model_mistakes(user_args, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n')
+    swap = user_args.index("--dataset_name") + 1
+    assert_one_line_error(run_main(*user_args[:swap], str(bad), *user_args[swap + 1:]), "bad.jsonl line 2",
+                          "not valid JSON")
+    model = user_args.index("--model_name_or_path") + 1
+    assert_one_line_error(run_main(*user_args[:model], str(tmp_path / "no_model"), *user_args[model + 1:]),
+                          "no_model: no such directory")
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(user_args, tmp_path):
+    result = run_main(*user_args, "--stage", "dpo", "--batch_size", "8", "--dry_run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "8 per device x 1 accumulation x 1 processes = 8 global" in result.stdout
+    assert "rows" in result.stdout and not (tmp_path / "results").exists()
+
+
+def test_debug_shows_the_traceback(user_args):
+    result = run_main(*user_args, "--batch_size", "0", "--debug")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_launcher_refuses_bad_flags_before_starting_workers(user_args):
+    result = subprocess.run(["bash", "run_distributed.sh", "2", *user_args, "--batch_size", "3"], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=120,
+                            env=os.environ | {"PYTHON": sys.executable})
+    assert_one_line_error(result, "--batch_size 3 cannot be split across 2 processes")
+    assert "ChildFailedError" not in result.stderr  # torchrun never started
