@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--per_device_batch_size", type=int, help="sequences (DPO: pairs) per GPU per step")
     plan.add_argument("--lora", action="store_true", help="LoRA adapters on a frozen 16-bit base")
     plan.add_argument("--qlora", action="store_true", help="LoRA adapters on a 4-bit (NF4) base")
+    plan.add_argument("--gradient_checkpointing", action="store_true",
+                      help="recompute activations in the backward pass (the toolkit's default is off)")
     return parser
 
 
@@ -64,6 +66,7 @@ def options_from(args: argparse.Namespace) -> CheckOptions:
         "per_device_batch_size": args.per_device_batch_size,
         "use_lora": True if args.lora or args.qlora else None,
         "load_in_4bit": True if args.qlora else None,
+        "gradient_checkpointing": True if args.gradient_checkpointing else None,
     }
     flags = {name: value for name, value in flags.items() if value is not None}
     overrides = dict(flags)

@@ -372,7 +372,7 @@ def test_throttling_and_narrow_pcie_link():
 
 def test_recipe_that_does_not_fit_is_not_ready(tmp_path):
     recipe = tmp_path / "big.yaml"
-    recipe.write_text("use_lora: true\nmax_length: 1024\n")
+    recipe.write_text("use_lora: true\nmax_length: 1024\ngradient_checkpointing: true\n")
     report = run_check(h100_nvswitch(), "--config", str(recipe), "--params", "70e9")
     assert codes(report) == ["does_not_fit"]
     assert "use QLoRA r=16" in report["problems"][0]["fix"]
@@ -382,7 +382,8 @@ def test_recipe_that_does_not_fit_is_not_ready(tmp_path):
 
 
 def test_batch_too_large_for_the_gpu():
-    report = run_check(rtx4090_pcie(), "--params", "7e9", "--lora", "--per_device_batch_size", "64")
+    report = run_check(rtx4090_pcie(), "--params", "7e9", "--lora", "--per_device_batch_size", "64",
+                       "--gradient_checkpointing")
     problem = next(problem for problem in report["problems"] if problem["code"] == "does_not_fit")
     lora = next(estimate for estimate in report["memory_plan"]["estimates"] if estimate["method"] == "lora")
     assert 1 <= lora["max_per_device_batch"] < 64

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-STAGES = ("dpo", "sft")
+STAGES = ("dpo", "sft", "sft_then_dpo")
 MIXED_PRECISIONS = ("auto", "no", "fp16", "bf16")
 ALL_LINEAR = "all-linear"
 
@@ -38,7 +38,8 @@ class TrainingSetup:
     micro_batch_size: int | None = field(default=None, metadata={"help": "same as per_device_batch_size"})
     batch_size: int | None = field(default=None, metadata={"help": "global batch; per device = batch / processes"})
     max_length: int = field(default=1024, metadata={"help": "tokens of prompt + completion"})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations (TRL's default)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations (the toolkit's "
+                                                                        "default: off)"})
     precompute_ref_log_probs: bool = field(default=False, metadata={"help": "no reference model during training"})
     mixed_precision: str = field(default="auto", metadata={"help": "auto, no, fp16 or bf16"})
     recipe_path: str | None = field(default=None, metadata={"help": "the YAML these settings came from"})
@@ -49,6 +50,8 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise InputError(f"--stage {self.stage!r}: use one of {', '.join(STAGES)}")
+        if self.stage == "sft_then_dpo":
+            self.stage = "dpo"  # the pipeline's peak memory is its DPO stage (pairs, and a reference model)
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise InputError(f"mixed_precision {self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISIONS)}")
         for name in ("lora_r", "max_length", "per_device_batch_size", "micro_batch_size", "batch_size"):

@@ -124,6 +124,10 @@ def _offline(environ: Mapping[str, str]) -> bool:
 
 
 def _load_config(name_or_path: str, environ: Mapping[str, str], subject: str):
+    if name_or_path == "embedded":  # the toolkit's offline default model, built once on first use
+        from src.embedded.model import ensure_embedded_model
+
+        name_or_path = str(ensure_embedded_model())
     path = Path(name_or_path).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
         raise InputError(f"{subject}: the directory has no config.json; point at a model directory or use --params")

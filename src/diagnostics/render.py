@@ -241,7 +241,7 @@ def _memory_plan(report: dict) -> list[str]:
     on_gpu = plan["device_kind"] == "gpu"
     devices = f"{plan['num_devices']} GPU(s)" if on_gpu else f"{plan['num_devices']} process(es) on CPU"
     lines = [
-        f"MEMORY PLAN  {model['name']} · {model['total_params'] / 1e9:.2f}B parameters · {model['num_layers']} layers · "
+        f"MEMORY PLAN  {model['name']} · {_parameters(model['total_params'])} parameters · {model['num_layers']} layers · "
         f"hidden {model['hidden_size']} · vocab {model['vocab_size']}"
     ]
     lines += _wrapped(f"source: {model['source']}", INDENT, INDENT + "  ")
@@ -343,3 +343,8 @@ def render(report: dict[str, Any]) -> str:
     sections = [_title, _software, _system, _driver_and_gpus, _topology, _memory_plan, _bench, _problems, _verdict]
     blocks = [section(report) for section in sections]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
+
+
+def _parameters(count: int) -> str:
+    """7.24B, 494.0M, 0.9M: billions where it reads naturally, millions below."""
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
