@@ -336,6 +336,28 @@ def trl_fields(stage: str) -> dict[str, Any]:
     return {name: kind for config in configs for name, kind in _field_types(config).items()}
 
 
+class _LazyFields:
+    """trl_fields(stage), computed on first use."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self._fields: dict[str, Any] | None = None
+
+    def _load(self) -> dict[str, Any]:
+        if self._fields is None:
+            self._fields = trl_fields(self.stage)
+        return self._fields
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._load()
+
+    def __getitem__(self, name: str) -> Any:
+        return self._load()[name]
+
+    def names(self) -> list[str]:
+        return list(self._load())
+
+
 def _closest(name: str, candidates) -> str:
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
@@ -517,7 +539,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
     known = toolkit_fields()
-    passthrough = trl_fields(stage)
+    passthrough = _LazyFields(stage)  # TRL's configs import transformers and torch: only read them when needed
     values: dict[type, dict[str, Any]] = {concern: {} for concern in CONCERNS}
     trl_overrides: dict[str, Any] = {}
     sft_stage_overrides: dict[str, Any] = {}
@@ -543,7 +565,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         elif key in passthrough:
             trl_overrides[key] = _convert(value, passthrough[key], key, where)
         else:
-            raise ConfigError(f"{where}: unknown key '{key}'{_closest(key, list(known) + list(passthrough))}")
+            raise ConfigError(f"{where}: unknown key '{key}'{_closest(key, list(known) + passthrough.names())}")
     try:
         parts = {concern: concern(**values[concern]) for concern in CONCERNS}
     except ValueError as error:  # ModelConfig's own checks, e.g. 4-bit and 8-bit together

@@ -95,15 +95,28 @@ def _split_files(directory: Path) -> dict[str, str]:
     return files
 
 
-def load_source(data: DataArguments, stage: str):
-    """The raw data as a DatasetDict, from a file, a directory (save_to_disk or split files) or the Hub."""
-    import datasets
-
+def check_source(data: DataArguments, stage: str) -> None:
+    """The cheap checks on where the data comes from, before any model or tokenizer is fetched."""
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
         if path.suffix not in DATA_FILE_BUILDERS:
             raise DataError(f"--dataset_name {location}: unsupported file type; use .json, .jsonl, .parquet or .csv")
+        if path.stat().st_size == 0:
+            raise DataError(f"{path} is empty: it needs one row per example")
+    elif not path.is_dir() and (path.suffix in DATA_FILE_BUILDERS or location.startswith((".", "/", "~"))
+                                or location.count("/") > 1):
+        raise DataError(f"--dataset_name {location}: no such file or directory")
+
+
+def load_source(data: DataArguments, stage: str):
+    """The raw data as a DatasetDict, from a file, a directory (save_to_disk or split files) or the Hub."""
+    import datasets
+
+    check_source(data, stage)
+    location = source_location(data, stage)
+    path = Path(location)
+    if path.is_file():
         _check_data_file(path)
         return _load_files(DATA_FILE_BUILDERS[path.suffix], {"train": str(path)}, location)
     if path.is_dir():
@@ -122,8 +135,6 @@ def load_source(data: DataArguments, stage: str):
         for file in files.values():
             _check_data_file(Path(file))
         return _load_files(builders.pop(), files, location)
-    if path.suffix in DATA_FILE_BUILDERS or location.startswith((".", "/", "~")) or location.count("/") > 1:
-        raise DataError(f"--dataset_name {location}: no such file or directory")
     try:
         loaded = datasets.load_dataset(location, data.dataset_config)
     except Exception as error:  # the Hub client raises many types; the user needs the reason, not the type

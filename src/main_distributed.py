@@ -26,8 +26,9 @@ from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, resolve_plan, stage_config,
 )
-from src.data import DataError, PreparedData, format_summary, prepare_data
+from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
 from src.distributed import barrier, check_world_size, init, print0
+from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
 from src.summary import summarize
 
@@ -289,11 +290,16 @@ def quiet_libraries() -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
-    quiet_libraries()
     config = parse_config(argv)
     world = World.from_environment()
     stages = plan_stages(config, world, Devices.detect())
     check_run_dir_free(stages[-1].run_dir, config.training.overwrite)
+    for stage in stages:
+        check_source(stage.config.data, stage.name)
+    if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
+                                          [stage.config.data.dataset_name for stage in stages]):
+        print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
+    quiet_libraries()
 
     model_path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
-from urllib.parse import urlparse
+
+from src.hub_access import hub_reachable, is_offline
 
 from .inputs import InputError
-
-HUB_PROBE_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -99,15 +97,6 @@ def _llama_params(hidden: int, layers: int, intermediate: int, vocab: int) -> in
     return layers * (4 * hidden * hidden + 3 * hidden * intermediate) + 2 * vocab * hidden
 
 
-def _hub_reachable(environ: Mapping[str, str]) -> bool:
-    endpoint = urlparse(environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_PROBE_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
-
-
 def _read_config(name_or_path: str, subject: str, **options):
     """AutoConfig.from_pretrained, with a config transformers cannot read (custom code, unknown model type)
     reported as bad input; OSError (not found) is left to the caller."""
@@ -117,10 +106,6 @@ def _read_config(name_or_path: str, subject: str, **options):
         return AutoConfig.from_pretrained(name_or_path, **options)
     except ValueError as error:
         raise InputError(f"{subject}: transformers cannot read its config ({str(error).splitlines()[0]}); use --params") from None
-
-
-def _offline(environ: Mapping[str, str]) -> bool:
-    return any(environ.get(name, "0") not in ("0", "") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _load_config(name_or_path: str, environ: Mapping[str, str], subject: str):
@@ -143,7 +128,7 @@ def _load_config(name_or_path: str, environ: Mapping[str, str], subject: str):
     except OSError:
         pass
     # Checked first because the Hub client retries an unreachable host for about half a minute.
-    if _offline(environ) or not _hub_reachable(environ):
+    if is_offline(environ) or not hub_reachable(environ):
         raise InputError(
             f"{subject}: not in the local Hugging Face cache and the Hub is unreachable; "
             "pass a local directory with config.json, or the size with --params (e.g. --params 7e9)"
