@@ -6,7 +6,8 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_distributed.sh 8 --config ...   # on each of two nodes
 #
 # Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500 with several nodes; a free
-# port is picked on one node), PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU).
+# port is picked on one node), MAX_RESTARTS (3: a lost worker restarts the job, which resumes from its newest complete
+# checkpoint), PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -39,12 +40,17 @@ if [[ -z ${OMP_NUM_THREADS:-} ]]; then
   export OMP_NUM_THREADS=$(( cores / NUM_PROCS > 0 ? cores / NUM_PROCS : 1 ))
 fi
 
-if [[ $NNODES -eq 1 && -z ${MASTER_PORT:-} ]]; then
-  rendezvous=(--standalone)
-else
-  rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:-127.0.0.1}"
-              --master_port "${MASTER_PORT:-29500}")
+if [[ -z ${MASTER_PORT:-} ]]; then
+  if [[ $NNODES -eq 1 ]]; then  # one node: any free port, so several jobs can share a machine
+    MASTER_PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
+  else
+    MASTER_PORT=29500
+  fi
 fi
+# Static rendezvous, also on one node: with torch 2.13, torchrun's c10d rendezvous (what --standalone uses) hands
+# restarted gloo workers the dead workers' addresses, and a restarted job hangs; the static one restarts cleanly.
+rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:-127.0.0.1}"
+            --master_port "$MASTER_PORT")
 # torchrun (python -m torch.distributed.run runs the same launcher with this interpreter).
 exec "$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NUM_PROCS" \
-  -m src.main_distributed "$@"
+  --max-restarts "${MAX_RESTARTS:-3}" -m src.main_distributed "$@"

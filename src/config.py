@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -286,7 +287,24 @@ DERIVED_TRL_FIELDS = {
     "ddp_backend": "nothing: NCCL on GPUs, gloo on CPU",
     "use_peft": "--use_lora",
     "activation_checkpointing": "--gradient_checkpointing",
+    # A token given as a flag would be pickled into every checkpoint's training_args.bin and logged with the config.
+    "hub_token": "the HF_TOKEN environment variable (tokens are never taken as flags or written to disk)",
 }
+SECRET_NAME = re.compile(r"token|secret|password|passwd|api_?key|credential", re.IGNORECASE)
+NOT_SECRETS = {"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token",
+               "include_num_input_tokens_seen", "max_new_tokens", "eval_do_concat_batches"}
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy with every value under a key named like a secret (token, key, password, ...) replaced, recursively:
+    what goes into training_info.json, reports and trackers."""
+    if isinstance(value, dict):
+        return {key: "<redacted>" if (SECRET_NAME.search(str(key)) and str(key) not in NOT_SECRETS
+                                      and item not in (None, "", False)) else redact_secrets(item)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [redact_secrets(item) for item in value]
+    return value
 
 
 @dataclass
@@ -303,7 +321,11 @@ class Config:
     recipe: str | None = None
 
     def flat(self) -> dict[str, Any]:
-        """Every field as one flat dict (the shape of a recipe), for training_info.json."""
+        """Every field as one flat dict (the shape of a recipe), secrets redacted, for training_info.json."""
+        return redact_secrets(self.values())
+
+    def values(self) -> dict[str, Any]:
+        """Every field as one flat dict (the shape of a recipe)."""
         values = {}
         for part in (self.model, self.data, self.training, self.dpo, self.sft):
             values.update(dataclasses.asdict(part))
@@ -587,7 +609,7 @@ def stage_config(config: Config, stage: str) -> Config:
     """The config one stage of a pipeline runs with: for the SFT stage of sft_then_dpo, the `sft:` overrides apply."""
     if config.training.stage != "sft_then_dpo":
         return config
-    requested = {key: (value, "sft") for key, value in config.flat().items() if key != "sft"}
+    requested = {key: (value, "sft") for key, value in config.values().items() if key != "sft"}
     requested = {key: value for key, value in requested.items() if key in toolkit_fields() or key in config.trl_overrides}
     if stage == "sft":
         for key, value in config.sft_stage_overrides.items():

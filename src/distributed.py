@@ -35,7 +35,25 @@ def init(plan: Plan, world: World):
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if world.world_size == 1:
         return PartialState(cpu=plan.device == "cpu")
+    _init_process_group(plan.backend, world)  # accelerate finds it initialized and adopts it
     return PartialState(cpu=plan.device == "cpu", backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+
+
+def _init_process_group(backend: str, world: World) -> None:
+    """init_process_group on torchrun's store, under a key prefix of its own per restart attempt.
+
+    torchrun keeps the rendezvous store across restarts; a restarted rank can read the address a dead rank of the
+    previous attempt published under the same key, connect to nothing and hang (seen with gloo, torch 2.13). A
+    prefix per attempt gives every attempt clean keys."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size,
+                                                   timeout=COLLECTIVE_TIMEOUT))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"prefkit/attempt-{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
 def check_world_size(trainer_world_size: int, world: World) -> None:

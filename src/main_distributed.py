@@ -30,6 +30,10 @@ from src.data import DataError, PreparedData, check_source, format_summary, prep
 from src.distributed import barrier, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.resilience import (
+    DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, StopConditions, TrainingDiverged, checkpoint_step,
+    install_signal_handlers, newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
+)
 from src.summary import summarize
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
@@ -73,12 +77,21 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
     return stages
 
 
-def check_run_dir_free(run_dir: Path, overwrite: bool) -> None:
-    """An earlier run's results are never replaced unless asked."""
-    if (run_dir / run_files.TRAINING_INFO).exists() and not overwrite:
-        raise ConfigError(
-            f"{run_dir} already holds a run: pass --overwrite to replace it, or --run_name to keep both"
-        )
+def stage_status(run_dir: Path) -> dict:
+    path = run_dir / run_files.TRAINING_INFO
+    return run_files.read_json(path) if path.exists() else {}
+
+
+def check_earlier_run(run_dir: Path, overwrite: bool) -> None:
+    """A finished or diverged run's results are never replaced unless asked; an unfinished one is resumed."""
+    earlier = stage_status(run_dir)
+    if overwrite or not earlier:
+        return
+    if earlier.get("status") == Status.COMPLETED:
+        raise ConfigError(f"{run_dir} already holds a finished run: pass --overwrite to replace it, or --run_name "
+                          "to keep both")
+    if earlier.get("status") == Status.DIVERGED:
+        raise TrainingDiverged(earlier.get("stop_reason", f"{run_dir}: the run diverged"))
 
 
 def versions() -> dict[str, str]:
@@ -215,13 +228,16 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     warnings = silent_no_op_warnings(stage.name, config)
     if world.is_main:
         stage.run_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path.unlink(missing_ok=True)
         info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps,
-                                                                      "warnings": warnings}
+                                                                      "warnings": warnings,
+                                                                      "status": Status.RUNNING}
         if previous:
             info["previous_stage"] = {"stage": previous["stage"], "judge": previous.get("judge"),
                                       "run_dir": os.path.relpath(previous["run_dir"], stage.run_dir)}
+        info["resumes"] = prepare_resume(stage, info_path, metrics_path)
         run_files.write_json(info_path, info)
+    barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
+    resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage.name.upper()} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
     for warning in warnings:
@@ -238,7 +254,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model),
                             metrics_path)
     check_world_size(trainer.args.world_size, world)
-    trainer.train()
+    if resume_from:
+        print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    stop_if_interrupted(trainer, stage, info_path, world)
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
     after = answer_held_out(trained, tokenizer, rows, config, plan, world)
@@ -254,7 +273,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         summary = summarize(run_files.read_jsonl(metrics_path), stage.name)
         summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
-        fields = {"summary": summary, **saved}
+        fields = {"summary": summary, "status": Status.COMPLETED, **saved}
         if judged:
             test = judged.get("test") or next(iter(judged.values()))
             split = "test" if "test" in judged else next(iter(judged))
@@ -266,6 +285,63 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         publish_report(stage.run_dir, stage.name)
     barrier()
     return outcome
+
+
+def _resuming(info_path: Path) -> bool:
+    return run_files.read_json(info_path).get("resumes", []) != [] if info_path.exists() else False
+
+
+def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[dict]:
+    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest complete
+    checkpoint (half-written ones are deleted) and its metric history is cut back to that step; otherwise the stage
+    starts afresh. Returns the resume history to keep in training_info.json."""
+    earlier = run_files.read_json(info_path) if info_path.exists() else {}
+    if earlier.get("status") not in (Status.RUNNING, Status.STOPPED):
+        metrics_path.unlink(missing_ok=True)
+        return []
+    removed = remove_incomplete_checkpoints(stage.output_dir)
+    checkpoint = newest_complete_checkpoint(stage.output_dir)
+    step = checkpoint_step(checkpoint) if checkpoint else 0
+    kept = trim_metrics(run_files.read_jsonl(metrics_path), step)
+    metrics_path.unlink(missing_ok=True)
+    for record in kept:
+        run_files.append_jsonl(metrics_path, record)
+    return earlier.get("resumes", []) + [{
+        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "from_checkpoint": str(checkpoint) if checkpoint else None,
+        "from_step": step,
+        "previous_status": earlier.get("status"),
+        "removed_incomplete_checkpoints": [str(path) for path in removed],
+    }]
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM/SIGINT: the job saved a checkpoint and exits; the same command resumes it."""
+
+    def __init__(self, signal_name: str, message: str):
+        super().__init__(message)
+        self.exit_code = SIGNAL_EXIT_CODES.get(signal_name, 143)
+
+
+def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
+    """After trainer.train(): record and raise a stop by signal or a divergence, so nothing after training (final
+    save, sample answers) runs on a model that is not finished or not finite."""
+    conditions = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StopConditions))
+    if conditions.diverged_at is not None:
+        good = newest_complete_checkpoint(stage.output_dir)
+        message = (f"{stage.run_dir}: training diverged at step {conditions.diverged_at} ({conditions.non_finite}); "
+                   f"nothing was saved from that step; the last good checkpoint is {good or 'none (none saved yet)'}. "
+                   "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
+        if world.is_main:
+            run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
+        raise TrainingDiverged(message)
+    if conditions.stopped_at is not None:
+        message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
+                   f"{newest_complete_checkpoint(stage.output_dir)} saved; run the same command (without --overwrite) "
+                   "to resume")
+        if world.is_main:
+            run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
+        raise StoppedBySignal(conditions.stopped_by, message)
 
 
 def publish_report(run_dir: Path, stage: str) -> None:
@@ -290,10 +366,13 @@ def quiet_libraries() -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    install_signal_handlers()
     config = parse_config(argv)
     world = World.from_environment()
     stages = plan_stages(config, world, Devices.detect())
-    check_run_dir_free(stages[-1].run_dir, config.training.overwrite)
+    # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
+    overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    check_earlier_run(stages[-1].run_dir, overwrite)
     for stage in stages:
         check_source(stage.config.data, stage.name)
     if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
@@ -317,12 +396,18 @@ def run(argv: list[str] | None = None) -> int:
         return 0
 
     init(stages[0].plan, world)
-    if world.is_main and config.training.overwrite and stages[-1].run_dir.exists():
+    if world.is_main and overwrite and stages[-1].run_dir.exists():
         shutil.rmtree(stages[-1].run_dir)
     barrier()
     previous = None
     for stage in stages:
-        previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
+        earlier = stage_status(stage.run_dir)
+        if stage is not stages[-1] and earlier.get("status") == Status.COMPLETED:
+            print0(f"\n== {stage.name.upper()} → {stage.run_dir}: finished in an earlier launch, reused")
+            previous = {"stage": stage.name, "run_dir": str(stage.run_dir), "judge": earlier.get("judge"),
+                        "model_path": earlier.get("merged_model", earlier["final_model"])}
+        else:
+            previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
         model_path = previous["model_path"]  # the next stage starts from this one's model
     return 0
 
@@ -340,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         if World.from_environment().is_main:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    except TrainingDiverged as error:
+        if World.from_environment().is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT_CODE
+    except StoppedBySignal as stop:
+        print0(f"  {stop}")
+        return stop.exit_code
 
 
 if __name__ == "__main__":

@@ -15,15 +15,21 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from src import run_files
 from src.config import Config, Plan
+from src.resilience import CompleteCheckpointsMixin, StopConditions
 
 
-class PreparedDPOTrainer(DPOTrainer):
-    """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation)."""
+class PreparedDPOTrainer(CompleteCheckpointsMixin, DPOTrainer):
+    """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation), with
+    complete-only checkpoints."""
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+
+class ToolkitSFTTrainer(CompleteCheckpointsMixin, SFTTrainer):
+    """SFTTrainer with complete-only checkpoints (it already skips tokenizing data that has input_ids)."""
 
 
 class MetricsRecorder(TrainerCallback):
@@ -99,6 +105,7 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         activation_checkpointing=training.gradient_checkpointing,
         logging_steps=training.logging_steps,
         logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN belongs in the curve, not replaced by the running mean
         eval_strategy=eval_strategy,
         eval_steps=eval_steps,
         save_strategy=save_strategy,
@@ -128,7 +135,7 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path):
-    trainer_class = PreparedDPOTrainer if stage == "dpo" else SFTTrainer
+    trainer_class = PreparedDPOTrainer if stage == "dpo" else ToolkitSFTTrainer
     trainer = trainer_class(
         model=model,
         args=trl_config,
@@ -136,7 +143,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         eval_dataset=prepared.validation if trl_config.eval_strategy != "no" else None,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[MetricsRecorder(metrics_path), ConsoleLog()],
+        callbacks=[MetricsRecorder(metrics_path), ConsoleLog(), StopConditions()],
     )
     trainer.remove_callback(PrinterCallback)
     return trainer

@@ -4,6 +4,9 @@
 
 Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw, a digest of every training row it
 was fed (per optimizer step) and a digest of its weights when training ended.
+
+Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
+optimizer step K+1 — what a bad kernel or an overflow does to a real run.
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ def instrument(build_trainer, probe_dir: Path):
                 path.write_text(json.dumps(record))
 
         trainer.add_callback(WriteProbe())
+        nan_step = int(os.environ.get("PROBE_NAN_AT_STEP", "-1"))
+        if nan_step >= 0 and int(os.environ.get("RANK", 0)) == int(os.environ.get("PROBE_NAN_RANK", "1")):
+
+            class InjectNaN(TrainerCallback):
+                def on_step_begin(self, args, state, control, model=None, **kw):
+                    if state.global_step == nan_step:
+                        with torch.no_grad():
+                            next(model.parameters()).view(-1)[0] = float("nan")
+
+            trainer.add_callback(InjectNaN())
         return trainer
 
     return build

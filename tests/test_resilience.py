@@ -1,0 +1,222 @@
+"""Nothing lost: real 2-process jobs that lose a worker, are killed mid-save, are preempted with SIGTERM, or
+diverge; and secrets that never reach the disk."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT
+from src import run_files
+from src.config import ConfigError, parse_config, redact_secrets
+from src.locking import COMPLETE_MARKER
+from src.resilience import checkpoint_step, checkpoints
+
+
+def job_args(model: Path, data: Path, results: Path, steps: int = 60, save_steps: int = 10) -> list[str]:
+    return ["--stage", "dpo", "--model_name_or_path", str(model), "--dataset_name", str(data), "--results_dir",
+            str(results), "--run_name", "job", "--batch_size", "8", "--max_steps", str(steps), "--save_steps",
+            str(save_steps), "--save_total_limit", "2", "--eval_strategy", "no", "--logging_steps", "1",
+            "--num_samples", "2", "--max_new_tokens", "4", "--judge", "none", "--learning_rate", "1e-3",
+            "--max_length", "64", "--val_size", "2", "--test_size", "2", "--seed", "5"]
+
+
+def start_launcher(args: list[str], log: Path, **env) -> subprocess.Popen:
+    """./run_distributed.sh 2 ARGS, in its own process group, output to `log`."""
+    environ = os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"} | env
+    return subprocess.Popen(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT, env=environ,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def worker_pid(rank: int) -> int | None:
+    """The pid of the training worker with this RANK (a child of torchrun)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"src.main_distributed" in command and b"--dry_run" not in command and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(condition, timeout: float = 240, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS)
+            if "loss" in record}
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tiny_model, tmp_path_factory):
+    """The same job, never interrupted: what a resumed job's curve must match."""
+    from conftest import preference_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("reference")
+    data = write_jsonl(root / "pairs.jsonl", preference_rows(120))
+    process = start_launcher(job_args(tiny_model, data, root / "results"), root / "log.txt")
+    assert process.wait(timeout=600) == 0, (root / "log.txt").read_text()[-3000:]
+    return data, train_losses(root / "results" / "job")
+
+
+def assert_finished_like_the_reference(run_dir: Path, reference: dict[int, float], steps: int = 60):
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert info["status"] == "completed" and info["summary"]["completed_steps"] == steps
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, steps + 1)), "the curve must continue, each step logged once"
+    assert [losses[step] for step in sorted(losses)] == pytest.approx(
+        [reference[step] for step in sorted(reference)], rel=1e-4, abs=1e-6)
+    return info
+
+
+def test_lost_worker_restarts_and_resumes_from_the_newest_complete_checkpoint(tiny_model, reference_losses,
+                                                                               tmp_path):
+    data, reference = reference_losses
+    run_dir = tmp_path / "results" / "job"
+    process = start_launcher(job_args(tiny_model, data, tmp_path / "results"), tmp_path / "log.txt")
+    try:
+        wait_for(lambda: (run_dir / "model" / "checkpoint-20" / COMPLETE_MARKER).exists(), what="checkpoint-20")
+        os.kill(wait_for(lambda: worker_pid(1), what="rank 1"), signal.SIGKILL)
+        assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    finally:
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+    info = assert_finished_like_the_reference(run_dir, reference)
+    (resume,) = info["resumes"]
+    assert resume["from_step"] >= 20 and resume["previous_status"] == "running"
+
+
+def test_killed_while_saving_never_resumes_from_the_half_written_checkpoint(tiny_model, reference_losses, tmp_path):
+    """Rank 0 is killed the moment a checkpoint directory exists without its completion marker."""
+    data, reference = reference_losses
+    run_dir = tmp_path / "results" / "job"
+    process = start_launcher(job_args(tiny_model, data, tmp_path / "results", save_steps=5), tmp_path / "log.txt")
+    try:
+        def half_written():
+            for checkpoint in checkpoints(run_dir / "model"):
+                if checkpoint_step(checkpoint) >= 10 and not (checkpoint / COMPLETE_MARKER).exists():
+                    return checkpoint
+            return None
+
+        victim = wait_for(half_written, interval=0.001, what="a checkpoint being written")
+        os.kill(wait_for(lambda: worker_pid(0), what="rank 0"), signal.SIGKILL)
+        assert not (victim / COMPLETE_MARKER).exists(), "the save finished before the kill: the test proves nothing"
+        assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    finally:
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+    info = assert_finished_like_the_reference(run_dir, reference)
+    (resume,) = info["resumes"]
+    assert resume["from_step"] < checkpoint_step(victim)
+    assert str(victim) in resume["removed_incomplete_checkpoints"]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_model, reference_losses, tmp_path):
+    data, reference = reference_losses
+    run_dir = tmp_path / "results" / "job"
+    args = job_args(tiny_model, data, tmp_path / "results", save_steps=50)
+    process = start_launcher(args, tmp_path / "log1.txt")
+    try:
+        wait_for(lambda: max(train_losses(run_dir), default=0) >= 12, what="step 12")
+        os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does to the whole job before preempting it
+        process.wait(timeout=120)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert info["status"] == "stopped" and "stopped by SIGTERM at step" in info["stop_reason"]
+    stopped_at = int(info["stop_reason"].split("at step ")[1].split(":")[0])
+    assert 12 <= stopped_at < 60
+    assert (run_dir / "model" / f"checkpoint-{stopped_at}" / COMPLETE_MARKER).exists()
+    assert "run the same command" in (tmp_path / "log1.txt").read_text()
+
+    relaunched = start_launcher(args, tmp_path / "log2.txt")
+    assert relaunched.wait(timeout=600) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
+    info = assert_finished_like_the_reference(run_dir, reference)
+    assert info["resumes"][0]["from_step"] == stopped_at
+
+
+def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, reference_losses, tmp_path):
+    """Rank 1 gets a NaN weight before step 13: the job stops at step 13 on every rank, saves nothing from it, says
+    so, and a relaunch refuses to continue from a diverged run."""
+    import torch
+    from safetensors.torch import load_file
+
+    data, _ = reference_losses
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "--nproc_per_node", "2", "tests/rank_probe.py", str(tmp_path / "probe"),
+               *job_args(tiny_model, data, results, save_steps=5)]
+    environ = os.environ | {"OMP_NUM_THREADS": "1", "PROBE_NAN_AT_STEP": "12", "PROBE_NAN_RANK": "1"}
+    result = subprocess.run(command, cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "training diverged at step 13 (loss nan (rank 1)" in result.stderr, result.stderr[-3000:]
+    run_dir = results / "job"
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert info["status"] == "diverged" and "last good checkpoint is" in info["stop_reason"]
+    saved = [checkpoint_step(path) for path in checkpoints(run_dir / "model")]
+    assert saved and max(saved) == 10 and all((path / COMPLETE_MARKER).exists()
+                                              for path in checkpoints(run_dir / "model"))
+    weights = load_file(run_dir / "model" / "checkpoint-10" / "model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    assert not (run_dir / "model" / "final").exists()
+    assert math.isnan(train_losses(run_dir)[13])
+
+    again = subprocess.run([sys.executable, "-m", "src.main_distributed",
+                            *job_args(tiny_model, data, results, save_steps=5)], cwd=PROJECT_ROOT, env=os.environ,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 4 and "Traceback" not in again.stderr
+    assert "training diverged at step 13" in again.stderr
+
+
+def test_secrets_never_reach_the_run_directory(tiny_model, tmp_path):
+    from conftest import preference_rows, write_jsonl
+
+    secrets = {"HF_TOKEN": "hf_SECRETtoken123", "WANDB_API_KEY": "wandbSECRET456", "MY_SERVICE_API_KEY": "sk-SECRET"}
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    args = job_args(tiny_model, data, tmp_path / "results", steps=4, save_steps=2)
+    result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                            env=os.environ | secrets, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for path in (tmp_path / "results").rglob("*"):
+        if path.is_file():
+            content = path.read_bytes()
+            for value in secrets.values():
+                assert value.encode() not in content, f"{value} found in {path}"
+    for value in secrets.values():
+        assert value not in result.stdout + result.stderr
+
+
+def test_tokens_are_refused_as_flags_and_redacted_from_records():
+    with pytest.raises(ConfigError, match="hub_token.*HF_TOKEN environment variable"):
+        parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--hub_token", "hf_abc"])
+    record = {"learning_rate": 1e-5, "wandb_api_key": "k", "nested": {"HF_TOKEN": "t", "pad_token": "<pad>"},
+              "max_new_tokens": 32, "hub_token": None}
+    assert redact_secrets(record) == {"learning_rate": 1e-5, "wandb_api_key": "<redacted>",
+                                      "nested": {"HF_TOKEN": "<redacted>", "pad_token": "<pad>"},
+                                      "max_new_tokens": 32, "hub_token": None}
+    assert json.dumps(redact_secrets(record)).count("<redacted>") == 2
