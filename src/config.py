@@ -251,10 +251,12 @@ class DPOArguments:
     label_smoothing: float = field(
         default=0.0, metadata={"help": "Label-flip probability for robust / eps for exo_pair (no effect on sigmoid)."}
     )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "Compute the reference model's log-probs once before training and free the reference "
-                  "model: less memory per step."},
+    precompute_ref_log_probs: bool | None = field(
+        default=None,
+        metadata={"help": "Compute the reference model's log-probs once, before training, across all ranks, and "
+                  "cache them on disk for later runs on the same data and reference (another beta, loss type, "
+                  "learning rate or world size reuses them): no reference model in memory, no reference forward "
+                  "per step. Default: on, unless TRL's sync_ref_model (TR-DPO) moves the reference."},
     )
 
 
@@ -552,10 +554,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
     stage = requested.get("stage", ("dpo", ""))[0]
     if stage not in STAGES:
         raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    if "sft" in requested and stage != "sft_then_dpo":
+        if requested["sft"][1].startswith("--"):
+            raise ConfigError("--sft.* overrides apply only to --stage sft_then_dpo")
+        del requested["sft"]  # a pipeline recipe run as a single stage: its SFT block does not apply
     config = _build_config(requested, stage)
     config.recipe = recipe
-    if config.sft_stage_overrides and stage != "sft_then_dpo":
-        raise ConfigError("'sft' overrides apply only to --stage sft_then_dpo")
     return config
 
 

@@ -26,7 +26,7 @@ from src.locking import build_once
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 1  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 2  # bump when the prepared layout changes, so old caches are not reused
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
 
@@ -547,10 +547,11 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         counts["truncated"] = sum(1 for length, kept in zip(full_lengths, keep) if kept and length > data.max_length)
         counts["longest_tokens"] = max(full_lengths)
         records = []
-        for row, item, kept in zip(rows, tokenized, keep):
+        for row, item, kept, length in zip(rows, tokenized, keep, full_lengths):
             if not kept:
                 continue
-            record = {**_serializable(row), **item}
+            # "length" is what transformers' group_by_length sorts on (it cannot read DPO's three id columns).
+            record = {**_serializable(row), **item, "length": length}
             if kind != "train":
                 record.update(sample_fields(row, tokenizer))
             records.append(record)

@@ -12,11 +12,11 @@ model, answer held-out prompts, train, answer them again, judge, save, report.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +35,7 @@ from src.resilience import (
     install_signal_handlers, newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.summary import summarize
+from src.throughput import ThroughputMeter, peak_memory_mb
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -73,6 +74,10 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
         output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
         if len(names) > 1 and name != names[-1] and staged.training.output_dir:
             output_dir = output_dir / name
+        if name == "dpo" and world.world_size > 1 and staged.trl_overrides.get("train_sampling_strategy") == \
+                "batch_rebalance":
+            raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
+                              "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
         stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir))
     return stages
 
@@ -207,14 +212,6 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     return results
 
 
-def peak_memory_mb(device: str) -> float:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
@@ -252,7 +249,12 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
                                   total_steps)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model),
-                            metrics_path)
+                            metrics_path, plan)
+    if world.is_main and getattr(trainer, "reference_cache", None):
+        run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
+        for split, outcome in trainer.reference_cache.items():
+            print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
+                   f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
     check_world_size(trainer.args.world_size, world)
     if resume_from:
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
@@ -268,10 +270,12 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                                                                               saved["final_model"])}
     if world.is_main:
         judged = record_samples(stage.run_dir, rows, before, after, make_judge(config))
+        meter = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ThroughputMeter))
         measured = {"wall_time_s": round(time.monotonic() - started, 1),
                     "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
         summary = summarize(run_files.read_jsonl(metrics_path), stage.name)
         summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
+        summary["throughput"] = meter.summary()
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
         fields = {"summary": summary, "status": Status.COMPLETED, **saved}
         if judged:
@@ -363,6 +367,8 @@ def quiet_libraries() -> None:
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+    # TRL 1.16 still calls a transformers method that transformers 5 renamed; the warning is theirs, once per rank.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -104,12 +104,6 @@ class CompleteCheckpointsMixin:
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
         self.accelerator.wait_for_everyone()
 
-    def training_step(self, *args, **kwargs):
-        loss = super().training_step(*args, **kwargs)
-        guard = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, StopConditions)), None)
-        if guard is not None:
-            guard.observe_loss(loss)
-        return loss
 
 
 # --------------------------------------------------------------------------------------------------------------------

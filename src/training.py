@@ -16,20 +16,70 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from src import run_files
 from src.config import Config, Plan
 from src.resilience import CompleteCheckpointsMixin, StopConditions
+from src.throughput import ThroughputMeter
 
 
-class PreparedDPOTrainer(CompleteCheckpointsMixin, DPOTrainer):
-    """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation), with
-    complete-only checkpoints."""
+class ToolkitTrainerMixin(CompleteCheckpointsMixin):
+    """What every toolkit trainer adds to TRL's: complete-only checkpoints, and each micro-batch shown to the
+    callbacks that watch it (the non-finite guard sees the loss, the throughput meter the tokens)."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, StopConditions):
+                callback.observe_loss(loss)
+            elif isinstance(callback, ThroughputMeter):
+                callback.count(inputs)
+        return loss
+
+
+class PreparedDPOTrainer(ToolkitTrainerMixin, DPOTrainer):
+    """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation).
+
+    Reference log-probs: TRL precomputes them across all ranks and caches them next to the dataset, keyed by the
+    dataset's fingerprint and a hash of the reference weights. Our datasets are file-backed and keyed by source,
+    tokenizer and lengths (src/data.py), so that cache persists across runs; the key is widened here with what else
+    changes the numbers, and the outcome (reused or computed, how long) is recorded."""
+
+    reference_cache: dict | None = None
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if self.args.train_sampling_strategy == "group_by_length" and "length" not in self._signature_columns:
+            self._signature_columns.append("length")  # what transformers' LengthGroupedSampler reads
 
-class ToolkitSFTTrainer(CompleteCheckpointsMixin, SFTTrainer):
-    """SFTTrainer with complete-only checkpoints (it already skips tokenizing data that has input_ids)."""
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        from datasets.fingerprint import Hasher
+
+        # Autocast precision, device kind, LD-DPO weighting and truncation change the log-probs, not the weights.
+        how = (self.args.bf16, self.args.fp16, self.accelerator.device.type, self.ld_alpha, self.args.max_length,
+               self.args.truncation_mode)
+        original = dataset._fingerprint
+        cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
+        before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
+        started = time.monotonic()
+        dataset._fingerprint = Hasher.hash((original, how))
+        try:
+            result = super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            dataset._fingerprint = original
+        created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
+        self.reference_cache = (self.reference_cache or {}) | {name: {
+            "cache": "computed" if created else "reused",
+            "seconds": round(time.monotonic() - started, 2),
+            "rows": len(dataset),
+            "file": str(created[0]) if created else None,
+        }}
+        return result
+
+
+class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
+    """SFTTrainer with the toolkit's additions (it already skips tokenizing data that has input_ids)."""
 
 
 class MetricsRecorder(TrainerCallback):
@@ -53,7 +103,7 @@ class ConsoleLog(TrainerCallback):
     """One compact line per logged event on rank 0 (replaces Trainer's dict printer)."""
 
     KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies",
-            "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm")
+            "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm", "perf/tokens_per_second")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -121,8 +171,11 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     )
     if stage == "dpo":
         dpo = config.dpo
+        precompute = dpo.precompute_ref_log_probs
+        if precompute is None:
+            precompute = not config.trl_overrides.get("sync_ref_model", False)
         specific = dict(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
-                        label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=dpo.precompute_ref_log_probs)
+                        label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=precompute)
         config_class = DPOConfig
     else:
         sft = config.sft
@@ -134,8 +187,12 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     return config_class(**{**common, **specific, **overrides})
 
 
-def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path):
+def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
+                  plan: Plan):
     trainer_class = PreparedDPOTrainer if stage == "dpo" else ToolkitSFTTrainer
+    reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
+    meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
+                            _device_name(plan.device), sequences_per_example=2 if stage == "dpo" else 1)
     trainer = trainer_class(
         model=model,
         args=trl_config,
@@ -143,10 +200,17 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         eval_dataset=prepared.validation if trl_config.eval_strategy != "no" else None,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[MetricsRecorder(metrics_path), ConsoleLog(), StopConditions()],
+        # The meter adds perf/* to each record before the recorder writes it.
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions()],
     )
     trainer.remove_callback(PrinterCallback)
     return trainer
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else ""
 
 
 def planned_steps(train_rows: int, plan: Plan, config: Config) -> int:

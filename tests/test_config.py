@@ -150,7 +150,7 @@ def test_trl_fields_pass_through_and_derived_ones_are_refused():
     (["--mixed_precision", "fp8"], "mixed_precision"),
     (["--load_in_4bit"], "--load_in_4bit trains adapters on a frozen 4-bit base: add --use_lora"),
     (["--stage", "ppo"], "stage must be one of dpo, sft, sft_then_dpo"),
-    (["--sft.max_steps", "3"], "'sft' overrides apply only to --stage sft_then_dpo"),
+    (["--sft.max_steps", "3"], "--sft.* overrides apply only to --stage sft_then_dpo"),
 ])
 def test_bad_flags_get_one_clear_line(argv, message):
     with pytest.raises(ConfigError) as error:
@@ -165,6 +165,11 @@ def test_unknown_recipe_key_names_the_file_and_suggests(tmp_path):
     with pytest.raises(ConfigError, match=r"mine.yaml: unknown key 'per_device_batchsize' \(did you mean "
                                           r"'per_device_batch_size'\?\)"):
         parse_config(["--config", str(recipe)])
+
+
+def test_a_pipeline_recipe_runs_as_one_stage_without_its_sft_block():
+    config = parse_config(["--config", "configs/default.yaml", "--stage", "dpo"])
+    assert config.sft_stage_overrides == {} and config.training.max_steps == 60
 
 
 def test_sft_stage_overrides_apply_to_the_sft_stage_only():

@@ -1,0 +1,127 @@
+"""Throughput accounting for every run: tokens/s and samples/s (all ranks, and per process), step time, padding
+fraction, peak memory, and on GPUs an MFU estimate. Logged as `perf/*` into metrics.jsonl at every logging step
+(the report plots them) and summarised in training_info.json.
+
+Token counts come from the batches themselves (attention mask: real tokens; input_ids: real + padding), so DPO
+counts chosen and rejected sequences, and the padding fraction is what the collator actually produced.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from transformers import TrainerCallback
+
+# Dense bf16 tensor throughput per GPU, from the vendors' datasheets (FLOP/s, no sparsity). MFU is reported only
+# for GPUs named here: a wrong peak would give a confidently wrong number.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 756e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 70e12, "A10": 125e12,
+    "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12, "T4": 65e12,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    for name, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda item: -len(item[0])):  # most specific first
+        if name in device_name:
+            return flops
+    return None
+
+
+def peak_memory_mb(device: str) -> float:
+    """GPU: most memory torch ever allocated on this rank; CPU: this process's peak resident set."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def training_flops_per_token(parameters: int, reference_forward: bool) -> float:
+    """6N per trained token (forward 2N + backward 4N), plus 2N when a reference model runs forward too. Attention's
+    sequence-length term is left out: small next to 6N at the lengths DPO uses, and it keeps the estimate honest-low."""
+    return 6 * parameters + (2 * parameters if reference_forward else 0)
+
+
+class ThroughputMeter(TrainerCallback):
+    """Counts the tokens every micro-batch carries (`count`, called from the trainer's training_step) and adds
+    `perf/*` to each logged record. Must come before the callbacks that write the logs."""
+
+    def __init__(self, device: str, parameters: int, reference_forward: bool, device_name: str = "",
+                 sequences_per_example: int = 1):
+        self.device = device
+        self.sequences_per_example = sequences_per_example  # DPO batches hold chosen and rejected: 2 per pair
+        self.flops_per_token = training_flops_per_token(parameters, reference_forward)
+        self.peak = peak_flops(device_name) if device == "cuda" else None
+        self.tokens = self.padded = self.samples = 0.0
+        self.window_start = None
+        self.window_steps = 0
+        self.world_size = 1
+        self.totals = {"tokens": 0.0, "padded": 0.0, "samples": 0.0, "seconds": 0.0}
+
+    def count(self, inputs: dict) -> None:
+        mask = inputs.get("attention_mask")
+        ids = inputs.get("input_ids")
+        if ids is None:
+            return
+        self.padded += ids.numel()
+        self.tokens += float(mask.sum()) if mask is not None else ids.numel()
+        self.samples += ids.shape[0] / self.sequences_per_example
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.window_start is None:
+            self.window_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.window_steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self.window_start is None or not self.window_steps or "loss" not in logs:
+            return
+        seconds = time.perf_counter() - self.window_start
+        tokens, padded, samples, memory = _sum_and_max_over_ranks(self.tokens, self.padded, self.samples,
+                                                                  peak_memory_mb(self.device))
+        world = self.world_size = max(1, args.world_size)
+        logs["perf/tokens_per_second"] = tokens / seconds
+        logs["perf/tokens_per_second_per_process"] = tokens / seconds / world
+        logs["perf/samples_per_second"] = samples / seconds
+        logs["perf/step_time_s"] = seconds / self.window_steps
+        logs["perf/padding_fraction"] = 1 - tokens / padded if padded else 0.0
+        logs["perf/peak_memory_mb"] = memory
+        if self.peak:
+            logs["perf/mfu"] = tokens / seconds * self.flops_per_token / (self.peak * world)
+        for key, value in (("tokens", tokens), ("padded", padded), ("samples", samples), ("seconds", seconds)):
+            self.totals[key] += value
+        self.totals["peak_memory_mb"] = max(self.totals.get("peak_memory_mb", 0.0), memory)
+        self.tokens = self.padded = self.samples = 0.0
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def summary(self) -> dict:
+        """Whole-run figures for training_info.json (over the logged windows; the first window includes warm-up)."""
+        seconds = self.totals["seconds"]
+        if not seconds:
+            return {}
+        summary = {
+            "tokens_per_second": self.totals["tokens"] / seconds,
+            "samples_per_second": self.totals["samples"] / seconds,
+            "padding_fraction": 1 - self.totals["tokens"] / self.totals["padded"] if self.totals["padded"] else 0.0,
+            "peak_memory_mb": self.totals["peak_memory_mb"],
+        }
+        if self.peak:
+            summary["mfu"] = summary["tokens_per_second"] * self.flops_per_token / (self.peak * self.world_size)
+        return summary
+
+
+def _sum_and_max_over_ranks(tokens: float, padded: float, samples: float, memory: float) -> tuple[float, ...]:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tokens, padded, samples, memory
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sums = torch.tensor([tokens, padded, samples], dtype=torch.float64, device=device)
+    peak = torch.tensor([memory], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return (*sums.tolist(), peak.item())

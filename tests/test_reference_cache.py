@@ -1,0 +1,112 @@
+"""The reference log-prob cache: reused when nothing that determines the numbers changed, recomputed when anything
+did, built by 2 processes and used by 1 and the other way round, and training losses identical cold or warm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, build_tiny_model, preference_rows, write_jsonl
+from src import run_files
+
+
+def dpo_args(model: Path, data: Path, results: Path, run_name: str, *extra: str) -> list[str]:
+    return ["--stage", "dpo", "--model_name_or_path", str(model), "--dataset_name", str(data), "--results_dir",
+            str(results), "--run_name", run_name, "--batch_size", "8", "--max_steps", "4", "--logging_steps", "1",
+            "--eval_strategy", "no", "--save_strategy", "no", "--num_samples", "0", "--judge", "none",
+            "--learning_rate", "1e-3", "--max_length", "64", "--val_size", "0", "--test_size", "0", *extra]
+
+
+def train(args: list[str], cache: Path, processes: int = 1) -> dict:
+    """One DPO run on a given cache; its reference log-prob outcome and losses."""
+    environ = os.environ | {"PREFKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                 "-m", "src.main_distributed"] if processes > 1 else [sys.executable, "-m", "src.main_distributed"])
+    result = subprocess.run(launcher + args, cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = Path(args[args.index("--results_dir") + 1]) / args[args.index("--run_name") + 1]
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    losses = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
+    return {"cache": info["reference_log_probs"]["train"]["cache"], "losses": losses, "info": info}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("refcache")
+    data = write_jsonl(root / "pairs.jsonl", preference_rows(40))
+    cache = root / "cache"
+    cold = train(dpo_args(tiny_model, data, root / "results", "cold"), cache)
+    return root, data, cache, cold
+
+
+def test_first_run_computes_and_records_it(setup):
+    _, _, _, cold = setup
+    assert cold["cache"] == "computed"
+    assert cold["info"]["reference_log_probs"]["train"]["rows"] == 40
+
+
+def test_warm_cache_is_reused_and_trains_identically(setup, tiny_model):
+    root, data, cache, cold = setup
+    warm = train(dpo_args(tiny_model, data, root / "results", "warm"), cache)
+    assert warm["cache"] == "reused"
+    assert warm["losses"] == cold["losses"]
+
+
+@pytest.mark.parametrize("change", ["beta", "loss_type", "learning_rate"])
+def test_what_does_not_change_the_reference_reuses_it(change, setup, tiny_model):
+    root, data, cache, _ = setup
+    extra = {"beta": ["--beta", "0.5"], "loss_type": ["--loss_type", "ipo"],
+             "learning_rate": ["--learning_rate", "3e-4"]}[change]
+    assert train(dpo_args(tiny_model, data, root / "results", f"keep-{change}", *extra), cache)["cache"] == "reused"
+
+
+@pytest.mark.parametrize("change", ["weights", "tokenizer_or_chat_template", "data", "max_length", "precision",
+                                    "ld_alpha"])
+def test_what_changes_the_reference_recomputes_it(change, setup, tiny_model, corpus, tmp_path):
+    root, data, cache, _ = setup
+    model, extra = tiny_model, []
+    if change == "weights":
+        model = build_tiny_model(tmp_path / "other_seed", corpus, seed=1)
+    elif change == "tokenizer_or_chat_template":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = tmp_path / "other_template"
+        AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        tokenizer.chat_template = tokenizer.chat_template.replace("<|user|>", "<|user|> ")
+        tokenizer.save_pretrained(model)
+    elif change == "data":
+        rows = preference_rows(40)
+        rows[0]["chosen"][0]["content"] += " indeed"
+        data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    else:
+        extra = {"max_length": ["--max_length", "48"], "precision": ["--mixed_precision", "bf16"],
+                 "ld_alpha": ["--ld_alpha", "0.5"]}[change]
+    assert train(dpo_args(model, data, root / "results", f"change-{change}", *extra), cache)["cache"] == "computed"
+
+
+def test_a_cache_built_by_two_processes_serves_one_and_the_other_way_round(setup, tiny_model, tmp_path):
+    _, data, _, cold = setup
+    two_built = tmp_path / "cache-2"
+    by_two = train(dpo_args(tiny_model, data, tmp_path / "results", "two"), two_built, processes=2)
+    assert by_two["cache"] == "computed"
+    assert train(dpo_args(tiny_model, data, tmp_path / "results", "one"), two_built)["cache"] == "reused"
+    one_built = tmp_path / "cache-1"
+    train(dpo_args(tiny_model, data, tmp_path / "results", "one-cold"), one_built)
+    by_two_warm = train(dpo_args(tiny_model, data, tmp_path / "results", "two-warm"), one_built, processes=2)
+    assert by_two_warm["cache"] == "reused"
+    # Same global batch on 1 or 2 processes, reference log-probs from either: the same training.
+    assert by_two_warm["losses"] == pytest.approx(cold["losses"], rel=1e-4, abs=1e-6)
+    assert by_two["losses"] == pytest.approx(cold["losses"], rel=1e-4, abs=1e-6)
+
+
+def test_every_run_accounts_for_its_throughput(setup):
+    _, _, _, cold = setup
+    throughput = cold["info"]["summary"]["throughput"]
+    assert throughput["tokens_per_second"] > 0 and throughput["samples_per_second"] > 0
+    assert 0 <= throughput["padding_fraction"] < 1 and throughput["peak_memory_mb"] > 0
