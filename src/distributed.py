@@ -81,3 +81,4 @@ def gather_objects(local: list) -> list[list]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     return gathered
+

@@ -31,11 +31,10 @@ from src.distributed import barrier, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
 from src.resilience import (
-    DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, StopConditions, TrainingDiverged, checkpoint_step,
-    install_signal_handlers, newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
+    DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
+    newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.summary import summarize
-from src.throughput import ThroughputMeter, peak_memory_mb
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -215,7 +214,8 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
 def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
-    from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
+    from src.throughput import peak_memory_mb
+    from src.training import build_trainer, build_trl_config, callback, planned_steps, silent_no_op_warnings
 
     config, plan = stage.config, stage.plan
     started = time.monotonic()
@@ -270,14 +270,17 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                                                                               saved["final_model"])}
     if world.is_main:
         judged = record_samples(stage.run_dir, rows, before, after, make_judge(config))
-        meter = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ThroughputMeter))
+        meter = callback(trainer, "ThroughputMeter")
         measured = {"wall_time_s": round(time.monotonic() - started, 1),
                     "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
         summary = summarize(run_files.read_jsonl(metrics_path), stage.name)
         summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
         summary["throughput"] = meter.summary()
+        one_job = callback(trainer, "OneJobCheck").result
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
-        fields = {"summary": summary, "status": Status.COMPLETED, **saved}
+        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        if one_job and not (one_job["identical_weights"] and one_job["disjoint_rows_per_step"]):
+            print0(f"  warning: the ranks did not train as one job: {one_job}")
         if judged:
             test = judged.get("test") or next(iter(judged.values()))
             split = "test" if "test" in judged else next(iter(judged))
@@ -330,7 +333,9 @@ class StoppedBySignal(Exception):
 def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
     """After trainer.train(): record and raise a stop by signal or a divergence, so nothing after training (final
     save, sample answers) runs on a model that is not finished or not finite."""
-    conditions = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StopConditions))
+    from src.training import callback
+
+    conditions = callback(trainer, "StopConditions")
     if conditions.diverged_at is not None:
         good = newest_complete_checkpoint(stage.output_dir)
         message = (f"{stage.run_dir}: training diverged at step {conditions.diverged_at} ({conditions.non_finite}); "

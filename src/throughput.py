@@ -45,7 +45,7 @@ def training_flops_per_token(parameters: int, reference_forward: bool) -> float:
 
 
 class ThroughputMeter(TrainerCallback):
-    """Counts the tokens every micro-batch carries (`count`, called from the trainer's training_step) and adds
+    """Counts the tokens every micro-batch carries (`on_micro_batch`, called from the trainer's training_step) and adds
     `perf/*` to each logged record. Must come before the callbacks that write the logs."""
 
     def __init__(self, device: str, parameters: int, reference_forward: bool, device_name: str = "",
@@ -60,7 +60,7 @@ class ThroughputMeter(TrainerCallback):
         self.world_size = 1
         self.totals = {"tokens": 0.0, "padded": 0.0, "samples": 0.0, "seconds": 0.0}
 
-    def count(self, inputs: dict) -> None:
+    def on_micro_batch(self, loss, inputs: dict) -> None:
         mask = inputs.get("attention_mask")
         ids = inputs.get("input_ids")
         if ids is None:

@@ -6,30 +6,119 @@ batch, learning rate, precision and backend come from the plan (src/config.py) a
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from src import run_files
 from src.config import Config, Plan
-from src.resilience import CompleteCheckpointsMixin, StopConditions
+from src.distributed import gather_objects
+from src.resilience import checkpoint_step, mark_complete, stop_signal
 from src.throughput import ThroughputMeter
+
+
+class CompleteCheckpointsMixin:
+    """For transformers Trainers: a checkpoint is marked complete once every rank has saved, and older checkpoints
+    are rotated only then (transformers rotates inside the save, so a crash mid-save could leave none whole)."""
+
+    def _save_checkpoint(self, model, trial):
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        self.accelerator.wait_for_everyone()  # every rank's RNG state and shards are on disk
+        if self.args.should_save:
+            mark_complete(Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+        self.accelerator.wait_for_everyone()
+
+
+
+class StopConditions(TrainerCallback):
+    """After every optimizer step, all ranks agree (one tiny all-reduce) on whether to stop:
+    - a stop signal reached any rank: save a checkpoint now and stop;
+    - a loss or gradient norm was non-finite on any rank: stop without saving, before the step can be checkpointed.
+    Gradients are checked just before the optimizer applies them, and zeroed when non-finite so the in-memory
+    weights stay finite too."""
+
+    def __init__(self):
+        self.non_finite: str | None = None   # what went non-finite, e.g. "loss nan"
+        self.diverged_at: int | None = None
+        self.stopped_by: str | None = None
+        self.stopped_at: int | None = None
+
+    def on_micro_batch(self, loss, inputs) -> None:
+        import torch
+
+        if self.non_finite is None and not torch.isfinite(loss.detach()).all():
+            self.non_finite = f"loss {float(loss.detach().float().mean())}"
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        import torch
+
+        gradients = [p.grad for p in model.parameters() if p.grad is not None]
+        if not gradients:
+            return
+        norm = torch.nn.utils.get_total_norm(gradients)
+        if not torch.isfinite(norm):
+            if self.non_finite is None:
+                self.non_finite = f"gradient norm {float(norm)}"
+            for gradient in gradients:
+                gradient.zero_()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signalled, diverged = _any_rank(stop_signal() is not None, self.non_finite is not None)
+        if diverged:
+            from src.distributed import gather_objects
+
+            self.diverged_at = state.global_step
+            reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]
+            # The rank where it started first: its loss, before the all-reduce spread NaN gradients to every rank.
+            reasons.sort(key=lambda item: not item[1].startswith("loss"))
+            self.non_finite = ", ".join(f"{reason} (rank {rank})" for rank, reason in reasons)
+            control.should_save = False
+            control.should_evaluate = False
+            control.should_training_stop = True
+        elif signalled:
+            self.stopped_by = stop_signal() or "a signal to another rank"
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def _any_rank(*flags: bool) -> list[bool]:
+    """Each flag OR-ed over all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    values = torch.tensor([float(flag) for flag in flags])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            values = values.cuda()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
 
 
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     """What every toolkit trainer adds to TRL's: complete-only checkpoints, and each micro-batch shown to the
-    callbacks that watch it (the non-finite guard sees the loss, the throughput meter the tokens)."""
+    callbacks that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the
+    one-job check)."""
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
         for callback in self.callback_handler.callbacks:
-            if isinstance(callback, StopConditions):
-                callback.observe_loss(loss)
-            elif isinstance(callback, ThroughputMeter):
-                callback.count(inputs)
+            if hasattr(callback, "on_micro_batch"):
+                callback.on_micro_batch(loss, inputs)
         return loss
 
 
@@ -114,6 +203,53 @@ class ConsoleLog(TrainerCallback):
             parts = [f"{key} {logs[key]:.4g}" for key in self.KEYS if isinstance(logs.get(key), (int, float))]
             line = "  ".join(parts)
         print(f"  step {state.global_step:>5}/{state.max_steps}  {line}", flush=True)
+
+
+class OneJobCheck(TrainerCallback):
+    """Evidence that the ranks trained as one job, checked at the end of training and recorded: the same weights
+    on every rank (a DDP desync, or ranks each training alone, would differ) and, within each optimizer step,
+    different rows on different ranks (a broken sampler would feed every rank the same data).
+
+    Cheap by design: each row is remembered as 8 bytes of a hash (for at most MAX_STEPS steps), and the weights as a
+    strided sample of every parameter, so a 70B model is not hashed in full on every rank."""
+
+    MAX_STEPS = 64
+    WEIGHT_SAMPLES = 4096  # elements sampled per parameter tensor
+
+    def __init__(self):
+        self.rows: dict[int, list[str]] = {}
+        self.step = 0
+        self.result: dict | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def on_micro_batch(self, loss, inputs) -> None:
+        if len(self.rows) >= self.MAX_STEPS and self.step not in self.rows:
+            return
+        ids = inputs["input_ids"].detach().cpu()
+        mask = inputs.get("attention_mask")
+        mask = mask.detach().cpu().bool() if mask is not None else None
+        digests = self.rows.setdefault(self.step, [])
+        for index, row in enumerate(ids):
+            tokens = row[mask[index]] if mask is not None else row
+            digests.append(hashlib.blake2b(tokens.numpy().tobytes(), digest_size=8).hexdigest())
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        digest = hashlib.blake2b(digest_size=16)
+        for name, parameter in sorted(model.state_dict().items()):
+            flat = parameter.detach().reshape(-1)
+            stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
+            digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
+        everyone = gather_objects([(digest.hexdigest(), self.rows)])
+        weights = {weights for (weights, _), in everyone}
+        shared_steps = [step for step in self.rows
+                        if any(set(rows_a.get(step, [])) & set(rows_b.get(step, []))
+                               for index, ((_, rows_a),) in enumerate(everyone)
+                               for ((_, rows_b),) in everyone[index + 1:])]
+        self.result = {"ranks": len(everyone), "identical_weights": len(weights) == 1,
+                       "disjoint_rows_per_step": not shared_steps, "steps_checked": len(self.rows),
+                       "steps_with_shared_rows": shared_steps[:10]}
 
 
 def _eval_steps(config: Config, total_steps: int | None) -> int | None:
@@ -201,10 +337,15 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions()],
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()],
     )
     trainer.remove_callback(PrinterCallback)
     return trainer
+
+
+def callback(trainer, name: str):
+    """The trainer's callback of this class name (the toolkit adds one of each)."""
+    return next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == name)
 
 
 def _device_name(device: str) -> str:

@@ -21,7 +21,10 @@ from src.locking import COMPLETE_MARKER
 from src.resilience import checkpoint_step, checkpoints
 
 
-def job_args(model: Path, data: Path, results: Path, steps: int = 60, save_steps: int = 10) -> list[str]:
+STEPS = 200  # long enough (seconds) that a kill lands mid-training on any machine
+
+
+def job_args(model: Path, data: Path, results: Path, steps: int = STEPS, save_steps: int = 10) -> list[str]:
     return ["--stage", "dpo", "--model_name_or_path", str(model), "--dataset_name", str(data), "--results_dir",
             str(results), "--run_name", "job", "--batch_size", "8", "--max_steps", str(steps), "--save_steps",
             str(save_steps), "--save_total_limit", "2", "--eval_strategy", "no", "--logging_steps", "1",
@@ -86,7 +89,7 @@ def reference_losses(tiny_model, tmp_path_factory):
     return data, train_losses(root / "results" / "job")
 
 
-def assert_finished_like_the_reference(run_dir: Path, reference: dict[int, float], steps: int = 60):
+def assert_finished_like_the_reference(run_dir: Path, reference: dict[int, float], steps: int = STEPS):
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert info["status"] == "completed" and info["summary"]["completed_steps"] == steps
     losses = train_losses(run_dir)
@@ -102,8 +105,10 @@ def test_lost_worker_restarts_and_resumes_from_the_newest_complete_checkpoint(ti
     run_dir = tmp_path / "results" / "job"
     process = start_launcher(job_args(tiny_model, data, tmp_path / "results"), tmp_path / "log.txt")
     try:
-        wait_for(lambda: (run_dir / "model" / "checkpoint-20" / COMPLETE_MARKER).exists(), what="checkpoint-20")
-        os.kill(wait_for(lambda: worker_pid(1), what="rank 1"), signal.SIGKILL)
+        rank1 = wait_for(lambda: worker_pid(1), what="rank 1")
+        wait_for(lambda: (run_dir / "model" / "checkpoint-20" / COMPLETE_MARKER).exists(), interval=0.02,
+                 what="checkpoint-20")
+        os.kill(rank1, signal.SIGKILL)
         assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
     finally:
         os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
@@ -124,8 +129,9 @@ def test_killed_while_saving_never_resumes_from_the_half_written_checkpoint(tiny
                     return checkpoint
             return None
 
+        rank0 = wait_for(lambda: worker_pid(0), what="rank 0")
         victim = wait_for(half_written, interval=0.001, what="a checkpoint being written")
-        os.kill(wait_for(lambda: worker_pid(0), what="rank 0"), signal.SIGKILL)
+        os.kill(rank0, signal.SIGKILL)
         assert not (victim / COMPLETE_MARKER).exists(), "the save finished before the kill: the test proves nothing"
         assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
     finally:
@@ -150,7 +156,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_model, ref
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert info["status"] == "stopped" and "stopped by SIGTERM at step" in info["stop_reason"]
     stopped_at = int(info["stop_reason"].split("at step ")[1].split(":")[0])
-    assert 12 <= stopped_at < 60
+    assert 12 <= stopped_at < STEPS
     assert (run_dir / "model" / f"checkpoint-{stopped_at}" / COMPLETE_MARKER).exists()
     assert "run the same command" in (tmp_path / "log1.txt").read_text()
 
