@@ -5,9 +5,13 @@
 #   ./run_distributed.sh 4 --config configs/<recipe>.yaml  # 4 GPUs, a recipe; any further flags override it
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_distributed.sh 8 --config ...   # on each of two nodes
 #
+#   STRATEGY=zero3 ./run_distributed.sh 8 --config ...    # accelerate launch with configs/accelerate/zero3.yaml
+#
 # Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500 with several nodes; a free
 # port is picked on one node), MAX_RESTARTS (3: a lost worker restarts the job, which resumes from its newest complete
-# checkpoint), PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU).
+# checkpoint), STRATEGY (torchrun: plain DDP; or ddp, zero1, zero2, zero3, fsdp: accelerate launch with
+# configs/accelerate/<STRATEGY>.yaml), PRINT_LAUNCH=1 (print the launch command instead of running it),
+# PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -24,15 +28,37 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 
+STRATEGY=${STRATEGY:-torchrun}
+case $STRATEGY in
+  torchrun) ;;
+  ddp|zero1|zero2|zero3|fsdp)
+    if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
+      if [[ $STRATEGY == zero* ]] && ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
+        echo "error: STRATEGY=$STRATEGY needs DeepSpeed: pip install deepspeed (it runs on CUDA GPUs)" >&2
+        exit 2
+      fi
+      if [[ $STRATEGY != ddp ]] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+        echo "error: STRATEGY=$STRATEGY shards the model over CUDA GPUs and this machine has none; use" \
+             "STRATEGY=ddp or the default (torchrun), which run on CPU too" >&2
+        exit 2
+      fi
+    fi ;;
+  *)
+    echo "error: STRATEGY=$STRATEGY: use torchrun (default), ddp, zero1, zero2, zero3 or fsdp" >&2
+    exit 2 ;;
+esac
+
 dry_run=0
 for arg in "$@"; do
   [[ $arg == --dry_run ]] && dry_run=1
 done
 # One process first checks the configuration and the data and tokenizes it into the cache, so a mistake is one
 # line (not one per rank under torchrun's failure report) and the workers start on prepared data.
-WORLD_SIZE=$((NUM_PROCS * NNODES)) LOCAL_WORLD_SIZE=$NUM_PROCS RANK=$((NODE_RANK * NUM_PROCS)) LOCAL_RANK=0 \
-  PREFKIT_QUIET_DRY_RUN=$((1 - dry_run)) "$PYTHON" -m src.main_distributed --dry_run "$@" || exit $?
-[[ $dry_run -eq 1 ]] && exit 0  # the check was all that was asked
+if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
+  WORLD_SIZE=$((NUM_PROCS * NNODES)) LOCAL_WORLD_SIZE=$NUM_PROCS RANK=$((NODE_RANK * NUM_PROCS)) LOCAL_RANK=0 \
+    PREFKIT_QUIET_DRY_RUN=$((1 - dry_run)) "$PYTHON" -m src.main_distributed --dry_run "$@" || exit $?
+  [[ $dry_run -eq 1 ]] && exit 0  # the check was all that was asked
+fi
 
 # On CPU, split the cores between the processes (torchrun would otherwise give each process one thread).
 if [[ -z ${OMP_NUM_THREADS:-} ]]; then
@@ -47,10 +73,21 @@ if [[ -z ${MASTER_PORT:-} ]]; then
     MASTER_PORT=29500
   fi
 fi
-# Static rendezvous, also on one node: with torch 2.13, torchrun's c10d rendezvous (what --standalone uses) hands
-# restarted gloo workers the dead workers' addresses, and a restarted job hangs; the static one restarts cleanly.
-rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:-127.0.0.1}"
-            --master_port "$MASTER_PORT")
-# torchrun (python -m torch.distributed.run runs the same launcher with this interpreter).
-exec "$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NUM_PROCS" \
-  --max-restarts "${MAX_RESTARTS:-3}" -m src.main_distributed "$@"
+if [[ $STRATEGY == torchrun ]]; then
+  # torchrun (python -m torch.distributed.run is the same launcher, with this interpreter). Static rendezvous, also
+  # on one node: torchrun's c10d rendezvous (what --standalone uses) is what restarted jobs hung on here.
+  launch=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK"
+          --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$MASTER_PORT" --nproc_per_node "$NUM_PROCS"
+          --max-restarts "${MAX_RESTARTS:-3}" -m src.main_distributed "$@")
+else
+  launch=("$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$STRATEGY.yaml"
+          --num_processes $((NUM_PROCS * NNODES)) --num_machines "$NNODES" --machine_rank "$NODE_RANK"
+          --main_process_ip "${MASTER_ADDR:-127.0.0.1}" --main_process_port "$MASTER_PORT"
+          --max_restarts "${MAX_RESTARTS:-3}" src/main_distributed.py "$@")
+fi
+if [[ ${PRINT_LAUNCH:-0} == 1 ]]; then
+  printf '%q ' "${launch[@]}"
+  echo
+  exit 0
+fi
+exec "${launch[@]}"

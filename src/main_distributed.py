@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from src import run_files
+if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_distributed.py`, SageMaker's entry point
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from src import run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, resolve_plan, stage_config,
@@ -58,6 +61,23 @@ def run_name_for(config: Config) -> str:
         return Path(config.recipe).stem
     model = Path(config.model.model_name_or_path.rstrip("/")).name
     return f"{config.training.stage}-{model}"
+
+
+def check_launcher_strategy(devices: Devices, environ=None) -> str | None:
+    """The sharding strategy an `accelerate launch` config asked for, refused where accelerate would silently run
+    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs)."""
+    environ = os.environ if environ is None else environ
+    requested = ("DeepSpeed" if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else
+                 "FSDP" if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" else None)
+    if requested and devices.kind != "cuda":
+        raise ConfigError(f"the accelerate config asks for {requested}, which accelerate runs only on CUDA GPUs, and "
+                          "this machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp)")
+    if requested == "DeepSpeed":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ConfigError("the accelerate config asks for DeepSpeed: pip install deepspeed") from None
+    return requested
 
 
 def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
@@ -256,6 +276,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
             print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
                    f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
     check_world_size(trainer.args.world_size, world)
+    if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
+        run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value))
     if resume_from:
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -380,7 +402,9 @@ def run(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     config = parse_config(argv)
     world = World.from_environment()
-    stages = plan_stages(config, world, Devices.detect())
+    devices = Devices.detect()
+    check_launcher_strategy(devices)
+    stages = plan_stages(config, world, devices)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     check_earlier_run(stages[-1].run_dir, overwrite)

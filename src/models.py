@@ -122,6 +122,29 @@ def peft_config(model: ModelArguments):
     return get_peft_config(model)
 
 
+def verify_adapter(adapter_dir: Path, model) -> None:
+    """Read a saved LoRA adapter back and check every tensor has the shape the model's adapter has. Under DeepSpeed
+    ZeRO-3 adapters have been saved as empty shards (a known TRL/peft failure); this catches that at save time, not
+    when someone loads the model."""
+    from peft.utils import load_peft_weights
+
+    try:
+        saved = load_peft_weights(str(adapter_dir))
+    except Exception as error:  # a file that does not parse is the failure being looked for
+        raise ModelError(f"{adapter_dir}: the saved LoRA adapter does not load ({_first_line(error)})") from None
+    expected = {name: tuple(getattr(param, "ds_shape", param.shape)) for name, param in model.named_parameters()
+                if "lora_" in name}
+    if not saved:
+        raise ModelError(f"{adapter_dir}: the LoRA adapter was saved with no tensors")
+    for key, tensor in saved.items():
+        want = next((shape for name, shape in expected.items() if name.replace(".default", "").endswith(key.replace(
+            "base_model.model.", ""))), None)
+        if tensor.numel() == 0 or (want is not None and tuple(tensor.shape) != want):
+            raise ModelError(f"{adapter_dir}: LoRA tensor {key} was saved as {tuple(tensor.shape)}"
+                             f"{f', expected {want}' if want else ''} (empty shards: under ZeRO-3 set "
+                             "zero3_save_16bit_model: true in the accelerate config)")
+
+
 def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:
     """Save the trained model (adapter only under LoRA) with its tokenizer, and a merged copy on request; return
     where each went. Every rank must call this (saving can gather sharded weights); rank 0 writes."""
@@ -134,9 +157,7 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
     if is_main:
         tokenizer.save_pretrained(final_dir)
         if isinstance(model, PeftModel):
-            adapter_file = next(final_dir.glob("adapter_model.*"), None)
-            if adapter_file is None or adapter_file.stat().st_size == 0:
-                raise ModelError(f"{final_dir}: the LoRA adapter was saved empty")
+            verify_adapter(final_dir, model)
         if merge_adapter and isinstance(model, PeftModel):
             merged_dir = output_dir / "merged"
             merged = model.merge_and_unload(safe_merge=True)
