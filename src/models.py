@@ -29,10 +29,64 @@ def resolve_model_path(model: ModelArguments) -> str:
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelError(f"--model_name_or_path {name}: the directory has no config.json (not a saved model)")
+        check_weight_files(path)
         return str(path)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelError(f"--model_name_or_path {name}: no such directory")
     return name
+
+
+def check_weight_files(path: Path) -> None:
+    """A local model's weight files are there and whole, checked before any process group or load: every shard an
+    index names exists, and each safetensors file's header parses and accounts for the file's exact size (a copy
+    cut short, or a git-lfs pointer in place of the weights, fails here in milliseconds, not on every rank later)."""
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("pytorch_model*.bin"))
+    if (path / "adapter_config.json").exists() and not files:
+        files = sorted(path.glob("adapter_model.*"))
+    for index in sorted(path.glob("*.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError):
+            raise ModelError(f"--model_name_or_path {path}: {index.name} is not a valid shard index") from None
+        missing = sorted(shard for shard in shards if not (path / shard).exists())
+        if missing:
+            raise ModelError(f"--model_name_or_path {path}: {index.name} names shards that are missing: "
+                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (an incomplete download?)")
+    if not files:
+        raise ModelError(f"--model_name_or_path {path}: no weights (*.safetensors or pytorch_model*.bin) in the "
+                         "directory")
+    for file in files:
+        if file.suffix == ".safetensors":
+            problem = _safetensors_problem(file)
+            if problem:
+                raise ModelError(f"--model_name_or_path {path}: {file.name} is corrupt ({problem}); download or save "
+                                 "the model again")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a .safetensors file cannot be whole, or None. The format: 8-byte little-endian header length, a JSON
+    header of tensor offsets, then the data, which ends exactly at the largest offset."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, shorter than a header"
+        header_length = int.from_bytes(prefix, "little")
+        if header_length > size - 8:
+            return "its header runs past the end of the file"
+        try:
+            header = json.loads(handle.read(header_length))
+        except (ValueError, UnicodeDecodeError):
+            return "its header is not valid JSON"
+    if not isinstance(header, dict):
+        return "its header is not a table of tensors"
+    ends = [entry["data_offsets"][1] for key, entry in header.items()
+            if key != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+    expected = 8 + header_length + max(ends, default=0)
+    if size != expected:
+        return f"{size} bytes where its header describes {expected}: truncated" if size < expected else \
+            f"{size - expected} bytes more than its header describes"
+    return None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

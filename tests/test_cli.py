@@ -70,3 +70,21 @@ def test_launcher_refuses_bad_flags_before_starting_workers(user_args):
                             env=os.environ | {"PYTHON": sys.executable})
     assert_one_line_error(result, "--batch_size 3 cannot be split across 2 processes")
     assert "ChildFailedError" not in result.stderr  # torchrun never started
+
+
+def test_corrupt_or_incomplete_weights_are_named_before_anything_loads(user_args, tiny_model, tmp_path):
+    import shutil
+
+    model = user_args.index("--model_name_or_path") + 1
+    copy = shutil.copytree(tiny_model, tmp_path / "model")
+    weights = copy / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) - 100])  # a download cut short
+    assert_one_line_error(run_main(*user_args[:model], str(copy), *user_args[model + 1:]),
+                          "model.safetensors is corrupt", "truncated")
+    weights.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")  # an LFS pointer
+    assert_one_line_error(run_main(*user_args[:model], str(copy), *user_args[model + 1:]), "model.safetensors is corrupt")
+    weights.unlink()
+    (copy / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors"}}')
+    assert_one_line_error(run_main(*user_args[:model], str(copy), *user_args[model + 1:]),
+                          "names shards that are missing: model-00001-of-00002.safetensors")
