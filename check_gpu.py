@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--per_device_batch_size", type=int, help="sequences (DPO: pairs) per GPU per step")
     plan.add_argument("--lora", action="store_true", help="LoRA adapters on a frozen 16-bit base")
     plan.add_argument("--qlora", action="store_true", help="LoRA adapters on a 4-bit (NF4) base")
+    plan.add_argument("--precompute_ref_log_probs", choices=["true", "false"],
+                      help="DPO: reference log-probs computed before training, so no reference model in memory "
+                      "(the toolkit's default: true; false keeps a reference copy per GPU)")
     plan.add_argument("--gradient_checkpointing", action="store_true",
                       help="recompute activations in the backward pass (the toolkit's default is off)")
     return parser
@@ -67,6 +70,8 @@ def options_from(args: argparse.Namespace) -> CheckOptions:
         "use_lora": True if args.lora or args.qlora else None,
         "load_in_4bit": True if args.qlora else None,
         "gradient_checkpointing": True if args.gradient_checkpointing else None,
+        "precompute_ref_log_probs": None if args.precompute_ref_log_probs is None else
+        args.precompute_ref_log_probs == "true",
     }
     flags = {name: value for name, value in flags.items() if value is not None}
     overrides = dict(flags)

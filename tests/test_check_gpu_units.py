@@ -65,6 +65,15 @@ def test_qlora_in_a_recipe_implies_lora(tmp_path):
     assert setup.per_device_batch(8) == (2, "micro_batch_size")
 
 
+def test_reference_log_probs_are_precomputed_unless_the_recipe_moves_the_reference(tmp_path):
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text("stage: dpo\n")
+    assert training_setup(str(recipe), {}).precompute_ref_log_probs  # the toolkit's default
+    recipe.write_text("stage: dpo\nsync_ref_model: true\n")  # TR-DPO: a reference model stays in memory
+    assert not training_setup(str(recipe), {}).precompute_ref_log_probs
+    assert training_setup(str(recipe), {"precompute_ref_log_probs": True}).precompute_ref_log_probs
+
+
 @pytest.mark.parametrize(
     "content, message",
     [("stage: ppo\n", "--stage 'ppo'"), ("- a\n- b\n", "expected a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "lora_r")],
@@ -129,7 +138,8 @@ def test_model_state_per_method(tiny_shape):
 
 
 def test_reference_model_only_for_full_dpo_without_precomputed_log_probs(tiny_shape):
-    dpo = TrainingSetup(stage="dpo")
+    assert reference_bytes("full", TrainingSetup(stage="dpo"), tiny_shape, 4, 2) == 0  # the toolkit precomputes them
+    dpo = TrainingSetup(stage="dpo", precompute_ref_log_probs=False)
     assert reference_bytes("full", dpo, tiny_shape, 4, 2) == 2_000  # a 16-bit copy on every GPU
     assert reference_bytes("zero2", dpo, tiny_shape, 4, 2) == 2_000
     assert reference_bytes("zero3", dpo, tiny_shape, 4, 2) == 500  # sharded only under ZeRO-3

@@ -40,7 +40,10 @@ class TrainingSetup:
     max_length: int = field(default=1024, metadata={"help": "tokens of prompt + completion"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations (the toolkit's "
                                                                         "default: off)"})
-    precompute_ref_log_probs: bool = field(default=False, metadata={"help": "no reference model during training"})
+    precompute_ref_log_probs: bool = field(
+        default=True, metadata={"help": "no reference model during training (the toolkit's default, unless the recipe "
+                                "sets sync_ref_model: TR-DPO moves the reference)"}
+    )
     mixed_precision: str = field(default="auto", metadata={"help": "auto, no, fp16 or bf16"})
     recipe_path: str | None = field(default=None, metadata={"help": "the YAML these settings came from"})
     method_chosen: bool = field(
@@ -131,6 +134,8 @@ def training_setup(recipe_path: str | None, overrides: dict[str, Any]) -> Traini
         settings = {key: value for key, value in recipe.items() if key in known and value is not None}
         settings["recipe_path"] = recipe_path
         settings["method_chosen"] = "use_lora" in recipe or "load_in_4bit" in recipe
+        if recipe.get("sync_ref_model") and recipe.get("precompute_ref_log_probs") is None:
+            settings["precompute_ref_log_probs"] = False
     for key, value in overrides.items():
         if value is not None:
             settings[key] = value

@@ -817,6 +817,12 @@ def _needless_p2p_disable(machine: Machine) -> list[Problem]:
 # --- what the user asked for --------------------------------------------------------------------------------------
 
 
+# How each method of the memory plan is asked for at launch.
+HOW_TO_RUN = {"full": "the default", "lora": "--use_lora", "qlora": "--use_lora --load_in_4bit",
+              "zero2": "STRATEGY=zero2 ./run_distributed.sh ..., with deepspeed installed",
+              "zero3": "STRATEGY=zero3 ./run_distributed.sh ..., with deepspeed installed"}
+
+
 def memory_fit(machine: Machine) -> list[Problem]:
     plan = machine.memory_plan
     chosen = plan.chosen() if plan else None
@@ -833,7 +839,8 @@ def memory_fit(machine: Machine) -> list[Problem]:
             "keep the global batch"
         )
     else:
-        others = [estimate.label for estimate in plan.estimates if estimate.fits and estimate.method != chosen.method]
+        others = [f"{estimate.label} ({HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
+                  if estimate.fits and estimate.method != chosen.method]
         bigger = "use more or larger GPUs" if plan.device_kind == "gpu" else "use GPUs, a machine with more RAM, or a smaller model"
         fix = (f"use {' or '.join(others)}" if others else bigger) + (
             "" if plan.gradient_checkpointing else ", turn on gradient_checkpointing"
