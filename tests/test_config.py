@@ -15,6 +15,9 @@ from src.config import (
 USER = ["--model_name_or_path", "some/model", "--dataset_name", "some/data"]
 
 
+H100S = Devices("cuda", names=("NVIDIA H100",) * 8, compute_capabilities=((9, 0),) * 8)
+
+
 def plan_for(argv, world_size, devices=Devices("cpu")):
     return resolve_plan(parse_config(USER + argv), World(world_size=world_size, local_world_size=world_size), devices)
 
@@ -24,8 +27,11 @@ def test_every_shipped_recipe_parses_and_resolves(recipe: Path):
     config = parse_config(["--config", str(recipe)])
     for stage in (["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]):
         staged = stage_config(config, stage)
-        for world_size in (1, 2):
-            resolve_plan(staged, World(world_size=world_size, local_world_size=world_size), Devices("cpu"), stage)
+        for world_size in (1, 2, 4, 8):
+            plan = resolve_plan(staged, World(world_size=world_size, local_world_size=world_size), H100S, stage)
+            if staged.training.batch_size:  # a global batch is the same optimizer batch on any GPU count
+                assert plan.global_batch_size == staged.training.batch_size
+        resolve_plan(staged, World(), Devices("cpu"), stage)
 
 
 def test_no_arguments_means_the_embedded_default():
