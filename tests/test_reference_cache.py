@@ -105,6 +105,16 @@ def test_a_cache_built_by_two_processes_serves_one_and_the_other_way_round(setup
     assert by_two["losses"] == pytest.approx(cold["losses"], rel=1e-4, abs=1e-6)
 
 
+def test_lora_runs_cache_their_reference_too(setup, tiny_model, tmp_path):
+    """With LoRA the reference is the base with adapters disabled; its log-probs are cached the same way."""
+    _, data, _, _ = setup
+    lora = ["--use_lora", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
+    cold = train(dpo_args(tiny_model, data, tmp_path / "results", "lora-cold", *lora), tmp_path / "cache")
+    warm = train(dpo_args(tiny_model, data, tmp_path / "results", "lora-warm", *lora), tmp_path / "cache")
+    assert (cold["cache"], warm["cache"]) == ("computed", "reused")
+    assert warm["losses"] == cold["losses"] and cold["info"]["use_lora"]
+
+
 def test_every_run_accounts_for_its_throughput(setup):
     _, _, _, cold = setup
     throughput = cold["info"]["summary"]["throughput"]
