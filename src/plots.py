@@ -58,7 +58,7 @@ _LR_GRAD = Chart("lr_grad_norm.png", "Learning rate and gradient norm", (
 _THROUGHPUT = Chart("throughput.png", "Throughput and memory", (
     Panel("Training throughput", "tokens / second (all ranks)", (Curve("perf/tokens_per_second", "tokens/s"),),
           y_from_zero=True),
-    Panel("Peak accelerator memory", "peak memory (MB, per device)",
+    Panel("Peak memory per process", "MB (GPU: max allocated; CPU: resident set)",
           (Curve("perf/peak_memory_mb", "peak memory", smooth=False),),
           y_from_zero=True),
 ))
