@@ -138,10 +138,14 @@ def main() -> None:
     args.pairs = args.pairs or args.steps * args.batch_size
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="prefkit_bench_"))
-    # Thread counts are left to each launcher (run_distributed.sh splits the cores between its processes).
+    # One-process arms get every core, the same for both: `accelerate launch` (under `trl dpo`) would otherwise pin
+    # TRL to OMP_NUM_THREADS=1 while torch alone takes every core. run_distributed.sh splits the cores between its
+    # processes itself, so the 2-process arm drops the variable.
+    cores = len(os.sched_getaffinity(0))
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"} | {
         "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false"}
+    one_process_env = env | {"OMP_NUM_THREADS": str(cores)}
     model, data = build_assets(work / "assets", args.hidden, args.layers, args.pairs)
     from transformers import AutoConfig
 
@@ -150,7 +154,8 @@ def main() -> None:
         4 * config.hidden_size ** 2 + 3 * config.hidden_size * config.intermediate_size)])
     print(f"model: {parameters / 1e6:.1f}M parameters ({args.layers} layers x {args.hidden}); {args.pairs} pairs; "
           f"{args.steps} steps of {args.batch_size} pairs; max_length {args.max_length}; {args.repeats} repeats; "
-          f"{os.cpu_count()} CPU cores; load average at start {os.getloadavg()[0]:.2f}", flush=True)
+          f"{cores} CPU cores (one-process arms: {cores} threads); load average at start {os.getloadavg()[0]:.2f}",
+          flush=True)
 
     arms = {"trl dpo (TRL CLI)": [], "toolkit, cold cache": [], "toolkit, warm cache": [],
             "toolkit, warm cache, 2 processes": []}
@@ -159,15 +164,16 @@ def main() -> None:
         for name in arms:
             log = work / f"log-{repeat}-{name.split(',')[0].replace(' ', '_')}-{len(arms[name])}.txt"
             if name.startswith("trl"):
-                result = trl_dpo(args, model, data, work / "trl-out", log, env)
+                result = trl_dpo(args, model, data, work / "trl-out", log, one_process_env)
             elif "cold" in name:
                 cold_cache = work / f"cold-cache-{repeat}"
-                result = toolkit(args, model, data, work / "results", cold_cache, 1, log, env)
+                result = toolkit(args, model, data, work / "results", cold_cache, 1, log, one_process_env)
                 if not warm_cache.exists():
                     shutil.copytree(cold_cache, warm_cache)  # the warm arms reuse what a cold run computed
             else:
-                result = toolkit(args, model, data, work / "results", warm_cache,
-                                 2 if "2 processes" in name else 1, log, env)
+                processes = 2 if "2 processes" in name else 1
+                result = toolkit(args, model, data, work / "results", warm_cache, processes, log,
+                                 env if processes > 1 else one_process_env)
             arms[name].append(result)
             print(f"  repeat {repeat + 1}: {name:<34} {result['samples/s']:6.2f} samples/s  "
                   f"{result['wall s']:6.1f} s wall  {result['peak MB']:7.0f} MB", flush=True)
