@@ -307,8 +307,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trained = trainer.accelerator.unwrap_model(trainer.model)
     after = answer_held_out(trained, tokenizer, rows, config, plan, world)
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
-    saved = save_final_model(trainer, tokenizer, stage.output_dir, config.model.merge_adapter or (
-        stage.name == "sft" and config.training.stage == "sft_then_dpo" and config.model.use_peft), world.is_main)
+    # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
+    # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
+    merge = config.model.merge_adapter or (config.model.use_peft and (
+        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)))
+    saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
 
     outcome = {"stage": stage.name, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
