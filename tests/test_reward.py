@@ -94,6 +94,7 @@ def test_reward_run_trains_reloads_and_judges(tiny_model, tiny_tokenizer, prefer
 
     from src.judges import RewardModelJudge, reward_scores
     from src.main_distributed import record_samples
+    from src.report import build_report
 
     result = run_single(reward_args(tiny_model, preference_file, tmp_path / "results", "rm") + ["--max_steps", "6"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,6 +108,11 @@ def test_reward_run_trains_reloads_and_judges(tiny_model, tiny_tokenizer, prefer
     assert info["one_job"]["identical_weights"]
     report = (run_dir / "report.md").read_text()
     assert "pair accuracy" in report and (run_dir / "plots" / "reward_accuracy.png").exists()
+    copied = tmp_path / "metrics_only"  # the report from metrics.jsonl alone recognises a reward run
+    copied.mkdir()
+    (copied / run_files.METRICS).write_bytes((run_dir / run_files.METRICS).read_bytes())
+    assert build_report(copied).read_text().startswith("# REWARD run")
+    assert (copied / "plots" / "margins.png").exists()
 
     final = run_dir / "model" / "final"
     trained = AutoModelForSequenceClassification.from_pretrained(final)
@@ -150,7 +156,8 @@ def test_lora_reward_run_trains_the_score_head_and_saves_a_merged_reward_model(t
     from transformers import AutoModelForSequenceClassification
 
     result = run_single(reward_args(tiny_model, preference_file, tmp_path / "results", "rm_lora") + [
-        "--max_steps", "3", "--use_lora", "--lora_r", "4", "--eval_strategy", "no"])
+        "--max_steps", "3", "--use_lora", "--lora_r", "4", "--eval_strategy", "no",
+        "--center_rewards_coefficient", "0.01"])  # a RewardConfig field, passed through to TRL
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "results" / "rm_lora"
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
@@ -165,6 +172,8 @@ def test_lora_reward_run_trains_the_score_head_and_saves_a_merged_reward_model(t
         assert merged(input_ids=ids).logits.item() == pytest.approx(with_adapter(input_ids=ids).logits.item(),
                                                                     abs=1e-5)
     assert torch.equal(merged.score.weight, adapter["base_model.model.score.weight"])
+    trl_args = torch.load(run_dir / "model" / "final" / "training_args.bin", weights_only=False)
+    assert type(trl_args).__name__ == "RewardConfig" and trl_args.center_rewards_coefficient == 0.01
 
 
 def test_reward_on_two_processes_trains_as_one_job(tiny_model, preference_file, tmp_path):
