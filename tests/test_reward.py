@@ -77,6 +77,12 @@ def reward_args(model, data, results, run_name):
     return common_args(model, data, results, run_name, "reward") + ["--batch_size", "8", "--learning_rate", "1e-3"]
 
 
+def held_out_test_pairs(data_file, tokenizer, tmp_path, stage: str = "reward"):
+    """The held-out test pairs of a run made with reward_args (its split settings and seed)."""
+    data = DataArguments(dataset_name=str(data_file), val_size=4, test_size=4, max_length=64)
+    return prepare_data(data, SFTArguments(), stage, 3, tokenizer, tmp_path / "cache").test
+
+
 def assert_pair_accuracy_recorded(info: dict, pairs: int = 4):
     assert info["judge"]["metric"] == "pair_accuracy" and info["judge"]["split"] == "test"
     assert info["judge"]["n"] == pairs
@@ -124,8 +130,7 @@ def test_reward_run_trains_reloads_and_judges(tiny_model, tiny_tokenizer, prefer
     assert sum(not torch.equal(body[name], initial_body[name]) for name in body) > len(body) // 2
 
     # The judge round trip, on the run's own test pairs.
-    data = DataArguments(dataset_name=str(preference_file), val_size=4, test_size=4, max_length=64)
-    test = prepare_data(data, SFTArguments(), "reward", 3, tiny_tokenizer, tmp_path / "cache").test
+    test = held_out_test_pairs(preference_file, tiny_tokenizer, tmp_path)
     judge = RewardModelJudge(str(final), device="cpu")
     for row in test:
         assert judge._input_ids(row["judge_prompt"], _text(row["chosen"])) == row["chosen_ids"]
@@ -139,7 +144,7 @@ def test_reward_run_trains_reloads_and_judges(tiny_model, tiny_tokenizer, prefer
     # As the judge of a DPO run's held-out answers (here: the trained answers are the chosen ones, the reference
     # answers the rejected ones), fed through the pipeline's own sample recording: it must score the very ids the
     # reward model was trained on, not the policy's rendering of the prompt.
-    dpo_test = prepare_data(data, SFTArguments(), "dpo", 3, tiny_tokenizer, tmp_path / "cache").test.to_list()
+    dpo_test = held_out_test_pairs(preference_file, tiny_tokenizer, tmp_path, "dpo").to_list()
     (tmp_path / "dpo_run").mkdir()
     judged = record_samples(tmp_path / "dpo_run", {"test": dpo_test}, {"test": [_text(row["rejected"]) for row in test]},
                             {"test": [_text(row["chosen"]) for row in test]}, judge)
@@ -176,11 +181,27 @@ def test_lora_reward_run_trains_the_score_head_and_saves_a_merged_reward_model(t
     assert type(trl_args).__name__ == "RewardConfig" and trl_args.center_rewards_coefficient == 0.01
 
 
-def test_reward_on_two_processes_trains_as_one_job(tiny_model, preference_file, tmp_path):
+def test_reward_on_two_processes_trains_as_one_job(tiny_model, tiny_tokenizer, preference_file, tmp_path):
+    from transformers import AutoModelForSequenceClassification, set_seed
+
+    from src.judges import reward_scores
+
     args = reward_args(tiny_model, preference_file, tmp_path / "results", "rm2") + ["--max_steps", "4"]
     launch(2, args, tmp_path / "probe")
     assert_trained_as_one_job(tmp_path / "probe", "reward", 4)
     info, _ = assert_run_dir_complete(tmp_path / "results" / "rm2", 2, "reward", samples=False)
     assert (info["per_device_batch_size"], info["global_batch_size"]) == (4, 8)
     assert info["one_job"]["ranks"] == 2 and info["one_job"]["identical_weights"]
-    assert_pair_accuracy_recorded(info)  # every pair scored once, across both ranks
+    assert info["one_job"]["disjoint_rows_per_step"]  # the one-job check reads reward batches too
+    assert_pair_accuracy_recorded(info)
+    # The starting model, scored by the two ranks on half the pairs each, gives what one process gives on all.
+    set_seed(3)
+    initial = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1,
+                                                                 pad_token_id=tiny_tokenizer.pad_token_id)
+    test = held_out_test_pairs(preference_file, tiny_tokenizer, tmp_path)
+    chosen, rejected = (reward_scores(initial, test[column], tiny_tokenizer.pad_token_id, 8)
+                        for column in ("chosen_ids", "rejected_ids"))
+    before = info["judges"]["test"]
+    assert before["before"] == sum(c > r for c, r in zip(chosen, rejected)) / len(test)
+    assert before["details"]["mean_margin"]["before"] == pytest.approx(
+        sum(c - r for c, r in zip(chosen, rejected)) / len(test), rel=1e-4)
