@@ -265,11 +265,12 @@ def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
 
 
 def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:
-    """All health alerts for a metric history of `stage` ("dpo" or "sft"), errors first."""
+    """All health alerts for a metric history of `stage` ("dpo", "sft" or "reward": only the checks that apply to
+    every stage), errors first."""
     checks = [_non_finite, _eval_loss_rising]
     if stage == "dpo":
         checks += [_dpo_stuck, _dpo_displacement, _dpo_saturated, _dpo_unbounded_margins]
-    else:
+    elif stage == "sft":
         checks += [_sft_not_decreasing]
     alerts = [alert for check in checks if (alert := check(metrics)) is not None]
     return sorted(alerts, key=lambda alert: alert.severity != "error")

@@ -3,8 +3,9 @@
     python -m src.main_distributed --config configs/<recipe>.yaml [--flag value ...]
 
 One dataclass per concern; every field's help is its documentation and becomes a `--flag`. A YAML recipe sets the
-same keys, flags override the recipe, and any other field of TRL's `DPOConfig` / `SFTConfig` (e.g.
-`--lr_scheduler_type cosine`) passes through to TRL untouched. Unknown keys are refused with the closest known name.
+same keys, flags override the recipe, and any other field of TRL's `DPOConfig` / `SFTConfig` / `RewardConfig`
+(e.g. `--lr_scheduler_type cosine`) passes through to TRL untouched. Unknown keys are refused with the closest known
+name.
 
 `resolve_plan` turns the request plus the world it runs in (processes, devices) into the numbers that are used:
 per-device batch, gradient accumulation, global batch, the learning rate scaled with the global batch, precision and
@@ -31,7 +32,7 @@ from trl import ModelConfig
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
 EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
-STAGES = ("dpo", "sft", "sft_then_dpo")
+STAGES = ("dpo", "sft", "sft_then_dpo", "reward")
 
 
 class ConfigError(ValueError):
@@ -124,8 +125,9 @@ class TrainingArguments:
 
     stage: str = field(
         default="dpo",
-        metadata={"help": "dpo, sft, or sft_then_dpo (SFT, then DPO from the SFT model; `sft:` in the recipe holds "
-                  "the SFT stage's overrides).", "choices": list(STAGES)},
+        metadata={"help": "dpo, sft, sft_then_dpo (SFT, then DPO from the SFT model; `sft:` in the recipe holds "
+                  "the SFT stage's overrides), or reward (a reward model: a sequence classifier trained with TRL's "
+                  "RewardTrainer on the preference pairs).", "choices": list(STAGES)},
     )
     run_name: str | None = field(
         default=None,
@@ -354,9 +356,10 @@ def toolkit_fields() -> dict[str, tuple[type, Any]]:
 
 def trl_fields(stage: str) -> dict[str, Any]:
     """Fields (name → type) of the TRL config(s) a stage builds, which may pass through as overrides."""
-    from trl import DPOConfig, SFTConfig
+    from trl import DPOConfig, RewardConfig, SFTConfig
 
-    configs = {"dpo": [DPOConfig], "sft": [SFTConfig], "sft_then_dpo": [DPOConfig, SFTConfig]}[stage]
+    configs = {"dpo": [DPOConfig], "sft": [SFTConfig], "sft_then_dpo": [DPOConfig, SFTConfig],
+               "reward": [RewardConfig]}[stage]
     return {name: kind for config in configs for name, kind in _field_types(config).items()}
 
 
@@ -505,7 +508,7 @@ def format_help() -> str:
     lines = ["usage: python -m src.main_distributed [--config RECIPE.yaml] [--flag value ...]",
              "       ./run_distributed.sh [NUM_PROCS] [--config RECIPE.yaml] [--flag value ...]", "",
              "Flags override the recipe; --sft.KEY VALUE overrides a key for the SFT stage of sft_then_dpo; any other",
-             "field of TRL's DPOConfig / SFTConfig passes through by name.", ""]
+             "field of TRL's DPOConfig / SFTConfig / RewardConfig passes through by name.", ""]
     for concern in CONCERNS:
         lines.append(f"{concern.__name__}: {(concern.__doc__ or '').strip().splitlines()[0]}")
         for item in dataclasses.fields(concern):
@@ -837,9 +840,9 @@ def resolve_precision(requested: str, devices: Devices) -> str:
 
 def default_learning_rate(stage: str) -> float:
     """TRL's own default for the stage's trainer."""
-    from trl import DPOConfig, SFTConfig
+    from trl import DPOConfig, RewardConfig, SFTConfig
 
-    config_class = {"dpo": DPOConfig, "sft": SFTConfig}[stage]
+    config_class = {"dpo": DPOConfig, "sft": SFTConfig, "reward": RewardConfig}[stage]
     return next(item.default for item in dataclasses.fields(config_class) if item.name == "learning_rate")
 
 

@@ -26,7 +26,8 @@ from src.locking import build_once
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 2  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 3  # bump when the prepared layout changes, so old caches are not reused
+PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
 
@@ -59,9 +60,10 @@ class PreparedData:
 
 
 def source_location(data: DataArguments, stage: str) -> str:
-    """Where the data comes from: the embedded default resolves to its shipped directory for the stage."""
+    """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
+    model learns from the DPO stage's preference pairs)."""
     if data.dataset_name == EMBEDDED:
-        return str(EMBEDDED_DATA / stage)
+        return str(EMBEDDED_DATA / ("dpo" if stage in PREFERENCE_STAGES else stage))
     return data.dataset_name
 
 
@@ -192,7 +194,7 @@ def apply_column_mapping(columns: list[str], data: DataArguments) -> dict[str, s
 def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
     """Name the layout of the (column-mapped) data, or explain what is missing."""
     names = set(columns)
-    if stage == "dpo":
+    if stage in PREFERENCE_STAGES:
         if {"prompt", "chosen", "rejected"} <= names:
             if _is_chat(first_row["chosen"]) and isinstance(first_row["prompt"], str):
                 return "ultrafeedback"  # the prompt column is a text copy of the user turn inside chosen/rejected
@@ -302,11 +304,11 @@ def check_rows(rows: list[dict], stage: str, source: str) -> tuple[list[dict], d
                     f"{source} row {index + 1}: '{column}' must be text or a list of {{role, content}} messages, "
                     f"got {type(value).__name__}"
                 )
-        if stage == "dpo" and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+        if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
             raise DataError(f"{source} row {index + 1}: 'chosen' and 'rejected' must both be text or both messages")
         if any(not _text_of(row[column]).strip() for column in answer_columns):
             empty.append(index + 1)
-        elif stage == "dpo" and row["chosen"] == row["rejected"]:
+        elif stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
             identical.append(index + 1)
         else:
             kept.append(row)
@@ -320,7 +322,7 @@ def check_rows(rows: list[dict], stage: str, source: str) -> tuple[list[dict], d
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Tokenization (mirrors TRL 1.16's DPOTrainer / SFTTrainer preparation)
+# Tokenization (mirrors TRL 1.16's DPOTrainer / SFTTrainer / RewardTrainer preparation)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -353,6 +355,16 @@ def tokenize_preference(row: dict, tokenizer) -> dict:
         "chosen_ids": chosen_full[prompt_length:],
         "rejected_ids": rejected_full[prompt_length:],
     }
+
+
+def tokenize_reward(row: dict, tokenizer) -> dict:
+    """chosen_ids / rejected_ids (whole sequences: prompt and answer) exactly as TRL's RewardTrainer builds them.
+
+    RewardTrainer tokenizes prompt + answer in one piece (through the chat template for chats, with EOS appended to
+    text); DPO's prompt and completion ids are split from those very sequences, so joined they are the same ids."""
+    pair = tokenize_preference(row, tokenizer)
+    return {"chosen_ids": pair["prompt_ids"] + pair["chosen_ids"],
+            "rejected_ids": pair["prompt_ids"] + pair["rejected_ids"]}
 
 
 def sft_chat_template(tokenizer, sft: SFTArguments) -> str | None:
@@ -406,7 +418,7 @@ def sample_fields(row: dict, tokenizer) -> dict:
         prompt, reference, rejected = row["messages"][:last_assistant], row["messages"][last_assistant:], None
     else:
         return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": _text_of(row["text"]),
-                "sample_rejected": None}
+                "sample_rejected": None, "judge_prompt": ""}
     if is_conversational({"prompt": prompt}):
         rendered = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                                  **_template_kwargs(row))
@@ -418,6 +430,9 @@ def sample_fields(row: dict, tokenizer) -> dict:
         "sample_prompt_ids": prompt_ids,
         "sample_chosen": _text_of(reference),
         "sample_rejected": None if rejected is None else _text_of(rejected),
+        # The prompt as the data has it (messages or text): a judge renders it with its own tokenizer, the way a
+        # reward model trained on this kind of data saw it (src/judges.py).
+        "judge_prompt": prompt,
     }
 
 
@@ -532,6 +547,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                 f"{location}: the data is a chat but the model's tokenizer has no chat template to render it; use "
                 "a chat/instruct model or text data (prompt/chosen/rejected as strings)"
             )
+        dropped = "dropped_prompt_too_long"
         if stage == "dpo":
             tokenized = [tokenize_preference(row, tokenizer) for row in rows]
             prompt_lengths = [len(item["prompt_ids"]) for item in tokenized]
@@ -539,11 +555,18 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                             for item in tokenized]
             # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
             keep = [length < data.max_length for length in prompt_lengths]
+        elif stage == "reward":
+            tokenized = [tokenize_reward(row, tokenizer) for row in rows]
+            full_lengths = [max(len(item["chosen_ids"]), len(item["rejected_ids"])) for item in tokenized]
+            # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would cut
+            # the answer whose last token the score is read from).
+            keep = [length <= data.max_length for length in full_lengths]
+            dropped = "dropped_too_long"
         else:
             tokenized = [tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template) for row in rows]
             full_lengths = [len(item["input_ids"]) for item in tokenized]
             keep = [_has_trainable_token(item, data.max_length, sft) for item in tokenized]
-        counts["dropped_prompt_too_long"] = keep.count(False)
+        counts[dropped] = keep.count(False)
         counts["truncated"] = sum(1 for length, kept in zip(full_lengths, keep) if kept and length > data.max_length)
         counts["longest_tokens"] = max(full_lengths)
         records = []
@@ -556,10 +579,9 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                 record.update(sample_fields(row, tokenizer))
             records.append(record)
         if not records:
-            raise DataError(
-                f"{location} ({kind}): every prompt is at least --max_length {data.max_length} tokens long; raise "
-                "--max_length"
-            )
+            what = "pair is over" if stage == "reward" else "prompt is at least"
+            raise DataError(f"{location} ({kind}): every {what} --max_length {data.max_length} tokens long; raise "
+                            "--max_length")
         counts["kept"] = len(records)
         summary["splits"][kind] = counts
         built[kind] = datasets.Dataset.from_list(records)
@@ -606,9 +628,11 @@ def format_summary(summary: dict) -> str:
         if counts["identical_pairs"]:
             notes.append(f"{counts['identical_pairs']} pairs with chosen == rejected dropped (first: rows "
                          f"{counts['first_identical_rows']})")
-        if counts["dropped_prompt_too_long"]:
+        if counts.get("dropped_prompt_too_long"):
             notes.append(f"{counts['dropped_prompt_too_long']} prompts of --max_length {summary['max_length']}+ "
                          "tokens dropped")
+        if counts.get("dropped_too_long"):
+            notes.append(f"{counts['dropped_too_long']} pairs over --max_length {summary['max_length']} tokens dropped")
         if counts["truncated"]:
             notes.append(f"{counts['truncated']} rows truncated to {summary['max_length']} tokens")
         suffix = f"; {'; '.join(notes)}" if notes else ""

@@ -2,6 +2,7 @@
 
     print0(...)        prints on rank 0 only, so logging code never branches on rank
     init(plan, world)  starts the process group the way TRL's Trainer will find it (accelerate's PartialState)
+    map_across_ranks   splits work over the ranks and gathers the results in order
 
 On CPU, accelerate runs every torchrun rank alone (distributed type NO, world size 1, no error) unless told to use the
 CPU; `init` tells it, and `check_world_size` makes the silent failure loud.
@@ -81,4 +82,19 @@ def gather_objects(local: list) -> list[list]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     return gathered
+
+
+def map_across_ranks(items: list, work, world: World) -> list:
+    """`work(share)` → one result per item of the share, run by every rank on its share of `items` (every
+    world_size-th item, so each rank gets a similar mix); the results, in item order, on every rank. Work that can
+    be split is, so no rank waits in a collective toward its timeout while another does it all."""
+    mine = list(range(world.rank, len(items), world.world_size))
+    results = work([items[index] for index in mine])
+    if len(results) != len(mine):
+        raise RuntimeError(f"rank {world.rank} returned {len(results)} results for {len(mine)} items")
+    ordered: list = [None] * len(items)
+    for share in gather_objects(list(zip(mine, results))):
+        for index, result in share:
+            ordered[index] = result
+    return ordered
 

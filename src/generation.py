@@ -7,7 +7,7 @@ makes sample outputs N times faster on N GPUs. Greedy decoding: deterministic fo
 from __future__ import annotations
 
 from src.config import World
-from src.distributed import gather_objects
+from src.distributed import map_across_ranks
 
 
 def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
@@ -16,36 +16,35 @@ def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     import torch
     from transformers import GenerationConfig
 
-    mine = list(range(world.rank, len(prompts), world.world_size))
-    mine.sort(key=lambda index: len(prompts[index]))  # similar lengths per batch: less padding
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
     generation = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
         eos_token_id=sorted(i for i in eos_ids if i is not None), pad_token_id=tokenizer.pad_token_id,
     )
     device = next(model.parameters()).device
+
+    def answer(share: list[list[int]]) -> list[str]:
+        order = sorted(range(len(share)), key=lambda index: len(share[index]))  # similar lengths: less padding
+        answers: list[str] = [""] * len(share)
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            width = max(len(share[index]) for index in batch)
+            # Left padding, so every prompt ends where generation starts.
+            input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(share[index])) + share[index]
+                                      for index in batch], device=device)
+            attention_mask = torch.tensor([[0] * (width - len(share[index])) + [1] * len(share[index])
+                                           for index in batch], device=device)
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
+            for index, text in zip(batch, tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)):
+                answers[index] = text
+        return answers
+
     was_training = model.training
     model.eval()
-    answers = []
     with torch.no_grad():
-        for start in range(0, len(mine), batch_size):
-            batch = [prompts[index] for index in mine[start:start + batch_size]]
-            width = max(len(ids) for ids in batch)
-            # Left padding, so every prompt ends where generation starts.
-            input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in batch],
-                                     device=device)
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
-            answers.extend(tokenizer.batch_decode(output[:, width:], skip_special_tokens=True))
+        answers = map_across_ranks(prompts, answer, world)
     model.train(was_training)
-    ordered: list[str | None] = [None] * len(prompts)
-    for share in gather_objects(list(zip(mine, answers))):
-        for index, answer in share:
-            ordered[index] = answer
-    missing = [index for index, answer in enumerate(ordered) if answer is None]
-    if missing:
-        raise RuntimeError(f"generation lost prompts {missing[:5]}: a rank returned fewer answers than it was given")
-    return ordered
+    return answers
 
 
 def _as_list(value) -> list:

@@ -2,6 +2,7 @@
 
     result = ProgrammaticJudge(check, metric="correct_and_preferred").judge(rows, reference_answers, trained_answers)
     result = RewardModelJudge("path/or/hub-id-of-a-reward-model").judge(rows, reference_answers, trained_answers)
+    result = pair_accuracy(score_pairs(untrained, ...), score_pairs(trained, ...))   # a reward model on pairs
 
 `rows` are dicts with at least "prompt" (str, or a list of chat messages) and "meta" (dict), optionally "chosen".
 The per-sample verdicts go into `samples_<split>.jsonl`, the aggregates (`JudgeResult.to_dict()`) into
@@ -151,27 +152,8 @@ class RewardModelJudge(Judge):
 
     def score(self, prompts: list[str | list], answers: list[str]) -> list[float]:
         """The reward of each (prompt, answer) pair."""
-        import torch
-
         sequences = [self._input_ids(prompt, answer) for prompt, answer in zip(prompts, answers)]
-        # Batches of similar lengths waste less compute on padding; results go back in the original order.
-        order = sorted(range(len(sequences)), key=lambda index: len(sequences[index]))
-        rewards = [math.nan] * len(sequences)
-        pad = self.tokenizer.pad_token_id
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                width = max(len(sequences[index]) for index in batch)
-                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, index in enumerate(batch):
-                    input_ids[row, :len(sequences[index])] = torch.tensor(sequences[index])
-                    attention_mask[row, :len(sequences[index])] = 1
-                logits = self.model(input_ids=input_ids.to(self.device),
-                                    attention_mask=attention_mask.to(self.device)).logits
-                for index, value in zip(batch, logits[:, 0].float().cpu().tolist()):
-                    rewards[index] = value
-        return rewards
+        return reward_scores(self.model, sequences, self.tokenizer.pad_token_id, self.batch_size)
 
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
@@ -195,6 +177,59 @@ class RewardModelJudge(Judge):
                 verdict["reference"]["chosen_reward"] = verdict["trained"]["chosen_reward"] = reward
         return JudgeResult(self.metric, len(rows), 0.5 if rows else math.nan, _mean(wins), verdicts, details,
                            judge=self.name)
+
+
+def reward_scores(model, sequences: list[list[int]], pad_token_id: int, batch_size: int) -> list[float]:
+    """The reward (the one output) of a sequence-classification model for each token sequence, in order."""
+    import torch
+
+    device = next(model.parameters()).device
+    # Batches of similar lengths waste less compute on padding; results go back in the original order.
+    order = sorted(range(len(sequences)), key=lambda index: len(sequences[index]))
+    rewards = [math.nan] * len(sequences)
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            width = max(len(sequences[index]) for index in batch)
+            input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, index in enumerate(batch):
+                input_ids[row, :len(sequences[index])] = torch.tensor(sequences[index])
+                attention_mask[row, :len(sequences[index])] = 1
+            logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+            for index, value in zip(batch, logits[:, 0].float().cpu().tolist()):
+                rewards[index] = value
+    model.train(was_training)
+    return rewards
+
+
+def score_pairs(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: int, batch_size: int,
+                world) -> list[tuple[float, float]]:
+    """(chosen reward, rejected reward) of each held-out (chosen ids, rejected ids) pair, every rank scoring its
+    share; identical on every rank."""
+    from src.distributed import map_across_ranks
+
+    def score(share: list[tuple[list[int], list[int]]]) -> list[tuple[float, float]]:
+        rewards = reward_scores(model, [ids for pair in share for ids in pair], pad_token_id, batch_size)
+        return list(zip(rewards[0::2], rewards[1::2]))
+
+    return map_across_ranks(pairs, score, world)
+
+
+def pair_accuracy(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> JudgeResult:
+    """A reward model judged on held-out preference pairs, before and after training: the fraction of pairs whose
+    chosen answer it scores strictly above the rejected one (ties count as wrong, as in TRL's own accuracy; 0.5 is
+    chance), and the mean margin (chosen - rejected reward)."""
+    ranked_before = [float(chosen > rejected) for chosen, rejected in before]
+    ranked_after = [float(chosen > rejected) for chosen, rejected in after]
+    details = {"mean_margin": {"before": _mean([c - r for c, r in before]), "after": _mean([c - r for c, r in after])},
+               "changes": _changes(ranked_before, ranked_after)}
+    verdicts = [{"reference": {"chosen_reward": b[0], "rejected_reward": b[1]},
+                 "trained": {"chosen_reward": a[0], "rejected_reward": a[1]}} for b, a in zip(before, after)]
+    return JudgeResult("pair_accuracy", len(after), _mean(ranked_before), _mean(ranked_after), verdicts, details,
+                       judge="the reward model itself, on held-out preference pairs")
 
 
 def _win(reward: float, other: float, same_text: bool = False) -> float:

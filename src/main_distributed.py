@@ -1,4 +1,4 @@
-"""DPO and SFT on TRL, under torchrun or as a plain process.
+"""DPO, SFT and reward models on TRL, under torchrun or as a plain process.
 
     ./run_distributed.sh [NUM_PROCS] [ARGS...]               # torchrun underneath; see README
     python -m src.main_distributed [--config R.yaml] [ARGS]  # one process
@@ -6,7 +6,8 @@
 
 The pipeline, top to bottom: parse config → resolve the plan (batch, learning rate, precision, backend) → prepare the
 data (tokenized once per machine, before any process group) → start the process group → for each stage: load the
-model, answer held-out prompts, train, answer them again, judge, save, report.
+model, answer held-out prompts (a reward model scores held-out pairs instead), train, answer (score) them again,
+judge, save, report.
 """
 
 from __future__ import annotations
@@ -204,13 +205,23 @@ def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], conf
     }
 
 
+def score_held_out_pairs(model, tokenizer, prepared: PreparedData, plan: Plan, world: World) -> dict[str, list]:
+    """A reward model's (chosen, rejected) rewards for every pair of the validation and test splits."""
+    from src.judges import score_pairs
+
+    splits = {"val": prepared.validation, "test": prepared.test}
+    return {split: score_pairs(model, list(zip(dataset["chosen_ids"], dataset["rejected_ids"])),
+                               tokenizer.pad_token_id, max(8, plan.per_device_batch_size * 4), world)
+            for split, dataset in splits.items() if dataset is not None}
+
+
 def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     """samples_<split>.jsonl on rank 0, and the judged results per split."""
     results = {}
     for split, rows in rows_by_split.items():
         judged = None
         if judge is not None and rows:
-            judge_rows = [{"prompt": row["sample_prompt"], "meta": row.get("meta") or {},
+            judge_rows = [{"prompt": row["judge_prompt"], "meta": row.get("meta") or {},
                            "chosen": row["sample_chosen"]} for row in rows]
             judged = judge.judge(judge_rows, before[split], after[split])
             results[split] = judged.to_dict()
@@ -234,6 +245,7 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
 def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
+    from src.judges import pair_accuracy
     from src.throughput import peak_memory_mb
     from src.training import build_trainer, build_trl_config, callback, planned_steps, silent_no_op_warnings
 
@@ -261,14 +273,23 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         print0(f"  warning: {warning}")
     barrier()
 
-    model = load_model(model_path, config.model, plan, world)
-    rows = {split: held_out_rows(prepared, split, config.training.num_samples) for split in ("validation", "test")}
+    reward = stage.name == "reward"
+    if reward:  # the score head starts random: one seed gives every rank the same head to score "before" with
+        from transformers import set_seed
+
+        set_seed(config.training.seed)
+    model = load_model(model_path, config.model, plan, world,
+                       reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+    # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
+    rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
+                              for split in ("validation", "test")}
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
     before = answer_held_out(model, tokenizer, rows, config, plan, world)
+    pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
 
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
                                   total_steps)
-    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model),
+    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan)
     if world.is_main and getattr(trainer, "reference_cache", None):
         run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
@@ -285,13 +306,19 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
     after = answer_held_out(trained, tokenizer, rows, config, plan, world)
-    saved = save_final_model(trainer, tokenizer, stage.output_dir, config.model.merge_adapter or (
-        stage.name == "sft" and config.training.stage == "sft_then_dpo" and config.model.use_peft), world.is_main)
+    pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
+    # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
+    # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
+    merge = config.model.merge_adapter or (config.model.use_peft and (
+        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)))
+    saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
 
     outcome = {"stage": stage.name, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
     if world.is_main:
-        judged = record_samples(stage.run_dir, rows, before, after, make_judge(config))
+        judged = record_samples(stage.run_dir, rows, before, after, make_judge(config) if rows else None)
+        judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
+                       for split, scores in pairs_after.items()})
         meter = callback(trainer, "ThroughputMeter")
         measured = {"wall_time_s": round(time.monotonic() - started, 1),
                     "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}

@@ -2,6 +2,8 @@
 
 - A Hub id or a local directory; `trust_remote_code` only when asked.
 - LoRA through peft (TRL wraps the model from `peft_config`; the DPO reference is the base with adapters disabled).
+- A reward model is the same checkpoint with a one-output score head (AutoModelForSequenceClassification); under
+  LoRA the head is trained and saved in full beside the adapters (peft's SEQ_CLS task).
 - 4-bit NF4 (QLoRA) through bitsandbytes, each rank loading onto its own device: `device_map={"": local device}`,
   never "auto", which would spread one copy over every GPU and fight DDP.
 """
@@ -134,13 +136,24 @@ def check_4bit_supported(plan: Plan) -> None:
         raise ConfigError(f"--load_in_4bit: bitsandbytes cannot be imported here ({_first_line(error)})") from None
 
 
-def load_model(path: str, model: ModelArguments, plan: Plan, world: World):
+def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None):
     """The policy for this rank, on this rank's device. Full fine-tuning keeps fp32 master weights (mixed precision
-    autocasts the compute); a 4-bit base is quantized on load."""
+    autocasts the compute); a 4-bit base is quantized on load.
+
+    With `reward_pad_token_id`, a reward model instead: the checkpoint (a causal LM, or a reward model) with a score
+    head of one output, new and randomly initialised where the checkpoint has none. It scores the last token that is
+    not padding, so it is told the padding id."""
+    from contextlib import nullcontext
+
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from trl.trainer.reward_trainer import suppress_seqcls_warning
 
     kwargs = {"trust_remote_code": model.trust_remote_code, "dtype": torch.float32}
+    model_class = AutoModelForCausalLM
+    if reward_pad_token_id is not None:
+        model_class = AutoModelForSequenceClassification
+        kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
     if model.attn_implementation:
         kwargs["attn_implementation"] = model.attn_implementation
     quantization = quantization_config(model, plan)
@@ -149,8 +162,11 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World):
         kwargs["quantization_config"] = quantization
         kwargs["dtype"] = torch_dtype(plan.precision)
         kwargs["device_map"] = {"": world.local_rank if plan.device == "cuda" else "cpu"}
+    # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
+    loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with loading:
+            loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({_first_line(error)})") from None
     if quantization is not None:
@@ -169,11 +185,15 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World):
     return loaded
 
 
-def peft_config(model: ModelArguments):
-    """TRL's own LoRA config from the model arguments (None without --use_lora)."""
+def peft_config(model: ModelArguments, reward_model: bool = False):
+    """TRL's own LoRA config from the model arguments (None without --use_lora). For a reward model the task is
+    SEQ_CLS, which makes peft train and save the new score head in full (modules_to_save), not leave it random."""
     from trl import get_peft_config
 
-    return get_peft_config(model)
+    config = get_peft_config(model)
+    if config is not None and reward_model:
+        config.task_type = "SEQ_CLS"
+    return config
 
 
 def verify_adapter(adapter_dir: Path, model) -> None:

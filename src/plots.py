@@ -83,6 +83,23 @@ CHARTS = {
         _LR_GRAD,
         _THROUGHPUT,
     ),
+    "reward": (
+        Chart("loss.png", "Reward-model loss", (
+            Panel("Reward-model loss (−log σ(chosen − rejected))", "loss", (Curve("loss", "loss"),),
+                  reference_lines=((math.log(2), "ln 2 = 0.693 (no preference)"),), min_y_span=0.2),)),
+        Chart("reward_accuracy.png", "Pair accuracy", (
+            Panel("Pair accuracy (chosen scored above rejected)", "accuracy (fraction of pairs)",
+                  (Curve("accuracy", "pair accuracy"),), reference_lines=((0.5, "chance"),), ylim=(-0.02, 1.04)),)),
+        Chart("margins.png", "Reward margin", (
+            Panel("Reward margin (chosen − rejected score)", "margin", (Curve("margin", "margin", "#9467bd"),),
+                  reference_lines=((0.0, "no preference"),), min_y_span=0.5),)),
+        Chart("rewards.png", "Reward range", (
+            Panel("Rewards in the batch: min, mean, max", "reward",
+                  (Curve("min_reward", "min", "#d62728"), Curve("mean_reward", "mean", "#1f77b4"),
+                   Curve("max_reward", "max", "#2ca02c")), min_y_span=0.5),)),
+        _LR_GRAD,
+        _THROUGHPUT,
+    ),
     "sft": (
         Chart("loss.png", "SFT loss", (
             Panel("SFT loss (cross-entropy on completion tokens)", "loss (nats/token)", (Curve("loss", "loss"),),

@@ -257,6 +257,9 @@ def _judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     judge_names = sorted({result.get("judge") for result in judges.values() if result.get("judge")})
     if judge_names:
         lines.append(f"Judge: {', '.join(judge_names)}.")
+    if any(result.get("metric") == "pair_accuracy" for result in judges.values()):
+        lines.append("Pair accuracy = how often the reward model scores the dataset's chosen answer above its rejected "
+                     "one, on every held-out pair; 50% is chance.")
     if any(result.get("metric") == "win_rate" for result in judges.values()):
         lines.append("Win rate = how often the trained answer gets a higher reward than the starting model's answer "
                      "to the same prompt (ties count half), so 50% means no change.")
@@ -276,6 +279,9 @@ def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_s
     if result.get("metric") == "win_rate":
         return (f"{stage}'s answers beat the starting model's on {_pct(result.get('after'))} of {count} held-out "
                 f"{split} prompts (reward-model win rate; 50% = no change).")
+    if result.get("metric") == "pair_accuracy":
+        return (f"The reward model ranks the chosen answer first on {_pct(result.get('after'))} of {count} held-out "
+                f"{split} pairs ({_pct(result.get('before'))} before training; 50% = chance).")
     if earlier:
         return (f"On {count} held-out {split} prompts, {metric} went from {_pct(earlier.get('before'))} (untrained) "
                 f"to {_pct(earlier.get('after'))} after {previous_stage} and {_pct(result.get('after'))} "
@@ -312,7 +318,7 @@ def _final_numbers(summary: dict, info: dict) -> list[str]:
          "n/a (no eval)" if best is None else f"{_num(best)} at step {summary.get('best_eval_step')}"],
         ["final eval loss", _num(summary.get("final_eval_loss"))],
     ]
-    if stage == "dpo":
+    if stage in ("dpo", "reward"):
         rows += [["final reward accuracy (train / eval)", f"{_pct(summary.get('final_reward_accuracy_train'))} / "
                                                           f"{_pct(summary.get('final_reward_accuracy_eval'))}"],
                  ["final reward margin (train / eval)", f"{_num(summary.get('final_reward_margin_train'))} / "
@@ -336,7 +342,7 @@ def _setup(info: dict) -> list[str]:
     rows = [["model", f"`{get('model_name_or_path', 'n/a')}`"], ["dataset", f"`{get('dataset_name', 'n/a')}`"],
             ["processes", f"{get('world_size', '?')} ({get('num_nodes', '?')} node(s)), backend {get('backend', '?')}, "
                           f"device {get('device', '?')}"]]
-    unit = "pairs" if get("stage") == "dpo" else "sequences"
+    unit = "pairs" if get("stage") in ("dpo", "reward") else "sequences"
     rows.append(["batch", f"{get('per_device_batch_size')} per device × {get('gradient_accumulation_steps')} "
                           f"accumulation × {get('world_size')} processes = {get('global_batch_size')} {unit} per "
                           f"optimizer step"])
@@ -409,10 +415,10 @@ def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: li
     parts = []
     if judged_sentence:
         parts.append(judged_sentence)
-    elif stage == "DPO":
+    elif stage in ("DPO", "REWARD"):
         accuracy = _eval_else_train(summary, "final_reward_accuracy")
         margin = _eval_else_train(summary, "final_reward_margin")
-        parts.append(f"DPO ran {_num(summary.get('last_step'))} steps; final reward accuracy {_pct(accuracy)}, "
+        parts.append(f"{stage} ran {_num(summary.get('last_step'))} steps; final reward accuracy {_pct(accuracy)}, "
                      f"margin {_num(margin, 3)} (no held-out judge).")
     else:
         parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; final train loss "
@@ -461,8 +467,10 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
 
 
 def _infer_stage(metrics: list[dict]) -> str:
-    dpo = any("rewards/margins" in record or "eval_rewards/margins" in record for record in metrics)
-    return "dpo" if dpo else "sft"
+    def logged(key: str) -> bool:
+        return any(key in record or f"eval_{key}" in record for record in metrics)
+
+    return "dpo" if logged("rewards/margins") else "reward" if logged("margin") else "sft"
 
 
 def build_report(run_dir: str | Path) -> Path:

@@ -60,8 +60,8 @@ def summarize(metrics: list[dict], stage: str) -> dict:
     Keys are always present (None when the history cannot say), so a reader can rely on the schema:
     `finished` (TRL's end-of-training record was logged), `last_step`, `last_epoch`, `final_train_loss` (last
     logged value, NaN if it diverged), `train_loss` (TRL's mean over the run), `best_eval_loss`/`best_eval_step`,
-    `final_eval_loss`, `tokens_per_second`, `samples_per_second`, `wall_time_s`, `peak_memory_mb`; DPO adds final
-    reward accuracy and margin (train and eval), SFT adds final token accuracy (train and eval).
+    `final_eval_loss`, `tokens_per_second`, `samples_per_second`, `wall_time_s`, `peak_memory_mb`; DPO and reward
+    add final reward accuracy and margin (train and eval), SFT adds final token accuracy (train and eval).
     """
     steps = [int(record["step"]) for record in metrics if isinstance(record.get("step"), Real)]
     epochs = finite(series(metrics, "epoch")[1])
@@ -88,12 +88,15 @@ def summarize(metrics: list[dict], stage: str) -> dict:
         "wall_time_s": wall_time if wall_time is not None else (times[-1] if times else None),
         "peak_memory_mb": max(peak_memory) if peak_memory else None,
     }
-    if stage == "dpo":
+    if stage in ("dpo", "reward"):
+        # Both log how often the chosen answer outscores the rejected one and by how much: DPO with its implicit
+        # rewards, a reward model with its scores (TRL's RewardTrainer names them accuracy and margin).
+        accuracy, margin = ("rewards/accuracies", "rewards/margins") if stage == "dpo" else ("accuracy", "margin")
         summary.update({
-            "final_reward_accuracy_train": _last(metrics, "rewards/accuracies"),
-            "final_reward_accuracy_eval": _last(metrics, "eval_rewards/accuracies"),
-            "final_reward_margin_train": _last(metrics, "rewards/margins"),
-            "final_reward_margin_eval": _last(metrics, "eval_rewards/margins"),
+            "final_reward_accuracy_train": _last(metrics, accuracy),
+            "final_reward_accuracy_eval": _last(metrics, f"eval_{accuracy}"),
+            "final_reward_margin_train": _last(metrics, margin),
+            "final_reward_margin_eval": _last(metrics, f"eval_{margin}"),
         })
     else:
         summary.update({

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
 from src import run_files
 from src.config import Config, Plan
@@ -122,7 +122,17 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
         return loss
 
 
-class PreparedDPOTrainer(ToolkitTrainerMixin, DPOTrainer):
+class PairLengthsMixin:
+    """For the pair trainers (DPO, reward), whose own columns are several id lists: keep the "length" column
+    src/data.py writes, which is what transformers' LengthGroupedSampler reads for group_by_length."""
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if self.args.train_sampling_strategy == "group_by_length" and "length" not in self._signature_columns:
+            self._signature_columns.append("length")
+
+
+class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation).
 
     Reference log-probs: TRL precomputes them across all ranks and caches them next to the dataset, keyed by the
@@ -136,11 +146,6 @@ class PreparedDPOTrainer(ToolkitTrainerMixin, DPOTrainer):
         if "prompt_ids" in dataset.column_names:
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
-
-    def _set_signature_columns_if_needed(self):
-        super()._set_signature_columns_if_needed()
-        if self.args.train_sampling_strategy == "group_by_length" and "length" not in self._signature_columns:
-            self._signature_columns.append("length")  # what transformers' LengthGroupedSampler reads
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         from datasets.fingerprint import Hasher
@@ -171,6 +176,16 @@ class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
     """SFTTrainer with the toolkit's additions (it already skips tokenizing data that has input_ids)."""
 
 
+class ToolkitRewardTrainer(PairLengthsMixin, ToolkitTrainerMixin, RewardTrainer):
+    """RewardTrainer with the toolkit's additions, on data already tokenized by src/data.py (same ids as its own
+    preparation, pairs over max_length already dropped and counted there, so its length filter has nothing to do)."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if "chosen_ids" in dataset.column_names:
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+
 class MetricsRecorder(TrainerCallback):
     """Appends every logged event to metrics.jsonl on rank 0, as it happens, so a crashed run keeps its curves."""
 
@@ -191,7 +206,8 @@ class MetricsRecorder(TrainerCallback):
 class ConsoleLog(TrainerCallback):
     """One compact line per logged event on rank 0 (replaces Trainer's dict printer)."""
 
-    KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies",
+    KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "margin",
+            "accuracy", "eval_accuracy",
             "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm", "perf/tokens_per_second")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -260,7 +276,8 @@ def _eval_steps(config: Config, total_steps: int | None) -> int | None:
 
 def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, has_validation: bool,
                      total_steps: int | None):
-    """DPOConfig / SFTConfig from the plan; TRL pass-through fields go last and may set anything not derived."""
+    """DPOConfig / SFTConfig / RewardConfig from the plan; TRL pass-through fields go last and may set anything not
+    derived."""
     training = config.training
     eval_strategy = training.eval_strategy if has_validation else "no"
     eval_steps = _eval_steps(config, total_steps)
@@ -313,6 +330,9 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         specific = dict(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
                         label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=precompute)
         config_class = DPOConfig
+    elif stage == "reward":
+        specific = {}
+        config_class = RewardConfig
     else:
         sft = config.sft
         specific = dict(assistant_only_loss=sft.assistant_only_loss, completion_only_loss=sft.completion_only_loss,
@@ -325,10 +345,11 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
                   plan: Plan):
-    trainer_class = PreparedDPOTrainer if stage == "dpo" else ToolkitSFTTrainer
+    trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
+    # DPO and reward batches hold a chosen and a rejected sequence per pair.
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
-                            _device_name(plan.device), sequences_per_example=2 if stage == "dpo" else 1)
+                            _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)
     trainer = trainer_class(
         model=model,
         args=trl_config,
