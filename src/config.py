@@ -32,6 +32,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
 EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
 STAGES = ("dpo", "sft", "sft_then_dpo")
+TRACKERS = ("tensorboard", "wandb", "trackio")  # --report_to values, each the name of the package it needs
 
 
 class ConfigError(ValueError):
@@ -230,7 +231,10 @@ class TrainingArguments:
                   "and stop before loading a model or starting a process group."},
     )
     report_to: list[str] = field(
-        default_factory=lambda: ["none"], metadata={"help": "Experiment trackers (transformers' names), or none."}
+        default_factory=lambda: ["none"],
+        metadata={"help": "Experiment trackers, one or several: tensorboard (event files in <run dir>/tensorboard), "
+                  "wandb (offline into <run dir>/wandb when no API key is set up), trackio (a local database), or "
+                  "none. Each gets the resolved plan and configuration at the start and the final numbers at the end."},
     )
 
 
@@ -659,6 +663,11 @@ def validate(config: Config) -> None:
         not config.training.run_name.strip() or ".." in Path(config.training.run_name).parts
     ):
         raise ConfigError(f"--run_name must be a plain name, got {config.training.run_name!r}")
+    unknown = [name for name in training.report_to if name not in ("none", *TRACKERS)]
+    if unknown:
+        raise ConfigError(f"--report_to {unknown[0]}: not a supported tracker; choose from none, {', '.join(TRACKERS)}")
+    if "none" in training.report_to and len(training.report_to) > 1:
+        raise ConfigError(f"--report_to {' '.join(training.report_to)}: 'none' cannot be combined with a tracker")
     if config.model.model_name_or_path is None:
         raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
     if config.data.dataset_name is None:

@@ -38,6 +38,7 @@ from src.resilience import (
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.summary import summarize
+from src.trackers import TrackerRecord, check_trackers, tracker_environment
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -52,6 +53,7 @@ class Stage:
     plan: Plan
     run_dir: Path
     output_dir: Path
+    environment: dict[str, str]  # tracker variables for this stage (where TensorBoard and W&B write)
 
 
 def run_name_for(config: Config) -> str:
@@ -97,7 +99,8 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
                 "batch_rebalance":
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
                               "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
-        stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir))
+        stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir,
+                            tracker_environment(staged.training.report_to, stage_dir)))
     return stages
 
 
@@ -266,10 +269,13 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
     before = answer_held_out(model, tokenizer, rows, config, plan, world)
 
+    os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
                                   total_steps)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model),
                             metrics_path, plan)
+    trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
+    trainer.add_callback(trackers)
     if world.is_main and getattr(trainer, "reference_cache", None):
         run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
         for split, outcome in trainer.reference_cache.items():
@@ -310,7 +316,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                "after": test["after"]}
             fields["judges"] = judged
             outcome["judge"] = fields["judge"]
-        run_files.update_json(info_path, **fields)
+        trackers.finish(run_files.update_json(info_path, **fields))
         publish_report(stage.run_dir, stage.name)
     barrier()
     return outcome
@@ -404,6 +410,8 @@ def run(argv: list[str] | None = None) -> int:
     world = World.from_environment()
     devices = Devices.detect()
     check_launcher_strategy(devices)
+    for note in check_trackers(config.training.report_to):
+        print0(f"  {note}")
     stages = plan_stages(config, world, devices)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0

@@ -298,7 +298,7 @@ def _detail(name: str, value: float | None) -> str:
     return _num(value) if name.startswith("mean_") else _pct(value)
 
 
-def _final_numbers(summary: dict, info: dict) -> list[str]:
+def final_numbers_table(summary: dict, info: dict) -> list[str]:
     stage = summary.get("stage")
     max_steps = info.get("max_steps")
     steps = _num(summary.get("last_step")) + _of_max_steps(info)
@@ -329,7 +329,7 @@ def _final_numbers(summary: dict, info: dict) -> list[str]:
     return _table(["", "value"], rows)
 
 
-def _setup(info: dict) -> list[str]:
+def setup_table(info: dict) -> list[str]:
     if set(info) <= {"stage"}:
         return [f"`{TRAINING_INFO}` is missing: setup unknown."]
     get = info.get
@@ -448,7 +448,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
               f"Rebuild with `python -m src.report {run_dir}`.", ""]
     lines += ["## Health alerts", "", *_alerts_section(alerts), ""]
     lines += ["## Judged results (held-out prompts)", "", *judged_lines, ""]
-    lines += ["## Final numbers", "", *_final_numbers(summary, info), ""]
+    lines += ["## Final numbers", "", *final_numbers_table(summary, info), ""]
     lines += ["## Curves", ""]
     if charts:
         for caption, path in charts:
@@ -456,7 +456,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     else:
         lines += ["No curves: nothing plottable was logged.", ""]
     lines += ["## Sample comparisons", "", *_examples_section(samples_by_split), ""]
-    lines += ["## Setup", "", *_setup(info), ""]
+    lines += ["## Setup", "", *setup_table(info), ""]
     return "\n".join(lines)
 
 
