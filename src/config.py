@@ -278,7 +278,26 @@ class SFTArguments:
     packing: bool = field(default=False, metadata={"help": "Pack several short sequences into one of --max_length."})
 
 
-CONCERNS = (ModelArguments, DataArguments, TrainingArguments, DPOArguments, SFTArguments)
+@dataclass
+class HubArguments:
+    """Publishing the final model on the Hugging Face Hub: the toolkit pushes once, after the run (see README)."""
+
+    push_to_hub: bool = field(
+        default=False,
+        metadata={"help": "After the run, upload the final model (LoRA adapter or full weights) with its model card "
+                  "and plots to --hub_model_id, from rank 0; a --merge_adapter copy goes to <hub_model_id>-merged. "
+                  "The token comes from HF_TOKEN or `hf auth login`; without one, or offline, the model stays local "
+                  "and the message says how to push it later."},
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "Hub repository for --push_to_hub: ORG/NAME (created when missing)."}
+    )
+    hub_private_repo: bool | None = field(
+        default=None, metadata={"help": "Create the repository private (default: the Hub's default for its owner)."}
+    )
+
+
+CONCERNS = (ModelArguments, DataArguments, TrainingArguments, DPOArguments, SFTArguments, HubArguments)
 
 # Fields of TRL's configs that the toolkit derives itself: setting them directly would bypass the batch, learning-rate
 # and precision resolution, so they are refused with the flag to use instead.
@@ -295,6 +314,10 @@ DERIVED_TRL_FIELDS = {
     "activation_checkpointing": "--gradient_checkpointing",
     # A token given as a flag would be pickled into every checkpoint's training_args.bin and logged with the config.
     "hub_token": "the HF_TOKEN environment variable (tokens are never taken as flags or written to disk)",
+    # The toolkit owns the push (one upload after the run, card included): Trainer's own push stays off.
+    "hub_strategy": "nothing: --push_to_hub uploads the final model once, after the run",
+    "hub_always_push": "nothing: --push_to_hub uploads the final model once, after the run",
+    "hub_revision": "nothing: --push_to_hub uploads to the repository's main branch",
 }
 SECRET_NAME = re.compile(r"token|secret|password|passwd|api_?key|credential", re.IGNORECASE)
 NOT_SECRETS = {"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token",
@@ -322,6 +345,7 @@ class Config:
     training: TrainingArguments
     dpo: DPOArguments
     sft: SFTArguments
+    hub: HubArguments
     trl_overrides: dict[str, Any] = field(default_factory=dict)
     sft_stage_overrides: dict[str, Any] = field(default_factory=dict)
     recipe: str | None = None
@@ -333,7 +357,7 @@ class Config:
     def values(self) -> dict[str, Any]:
         """Every field as one flat dict (the shape of a recipe)."""
         values = {}
-        for part in (self.model, self.data, self.training, self.dpo, self.sft):
+        for part in (self.model, self.data, self.training, self.dpo, self.sft, self.hub):
             values.update(dataclasses.asdict(part))
         values.update(self.trl_overrides)
         if self.sft_stage_overrides:
@@ -606,6 +630,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         training=parts[TrainingArguments],
         dpo=parts[DPOArguments],
         sft=parts[SFTArguments],
+        hub=parts[HubArguments],
         trl_overrides=trl_overrides,
         sft_stage_overrides=sft_stage_overrides,
     )
@@ -668,6 +693,16 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--report_to {unknown[0]}: not a supported tracker; choose from none, {', '.join(TRACKERS)}")
     if "none" in training.report_to and len(training.report_to) > 1:
         raise ConfigError(f"--report_to {' '.join(training.report_to)}: 'none' cannot be combined with a tracker")
+    if config.hub.push_to_hub and not config.hub.hub_model_id:
+        raise ConfigError("--push_to_hub needs --hub_model_id ORG/NAME (the Hub repository to create or update)")
+    if config.hub.hub_model_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(config.hub.hub_model_id)
+        except HFValidationError:
+            raise ConfigError(f"--hub_model_id {config.hub.hub_model_id!r} is not a Hub repository id: use ORG/NAME "
+                              "(letters, digits, '-', '_', '.')") from None
     if config.model.model_name_or_path is None:
         raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
     if config.data.dataset_name is None:

@@ -6,7 +6,7 @@
 
 The pipeline, top to bottom: parse config → resolve the plan (batch, learning rate, precision, backend) → prepare the
 data (tokenized once per machine, before any process group) → start the process group → for each stage: load the
-model, answer held-out prompts, train, answer them again, judge, save, report.
+model, answer held-out prompts, train, answer them again, judge, save, report, model card → push to the Hub.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
+from src.publish import PublishError, push_problem, push_to_hub, write_model_cards
 from src.summary import summarize
 from src.trackers import TrackerRecord, check_trackers, tracker_environment
 
@@ -318,6 +319,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
             outcome["judge"] = fields["judge"]
         trackers.finish(run_files.update_json(info_path, **fields))
         publish_report(stage.run_dir, stage.name)
+        for directory in write_model_cards(stage.run_dir).values():
+            print0(f"  model card: {directory / 'README.md'}")
     barrier()
     return outcome
 
@@ -393,6 +396,22 @@ def publish_report(run_dir: Path, stage: str) -> None:
     print0(f"  report: {report}")
 
 
+def push_final_model(stage: Stage, config: Config) -> None:
+    """--push_to_hub, on rank 0 once everything is saved. A failed push is a message and a record in
+    training_info.json, never a lost run: the model stays in the run directory and can be pushed later."""
+    hub, info_path = config.hub, stage.run_dir / run_files.TRAINING_INFO
+    try:
+        pushed = push_to_hub(stage.run_dir, hub.hub_model_id, hub.hub_private_repo)
+    except PublishError as error:
+        run_files.update_json(info_path, hub={"repo_id": hub.hub_model_id, "pushed": False, "error": str(error)})
+        print0(f"  warning: not pushed to the Hub: {error}. The model is saved in {stage.output_dir / 'final'}; push "
+               f"it later with: python -m src.publish {stage.run_dir} --hub_model_id {hub.hub_model_id}")
+        return
+    run_files.update_json(info_path, hub={"repo_id": hub.hub_model_id, "pushed": True, "repositories": pushed})
+    for url in pushed.values():
+        print0(f"  pushed to the Hub: {url}")
+
+
 def quiet_libraries() -> None:
     """Progress bars from datasets and transformers drown the plan and the metrics on the console."""
     import datasets
@@ -421,6 +440,9 @@ def run(argv: list[str] | None = None) -> int:
     if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
                                           [stage.config.data.dataset_name for stage in stages]):
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
+    push_blocked = push_problem() if config.hub.push_to_hub else None
+    if push_blocked:
+        print0(f"  warning: --push_to_hub: {push_blocked}; training goes ahead and the model will be saved locally")
     quiet_libraries()
 
     model_path = resolve_model_path(config.model)
@@ -452,6 +474,8 @@ def run(argv: list[str] | None = None) -> int:
         else:
             previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
         model_path = previous["model_path"]  # the next stage starts from this one's model
+    if config.hub.push_to_hub and world.is_main:
+        push_final_model(stages[-1], config)
     return 0
 
 

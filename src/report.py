@@ -225,7 +225,7 @@ def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
     return [numbers(earlier, "before"), after_previous, trained]
 
 
-def _judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
+def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     """Markdown for the judged results, and the one-sentence verdict they support."""
     stage = info["stage"].upper()
     judges, previous_judges = _judge_results(info), _previous_judge_results(info, run_dir)
@@ -437,7 +437,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     stage = summary["stage"].upper()
     info = {**info, "stage": info.get("stage") or summary["stage"]}
     run_name = info.get("run_name") or run_dir.name
-    judged_lines, judged_sentence = _judged_section(info, run_dir)
+    judged_lines, judged_sentence = judged_section(info, run_dir)
     lines = [f"# {stage} run `{run_name}`", "", f"**Verdict:** {_headline(info, summary, judged_sentence, alerts)}", ""]
     links = [f"[`{samples_text_file(split)}`]({samples_text_file(split)})"
              for split in SPLITS if samples_by_split.get(split)]
