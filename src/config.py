@@ -23,6 +23,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, get_args, get_origin
 
 import yaml
@@ -136,6 +137,11 @@ class TrainingArguments:
     results_dir: str = field(default="results", metadata={"help": "Parent directory of every run's results."})
     output_dir: str | None = field(
         default=None, metadata={"help": "Checkpoints and the final model. Default: <results_dir>/<run_name>/model."}
+    )
+    final_model_dir: str | None = field(
+        default=None,
+        metadata={"help": "Also copy the final model (with its model card and plots; a --merge_adapter copy in "
+                  "merged/) into this directory at the end. Under SageMaker: SM_MODEL_DIR (uploaded as model.tar.gz)."},
     )
     overwrite: bool = field(
         default=False, metadata={"help": "Replace the results of an earlier run with the same run name."}
@@ -559,18 +565,20 @@ def parse_config(argv: list[str] | None = None) -> Config:
     flag_keys = {key for key, _, _ in flags}
     if len(recipe_paths) > 1:
         raise ConfigError("--config given more than once: one recipe per run")
+    sagemaker = sagemaker_defaults()
     if recipe_paths:
         recipe = str(recipe_paths[0])
-    elif "model_name_or_path" not in flag_keys and "dataset_name" not in flag_keys:
+    elif not {"model_name_or_path", "dataset_name"} & (flag_keys | set(sagemaker)):
         recipe = str(DEFAULT_RECIPE)  # no recipe, no model, no data: the embedded default
     else:
         recipe = None
 
-    # Precedence: dataclass defaults < recipe < flags.
+    # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
     requested: dict[str, tuple[Any, str]] = {}
     if recipe:
         for key, value in _load_recipe(recipe).items():
             requested[key] = (value, Path(recipe).name)
+    requested.update(sagemaker)
     for key, raw, token in flags:
         if key.startswith("sft."):
             sft_overrides = dict(requested.get("sft", ({}, ""))[0] or {})
@@ -589,6 +597,40 @@ def parse_config(argv: list[str] | None = None) -> Config:
     config = _build_config(requested, stage)
     config.recipe = recipe
     return config
+
+
+def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """SageMaker's training-toolkit conventions as defaults (key → (value, the variable it came from)), so a Hugging
+    Face estimator runs src/main_distributed.py unchanged. Empty outside SageMaker; flags (SageMaker passes the
+    estimator's hyperparameters as `--key value`) win over them.
+
+    SM_OUTPUT_DATA_DIR → --results_dir (uploaded as output.tar.gz); SM_MODEL_DIR → --final_model_dir (model.tar.gz);
+    SM_CHANNEL_TRAINING → --dataset_name: the channel's one data file, or the directory (split files, save_to_disk).
+    """
+    from src.data import DATA_FILE_BUILDERS
+
+    environ = os.environ if environ is None else environ
+    defaults = {}
+    for variable, key in (("SM_OUTPUT_DATA_DIR", "results_dir"), ("SM_MODEL_DIR", "final_model_dir"),
+                          ("SM_CHANNEL_TRAINING", "dataset_name")):
+        if environ.get(variable):
+            defaults[key] = (environ[variable], variable)
+    channel = Path(environ.get("SM_CHANNEL_TRAINING") or "")
+    if "dataset_name" in defaults and channel.is_dir():
+        files = [path for path in sorted(channel.iterdir()) if path.suffix in DATA_FILE_BUILDERS]
+        if len(files) == 1:
+            defaults["dataset_name"] = (str(files[0]), "SM_CHANNEL_TRAINING")
+    return defaults
+
+
+def sagemaker_process_hint(world: World, environ: Mapping[str, str] | None = None) -> str | None:
+    """SageMaker starts one process per machine unless the estimator asks for torchrun: say so when GPUs would idle."""
+    environ = os.environ if environ is None else environ
+    gpus = int(environ.get("SM_NUM_GPUS") or 0)
+    if gpus > world.local_world_size:
+        return (f"SageMaker gives this machine {gpus} GPUs (SM_NUM_GPUS) but started {world.local_world_size} "
+                "process(es): pass distribution={'torch_distributed': {'enabled': True}} to the estimator to use all")
+    return None
 
 
 def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
-    parse_config, resolve_plan, stage_config,
+    parse_config, resolve_plan, sagemaker_process_hint, stage_config,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
 from src.distributed import barrier, check_world_size, init, print0
@@ -396,6 +396,18 @@ def publish_report(run_dir: Path, stage: str) -> None:
     print0(f"  report: {report}")
 
 
+def export_final_model(stage: Stage, target: Path) -> None:
+    """--final_model_dir (SageMaker's SM_MODEL_DIR): the final model with its card at the top, the merged copy in
+    merged/, so `from_pretrained(target)` loads it."""
+    from src.publish import model_dirs
+
+    dirs = model_dirs(stage.run_dir, stage_status(stage.run_dir))
+    shutil.copytree(dirs["final"], target, dirs_exist_ok=True)
+    if "merged" in dirs:
+        shutil.copytree(dirs["merged"], target / "merged", dirs_exist_ok=True)
+    print0(f"  final model copied to {target}")
+
+
 def push_final_model(stage: Stage, config: Config) -> None:
     """--push_to_hub, on rank 0 once everything is saved. A failed push is a message and a record in
     training_info.json, never a lost run: the model stays in the run directory and can be pushed later."""
@@ -429,6 +441,9 @@ def run(argv: list[str] | None = None) -> int:
     world = World.from_environment()
     devices = Devices.detect()
     check_launcher_strategy(devices)
+    idle_gpus = sagemaker_process_hint(world)
+    if idle_gpus:
+        print0(f"  warning: {idle_gpus}")
     for note in check_trackers(config.training.report_to):
         print0(f"  {note}")
     stages = plan_stages(config, world, devices)
@@ -474,6 +489,8 @@ def run(argv: list[str] | None = None) -> int:
         else:
             previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
         model_path = previous["model_path"]  # the next stage starts from this one's model
+    if config.training.final_model_dir and world.is_main:
+        export_final_model(stages[-1], Path(config.training.final_model_dir))
     if config.hub.push_to_hub and world.is_main:
         push_final_model(stages[-1], config)
     return 0
