@@ -159,6 +159,8 @@ def push_to_hub(run_dir: str | Path, hub_model_id: str, private: bool | None = N
     if problem:
         raise PublishError(problem)
     dirs = write_model_cards(run_dir, hub_model_id)
+    if "final" not in dirs:
+        raise PublishError(f"{run_dir} holds no saved final model (model/final/): nothing to push")
     info = read_json(Path(run_dir) / TRAINING_INFO)
     uploads = {hub_model_id: dirs["final"]} | (
         {hub_model_id + MERGED_SUFFIX: dirs["merged"]} if "merged" in dirs else {})
@@ -186,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run_dir} has no {TRAINING_INFO}: not a finished prefkit run directory", file=sys.stderr)
         return 1
     if not args.hub_model_id:
-        for directory in write_model_cards(args.run_dir).values():
+        written = write_model_cards(args.run_dir)
+        for directory in written.values():
             print(f"model card: {directory / CARD}")
-        return 0
+        if not written:
+            print(f"error: {args.run_dir} holds no saved final model (model/final/)", file=sys.stderr)
+        return 0 if written else 1
     try:
         pushed = push_to_hub(args.run_dir, args.hub_model_id, args.hub_private_repo or None)
     except PublishError as error:

@@ -139,7 +139,7 @@ class TrackerRecord(TrainerCallback):
 
     def finish(self, info: dict) -> None:
         """The final numbers (training_info.json's summary and judge) to each tracker; closes the W&B run so a next
-        stage starts its own."""
+        stage starts its own, in its own directory."""
         if not self.report_to:
             return
         from src.report import final_numbers_table
@@ -158,6 +158,7 @@ class TrackerRecord(TrainerCallback):
             if wandb.run is not None:
                 wandb.run.summary.update(numbers)
                 wandb.finish()
+            wandb.teardown()  # a next stage's run then reads its own WANDB_DIR (wandb reads settings once per session)
         if "trackio" in self.report_to and self.trackio_run:
             import trackio
 

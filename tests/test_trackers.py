@@ -19,12 +19,13 @@ from src import run_files
 from src.config import ConfigError, parse_config
 
 
-def tracked_run(tiny_model, preference_file, results: Path, run_name: str, trackers: list[str], env: dict):
-    args = ["--stage", "dpo", "--model_name_or_path", str(tiny_model), "--dataset_name", str(preference_file),
+def tracked_run(tiny_model, preference_file, results: Path, run_name: str, trackers: list[str], env: dict,
+                stage: str = "dpo"):
+    args = ["--stage", stage, "--model_name_or_path", str(tiny_model), "--dataset_name", str(preference_file),
             "--results_dir", str(results), "--run_name", run_name, "--max_length", "64", "--logging_steps", "1",
             "--eval_steps", "2", "--num_samples", "2", "--max_new_tokens", "4", "--judge", "none", "--seed", "3",
             "--val_size", "4", "--test_size", "4", "--batch_size", "4", "--max_steps", "3", "--learning_rate",
-            "1e-3", "--report_to", *trackers]
+            "1e-3", "--report_to", *trackers] + (["--sft.max_steps", "2"] if stage == "sft_then_dpo" else [])
     result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -84,10 +85,13 @@ def read_wandb_records(path: Path) -> list:
 
 
 def test_wandb_without_a_key_logs_offline_and_trackio_locally(tiny_model, preference_file, tmp_path):
+    """Both stages of an SFT-then-DPO run, each its own run in its own stage directory; the DPO stage read back."""
     env = {key: value for key, value in os.environ.items() if key not in ("WANDB_MODE", "WANDB_API_KEY", "NETRC")}
     env |= {"HOME": str(tmp_path / "home"), "TRACKIO_DIR": str(tmp_path / "trackio")}
-    result, info = tracked_run(tiny_model, preference_file, tmp_path / "results", "wt", ["wandb", "trackio"], env)
+    result, info = tracked_run(tiny_model, preference_file, tmp_path / "results", "wt", ["wandb", "trackio"], env,
+                               stage="sft_then_dpo")
     assert "logging offline (WANDB_MODE=offline)" in result.stdout
+    assert len(glob.glob(str(tmp_path / "results" / "wt" / "sft" / "wandb" / "offline-run-*"))) == 1
 
     (run_file,) = glob.glob(str(tmp_path / "results" / "wt" / "wandb" / "offline-run-*" / "run-*.wandb"))
     records = read_wandb_records(Path(run_file))
@@ -110,6 +114,8 @@ def test_wandb_without_a_key_logs_offline_and_trackio_locally(tiny_model, prefer
         [record["loss"] for record in run_files.read_jsonl(tmp_path / "results" / "wt" / run_files.METRICS)
          if "loss" in record], rel=1e-6)
     assert any(record.get("final/completed_steps") == 3 for record in metrics)
+    with sqlite3.connect(database) as connection:
+        assert {row[0] for row in connection.execute("select run_name from configs")} == {"wt/sft", "wt"}
 
 
 def test_an_uninstalled_tracker_is_one_line_before_any_process_group(tiny_model, preference_file, tmp_path,
