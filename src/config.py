@@ -21,9 +21,9 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, get_args, get_origin
 
 import yaml

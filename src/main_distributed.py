@@ -33,11 +33,11 @@ from src.data import DataError, PreparedData, check_source, format_summary, prep
 from src.distributed import barrier, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
-from src.publish import PublishError, push_problem, push_to_hub, write_model_cards
 from src.summary import summarize
 from src.trackers import TrackerRecord, check_trackers, tracker_environment
 
@@ -399,8 +399,6 @@ def publish_report(run_dir: Path, stage: str) -> None:
 def export_final_model(stage: Stage, target: Path) -> None:
     """--final_model_dir (SageMaker's SM_MODEL_DIR): the final model with its card at the top, the merged copy in
     merged/, so `from_pretrained(target)` loads it."""
-    from src.publish import model_dirs
-
     dirs = model_dirs(stage.run_dir, stage_status(stage.run_dir))
     shutil.copytree(dirs["final"], target, dirs_exist_ok=True)
     if "merged" in dirs:
@@ -455,7 +453,7 @@ def run(argv: list[str] | None = None) -> int:
     if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
                                           [stage.config.data.dataset_name for stage in stages]):
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
-    push_blocked = push_problem() if config.hub.push_to_hub else None
+    push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:
         print0(f"  warning: --push_to_hub: {push_blocked}; training goes ahead and the model will be saved locally")
     quiet_libraries()
