@@ -22,6 +22,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -33,6 +34,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
 EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
 STAGES = ("dpo", "sft", "sft_then_dpo", "reward")
+TRACKERS = ("tensorboard", "wandb", "trackio")  # --report_to values, each the name of the package it needs
 
 
 class ConfigError(ValueError):
@@ -138,6 +140,11 @@ class TrainingArguments:
     output_dir: str | None = field(
         default=None, metadata={"help": "Checkpoints and the final model. Default: <results_dir>/<run_name>/model."}
     )
+    final_model_dir: str | None = field(
+        default=None,
+        metadata={"help": "Also copy the final model (with its model card and plots; a --merge_adapter copy in "
+                  "merged/) into this directory at the end. Under SageMaker: SM_MODEL_DIR (uploaded as model.tar.gz)."},
+    )
     overwrite: bool = field(
         default=False, metadata={"help": "Replace the results of an earlier run with the same run name."}
     )
@@ -232,7 +239,10 @@ class TrainingArguments:
                   "and stop before loading a model or starting a process group."},
     )
     report_to: list[str] = field(
-        default_factory=lambda: ["none"], metadata={"help": "Experiment trackers (transformers' names), or none."}
+        default_factory=lambda: ["none"],
+        metadata={"help": "Experiment trackers, one or several: tensorboard (event files in <run dir>/tensorboard), "
+                  "wandb (offline into <run dir>/wandb when no API key is set up), trackio (a local database), or "
+                  "none. Each gets the resolved plan and configuration at the start and the final numbers at the end."},
     )
 
 
@@ -276,7 +286,26 @@ class SFTArguments:
     packing: bool = field(default=False, metadata={"help": "Pack several short sequences into one of --max_length."})
 
 
-CONCERNS = (ModelArguments, DataArguments, TrainingArguments, DPOArguments, SFTArguments)
+@dataclass
+class HubArguments:
+    """Publishing the final model on the Hugging Face Hub: the toolkit pushes once, after the run (see README)."""
+
+    push_to_hub: bool = field(
+        default=False,
+        metadata={"help": "After the run, upload the final model (LoRA adapter or full weights) with its model card "
+                  "and plots to --hub_model_id, from rank 0; a --merge_adapter copy goes to <hub_model_id>-merged. "
+                  "The token comes from HF_TOKEN or `hf auth login`; without one, or offline, the model stays local "
+                  "and the message says how to push it later."},
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "Hub repository for --push_to_hub: ORG/NAME (created when missing)."}
+    )
+    hub_private_repo: bool | None = field(
+        default=None, metadata={"help": "Create the repository private (default: the Hub's default for its owner)."}
+    )
+
+
+CONCERNS = (ModelArguments, DataArguments, TrainingArguments, DPOArguments, SFTArguments, HubArguments)
 
 # Fields of TRL's configs that the toolkit derives itself: setting them directly would bypass the batch, learning-rate
 # and precision resolution, so they are refused with the flag to use instead.
@@ -293,6 +322,10 @@ DERIVED_TRL_FIELDS = {
     "activation_checkpointing": "--gradient_checkpointing",
     # A token given as a flag would be pickled into every checkpoint's training_args.bin and logged with the config.
     "hub_token": "the HF_TOKEN environment variable (tokens are never taken as flags or written to disk)",
+    # The toolkit owns the push (one upload after the run, card included): Trainer's own push stays off.
+    "hub_strategy": "nothing: --push_to_hub uploads the final model once, after the run",
+    "hub_always_push": "nothing: --push_to_hub uploads the final model once, after the run",
+    "hub_revision": "nothing: --push_to_hub uploads to the repository's main branch",
 }
 SECRET_NAME = re.compile(r"token|secret|password|passwd|api_?key|credential", re.IGNORECASE)
 NOT_SECRETS = {"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token",
@@ -320,6 +353,7 @@ class Config:
     training: TrainingArguments
     dpo: DPOArguments
     sft: SFTArguments
+    hub: HubArguments
     trl_overrides: dict[str, Any] = field(default_factory=dict)
     sft_stage_overrides: dict[str, Any] = field(default_factory=dict)
     recipe: str | None = None
@@ -331,7 +365,7 @@ class Config:
     def values(self) -> dict[str, Any]:
         """Every field as one flat dict (the shape of a recipe)."""
         values = {}
-        for part in (self.model, self.data, self.training, self.dpo, self.sft):
+        for part in (self.model, self.data, self.training, self.dpo, self.sft, self.hub):
             values.update(dataclasses.asdict(part))
         values.update(self.trl_overrides)
         if self.sft_stage_overrides:
@@ -534,18 +568,20 @@ def parse_config(argv: list[str] | None = None) -> Config:
     flag_keys = {key for key, _, _ in flags}
     if len(recipe_paths) > 1:
         raise ConfigError("--config given more than once: one recipe per run")
+    sagemaker = sagemaker_defaults()
     if recipe_paths:
         recipe = str(recipe_paths[0])
-    elif "model_name_or_path" not in flag_keys and "dataset_name" not in flag_keys:
+    elif not {"model_name_or_path", "dataset_name"} & (flag_keys | set(sagemaker)):
         recipe = str(DEFAULT_RECIPE)  # no recipe, no model, no data: the embedded default
     else:
         recipe = None
 
-    # Precedence: dataclass defaults < recipe < flags.
+    # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
     requested: dict[str, tuple[Any, str]] = {}
     if recipe:
         for key, value in _load_recipe(recipe).items():
             requested[key] = (value, Path(recipe).name)
+    requested.update(sagemaker)
     for key, raw, token in flags:
         if key.startswith("sft."):
             sft_overrides = dict(requested.get("sft", ({}, ""))[0] or {})
@@ -564,6 +600,40 @@ def parse_config(argv: list[str] | None = None) -> Config:
     config = _build_config(requested, stage)
     config.recipe = recipe
     return config
+
+
+def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """SageMaker's training-toolkit conventions as defaults (key → (value, the variable it came from)), so a Hugging
+    Face estimator runs src/main_distributed.py unchanged. Empty outside SageMaker; flags (SageMaker passes the
+    estimator's hyperparameters as `--key value`) win over them.
+
+    SM_OUTPUT_DATA_DIR → --results_dir (uploaded as output.tar.gz); SM_MODEL_DIR → --final_model_dir (model.tar.gz);
+    SM_CHANNEL_TRAINING → --dataset_name: the channel's one data file, or the directory (split files, save_to_disk).
+    """
+    from src.data import DATA_FILE_BUILDERS
+
+    environ = os.environ if environ is None else environ
+    defaults = {}
+    for variable, key in (("SM_OUTPUT_DATA_DIR", "results_dir"), ("SM_MODEL_DIR", "final_model_dir"),
+                          ("SM_CHANNEL_TRAINING", "dataset_name")):
+        if environ.get(variable):
+            defaults[key] = (environ[variable], variable)
+    channel = Path(environ.get("SM_CHANNEL_TRAINING") or "")
+    if "dataset_name" in defaults and channel.is_dir():
+        files = [path for path in sorted(channel.iterdir()) if path.suffix in DATA_FILE_BUILDERS]
+        if len(files) == 1:
+            defaults["dataset_name"] = (str(files[0]), "SM_CHANNEL_TRAINING")
+    return defaults
+
+
+def sagemaker_process_hint(world: World, environ: Mapping[str, str] | None = None) -> str | None:
+    """SageMaker starts one process per machine unless the estimator asks for torchrun: say so when GPUs would idle."""
+    environ = os.environ if environ is None else environ
+    gpus = int(environ.get("SM_NUM_GPUS") or 0)
+    if gpus > world.local_world_size:
+        return (f"SageMaker gives this machine {gpus} GPUs (SM_NUM_GPUS) but started {world.local_world_size} "
+                "process(es): pass distribution={'torch_distributed': {'enabled': True}} to the estimator to use all")
+    return None
 
 
 def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
@@ -605,6 +675,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         training=parts[TrainingArguments],
         dpo=parts[DPOArguments],
         sft=parts[SFTArguments],
+        hub=parts[HubArguments],
         trl_overrides=trl_overrides,
         sft_stage_overrides=sft_stage_overrides,
     )
@@ -662,6 +733,21 @@ def validate(config: Config) -> None:
         not config.training.run_name.strip() or ".." in Path(config.training.run_name).parts
     ):
         raise ConfigError(f"--run_name must be a plain name, got {config.training.run_name!r}")
+    unknown = [name for name in training.report_to if name not in ("none", *TRACKERS)]
+    if unknown:
+        raise ConfigError(f"--report_to {unknown[0]}: not a supported tracker; choose from none, {', '.join(TRACKERS)}")
+    if "none" in training.report_to and len(training.report_to) > 1:
+        raise ConfigError(f"--report_to {' '.join(training.report_to)}: 'none' cannot be combined with a tracker")
+    if config.hub.push_to_hub and not config.hub.hub_model_id:
+        raise ConfigError("--push_to_hub needs --hub_model_id ORG/NAME (the Hub repository to create or update)")
+    if config.hub.hub_model_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(config.hub.hub_model_id)
+        except HFValidationError:
+            raise ConfigError(f"--hub_model_id {config.hub.hub_model_id!r} is not a Hub repository id: use ORG/NAME "
+                              "(letters, digits, '-', '_', '.')") from None
     if config.model.model_name_or_path is None:
         raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
     if config.data.dataset_name is None:

@@ -7,7 +7,7 @@
 The pipeline, top to bottom: parse config → resolve the plan (batch, learning rate, precision, backend) → prepare the
 data (tokenized once per machine, before any process group) → start the process group → for each stage: load the
 model, answer held-out prompts (a reward model scores held-out pairs instead), train, answer (score) them again,
-judge, save, report.
+judge, save, report, model card → push to the Hub.
 """
 
 from __future__ import annotations
@@ -28,17 +28,19 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
-    parse_config, resolve_plan, stage_config,
+    parse_config, resolve_plan, sagemaker_process_hint, stage_config,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
 from src.distributed import barrier, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.summary import summarize
+from src.trackers import TrackerRecord, check_trackers, tracker_environment
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -53,6 +55,7 @@ class Stage:
     plan: Plan
     run_dir: Path
     output_dir: Path
+    environment: dict[str, str]  # tracker variables for this stage (where TensorBoard and W&B write)
 
 
 def run_name_for(config: Config) -> str:
@@ -98,7 +101,8 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
                 "batch_rebalance":
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
                               "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
-        stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir))
+        stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir,
+                            tracker_environment(staged.training.report_to, stage_dir)))
     return stages
 
 
@@ -287,10 +291,13 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     before = answer_held_out(model, tokenizer, rows, config, plan, world)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
 
+    os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
                                   total_steps)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan)
+    trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
+    trainer.add_callback(trackers)
     if world.is_main and getattr(trainer, "reference_cache", None):
         run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
         for split, outcome in trainer.reference_cache.items():
@@ -337,8 +344,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                "after": test["after"]}
             fields["judges"] = judged
             outcome["judge"] = fields["judge"]
-        run_files.update_json(info_path, **fields)
+        trackers.finish(run_files.update_json(info_path, **fields))
         publish_report(stage.run_dir, stage.name)
+        for directory in write_model_cards(stage.run_dir).values():
+            print0(f"  model card: {directory / 'README.md'}")
     barrier()
     return outcome
 
@@ -414,6 +423,32 @@ def publish_report(run_dir: Path, stage: str) -> None:
     print0(f"  report: {report}")
 
 
+def export_final_model(stage: Stage, target: Path) -> None:
+    """--final_model_dir (SageMaker's SM_MODEL_DIR): the final model with its card at the top, the merged copy in
+    merged/, so `from_pretrained(target)` loads it."""
+    dirs = model_dirs(stage.run_dir, stage_status(stage.run_dir))
+    shutil.copytree(dirs["final"], target, dirs_exist_ok=True)
+    if "merged" in dirs:
+        shutil.copytree(dirs["merged"], target / "merged", dirs_exist_ok=True)
+    print0(f"  final model copied to {target}")
+
+
+def push_final_model(stage: Stage, config: Config) -> None:
+    """--push_to_hub, on rank 0 once everything is saved. A failed push is a message and a record in
+    training_info.json, never a lost run: the model stays in the run directory and can be pushed later."""
+    hub, info_path = config.hub, stage.run_dir / run_files.TRAINING_INFO
+    try:
+        pushed = push_to_hub(stage.run_dir, hub.hub_model_id, hub.hub_private_repo)
+    except PublishError as error:
+        run_files.update_json(info_path, hub={"repo_id": hub.hub_model_id, "pushed": False, "error": str(error)})
+        print0(f"  warning: not pushed to the Hub: {error}. The model is saved in {stage.output_dir / 'final'}; push "
+               f"it later with: python -m src.publish {stage.run_dir} --hub_model_id {hub.hub_model_id}")
+        return
+    run_files.update_json(info_path, hub={"repo_id": hub.hub_model_id, "pushed": True, "repositories": pushed})
+    for url in pushed.values():
+        print0(f"  pushed to the Hub: {url}")
+
+
 def quiet_libraries() -> None:
     """Progress bars from datasets and transformers drown the plan and the metrics on the console."""
     import datasets
@@ -431,6 +466,11 @@ def run(argv: list[str] | None = None) -> int:
     world = World.from_environment()
     devices = Devices.detect()
     check_launcher_strategy(devices)
+    idle_gpus = sagemaker_process_hint(world)
+    if idle_gpus:
+        print0(f"  warning: {idle_gpus}")
+    for note in check_trackers(config.training.report_to):
+        print0(f"  {note}")
     stages = plan_stages(config, world, devices)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -440,6 +480,9 @@ def run(argv: list[str] | None = None) -> int:
     if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
                                           [stage.config.data.dataset_name for stage in stages]):
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
+    push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
+    if push_blocked:
+        print0(f"  warning: --push_to_hub: {push_blocked}; training goes ahead and the model will be saved locally")
     quiet_libraries()
 
     model_path = resolve_model_path(config.model)
@@ -471,6 +514,10 @@ def run(argv: list[str] | None = None) -> int:
         else:
             previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
         model_path = previous["model_path"]  # the next stage starts from this one's model
+    if config.training.final_model_dir and world.is_main:
+        export_final_model(stages[-1], Path(config.training.final_model_dir))
+    if config.hub.push_to_hub and world.is_main:
+        push_final_model(stages[-1], config)
     return 0
 
 

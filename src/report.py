@@ -225,7 +225,7 @@ def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
     return [numbers(earlier, "before"), after_previous, trained]
 
 
-def _judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
+def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     """Markdown for the judged results, and the one-sentence verdict they support."""
     stage = info["stage"].upper()
     judges, previous_judges = _judge_results(info), _previous_judge_results(info, run_dir)
@@ -304,7 +304,7 @@ def _detail(name: str, value: float | None) -> str:
     return _num(value) if name.startswith("mean_") else _pct(value)
 
 
-def _final_numbers(summary: dict, info: dict) -> list[str]:
+def final_numbers_table(summary: dict, info: dict) -> list[str]:
     stage = summary.get("stage")
     max_steps = info.get("max_steps")
     steps = _num(summary.get("last_step")) + _of_max_steps(info)
@@ -335,7 +335,7 @@ def _final_numbers(summary: dict, info: dict) -> list[str]:
     return _table(["", "value"], rows)
 
 
-def _setup(info: dict) -> list[str]:
+def setup_table(info: dict) -> list[str]:
     if set(info) <= {"stage"}:
         return [f"`{TRAINING_INFO}` is missing: setup unknown."]
     get = info.get
@@ -443,7 +443,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     stage = summary["stage"].upper()
     info = {**info, "stage": info.get("stage") or summary["stage"]}
     run_name = info.get("run_name") or run_dir.name
-    judged_lines, judged_sentence = _judged_section(info, run_dir)
+    judged_lines, judged_sentence = judged_section(info, run_dir)
     lines = [f"# {stage} run `{run_name}`", "", f"**Verdict:** {_headline(info, summary, judged_sentence, alerts)}", ""]
     links = [f"[`{samples_text_file(split)}`]({samples_text_file(split)})"
              for split in SPLITS if samples_by_split.get(split)]
@@ -454,7 +454,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
               f"Rebuild with `python -m src.report {run_dir}`.", ""]
     lines += ["## Health alerts", "", *_alerts_section(alerts), ""]
     lines += ["## Judged results (held-out prompts)", "", *judged_lines, ""]
-    lines += ["## Final numbers", "", *_final_numbers(summary, info), ""]
+    lines += ["## Final numbers", "", *final_numbers_table(summary, info), ""]
     lines += ["## Curves", ""]
     if charts:
         for caption, path in charts:
@@ -462,7 +462,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     else:
         lines += ["No curves: nothing plottable was logged.", ""]
     lines += ["## Sample comparisons", "", *_examples_section(samples_by_split), ""]
-    lines += ["## Setup", "", *_setup(info), ""]
+    lines += ["## Setup", "", *setup_table(info), ""]
     return "\n".join(lines)
 
 
