@@ -30,7 +30,7 @@ from src.config import (
     parse_config, resolve_plan, stage_config,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
-from src.distributed import barrier, check_world_size, init, print0
+from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
 from src.resilience import (
@@ -254,6 +254,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         info["resumes"] = prepare_resume(stage, info_path, metrics_path)
         run_files.write_json(info_path, info)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
+    check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage.name.upper()} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")

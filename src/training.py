@@ -153,10 +153,12 @@ class PreparedDPOTrainer(ToolkitTrainerMixin, DPOTrainer):
         before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
         started = time.monotonic()
         dataset._fingerprint = Hasher.hash((original, how))
+        accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
         try:
             result = super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             dataset._fingerprint = original
+            self.accelerator = accelerator
         created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
         self.reference_cache = (self.reference_cache or {}) | {name: {
             "cache": "computed" if created else "reused",
@@ -165,6 +167,24 @@ class PreparedDPOTrainer(ToolkitTrainerMixin, DPOTrainer):
             "file": str(created[0]) if created else None,
         }}
         return result
+
+
+class _LocalMainAccelerator:
+    """The trainer's accelerator, except that `is_main_process` means the main process of this machine.
+
+    TRL writes the reference log-probs cache next to the dataset on global rank 0 only, then every rank reads it back;
+    the dataset cache is per machine (src/data.py), so on a second node the file would not exist. Each node's first
+    process writes its own copy (the same gathered numbers; an atomic rename if the cache is shared storage)."""
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._accelerator.is_local_main_process
 
 
 class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
