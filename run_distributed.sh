@@ -84,11 +84,13 @@ if [[ $NNODES -gt 1 && -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null
   master_ip=${master_ip:-$MASTER_ADDR}
   interface=$(ip -o addr show to "$master_ip" 2>/dev/null | awk '{print $2; exit}' || true)
   if [[ -z $interface ]]; then
-    interface=$(ip -o route get "$master_ip" 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}' || true)
+    interface=$(ip -o route get "$master_ip" 2>/dev/null |
+                awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}' || true)
   fi
   if [[ -n $interface ]]; then
     export GLOO_SOCKET_IFNAME=$interface
-    echo "run_distributed.sh: node $NODE_RANK reaches MASTER_ADDR $MASTER_ADDR through $interface (GLOO_SOCKET_IFNAME)" >&2
+    echo "run_distributed.sh: node $NODE_RANK reaches MASTER_ADDR $MASTER_ADDR through $interface" \
+         "(GLOO_SOCKET_IFNAME)" >&2
   fi
 fi
 if [[ $STRATEGY == torchrun ]]; then
