@@ -63,12 +63,17 @@ def run_name_for(config: Config) -> str:
     return f"{config.training.stage}-{model}"
 
 
-def check_launcher_strategy(devices: Devices, environ=None) -> str | None:
+def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", environ=None) -> str | None:
     """The sharding strategy an `accelerate launch` config asked for, refused where accelerate would silently run
-    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs)."""
+    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs), or with a DDP communication hook,
+    which a sharded model never calls."""
     environ = os.environ if environ is None else environ
     requested = ("DeepSpeed" if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else
                  "FSDP" if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" else None)
+    if requested and ddp_comm_hook != "none":
+        raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {requested} reduces "
+                          "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "
+                          "config), or launch plain DDP")
     if requested and devices.kind != "cuda":
         raise ConfigError(f"the accelerate config asks for {requested}, which accelerate runs only on CUDA GPUs, and "
                           "this machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp)")
@@ -242,7 +247,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     metrics_path = stage.run_dir / run_files.METRICS
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
-    warnings = silent_no_op_warnings(stage.name, config)
+    warnings = silent_no_op_warnings(stage.name, config, plan)
     if world.is_main:
         stage.run_dir.mkdir(parents=True, exist_ok=True)
         info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps,
@@ -300,8 +305,14 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
         summary["throughput"] = meter.summary()
         one_job = callback(trainer, "OneJobCheck").result
+        compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
         fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        if compression:
+            fields["gradient_all_reduce"] = compression
+            print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
+                   f"per rank instead of {compression['uncompressed_bytes_per_step']:,}" if compression["applied"] else
+                   f"  warning: --ddp_comm_hook {compression['name']} was not applied: {compression['reason']}")
         if one_job and not (one_job["identical_weights"] and one_job["disjoint_rows_per_step"]):
             print0(f"  warning: the ranks did not train as one job: {one_job}")
         if judged:
@@ -404,7 +415,7 @@ def run(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     world = World.from_environment()
     devices = Devices.detect()
-    check_launcher_strategy(devices)
+    check_launcher_strategy(devices, config.training.ddp_comm_hook)
     stages = plan_stages(config, world, devices)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
