@@ -11,7 +11,8 @@
 # port is picked on one node), MAX_RESTARTS (3: a lost worker restarts the job, which resumes from its newest complete
 # checkpoint), STRATEGY (torchrun: plain DDP; or ddp, zero1, zero2, zero3, fsdp: accelerate launch with
 # configs/accelerate/<STRATEGY>.yaml), PRINT_LAUNCH=1 (print the launch command instead of running it),
-# PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU).
+# PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU), GLOO_SOCKET_IFNAME (with several nodes: the
+# interface that reaches MASTER_ADDR).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -73,16 +74,35 @@ if [[ -z ${MASTER_PORT:-} ]]; then
     MASTER_PORT=29500
   fi
 fi
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+# gloo (CPU training, and the CPU-side collectives of a GPU job) binds to the address this machine's hostname
+# resolves to: often 127.0.0.1, or one of several NICs that the other nodes cannot reach. With several nodes, bind it
+# to the interface this node reaches MASTER_ADDR through (the one holding it, on the master node). Set
+# GLOO_SOCKET_IFNAME yourself to choose another; NCCL picks its own (NCCL_SOCKET_IFNAME overrides it).
+if [[ $NNODES -gt 1 && -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null; then
+  master_ip=$(getent ahostsv4 "$MASTER_ADDR" 2>/dev/null | awk '{print $1; exit}' || true)  # unresolvable: as given
+  master_ip=${master_ip:-$MASTER_ADDR}
+  interface=$(ip -o addr show to "$master_ip" 2>/dev/null | awk '{print $2; exit}' || true)
+  if [[ -z $interface ]]; then
+    interface=$(ip -o route get "$master_ip" 2>/dev/null |
+                awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}' || true)
+  fi
+  if [[ -n $interface ]]; then
+    export GLOO_SOCKET_IFNAME=$interface
+    echo "run_distributed.sh: node $NODE_RANK reaches MASTER_ADDR $MASTER_ADDR through $interface" \
+         "(GLOO_SOCKET_IFNAME)" >&2
+  fi
+fi
 if [[ $STRATEGY == torchrun ]]; then
   # torchrun (python -m torch.distributed.run is the same launcher, with this interpreter). Static rendezvous, also
   # on one node: torchrun's c10d rendezvous (what --standalone uses) is what restarted jobs hung on here.
   launch=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK"
-          --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$MASTER_PORT" --nproc_per_node "$NUM_PROCS"
+          --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --nproc_per_node "$NUM_PROCS"
           --max-restarts "${MAX_RESTARTS:-3}" -m src.main_distributed "$@")
 else
   launch=("$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$STRATEGY.yaml"
           --num_processes $((NUM_PROCS * NNODES)) --num_machines "$NNODES" --machine_rank "$NODE_RANK"
-          --main_process_ip "${MASTER_ADDR:-127.0.0.1}" --main_process_port "$MASTER_PORT"
+          --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT"
           --max_restarts "${MAX_RESTARTS:-3}" src/main_distributed.py "$@")
 fi
 if [[ ${PRINT_LAUNCH:-0} == 1 ]]; then

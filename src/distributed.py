@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 
 from src.config import Plan, World
 
@@ -64,6 +65,22 @@ def check_world_size(trainer_world_size: int, world: World) -> None:
             f"torchrun started {world.world_size} processes but the trainer sees a world of {trainer_world_size}: "
             "the ranks would each train alone. This is a bug in the launch setup, please report it."
         )
+
+
+def check_shared_storage(written_by_rank_0: Path, world: World) -> None:
+    """Every node must see the run directory rank 0 writes: each rank saves its share of a checkpoint there (its RNG
+    state; rank 0 the weights and optimizer) and every rank reads the newest one back to resume. On storage private
+    to each node, the other nodes would silently start from scratch while node 0 resumes."""
+    from src.config import ConfigError
+
+    if world.num_nodes == 1:
+        return
+    seen = [visible for (visible,) in gather_objects([written_by_rank_0.exists()])]
+    blind = sorted({rank // world.local_world_size for rank, visible in enumerate(seen) if not visible})
+    if blind:
+        raise ConfigError(f"--results_dir: node(s) {', '.join(map(str, blind))} cannot see {written_by_rank_0}, which "
+                          "rank 0 just wrote: with several nodes, --results_dir (and --output_dir) must be on storage "
+                          "every node shares (NFS, Lustre, ...), so checkpoints can be resumed on every node")
 
 
 def barrier() -> None:

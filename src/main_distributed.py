@@ -31,7 +31,7 @@ from src.config import (
     parse_config, resolve_plan, sagemaker_process_hint, stage_config,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
-from src.distributed import barrier, check_world_size, init, print0
+from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
@@ -67,12 +67,17 @@ def run_name_for(config: Config) -> str:
     return f"{config.training.stage}-{model}"
 
 
-def check_launcher_strategy(devices: Devices, environ=None) -> str | None:
+def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", environ=None) -> str | None:
     """The sharding strategy an `accelerate launch` config asked for, refused where accelerate would silently run
-    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs)."""
+    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs), or with a DDP communication hook,
+    which a sharded model never calls."""
     environ = os.environ if environ is None else environ
     requested = ("DeepSpeed" if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else
                  "FSDP" if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" else None)
+    if requested and ddp_comm_hook != "none":
+        raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {requested} reduces "
+                          "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "
+                          "config), or launch plain DDP")
     if requested and devices.kind != "cuda":
         raise ConfigError(f"the accelerate config asks for {requested}, which accelerate runs only on CUDA GPUs, and "
                           "this machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp)")
@@ -258,7 +263,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     metrics_path = stage.run_dir / run_files.METRICS
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
-    warnings = silent_no_op_warnings(stage.name, config)
+    warnings = silent_no_op_warnings(stage.name, config, plan)
     if world.is_main:
         stage.run_dir.mkdir(parents=True, exist_ok=True)
         info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps,
@@ -270,6 +275,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         info["resumes"] = prepare_resume(stage, info_path, metrics_path)
         run_files.write_json(info_path, info)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
+    check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage.name.upper()} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
@@ -333,8 +339,14 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
         summary["throughput"] = meter.summary()
         one_job = callback(trainer, "OneJobCheck").result
+        compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
         fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        if compression:
+            fields["gradient_all_reduce"] = compression
+            print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
+                   f"per rank instead of {compression['uncompressed_bytes_per_step']:,}" if compression["applied"] else
+                   f"  warning: --ddp_comm_hook {compression['name']} was not applied: {compression['reason']}")
         if one_job and not (one_job["identical_weights"] and one_job["disjoint_rows_per_step"]):
             print0(f"  warning: the ranks did not train as one job: {one_job}")
         if judged:
@@ -465,7 +477,7 @@ def run(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     world = World.from_environment()
     devices = Devices.detect()
-    check_launcher_strategy(devices)
+    check_launcher_strategy(devices, config.training.ddp_comm_hook)
     idle_gpus = sagemaker_process_hint(world)
     if idle_gpus:
         print0(f"  warning: {idle_gpus}")

@@ -110,9 +110,17 @@ def _any_rank(*flags: bool) -> list[bool]:
 
 
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
-    """What every toolkit trainer adds to TRL's: complete-only checkpoints, and each micro-batch shown to the
-    callbacks that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the
-    one-job check)."""
+    """What every toolkit trainer adds to TRL's: complete-only checkpoints, each micro-batch shown to the callbacks
+    that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the one-job check),
+    and the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
+    gradient compression); Trainer's callbacks only ever see the unwrapped model."""
+
+    def _prepare_for_training(self, *args, **kwargs):
+        model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
+        for callback in self.callback_handler.callbacks:
+            if hasattr(callback, "on_model_wrapped"):
+                callback.on_model_wrapped(model)
+        return model, train_dataloader
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
@@ -158,10 +166,12 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
         started = time.monotonic()
         dataset._fingerprint = Hasher.hash((original, how))
+        accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
         try:
             result = super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             dataset._fingerprint = original
+            self.accelerator = accelerator
         created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
         self.reference_cache = (self.reference_cache or {}) | {name: {
             "cache": "computed" if created else "reused",
@@ -170,6 +180,24 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             "file": str(created[0]) if created else None,
         }}
         return result
+
+
+class _LocalMainAccelerator:
+    """The trainer's accelerator, except that `is_main_process` means the main process of this machine.
+
+    TRL writes the reference log-probs cache next to the dataset on global rank 0 only, then every rank reads it back;
+    the dataset cache is per machine (src/data.py), so on a second node the file would not exist. Each node's first
+    process writes its own copy (the same gathered numbers; an atomic rename if the cache is shared storage)."""
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._accelerator.is_local_main_process
 
 
 class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
@@ -268,6 +296,52 @@ class OneJobCheck(TrainerCallback):
                        "steps_with_shared_rows": shared_steps[:10]}
 
 
+class GradientCompression(TrainerCallback):
+    """DDP's compression communication hook (torch's fp16_compress_hook / bf16_compress_hook) on the model accelerate
+    wrapped in DDP, counting what it sends: every gradient bucket DDP all-reduces passes through the hook, which casts
+    it to 16 bits, so the bytes per step are measured, not assumed."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sent_bytes = 0
+        self.uncompressed_bytes = 0
+        self.steps = 0
+        self.wrapped_as: str | None = None
+
+    def on_model_wrapped(self, model) -> None:
+        import functools
+
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.wrapped_as = type(model).__name__
+        if not isinstance(model, DistributedDataParallel) or getattr(model, "_prefkit_comm_hook", None):
+            return
+        compress = getattr(default_hooks, f"{self.name}_compress_hook")
+
+        @functools.wraps(compress)  # DDP checks the hook's name (bf16 only on NCCL): keep its check in force
+        def counting_hook(state, bucket):
+            buffer = bucket.buffer()
+            self.uncompressed_bytes += buffer.numel() * buffer.element_size()
+            self.sent_bytes += buffer.numel() * 2  # fp16 and bf16 are 2 bytes per value
+            return compress(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+        model._prefkit_comm_hook = self.name  # DDP takes one hook per model, for good
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def summary(self) -> dict:
+        if not self.sent_bytes:
+            return {"name": self.name, "applied": False,
+                    "reason": f"the trained model was {self.wrapped_as or 'never wrapped'}, not DDP"}
+        steps = max(1, self.steps)
+        return {"name": self.name, "applied": True, "bytes_per_step": self.sent_bytes // steps,
+                "uncompressed_bytes_per_step": self.uncompressed_bytes // steps,
+                "saved_fraction": round(1 - self.sent_bytes / self.uncompressed_bytes, 4), "steps": self.steps}
+
+
 def _eval_steps(config: Config, total_steps: int | None) -> int | None:
     if config.training.eval_steps is not None:
         return config.training.eval_steps
@@ -358,7 +432,8 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()],
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()] + (
+            [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
     )
     trainer.remove_callback(PrinterCallback)
     return trainer
@@ -385,9 +460,12 @@ def planned_steps(train_rows: int, plan: Plan, config: Config) -> int:
     return max(1, math.ceil(per_epoch * config.training.num_epochs))
 
 
-def silent_no_op_warnings(stage: str, config: Config) -> list[str]:
-    """Options TRL accepts and then ignores: say so instead of letting them do nothing."""
+def silent_no_op_warnings(stage: str, config: Config, plan: Plan) -> list[str]:
+    """Options TRL (or the toolkit) accepts and then ignores: say so instead of letting them do nothing."""
     warnings = []
+    if config.training.ddp_comm_hook != plan.ddp_comm_hook:
+        warnings.append(f"--ddp_comm_hook {config.training.ddp_comm_hook} is ignored on one process: no gradients "
+                        "are all-reduced")
     if stage == "dpo":
         if config.trl_overrides.get("padding_free"):
             warnings.append("padding_free is ignored by TRL 1.16's DPOTrainer (it falls back to padding)")

@@ -77,13 +77,13 @@ def test_a_strategy_this_machine_cannot_run_is_one_clear_line(strategy, message)
 
 def test_the_entry_point_refuses_sharding_accelerate_would_silently_drop():
     cpu = Devices(kind="cpu")
-    assert check_launcher_strategy(cpu, {}) is None
+    assert check_launcher_strategy(cpu, environ={}) is None
     with pytest.raises(ConfigError, match="asks for FSDP, which accelerate runs only on CUDA GPUs"):
-        check_launcher_strategy(cpu, {"ACCELERATE_USE_FSDP": "true"})
+        check_launcher_strategy(cpu, environ={"ACCELERATE_USE_FSDP": "true"})
     with pytest.raises(ConfigError, match="asks for DeepSpeed"):
-        check_launcher_strategy(cpu, {"ACCELERATE_USE_DEEPSPEED": "true"})
+        check_launcher_strategy(cpu, environ={"ACCELERATE_USE_DEEPSPEED": "true"})
     gpu = Devices(kind="cuda", names=("NVIDIA H100",), compute_capabilities=((9, 0),))
-    assert check_launcher_strategy(gpu, {"ACCELERATE_USE_FSDP": "true"}) == "FSDP"
+    assert check_launcher_strategy(gpu, environ={"ACCELERATE_USE_FSDP": "true"}) == "FSDP"
 
 
 def test_ddp_through_accelerate_launch_trains_as_one_job(tiny_model, preference_file, tmp_path):

@@ -1,0 +1,223 @@
+"""Two hosts for real: two Linux network namespaces joined by a veth pair, each running `./run_distributed.sh 2` as a
+node of one 4-process job (gloo over the veth), each with its own caches as separate machines would have. Plus the
+Slurm batch script's node-rank and master-address derivation, with fake Slurm commands.
+
+Needs root and iproute2 (`ip netns`). Outside CI a machine without them skips with the reason; in CI (CI=true, where
+the tests run as root) it fails, so the test cannot silently stop running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT
+from src import run_files
+
+PREFIX = "pkth"        # every namespace and link this test creates starts with it, followed by the creating pid
+SUBNET = "10.213.0"    # both ends live in namespaces of our own: the addresses exist nowhere else
+NODE_TIMEOUT = 240     # seconds per node process, training included
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def remove_leftovers() -> None:
+    """Namespaces and links of earlier runs of this test whose process is gone (a crash, a kill -9)."""
+    names = [line.split()[0] for line in ip("netns", "list").stdout.splitlines() if line.startswith(PREFIX)]
+    links = [line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link", "show").stdout.splitlines()
+             if line.split(":")[1].strip().startswith(PREFIX)]
+    for name in names + links:
+        pid = re.match(rf"{PREFIX}(\d+)", name).group(1)
+        if pid != str(os.getpid()) and Path(f"/proc/{pid}").exists():
+            continue  # a test run still in progress
+        if name in names:
+            ip("netns", "del", name, check=False)
+        else:
+            ip("link", "del", name, check=False)
+
+
+def unavailable(reason: str):
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"two-host test cannot run in CI: {reason} (CI runs as root with iproute2 and must run it)")
+    pytest.skip(reason)
+
+
+@dataclass
+class Hosts:
+    namespaces: tuple[str, str]
+    addresses: tuple[str, str]
+    interfaces: tuple[str, str]
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    if shutil.which("ip") is None:
+        unavailable("no `ip` command (iproute2)")
+    if os.geteuid() != 0:
+        unavailable("network namespaces need root")
+    remove_leftovers()
+    tag = f"{PREFIX}{os.getpid()}"
+    hosts = Hosts((f"{tag}-0", f"{tag}-1"), (f"{SUBNET}.1", f"{SUBNET}.2"), (f"{tag}a", f"{tag}b"))
+    try:
+        for namespace in hosts.namespaces:
+            created = ip("netns", "add", namespace, check=False)
+            if created.returncode:
+                unavailable(f"cannot create a network namespace: {created.stderr.strip()}")
+        ip("link", "add", hosts.interfaces[0], "type", "veth", "peer", "name", hosts.interfaces[1])
+        for namespace, interface, address in zip(hosts.namespaces, hosts.interfaces, hosts.addresses):
+            ip("link", "set", interface, "netns", namespace)
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
+            ip("-n", namespace, "link", "set", interface, "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for namespace in hosts.namespaces:  # deleting a namespace deletes the veth end inside it, and so the pair
+            ip("netns", "del", namespace, check=False)
+        ip("link", "del", hosts.interfaces[0], check=False)  # if it never moved into a namespace
+
+
+def launch_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
+                 private_dir: tuple[Path, Path] | None = None, **environment: str) -> list[tuple[int, str]]:
+    """`./run_distributed.sh 2 ARGS` in each namespace as node 0 and node 1; (exit status, output) per node.
+    Each node has its own caches. With private_dir=(directory, per-node subdirectory name), each node sees its own
+    directory at that path (a bind mount in the node's mount namespace): no storage shared there."""
+    processes, logs = [], []
+    for node, (namespace, node_dir) in enumerate(zip(hosts.namespaces, node_dirs)):
+        node_dir.mkdir(parents=True, exist_ok=True)
+        env = os.environ | environment | {
+            "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(port),
+            "PREFKIT_CACHE": str(node_dir / "prefkit_cache"), "HF_HOME": str(node_dir / "hf_home"),
+            "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+        command = ["./run_distributed.sh", "2", *args]
+        if private_dir:
+            shared, own = private_dir[0], private_dir[0].parent / f"{private_dir[1]}{node}"
+            shared.mkdir(parents=True, exist_ok=True)
+            own.mkdir(parents=True, exist_ok=True)
+            command = ["sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"', str(own), str(shared), *command]
+        log = open(node_dir / "launch.log", "w+")
+        logs.append(log)
+        processes.append(subprocess.Popen(["ip", "netns", "exec", namespace, *command], cwd=PROJECT_ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    results = []
+    try:
+        for process in processes:
+            process.wait(timeout=NODE_TIMEOUT)
+    finally:
+        for process in processes:  # on a timeout or an error, neither node's processes outlive the test
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    for process, log in zip(processes, logs):
+        log.seek(0)
+        results.append((process.returncode, log.read()))
+        log.close()
+    return results
+
+
+def dpo_args(model: Path, data: Path, results: Path, run_name: str) -> list[str]:
+    return ["--stage", "dpo", "--model_name_or_path", str(model), "--dataset_name", str(data),
+            "--results_dir", str(results), "--run_name", run_name, "--max_length", "64", "--logging_steps", "1",
+            "--eval_steps", "2", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3",
+            "--val_size", "4", "--test_size", "4", "--batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3"]
+
+
+def test_two_hosts_train_as_one_job_of_four(two_hosts, tiny_model, preference_file, tmp_path):
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    results = tmp_path / "results"  # shared by both nodes, as a cluster's shared filesystem is
+    outcome = launch_nodes(two_hosts, nodes, dpo_args(tiny_model, preference_file, results, "two"), 29511)
+    for node, (code, output) in enumerate(outcome):
+        assert code == 0, f"node {node} exited {code}:\n{output[-6000:]}"
+        # gloo bound to the veth (the hostname resolves to 127.0.0.1 here, which the other node cannot reach)
+        assert f"through {two_hosts.interfaces[node]} (GLOO_SOCKET_IFNAME)" in output
+
+    run_dir = results / "two"
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert (info["world_size"], info["num_nodes"], info["local_world_size"]) == (4, 2, 2)
+    assert (info["status"], info["distributed_type"], info["global_batch_size"], info["per_device_batch_size"]) == (
+        "completed", "MULTI_CPU", 8, 2)
+    assert info["one_job"] == {"ranks": 4, "identical_weights": True, "disjoint_rows_per_step": True,
+                               "steps_checked": 4, "steps_with_shared_rows": []}
+    assert info["summary"]["completed_steps"] == 4
+
+    # One writer of the results: each step's record once, the plan printed by node 0 only.
+    metrics = run_files.read_jsonl(run_dir / run_files.METRICS)
+    assert [record["step"] for record in metrics if "loss" in record] == [1, 2, 3, 4]
+    assert "== DPO" in outcome[0][1] and "== DPO" not in outcome[1][1]
+    # A checkpoint holds every rank's share (node 1's RNG states next to node 0's), once, and is complete.
+    checkpoint = run_dir / "model" / "checkpoint-4"
+    assert (checkpoint / ".complete").exists()
+    assert sorted(path.name for path in checkpoint.glob("rng_state_*")) == [f"rng_state_{r}.pth" for r in range(4)]
+    assert (run_dir / "model" / "final" / "model.safetensors").exists()
+
+    # Each machine tokenized into, and cached the reference log-probs in, its own cache.
+    for node in nodes:
+        prepared = list((node / "prefkit_cache" / "datasets").glob("dpo-*/train"))
+        assert len(prepared) == 1 and list(prepared[0].glob("cache-*.arrow")), f"{node}: no reference cache"
+    assert info["reference_log_probs"]["train"]["cache"] == "computed"
+
+
+def test_results_on_storage_a_node_cannot_see_is_refused(two_hosts, tiny_model, preference_file, tmp_path):
+    """Each node sees its own directory at --results_dir: node 1 would silently start afresh on a resume while node 0
+    resumes. The job stops with one clear line instead (MAX_RESTARTS=0: restarting cannot fix storage)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    results = tmp_path / "results"
+    outcome = launch_nodes(two_hosts, nodes, dpo_args(tiny_model, preference_file, results, "private"), 29512,
+                           private_dir=(results, "results-of-node"), MAX_RESTARTS="0")
+    assert [code for code, _ in outcome] != [0, 0]
+    assert "error: --results_dir: node(s) 1 cannot see" in outcome[0][1], outcome[0][1][-4000:]
+    assert "must be on storage every node shares" in outcome[0][1]
+    assert (tmp_path / "results-of-node0" / "private" / run_files.TRAINING_INFO).exists()  # node 0's own disk
+    assert not list((tmp_path / "results-of-node1").rglob("*.json")), "node 1 wrote results of its own"
+
+
+SBATCH = PROJECT_ROOT / "configs" / "slurm" / "dpo_2nodes.sbatch"
+
+
+def test_slurm_script_parses():
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True, timeout=30)
+    directives = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
+    for wanted in ("--nodes=2", "--gpus-per-node=8", "--ntasks-per-node=1", "--signal=TERM@120", "--time=08:00:00"):
+        assert wanted in directives
+
+
+def test_slurm_script_derives_node_rank_and_master_address(tmp_path):
+    """Fake `scontrol` and `srun` on PATH: srun runs its command once per node with that node's SLURM_NODEID, as
+    Slurm does; run_distributed.sh prints the torchrun command it would run (PRINT_LAUNCH=1)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(textwrap.dedent("""\
+        #!/usr/bin/env bash
+        [[ $1 == show && $2 == hostnames && $3 == "gpu-[017-018]" ]] || { echo "unexpected: $*" >&2; exit 1; }
+        printf 'gpu-017\\ngpu-018\\n'
+        """))
+    (bin_dir / "srun").write_text(textwrap.dedent("""\
+        #!/usr/bin/env bash
+        while [[ $1 == -* ]]; do shift; done
+        for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do SLURM_NODEID=$node "$@" || exit $?; done
+        """))
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "NODE_RANK", "MASTER_"))}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-[017-018]",
+            "SLURM_GPUS_ON_NODE": "8", "SLURM_SUBMIT_DIR": str(PROJECT_ROOT), "PRINT_LAUNCH": "1",
+            "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SBATCH), "--config", "configs/default.yaml", "--max_steps", "10"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    launches = [line.strip() for line in result.stdout.strip().splitlines()]
+    assert len(launches) == 2
+    for node, line in enumerate(launches):
+        assert (f"--nnodes 2 --node_rank {node} --master_addr gpu-017 --master_port 29500 --nproc_per_node 8"
+                in line), line
+        assert line.endswith("-m src.main_distributed --config configs/default.yaml --max_steps 10"), line
