@@ -97,19 +97,22 @@ def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: 
         ["qlora"] if info.get("load_in_4bit") else [])
     metadata = ModelCardData(base_model=_hub_id(base), datasets=[_hub_id(dataset)] if _hub_id(dataset) else None,
                              library_name="peft" if adapter else "transformers", tags=tags,
-                             pipeline_tag="text-generation")
+                             pipeline_tag="text-classification" if stage == "reward" else "text-generation")
     title = repo_id or info.get("run_name") or run_dir.name
     what = ("a LoRA adapter: load it on top of the base model" if adapter else
             "the LoRA adapter merged into the base weights: a full model" if merged else "a full model")
     judged_lines, judged_sentence = judged_section(info, run_dir)
-    load = "peft import AutoPeftModelForCausalLM as Model" if adapter else "transformers import AutoModelForCausalLM as Model"
+    # A reward model is a one-output sequence classifier; its adapter loads only onto a base built with num_labels=1.
+    head = "SequenceClassification" if stage == "reward" else "CausalLM"
+    load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
+    load_args = ", num_labels=1" if stage == "reward" and adapter else ""
     lines = [f"---\n{metadata.to_yaml()}\n---", "", f"# {title}", "",
              f"A {stage.upper()} fine-tune of `{base}` on `{dataset}`, trained with prefkit on TRL "
              f"{versions.get('trl', '?')}. This repository holds {what}.", ""]
     if judged_sentence:
         lines += [f"**Judged on held-out prompts:** {judged_sentence}", ""]
     lines += ["```python", f"from {load}", "from transformers import AutoTokenizer", "",
-              f'model = Model.from_pretrained("{repo_id or "<this directory>"}")',
+              f'model = Model.from_pretrained("{repo_id or "<this directory>"}"{load_args})',
               f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or "<this directory>"}")', "```", ""]
     lines += ["## Method", "", *_method_table(info, merged), ""]
     lines += ["## Results on held-out prompts (before → after)", "", *judged_lines, ""]

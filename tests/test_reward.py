@@ -177,6 +177,15 @@ def test_lora_reward_run_trains_the_score_head_and_saves_a_merged_reward_model(t
         assert merged(input_ids=ids).logits.item() == pytest.approx(with_adapter(input_ids=ids).logits.item(),
                                                                     abs=1e-5)
     assert torch.equal(merged.score.weight, adapter["base_model.model.score.weight"])
+    # The model card's own loading snippet works as written.
+    from peft import AutoPeftModelForSequenceClassification
+
+    card = (run_dir / "model" / "final" / "README.md").read_text()
+    assert "pipeline_tag: text-classification" in card and "num_labels=1" in card
+    assert "from peft import AutoPeftModelForSequenceClassification as Model" in card
+    as_carded = AutoPeftModelForSequenceClassification.from_pretrained(run_dir / "model" / "final", num_labels=1).eval()
+    with torch.no_grad():
+        assert as_carded(input_ids=ids).logits.item() == pytest.approx(merged(input_ids=ids).logits.item(), abs=1e-5)
     trl_args = torch.load(run_dir / "model" / "final" / "training_args.bin", weights_only=False)
     assert type(trl_args).__name__ == "RewardConfig" and trl_args.center_rewards_coefficient == 0.01
 
