@@ -2,8 +2,8 @@
 
     plot_history(read_jsonl(run_dir / "metrics.jsonl"), stage="dpo", out_dir=run_dir / "plots")
 
-One file per concern. Train curves are EMA-smoothed with the raw values faint behind them; eval points are
-markers; NaN/inf values are marked with red crosses along the top edge at the step they were logged.
+One file per concern. Train curves are smoothed (a centred window: no lag) with the raw values faint behind them;
+eval points are markers; NaN/inf values are marked with red crosses along the top edge at the step they were logged.
 """
 
 from __future__ import annotations
@@ -113,17 +113,20 @@ CHARTS = {
 }
 
 
-def ema(values: list[float], span: int) -> list[float]:
-    """Debiased exponential moving average (as TensorBoard draws it); non-finite values are skipped (NaN out)."""
-    alpha = 2.0 / (span + 1)
-    average, weight, smoothed = 0.0, 0.0, []
-    for value in values:
+def smooth(values: list[float], span: int) -> list[float]:
+    """Zero-lag smoothing for a finished curve: the mean of a window centred on each point, `span` points wide,
+    narrowed symmetrically near the ends (the first and last points are the raw ones). A forward EMA trails a steep
+    fall by about `span` points, so an early loss drop looks slower than it was; a centred window does not, and a
+    straight stretch keeps its values exactly. Non-finite values stay NaN and are left out of their neighbours'."""
+    half = span // 2
+    smoothed = []
+    for index, value in enumerate(values):
         if not math.isfinite(value):
             smoothed.append(math.nan)
             continue
-        average = (1 - alpha) * average + alpha * value
-        weight = (1 - alpha) * weight + alpha
-        smoothed.append(average / weight)
+        reach = min(half, index, len(values) - 1 - index)
+        window = [item for item in values[index - reach:index + reach + 1] if math.isfinite(item)]
+        smoothed.append(sum(window) / len(window))
     return smoothed
 
 
@@ -157,13 +160,13 @@ def _mark_non_finite(ax, steps: list[int], values: list[float], label: str, span
 
 
 def smoothing_span(count: int) -> int:
-    """EMA span for `count` points: about a twelfth of the curve, which irons out per-batch noise but keeps
+    """Smoothing window for `count` points: about a twelfth of the curve, which irons out per-batch noise but keeps
     trends that last longer than ~10% of training."""
     return max(3, round(count / 12))
 
 
 def _draw_curve(ax, metrics: list[dict], curve: Curve, single_curve: bool) -> tuple[bool, int | None]:
-    """Draw the train and eval series of `curve`; returns (anything drawn, EMA span used or None)."""
+    """Draw the train and eval series of `curve`; returns (anything drawn, smoothing window used or None)."""
     drew, span = False, None
     steps, values = series(metrics, curve.key)
     finite_count = sum(math.isfinite(value) for value in values)
@@ -171,7 +174,7 @@ def _draw_curve(ax, metrics: list[dict], curve: Curve, single_curve: bool) -> tu
     if finite_count >= SMOOTH_MIN_POINTS and curve.smooth:
         span = smoothing_span(finite_count)
         ax.plot(steps, _nan_for_non_finite(values), color=curve.color, alpha=0.25, linewidth=0.9)
-        ax.plot(steps, ema(values, span), color=curve.color, linewidth=2.0, label=train_name)
+        ax.plot(steps, smooth(values, span), color=curve.color, linewidth=2.0, label=train_name)
         drew = True
     elif finite_count:
         few = finite_count < SMOOTH_MIN_POINTS
@@ -199,7 +202,7 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
         spans |= {span} - {None}
     ax.set_title(panel.title, fontsize=12, fontweight="bold", loc="left")
     if spans:
-        ax.set_title(f"train: bold = EMA (~{max(spans)} points), faint = raw", fontsize=8.5,
+        ax.set_title(f"train: bold = centred mean of ~{max(spans)} points, faint = raw", fontsize=8.5,
                      color="dimgray", loc="right")
     if bottom:
         ax.set_xlabel(X_LABEL)

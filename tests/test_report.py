@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from src.plots import CHARTS, ema, plot_history
+from src.plots import CHARTS, plot_history, smooth
 from src.report import ReportError, build_report, main, pick_examples, render_samples_text
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_json
 from src.summary import summarize
@@ -113,10 +113,17 @@ def test_every_chart_names_its_axes():
                 assert panel.title and panel.ylabel
 
 
-def test_ema_is_debiased_and_skips_non_finite_values():
-    assert ema([2.0, 2.0, 2.0], span=9) == pytest.approx([2.0, 2.0, 2.0])
-    smoothed = ema([0.0, math.nan, 10.0] + [10.0] * 60, span=5)
-    assert math.isnan(smoothed[1]) and 0 < smoothed[2] < 10 and smoothed[-1] == pytest.approx(10.0, abs=1e-6)
+def test_smoothing_does_not_lag_a_steep_fall():
+    """A loss that falls from 4 to 0.5 between points 10 and 20 of 100: at the middle of the fall (point 15, raw
+    2.25) a forward EMA of span 8 still reads 3.1; a centred window over the straight fall reads 2.25 exactly, and
+    the curve starts and ends at the raw values."""
+    raw = [4.0] * 10 + [4.0 - 0.35 * (index + 1) for index in range(10)] + [0.5] * 80
+    smoothed = smooth(raw, span=8)
+    assert smoothed[14] == pytest.approx(raw[14])
+    assert (smoothed[0], smoothed[-1]) == (raw[0], raw[-1])
+    assert smooth([1.0, math.nan, 3.0], span=3) == [1.0, pytest.approx(math.nan, nan_ok=True), 3.0]
+    noisy = [1.0 + (0.5 if index % 2 else -0.5) for index in range(40)]
+    assert max(abs(value - 1.0) for value in smooth(noisy, span=8)[4:-4]) < 0.1  # per-batch noise ironed out
 
 
 # ------------------------------------------------------------------------------------------------------ samples
