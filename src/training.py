@@ -163,11 +163,12 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
                self.args.truncation_mode)
         original = dataset._fingerprint
         cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
-        before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
         started = time.monotonic()
         dataset._fingerprint = Hasher.hash((original, how))
         accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
         try:
+            self._same_cache_on_every_machine(dataset)
+            before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
             result = super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             dataset._fingerprint = original
@@ -180,6 +181,27 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             "file": str(created[0]) if created else None,
         }}
         return result
+
+
+    def _same_cache_on_every_machine(self, dataset) -> None:
+        """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
+        machine has the file (a warm cache from an earlier run) and another does not (a new node), the ranks would
+        take different paths and hang. Any machine missing it → every machine drops its copy and all compute (the
+        same numbers are written back)."""
+        from accelerate.utils import broadcast_object_list
+        from datasets.fingerprint import Hasher
+
+        if self.accelerator.num_processes == 1:
+            return
+        fingerprint = [Hasher.hash((dataset._fingerprint, self._precompute_model_hash))]  # as TRL derives it
+        broadcast_object_list(fingerprint, from_process=0)
+        cache_file = Path(dataset._get_cache_file_path(fingerprint[0]))
+        (missing_somewhere,) = _any_rank(not cache_file.exists())
+        if missing_somewhere:
+            self.accelerator.wait_for_everyone()  # every rank has looked before any copy goes
+            if self.accelerator.is_local_main_process:
+                cache_file.unlink(missing_ok=True)
+            self.accelerator.wait_for_everyone()
 
 
 class _LocalMainAccelerator:

@@ -167,6 +167,28 @@ def test_two_hosts_train_as_one_job_of_four(two_hosts, tiny_model, preference_fi
     assert info["reference_log_probs"]["train"]["cache"] == "computed"
 
 
+def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts, tiny_model, preference_file,
+                                                                        tmp_path):
+    """Node 0 keeps the reference log-probs of an earlier run; node 1 is a fresh machine without them. TRL would reuse
+    the file on node 0 and run collectives on node 1: a hang. Both recompute instead, and both caches are whole."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    args = lambda run_name: dpo_args(tiny_model, preference_file, tmp_path / "results", run_name)  # noqa: E731
+    first = launch_nodes(two_hosts, nodes, args("first"), 29513)
+    assert [code for code, _ in first] == [0, 0], first[1][1][-4000:]
+    reference_files = lambda node: sorted((node / "prefkit_cache" / "datasets").glob("dpo-*/*/cache-*.arrow"))  # noqa: E731
+    assert reference_files(nodes[0]) and reference_files(nodes[1])
+    for path in reference_files(nodes[1]):
+        path.unlink()
+
+    second = launch_nodes(two_hosts, nodes, args("second"), 29514)
+    for node, (code, output) in enumerate(second):
+        assert code == 0, f"node {node} exited {code}:\n{output[-6000:]}"
+    info = run_files.read_json(tmp_path / "results" / "second" / run_files.TRAINING_INFO)
+    assert info["reference_log_probs"]["train"]["cache"] == "computed"
+    assert info["one_job"]["identical_weights"] and info["summary"]["completed_steps"] == 4
+    assert len(reference_files(nodes[1])) == len(reference_files(nodes[0]))
+
+
 def test_results_on_storage_a_node_cannot_see_is_refused(two_hosts, tiny_model, preference_file, tmp_path):
     """Each node sees its own directory at --results_dir: node 1 would silently start afresh on a resume while node 0
     resumes. The job stops with one clear line instead (MAX_RESTARTS=0: restarting cannot fix storage)."""
