@@ -39,17 +39,21 @@ def start_launcher(args: list[str], log: Path, **env) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def worker_pid(rank: int) -> int | None:
-    """The pid of the training worker with this RANK (a child of torchrun)."""
+def worker_pid(rank: int, launcher: subprocess.Popen) -> int | None:
+    """The pid of this launch's training worker with this RANK: a child of its torchrun (run_distributed.sh execs
+    torchrun, so the launcher's pid). Only children count: a stray process elsewhere on the machine with the same
+    command line and RANK (another job, a forked helper) must never be the one a test kills."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             command = (entry / "cmdline").read_bytes()
             environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"src.main_distributed" in command and b"--dry_run" not in command and f"RANK={rank}".encode() in environ:
+        if (parent == launcher.pid and b"src.main_distributed" in command and b"--dry_run" not in command
+                and f"RANK={rank}".encode() in environ):
             return int(entry.name)
     return None
 
@@ -105,7 +109,7 @@ def test_lost_worker_restarts_and_resumes_from_the_newest_complete_checkpoint(ti
     run_dir = tmp_path / "results" / "job"
     process = start_launcher(job_args(tiny_model, data, tmp_path / "results"), tmp_path / "log.txt")
     try:
-        rank1 = wait_for(lambda: worker_pid(1), what="rank 1")
+        rank1 = wait_for(lambda: worker_pid(1, process), what="rank 1")
         wait_for(lambda: (run_dir / "model" / "checkpoint-20" / COMPLETE_MARKER).exists(), interval=0.02,
                  what="checkpoint-20")
         os.kill(rank1, signal.SIGKILL)
@@ -129,7 +133,7 @@ def test_killed_while_saving_never_resumes_from_the_half_written_checkpoint(tiny
                     return checkpoint
             return None
 
-        rank0 = wait_for(lambda: worker_pid(0), what="rank 0")
+        rank0 = wait_for(lambda: worker_pid(0, process), what="rank 0")
         victim = wait_for(half_written, interval=0.001, what="a checkpoint being written")
         os.kill(rank0, signal.SIGKILL)
         assert not (victim / COMPLETE_MARKER).exists(), "the save finished before the kill: the test proves nothing"
