@@ -179,7 +179,7 @@ def main() -> None:
                   f"{result['wall s']:6.1f} s wall  {result['peak MB']:7.0f} MB", flush=True)
 
     baseline = statistics.median(result["samples/s"] for result in arms["trl dpo (TRL CLI)"])
-    print(f"\n| arm | samples/s | tokens/s | wall s | peak MB | samples/s vs trl dpo |")
+    print("\n| arm | samples/s | tokens/s | wall s | peak MB | samples/s vs trl dpo |")
     print("|---|---|---|---|---|---|")
     for name, results in arms.items():
         median = {key: statistics.median(result[key] for result in results)

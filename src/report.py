@@ -306,7 +306,6 @@ def _detail(name: str, value: float | None) -> str:
 
 def final_numbers_table(summary: dict, info: dict) -> list[str]:
     stage = summary.get("stage")
-    max_steps = info.get("max_steps")
     steps = _num(summary.get("last_step")) + _of_max_steps(info)
     best = summary.get("best_eval_loss")
     rows = [

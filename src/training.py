@@ -18,7 +18,7 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, S
 from src import run_files
 from src.config import Config, Plan
 from src.distributed import gather_objects
-from src.resilience import checkpoint_step, mark_complete, stop_signal
+from src.resilience import mark_complete, stop_signal
 from src.throughput import ThroughputMeter
 
 
