@@ -342,6 +342,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
         fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        if getattr(trainer, "packed_forward", None) is not None:  # which DPO forward ran, and the tokens it computed
+            fields["dpo_forward"] = trainer.packed_forward.summary()
         if compression:
             fields["gradient_all_reduce"] = compression
             print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "

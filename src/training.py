@@ -17,7 +17,7 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, S
 
 from src import run_files
 from src.config import Config, Plan
-from src.distributed import gather_objects
+from src.distributed import gather_objects, print0
 from src.resilience import mark_complete, stop_signal
 from src.throughput import ThroughputMeter
 
@@ -78,7 +78,7 @@ class StopConditions(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         signalled, diverged = _any_rank(stop_signal() is not None, self.non_finite is not None)
         if diverged:
-            from src.distributed import gather_objects
+            from src.distributed import gather_objects, print0
 
             self.diverged_at = state.global_step
             reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]
@@ -150,10 +150,33 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
 
     reference_cache: dict | None = None
 
+    def __init__(self, *args, packed_forward=None, **kwargs):
+        # Set before TRL's __init__, which already runs the reference precompute pass through it.
+        self.packed_forward = packed_forward
+        super().__init__(*args, **kwargs)
+
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if self.packed_forward is None:
+            return super()._compute_loss(model, inputs, return_outputs)
+        from src.packed_dpo import fused_modules
+
+        # Without precomputed reference log-probs the reference forward runs inside the same call.
+        forwards = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
+        with self.packed_forward.running(inputs, forwards, fused_modules(self)) as inputs:
+            return super()._compute_loss(model, inputs, return_outputs)
+
+    def compute_ref_log_probs(self, model, inputs):
+        if self.packed_forward is None:
+            return super().compute_ref_log_probs(model, inputs)
+        from src.packed_dpo import fused_modules
+
+        with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
+            return super().compute_ref_log_probs(model, inputs)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         from datasets.fingerprint import Hasher
@@ -436,6 +459,14 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         config_class = SFTConfig
     overrides = {key: value for key, value in config.trl_overrides.items()
                  if key in {item for item in config_class.__dataclass_fields__}}
+    if stage == "dpo":
+        # TRL 1.16's DPOTrainer ignores padding_free (it pads); the toolkit's packed forward answers to the flag.
+        from src.packed_dpo import padding_free_requested
+
+        overrides.pop("padding_free", None)
+        trl_config = config_class(**{**common, **specific, **overrides})
+        trl_config.packed_dpo = padding_free_requested(config.trl_overrides)
+        return trl_config
     return config_class(**{**common, **specific, **overrides})
 
 
@@ -443,6 +474,9 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
                   plan: Plan):
     trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
+    dpo_forward = {}
+    if stage == "dpo":
+        dpo_forward = packed_dpo_forward(model, tokenizer, trl_config, peft_config)
     # DPO and reward batches hold a chosen and a rejected sequence per pair.
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
                             _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)
@@ -456,9 +490,31 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         # The meter adds perf/* to each record before the recorder writes it.
         callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
+        **dpo_forward,
     )
     trainer.remove_callback(PrinterCallback)
     return trainer
+
+
+def packed_dpo_forward(model, tokenizer, trl_config, peft_config) -> dict:
+    """The trainer arguments of the DPO forward: packed (src/packed_dpo.py) unless `--padding_free false` or the
+    model cannot honour it (then TRL's padded forward, with one warning line saying why)."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from src.packed_dpo import PackedDPOForward, PackedPreferenceCollator, attention_layout, unsupported_reason
+
+    if not getattr(trl_config, "packed_dpo", True):
+        return {"packed_forward": PackedDPOForward("--padding_free false")}
+    reason = unsupported_reason(model, trl_config, peft_config)
+    forward = PackedDPOForward(reason, attention_layout(model))
+    if reason:
+        print0(f"  warning: packed DPO forward off, TRL's padded forward runs instead: {reason}")
+        return {"packed_forward": forward}
+    pad_token = trl_config.pad_token or tokenizer.pad_token or tokenizer.eos_token
+    padded = DataCollatorForPreference(pad_token_id=tokenizer.convert_tokens_to_ids(pad_token),
+                                       max_length=trl_config.max_length, truncation_mode=trl_config.truncation_mode,
+                                       pad_to_multiple_of=trl_config.pad_to_multiple_of)
+    return {"packed_forward": forward, "data_collator": PackedPreferenceCollator(padded, forward.layout)}
 
 
 def callback(trainer, name: str):
@@ -489,8 +545,6 @@ def silent_no_op_warnings(stage: str, config: Config, plan: Plan) -> list[str]:
         warnings.append(f"--ddp_comm_hook {config.training.ddp_comm_hook} is ignored on one process: no gradients "
                         "are all-reduced")
     if stage == "dpo":
-        if config.trl_overrides.get("padding_free"):
-            warnings.append("padding_free is ignored by TRL 1.16's DPOTrainer (it falls back to padding)")
         if config.dpo.label_smoothing and set(config.dpo.loss_type) <= {"sigmoid", "ipo", "hinge"}:
             warnings.append(f"label_smoothing {config.dpo.label_smoothing} has no effect with loss_type "
                             f"{config.dpo.loss_type}: it applies to robust and exo_pair")

@@ -1,0 +1,414 @@
+"""The packed, prefix-shared DPO forward: each pair's prompt is computed once and (almost) no padding is computed.
+
+This module owns the toolkit's coupling to TRL 1.16's DPOTrainer internals for that forward, so a TRL upgrade that
+changes them is this file's work:
+- TRL's batch layout (`DataCollatorForPreference`: rows `[prompt+chosen; prompt+rejected]`, right-padded, with
+  `completion_mask`), which `DPOTrainer._compute_loss` / `compute_ref_log_probs` read;
+- TRL's fused LM head (`add_fused_lm_head`: `model(..., labels=..., fused_lm_head=True)` → `FusedCausalLMOutput` with
+  per-token `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs`, `label_mask`, each `(rows, len-1)`),
+  including its `shift_labels=` argument (labels already aligned with the positions that predict them).
+
+How: the collator builds TRL's padded batch as usual (every loss type, `ld_alpha`, WPO weights and metric of TRL's
+loss code read it unchanged) and, next to it, the packed layout. During TRL's loss / reference computation the model's
+fused forward is redirected: it runs the packed tokens instead and scatters the per-token outputs back into the padded
+`(2 * pairs, len - 1)` layout TRL expects. Only those per-token scalars are ever padded, never a token's computation.
+
+Layout (sdpa / eager: a 4D mask): one segment per pair, `[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
+The last prompt token is the one position that predicts an answer's first token, and it must predict both answers'
+first tokens: it is written once per answer (same token, same position, same visible keys → the same hidden state),
+so each pair repeats exactly one prompt token. Position ids restart after the shared prompt for each answer; the mask
+is causal within the segment except that the rejected answer does not see the chosen one. Segments are packed
+first-fit-decreasing into rows as long as the batch's longest segment; the rest of a row is padding (counted).
+
+Layout (flash-attention, varlen): flash-attention takes no such mask, so each answer is its own sequence
+`[prompt | answer]` with positions restarting at 0 (transformers turns that into varlen); all sequences of the
+micro-batch are one row: no padding, but the prompt is computed twice.
+
+Never silently wrong: `unsupported_reason` refuses what is known not to honour the mask or the positions, and the first
+packed forward of a run is checked against the padded one (same model, same batch, no grad); any mismatch on any rank
+turns packing off for the run with one warning line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels", "packed_segment_ids",
+               "packed_branch_ids", "packed_source_index", "padded_target_index", "packed_counts")
+FLASH_PREFIX = "flash_attention"
+MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
+SHARED, CHOSEN, REJECTED = 0, 1, 2
+FP32_TOLERANCE = 1e-4    # per-token log-prob, absolute + relative: fp32 packed vs padded differ by ~1e-6
+HALF_TOLERANCE = 1e-1    # bf16 / fp16: rounding differs with the shapes; a leak through the mask shifts far more
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("packed_dpo_plan", default=None)
+
+
+def attention_layout(model) -> str:
+    """"prefix_shared" (a 4D mask) or "varlen" (flash-attention: sequences told apart by restarting positions)."""
+    implementation = str(getattr(model.config, "_attn_implementation", None) or "")
+    return "varlen" if FLASH_PREFIX in implementation else "prefix_shared"
+
+
+def unsupported_reason(model, args, peft_config=None) -> str | None:
+    """Why the packed forward cannot be trusted for this model and configuration, or None. What is not refused here
+    is still checked against the padded forward on the first batch."""
+    config = model.config.get_text_config()
+    implementation = str(getattr(model.config, "_attn_implementation", None) or "")
+    if implementation not in MASKED_IMPLEMENTATIONS and FLASH_PREFIX not in implementation:
+        return f"attention implementation {implementation!r} is not known to honour a custom mask (sdpa, eager, flash)"
+    if getattr(model.config, "get_text_config", None) and model.config.get_text_config() is not model.config:
+        return f"{model.config.model_type} is a multimodal model (its positions are not plain token positions)"
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    if any(kind != "full_attention" for kind in layer_types) and window and (args.max_length or 1 << 30) > window:
+        return f"the model has sliding-window or chunked attention layers (window {window}), which a 4D mask overrides"
+    if getattr(config, "output_router_logits", False):
+        return "the MoE router auxiliary loss counts tokens by the padded attention mask"
+    if args.truncation_mode != "keep_start":
+        return f"truncation_mode {args.truncation_mode!r} (only keep_start is packed)"
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return "prompt-learning PEFT adds virtual tokens before every sequence"
+    return None
+
+
+# --- the collator -----------------------------------------------------------------------------------------------
+
+@dataclass
+class PackedPreferenceCollator:
+    """TRL's padded preference batch (TRL's own collator), plus the packed layout of the same pairs (PACKED_KEYS)."""
+
+    padded_collator: object           # trl DataCollatorForPreference
+    layout: str = "prefix_shared"     # or "varlen"
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = self.padded_collator(examples)
+        batch.update(pack_pairs(examples, self.padded_collator.max_length, self.padded_collator.pad_token_id,
+                                self.layout, batch["input_ids"].shape[1]))
+        return batch
+
+
+def _truncated(example: dict, max_length: int | None) -> tuple[list, list, list]:
+    """Prompt, chosen, rejected as TRL's collator truncates them (keep_start, each prompt+answer to max_length)."""
+    prompt, chosen, rejected = example["prompt_ids"], example["chosen_ids"], example["rejected_ids"]
+    if max_length is not None:
+        prompt = prompt[:max_length]
+        chosen = chosen[:max_length - len(prompt)]
+        rejected = rejected[:max_length - len(prompt)]
+    return list(prompt), list(chosen), list(rejected)
+
+
+def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, layout: str,
+               padded_length: int) -> dict:
+    """The packed tensors for a micro-batch of pairs (see the module docstring for the layouts).
+
+    packed_source_index / padded_target_index: for every scored answer token, where its per-token outputs sit in the
+    flattened packed `(rows, width)` output and in TRL's flattened padded `(2 * pairs, padded_length - 1)` output."""
+    pairs = len(examples)
+    segments = []  # per segment: tokens, positions, branch ids, labels, [(padded row, padded start, offset, count)]
+    useful = repeated = 0
+    for index, example in enumerate(examples):
+        prompt, chosen, rejected = _truncated(example, max_length)
+        useful += len(prompt) + len(chosen) + len(rejected)
+        if layout == "prefix_shared":
+            shared, pivot = prompt[:-1], prompt[-1:]
+            repeated += len(pivot)
+            tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
+                [SHARED] * len(shared), [-100] * len(shared), []
+            for branch, row, answer in ((CHOSEN, index, chosen), (REJECTED, pairs + index, rejected)):
+                sequence = pivot + answer
+                # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
+                targets.append((row, len(shared), len(tokens), len(sequence) - 1))
+                tokens += sequence
+                positions += range(len(shared), len(shared) + len(sequence))
+                branches += [branch] * len(sequence)
+                labels += sequence[1:] + [-100]
+            segments.append((tokens, positions, branches, labels, targets))
+        else:
+            repeated += len(prompt)
+            for row, answer in ((index, chosen), (pairs + index, rejected)):
+                sequence = prompt + answer
+                labels = [-100] * max(0, len(prompt) - 1) + sequence[max(1, len(prompt)):] + [-100]
+                start = max(0, len(prompt) - 1)
+                segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
+                                 [(row, start, start, len(sequence) - 1 - start)]))
+
+    # First-fit decreasing into rows; varlen: everything in one row (flash takes sequences of any length)
+    order = sorted(range(len(segments)), key=lambda i: -len(segments[i][0]))
+    width = sum(len(s[0]) for s in segments) if layout == "varlen" else max(len(s[0]) for s in segments)
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in order:
+        size = len(segments[i][0])
+        slot = next((r for r, used in enumerate(fill) if used + size <= width), None)
+        if slot is None:
+            rows.append([])
+            fill.append(0)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        fill[slot] += size
+
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    shift_labels = torch.full(shape, -100, dtype=torch.long)
+    segment_ids = torch.full(shape, -1, dtype=torch.long)  # padding: its own segment, so it never reaches a token
+    branch_ids = torch.zeros(shape, dtype=torch.long)
+    source, target = [], []
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            tokens, positions, branches, labels, targets = segments[i]
+            n = len(tokens)
+            input_ids[r, at:at + n] = torch.tensor(tokens)
+            position_ids[r, at:at + n] = torch.tensor(positions)
+            shift_labels[r, at:at + n] = torch.tensor(labels)
+            segment_ids[r, at:at + n] = i
+            branch_ids[r, at:at + n] = torch.tensor(branches)
+            for padded_row, padded_start, offset, count in targets:
+                source.extend(range(r * width + at + offset, r * width + at + offset + count))
+                target.extend(range(padded_row * (padded_length - 1) + padded_start,
+                                    padded_row * (padded_length - 1) + padded_start + count))
+            at += n
+    if layout == "varlen":  # the row's trailing padding (none today) would join the last sequence: keep it out
+        position_ids[segment_ids < 0] = 0
+    computed = shape[0] * shape[1]
+    return {
+        "packed_input_ids": input_ids, "packed_position_ids": position_ids, "packed_shift_labels": shift_labels,
+        "packed_segment_ids": segment_ids, "packed_branch_ids": branch_ids,
+        "packed_source_index": torch.tensor(source, dtype=torch.long),
+        "padded_target_index": torch.tensor(target, dtype=torch.long),
+        # computed, padding, repeated prompt, useful tokens
+        "packed_counts": torch.tensor([computed, computed - useful - repeated, repeated, useful], dtype=torch.long),
+    }
+
+
+def padded_counts(batch: dict) -> list[int]:
+    """computed, padding, repeated prompt, useful tokens of TRL's padded batch (rows [chosen; rejected])."""
+    computed = batch["input_ids"].numel()
+    real = int(batch["attention_mask"].sum())
+    pairs = batch["input_ids"].shape[0] // 2
+    repeated = int(batch["attention_mask"][pairs:].sum() - batch["completion_mask"][pairs:].sum())
+    return [computed, computed - real, repeated, real - repeated]
+
+
+# --- the forward ------------------------------------------------------------------------------------------------
+
+@dataclass
+class TokenCounts:
+    """Tokens the forward computed, and which of them were padding or a repeated prompt, over the batches it ran."""
+
+    computed: int = 0
+    padding: int = 0
+    repeated_prompt: int = 0
+    useful: int = 0
+    batches: int = 0
+
+    def add(self, counts) -> None:
+        computed, padding, repeated, useful = (int(value) for value in counts)
+        self.computed += computed
+        self.padding += padding
+        self.repeated_prompt += repeated
+        self.useful += useful
+        self.batches += 1
+
+    def as_dict(self) -> dict:
+        share = lambda part: round(part / self.computed, 4) if self.computed else None  # noqa: E731
+        return {"batches": self.batches, "computed_tokens": self.computed, "padding_share": share(self.padding),
+                "repeated_prompt_share": share(self.repeated_prompt), "useful_share": share(self.useful)}
+
+
+@dataclass
+class _Plan:
+    batch: dict        # the packed tensors
+    padded_shape: tuple
+    verify: bool
+
+
+class PackedDPOForward:
+    """Decides whether the packed forward runs, redirects the fused forward while TRL's loss code runs, checks it
+    once against the padded forward, and counts the tokens both ways."""
+
+    def __init__(self, reason_off: str | None, layout: str = "prefix_shared"):
+        self.enabled = reason_off is None
+        self.reason = reason_off
+        self.layout = layout
+        self.checked = False
+        self.check_result: dict | None = None
+        self.counts = {"policy": TokenCounts(), "reference": TokenCounts()}
+        self.padded_equivalent = {"policy": TokenCounts(), "reference": TokenCounts()}
+
+    # Called by the trainer around TRL's loss / reference computation
+    @contextlib.contextmanager
+    def running(self, inputs: dict, forwards: tuple[str, ...], modules):
+        """`inputs` without the packed keys (TRL would hand them to the model), with the fused forward of `modules`
+        redirected to the packed layout while the block runs."""
+        packed = {key: inputs[key] for key in PACKED_KEYS if key in inputs}
+        inputs = {key: value for key, value in inputs.items() if key not in PACKED_KEYS}
+        plan = None
+        if self.enabled and packed:
+            for module in modules:
+                _install(module)
+            plan = _Plan(packed, tuple(inputs["input_ids"].shape), verify=not self.checked)
+        for kind in forwards:
+            self.padded_equivalent[kind].add(padded_counts(inputs))
+        token = _ACTIVE.set((self, plan))
+        try:
+            yield inputs
+        finally:
+            _ACTIVE.reset(token)
+        for kind in forwards:  # after the block: a failed first check falls back within it
+            self.counts[kind].add(packed["packed_counts"] if self.enabled and plan else padded_counts(inputs))
+
+    def summary(self) -> dict:
+        return {
+            "forward": ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
+                        "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)",
+            "reason": self.reason,
+            "first_batch_check": self.check_result,
+            "tokens": {kind: counts.as_dict() for kind, counts in self.counts.items() if counts.batches},
+            "padded_forward_would_compute": {kind: counts.as_dict() for kind, counts in self.padded_equivalent.items()
+                                             if counts.batches},
+        }
+
+    def _disable(self, reason: str) -> None:
+        self.enabled = False
+        self.reason = reason
+        if _is_main_process():
+            print(f"  warning: packed DPO forward off, TRL's padded forward runs instead: {reason}", flush=True)
+
+    def _forward(self, module, fused, plan: _Plan, kwargs: dict):
+        input_ids = kwargs.pop("input_ids")
+        if tuple(input_ids.shape) != plan.padded_shape:
+            raise RuntimeError(f"packed DPO forward: expected TRL's padded batch {plan.padded_shape}, got "
+                               f"{tuple(input_ids.shape)} (has TRL's DPO batch layout changed?)")
+        padded_kwargs = dict(kwargs, input_ids=input_ids)
+        if plan.verify:
+            self.checked = True
+            plan.verify = False
+            mismatch = self._check(module, fused, plan, padded_kwargs)
+            if mismatch:
+                self._disable(mismatch)
+        if not self.enabled:
+            return fused(**padded_kwargs, fused_lm_head=True)
+        return self._packed(module, fused, plan, kwargs, input_ids)
+
+    def _packed(self, module, fused, plan: _Plan, kwargs: dict, input_ids):
+        device = input_ids.device
+        batch = {key: value.to(device) for key, value in plan.batch.items()}
+        kwargs = {key: value for key, value in kwargs.items()
+                  if key not in ("input_ids", "attention_mask", "labels", "position_ids", "shift_labels")}
+        if self.layout == "prefix_shared":
+            mask = _prefix_shared_mask(batch["packed_segment_ids"], batch["packed_branch_ids"])
+            if str(module.config._attn_implementation) == "eager":  # eager adds the mask to the scores
+                dtype = next(module.parameters()).dtype
+                mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+            kwargs["attention_mask"] = mask
+        else:
+            kwargs["attention_mask"] = None  # positions restarting at 0 → transformers' varlen path
+        outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
+                        shift_labels=batch["packed_shift_labels"], fused_lm_head=True, **kwargs)
+        rows, length = plan.padded_shape
+        source, target = batch["packed_source_index"], batch["padded_target_index"]
+
+        def unpack(values):
+            if values is None:
+                return None
+            picked = values.reshape(-1)[source]
+            return picked.new_zeros(rows * (length - 1)).index_put((target,), picked).view(rows, length - 1)
+
+        fields = {name: unpack(getattr(outputs, name)) for name in
+                  ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")}
+        return type(outputs)(loss=outputs.loss, aux_loss=outputs.aux_loss, **fields)
+
+    def _check(self, module, fused, plan: _Plan, padded_kwargs: dict) -> str | None:
+        """Packed vs padded per-token log-probs of this batch, no grad, dropout off; agreed over all ranks."""
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                padded = fused(**padded_kwargs, fused_lm_head=True).log_probs.float()
+                packed = self._packed(module, fused, plan, padded_kwargs, padded_kwargs["input_ids"]).log_probs.float()
+        finally:
+            module.train(was_training)
+        device_type = padded_kwargs["input_ids"].device.type
+        half = torch.is_autocast_enabled(device_type) or next(module.parameters()).dtype != torch.float32
+        tolerance = HALF_TOLERANCE if half else FP32_TOLERANCE
+        error = (packed - padded).abs() - tolerance * padded.abs()
+        worst = float((packed - padded).abs().max()) if packed.numel() else 0.0
+        failed = _any_rank(bool((error > tolerance).any()))
+        self.check_result = {"max_abs_difference": worst, "tolerance": tolerance, "passed": not failed,
+                             "tokens": int((padded != 0).sum())}
+        if failed:
+            return (f"its first batch's log-probs differ from the padded forward's (max |difference| {worst:.3g} on "
+                    f"this rank, tolerance {tolerance}): the model or attention implementation does not honour the "
+                    "packed mask or positions")
+        return None
+
+
+def _prefix_shared_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, 1, width, width) boolean, True = may attend: causal within a pair's segment, and a rejected answer's
+    token never sees the chosen answer."""
+    width = segment_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    leak = (branch_ids[:, :, None] == REJECTED) & (branch_ids[:, None, :] == CHOSEN)
+    return (same & causal & ~leak)[:, None]
+
+
+def _install(module) -> None:
+    """Wrap `module`'s fused forward (TRL's, an instance attribute) once: while a plan is active, a
+    `fused_lm_head=True` call runs the packed layout. Called through `__call__` or, as PEFT does, `.forward`."""
+    if getattr(module, "_packed_dpo_installed", False):
+        return
+    fused = module.forward
+
+    @functools.wraps(fused)
+    def forward(*args, fused_lm_head=False, **kwargs):
+        active = _ACTIVE.get()
+        if not fused_lm_head or active is None or active[1] is None or args:
+            return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
+        owner, plan = active
+        return owner._forward(module, fused, plan, kwargs)
+
+    module.forward = forward
+    module._packed_dpo_installed = True
+
+
+def fused_modules(trainer) -> list:
+    """The modules carrying TRL's fused forward: the policy (inside DDP and PEFT wrappers) and the reference."""
+    found = []
+    for model in (trainer.model, trainer.ref_model):
+        if model is None:
+            continue
+        model = trainer.accelerator.unwrap_model(model)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        found.append(model)
+    return found
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([float(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _is_main_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def padding_free_requested(trl_overrides: dict) -> bool:
+    """The packed forward is on unless `--padding_free false` (TRL's own flag name) asks for TRL's padded one."""
+    return bool(trl_overrides.get("padding_free", True))

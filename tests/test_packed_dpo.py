@@ -1,0 +1,219 @@
+"""The packed, prefix-shared DPO forward (src/packed_dpo.py) against TRL's padded one: the same per-pair log-probs
+(Llama and Qwen2 architectures, sdpa and eager, the flash-attention layout through transformers' varlen detection), the
+same loss curve, LoRA, 2 processes, the fallback, and what training_info.json records."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import build_tiny_tokenizer
+
+WORDS = "the sky is blue green red sun moon sea river cat dog what color where yes no one two".split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer([" ".join(WORDS)] * 4)
+
+
+def tiny(architecture: str, tokenizer, attention: str = "sdpa", seed: int = 0):
+    """A 2-layer model with grouped-query attention and tied embeddings, initialised wide enough (std 0.2) that a
+    token that should not be seen changes the log-probs visibly; Qwen2 adds q/k/v biases."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        architecture]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          tie_word_embeddings=True, initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
+                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id, attn_implementation=attention)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    if architecture == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return model
+
+
+def pairs(count: int, seed: int = 0, vocab: int = 60) -> list[dict]:
+    """Token-id pairs of varied lengths (the columns src/data.py prepares); some answers share a first token."""
+    rng = random.Random(seed)
+    ids = lambda low, high: [rng.randrange(8, vocab) for _ in range(rng.randint(low, high))]  # noqa: E731
+    rows = []
+    for _ in range(count):
+        chosen = ids(1, 14)
+        rows.append({"prompt_ids": ids(1, 20), "chosen_ids": chosen,
+                     "rejected_ids": chosen[:2] + ids(0, 12) if rng.random() < 0.3 else ids(1, 12)})
+    return rows
+
+
+def trainer_for(model, tokenizer, rows, tmp_path, packed: bool = True, **overrides):
+    import copy
+
+    from datasets import Dataset
+    from trl import DPOConfig
+
+    from src.training import PreparedDPOTrainer, packed_dpo_forward
+
+    peft_config = overrides.pop("peft_config", None)
+    ref_model = overrides.pop("ref_model", None) or (None if peft_config else copy.deepcopy(model))
+    args = DPOConfig(**{"output_dir": str(tmp_path / ("packed" if packed else "padded")),
+                        "per_device_train_batch_size": 4, "max_length": 40, "bf16": False, "use_cpu": True,
+                        "activation_checkpointing": False, "report_to": [], "logging_steps": 1, "disable_tqdm": True,
+                        "precompute_ref_log_probs": False, "learning_rate": 1e-3, "seed": 0, **overrides})
+    args.packed_dpo = packed
+    return PreparedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
+                              processing_class=tokenizer, peft_config=peft_config,
+                              **packed_dpo_forward(model, tokenizer, args, peft_config))
+
+
+def reference_logps(trainer, rows):
+    """Per-pair (chosen, rejected) log-probs through the trainer's reference path, with its collator."""
+    import torch
+
+    batch = trainer.data_collator(rows)
+    with torch.no_grad():
+        chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
+    return torch.stack([chosen, rejected], dim=1)
+
+
+def assert_close(packed, padded, rel=1e-5):
+    assert packed.shape == padded.shape
+    assert ((packed - padded).abs() <= rel * padded.abs() + 1e-6).all(), (packed - padded).abs().max()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_per_pair_log_probs_equal_the_padded_forward(architecture, attention, tokenizer, tmp_path):
+    rows = pairs(12, seed=1)
+    model = tiny(architecture, tokenizer, attention)
+    packed_trainer = trainer_for(model, tokenizer, rows, tmp_path, packed=True)
+    padded_trainer = trainer_for(model, tokenizer, rows, tmp_path, packed=False)
+    packed, padded = reference_logps(packed_trainer, rows), reference_logps(padded_trainer, rows)
+    assert packed_trainer.packed_forward.enabled, packed_trainer.packed_forward.reason
+    assert packed_trainer.packed_forward.check_result["passed"]
+    assert_close(packed, padded)
+    # and with ld_alpha's shared / tail split of each answer
+    model_ld = tiny(architecture, tokenizer, attention)
+    packed_ld = reference_logps(trainer_for(model_ld, tokenizer, rows, tmp_path, True, ld_alpha=0.5), rows)
+    padded_ld = reference_logps(trainer_for(model_ld, tokenizer, rows, tmp_path, False, ld_alpha=0.5), rows)
+    assert_close(packed_ld, padded_ld)
+    assert not (packed_ld - packed).abs().max() < 1e-3  # ld_alpha changed something: the check above had teeth
+
+
+def test_truncation_at_max_length_matches_the_padded_forward(tokenizer, tmp_path):
+    rows = pairs(8, seed=2)
+    model = tiny("llama", tokenizer)
+    packed = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, True, max_length=16), rows)
+    padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False, max_length=16), rows)
+    assert_close(packed, padded)
+
+
+def test_the_varlen_layout_for_flash_attention_matches_through_restarting_positions(tokenizer, tmp_path):
+    """The flash-attention layout (no mask, positions restarting at 0) run with sdpa on CPU: transformers builds the
+    block-diagonal mask from the positions, as flash-attention's varlen does."""
+    from src.packed_dpo import PackedDPOForward, PackedPreferenceCollator
+
+    rows = pairs(10, seed=3)
+    model = tiny("qwen2", tokenizer)
+    trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
+    trainer.packed_forward = PackedDPOForward(None, "varlen")
+    trainer.data_collator = PackedPreferenceCollator(trainer.data_collator.padded_collator, "varlen")
+    padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False), rows)
+    assert_close(reference_logps(trainer, rows), padded)
+    tokens = trainer.packed_forward.summary()["tokens"]["reference"]
+    assert tokens["padding_share"] == 0
+
+
+def test_a_mask_that_lets_the_rejected_answer_see_the_chosen_one_is_caught(tokenizer, tmp_path, monkeypatch, capsys):
+    """The first-batch check has teeth: with the mask's one rule broken, the run falls back to the padded forward
+    (and its numbers), with one warning line."""
+    import src.packed_dpo as packed_dpo
+
+    rows = pairs(8, seed=4)
+    model = tiny("llama", tokenizer)
+    padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False), rows)
+    correct_mask = packed_dpo._prefix_shared_mask
+
+    def leaky_mask(segment_ids, branch_ids):  # causal within each pair's segment, the rejected answer sees all
+        return correct_mask(segment_ids, branch_ids.clamp(max=packed_dpo.CHOSEN))
+
+    monkeypatch.setattr(packed_dpo, "_prefix_shared_mask", leaky_mask)
+    trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
+    assert_close(reference_logps(trainer, rows), padded)
+    assert not trainer.packed_forward.enabled
+    assert "differ from the padded forward" in trainer.packed_forward.reason
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "packed DPO forward off" in line]
+    assert len(warnings) == 1
+
+
+def test_an_attention_implementation_not_known_to_honour_the_mask_falls_back(tokenizer, tmp_path, capsys):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("custom_test_attention", sdpa_attention_forward)
+    model = tiny("llama", tokenizer, "custom_test_attention")
+    rows = pairs(4)
+    trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
+    assert not trainer.packed_forward.enabled
+    assert "custom_test_attention" in trainer.packed_forward.reason
+    assert "packed DPO forward off" in capsys.readouterr().out
+    reference_logps(trainer, rows)
+    assert trainer.packed_forward.summary()["forward"] == "padded (TRL)"
+
+
+def loss_curves(architecture: str, tokenizer, tmp_path, steps: int, **overrides) -> dict[bool, list[float]]:
+    """Train the same model packed and padded, policy and reference forwards both in every step (no precompute)."""
+    rows = pairs(8 * steps, seed=5)
+    curves = {}
+    for packed in (True, False):
+        model = tiny(architecture, tokenizer, seed=1)
+        trainer = trainer_for(model, tokenizer, rows, tmp_path, packed, max_steps=steps,
+                              ref_model=tiny(architecture, tokenizer, seed=1), **overrides)
+        trainer.train()
+        curves[packed] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        if packed:
+            summary = trainer.packed_forward.summary()
+            assert summary["forward"].startswith("packed") and summary["first_batch_check"]["passed"]
+            assert summary["tokens"]["policy"]["batches"] == steps
+            assert summary["tokens"]["reference"]["batches"] == steps
+    assert len(curves[True]) == steps
+    return curves
+
+
+def test_loss_curve_over_20_steps_equals_the_padded_forward(tokenizer, tmp_path):
+    curves = loss_curves("qwen2", tokenizer, tmp_path, 20)
+    assert curves[True] == pytest.approx(curves[False], rel=1e-4, abs=1e-6)
+    assert curves[True][-1] < curves[True][0] - 0.01  # it learned: the curve is not flat by construction
+
+
+@pytest.mark.parametrize("loss_type, use_weighting", [
+    (["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+      "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"], False),
+    # WPO weights multiply in place, which TRL's own hinge, sft and sorting losses do not survive (padded too)
+    (["sigmoid"], True),
+])
+def test_every_loss_type_and_wpo_weighting_equal_the_padded_forward(loss_type, use_weighting, tokenizer, tmp_path):
+    """All TRL loss types (summed), WPO weights: whatever per-token quantity a loss reads."""
+    curves = loss_curves("llama", tokenizer, tmp_path, 3, loss_type=loss_type, label_smoothing=0.1,
+                         use_weighting=use_weighting)
+    assert curves[True] == pytest.approx(curves[False], rel=1e-4, abs=1e-6)
+
+
+def test_lora_with_gradient_checkpointing_matches_the_padded_forward(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    rows = pairs(40, seed=6)
+    curves = {}
+    for packed in (True, False):
+        model = tiny("qwen2", tokenizer, seed=2)
+        trainer = trainer_for(model, tokenizer, rows, tmp_path, packed, max_steps=6, activation_checkpointing=True,
+                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        trainer.train()
+        curves[packed] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        if packed:
+            assert trainer.packed_forward.summary()["tokens"]["policy"]["batches"] == 6
+            assert trainer.packed_forward.check_result["passed"]
+    assert curves[True] == pytest.approx(curves[False], rel=1e-4, abs=1e-6)
