@@ -201,7 +201,8 @@ def padded_counts(batch: dict) -> list[int]:
 
 @dataclass
 class TokenCounts:
-    """Tokens the forward computed, and which of them were padding or a repeated prompt, over the batches it ran."""
+    """Tokens the forward computed, and which of them were padding or a repeated prompt, over the batches this
+    process ran (each rank counts its own; the shares are what to compare)."""
 
     computed: int = 0
     padding: int = 0

@@ -217,3 +217,40 @@ def test_lora_with_gradient_checkpointing_matches_the_padded_forward(tokenizer, 
             assert trainer.packed_forward.summary()["tokens"]["policy"]["batches"] == 6
             assert trainer.packed_forward.check_result["passed"]
     assert curves[True] == pytest.approx(curves[False], rel=1e-4, abs=1e-6)
+
+
+def test_the_toolkit_run_packs_by_default_on_two_processes_and_records_the_forward(tiny_model, tmp_path,
+                                                                                    monkeypatch):
+    """End to end through src.main_distributed: reference precompute (a cold cache), training and evaluation packed
+    on 2 processes give the loss curve of `--padding_free false` (TRL's padded forward) on 1; training_info.json says
+    which forward ran and what share of its computed tokens was padding or repeated prompt."""
+    from conftest import preference_rows, write_jsonl
+    from src import run_files
+    from test_training import common_args, launch
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
+    runs = {}
+    for name, processes, extra in (("padded", 1, ["--padding_free", "false"]), ("packed", 2, [])):
+        monkeypatch.setenv("PREFKIT_CACHE", str(tmp_path / f"cache-{name}"))  # each computes its reference pass
+        args = common_args(tiny_model, data, tmp_path / "results", name, "dpo") + [
+            "--batch_size", "8", "--micro_batch_size", "4", "--max_steps", "4", "--learning_rate", "1e-3",
+            "--num_samples", "0", *extra]
+        launch(processes, args, tmp_path / f"probe-{name}")
+        run_dir = tmp_path / "results" / name
+        metrics = run_files.read_jsonl(run_dir / run_files.METRICS)
+        runs[name] = {"info": run_files.read_json(run_dir / run_files.TRAINING_INFO),
+                      "loss": [record["loss"] for record in metrics if "loss" in record],
+                      "eval_loss": [record["eval_loss"] for record in metrics if "eval_loss" in record]}
+    padded, packed = runs["padded"]["info"]["dpo_forward"], runs["packed"]["info"]["dpo_forward"]
+    assert padded["forward"] == "padded (TRL)" and padded["reason"] == "--padding_free false"
+    assert packed["forward"].startswith("packed (prefix-shared") and packed["first_batch_check"]["passed"]
+    for forward in ("policy", "reference"):
+        assert packed["tokens"][forward]["repeated_prompt_share"] < padded["tokens"][forward]["repeated_prompt_share"]
+        assert packed["tokens"][forward]["computed_tokens"] < padded["tokens"][forward]["computed_tokens"]
+    would = packed["padded_forward_would_compute"]["policy"]  # the same batches, had they been padded
+    assert would["repeated_prompt_share"] > packed["tokens"]["policy"]["repeated_prompt_share"]
+    assert would["useful_share"] < packed["tokens"]["policy"]["useful_share"]
+    assert len(runs["padded"]["loss"]) == 4 and runs["padded"]["eval_loss"]
+    assert runs["packed"]["info"]["world_size"] == 2
+    assert runs["packed"]["loss"] == pytest.approx(runs["padded"]["loss"], rel=1e-4, abs=1e-6)
+    assert runs["packed"]["eval_loss"] == pytest.approx(runs["padded"]["eval_loss"], rel=1e-4, abs=1e-6)
