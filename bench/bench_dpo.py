@@ -1,12 +1,19 @@
-"""This toolkit's DPO vs plain `trl dpo` (TRL's own CLI), cold vs warm reference log-prob cache, 1 vs 2 processes.
+"""This toolkit's DPO vs plain `trl dpo` (TRL's own CLI): TRL's padded forward vs the toolkit's packed one
+(src/packed_dpo.py), cold vs warm reference log-prob cache (and, with --two_processes, 2 processes).
 
-    python bench/bench_dpo.py                  # ~10 minutes on 2 CPU cores; --repeats 1 --steps 10 for a quick look
+    python bench/bench_dpo.py                  # ~15 minutes on 2 CPU cores; --repeats 1 --steps 6 for a quick look
     python bench/bench_dpo.py --hidden 768 --layers 12 --steps 40    # bigger, on a GPU machine
+    python bench/bench_dpo.py --lengths uniform                      # the earlier short, uniform lengths
 
-Same model (a Llama built locally: ~28M parameters by default, so that compute and not Python dominates a step),
-same data (synthetic preference pairs of varied length), same hyperparameters (global batch, learning rate, steps,
-max length, fp32 on CPU / bf16 on GPU, no gradient checkpointing) for every arm. The arms run interleaved, repeat
-after repeat, so a load change on the machine hits them alike; the table reports medians.
+Same model (a Llama built locally), same data (synthetic preference pairs), same hyperparameters (global batch,
+learning rate, steps, max length, fp32 on CPU / bf16 on GPU, no gradient checkpointing) for every arm. The arms run
+interleaved, repeat after repeat, so a load change on the machine hits them alike; the table reports medians.
+
+Lengths (--lengths lognormal, the default): real preference data is long-tailed (UltraFeedback-like), so the words of
+a prompt and of each answer are drawn independently from a log-normal distribution, exp(N(ln 24, 0.9)) for prompts and
+exp(N(ln 20, 0.9)) for answers, capped at 150 words (median 24 / 20, 95th percentile ~105 / ~88). The padding and
+repeated-prompt shares the padded forward computes on them are measured from the batches and printed, with the limit:
+plain TRL's computed tokens (policy and reference passes, padded) over the useful ones (each prompt once, both answers).
 
 samples/s counts preference pairs over the time spent on them: for plain TRL its training time (the reference model
 runs inside every step); for the toolkit its training time plus the time it spent computing reference log-probs
@@ -36,16 +43,29 @@ WORDS = ("alpha beta gamma delta river stone cloud light shadow north south east
          "because although therefore however often rarely today tomorrow yesterday morning evening night").split()
 
 
-def build_assets(root: Path, hidden: int, layers: int, pairs: int, seed: int = 0) -> tuple[Path, Path]:
+LOGNORMAL = {"prompt": (24, 0.9), "answer": (20, 0.9), "cap": 150}  # median words, sigma of ln(words), cap
+
+
+def build_assets(root: Path, hidden: int, layers: int, pairs: int, lengths: str = "lognormal",
+                 seed: int = 0) -> tuple[Path, Path]:
     """The benchmark's model (random weights, a BPE tokenizer trained on the data) and its data directory."""
+    import math
+
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     rng = random.Random(seed)
-    sentence = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
-    rows = [{"prompt": sentence(8, 40) + " ?", "chosen": " " + sentence(10, 50) + " .",
-             "rejected": " " + sentence(10, 50) + " ."} for _ in range(pairs)]
+    words = lambda count: " ".join(rng.choice(WORDS) for _ in range(count))  # noqa: E731
+
+    def count(kind: str, low: int, high: int) -> int:
+        if lengths == "uniform":
+            return rng.randint(low, high)
+        median, sigma = LOGNORMAL[kind]
+        return max(1, min(LOGNORMAL["cap"], round(math.exp(rng.gauss(math.log(median), sigma)))))
+
+    rows = [{"prompt": words(count("prompt", 8, 40)) + " ?", "chosen": " " + words(count("answer", 10, 50)) + " .",
+             "rejected": " " + words(count("answer", 10, 50)) + " ."} for _ in range(pairs)]
     data_dir = root / "data"
     data_dir.mkdir(parents=True)
     (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -100,13 +120,15 @@ def trl_dpo(args, model: Path, data: Path, out: Path, log: Path, env: dict) -> d
             "peak MB": peak, "losses": [float(record["loss"]) for record in logs]}
 
 
-def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes: int, log: Path, env: dict) -> dict:
+def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes: int, log: Path, env: dict,
+            packed: bool = True) -> dict:
     run_name = f"bench-{processes}p-{time.monotonic_ns()}"
     flags = ["--stage", "dpo", "--model_name_or_path", str(model), "--dataset_name", str(data), "--results_dir",
              str(results), "--run_name", run_name, "--batch_size", str(args.batch_size), "--max_steps",
              str(args.steps), "--learning_rate", "1e-5", "--lr_scaling", "none", "--max_length", str(args.max_length),
              "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no", "--num_samples", "0",
-             "--judge", "none", "--seed", "0", "--val_size", "0", "--test_size", "0", "--lr_scheduler_type", "linear"]
+             "--judge", "none", "--seed", "0", "--val_size", "0", "--test_size", "0", "--lr_scheduler_type", "linear",
+             "--padding_free", "true" if packed else "false"]
     command = (["bash", "run_distributed.sh", str(processes), *flags] if processes > 1
                else [sys.executable, "-m", "src.main_distributed", *flags])
     wall, peak, _ = timed(command, env | {"PREFKIT_CACHE": str(cache), "PYTHON": sys.executable}, log)
@@ -120,19 +142,28 @@ def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes
     shutil.rmtree(run_dir / "model", ignore_errors=True)
     return {"samples/s": args.steps * args.batch_size / seconds, "tokens/s": train[-1]["num_tokens"] / seconds,
             "wall s": wall, "peak MB": peak, "losses": [record["loss"] for record in train],
-            "reference": ",".join(part["cache"] for part in info.get("reference_log_probs", {}).values())}
+            "reference": ",".join(part["cache"] for part in info.get("reference_log_probs", {}).values()),
+            "dpo_forward": info.get("dpo_forward", {})}
+
+
+def shares(result: dict) -> str:
+    """The policy forward's padding / repeated-prompt shares of computed tokens, from the run's training_info.json."""
+    tokens = result.get("dpo_forward", {}).get("tokens", {}).get("policy")
+    return f"{tokens['padding_share']:.0%} / {tokens['repeated_prompt_share']:.0%}" if tokens else "n/a"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--pairs", type=int, help="default: steps x batch_size, one epoch, so the reference pass of a "
                         "cold cache covers exactly the pairs trained on")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch_size", type=int, default=8, help="global batch (pairs per optimizer step)")
-    parser.add_argument("--max_length", type=int, default=160)
+    parser.add_argument("--max_length", type=int, default=400)
+    parser.add_argument("--lengths", choices=["lognormal", "uniform"], default="lognormal")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--two_processes", action="store_true", help="add a packed, warm-cache arm on 2 processes")
     parser.add_argument("--keep", help="keep the work directory here (default: a temporary one, deleted)")
     args = parser.parse_args()
     args.pairs = args.pairs or args.steps * args.batch_size
@@ -146,49 +177,71 @@ def main() -> None:
         "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false"}
     one_process_env = env | {"OMP_NUM_THREADS": str(cores)}
-    model, data = build_assets(work / "assets", args.hidden, args.layers, args.pairs)
+    model, data = build_assets(work / "assets", args.hidden, args.layers, args.pairs, args.lengths)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
     parameters = sum(shape for shape in [config.vocab_size * config.hidden_size + config.num_hidden_layers * (
         4 * config.hidden_size ** 2 + 3 * config.hidden_size * config.intermediate_size)])
-    print(f"model: {parameters / 1e6:.1f}M parameters ({args.layers} layers x {args.hidden}); {args.pairs} pairs; "
+    print(f"model: {parameters / 1e6:.1f}M parameters ({args.layers} layers x {args.hidden}); {args.pairs} pairs, "
+          f"{args.lengths} lengths{' ' + str(LOGNORMAL) if args.lengths == 'lognormal' else ''}; "
           f"{args.steps} steps of {args.batch_size} pairs; max_length {args.max_length}; {args.repeats} repeats; "
           f"{cores} CPU cores (one-process arms: {cores} threads); load average at start {os.getloadavg()[0]:.2f}",
           flush=True)
 
-    arms = {"trl dpo (TRL CLI)": [], "toolkit, cold cache": [], "toolkit, warm cache": [],
-            "toolkit, warm cache, 2 processes": []}
-    warm_cache = work / "warm-cache"
+    arms = {"trl dpo (TRL CLI)": [], "toolkit padded, cold cache": [], "toolkit padded, warm cache": [],
+            "toolkit packed, cold cache": [], "toolkit packed, warm cache": []}
+    if args.two_processes:
+        arms["toolkit packed, warm cache, 2 processes"] = []
     for repeat in range(args.repeats):
         for name in arms:
-            log = work / f"log-{repeat}-{name.split(',')[0].replace(' ', '_')}-{len(arms[name])}.txt"
+            log = work / f"log-{repeat}-{re.sub('[^a-z0-9]+', '_', name)}.txt"
+            packed = "packed" in name
+            warm_cache = work / f"warm-cache-{'packed' if packed else 'padded'}"
             if name.startswith("trl"):
                 result = trl_dpo(args, model, data, work / "trl-out", log, one_process_env)
             elif "cold" in name:
-                cold_cache = work / f"cold-cache-{repeat}"
-                result = toolkit(args, model, data, work / "results", cold_cache, 1, log, one_process_env)
+                cold_cache = work / f"cold-cache-{repeat}-{'packed' if packed else 'padded'}"
+                result = toolkit(args, model, data, work / "results", cold_cache, 1, log, one_process_env, packed)
                 if not warm_cache.exists():
-                    shutil.copytree(cold_cache, warm_cache)  # the warm arms reuse what a cold run computed
+                    shutil.copytree(cold_cache, warm_cache)  # the warm arms reuse what a cold run of theirs computed
+                shutil.rmtree(cold_cache, ignore_errors=True)
             else:
                 processes = 2 if "2 processes" in name else 1
                 result = toolkit(args, model, data, work / "results", warm_cache, processes, log,
-                                 env if processes > 1 else one_process_env)
+                                 env if processes > 1 else one_process_env, packed)
             arms[name].append(result)
-            print(f"  repeat {repeat + 1}: {name:<34} {result['samples/s']:6.2f} samples/s  "
-                  f"{result['wall s']:6.1f} s wall  {result['peak MB']:7.0f} MB", flush=True)
+            print(f"  repeat {repeat + 1}: {name:<40} {result['samples/s']:6.2f} pairs/s  "
+                  f"{result['wall s']:6.1f} s wall  {result['peak MB']:7.0f} MB  padding / repeated prompt "
+                  f"{shares(result)}", flush=True)
 
     baseline = statistics.median(result["samples/s"] for result in arms["trl dpo (TRL CLI)"])
-    print("\n| arm | samples/s | tokens/s | wall s | peak MB | samples/s vs trl dpo |")
-    print("|---|---|---|---|---|---|")
+    print("\n| arm | pairs/s | vs trl dpo | peak MB | padding / repeated prompt (policy forward) |")
+    print("|---|---|---|---|---|")
     for name, results in arms.items():
-        median = {key: statistics.median(result[key] for result in results)
-                  for key in ("samples/s", "tokens/s", "wall s", "peak MB")}
-        print(f"| {name} | {median['samples/s']:.2f} | {median['tokens/s']:.0f} | {median['wall s']:.1f} | "
-              f"{median['peak MB']:.0f} | {median['samples/s'] / baseline:.2f}x |")
-    cold, warm = arms["toolkit, cold cache"][0]["losses"], arms["toolkit, warm cache"][0]["losses"]
-    difference = max(abs(a - b) for a, b in zip(cold, warm))
-    print(f"\nloss curves, cold vs warm cache: {len(cold)} steps, largest difference {difference:.2e}")
+        median = {key: statistics.median(result[key] for result in results) for key in ("samples/s", "peak MB")}
+        print(f"| {name} | {median['samples/s']:.2f} | {median['samples/s'] / baseline:.2f}x | "
+              f"{median['peak MB']:.0f} | {shares(results[0])} |")
+
+    # The limit: if time were proportional to computed tokens, how much faster than plain TRL could each arm be?
+    # Plain TRL computes every padded token in the policy pass (forward + backward, ~3 forward-equivalents) and the
+    # reference pass (1); useful are each prompt once plus both answers. The same batches' padded and useful counts
+    # come from the packed arm's training_info.json (TRL's collator, TRL's shuffle and batch size).
+    would = arms["toolkit packed, cold cache"][0]["dpo_forward"]["padded_forward_would_compute"]["policy"]
+    done = arms["toolkit packed, cold cache"][0]["dpo_forward"]["tokens"]["policy"]
+    padded_over_useful = 1 / would["useful_share"]
+    packed_over_useful = 1 / done["useful_share"]
+    cold_limit = padded_over_useful
+    warm_limit = padded_over_useful * 4 / 3
+    cold, warm = (statistics.median(r["samples/s"] for r in arms[f"toolkit packed, {kind} cache"]) / baseline
+                  for kind in ("cold", "warm"))
+    print(f"\npadded forward: {would['padding_share']:.0%} padding, {would['repeated_prompt_share']:.0%} repeated "
+          f"prompt; computed / useful tokens {padded_over_useful:.2f} (packed forward: {packed_over_useful:.2f})")
+    print(f"limit vs plain trl dpo if time ~ tokens: cold cache {cold_limit:.2f}x (reached {cold:.2f}x, "
+          f"{cold / cold_limit:.0%}), warm cache {warm_limit:.2f}x (reached {warm:.2f}x, {warm / warm_limit:.0%})")
+    first, second = arms["toolkit padded, cold cache"][0]["losses"], arms["toolkit packed, cold cache"][0]["losses"]
+    difference = max(abs(a - b) for a, b in zip(first, second))
+    print(f"loss curves, padded vs packed: {len(first)} steps, largest difference {difference:.2e}")
     print(f"load average at end {os.getloadavg()[0]:.2f}; logs in {work}" if args.keep else
           f"load average at end {os.getloadavg()[0]:.2f}")
     if not args.keep:

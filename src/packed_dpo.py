@@ -18,7 +18,8 @@ The last prompt token is the one position that predicts an answer's first token,
 first tokens: it is written once per answer (same token, same position, same visible keys → the same hidden state),
 so each pair repeats exactly one prompt token. Position ids restart after the shared prompt for each answer; the mask
 is causal within the segment except that the rejected answer does not see the chosen one. Segments are packed
-first-fit-decreasing into rows as long as the batch's longest segment; the rest of a row is padding (counted).
+first-fit-decreasing into rows at least as long as the batch's longest segment, the width chosen to balance padding
+against the dense mask's attention cost; the rest of a row is padding (counted).
 
 Layout (flash-attention, varlen): flash-attention takes no such mask, so each answer is its own sequence
 `[prompt | answer]` with positions restarting at 0 (transformers turns that into varlen); all sequences of the
@@ -85,11 +86,12 @@ class PackedPreferenceCollator:
 
     padded_collator: object           # trl DataCollatorForPreference
     layout: str = "prefix_shared"     # or "varlen"
+    attention_cost: float = 0.0       # per key, relative to a token's other work: see _rows
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.padded_collator(examples)
         batch.update(pack_pairs(examples, self.padded_collator.max_length, self.padded_collator.pad_token_id,
-                                self.layout, batch["input_ids"].shape[1]))
+                                self.layout, batch["input_ids"].shape[1], self.attention_cost))
         return batch
 
 
@@ -103,8 +105,36 @@ def _truncated(example: dict, max_length: int | None) -> tuple[list, list, list]
     return list(prompt), list(chosen), list(rejected)
 
 
+def _first_fit_decreasing(sizes: list[int], width: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        slot = next((r for r, used in enumerate(fill) if used + sizes[i] <= width), None)
+        if slot is None:
+            rows.append([])
+            fill.append(0)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        fill[slot] += sizes[i]
+    return rows
+
+
+def _rows(sizes: list[int], attention_cost: float) -> tuple[int, list[list[int]]]:
+    """The row width and rows (segment indices) for a 4D-masked forward: a dense mask costs every row width² in
+    attention, so wider rows pad less but attend more. Cost of a token ∝ 1 + attention_cost * width (attention_cost:
+    the attention's share per key, ~1 / (3 * hidden_size)); the width among a few candidates that costs least."""
+    longest, total = max(sizes), sum(sizes)
+    best = None
+    for width in sorted({longest, *(max(longest, -(-total // k)) for k in range(1, len(sizes) + 1))}):
+        rows = _first_fit_decreasing(sizes, width)
+        cost = len(rows) * width * (1 + attention_cost * width)
+        if best is None or cost < best[0]:
+            best = (cost, width, rows)
+    return best[1], best[2]
+
+
 def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, layout: str,
-               padded_length: int) -> dict:
+               padded_length: int, attention_cost: float = 0.0) -> dict:
     """The packed tensors for a micro-batch of pairs (see the module docstring for the layouts).
 
     packed_source_index / padded_target_index: for every scored answer token, where its per-token outputs sit in the
@@ -138,20 +168,11 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
                 segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
                                  [(row, start, start, len(sequence) - 1 - start)]))
 
-    # First-fit decreasing into rows; varlen: everything in one row (flash takes sequences of any length)
-    order = sorted(range(len(segments)), key=lambda i: -len(segments[i][0]))
-    width = sum(len(s[0]) for s in segments) if layout == "varlen" else max(len(s[0]) for s in segments)
-    rows: list[list[int]] = []
-    fill: list[int] = []
-    for i in order:
-        size = len(segments[i][0])
-        slot = next((r for r, used in enumerate(fill) if used + size <= width), None)
-        if slot is None:
-            rows.append([])
-            fill.append(0)
-            slot = len(rows) - 1
-        rows[slot].append(i)
-        fill[slot] += size
+    sizes = [len(segment[0]) for segment in segments]
+    if layout == "varlen":  # everything in one row: flash-attention's cost follows each sequence, not the row
+        width, rows = sum(sizes), [list(range(len(segments)))]
+    else:
+        width, rows = _rows(sizes, attention_cost)
 
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)

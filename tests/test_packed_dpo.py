@@ -254,3 +254,29 @@ def test_the_toolkit_run_packs_by_default_on_two_processes_and_records_the_forwa
     assert runs["packed"]["info"]["world_size"] == 2
     assert runs["packed"]["loss"] == pytest.approx(runs["padded"]["loss"], rel=1e-4, abs=1e-6)
     assert runs["packed"]["eval_loss"] == pytest.approx(runs["padded"]["eval_loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
+def test_on_gpu_in_bf16_the_packed_forward_matches_the_padded_one(attention, tokenizer, tmp_path):
+    """`python -m pytest -m gpu`: flash-attention takes the varlen layout (positions restarting at 0, no mask), sdpa
+    the prefix-shared mask; both against the padded forward under bf16 autocast on CUDA."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if attention.startswith("flash") and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    rows = pairs(16, seed=7)
+    model = tiny("qwen2", tokenizer, attention).cuda()
+    results = {}
+    for packed in (True, False):
+        trainer = trainer_for(model, tokenizer, rows, tmp_path, packed, bf16=True, use_cpu=False)
+        results[packed] = reference_logps(trainer, rows).float()
+        if packed:
+            expected = "varlen" if attention.startswith("flash") else "prefix_shared"
+            assert trainer.packed_forward.layout == expected and trainer.packed_forward.enabled
+            assert trainer.packed_forward.check_result["passed"]
+    assert ((results[True] - results[False]).abs() <= 2e-2 * results[False].abs() + 0.1).all()
