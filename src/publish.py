@@ -24,8 +24,8 @@ from pathlib import Path
 
 from src.config import EMBEDDED
 from src.hub_access import hub_reachable, is_offline, looks_like_hub_id
-from src.plots import CHARTS
-from src.report import PLOTS_DIR, _num, final_numbers_table, judged_section, setup_table
+from src.reporting.plots import CHARTS
+from src.reporting.report import PLOTS_DIR, _num, final_numbers_table, judged_section, setup_table
 from src.run_files import TRAINING_INFO, read_json
 
 CARD = "README.md"
