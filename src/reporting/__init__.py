@@ -7,4 +7,5 @@ src/run_files.py), so they work on a running, crashed or copied run:
 - `alerts`   health alerts: what went wrong, the evidence, what to do
 - `plots`    the training curves as PNG files
 - `report`   report.md, the readable sample files; `python -m src.report RUN_DIR`
+- `model_card` README.md beside the final model (pushed to the Hub by src/publish.py)
 """
