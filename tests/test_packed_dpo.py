@@ -280,3 +280,12 @@ def test_on_gpu_in_bf16_the_packed_forward_matches_the_padded_one(attention, tok
             assert trainer.packed_forward.layout == expected and trainer.packed_forward.enabled
             assert trainer.packed_forward.check_result["passed"]
     assert ((results[True] - results[False]).abs() <= 2e-2 * results[False].abs() + 0.1).all()
+
+
+def test_the_report_names_the_forward_and_its_shares():
+    from src.reporting.report import setup_table
+
+    lines = "\n".join(setup_table({"stage": "dpo", "beta": 0.1, "loss_type": ["sigmoid"], "dpo_forward": {
+        "forward": "padded (TRL)", "reason": "--padding_free false",
+        "tokens": {"policy": {"padding_share": 0.4567, "repeated_prompt_share": 0.125}}}}))
+    assert "padded (TRL) (--padding_free false); policy: 45.7% padding, 12.5% repeated prompt" in lines

@@ -356,6 +356,8 @@ def setup_table(info: dict) -> list[str]:
         loss_type = get("loss_type")
         loss_type = " + ".join(loss_type) if isinstance(loss_type, list) else loss_type
         rows.append(["DPO", f"beta {_num(get('beta'))}, loss {loss_type}"])
+        if get("dpo_forward"):
+            rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {_num(get('gradient_checkpointing'))}"],
              ["LoRA / 4-bit", f"{_num(get('use_lora'))} / {_num(get('load_in_4bit'))}"],
              ["max steps, seed", f"{_num(get('max_steps'))}, {_num(get('seed'))}"],
@@ -364,6 +366,16 @@ def setup_table(info: dict) -> list[str]:
     if versions:
         rows.append(["versions", " · ".join(f"{name} {version}" for name, version in versions.items())])
     return _table(["", "resolved value"], rows)
+
+
+def _dpo_forward(forward: dict) -> str:
+    """Which DPO forward ran (training_info.json's dpo_forward, src/packed_dpo.py) and the share of its computed tokens
+    that was padding or a repeated prompt, per pass."""
+    text = forward.get("forward", "?") + (f" ({forward['reason']})" if forward.get("reason") else "")
+    for kind, tokens in (forward.get("tokens") or {}).items():
+        text += (f"; {kind}: {_pct(tokens.get('padding_share'))} padding, "
+                 f"{_pct(tokens.get('repeated_prompt_share'))} repeated prompt")
+    return text
 
 
 def _alerts_section(alerts: list[Alert]) -> list[str]:
