@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--lengths", choices=["lognormal", "uniform"], default="lognormal")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--two_processes", action="store_true", help="add a packed, warm-cache arm on 2 processes")
+    parser.add_argument("--arms", help="only the arms whose names contain one of these comma-separated words "
+                        "(plain trl dpo always runs: it is the baseline), e.g. --arms packed")
     parser.add_argument("--keep", help="keep the work directory here (default: a temporary one, deleted)")
     args = parser.parse_args()
     args.pairs = args.pairs or args.steps * args.batch_size
@@ -193,6 +195,8 @@ def main() -> None:
             "toolkit packed, cold cache": [], "toolkit packed, warm cache": []}
     if args.two_processes:
         arms["toolkit packed, warm cache, 2 processes"] = []
+    if args.arms:
+        arms = {name: [] for name in arms if name.startswith("trl") or any(word in name for word in args.arms.split(","))}
     for repeat in range(args.repeats):
         for name in arms:
             log = work / f"log-{repeat}-{re.sub('[^a-z0-9]+', '_', name)}.txt"
@@ -223,25 +227,27 @@ def main() -> None:
         print(f"| {name} | {median['samples/s']:.2f} | {median['samples/s'] / baseline:.2f}x | "
               f"{median['peak MB']:.0f} | {shares(results[0])} |")
 
-    # The limit: if time were proportional to computed tokens, how much faster than plain TRL could each arm be?
-    # Plain TRL computes every padded token in the policy pass (forward + backward, ~3 forward-equivalents) and the
-    # reference pass (1); useful are each prompt once plus both answers. The same batches' padded and useful counts
-    # come from the packed arm's training_info.json (TRL's collator, TRL's shuffle and batch size).
-    would = arms["toolkit packed, cold cache"][0]["dpo_forward"]["padded_forward_would_compute"]["policy"]
-    done = arms["toolkit packed, cold cache"][0]["dpo_forward"]["tokens"]["policy"]
-    padded_over_useful = 1 / would["useful_share"]
-    packed_over_useful = 1 / done["useful_share"]
-    cold_limit = padded_over_useful
-    warm_limit = padded_over_useful * 4 / 3
-    cold, warm = (statistics.median(r["samples/s"] for r in arms[f"toolkit packed, {kind} cache"]) / baseline
-                  for kind in ("cold", "warm"))
-    print(f"\npadded forward: {would['padding_share']:.0%} padding, {would['repeated_prompt_share']:.0%} repeated "
-          f"prompt; computed / useful tokens {padded_over_useful:.2f} (packed forward: {packed_over_useful:.2f})")
-    print(f"limit vs plain trl dpo if time ~ tokens: cold cache {cold_limit:.2f}x (reached {cold:.2f}x, "
-          f"{cold / cold_limit:.0%}), warm cache {warm_limit:.2f}x (reached {warm:.2f}x, {warm / warm_limit:.0%})")
-    first, second = arms["toolkit padded, cold cache"][0]["losses"], arms["toolkit packed, cold cache"][0]["losses"]
-    difference = max(abs(a - b) for a, b in zip(first, second))
-    print(f"loss curves, padded vs packed: {len(first)} steps, largest difference {difference:.2e}")
+    if "toolkit packed, cold cache" in arms:
+        # The limit: if time were proportional to computed tokens, how much faster than plain TRL could each arm be?
+        # Plain TRL computes every padded token in the policy pass (forward + backward, ~3 forward-equivalents) and the
+        # reference pass (1); useful are each prompt once plus both answers. The same batches' padded and useful counts
+        # come from the packed arm's training_info.json (TRL's collator, TRL's shuffle and batch size).
+        would = arms["toolkit packed, cold cache"][0]["dpo_forward"]["padded_forward_would_compute"]["policy"]
+        done = arms["toolkit packed, cold cache"][0]["dpo_forward"]["tokens"]["policy"]
+        padded_over_useful = 1 / would["useful_share"]
+        packed_over_useful = 1 / done["useful_share"]
+        cold_limit = padded_over_useful
+        warm_limit = padded_over_useful * 4 / 3
+        cold, warm = (statistics.median(r["samples/s"] for r in arms.get(f"toolkit packed, {kind} cache", [{}]))
+                      / baseline for kind in ("cold", "warm"))
+        print(f"\npadded forward: {would['padding_share']:.0%} padding, {would['repeated_prompt_share']:.0%} repeated "
+              f"prompt; computed / useful tokens {padded_over_useful:.2f} (packed forward: {packed_over_useful:.2f})")
+        print(f"limit vs plain trl dpo if time ~ tokens: cold cache {cold_limit:.2f}x (reached {cold:.2f}x, "
+              f"{cold / cold_limit:.0%}), warm cache {warm_limit:.2f}x (reached {warm:.2f}x, {warm / warm_limit:.0%})")
+    if "toolkit padded, cold cache" in arms and "toolkit packed, cold cache" in arms:
+        first, second = arms["toolkit padded, cold cache"][0]["losses"], arms["toolkit packed, cold cache"][0]["losses"]
+        difference = max(abs(a - b) for a, b in zip(first, second))
+        print(f"loss curves, padded vs packed: {len(first)} steps, largest difference {difference:.2e}")
     print(f"load average at end {os.getloadavg()[0]:.2f}; logs in {work}" if args.keep else
           f"load average at end {os.getloadavg()[0]:.2f}")
     if not args.keep:
