@@ -66,7 +66,8 @@ def main() -> None:
                 model.zero_grad(set_to_none=True)
         timed = args.steps - 2
         padded, free = seconds["padded"] / timed, seconds["padding_free"] / timed
-        print(f"| {attention} | {padded:.3f} | {free:.3f} | {free / padded:.2f}x | {1 - real_tokens / padded_tokens:.0%} |")
+        share = 1 - real_tokens / padded_tokens
+        print(f"| {attention} | {padded:.3f} | {free:.3f} | {free / padded:.2f}x | {share:.0%} |")
 
 
 if __name__ == "__main__":

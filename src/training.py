@@ -387,9 +387,9 @@ class GradientCompression(TrainerCallback):
 # attention mask. Flash-attention reads the boundaries TRL passes (cu_seq_lens) and attends within each sequence at
 # linear cost. sdpa and eager get a block-diagonal causal mask that transformers builds from the restarting positions
 # (masking_utils.find_packed_sequence_indices) -- only when no KV cache is passed, which TRL's SFTTrainer ensures
-# (use_cache=False); tests/test_sft_padding_free.py checks each sequence's hidden states against the sequence alone. That mask
-# is dense, so their attention costs (micro-batch tokens)^2 instead of sequences x length^2: on the embedded default
-# (16 rows of 47 tokens on average) a step took 1.4x (sdpa) and 2.1x (eager) the CPU time of the padded one
+# (use_cache=False); tests/test_sft_padding_free.py checks each sequence's hidden states against the sequence alone.
+# That mask is dense, so their attention costs (micro-batch tokens)^2 instead of sequences x length^2: on the embedded
+# default (16 rows of 47 tokens on average) a step took 1.4x (sdpa) and 2.1x (eager) the CPU time of the padded one
 # (bench/bench_sft_forward.py), so it is not their default.
 PADDING_FREE_LINEAR = ("flash_attention_2", "flash_attention_3")
 PADDING_FREE_EXACT = PADDING_FREE_LINEAR + ("sdpa", "eager")

@@ -25,7 +25,8 @@ EMULATE_AVX512_BF16 = "import bitsandbytes.nn.modules as m; m.has_avx512bf16 = l
 
 
 def build_tiny_qwen2(path: Path) -> Path:
-    """A 2-layer Qwen2 (q/k/v biases, GQA, tied embeddings), 128 wide: bitsandbytes' CPU kernels need multiples of 64."""
+    """A 2-layer Qwen2 (q/k/v biases, GQA, tied embeddings), 128 wide (bitsandbytes' CPU kernels need multiples
+    of 64)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -77,14 +78,15 @@ def test_4bit_layers_keep_their_trainable_layout(tiny_qwen2, monkeypatch):
     from src.config import Devices, World, parse_config, resolve_plan
     from src.models import load_model, quantization_config
 
-    config = parse_config(["--stage", "dpo", "--model_name_or_path", str(tiny_qwen2), "--use_lora", "--load_in_4bit", "--dataset_name", "embedded"])
+    config = parse_config(["--stage", "dpo", "--model_name_or_path", str(tiny_qwen2), "--use_lora", "--load_in_4bit",
+                           "--dataset_name", "embedded"])
     plan = resolve_plan(config, World(), Devices("cpu"))
     expected = lora_gradients(load_model(str(tiny_qwen2), config.model, plan, World()))
 
     monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
     # The emulation takes bitsandbytes' inference-only path when nothing prevents it (so this test can fail).
-    plain = AutoModelForCausalLM.from_pretrained(tiny_qwen2, quantization_config=quantization_config(config.model, plan),
-                                                 dtype=torch.float32, device_map={"": "cpu"})
+    plain = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32, device_map={"": "cpu"},
+                                                 quantization_config=quantization_config(config.model, plan))
     with pytest.warns(UserWarning, match="autograd kernel was not registered"):
         wrong = lora_gradients(plain)
     assert any(not torch.allclose(wrong[name], expected[name]) for name in expected)
