@@ -196,7 +196,8 @@ def main() -> None:
     if args.two_processes:
         arms["toolkit packed, warm cache, 2 processes"] = []
     if args.arms:
-        arms = {name: [] for name in arms if name.startswith("trl") or any(word in name for word in args.arms.split(","))}
+        wanted = args.arms.split(",")
+        arms = {name: [] for name in arms if name.startswith("trl") or any(word in name for word in wanted)}
     for repeat in range(args.repeats):
         for name in arms:
             log = work / f"log-{repeat}-{re.sub('[^a-z0-9]+', '_', name)}.txt"

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
