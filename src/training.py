@@ -6,6 +6,7 @@ batch, learning rate, precision and backend come from the plan (src/config.py) a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from pathlib import Path
@@ -112,6 +113,7 @@ def _any_rank(*flags: bool) -> list[bool]:
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     """What every toolkit trainer adds to TRL's: complete-only checkpoints, each micro-batch shown to the callbacks
     that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the one-job check),
+    the time spent evaluating and checkpointing shown to the callbacks that keep time (`on_pause(seconds)`),
     and the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
     gradient compression); Trainer's callbacks only ever see the unwrapped model."""
 
@@ -128,6 +130,26 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
             if hasattr(callback, "on_micro_batch"):
                 callback.on_micro_batch(loss, inputs)
         return loss
+
+    def evaluate(self, *args, **kwargs):
+        with self.pause():
+            return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        with self.pause():
+            super()._save_checkpoint(model, trial)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time that is not training (evaluation, checkpointing): its length goes to the callbacks that keep time
+        (`on_pause(seconds)`: the throughput meter leaves it out of its window)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "on_pause"):
+                    callback.on_pause(time.perf_counter() - started)
 
 
 class PairLengthsMixin:
