@@ -341,7 +341,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         one_job = callback(trainer, "OneJobCheck").result
         compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
-        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
+                  "live_report": callback(trainer, "LiveReport").summary()}
         if compression:
             fields["gradient_all_reduce"] = compression
             print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
@@ -358,6 +359,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
             outcome["judge"] = fields["judge"]
         trackers.finish(run_files.update_json(info_path, **fields))
         publish_report(stage.run_dir, stage.name)
+        publish_index(stage)
         for directory in write_model_cards(stage.run_dir).values():
             print0(f"  model card: {directory / 'README.md'}")
     barrier()
@@ -413,6 +415,8 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
         if world.is_main:
             run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
+            publish_report(stage.run_dir, stage.name)
+            publish_index(stage)
         raise TrainingDiverged(message)
     if conditions.stopped_at is not None:
         message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
@@ -420,6 +424,8 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "to resume")
         if world.is_main:
             run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
+            publish_report(stage.run_dir, stage.name)
+            publish_index(stage)
         raise StoppedBySignal(conditions.stopped_by, message)
 
 
@@ -433,6 +439,13 @@ def publish_report(run_dir: Path, stage: str) -> None:
     if alerts:
         print0(format_alerts(alerts))
     print0(f"  report: {report}")
+
+
+def publish_index(stage: Stage) -> None:
+    """results/index.md, every run in the results folder, rewritten when a stage ends (finished, stopped, diverged)."""
+    from src.reporting.index import write_index
+
+    write_index(stage.config.training.results_dir)
 
 
 def export_final_model(stage: Stage, target: Path) -> None:
