@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from src.progress import format_duration
 from src.reporting.index import is_run_dir, read_run, run_state_of
@@ -204,7 +205,9 @@ def plot_metric(runs: list[Run], metric: Metric, x_label: str, scale: dict[str, 
     if metric.reference:
         ax.axhline(metric.reference[0], color="gray", linestyle=":", linewidth=1.2, label=metric.reference[1])
     ax.set_title(metric.title, fontsize=12, fontweight="bold", loc="left")
-    ax.set_title("lines: train (smoothed)  ◆: eval", fontsize=8.5, color="dimgray", loc="right")
+    ax.set_title("lines: train (smoothed, raw faint)   " + ("◆ ▼: eval" if metric.second else "◆: eval"),
+                 fontsize=8.5, color="dimgray", loc="right")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
     ax.set_xlabel(x_label)
     ax.set_ylabel(metric.ylabel)
     ax.grid(True, alpha=0.3)
@@ -325,8 +328,8 @@ def render_page(runs: list[Run], page_dir: Path) -> str:
     lines += ["## Judged results (held-out prompts)", ""]
     lines += _table(["run", "split", "metric", "n", "before (starting model)", "after (trained)", "change"],
                     judged_rows(runs))
-    lines += ["", "± is the 95% interval of each fraction (normal approximation): intervals that overlap do not show "
-                  "a difference between the runs.", ""]
+    lines += ["", "± is the 95% interval of each fraction (normal approximation). Where two runs' intervals overlap "
+                  "much, the difference between them may be chance: judge more prompts (--num_samples) to tell.", ""]
     stages = list(dict.fromkeys(run.stage for run in runs))
     for stage in stages:
         group = [run for run in runs if run.stage == stage]
@@ -334,9 +337,10 @@ def render_page(runs: list[Run], page_dir: Path) -> str:
         lines += [title, "", *_section(group, page_dir, f"{stage}_" if len(stages) > 1 else "")]
     lines += ["## Throughput", ""]
     lines += _table(["run", "processes", "global batch", "tokens/s (all ranks)", "tokens/s per process",
-                     "samples/s", "median step time", "peak memory per process", "MFU", "wall time"],
+                     "samples/s", "median step time", "peak memory per process", "MFU", "training time"],
                     throughput_rows(runs))
-    lines += ["", "Throughput is training only: evaluation and checkpoint time are left out (wall time has them)."]
+    lines += ["", "Throughput is training only: evaluation and checkpoint time are left out (training time has "
+                  "them)."]
     if plot_throughput(runs, page_dir / "throughput.png"):
         lines += ["", "![Training throughput](throughput.png)"]
     return "\n".join(lines) + "\n"
