@@ -415,8 +415,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
         if world.is_main:
             run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
-            publish_report(stage.run_dir, stage.name)
-            publish_index(stage)
+            publish_pages_after_stop(stage)
         raise TrainingDiverged(message)
     if conditions.stopped_at is not None:
         message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
@@ -424,8 +423,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "to resume")
         if world.is_main:
             run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
-            publish_report(stage.run_dir, stage.name)
-            publish_index(stage)
+            publish_pages_after_stop(stage)
         raise StoppedBySignal(conditions.stopped_by, message)
 
 
@@ -439,6 +437,17 @@ def publish_report(run_dir: Path, stage: str) -> None:
     if alerts:
         print0(format_alerts(alerts))
     print0(f"  report: {report}")
+
+
+def publish_pages_after_stop(stage: Stage) -> None:
+    """The report as the run stopped (the status line says stopped or diverged) and the index."""
+    from src.reporting.report import ReportError
+
+    try:
+        publish_report(stage.run_dir, stage.name)
+    except ReportError as error:  # stopped before its first log: nothing to report, the exit says why
+        print0(f"  no report: {error}")
+    publish_index(stage)
 
 
 def publish_index(stage: Stage) -> None:
