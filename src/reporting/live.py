@@ -3,7 +3,7 @@ as it goes rather than only at its end.
 
 When: after every evaluation and every checkpoint, and every `every` seconds (5 minutes) in between — at the start
 of the next optimizer step, so the refresh sees the evaluation's record and the checkpoint on disk.
-Cost: a refresh takes one to a few seconds (matplotlib on the CPU). It is taken only while the time spent refreshing,
+Cost: a refresh takes one to a few seconds (matplotlib on the CPU; bench/bench_live_report.py). It is taken only while the time spent refreshing,
 this refresh included (estimated as the last one, FIRST_ESTIMATE_S before any), stays within MAX_SHARE (1%) of the
 time since training began. So refreshing never costs more than 1% of training, on any machine: a long run refreshes at
 every evaluation; a short one (the 4-minute CPU default) refreshes less often or only at its end, and evaluations
@@ -28,8 +28,8 @@ from src.reporting.status import Live
 
 REFRESH_EVERY_S = 300.0
 MAX_SHARE = 0.01  # of the training time, at most spent refreshing
-# A refresh of a DPO run (six charts) measured 1.5-4 s on a 2-core CPU machine, loaded or not; a GPU host's CPU is
-# faster. The first refresh is budgeted at this until one has been timed.
+# A refresh of a DPO run (six charts) costs about 1 s of CPU for a short history, 4 s for 8,000 logged steps
+# (bench/bench_live_report.py), more wall time on a loaded machine. The first is budgeted at this until one is timed.
 FIRST_ESTIMATE_S = 2.0
 
 
