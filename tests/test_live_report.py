@@ -17,7 +17,7 @@ import pytest
 from conftest import PROJECT_ROOT
 from report_fixtures import dpo_history, judged_run_dir, training_info, write_run_dir
 from src import run_files
-from src.reporting import live as live_module
+from src.reporting.compare import compare
 from src.reporting.live import LiveReport
 from src.reporting.report import build_report
 from src.reporting.status import Live, run_state, status_line
@@ -108,7 +108,11 @@ def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_per
     assert paused == [3.0] * len(refreshed)  # each refresh is a pause for the throughput meter
     first = refreshed[0][1]
     assert first.total == 1000 and first.eta_s == pytest.approx(first.elapsed_s / first.step * (1000 - first.step))
-    assert report.summary()["share_of_training"] <= 0.01
+    report.on_train_end(None, state, None)
+    summary = report.summary()
+    assert summary["refreshes"] == len(refreshed) and summary["seconds"] == 3.0 * len(refreshed)
+    assert summary["share_of_training"] == pytest.approx(3.0 * len(refreshed) / clock.now, rel=1e-3) and \
+        summary["share_of_training"] <= 0.01
 
 
 def test_evaluations_refresh_at_once_when_the_budget_allows(tmp_path, monkeypatch):
@@ -252,3 +256,13 @@ def test_a_two_process_run_reports_running_after_its_first_evaluation_then_finis
     assert throughput and min(throughput) > 0  # evaluation and refresh pauses left out, never over-subtracted
     index = (results / "index.md").read_text(encoding="utf-8")
     assert "| [live](live/report.md) | finished | DPO |" in index
+
+    # The real run beside two synthetic ones of other global batches (8, 16, 32): one page on pairs seen.
+    from test_compare import sweep
+
+    synthetic = sweep(tmp_path / "synthetic")[:2]
+    page = compare([str(results / "live"), *map(str, synthetic)], str(tmp_path / "comparison"))
+    text = page.read_text(encoding="utf-8")
+    assert "because the global batches differ (live: 8, batch16: 16, batch32: 32)" in text
+    assert "| live | **finished** · 8 of 8 steps" in text and "](loss.png)" in text
+    assert "| live | 1× cpu" not in text and "| live | 2× cpu | 8 |" in text

@@ -5,7 +5,8 @@ When: after every evaluation and every checkpoint, and every `every` seconds (5 
 of the next optimizer step, so the refresh sees the evaluation's record and the checkpoint on disk.
 Cost: a refresh takes one to a few seconds (matplotlib on the CPU; bench/bench_live_report.py). It is taken only while the time spent refreshing,
 this refresh included (estimated as the last one, FIRST_ESTIMATE_S before any), stays within MAX_SHARE (1%) of the
-time since training began. So refreshing never costs more than 1% of training, on any machine: a long run refreshes at
+time since training began. So refreshing costs at most 1% of training on any machine (a refresh slower than its
+estimate can overshoot by its difference; the next one then waits longer): a long run refreshes at
 every evaluation; a short one (the 4-minute CPU default) refreshes less often or only at its end, and evaluations
 that come too fast fold into the next refresh. PREFKIT_LIVE_REPORT_SHARE overrides the 1%. The refresh time is
 reported to the throughput meter as a pause (it is not training) and the totals go to training_info.json
@@ -44,6 +45,7 @@ class LiveReport(TrainerCallback):
         self.max_share = max_share if max_share is not None else float(
             os.environ.get("PREFKIT_LIVE_REPORT_SHARE", MAX_SHARE))
         self.started = clock()
+        self.ended: float | None = None
         self.start_step = 0
         self.due = False
         self.last_end: float | None = None
@@ -67,6 +69,7 @@ class LiveReport(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._maybe_refresh(state)  # the last evaluation's record, while the model is saved and judged
+        self.ended = self.clock()
 
     def _maybe_refresh(self, state) -> None:
         if not state.is_world_process_zero or self.failed:
@@ -102,6 +105,6 @@ class LiveReport(TrainerCallback):
 
     def summary(self) -> dict:
         """For training_info.json: how often the report was refreshed during training and what it cost."""
+        training = (self.ended if self.ended is not None else self.clock()) - self.started
         return {"refreshes": self.refreshes, "seconds": round(self.seconds, 2),
-                "share_of_training": round(self.seconds / max(self.last_end - self.started, 1e-9), 5)
-                if self.refreshes else 0.0}
+                "share_of_training": round(self.seconds / max(training, 1e-9), 5)}
