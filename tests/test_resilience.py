@@ -196,7 +196,8 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
     assert not (run_dir / "model" / "final").exists()
     assert math.isnan(train_losses(run_dir)[13])
-    assert (run_dir / "report.md").read_text().startswith("**diverged** (loss nan (rank 1)) at step 13 of ")
+    status = (run_dir / "report.md").read_text().split("\n", 1)[0]
+    assert status.startswith("**diverged** (loss nan (rank 1)") and ") at step 13 of 200 (6%) · elapsed" in status
     assert "| [job](job/report.md) | diverged 13/" in (results / "index.md").read_text()
 
     again = subprocess.run([sys.executable, "-m", "src.main_distributed",
