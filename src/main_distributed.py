@@ -32,7 +32,7 @@ from src.config import (
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
-from src.hub_access import use_local_cache_if_hub_unreachable
+from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
@@ -494,6 +494,14 @@ def push_final_model(stage: Stage, config: Config) -> None:
         print0(f"  pushed to the Hub: {url}")
 
 
+def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
+    """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
+    names = [config.model.model_name_or_path] + [stage.config.data.dataset_name for stage in stages]
+    if config.training.judge not in ("auto", "none", EMBEDDED):
+        names.append(config.training.judge)  # a reward model as judge
+    return [name for name in names if name != EMBEDDED]
+
+
 def quiet_libraries() -> None:
     """Progress bars from datasets and transformers drown the plan and the metrics on the console."""
     import datasets
@@ -522,8 +530,10 @@ def run(argv: list[str] | None = None) -> int:
     check_earlier_run(stages[-1].run_dir, overwrite)
     for stage in stages:
         check_source(stage.config.data, stage.name)
-    if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
-                                          [stage.config.data.dataset_name for stage in stages]):
+    hub_names = hub_sources(config, stages)
+    if not needs_hub(hub_names) and not config.hub.push_to_hub:
+        use_local_files_only()  # nothing to fetch or push: no probe, no message, no network calls
+    elif use_local_cache_if_hub_unreachable(hub_names) and os.environ.get("PREFKIT_PREFLIGHT_DONE") != "1":
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:
