@@ -196,14 +196,6 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         with self.packed_forward.running(inputs, forwards, fused_modules(self)) as inputs:
             return super()._compute_loss(model, inputs, return_outputs)
 
-    def compute_ref_log_probs(self, model, inputs):
-        if self.packed_forward is None:
-            return super().compute_ref_log_probs(model, inputs)
-        from src.packed_dpo import fused_modules
-
-        with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
-            return super().compute_ref_log_probs(model, inputs)
-
     def _precompute_ref_logps(self, dataset, name, batch_size):
         from datasets.fingerprint import Hasher
 
@@ -249,7 +241,12 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         if progress is not None:  # chosen and rejected rows of every rank's micro-batch
             pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
             progress.update(min(pairs, progress.total - progress.done))
-        return super().compute_ref_log_probs(model, inputs)
+        if self.packed_forward is None:
+            return super().compute_ref_log_probs(model, inputs)
+        from src.packed_dpo import fused_modules
+
+        with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
+            return super().compute_ref_log_probs(model, inputs)
 
     def _same_cache_on_every_machine(self, dataset) -> None:
         """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
