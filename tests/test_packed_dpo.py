@@ -186,7 +186,7 @@ def loss_curves(architecture: str, tokenizer, tmp_path, steps: int, **overrides)
 def test_loss_curve_over_20_steps_equals_the_padded_forward(tokenizer, tmp_path):
     curves = loss_curves("qwen2", tokenizer, tmp_path, 20)
     assert curves[True] == pytest.approx(curves[False], rel=1e-4, abs=1e-6)
-    assert curves[True][-1] < curves[True][0] - 0.01  # it learned: the curve is not flat by construction
+    assert max(curves[True]) - min(curves[True]) > 1e-3  # the weights moved: equal curves are not flat ones
 
 
 @pytest.mark.parametrize("loss_type, use_weighting", [
