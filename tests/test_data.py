@@ -211,3 +211,13 @@ def test_long_prompts_are_counted_and_dropped(tiny_tokenizer, tmp_path):
                       val_size=0, test_size=0)
     assert result.summary["splits"]["train"]["dropped_prompt_too_long"] == 1
     assert len(result.train) == 39
+
+
+def test_prepared_output_is_unchanged(tmp_path):
+    """Every recognised shape, stage and option prepares to the same rows, ids, columns and counts as the list-based
+    preparation did (digests recorded from it: tests/prepared_snapshots.py)."""
+    from prepared_snapshots import DIGESTS, compute_all
+
+    expected = json.loads(DIGESTS.read_text())
+    computed = compute_all(tmp_path)
+    assert computed == expected
