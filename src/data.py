@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,39 +286,36 @@ def _text_of(value: Any) -> str:
     return ""
 
 
-def check_rows(rows: list[dict], stage: str, source: str) -> tuple[list[dict], dict]:
-    """Refuse malformed rows (wrong types), drop rows with no training signal (empty or identical answers) and
-    count them; refuse when nothing is left."""
-    answer_columns = ("chosen", "rejected") if "chosen" in rows[0] else (
-        ("completion",) if "completion" in rows[0] else ("messages",) if "messages" in rows[0] else ("text",))
-    kept, empty, identical = [], [], []
-    for index, row in enumerate(rows):
-        for column in ("prompt",) + answer_columns:
-            if column not in row or row[column] is None:
-                if column == "prompt" and column not in row:
-                    continue
-                raise DataError(f"{source} row {index + 1}: '{column}' is missing")
-            value = row[column]
-            if not isinstance(value, str) and not _is_chat(value):
-                raise DataError(
-                    f"{source} row {index + 1}: '{column}' must be text or a list of {{role, content}} messages, "
-                    f"got {type(value).__name__}"
-                )
-        if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
-            raise DataError(f"{source} row {index + 1}: 'chosen' and 'rejected' must both be text or both messages")
-        if any(not _text_of(row[column]).strip() for column in answer_columns):
-            empty.append(index + 1)
-        elif stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
-            identical.append(index + 1)
-        else:
-            kept.append(row)
-    counts = {"rows": len(rows), "empty_answers": len(empty), "identical_pairs": len(identical), "kept": len(kept)}
-    if not kept:
-        reason = "chosen identical to rejected" if identical and not empty else "an empty answer"
-        raise DataError(f"{source}: every one of its {len(rows)} rows has {reason}: nothing to learn from")
-    counts["first_empty_rows"] = empty[:5]
-    counts["first_identical_rows"] = identical[:5]
-    return kept, counts
+KEPT, EMPTY, IDENTICAL, TOO_LONG = 0, 1, 2, 3  # a row's fate, stored per row while preparing (int8)
+
+
+def _answer_columns(row: dict) -> tuple[str, ...]:
+    return ("chosen", "rejected") if "chosen" in row else (
+        ("completion",) if "completion" in row else ("messages",) if "messages" in row else ("text",))
+
+
+def check_row(row: dict, number: int, stage: str, source: str) -> int:
+    """Refuse a malformed row (wrong types) naming its number; say whether it carries a training signal (KEPT) or is
+    dropped for an empty answer or chosen == rejected."""
+    answer_columns = _answer_columns(row)
+    for column in ("prompt",) + answer_columns:
+        if column not in row or row[column] is None:
+            if column == "prompt" and column not in row:
+                continue
+            raise DataError(f"{source} row {number}: '{column}' is missing")
+        value = row[column]
+        if not isinstance(value, str) and not _is_chat(value):
+            raise DataError(
+                f"{source} row {number}: '{column}' must be text or a list of {{role, content}} messages, "
+                f"got {type(value).__name__}"
+            )
+    if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+        raise DataError(f"{source} row {number}: 'chosen' and 'rejected' must both be text or both messages")
+    if any(not _text_of(row[column]).strip() for column in answer_columns):
+        return EMPTY
+    if stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
+        return IDENTICAL
+    return KEPT
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -452,37 +450,43 @@ def _split_count(size: float, rows: int) -> int:
     return int(size) if size >= 1 else int(round(size * rows))
 
 
-def split_rows(raw, data: DataArguments, seed: int) -> dict[str, list[dict]]:
-    """train / validation / test rows: the source's own splits where it has them, else carved with `seed`."""
+def split_datasets(raw, data: DataArguments, seed: int) -> dict:
+    """train / validation / test Datasets: the source's own splits where it has them, else carved with `seed`.
+
+    Carving selects row indices (the rows stay in their memory-mapped Arrow files); the order is that of
+    `random.Random(seed).shuffle`, so a seed carves the same rows it always has."""
     import random
+
+    import numpy as np
 
     names = list(raw.keys())
     if data.dataset_split not in names:
         raise DataError(f"--dataset_split {data.dataset_split}: no such split; the data has {', '.join(names)}")
-    splits = {"train": raw[data.dataset_split].to_list()}
+    splits = {"train": raw[data.dataset_split]}
     for kind in ("validation", "test"):
         found = _find_split(names, data.dataset_split, kind)
         if found:
-            splits[kind] = raw[found].to_list()
+            splits[kind] = raw[found]
     carve = [kind for kind in ("validation", "test") if kind not in splits]
     if carve:
-        order = list(range(len(splits["train"])))
-        random.Random(seed).shuffle(order)
-        rows = splits["train"]
-        counts = {kind: _split_count(getattr(data, f"{'val' if kind == 'validation' else 'test'}_size"), len(rows))
+        train = splits["train"]
+        counts = {kind: _split_count(getattr(data, f"{'val' if kind == 'validation' else 'test'}_size"), len(train))
                   for kind in carve}
-        if sum(counts.values()) >= len(rows):
+        if sum(counts.values()) >= len(train):
             raise DataError(
-                f"{len(rows)} training rows cannot give {counts} held-out rows: lower --val_size / --test_size"
+                f"{len(train)} training rows cannot give {counts} held-out rows: lower --val_size / --test_size"
             )
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        order = np.asarray(order, dtype=np.int64)  # 8 bytes a row instead of a Python int's 36
         start = 0
         for kind in carve:
-            splits[kind] = [rows[i] for i in order[start:start + counts[kind]]]
+            splits[kind] = train.select(order[start:start + counts[kind]])
             start += counts[kind]
-        splits["train"] = [rows[i] for i in sorted(order[start:])]
+        splits["train"] = train.select(np.sort(order[start:]))
     if data.max_train_samples:
-        splits["train"] = splits["train"][: data.max_train_samples]
-    return {kind: rows for kind, rows in splits.items() if rows}
+        splits["train"] = splits["train"].select(range(min(data.max_train_samples, len(splits["train"]))))
+    return {kind: dataset for kind, dataset in splits.items() if len(dataset)}
 
 
 def _source_fingerprint(location: str) -> list:
@@ -521,7 +525,176 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Streaming preparation: batched `datasets.map` over memory-mapped Arrow, token ids as int32 columns
+# --------------------------------------------------------------------------------------------------------------------
+
+CHUNK_ROWS_PER_PROCESS = 4096  # rows a process tokenizes between two progress updates
+MIN_ROWS_PER_PROCESS = 1000  # below this a worker process costs more to start than it saves
+MAP_BATCH_ROWS = 256  # rows per batch of the map function and per Arrow write: peak memory follows this
+
+
+def default_num_proc() -> int:
+    """The cores this process may run on (its CPU affinity: what a scheduler or `taskset` gave it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return max(1, os.cpu_count() or 1)
+
+
+def _normalized_features(features, shape: str, has_chat_template: bool, pair_shape: str | None = None) -> dict:
+    """Arrow types of normalize_row's columns, from the source's: batches written one after another must agree even
+    where one batch holds only None in a field (a tool call no row of it has)."""
+    from datasets import List, Value
+
+    text = Value("string")
+    chat = List({"role": text, "content": text})  # the messages normalize_row builds from transcripts
+    if shape == "explicit_prompt":
+        out = {key: features[key] for key in ("prompt", "chosen", "rejected")}
+    elif shape in ("ultrafeedback", "implicit_prompt"):
+        out = {"prompt": features["chosen"], "chosen": features["chosen"], "rejected": features["rejected"]}
+    elif shape in ("anthropic_hh", "orca"):
+        out = dict.fromkeys(("prompt", "chosen", "rejected"), chat if has_chat_template else text)
+    elif shape == "messages":
+        out = {"messages": features["messages"]}
+    elif shape == "sharegpt":
+        message = dict(features["conversations"].feature)
+        renamed = {{"from": "role", "value": "content"}.get(key, key): value for key, value in message.items()}
+        out = {"messages": type(features["conversations"])(renamed)}
+    elif shape == "prompt_completion":
+        out = {"prompt": features["prompt"], "completion": features["completion"]}
+    elif shape == "text":
+        out = {"text": features["text"]}
+    elif shape == "preference":
+        pair = _normalized_features(features, pair_shape, has_chat_template)
+        out = {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    else:
+        raise ValueError(f"unknown shape {shape}")
+    if "meta" in features:
+        out["meta"] = features["meta"]
+    if "tools" in features:
+        out["tools"] = text  # _serializable: JSON text
+    return out
+
+
+def _output_features(normalized: dict, token_columns: list[str], held_out: bool):
+    from datasets import Features, List, Value
+
+    features = dict(normalized)
+    for column in token_columns:
+        features[column] = List(Value("int8") if "mask" in column else Value("int32"))
+    features["length"] = Value("int64")
+    if held_out:
+        judge = normalized.get("prompt", normalized.get("messages", Value("string")))
+        features.update(sample_prompt=Value("string"), sample_prompt_ids=List(Value("int32")),
+                        sample_chosen=Value("string"), sample_rejected=Value("string"), judge_prompt=judge)
+    features["_status"] = Value("int8")
+    return Features(features)
+
+
+def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, stage: str, source: str,
+                   tokenizer, data: DataArguments, sft: SFTArguments, chat_template: str | None,
+                   has_chat_template: bool, held_out: bool, output_columns: list[str]) -> dict:
+    """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
+
+    Dropped rows stay in the batch with their reason in `_status` (so the counts and the first dropped row numbers
+    come out of one pass) and are filtered out afterwards."""
+    columns = list(batch)
+    out = {column: [] for column in output_columns}
+    for values, index in zip(zip(*(batch[column] for column in columns)), indices):
+        number = offset + index + 1
+        row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
+        status = check_row(row, number, stage, source)
+        if not has_chat_template and any(_is_chat(value) for value in row.values()):
+            raise DataError(
+                f"{source.split(' (')[0]}: the data is a chat but the model's tokenizer has no chat template to "
+                "render it; use a chat/instruct model, text data (prompt/chosen/rejected as strings), or give the "
+                "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
+            )
+        item, length = {}, 0
+        if status == KEPT:
+            if stage == "dpo":
+                item = tokenize_preference(row, tokenizer)
+                length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+                kept = len(item["prompt_ids"]) < data.max_length
+            elif stage == "reward":
+                item = tokenize_reward(row, tokenizer)
+                length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
+                # cut the answer whose last token the score is read from).
+                kept = length <= data.max_length
+            else:
+                item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                length = len(item["input_ids"])
+                kept = _has_trainable_token(item, data.max_length, sft)
+            status = KEPT if kept else TOO_LONG
+        record = {**_serializable(row), **item, "length": length, "_status": status}
+        if held_out:
+            record.update(sample_fields(row, tokenizer) if status == KEPT else
+                          {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
+                           "sample_rejected": None, "judge_prompt": None})
+        for column in output_columns:
+            out[column].append(record.get(column, [] if column.endswith(("_ids", "_mask", "_masks")) else None))
+    return out
+
+
+def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str, num_proc: int, work: Path):
+    """dataset.map(function) in chunks, each on up to `num_proc` processes, with one progress line between chunks.
+
+    The chunks' Arrow files go to `work` (not datasets' global cache) and are concatenated without copying."""
+    import datasets
+
+    from src.progress import Progress
+
+    chunk_rows = CHUNK_ROWS_PER_PROCESS * num_proc
+    # One chunk is a few seconds of work: data that fits in one needs no progress line.
+    progress = Progress(label, total=len(dataset), enabled=len(dataset) > chunk_rows)
+    pieces = []
+    for number, start in enumerate(range(0, len(dataset), chunk_rows)):
+        chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
+        processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
+        pieces.append(chunk.map(
+            function, fn_kwargs=fn_kwargs | {"offset": start}, batched=True, batch_size=MAP_BATCH_ROWS,
+            writer_batch_size=MAP_BATCH_ROWS, with_indices=True, remove_columns=chunk.column_names,
+            features=features, num_proc=processes if processes > 1 else None,
+            cache_file_name=str(work / f"{label.replace(' ', '_')}-{number:05d}.arrow"),
+            new_fingerprint=f"{work.name}-{label}-{number}",  # no hashing of the tokenizer for every chunk
+        ))
+        if start + chunk_rows < len(dataset):
+            progress.update(len(chunk))
+        else:
+            progress.done += len(chunk)  # counted, not shown: close() tells the last chunk, once
+    progress.close()
+    return datasets.concatenate_datasets(pieces)
+
+
+def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
+    """Kept / dropped / truncated counts of a split from its `_status` and `length` columns (read as arrays, a few
+    bytes a row), with the same refusals as before: nothing left after the checks, or after the length rule."""
+    import numpy as np
+
+    location, kind = source.rsplit(" (", 1)
+    status = prepared.data.column("_status").to_numpy()
+    lengths = prepared.data.column("length").to_numpy()
+    empty, identical = np.flatnonzero(status == EMPTY), np.flatnonzero(status == IDENTICAL)
+    checked, kept = (status == KEPT) | (status == TOO_LONG), status == KEPT
+    if not checked.any():
+        reason = "chosen identical to rejected" if len(identical) and not len(empty) else "an empty answer"
+        raise DataError(f"{source}: every one of its {len(status)} rows has {reason}: nothing to learn from")
+    if not kept.any():
+        what = "pair is over" if stage == "reward" else "prompt is at least"
+        raise DataError(f"{source}: every {what} --max_length {max_length} tokens long; raise --max_length")
+    return {"rows": len(status), "empty_answers": len(empty), "identical_pairs": len(identical),
+            "kept": int(kept.sum()), "first_empty_rows": [int(i) + 1 for i in empty[:5]],
+            "first_identical_rows": [int(i) + 1 for i in identical[:5]],
+            "dropped_too_long" if stage == "reward" else "dropped_prompt_too_long": int((status == TOO_LONG).sum()),
+            "truncated": int((kept & (lengths > max_length)).sum()), "longest_tokens": int(lengths[checked].max())}
+
+
 def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
+    import shutil
+
     import datasets
 
     location = source_location(data, stage)
@@ -533,59 +706,56 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
     if mapping:
         raw = raw.rename_columns(mapping)
     columns = raw[next(iter(raw))].column_names
+    features = raw[next(iter(raw))].features
     shape = detect_shape(columns, raw[next(iter(raw))][0], stage)
     summary = {"source": location, "shape": shape, "stage": stage, "max_length": data.max_length, "splits": {}}
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
-    built = {}
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    for kind, rows in split_rows(raw, data, seed).items():
-        rows = [normalize_row(row, shape, data.system_prompt, has_chat_template) for row in rows]
-        rows, counts = check_rows(rows, stage, f"{location} ({kind})")
-        if not has_chat_template and any(_is_chat(value) for value in rows[0].values()):
-            raise DataError(
-                f"{location}: the data is a chat but the model's tokenizer has no chat template to render it; use "
-                "a chat/instruct model or text data (prompt/chosen/rejected as strings)"
-            )
-        dropped = "dropped_prompt_too_long"
-        if stage == "dpo":
-            tokenized = [tokenize_preference(row, tokenizer) for row in rows]
-            prompt_lengths = [len(item["prompt_ids"]) for item in tokenized]
-            full_lengths = [len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                            for item in tokenized]
-            # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
-            keep = [length < data.max_length for length in prompt_lengths]
-        elif stage == "reward":
-            tokenized = [tokenize_reward(row, tokenizer) for row in rows]
-            full_lengths = [max(len(item["chosen_ids"]), len(item["rejected_ids"])) for item in tokenized]
-            # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would cut
-            # the answer whose last token the score is read from).
-            keep = [length <= data.max_length for length in full_lengths]
-            dropped = "dropped_too_long"
-        else:
-            tokenized = [tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template) for row in rows]
-            full_lengths = [len(item["input_ids"]) for item in tokenized]
-            keep = [_has_trainable_token(item, data.max_length, sft) for item in tokenized]
-        counts[dropped] = keep.count(False)
-        counts["truncated"] = sum(1 for length, kept in zip(full_lengths, keep) if kept and length > data.max_length)
-        counts["longest_tokens"] = max(full_lengths)
-        records = []
-        for row, item, kept, length in zip(rows, tokenized, keep, full_lengths):
-            if not kept:
-                continue
-            # "length" is what transformers' group_by_length sorts on (it cannot read DPO's three id columns).
-            record = {**_serializable(row), **item, "length": length}
-            if kind != "train":
-                record.update(sample_fields(row, tokenizer))
-            records.append(record)
-        if not records:
-            what = "pair is over" if stage == "reward" else "prompt is at least"
-            raise DataError(f"{location} ({kind}): every {what} --max_length {data.max_length} tokens long; raise "
-                            "--max_length")
-        counts["kept"] = len(records)
-        summary["splits"][kind] = counts
-        built[kind] = datasets.Dataset.from_list(records)
+    num_proc = data.dataset_num_proc or default_num_proc()
+    if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    work = target / ".work"
+    work.mkdir()
+    first_row = raw[next(iter(raw))][0]
+    pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
+    normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
+    first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
+    token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
+    built = {}
+    for kind, split in split_datasets(raw, data, seed).items():
+        held_out = kind != "train"
+        output = _output_features(normalized, token_columns, held_out)
+        kwargs = {"shape": shape, "stage": stage, "source": f"{location} ({kind})", "tokenizer": tokenizer,
+                  "data": data, "sft": sft, "chat_template": chat_template, "has_chat_template": has_chat_template,
+                  "held_out": held_out, "output_columns": list(output)}
+        prepared = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc, work)
+        summary["splits"][kind] = _counts(prepared, stage, kwargs["source"], data.max_length)
+        built[kind] = prepared.filter(_is_kept, input_columns="_status", batched=True,
+                                      cache_file_name=str(work / f"{kind}-kept.arrow"),
+                                      new_fingerprint=f"{work.name}-{kind}-kept").remove_columns("_status")
     datasets.DatasetDict(built).save_to_disk(str(target))
+    shutil.rmtree(work)
     (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _is_kept(statuses: list[int]) -> list[bool]:
+    return [status == KEPT for status in statuses]
+
+
+def _token_columns(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
+    """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
+    if stage == "dpo":
+        return ("prompt_ids", "chosen_ids", "rejected_ids")
+    if stage == "reward":
+        return ("chosen_ids", "rejected_ids")
+    if "prompt" in first_row:
+        from trl.data_utils import is_conversational
+
+        masks = ("assistant_masks",) if sft.assistant_only_loss and is_conversational(first_row) else ()
+        return ("input_ids", "completion_mask") + masks
+    if "messages" in first_row:
+        return ("input_ids",) + (("assistant_masks",) if sft.assistant_only_loss else ())
+    return ("input_ids",)
 
 
 def _has_trainable_token(item: dict, max_length: int, sft: SFTArguments) -> bool:

@@ -114,13 +114,24 @@ def tokenizers():
     return with_template, without
 
 
+def _without_null_fields(value):
+    """A message's keys that Arrow filled with None (a struct column unifies the keys of every row's messages) are
+    no part of the data: a `Json` column keeps each message as written."""
+    if isinstance(value, list):
+        return [_without_null_fields(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _without_null_fields(item) for key, item in value.items() if item is not None}
+    return value
+
+
 def digest(prepared) -> str:
     """sha256 of every split's rows (all columns, keys sorted) and of the counts the old preparation wrote."""
     content = {
         "shape": prepared.summary["shape"],
         "splits": {kind: {
             "columns": sorted(dataset.column_names),
-            "rows": [json.dumps(row, sort_keys=True) for row in dataset.to_list()],
+            "rows": [json.dumps({key: _without_null_fields(value) if isinstance(value, list) else value
+                                 for key, value in row.items()}, sort_keys=True) for row in dataset.to_list()],
             "counts": {key: prepared.summary["splits"][kind][key] for key in COUNT_KEYS
                        if key in prepared.summary["splits"][kind]},
         } for kind, dataset in prepared.splits.items()},
