@@ -79,6 +79,11 @@ class ModelArguments(ModelConfig):
         super().__post_init__()
 
 
+# Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
+# channel lookup here recognises them): configuration owns the list so it depends on no other module.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
 @dataclass
 class DataArguments:
     """Where the data comes from and how its columns map onto TRL's shapes."""
@@ -118,7 +123,11 @@ class DataArguments:
         metadata={"help": "Maximum tokens of prompt + completion. Longer rows are truncated at the end; rows whose "
                   "prompt alone fills it are dropped (both counted and reported before training)."},
     )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (datasets.map)."})
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize the data in parallel (datasets.map). Default: the cores this "
+                  "process may run on (its CPU affinity); preparation runs once per machine, before training."},
+    )
 
 
 @dataclass
@@ -620,8 +629,6 @@ def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tu
     SM_OUTPUT_DATA_DIR → --results_dir (uploaded as output.tar.gz); SM_MODEL_DIR → --final_model_dir (model.tar.gz);
     SM_CHANNEL_TRAINING → --dataset_name: the channel's one data file, or the directory (split files, save_to_disk).
     """
-    from src.data import DATA_FILE_BUILDERS
-
     environ = os.environ if environ is None else environ
     defaults = {}
     for variable, key in (("SM_OUTPUT_DATA_DIR", "results_dir"), ("SM_MODEL_DIR", "final_model_dir"),

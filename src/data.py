@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from src.config import EMBEDDED, DataArguments, SFTArguments
+from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
 from src.locking import build_once
 
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 PREPARED_FORMAT = 3  # bump when the prepared layout changes, so old caches are not reused
