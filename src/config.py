@@ -50,6 +50,13 @@ class ModelArguments(ModelConfig):
         metadata={"help": f"Hub id or local directory of the model to train; '{EMBEDDED}' builds the small offline "
                   "default model on first use (cached after)."},
     )
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={"help": "Give a model without a chat template (a base model) one: a Jinja file (.jinja/.j2), or a "
+                  "tokenizer directory or Hub id whose template, special tokens and EOS are copied (TRL's "
+                  "clone_chat_template: the embeddings grow by the new tokens). Every stage tokenizes with it and "
+                  "saves it with the model, so a DPO stage after SFT uses it."},
+    )
     trust_remote_code: bool = field(
         default=False,
         metadata={"help": "Allow models and tokenizers that ship their own Python code (runs that code: only for "

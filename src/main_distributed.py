@@ -33,7 +33,8 @@ from src.config import (
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
-from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
+                        peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
@@ -290,6 +291,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         set_seed(config.training.seed)
     model = load_model(model_path, config.model, plan, world,
                        reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+    model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
     # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
@@ -498,7 +500,8 @@ def run(argv: list[str] | None = None) -> int:
     quiet_libraries()
 
     model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
+    tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
+                                         config.model.chat_template_path)
     from src.embedded.model import cache_root
 
     # Every stage's data is checked and tokenized now, before any process group or model exists.
