@@ -104,6 +104,13 @@ class DataArguments:
     dataset_split: str = field(
         default="train", metadata={"help": "Split of the source to train on when it has several."}
     )
+    dataset_mixture: list[dict] | None = field(
+        default=None,
+        metadata={"help": "Several sources mixed into one training set (instead of --dataset_name), in a recipe: a "
+                  "list of {name: Hub id, file or directory; weight: fraction of its training rows to take (0-1], "
+                  "default 1; split; config; columns: {prompt: ..., chosen: ..., rejected: ..., messages: ...}}. "
+                  "Each source is recognised in its own shape; validation/test are carved per source."},
+    )
     prompt_column: str | None = field(default=None, metadata={"help": "Column holding the prompt (mapped to 'prompt')."})
     chosen_column: str | None = field(default=None, metadata={"help": "Column holding the preferred answer."})
     rejected_column: str | None = field(default=None, metadata={"help": "Column holding the dispreferred answer."})
@@ -722,6 +729,31 @@ def stage_config(config: Config, stage: str) -> Config:
     return staged
 
 
+MIXTURE_KEYS = ("name", "path", "weight", "fraction", "split", "config", "columns")
+MIXTURE_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion", "text")
+
+
+def validate_mixture(mixture: list[dict] | None) -> None:
+    """Each --dataset_mixture entry names a source and a fraction in (0, 1]; the error names the entry."""
+    for number, entry in enumerate(mixture or [], start=1):
+        where = f"dataset_mixture entry {number}"
+        unknown = [key for key in entry if key not in MIXTURE_KEYS]
+        if unknown:
+            raise ConfigError(f"{where}: unknown key '{unknown[0]}'{_closest(unknown[0], MIXTURE_KEYS)}; an entry "
+                              f"holds {', '.join(MIXTURE_KEYS)}")
+        name = entry.get("name") or entry.get("path")
+        if not name:
+            raise ConfigError(f"{where}: 'name' (a Hub id, a file or a directory) is required")
+        where = f"dataset_mixture entry {number} ({name})"
+        fraction = entry.get("weight", entry.get("fraction", 1.0))
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ConfigError(f"{where}: weight must be the fraction of its rows to take, in (0, 1]; got {fraction!r}")
+        columns = entry.get("columns") or {}
+        if not isinstance(columns, dict) or any(key not in MIXTURE_COLUMNS for key in columns):
+            raise ConfigError(f"{where}: columns maps {', '.join(MIXTURE_COLUMNS)} to the source's column names; "
+                              f"got {columns!r}")
+
+
 def validate(config: Config) -> None:
     """Checks that need no data, model or process group; each names its flag and what to do."""
     training, data = config.training, config.data
@@ -774,7 +806,8 @@ def validate(config: Config) -> None:
                               "(letters, digits, '-', '_', '.')") from None
     if config.model.model_name_or_path is None:
         raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
-    if config.data.dataset_name is None:
+    validate_mixture(config.data.dataset_mixture)
+    if config.data.dataset_name is None and not config.data.dataset_mixture:
         raise ConfigError(f"--dataset_name is required (a Hub id, a directory or a data file, or '{EMBEDDED}')")
 
 

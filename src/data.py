@@ -8,6 +8,11 @@ precomputation working under several processes.
 
 Tokenization mirrors what TRL's trainers do themselves (same helpers, same prompt/completion boundary, same EOS
 rules; `tests/test_data.py` checks the ids are identical), so the trainers receive ready columns and skip it.
+
+Preparation streams: the source stays in memory-mapped Arrow files, splits are carved as row indices, and one
+batched `datasets.map` per chunk normalizes, checks and tokenizes (on --dataset_num_proc processes) into int32 id
+columns written to disk batch by batch, so peak memory follows the batch size, not the data size
+(`bench/bench_prepare.py` measures it; docs/data.md has the numbers).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from src.locking import build_once
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 3  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 4  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
@@ -56,6 +61,26 @@ class PreparedData:
 # --------------------------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def mixture_sources(data: DataArguments) -> list[tuple[DataArguments, float]]:
+    """--dataset_mixture as one DataArguments per source (its name, config, split and column mapping; the rest
+    shared) and the fraction of its training rows to take. Empty without a mixture."""
+    import dataclasses
+
+    sources = []
+    for entry in data.dataset_mixture or []:
+        columns = {f"{canonical}_column": column for canonical, column in (entry.get("columns") or {}).items()}
+        source = dataclasses.replace(data, dataset_name=entry.get("name") or entry.get("path"),
+                                     dataset_config=entry.get("config"), dataset_split=entry.get("split", "train"),
+                                     dataset_mixture=None, **columns)
+        sources.append((source, float(entry.get("weight", entry.get("fraction", 1.0)))))
+    return sources
+
+
+def source_names(data: DataArguments) -> list[str]:
+    """The names the data comes from as the user wrote them: --dataset_name, or each source of a mixture."""
+    return [source.dataset_name for source, _ in mixture_sources(data)] or [data.dataset_name]
 
 
 def source_location(data: DataArguments, stage: str) -> str:
@@ -98,6 +123,10 @@ def _split_files(directory: Path) -> dict[str, str]:
 
 def check_source(data: DataArguments, stage: str) -> None:
     """The cheap checks on where the data comes from, before any model or tokenizer is fetched."""
+    for source, _ in mixture_sources(data):
+        check_source(source, stage)
+    if data.dataset_mixture:
+        return
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
@@ -512,7 +541,9 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     parts = {
         "format": PREPARED_FORMAT,
         "stage": stage,
-        "source": _source_fingerprint(source_location(data, stage)),
+        "source": _source_fingerprint(source_location(data, stage)) if not data.dataset_mixture else
+        [_source_fingerprint(source_location(source, stage)) for source, _ in mixture_sources(data)],
+        "mixture": data.dataset_mixture,
         "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "system_prompt", "val_size",
@@ -591,7 +622,7 @@ def _output_features(normalized: dict, token_columns: list[str], held_out: bool)
     return Features(features)
 
 
-def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, stage: str, source: str,
+def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, stage: str, location: str, source: str,
                    tokenizer, data: DataArguments, sft: SFTArguments, chat_template: str | None,
                    has_chat_template: bool, held_out: bool, output_columns: list[str]) -> dict:
     """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
@@ -606,7 +637,7 @@ def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, 
         status = check_row(row, number, stage, source)
         if not has_chat_template and any(_is_chat(value) for value in row.values()):
             raise DataError(
-                f"{source.split(' (')[0]}: the data is a chat but the model's tokenizer has no chat template to "
+                f"{location}: the data is a chat but the model's tokenizer has no chat template to "
                 "render it; use a chat/instruct model, text data (prompt/chosen/rejected as strings), or give the "
                 "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
             )
@@ -673,7 +704,6 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
     bytes a row), with the same refusals as before: nothing left after the checks, or after the length rule."""
     import numpy as np
 
-    location, kind = source.rsplit(" (", 1)
     status = prepared.data.column("_status").to_numpy()
     lengths = prepared.data.column("length").to_numpy()
     empty, identical = np.flatnonzero(status == EMPTY), np.flatnonzero(status == IDENTICAL)
@@ -696,7 +726,34 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
 
     import datasets
 
+    num_proc = data.dataset_num_proc or default_num_proc()
+    if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    work = target / ".work"
+    work.mkdir()
+    summary = {"stage": stage, "max_length": data.max_length}
+    sources = mixture_sources(data)
+    if not sources:
+        location, shape, built, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
+        summary |= {"source": location, "shape": shape, "splits": counts}
+    else:
+        parts = []
+        for number, (source, fraction) in enumerate(sources):
+            location, shape, built, counts = _prepare_source(source, sft, stage, seed, tokenizer, num_proc,
+                                                             work / str(number), fraction)
+            parts.append((location, shape, fraction, built, counts))
+        built, summary_parts = _mix(parts, seed)
+        summary |= summary_parts
+    datasets.DatasetDict(built).save_to_disk(str(target))
+    shutil.rmtree(work)
+    (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, num_proc: int,
+                    work: Path, fraction: float = 1.0):
+    """One source, recognised in its own shape and columns: (location, shape, kept splits, counts per split)."""
     location = source_location(data, stage)
+    work.mkdir(parents=True, exist_ok=True)
     raw = load_source(data, stage)
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
@@ -706,35 +763,83 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         raw = raw.rename_columns(mapping)
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
-    shape = detect_shape(columns, raw[next(iter(raw))][0], stage)
-    summary = {"source": location, "shape": shape, "stage": stage, "max_length": data.max_length, "splits": {}}
+    first_row = raw[next(iter(raw))][0]
+    shape = detect_shape(columns, first_row, stage)
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    num_proc = data.dataset_num_proc or default_num_proc()
-    if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    work = target / ".work"
-    work.mkdir()
-    first_row = raw[next(iter(raw))][0]
     pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
     normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
     first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
     token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
-    built = {}
+    built, counts = {}, {}
     for kind, split in split_datasets(raw, data, seed).items():
+        if kind == "train" and fraction < 1:
+            split = _take_fraction(split, fraction, seed)
         held_out = kind != "train"
         output = _output_features(normalized, token_columns, held_out)
-        kwargs = {"shape": shape, "stage": stage, "source": f"{location} ({kind})", "tokenizer": tokenizer,
-                  "data": data, "sft": sft, "chat_template": chat_template, "has_chat_template": has_chat_template,
-                  "held_out": held_out, "output_columns": list(output)}
+        kwargs = {"shape": shape, "stage": stage, "location": location, "source": f"{location} ({kind})",
+                  "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
+                  "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
         prepared = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc, work)
-        summary["splits"][kind] = _counts(prepared, stage, kwargs["source"], data.max_length)
+        counts[kind] = _counts(prepared, stage, kwargs["source"], data.max_length)
         built[kind] = prepared.filter(_is_kept, input_columns="_status", batched=True,
                                       cache_file_name=str(work / f"{kind}-kept.arrow"),
                                       new_fingerprint=f"{work.name}-{kind}-kept").remove_columns("_status")
-    datasets.DatasetDict(built).save_to_disk(str(target))
-    shutil.rmtree(work)
-    (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return location, shape, built, counts
+
+
+def _take_fraction(split, fraction: float, seed: int):
+    """`fraction` of a source's training rows, drawn with the seed (the rows keep their order in the source)."""
+    import numpy as np
+
+    count = max(1, int(round(fraction * len(split))))
+    return split.select(np.sort(np.random.default_rng(seed).permutation(len(split))[:count]))
+
+
+def _mix(parts: list, seed: int) -> tuple[dict, dict]:
+    """The sources' prepared splits as one: concatenated (held-out splits carved per source, so each source is
+    evaluated on its own rows), the training rows shuffled with the seed; the counts summed and kept per source."""
+    import datasets
+
+    splits: dict[str, list] = {}
+    for location, _, _, built, _ in parts:
+        for kind, dataset in built.items():
+            splits.setdefault(kind, []).append((location, dataset))
+    mixed = {}
+    for kind, pieces in splits.items():
+        columns = set.intersection(*(set(dataset.column_names) for _, dataset in pieces))
+        pieces = [(location, dataset.select_columns(sorted(columns))) for location, dataset in pieces]
+        for location, dataset in pieces[1:]:
+            if dataset.features != pieces[0][1].features:
+                different = [column for column in sorted(columns)
+                             if dataset.features[column] != pieces[0][1].features[column]]
+                raise DataError(
+                    f"dataset_mixture: {location} and {pieces[0][0]} differ in the type of {', '.join(different)} "
+                    "after normalisation (e.g. one is text and the other chat messages): mix sources of one kind"
+                )
+        combined = datasets.concatenate_datasets([dataset for _, dataset in pieces])
+        mixed[kind] = combined.shuffle(seed=seed) if kind == "train" else combined
+    counts = {}
+    for kind in mixed:
+        per_source = [part[4][kind] for part in parts if kind in part[4]]
+        total = {key: sum(item[key] for item in per_source) for key in per_source[0]
+                 if isinstance(per_source[0][key], int) and key != "longest_tokens"}
+        total["longest_tokens"] = max(item["longest_tokens"] for item in per_source)
+        # Row numbers count rows of one source: the summary names them per source.
+        total["first_empty_rows"] = [f"{location}:{row}" for location, _, _, _, c in parts if kind in c
+                                     for row in c[kind]["first_empty_rows"]][:5]
+        total["first_identical_rows"] = [f"{location}:{row}" for location, _, _, _, c in parts if kind in c
+                                         for row in c[kind]["first_identical_rows"]][:5]
+        counts[kind] = total
+    return mixed, {
+        "source": " + ".join(part[0] for part in parts),
+        "shape": "mixture",
+        "splits": counts,
+        "sources": [{"source": location, "shape": shape, "fraction": fraction,
+                     "rows_taken": {kind: c[kind]["kept"] for kind in c}, "splits": c}
+                    for location, shape, fraction, _, c in parts],
+        "held_out": "carved per source",
+    }
 
 
 def _is_kept(statuses: list[int]) -> list[bool]:
@@ -788,6 +893,9 @@ def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
 def format_summary(summary: dict) -> str:
     """A few lines for rank 0: what was recognised and what was dropped or truncated, per split."""
     lines = [f"  data: {summary['source']} ({summary['shape']}, {summary['stage']})"]
+    for source in summary.get("sources", []):
+        taken = ", ".join(f"{kind} {rows}" for kind, rows in source["rows_taken"].items())
+        lines.append(f"    {source['source']} ({source['shape']}, fraction {source['fraction']:g}): {taken} rows")
     for kind, counts in summary["splits"].items():
         notes = []
         if counts["empty_answers"]:

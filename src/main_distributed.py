@@ -30,7 +30,7 @@ from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, resolve_plan, sagemaker_process_hint, stage_config,
 )
-from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
+from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
@@ -492,7 +492,7 @@ def run(argv: list[str] | None = None) -> int:
     for stage in stages:
         check_source(stage.config.data, stage.name)
     if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
-                                          [stage.config.data.dataset_name for stage in stages]):
+                                          [name for stage in stages for name in source_names(stage.config.data)]):
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:

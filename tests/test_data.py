@@ -283,3 +283,30 @@ def test_chat_template_path_a_jinja_file_or_a_tokenizer_directory(tiny_tokenizer
     model = apply_chat_template_to_model(model, tokenizer, str(tmp_path / "source"))
     assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer) > before
     assert model.config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_a_mixture_of_two_shapes_takes_each_sources_fraction_and_records_it(tiny_tokenizer, tmp_path):
+    from conftest import preference_rows
+
+    explicit = write_jsonl(tmp_path / "explicit.jsonl", ROWS)
+    orca = write_jsonl(tmp_path / "orca.jsonl", [SHAPES["orca"](row) | {"question": "orca " + _text(row["prompt"])}
+                                                 for row in preference_rows(40, seed=1)])
+    result = prepared(tiny_tokenizer, tmp_path, dataset_mixture=[{"name": str(explicit)},
+                                                                 {"name": str(orca), "weight": 0.5}])
+    sources = result.summary["sources"]
+    assert [(s["shape"], s["rows_taken"]["train"]) for s in sources] == [("explicit_prompt", 32), ("orca", 16)]
+    # Held-out rows are carved per source (4 + 4 each); the training rows of both are mixed with the seed.
+    assert (len(result.train), len(result.validation), len(result.test)) == (48, 8, 8)
+    assert result.summary["splits"]["train"]["kept"] == 48
+    from_orca = [prompt[-1]["content"].startswith("orca ") for prompt in result.train["prompt"]]
+    assert sum(from_orca) == 16 and from_orca.index(True) < 32  # mixed with the seed, not appended
+
+
+def test_a_bad_row_in_a_mixture_names_its_source(tiny_tokenizer, tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", ROWS)
+    bad_rows = [dict(row) for row in ROWS]
+    bad_rows[2] = dict(bad_rows[2], chosen=7)
+    bad = write_jsonl(tmp_path / "bad.jsonl", bad_rows)
+    with pytest.raises(DataError, match=r"bad.jsonl \(train\) row 3: 'chosen' must be text"):
+        prepared(tiny_tokenizer, tmp_path, val_size=0, test_size=0,
+                 dataset_mixture=[{"name": str(good)}, {"name": str(bad)}])
