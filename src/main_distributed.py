@@ -257,7 +257,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
     from src.judges import pair_accuracy
     from src.throughput import peak_memory_mb
-    from src.training import build_trainer, build_trl_config, callback, planned_steps, silent_no_op_warnings
+    from src.training import (
+        build_trainer, build_trl_config, callback, planned_steps, resolve_sft_forward, silent_no_op_warnings,
+    )
 
     config, plan = stage.config, stage.plan
     started = time.monotonic()
@@ -292,6 +294,14 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     model = load_model(model_path, config.model, plan, world,
                        reward_pad_token_id=tokenizer.pad_token_id if reward else None)
     model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
+    sft_forward = resolve_sft_forward(config, model.config._attn_implementation) if stage.name == "sft" else None
+    if sft_forward:
+        print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
+        if sft_forward["warning"]:
+            print0(f"  warning: {sft_forward['warning']}")
+        if world.is_main:
+            run_files.update_json(info_path, sft_forward=sft_forward,
+                                  warnings=warnings + ([sft_forward["warning"]] if sft_forward["warning"] else []))
     # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
@@ -301,9 +311,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
-                                  total_steps)
+                                  total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
-                            metrics_path, plan)
+                            metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
+                            else None)
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
     if world.is_main and getattr(trainer, "reference_cache", None):

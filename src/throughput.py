@@ -67,7 +67,10 @@ class ThroughputMeter(TrainerCallback):
             return
         self.padded += ids.numel()
         self.tokens += float(mask.sum()) if mask is not None else ids.numel()
-        self.samples += ids.shape[0] / self.sequences_per_example
+        positions = inputs.get("position_ids")
+        # A padding-free batch is one row of several sequences, each starting again at position 0.
+        rows = int((positions == 0).sum()) if mask is None and positions is not None else ids.shape[0]
+        self.samples += rows / self.sequences_per_example
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.window_start is None:

@@ -223,7 +223,26 @@ class _LocalMainAccelerator:
 
 
 class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
-    """SFTTrainer with the toolkit's additions (it already skips tokenizing data that has input_ids)."""
+    """SFTTrainer with the toolkit's additions (it already skips tokenizing data that has input_ids).
+
+    Padding-free without packing: TRL then refuses a max_length (it would not enforce it), so the SFTConfig gets none
+    and the rows are cut here to `truncate_to`, as TRL's own truncation cuts them (rows left with no trained token
+    were already dropped by src/data.py)."""
+
+    TRUNCATED_COLUMNS = ("input_ids", "assistant_masks", "completion_mask")
+
+    def __init__(self, *args, truncate_to: int | None = None, **kwargs):
+        self.truncate_to = truncate_to
+        super().__init__(*args, **kwargs)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        if self.truncate_to is not None and "input_ids" in dataset.column_names:
+            length, keep_end = self.truncate_to, args.truncation_mode == "keep_end"
+            columns = [column for column in self.TRUNCATED_COLUMNS if column in dataset.column_names]
+            dataset = dataset.map(lambda batch: {column: [values[-length:] if keep_end else values[:length]
+                                                          for values in batch[column]] for column in columns},
+                                  batched=True, desc=f"Truncating {dataset_name} dataset")
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
 
 class ToolkitRewardTrainer(PairLengthsMixin, ToolkitTrainerMixin, RewardTrainer):
@@ -364,6 +383,58 @@ class GradientCompression(TrainerCallback):
                 "saved_fraction": round(1 - self.sent_bytes / self.uncompressed_bytes, 4), "steps": self.steps}
 
 
+# TRL's padding-free SFT batch is one row: the micro-batch's sequences end to end, positions restarting at 0, no
+# attention mask. Flash-attention reads the boundaries TRL passes (cu_seq_lens) and attends within each sequence at
+# linear cost. sdpa and eager get a block-diagonal causal mask that transformers builds from the restarting positions
+# (masking_utils.find_packed_sequence_indices) -- only when no KV cache is passed, which TRL's SFTTrainer ensures
+# (use_cache=False); tests/test_sft_padding_free.py checks each sequence's hidden states against the sequence alone.
+# That mask is dense, so their attention costs (micro-batch tokens)^2 instead of sequences x length^2: on the embedded
+# default (16 rows of 47 tokens on average) a step took 1.4x (sdpa) and 2.1x (eager) the CPU time of the padded one
+# (bench/bench_sft_forward.py), so it is not their default.
+PADDING_FREE_LINEAR = ("flash_attention_2", "flash_attention_3")
+PADDING_FREE_EXACT = PADDING_FREE_LINEAR + ("sdpa", "eager")
+
+
+def _exact_padding_free(attn_implementation: str) -> bool:
+    return attn_implementation in PADDING_FREE_EXACT or "flash-attn" in attn_implementation  # Hub kernels
+
+
+def resolve_sft_forward(config: Config, attn_implementation: str | None) -> dict:
+    """How the SFT stage batches its sequences, decided once from the flags and the loaded model's attention:
+    "packed" (TRL's packing, --packing), "padding_free" (TRL's padding_free: one row per micro-batch) or "padded".
+    --padding_free unset means: on where it is exact and cheap (flash-attention), off elsewhere. Where the attention
+    cannot keep packed sequences apart, packing and padding-free are turned off with a warning (never silently wrong).
+    Returns what training_info.json records, with `warning` set when a request was not honoured."""
+    attention = attn_implementation or "sdpa"
+    requested = config.trl_overrides.get("padding_free")
+    strategy = config.trl_overrides.get("packing_strategy", "bfd")
+    packing = config.sft.packing
+    exact = _exact_padding_free(attention)
+    result = {"attn_implementation": attention, "padding_free_requested": requested, "packing_requested": packing,
+              "warning": None}
+    if packing and strategy == "wrapped":
+        # Wrapped packing cuts sequences at row ends and lets them attend across: TRL's own documented trade-off.
+        return result | {"forward": "packed", "packing_strategy": strategy, "padding_free": False,
+                         "reason": "--packing_strategy wrapped (sequences attend across their boundaries, by design)"}
+    if (packing or requested) and not exact:
+        asked = "--packing" if packing else "--padding_free"
+        return result | {"forward": "padded", "padding_free": False, "reason": f"{attention} attention",
+                         "warning": f"{asked} is off: {attention} attention cannot keep packed sequences apart; "
+                                    "training on padded batches (use sdpa, eager or flash-attention to pack)"}
+    if packing:
+        return result | {"forward": "packed", "packing_strategy": strategy, "padding_free": True,
+                         "reason": f"--packing ({strategy}): rows of --max_length, exact with {attention}"}
+    if requested is None:
+        requested = attention in PADDING_FREE_LINEAR or "flash-attn" in attention
+        reason = (f"default with {attention}: exact, attention within each sequence" if requested else
+                  f"default with {attention}: padding-free is exact but its dense mask over the whole micro-batch "
+                  "costs more than the padding it saves (--padding_free true to use it)")
+    else:
+        reason = f"--padding_free {str(requested).lower()}"
+    return result | {"forward": "padding_free" if requested else "padded", "padding_free": bool(requested),
+                     "reason": reason}
+
+
 def _eval_steps(config: Config, total_steps: int | None) -> int | None:
     if config.training.eval_steps is not None:
         return config.training.eval_steps
@@ -371,9 +442,9 @@ def _eval_steps(config: Config, total_steps: int | None) -> int | None:
 
 
 def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, has_validation: bool,
-                     total_steps: int | None):
+                     total_steps: int | None, sft_forward: dict | None = None):
     """DPOConfig / SFTConfig / RewardConfig from the plan; TRL pass-through fields go last and may set anything not
-    derived."""
+    derived. For SFT, `sft_forward` (resolve_sft_forward) decides packing and padding-free, whatever was passed."""
     training = config.training
     eval_strategy = training.eval_strategy if has_validation else "no"
     eval_steps = _eval_steps(config, total_steps)
@@ -436,12 +507,17 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         config_class = SFTConfig
     overrides = {key: value for key, value in config.trl_overrides.items()
                  if key in {item for item in config_class.__dataclass_fields__}}
+    if stage == "sft" and sft_forward is not None:
+        overrides |= {"packing": sft_forward["forward"] == "packed", "padding_free": sft_forward["padding_free"]}
+        if sft_forward["forward"] == "padding_free":
+            overrides["max_length"] = None  # TRL's rule without packing: the trainer truncates (ToolkitSFTTrainer)
     return config_class(**{**common, **specific, **overrides})
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
-                  plan: Plan):
+                  plan: Plan, truncate_to: int | None = None):
     trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
+    extra = {"truncate_to": truncate_to} if stage == "sft" else {}
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
     # DPO and reward batches hold a chosen and a rejected sequence per pair.
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
@@ -456,6 +532,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         # The meter adds perf/* to each record before the recorder writes it.
         callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
+        **extra,
     )
     trainer.remove_callback(PrinterCallback)
     return trainer
