@@ -37,7 +37,8 @@ def rows(count: int, seed: int = 0, prompt_words: float = 60, answer_words: floa
         rejected = [{"role": "user", "content": prompt},
                     {"role": "assistant", "content": _words(rng, answer_words, 0.8, cap)}]
         yield {"prompt": prompt, "prompt_id": f"{index:064x}", "chosen": chosen, "rejected": rejected,
-               "messages": chosen, "score_chosen": float(rng.randint(6, 10)), "score_rejected": float(rng.randint(1, 5))}
+               "messages": chosen, "score_chosen": float(rng.randint(6, 10)),
+               "score_rejected": float(rng.randint(1, 5))}
 
 
 def write(path: Path, count: int, seed: int = 0, **lengths) -> Path:

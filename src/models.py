@@ -125,7 +125,8 @@ def apply_chat_template_path(tokenizer, path: str | None):
     if not source.chat_template:
         raise ModelError(f"--chat_template_path {path}: that tokenizer has no chat template to copy")
     tokenizer.chat_template = source.get_chat_template()
-    tokenizer.add_tokens([token for token in source.added_tokens_decoder.values() if token.content not in tokenizer.vocab])
+    vocabulary = tokenizer.get_vocab()
+    tokenizer.add_tokens([token for token in source.added_tokens_decoder.values() if token.content not in vocabulary])
     tokenizer.eos_token = source.eos_token
     return tokenizer
 
