@@ -32,7 +32,7 @@ from src.config import (
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
-from src.hub_access import use_local_cache_if_hub_unreachable
+from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
@@ -354,7 +354,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         one_job = callback(trainer, "OneJobCheck").result
         compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
-        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
+                  "live_report": callback(trainer, "LiveReport").summary()}
         if compression:
             fields["gradient_all_reduce"] = compression
             print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
@@ -371,6 +372,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
             outcome["judge"] = fields["judge"]
         trackers.finish(run_files.update_json(info_path, **fields))
         publish_report(stage.run_dir, stage.name)
+        publish_index(stage)
         for directory in write_model_cards(stage.run_dir).values():
             print0(f"  model card: {directory / 'README.md'}")
     barrier()
@@ -426,6 +428,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
         if world.is_main:
             run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
+            publish_pages_after_stop(stage)
         raise TrainingDiverged(message)
     if conditions.stopped_at is not None:
         message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
@@ -433,6 +436,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "to resume")
         if world.is_main:
             run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
+            publish_pages_after_stop(stage)
         raise StoppedBySignal(conditions.stopped_by, message)
 
 
@@ -446,6 +450,24 @@ def publish_report(run_dir: Path, stage: str) -> None:
     if alerts:
         print0(format_alerts(alerts))
     print0(f"  report: {report}")
+
+
+def publish_pages_after_stop(stage: Stage) -> None:
+    """The report as the run stopped (the status line says stopped or diverged) and the index."""
+    from src.reporting.report import ReportError
+
+    try:
+        publish_report(stage.run_dir, stage.name)
+    except ReportError as error:  # stopped before its first log: nothing to report, the exit says why
+        print0(f"  no report: {error}")
+    publish_index(stage)
+
+
+def publish_index(stage: Stage) -> None:
+    """results/index.md, every run in the results folder, rewritten when a stage ends (finished, stopped, diverged)."""
+    from src.reporting.index import write_index
+
+    write_index(stage.config.training.results_dir)
 
 
 def export_final_model(stage: Stage, target: Path) -> None:
@@ -472,6 +494,14 @@ def push_final_model(stage: Stage, config: Config) -> None:
     run_files.update_json(info_path, hub={"repo_id": hub.hub_model_id, "pushed": True, "repositories": pushed})
     for url in pushed.values():
         print0(f"  pushed to the Hub: {url}")
+
+
+def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
+    """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
+    names = [config.model.model_name_or_path] + [name for stage in stages for name in source_names(stage.config.data)]
+    if config.training.judge not in ("auto", "none", EMBEDDED):
+        names.append(config.training.judge)  # a reward model as judge
+    return [name for name in names if name != EMBEDDED]
 
 
 def quiet_libraries() -> None:
@@ -502,8 +532,10 @@ def run(argv: list[str] | None = None) -> int:
     check_earlier_run(stages[-1].run_dir, overwrite)
     for stage in stages:
         check_source(stage.config.data, stage.name)
-    if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
-                                          [name for stage in stages for name in source_names(stage.config.data)]):
+    hub_names = hub_sources(config, stages)
+    if not needs_hub(hub_names) and not config.hub.push_to_hub:
+        use_local_files_only()  # nothing to fetch or push: no probe, no message, no network calls
+    elif use_local_cache_if_hub_unreachable(hub_names) and os.environ.get("PREFKIT_PREFLIGHT_DONE") != "1":
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:

@@ -6,7 +6,9 @@ batch, learning rate, precision and backend come from the plan (src/config.py) a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, S
 from src import run_files
 from src.config import Config, Plan
 from src.distributed import gather_objects
+from src.progress import Progress, eta_seconds, format_duration
+from src.reporting.live import LiveReport
 from src.resilience import mark_complete, stop_signal
 from src.throughput import ThroughputMeter
 
@@ -112,6 +116,7 @@ def _any_rank(*flags: bool) -> list[bool]:
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     """What every toolkit trainer adds to TRL's: complete-only checkpoints, each micro-batch shown to the callbacks
     that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the one-job check),
+    the time spent evaluating and checkpointing shown to the callbacks that keep time (`on_pause(seconds)`),
     and the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
     gradient compression); Trainer's callbacks only ever see the unwrapped model."""
 
@@ -128,6 +133,26 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
             if hasattr(callback, "on_micro_batch"):
                 callback.on_micro_batch(loss, inputs)
         return loss
+
+    def evaluate(self, *args, **kwargs):
+        with self.pause():
+            return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        with self.pause():
+            super()._save_checkpoint(model, trial)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time that is not training (evaluation, checkpointing): its length goes to the callbacks that keep time
+        (`on_pause(seconds)`: the throughput meter leaves it out of its window)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "on_pause"):
+                    callback.on_pause(time.perf_counter() - started)
 
 
 class PairLengthsMixin:
@@ -149,6 +174,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     changes the numbers, and the outcome (reused or computed, how long) is recorded."""
 
     reference_cache: dict | None = None
+    _reference_progress: Progress | None = None  # while the reference pass runs
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
@@ -166,6 +192,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         started = time.monotonic()
         dataset._fingerprint = Hasher.hash((original, how))
         accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
+        # TRL draws a tqdm bar (carriage returns in a log file); one Progress line instead, fed by compute_ref_log_probs
+        self._reference_progress = Progress(f"  reference log-probs ({name})", total=len(dataset), unit="pairs",
+                                            enabled=accelerator.is_main_process)
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
         try:
             self._same_cache_on_every_machine(dataset)
             before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
@@ -173,6 +204,13 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         finally:
             dataset._fingerprint = original
             self.accelerator = accelerator
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
+            progress, self._reference_progress = self._reference_progress, None
+        if progress.done:  # computed, not read from the cache
+            progress.close()
         created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
         self.reference_cache = (self.reference_cache or {}) | {name: {
             "cache": "computed" if created else "reused",
@@ -182,6 +220,13 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         }}
         return result
 
+
+    def compute_ref_log_probs(self, model, inputs):
+        progress = self._reference_progress
+        if progress is not None:  # chosen and rejected rows of every rank's micro-batch
+            pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
+            progress.update(min(pairs, progress.total - progress.done))
+        return super().compute_ref_log_probs(model, inputs)
 
     def _same_cache_on_every_machine(self, dataset) -> None:
         """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
@@ -273,20 +318,31 @@ class MetricsRecorder(TrainerCallback):
 
 
 class ConsoleLog(TrainerCallback):
-    """One compact line per logged event on rank 0 (replaces Trainer's dict printer)."""
+    """One compact line per logged event on rank 0 (replaces Trainer's dict printer), ending with the elapsed time and
+    the ETA (at the rate since this launch began training, evaluations included)."""
 
     KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "margin",
             "accuracy", "eval_accuracy",
             "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm", "perf/tokens_per_second")
 
+    def __init__(self):
+        self.started = time.monotonic()
+        self.start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started, self.start_step = time.monotonic(), state.global_step
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
         if "train_runtime" in logs:
-            line = f"done in {logs['train_runtime']:.1f}s, {logs.get('train_samples_per_second', 0):.1f} samples/s"
+            line = (f"done in {format_duration(logs['train_runtime'])}, "
+                    f"{logs.get('train_samples_per_second', 0):.1f} samples/s")
         else:
             parts = [f"{key} {logs[key]:.4g}" for key in self.KEYS if isinstance(logs.get(key), (int, float))]
-            line = "  ".join(parts)
+            elapsed = time.monotonic() - self.started
+            eta = eta_seconds(state.global_step - self.start_step, state.max_steps - self.start_step, elapsed)
+            line = "  ".join(parts + [f"elapsed {format_duration(elapsed)}", f"ETA {format_duration(eta)}"])
         print(f"  step {state.global_step:>5}/{state.max_steps}  {line}", flush=True)
 
 
@@ -530,7 +586,8 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()] + (
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck(),
+                   LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
         **extra,
     )
