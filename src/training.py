@@ -80,9 +80,10 @@ class CompleteCheckpointsMixin:
         (failed,) = _any_rank(self._write_failure is not None)
         if failed:
             number, directory = next(failure for (failure,) in gather_objects([self._write_failure]) if failure)
+            message = write_failed_message(number, directory, Path(run_dir))  # the free space when it failed
             if self.args.should_save:
                 shutil.rmtree(checkpoint, ignore_errors=True)  # never complete: its space goes back
-            raise WriteFailed(write_failed_message(number, directory, Path(run_dir)))
+            raise WriteFailed(message)
         if self.args.should_save:
             mark_complete(checkpoint)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
@@ -129,8 +130,6 @@ class StopConditions(TrainerCallback):
             number, directory = next(failure for (failure,) in gather_objects([pending_write_failure()]) if failure)
             raise WriteFailed(write_failed_message(number, directory, Path(args.output_dir)))
         if diverged:
-            from src.distributed import gather_objects
-
             self.diverged_at = state.global_step
             reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]
             # The rank where it started first: its loss, before the all-reduce spread NaN gradients to every rank.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,13 +70,14 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
     filler = small / "filler"
     try:
         wait_for(lambda: complete_checkpoint_from(run_dir / "model", 10), what="a complete checkpoint")
-        with open(filler, "wb") as handle:  # another job fills the disk: everything it can take
-            try:
-                while True:
-                    handle.write(b"\0" * 4096)
-                    handle.flush()
-            except OSError as error:
-                assert error.errno == errno.ENOSPC
+        descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT)  # another job fills the disk: all it can take
+        try:
+            while True:
+                os.write(descriptor, b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+        finally:
+            os.close(descriptor)
         assert launch.wait(timeout=240) != 0
     finally:
         os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
@@ -83,10 +85,10 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
     newest = newest_complete_checkpoint(run_dir / "model")
     assert newest is not None
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: writing to {errors[0].split('writing to ')[1].split(' failed')[0]} failed: no space "
-                      f"left on device (0 B free there); a relaunch of the same command resumes from {newest} (step "
-                      f"{newest.name.split('-')[1]}): free space, lower --save_total_limit or move --results_dir, "
-                      "then relaunch"], output[-4000:]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: writing to {re.escape(str(run_dir))}\S* failed: no space left on device \([\d.]+ K?B free there\); a "
+        rf"relaunch of the same command resumes from {re.escape(str(newest))} \(step {newest.name.split('-')[1]}\): "
+        "free space, lower --save_total_limit or move --results_dir, then relaunch", errors[0]), output[-4000:]
     assert "Traceback" not in output.split("torch.distributed.elastic")[0], output[-4000:]
     assert [path for path in (run_dir / "model").glob("checkpoint-*") if not (path / COMPLETE_MARKER).exists()] == []
     steps = sorted(train_losses(run_dir))

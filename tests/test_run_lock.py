@@ -39,7 +39,7 @@ def test_a_second_launch_into_a_live_run_is_refused_and_a_dead_holder_is_taken_o
         holder = json.loads(hold_path(run_dir).read_text())
         second = subprocess.run(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT,
                                 env=os.environ | {"PYTHON": sys.executable}, capture_output=True, text=True,
-                                timeout=120)
+                                timeout=300)
         assert first.poll() is None, "the first job must still be training for the refusal to mean anything"
         assert second.returncode == 2, second.stderr[-3000:]
         (line,) = [line for line in second.stderr.splitlines() if line.strip()]
