@@ -35,6 +35,7 @@ from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_r
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
 from src.hub_access import use_local_cache_if_hub_unreachable
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.node_watch import watch
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
@@ -519,6 +520,9 @@ def run(argv: list[str] | None = None) -> int:
         print0(f"  {note}")
     stages = plan_stages(config, world, devices)
     hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
+    if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
+        watch(world, config.training.node_timeout, lambda: next(filter(None, (
+            newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     check_earlier_run(stages[-1].run_dir, overwrite)
