@@ -19,7 +19,7 @@ from src import run_files
 from src.locking import COMPLETE_MARKER
 from src.resilience import checkpoint_step, newest_complete_checkpoint
 from src.run_lock import STALE_AFTER_S, RunDirectoryHeld, acquire, hold_path, identity
-from test_resilience import job_args, start_launcher, train_losses, wait_for
+from test_resilience import job_args, start_launcher, train_losses, wait_for, worker_pid
 
 
 def complete_checkpoint_from(model_dir, step: int):
@@ -46,7 +46,12 @@ def test_a_second_launch_into_a_live_run_is_refused_and_a_dead_holder_is_taken_o
         assert line.startswith(f"error: {run_dir} is in use by another job: host {socket.gethostname()}, pid "
                                f"{holder['pid']} (torchrun pid "), line
         assert f"since {holder['since']}" in line and "--run_name" in line
-        os.killpg(first.pid, signal.SIGKILL)  # the holder dies without a word: its hold file stays behind
+        # The job dies without a word (its hold file stays behind): every process of it, workers included
+        # (torchrun gives each worker a process group of its own).
+        workers = [worker_pid(rank, first) for rank in (0, 1)]
+        os.killpg(first.pid, signal.SIGKILL)
+        for pid in filter(None, workers):
+            os.kill(pid, signal.SIGKILL)
         first.wait(timeout=60)
     finally:
         os.killpg(first.pid, signal.SIGKILL) if first.poll() is None else None
