@@ -304,7 +304,8 @@ class SFTArguments:
 
 @dataclass
 class HubArguments:
-    """Publishing the final model on the Hugging Face Hub: the toolkit pushes once, after the run (see README)."""
+    """Publishing the final model on the Hugging Face Hub: the toolkit pushes once, after the run
+    (see docs/trackers-hub-sagemaker.md)."""
 
     push_to_hub: bool = field(
         default=False,

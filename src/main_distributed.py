@@ -41,8 +41,8 @@ from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
+from src.reporting.summary import summarize
 from src.run_lock import acquire, check_free
-from src.summary import summarize
 from src.trackers import TrackerRecord, check_trackers, tracker_environment
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
@@ -448,8 +448,8 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
 
 def publish_report(run_dir: Path, stage: str) -> None:
     """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
-    from src.alerts import detect_alerts, format_alerts
-    from src.report import build_report
+    from src.reporting.alerts import detect_alerts, format_alerts
+    from src.reporting.report import build_report
 
     report = build_report(run_dir)
     alerts = detect_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage)

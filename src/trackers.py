@@ -142,7 +142,7 @@ class TrackerRecord(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero or not self.report_to:
             return
-        from src.report import setup_table
+        from src.reporting.report import setup_table
 
         info = run_files.read_json(self.info_path)
         if "tensorboard" in self.report_to:
@@ -166,7 +166,7 @@ class TrackerRecord(TrainerCallback):
         stage starts its own, in its own directory."""
         if not self.report_to:
             return
-        from src.report import final_numbers_table
+        from src.reporting.report import final_numbers_table
 
         numbers = final_numbers(info)
         if "tensorboard" in self.report_to:

@@ -251,7 +251,7 @@ def pipeline_run_dir(run_dir: str | Path, count: int = 40) -> Path:
 
 
 if __name__ == "__main__":
-    from src.report import build_report
+    from src.reporting.report import build_report
 
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/prefkit_report_example")
     examples = {"dpo_healthy": lambda d: judged_run_dir(d), "sft_healthy": lambda d: judged_run_dir(d, stage="sft"),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from src.alerts import LN2, Alert, detect_alerts, format_alerts
+from src.reporting.alerts import LN2, Alert, detect_alerts, format_alerts
 from tests.report_fixtures import dpo_history, sft_history
 
 DPO_FAILURES = [("stuck", "dpo_stuck"), ("displacement", "dpo_displacement"), ("saturated", "dpo_saturated"),

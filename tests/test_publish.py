@@ -17,7 +17,7 @@ from report_fixtures import judged_run_dir
 from src import run_files
 from src.config import ConfigError, parse_config
 from src.publish import PublishError, push_to_hub, write_model_cards
-from src.report import build_report
+from src.reporting.report import build_report
 
 LORA_CONFIG = {"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "dataset_name": "trl-lib/ultrafeedback_binarized",
                "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "v_proj"],

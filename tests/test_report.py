@@ -9,10 +9,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from src.plots import CHARTS, plot_history, smooth
-from src.report import ReportError, build_report, main, pick_examples, render_samples_text
+from src.reporting.plots import CHARTS, plot_history, smooth
+from src.reporting.report import ReportError, build_report, main, pick_examples, render_samples_text
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_json
-from src.summary import summarize
+from src.reporting.summary import summarize
 from tests.report_fixtures import (dpo_history, judged_run_dir, pipeline_run_dir, sft_history, training_info,
                                    write_run_dir)
 

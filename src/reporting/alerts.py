@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from src.summary import finite, series
+from src.reporting.summary import finite, series
 
 LN2 = math.log(2)
 

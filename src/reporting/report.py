@@ -16,10 +16,10 @@ import math
 import sys
 from pathlib import Path
 
-from src.alerts import Alert, detect_alerts, format_alerts
-from src.plots import plot_history
+from src.reporting.alerts import Alert, detect_alerts, format_alerts
+from src.reporting.plots import plot_history
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file
-from src.summary import summarize
+from src.reporting.summary import summarize
 
 SPLITS = ("val", "test")
 REPORT = "report.md"

@@ -15,7 +15,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from src.summary import series
+from src.reporting.summary import series
 
 X_LABEL = "optimizer step"
 TRAIN_COLOR, EVAL_COLOR = "#1f77b4", "#ff7f0e"

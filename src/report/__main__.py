@@ -1,0 +1,5 @@
+import sys
+
+from src.reporting.report import main
+
+sys.exit(main())

@@ -1,0 +1,128 @@
+"""A run's model card: `README.md` beside the final model, built from the run directory alone.
+
+    python -m src.publish results/<run_name>        # (re)write the model card(s)
+
+The card lives in the final model directory (`model/final/`, and `model/merged/` with --merge_adapter) and is written
+at the end of every run. Like report.md it reads only `training_info.json` and `plots/`, with report.py's own tables:
+base model, data, method (stage, loss, beta, LoRA/QLoRA), the resolved plan, final numbers and judged before/after,
+and the curves (copied next to the card, so the Hub shows them). Pushing it is src/publish.py's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from src.config import EMBEDDED
+from src.hub_access import looks_like_hub_id
+from src.reporting.plots import CHARTS
+from src.reporting.report import PLOTS_DIR, _num, final_numbers_table, judged_section, setup_table
+from src.run_files import TRAINING_INFO, read_json
+
+CARD = "README.md"
+# The merged copy goes to a repository of its own (<hub_model_id>-merged), so its card names that id.
+MERGED_SUFFIX = "-merged"
+
+
+def model_dirs(run_dir: Path, info: dict) -> dict[str, Path]:
+    """The run's saved model directories: "final" (adapter or full model) and, when one was made, "merged": inside
+    the run directory (so a copied run directory is self-contained), else where training_info.json says
+    (--output_dir elsewhere)."""
+    found = {}
+    for kind, key in (("final", "final_model"), ("merged", "merged_model")):
+        recorded = Path(info[key]) if info.get(key) else None
+        if (run_dir / "model" / kind).is_dir() and (kind == "final" or recorded is not None):
+            found[kind] = run_dir / "model" / kind
+        elif recorded is not None and recorded.is_dir():
+            found[kind] = recorded
+    return found
+
+
+def _hub_id(name: str | None) -> str | None:
+    """`name` when it can be a Hub repository id (not a local path, not the embedded default)."""
+    return name if name and name != EMBEDDED and looks_like_hub_id(name) else None
+
+
+def _method_table(info: dict, merged: bool) -> list[str]:
+    config = info.get("config") or {}
+    stage = info.get("stage", "?")
+    previous = (info.get("previous_stage") or {}).get("stage")
+    rows = [["stage", f"{previous.upper()} then {stage.upper()} (this model is after {stage.upper()})" if previous
+             else stage.upper()]]
+    if stage == "dpo":
+        loss_type = info.get("loss_type") or config.get("loss_type")
+        loss = " + ".join(loss_type) if isinstance(loss_type, list) else str(loss_type)
+        if config.get("loss_weights"):
+            loss += f" (weights {', '.join(_num(weight) for weight in config['loss_weights'])})"
+        rows += [["loss type", loss], ["beta", _num(info.get("beta", config.get("beta")))]]
+        if config.get("label_smoothing"):
+            rows.append(["label smoothing", _num(config["label_smoothing"])])
+    if info.get("use_lora"):
+        targets = config.get("lora_target_modules")
+        targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
+        rows.append(["LoRA", f"r {config.get('lora_r')}, alpha {config.get('lora_alpha')}, dropout "
+                             f"{_num(config.get('lora_dropout'))}, target modules {targets}"
+                             + (" — merged into the base weights in this repository" if merged else "")])
+    if info.get("load_in_4bit"):
+        rows.append(["QLoRA", f"base quantized to 4 bits ({config.get('bnb_4bit_quant_type', 'nf4')}, double "
+                              f"quantization {_num(config.get('use_bnb_nested_quant'))}) during training"])
+    rows += [["max length", f"{info.get('max_length')} tokens (prompt + completion)"],
+             ["training", "full fine-tuning" if not info.get("use_lora") else "LoRA adapters, base frozen"]]
+    return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+
+
+def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: str | None = None) -> str:
+    """The card's text for the final model (or, with `merged`, the merged copy), from training_info.json."""
+    from huggingface_hub import ModelCardData
+
+    config = info.get("config") or {}
+    stage = info.get("stage", "dpo")
+    base = config.get("model_name_or_path") or info.get("model_name_or_path")
+    dataset = info.get("dataset_name") or config.get("dataset_name")
+    adapter = bool(info.get("use_lora")) and not merged
+    versions = info.get("versions") or {}
+    tags = ["prefkit", "trl", stage] + (["lora"] if info.get("use_lora") else []) + (
+        ["qlora"] if info.get("load_in_4bit") else [])
+    metadata = ModelCardData(base_model=_hub_id(base), datasets=[_hub_id(dataset)] if _hub_id(dataset) else None,
+                             library_name="peft" if adapter else "transformers", tags=tags,
+                             pipeline_tag="text-classification" if stage == "reward" else "text-generation")
+    title = repo_id or info.get("run_name") or run_dir.name
+    what = ("a LoRA adapter: load it on top of the base model" if adapter else
+            "the LoRA adapter merged into the base weights: a full model" if merged else "a full model")
+    judged_lines, judged_sentence = judged_section(info, run_dir)
+    # A reward model is a one-output sequence classifier; its adapter loads only onto a base built with num_labels=1.
+    head = "SequenceClassification" if stage == "reward" else "CausalLM"
+    load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
+    load_args = ", num_labels=1" if stage == "reward" and adapter else ""
+    lines = [f"---\n{metadata.to_yaml()}\n---", "", f"# {title}", "",
+             f"A {stage.upper()} fine-tune of `{base}` on `{dataset}`, trained with prefkit on TRL "
+             f"{versions.get('trl', '?')}. This repository holds {what}.", ""]
+    if judged_sentence:
+        lines += [f"**Judged on held-out prompts:** {judged_sentence}", ""]
+    lines += ["```python", f"from {load}", "from transformers import AutoTokenizer", "",
+              f'model = Model.from_pretrained("{repo_id or "<this directory>"}"{load_args})',
+              f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or "<this directory>"}")', "```", ""]
+    lines += ["## Method", "", *_method_table(info, merged), ""]
+    lines += ["## Results on held-out prompts (before → after)", "", *judged_lines, ""]
+    lines += ["## Final training numbers", "", *final_numbers_table(info.get("summary") or {}, info), ""]
+    lines += ["## Hyperparameters (as resolved for this run)", "", *setup_table(info), ""]
+    plots = [(chart.caption, chart.filename) for chart in CHARTS.get(stage, [])
+             if (run_dir / PLOTS_DIR / chart.filename).is_file()]  # in the report's order
+    if plots:
+        lines += ["## Training curves", ""]
+        lines += [f"![{caption}]({PLOTS_DIR}/{filename})\n" for caption, filename in plots]
+    return "\n".join(lines)
+
+
+def write_model_cards(run_dir: str | Path, hub_model_id: str | None = None) -> dict[str, Path]:
+    """README.md (and the run's plots) into each saved model directory; returns the directories."""
+    run_dir = Path(run_dir)
+    info = read_json(run_dir / TRAINING_INFO)
+    hub_model_id = hub_model_id or (info.get("config") or {}).get("hub_model_id")
+    dirs = model_dirs(run_dir, info)
+    for kind, directory in dirs.items():
+        repo_id = (hub_model_id + (MERGED_SUFFIX if kind == "merged" else "")) if hub_model_id else None
+        (directory / CARD).write_text(render_model_card(run_dir, info, kind == "merged", repo_id), encoding="utf-8")
+        if (run_dir / PLOTS_DIR).is_dir():
+            shutil.copytree(run_dir / PLOTS_DIR, directory / PLOTS_DIR, dirs_exist_ok=True)
+    return dirs
