@@ -14,6 +14,7 @@ node never joins.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -35,7 +36,17 @@ def watch(world: World, timeout_s: float, newest_checkpoint) -> threading.Thread
     thread = threading.Thread(target=_watch, args=(world, timeout_s, newest_checkpoint), name="node-watch",
                               daemon=True)
     thread.start()
+    atexit.register(_done, world)
     return thread
+
+
+def _done(world: World) -> None:
+    """A process that exits by itself (finished, or an error torchrun handles) is not lost: the others stop watching
+    it, so a node still doing rank 0's final work is not stopped because the others have finished."""
+    try:
+        _connect().set(f"prefkit/done/{world.rank}", "1")
+    except Exception:
+        pass
 
 
 def _connect():
@@ -53,13 +64,18 @@ def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
     store = None
     seen: dict[int, tuple[int, float]] = {}       # rank -> (counter, when it last moved by this process's clock)
     store_answered = time.monotonic()
+    try:
+        _connect().delete_key(f"prefkit/done/{world.rank}")  # a restarted rank is watched again
+    except Exception:
+        pass
     while True:
         now = time.monotonic()
         try:
             store = store or _connect()
             store.add(key(world.rank), 1)
             for rank in range(world.world_size):
-                value = int(store.get(key(rank))) if store.check([key(rank)]) else 0
+                done = store.check([f"prefkit/done/{rank}"])
+                value = -1 if done else int(store.get(key(rank))) if store.check([key(rank)]) else 0
                 if rank not in seen or seen[rank][0] != value:
                     seen[rank] = (value, now)
             store_answered = now
