@@ -2,7 +2,7 @@
 write fails anyway (full disk, quota, I/O error).
 
 - `estimate_writes`: one checkpoint (the saved weights: the adapter under LoRA, else the whole model; AdamW's two
-  fp32 moments per trainable parameter; a little for scheduler, RNG and trainer state) × the checkpoints on disk at
+  fp32 moments per trainable parameter; tokenizer, scheduler, RNG states and the logged history in trainer state) × the checkpoints on disk at
   once (--save_total_limit, plus the one being written before the oldest is rotated out; all of them without a
   limit) + the final model + the merged copy. A resumed run's existing checkpoints count as space it will reuse.
 - `check_space`: more than the filesystem can hold is refused (ConfigError, exit 2) with --save_total_limit /
@@ -94,7 +94,10 @@ def estimate_writes(model, args, total_steps: int, merge: bool, output_dir: Path
     adapter = hasattr(model, "peft_config")
     saved = trainable_weights if adapter else whole
     optimizer = 2 * 4 * sum(p.numel() for p in trainable)  # AdamW: exp_avg and exp_avg_sq, fp32
-    checkpoint = saved + optimizer + 64 * 1024  # scheduler, RNG states, trainer_state.json, config, tokenizer
+    # Besides: config, tokenizer and scheduler (~64 KB), one RNG state per rank (~15 KB), and trainer_state.json,
+    # which holds every logged record so far (~700 bytes each; measured ~630 on the tiny test model, DPO metrics).
+    logs = total_steps // max(1, int(args.logging_steps or 1))
+    checkpoint = saved + optimizer + 64 * 1024 + 16 * 1024 * args.world_size + 700 * logs
     planned = planned_checkpoints(args, total_steps)
     limit = args.save_total_limit
     kept = min(planned, limit + 1) if limit else planned
