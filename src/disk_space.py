@@ -136,6 +136,22 @@ def is_write_failure(error: BaseException) -> int | None:
     return None
 
 
+_TORCH_WRITER = ("inline_container.cc", "pytorchstreamwriter failed")  # torch.save's zip writer: no errno kept
+NEARLY_FULL = 1024 * 1024
+
+
+def write_failure_errno(error: BaseException, directory: Path) -> int | None:
+    """is_write_failure, and torch.save's zip-writer error ("unexpected pos 64 vs 0") on a filesystem that is full
+    (under NEARLY_FULL free): torch drops the errno, the free space tells."""
+    number = is_write_failure(error)
+    if number is None and any(needle in str(error).lower() for needle in _TORCH_WRITER):
+        try:
+            number = errno.ENOSPC if free_bytes(Path(directory)) < NEARLY_FULL else None
+        except OSError:
+            number = None
+    return number
+
+
 def write_failed_message(number: int, directory: Path, output_dir: Path) -> str:
     from src.resilience import checkpoint_step, newest_complete_checkpoint
 
@@ -154,7 +170,7 @@ _pending: list[tuple[int, Path]] = []  # a failed write noticed outside a collec
 def note_write_failure(error: BaseException, directory: Path) -> None:
     """Remember a failed write (rank 0's metrics line) instead of raising it alone: StopConditions stops every rank
     at the end of the next step. Anything else is raised."""
-    number = is_write_failure(error)
+    number = write_failure_errno(error, directory)
     if number is None:
         raise error
     if not _pending:
@@ -173,9 +189,9 @@ def write_failures_reported(output_dir: Path):
     except WriteFailed:
         raise
     except Exception as error:
-        number = is_write_failure(error)
-        if number is None:
-            raise
         filename = getattr(error, "filename", None)
         directory = Path(filename).parent if filename else Path(output_dir)
+        number = write_failure_errno(error, directory)
+        if number is None:
+            raise
         raise WriteFailed(write_failed_message(number, directory, output_dir)) from error

@@ -19,7 +19,7 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, S
 from src import run_files
 from src.config import Config, Plan
 from src.disk_space import (
-    WriteFailed, is_write_failure, note_write_failure, pending_write_failure, write_failed_message,
+    WriteFailed, note_write_failure, pending_write_failure, write_failed_message, write_failure_errno,
 )
 from src.distributed import gather_objects
 from src.resilience import mark_complete, stop_signal
@@ -35,7 +35,7 @@ class CompleteCheckpointsMixin:
     _write_failure: tuple[int, Path] | None = None
 
     def _note_write_failure(self, error: Exception, directory) -> None:
-        number = is_write_failure(error)
+        number = write_failure_errno(error, directory)
         if number is None:
             raise error
         if self._write_failure is None:

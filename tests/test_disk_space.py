@@ -17,7 +17,7 @@ import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
-from src.disk_space import WRITE_FAILED_EXIT_CODE, is_write_failure
+from src.disk_space import WRITE_FAILED_EXIT_CODE, is_write_failure, write_failure_errno
 from src.locking import COMPLETE_MARKER
 from src.resilience import newest_complete_checkpoint
 from test_run_lock import complete_checkpoint_from
@@ -147,3 +147,13 @@ def test_failed_writes_are_recognised_however_the_library_words_them():
     assert is_write_failure(wrapped) == errno.EIO
     assert is_write_failure(ValueError("bad value")) is None
     assert is_write_failure(OSError(errno.ENOENT, "No such file")) is None
+
+
+def test_torch_writer_errors_count_as_a_full_disk_only_when_it_is_full(tmp_path, small_filesystem):
+    """torch.save's zip writer drops the errno ("unexpected pos 64 vs 0"): the free space decides."""
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    assert write_failure_errno(torch_error, tmp_path) is None  # room to spare: some other fault, raised as is
+    small = small_filesystem("1m")
+    with open(small / "filler", "wb") as handle:
+        handle.write(b"\0" * (1024 * 1024 - 64 * 1024))
+    assert write_failure_errno(torch_error, small / "results" / "checkpoint-5") == errno.ENOSPC
