@@ -120,7 +120,8 @@ def why_stale(holder: dict, path: Path) -> str | None:
 def describe(holder: dict, path: Path) -> str:
     age = heartbeat_age(path)
     beat = f", last heartbeat {age:.0f} s ago" if age is not None else ""
-    return f"host {holder.get('host')}, pid {holder.get('pid')} ({holder.get('job')}), since {holder.get('since')}{beat}"
+    return (f"host {holder.get('host')}, pid {holder.get('pid')} ({holder.get('job')}), since {holder.get('since')}"
+            f"{beat}")
 
 
 def _refusal(run_dir: Path, holder: dict, path: Path) -> RunDirectoryHeld:
