@@ -4,7 +4,8 @@ write fails anyway (full disk, quota, I/O error).
 - `estimate_writes`: one checkpoint (the saved weights: the adapter under LoRA, else the whole model; AdamW's two
   fp32 moments per trainable parameter; tokenizer, scheduler, RNG states and the logged history in trainer state)
   × the checkpoints on disk at once (--save_total_limit, plus the one being written before the oldest is rotated
-  out; all of them without a limit) + the final model + the merged copy. A resumed run's existing checkpoints count as space it will reuse.
+  out; all of them without a limit) + the final model + the merged copy. A resumed run's existing checkpoints
+  count as space it will reuse.
 - `check_space`: more than the filesystem can hold is refused (ConfigError, exit 2) with --save_total_limit /
   --results_dir advice; more than WARN_FRACTION of it is a warning.
 - `is_write_failure` / `WriteFailed`: ENOSPC, EDQUOT or EIO, as an OSError or as the text safetensors and torch wrap
