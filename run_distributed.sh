@@ -59,6 +59,7 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   WORLD_SIZE=$((NUM_PROCS * NNODES)) LOCAL_WORLD_SIZE=$NUM_PROCS RANK=$((NODE_RANK * NUM_PROCS)) LOCAL_RANK=0 \
     PREFKIT_QUIET_DRY_RUN=$((1 - dry_run)) "$PYTHON" -m src.main_distributed --dry_run "$@" || exit $?
   [[ $dry_run -eq 1 ]] && exit 0  # the check was all that was asked
+  export PREFKIT_PREFLIGHT_DONE=1  # the workers do not repeat its notices (an unreachable Hub)
 fi
 
 # On CPU, split the cores between the processes (torchrun would otherwise give each process one thread).

@@ -153,10 +153,11 @@ class TrainingArguments:
     # Batch semantics. Either a global batch (divided across processes and accumulation steps) or a per-device batch
     # (the global batch then grows with the number of processes).
     batch_size: int | None = field(
-        default=None,
+        default=32,
         metadata={"help": "Global batch per optimizer step (sequences, or preference pairs for DPO), divided across "
                   "processes and, when --micro_batch_size caps the per-device batch, accumulation steps. Fixed "
-                  "global batch = the same run on any number of GPUs. Default 32 when neither batch flag is set."},
+                  "global batch = the same run on any number of GPUs. Setting --per_device_batch_size (and not "
+                  "this) switches to per-device mode."},
     )
     per_device_batch_size: int | None = field(
         default=None,
@@ -374,6 +375,10 @@ class Config:
     trl_overrides: dict[str, Any] = field(default_factory=dict)
     sft_stage_overrides: dict[str, Any] = field(default_factory=dict)
     recipe: str | None = None
+    # Where each value not at its src/config.py default was set: key -> the recipe file ("configs/default.yaml"; a
+    # pipeline's SFT block under "sft.<key>": "configs/default.yaml (sft block)"), the flag ("--max_steps",
+    # "--sft.max_steps"), or the SageMaker variable ("SageMaker SM_CHANNEL_TRAINING").
+    sources: dict[str, str] = field(default_factory=dict)
 
     def flat(self) -> dict[str, Any]:
         """Every field as one flat dict (the shape of a recipe), secrets redacted, for training_info.json."""
@@ -595,10 +600,17 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
     # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
     requested: dict[str, tuple[Any, str]] = {}
+    sources: dict[str, str] = {}  # what the plan and training_info.json say each setting came from
     if recipe:
+        label = recipe_label(recipe)
         for key, value in _load_recipe(recipe).items():
             requested[key] = (value, Path(recipe).name)
+            if key == "sft" and isinstance(value, dict):
+                sources.update({f"sft.{sft_key}": f"{label} (sft block)" for sft_key in value})
+            else:
+                sources[key] = label
     requested.update(sagemaker)
+    sources.update({key: f"SageMaker {variable}" for key, (_, variable) in sagemaker.items()})
     for key, raw, token in flags:
         if key.startswith("sft."):
             sft_overrides = dict(requested.get("sft", ({}, ""))[0] or {})
@@ -606,6 +618,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             requested["sft"] = (sft_overrides, token)
         else:
             requested[key] = (_parse_flag_value(raw), token)
+        sources[key] = f"--{key}"
 
     stage = requested.get("stage", ("dpo", ""))[0]
     if stage not in STAGES:
@@ -614,9 +627,19 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if requested["sft"][1].startswith("--"):
             raise ConfigError("--sft.* overrides apply only to --stage sft_then_dpo")
         del requested["sft"]  # a pipeline recipe run as a single stage: its SFT block does not apply
+        sources = {key: where for key, where in sources.items() if not key.startswith("sft.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
+    config.sources = sources
     return config
+
+
+def recipe_label(path: str | os.PathLike) -> str:
+    """A recipe as the plan names it: relative to the project when it lives there (configs/default.yaml)."""
+    try:
+        return str(Path(path).resolve().relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
 
 
 def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
@@ -686,6 +709,8 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         parts = {concern: concern(**values[concern]) for concern in CONCERNS}
     except ValueError as error:  # ModelConfig's own checks, e.g. 4-bit and 8-bit together
         raise ConfigError(str(error)) from None
+    if "batch_size" not in requested and parts[TrainingArguments].per_device_batch_size is not None:
+        parts[TrainingArguments].batch_size = None  # a per-device batch replaces the default global one
     config = Config(
         model=parts[ModelArguments],
         data=parts[DataArguments],
@@ -706,12 +731,17 @@ def stage_config(config: Config, stage: str) -> Config:
         return config
     requested = {key: (value, "sft") for key, value in config.values().items() if key != "sft"}
     requested = {key: value for key, value in requested.items() if key in toolkit_fields() or key in config.trl_overrides}
+    sources = {key: where for key, where in config.sources.items() if not key.startswith("sft.")}
     if stage == "sft":
         for key, value in config.sft_stage_overrides.items():
             requested[key] = (value, "sft")
+            sources[key] = config.sources.get(f"sft.{key}", "the sft block")
     requested["stage"] = (stage, "sft")
+    if "stage" in sources:
+        sources["stage"] = f"sft_then_dpo in {sources['stage']}"
     staged = _build_config(requested, stage)
     staged.recipe = config.recipe
+    staged.sources = sources
     return staged
 
 
@@ -851,6 +881,10 @@ class Plan:
     learning_rate: float
     precision: str
     ddp_comm_hook: str = "none"  # gradient compression DDP uses: none on one process, where nothing is all-reduced
+    # Where the settings came from: {key: {"value": ..., "from": ...}} for every setting not at its src/config.py
+    # default (a recipe file, a --flag, a SageMaker variable) and for the settings the rows above are resolved from
+    # ("src/config.py" for its default, or the built-in fallback when that default is None).
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -880,7 +914,9 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
         accumulation = accumulation or 1
         return "per_device", per_device, accumulation, per_device * accumulation * world_size
 
-    global_batch = training.batch_size or 32
+    if training.batch_size is None:
+        raise ConfigError("no batch size: set --batch_size (global) or --per_device_batch_size")
+    global_batch = training.batch_size
     if global_batch % world_size:
         lower = global_batch - global_batch % world_size
         suggestion = f"{lower} or {lower + world_size}" if lower else str(world_size)
@@ -970,6 +1006,7 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         base_batch = per_device * accumulation  # the global batch of one process: the rate follows the world size
     base_learning_rate = training.learning_rate or default_learning_rate(stage)
     learning_rate, factor = scale_learning_rate(base_learning_rate, global_batch, base_batch, training.lr_scaling)
+    fallbacks = {"learning_rate": f"TRL's {stage} default"}  # where a None default resolves to
     return Plan(
         stage=stage,
         world_size=world.world_size,
@@ -987,7 +1024,34 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         learning_rate=learning_rate,
         precision=resolve_precision(training.mixed_precision, devices),
         ddp_comm_hook=resolve_ddp_comm_hook(training.ddp_comm_hook, world.world_size, devices),
+        sources=value_sources(config, PLAN_ROW_KEYS, fallbacks),
     )
+
+
+# The settings each row of the printed plan is resolved from (a None value is left out of the row's note).
+PLAN_ROW_KEYS = {
+    "stage": ("stage",),
+    "batch": ("batch_size", "per_device_batch_size", "micro_batch_size", "gradient_accumulation_steps"),
+    "learning rate": ("learning_rate", "base_batch_size", "lr_scaling"),
+    "precision": ("mixed_precision",),
+}
+
+
+def value_sources(config: Config, row_keys: Mapping[str, tuple[str, ...]], fallbacks: Mapping[str, str]
+                  ) -> dict[str, dict[str, Any]]:
+    """{key: {"value", "from"}} for every setting a recipe, flag or SageMaker variable set, and for the plan rows'
+    settings, which otherwise come from src/config.py's default (or, where that is None, `fallbacks`)."""
+    values = redact_secrets(config.values())
+    found = {key: {"value": values.get(key), "from": where} for key, where in config.sources.items()
+             if not key.startswith("sft.") and key != "dry_run"}  # --dry_run is what this launch does, not a setting
+    for key in (key for keys in row_keys.values() for key in keys):
+        if key in found:
+            continue
+        if values.get(key) is not None:
+            found[key] = {"value": values[key], "from": "src/config.py"}
+        elif key in fallbacks:
+            found[key] = {"value": None, "from": fallbacks[key]}
+    return found
 
 
 def format_plan(plan: Plan) -> str:
@@ -1003,5 +1067,45 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.ddp_comm_hook != "none":
         rows.append(("gradients", f"all-reduced in {plan.ddp_comm_hook} (--ddp_comm_hook: half the bytes of fp32)"))
+    rows = [(name, f"{value}  {_row_sources(plan, name)}".rstrip()) for name, value in rows]
+    rows += _other_sources(plan)
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _shown(value: Any) -> str:
+    return "+".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _row_sources(plan: Plan, row: str) -> str:
+    """'[batch_size 32 from src/config.py]': where a row's settings came from, so the user knows where to change it."""
+    notes = []
+    for key in PLAN_ROW_KEYS.get(row, ()):
+        entry = plan.sources.get(key)
+        if entry is None:
+            continue
+        value = "" if entry["value"] is None else f" {_shown(entry['value'])}"
+        notes.append(f"{key}{value} from {entry['from']}")
+    return f"[{'; '.join(notes)}]" if notes else ""
+
+
+def _other_sources(plan: Plan, width: int = 100) -> list[tuple[str, str]]:
+    """The other settings not at their src/config.py default, grouped by where they were set, wrapped."""
+    shown_in_rows = {key for keys in PLAN_ROW_KEYS.values() for key in keys}
+    groups: dict[str, list[str]] = {}
+    for key, entry in plan.sources.items():
+        if key not in shown_in_rows:
+            if entry["from"].startswith("--"):  # the flag as given: --sft.max_steps 50
+                groups.setdefault("flags", []).append(f"{entry['from']} {_shown(entry['value'])}")
+            else:
+                groups.setdefault(entry["from"], []).append(f"{key}={_shown(entry['value'])}")
+    rows = []
+    for where, items in groups.items():
+        line = f"{where}:"
+        for item in items:
+            if len(line) + len(item) + 1 > width:
+                rows.append(("set by" if not rows else "", line))
+                line = "   "
+            line += f" {item}"
+        rows.append(("set by" if not rows else "", line))
+    return rows

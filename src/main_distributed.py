@@ -33,7 +33,7 @@ from src.config import (
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
 from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_reported
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
-from src.hub_access import use_local_cache_if_hub_unreachable
+from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
 from src.node_watch import watch
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
@@ -259,7 +259,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
     from src.judges import pair_accuracy
     from src.throughput import peak_memory_mb
-    from src.training import build_trainer, build_trl_config, callback, planned_steps, silent_no_op_warnings
+    from src.training import (
+        build_trainer, build_trl_config, callback, planned_steps, resolve_sft_forward, silent_no_op_warnings,
+    )
 
     config, plan = stage.config, stage.plan
     started = time.monotonic()
@@ -293,6 +295,14 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         set_seed(config.training.seed)
     model = load_model(model_path, config.model, plan, world,
                        reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+    sft_forward = resolve_sft_forward(config, model.config._attn_implementation) if stage.name == "sft" else None
+    if sft_forward:
+        print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
+        if sft_forward["warning"]:
+            print0(f"  warning: {sft_forward['warning']}")
+        if world.is_main:
+            run_files.update_json(info_path, sft_forward=sft_forward,
+                                  warnings=warnings + ([sft_forward["warning"]] if sft_forward["warning"] else []))
     # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
@@ -302,9 +312,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
-                                  total_steps)
+                                  total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
-                            metrics_path, plan)
+                            metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
+                            else None)
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
     if world.is_main and getattr(trainer, "reference_cache", None):
@@ -345,7 +356,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         one_job = callback(trainer, "OneJobCheck").result
         compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
         summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
-        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved}
+        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
+                  "live_report": callback(trainer, "LiveReport").summary()}
         if compression:
             fields["gradient_all_reduce"] = compression
             print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
@@ -362,6 +374,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
             outcome["judge"] = fields["judge"]
         trackers.finish(run_files.update_json(info_path, **fields))
         publish_report(stage.run_dir, stage.name)
+        publish_index(stage)
         for directory in write_model_cards(stage.run_dir).values():
             print0(f"  model card: {directory / 'README.md'}")
     barrier()
@@ -436,6 +449,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
         if world.is_main:
             run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
+            publish_pages_after_stop(stage)
         raise TrainingDiverged(message)
     if conditions.stopped_at is not None:
         message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
@@ -443,6 +457,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
                    "to resume")
         if world.is_main:
             run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
+            publish_pages_after_stop(stage)
         raise StoppedBySignal(conditions.stopped_by, message)
 
 
@@ -456,6 +471,24 @@ def publish_report(run_dir: Path, stage: str) -> None:
     if alerts:
         print0(format_alerts(alerts))
     print0(f"  report: {report}")
+
+
+def publish_pages_after_stop(stage: Stage) -> None:
+    """The report as the run stopped (the status line says stopped or diverged) and the index."""
+    from src.reporting.report import ReportError
+
+    try:
+        publish_report(stage.run_dir, stage.name)
+    except ReportError as error:  # stopped before its first log: nothing to report, the exit says why
+        print0(f"  no report: {error}")
+    publish_index(stage)
+
+
+def publish_index(stage: Stage) -> None:
+    """results/index.md, every run in the results folder, rewritten when a stage ends (finished, stopped, diverged)."""
+    from src.reporting.index import write_index
+
+    write_index(stage.config.training.results_dir)
 
 
 def export_final_model(stage: Stage, target: Path) -> None:
@@ -482,6 +515,14 @@ def push_final_model(stage: Stage, config: Config) -> None:
     run_files.update_json(info_path, hub={"repo_id": hub.hub_model_id, "pushed": True, "repositories": pushed})
     for url in pushed.values():
         print0(f"  pushed to the Hub: {url}")
+
+
+def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
+    """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
+    names = [config.model.model_name_or_path] + [stage.config.data.dataset_name for stage in stages]
+    if config.training.judge not in ("auto", "none", EMBEDDED):
+        names.append(config.training.judge)  # a reward model as judge
+    return [name for name in names if name != EMBEDDED]
 
 
 def quiet_libraries() -> None:
@@ -528,8 +569,10 @@ def run(argv: list[str] | None = None) -> int:
     check_earlier_run(stages[-1].run_dir, overwrite)
     for stage in stages:
         check_source(stage.config.data, stage.name)
-    if use_local_cache_if_hub_unreachable([config.model.model_name_or_path] +
-                                          [stage.config.data.dataset_name for stage in stages]):
+    hub_names = hub_sources(config, stages)
+    if not needs_hub(hub_names) and not config.hub.push_to_hub:
+        use_local_files_only()  # nothing to fetch or push: no probe, no message, no network calls
+    elif use_local_cache_if_hub_unreachable(hub_names) and os.environ.get("PREFKIT_PREFLIGHT_DONE") != "1":
         print0("  the Hugging Face Hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:

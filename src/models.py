@@ -170,6 +170,7 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({_first_line(error)})") from None
     if quantization is not None:
+        keep_4bit_layers_trainable(loaded)
         # bitsandbytes packs 4-bit weights lazily, at the first forward: run one now so an unsupported layout fails
         # here with a clear message instead of inside generation or the first training step.
         try:
@@ -183,6 +184,21 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     if plan.device == "cuda" and quantization is None:
         loaded.to(torch.device("cuda", world.local_rank))
     return loaded
+
+
+def keep_4bit_layers_trainable(model) -> None:
+    """Keep every 4-bit layer on bitsandbytes' trainable path (dequantize, then a differentiable matmul).
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 converts a 4-bit layer's weights, at its first forward in eval mode
+    without gradients (the load check below, the held-out answers before training), to an inference-only layout for
+    its `gemv_4bit` kernel, and keeps using that layout once training starts. That kernel has no backward: gradients
+    reaching the adapters below a 4-bit layer are wrong (torch warns "an autograd kernel was not registered"), and
+    where the layer has a bias (the Qwen2 family's q/k/v projections) under gradient checkpointing, training stops in
+    `matmul_4bit` at `result += bias` ("a view of a leaf Variable that requires grad is being used in an in-place
+    operation"). Both forwards (padded and packed DPO, SFT) go through these layers, so the fix is here, once."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # bitsandbytes.nn.Linear4bit
+            module.support_avx512bf16_for_cpu = False
 
 
 def peft_config(model: ModelArguments, reward_model: bool = False):

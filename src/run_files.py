@@ -13,6 +13,7 @@ readers skip a torn last line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -109,3 +110,22 @@ def update_json(path: str | os.PathLike, **fields: Any) -> dict:
     current.update(fields)
     write_json(path, current)
     return current
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """A temporary path beside `path` (same suffix, so writers that go by it still work) that replaces `path` once the
+    block has written it: a reader sees the old file or the new one, never half of one, and a crash leaves the old."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` atomically (see `atomic_path`)."""
+    with atomic_path(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")

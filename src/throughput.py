@@ -2,6 +2,10 @@
 fraction, peak memory, and on GPUs an MFU estimate. Logged as `perf/*` into metrics.jsonl at every logging step
 (the report plots them) and summarised in training_info.json.
 
+Time spent evaluating, checkpointing or refreshing the live report is not training: the trainer reports each such
+pause (`on_pause`, src/training.py) and the meter leaves it out of the window it falls in, so the curve does not dip
+after every evaluation. Wall time, which includes them, is in the report separately.
+
 Token counts come from the batches themselves (attention mask: real tokens; input_ids: real + padding), so DPO
 counts chosen and rejected sequences, and the padding fraction is what the collator actually produced.
 """
@@ -67,11 +71,19 @@ class ThroughputMeter(TrainerCallback):
             return
         self.padded += ids.numel()
         self.tokens += float(mask.sum()) if mask is not None else ids.numel()
-        self.samples += ids.shape[0] / self.sequences_per_example
+        positions = inputs.get("position_ids")
+        # A padding-free batch is one row of several sequences, each starting again at position 0.
+        rows = int((positions == 0).sum()) if mask is None and positions is not None else ids.shape[0]
+        self.samples += rows / self.sequences_per_example
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.window_start is None:
             self.window_start = time.perf_counter()
+
+    def on_pause(self, seconds: float) -> None:
+        """`seconds` of the current window were not training (evaluation, a checkpoint, a report refresh)."""
+        if self.window_start is not None:
+            self.window_start += seconds
 
     def on_step_end(self, args, state, control, **kwargs):
         self.window_steps += 1

@@ -6,7 +6,9 @@ batch, learning rate, precision and backend come from the plan (src/config.py) a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +24,8 @@ from src.disk_space import (
     WriteFailed, note_write_failure, pending_write_failure, write_failed_message, write_failure_errno,
 )
 from src.distributed import gather_objects
+from src.progress import Progress, eta_seconds, format_duration
+from src.reporting.live import LiveReport
 from src.resilience import mark_complete, stop_signal
 from src.throughput import ThroughputMeter
 
@@ -162,6 +166,7 @@ def _any_rank(*flags: bool) -> list[bool]:
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     """What every toolkit trainer adds to TRL's: complete-only checkpoints, each micro-batch shown to the callbacks
     that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the one-job check),
+    the time spent evaluating and checkpointing shown to the callbacks that keep time (`on_pause(seconds)`),
     and the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
     gradient compression); Trainer's callbacks only ever see the unwrapped model."""
 
@@ -178,6 +183,26 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
             if hasattr(callback, "on_micro_batch"):
                 callback.on_micro_batch(loss, inputs)
         return loss
+
+    def evaluate(self, *args, **kwargs):
+        with self.pause():
+            return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        with self.pause():
+            super()._save_checkpoint(model, trial)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time that is not training (evaluation, checkpointing): its length goes to the callbacks that keep time
+        (`on_pause(seconds)`: the throughput meter leaves it out of its window)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "on_pause"):
+                    callback.on_pause(time.perf_counter() - started)
 
 
 class PairLengthsMixin:
@@ -199,6 +224,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     changes the numbers, and the outcome (reused or computed, how long) is recorded."""
 
     reference_cache: dict | None = None
+    _reference_progress: Progress | None = None  # while the reference pass runs
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
@@ -216,6 +242,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         started = time.monotonic()
         dataset._fingerprint = Hasher.hash((original, how))
         accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
+        # TRL draws a tqdm bar (carriage returns in a log file); one Progress line instead, fed by compute_ref_log_probs
+        self._reference_progress = Progress(f"  reference log-probs ({name})", total=len(dataset), unit="pairs",
+                                            enabled=accelerator.is_main_process)
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
         try:
             self._same_cache_on_every_machine(dataset)
             before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
@@ -223,6 +254,13 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         finally:
             dataset._fingerprint = original
             self.accelerator = accelerator
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
+            progress, self._reference_progress = self._reference_progress, None
+        if progress.done:  # computed, not read from the cache
+            progress.close()
         created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
         self.reference_cache = (self.reference_cache or {}) | {name: {
             "cache": "computed" if created else "reused",
@@ -232,6 +270,13 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         }}
         return result
 
+
+    def compute_ref_log_probs(self, model, inputs):
+        progress = self._reference_progress
+        if progress is not None:  # chosen and rejected rows of every rank's micro-batch
+            pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
+            progress.update(min(pairs, progress.total - progress.done))
+        return super().compute_ref_log_probs(model, inputs)
 
     def _same_cache_on_every_machine(self, dataset) -> None:
         """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
@@ -273,7 +318,26 @@ class _LocalMainAccelerator:
 
 
 class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
-    """SFTTrainer with the toolkit's additions (it already skips tokenizing data that has input_ids)."""
+    """SFTTrainer with the toolkit's additions (it already skips tokenizing data that has input_ids).
+
+    Padding-free without packing: TRL then refuses a max_length (it would not enforce it), so the SFTConfig gets none
+    and the rows are cut here to `truncate_to`, as TRL's own truncation cuts them (rows left with no trained token
+    were already dropped by src/data.py)."""
+
+    TRUNCATED_COLUMNS = ("input_ids", "assistant_masks", "completion_mask")
+
+    def __init__(self, *args, truncate_to: int | None = None, **kwargs):
+        self.truncate_to = truncate_to
+        super().__init__(*args, **kwargs)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        if self.truncate_to is not None and "input_ids" in dataset.column_names:
+            length, keep_end = self.truncate_to, args.truncation_mode == "keep_end"
+            columns = [column for column in self.TRUNCATED_COLUMNS if column in dataset.column_names]
+            dataset = dataset.map(lambda batch: {column: [values[-length:] if keep_end else values[:length]
+                                                          for values in batch[column]] for column in columns},
+                                  batched=True, desc=f"Truncating {dataset_name} dataset")
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
 
 class ToolkitRewardTrainer(PairLengthsMixin, ToolkitTrainerMixin, RewardTrainer):
@@ -307,20 +371,31 @@ class MetricsRecorder(TrainerCallback):
 
 
 class ConsoleLog(TrainerCallback):
-    """One compact line per logged event on rank 0 (replaces Trainer's dict printer)."""
+    """One compact line per logged event on rank 0 (replaces Trainer's dict printer), ending with the elapsed time and
+    the ETA (at the rate since this launch began training, evaluations included)."""
 
     KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "margin",
             "accuracy", "eval_accuracy",
             "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm", "perf/tokens_per_second")
 
+    def __init__(self):
+        self.started = time.monotonic()
+        self.start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started, self.start_step = time.monotonic(), state.global_step
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
         if "train_runtime" in logs:
-            line = f"done in {logs['train_runtime']:.1f}s, {logs.get('train_samples_per_second', 0):.1f} samples/s"
+            line = (f"done in {format_duration(logs['train_runtime'])}, "
+                    f"{logs.get('train_samples_per_second', 0):.1f} samples/s")
         else:
             parts = [f"{key} {logs[key]:.4g}" for key in self.KEYS if isinstance(logs.get(key), (int, float))]
-            line = "  ".join(parts)
+            elapsed = time.monotonic() - self.started
+            eta = eta_seconds(state.global_step - self.start_step, state.max_steps - self.start_step, elapsed)
+            line = "  ".join(parts + [f"elapsed {format_duration(elapsed)}", f"ETA {format_duration(eta)}"])
         print(f"  step {state.global_step:>5}/{state.max_steps}  {line}", flush=True)
 
 
@@ -417,6 +492,58 @@ class GradientCompression(TrainerCallback):
                 "saved_fraction": round(1 - self.sent_bytes / self.uncompressed_bytes, 4), "steps": self.steps}
 
 
+# TRL's padding-free SFT batch is one row: the micro-batch's sequences end to end, positions restarting at 0, no
+# attention mask. Flash-attention reads the boundaries TRL passes (cu_seq_lens) and attends within each sequence at
+# linear cost. sdpa and eager get a block-diagonal causal mask that transformers builds from the restarting positions
+# (masking_utils.find_packed_sequence_indices) -- only when no KV cache is passed, which TRL's SFTTrainer ensures
+# (use_cache=False); tests/test_sft_padding_free.py checks each sequence's hidden states against the sequence alone.
+# That mask is dense, so their attention costs (micro-batch tokens)^2 instead of sequences x length^2: on the embedded
+# default (16 rows of 47 tokens on average) a step took 1.4x (sdpa) and 2.1x (eager) the CPU time of the padded one
+# (bench/bench_sft_forward.py), so it is not their default.
+PADDING_FREE_LINEAR = ("flash_attention_2", "flash_attention_3")
+PADDING_FREE_EXACT = PADDING_FREE_LINEAR + ("sdpa", "eager")
+
+
+def _exact_padding_free(attn_implementation: str) -> bool:
+    return attn_implementation in PADDING_FREE_EXACT or "flash-attn" in attn_implementation  # Hub kernels
+
+
+def resolve_sft_forward(config: Config, attn_implementation: str | None) -> dict:
+    """How the SFT stage batches its sequences, decided once from the flags and the loaded model's attention:
+    "packed" (TRL's packing, --packing), "padding_free" (TRL's padding_free: one row per micro-batch) or "padded".
+    --padding_free unset means: on where it is exact and cheap (flash-attention), off elsewhere. Where the attention
+    cannot keep packed sequences apart, packing and padding-free are turned off with a warning (never silently wrong).
+    Returns what training_info.json records, with `warning` set when a request was not honoured."""
+    attention = attn_implementation or "sdpa"
+    requested = config.trl_overrides.get("padding_free")
+    strategy = config.trl_overrides.get("packing_strategy", "bfd")
+    packing = config.sft.packing
+    exact = _exact_padding_free(attention)
+    result = {"attn_implementation": attention, "padding_free_requested": requested, "packing_requested": packing,
+              "warning": None}
+    if packing and strategy == "wrapped":
+        # Wrapped packing cuts sequences at row ends and lets them attend across: TRL's own documented trade-off.
+        return result | {"forward": "packed", "packing_strategy": strategy, "padding_free": False,
+                         "reason": "--packing_strategy wrapped (sequences attend across their boundaries, by design)"}
+    if (packing or requested) and not exact:
+        asked = "--packing" if packing else "--padding_free"
+        return result | {"forward": "padded", "padding_free": False, "reason": f"{attention} attention",
+                         "warning": f"{asked} is off: {attention} attention cannot keep packed sequences apart; "
+                                    "training on padded batches (use sdpa, eager or flash-attention to pack)"}
+    if packing:
+        return result | {"forward": "packed", "packing_strategy": strategy, "padding_free": True,
+                         "reason": f"--packing ({strategy}): rows of --max_length, exact with {attention}"}
+    if requested is None:
+        requested = attention in PADDING_FREE_LINEAR or "flash-attn" in attention
+        reason = (f"default with {attention}: exact, attention within each sequence" if requested else
+                  f"default with {attention}: padding-free is exact but its dense mask over the whole micro-batch "
+                  "costs more than the padding it saves (--padding_free true to use it)")
+    else:
+        reason = f"--padding_free {str(requested).lower()}"
+    return result | {"forward": "padding_free" if requested else "padded", "padding_free": bool(requested),
+                     "reason": reason}
+
+
 def _eval_steps(config: Config, total_steps: int | None) -> int | None:
     if config.training.eval_steps is not None:
         return config.training.eval_steps
@@ -424,9 +551,9 @@ def _eval_steps(config: Config, total_steps: int | None) -> int | None:
 
 
 def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, has_validation: bool,
-                     total_steps: int | None):
+                     total_steps: int | None, sft_forward: dict | None = None):
     """DPOConfig / SFTConfig / RewardConfig from the plan; TRL pass-through fields go last and may set anything not
-    derived."""
+    derived. For SFT, `sft_forward` (resolve_sft_forward) decides packing and padding-free, whatever was passed."""
     training = config.training
     eval_strategy = training.eval_strategy if has_validation else "no"
     eval_steps = _eval_steps(config, total_steps)
@@ -489,12 +616,17 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         config_class = SFTConfig
     overrides = {key: value for key, value in config.trl_overrides.items()
                  if key in {item for item in config_class.__dataclass_fields__}}
+    if stage == "sft" and sft_forward is not None:
+        overrides |= {"packing": sft_forward["forward"] == "packed", "padding_free": sft_forward["padding_free"]}
+        if sft_forward["forward"] == "padding_free":
+            overrides["max_length"] = None  # TRL's rule without packing: the trainer truncates (ToolkitSFTTrainer)
     return config_class(**{**common, **specific, **overrides})
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
-                  plan: Plan):
+                  plan: Plan, truncate_to: int | None = None):
     trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
+    extra = {"truncate_to": truncate_to} if stage == "sft" else {}
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
     # DPO and reward batches hold a chosen and a rejected sequence per pair.
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
@@ -507,8 +639,10 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck()] + (
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck(),
+                   LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
+        **extra,
     )
     trainer.remove_callback(PrinterCallback)
     return trainer

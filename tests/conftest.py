@@ -140,3 +140,14 @@ def preference_file(tmp_path) -> Path:
 def pytest_configure(config):
     # torch.jit's own deprecation of script_method fires on every import of transformers' models: noise, not ours.
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; deselected unless asked for (python -m pytest -m gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only when a -m expression names them (`-m gpu`); a plain `pytest` deselects them."""
+    if "gpu" in (config.option.markexpr or ""):
+        return
+    deselected = [item for item in items if item.get_closest_marker("gpu")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]

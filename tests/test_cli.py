@@ -11,9 +11,9 @@ import pytest
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 
 
-def run_main(*args, timeout=120):
+def run_main(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=os.environ)
+                          text=True, timeout=timeout, env=os.environ if env is None else env)
 
 
 def assert_one_line_error(result, *fragments):
@@ -88,3 +88,23 @@ def test_corrupt_or_incomplete_weights_are_named_before_anything_loads(user_args
     (copy / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors"}}')
     assert_one_line_error(run_main(*user_args[:model], str(copy), *user_args[model + 1:]),
                           "names shards that are missing: model-00001-of-00002.safetensors")
+
+
+def test_no_hub_message_when_nothing_needs_the_hub(user_args):
+    """An offline machine (the Hub endpoint refuses connections): local or embedded model and data say nothing about
+    the Hub; a Hub id still gets the message, once."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens there: the probe fails at once
+    message = "the Hugging Face Hub is unreachable"
+    model = user_args.index("--model_name_or_path") + 1
+    for args in (user_args, user_args[:model] + ["embedded"] + user_args[model + 1:]):
+        result = run_main(*args, "--stage", "dpo", "--dry_run", env=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert message not in result.stdout + result.stderr
+    data = user_args.index("--dataset_name") + 1
+    hub_data = run_main(*user_args[:data], "some-org/some-pairs", *user_args[data + 1:], "--stage", "dpo",
+                        "--dry_run", env=env)
+    assert (hub_data.stdout + hub_data.stderr).count(message) == 1
+    assert_one_line_error(hub_data, "--dataset_name some-org/some-pairs")
+

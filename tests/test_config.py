@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from src.config import (
-    PROJECT_ROOT, ConfigError, Devices, World, parse_config, resolve_batch, resolve_plan, resolve_precision,
-    stage_config,
+    PROJECT_ROOT, ConfigError, Devices, World, format_plan, parse_config, resolve_batch, resolve_plan,
+    resolve_precision, stage_config,
 )
 
 USER = ["--model_name_or_path", "some/model", "--dataset_name", "some/data"]
@@ -183,3 +183,90 @@ def test_sft_stage_overrides_apply_to_the_sft_stage_only():
     assert stage_config(config, "sft").training.max_steps == 3
     assert stage_config(config, "sft").training.learning_rate == 0.01
     assert stage_config(config, "dpo").training.max_steps == 7
+
+
+def test_the_plan_names_where_each_setting_came_from(tmp_path, monkeypatch):
+    """A src/config.py default, a recipe key, a flag and a SageMaker variable: each named in the plan and its record."""
+    channel = tmp_path / "channel"
+    channel.mkdir()
+    (channel / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    monkeypatch.setenv("SM_CHANNEL_TRAINING", str(channel))
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model_name_or_path: m\nbeta: 0.3\nlearning_rate: 1.0e-5\n")
+    config = parse_config(["--config", str(recipe), "--max_steps", "7"])
+    plan = resolve_plan(config, World(world_size=2, local_world_size=2), Devices("cpu"))
+
+    assert plan.sources["batch_size"] == {"value": 32, "from": "src/config.py"}
+    assert plan.sources["mixed_precision"] == {"value": "auto", "from": "src/config.py"}
+    assert plan.sources["learning_rate"] == {"value": 1e-5, "from": str(recipe)}
+    assert plan.sources["beta"] == {"value": 0.3, "from": str(recipe)}
+    assert plan.sources["max_steps"] == {"value": 7, "from": "--max_steps"}
+    assert plan.sources["dataset_name"] == {"value": str(channel / "pairs.jsonl"),
+                                            "from": "SageMaker SM_CHANNEL_TRAINING"}
+    assert "seed" not in plan.sources  # at its src/config.py default and in no row of the plan
+
+    text = format_plan(plan)
+    assert "[batch_size 32 from src/config.py]" in text
+    assert f"learning_rate 1e-05 from {recipe}" in text
+    assert f"set by         {recipe}: model_name_or_path=m" in text and "beta=0.3" in text
+    assert "flags: --max_steps 7" in text
+    assert "SageMaker SM_CHANNEL_TRAINING:" in text and f"dataset_name={channel / 'pairs.jsonl'}" in text
+
+
+def test_the_default_run_names_its_recipe_and_the_sft_block(monkeypatch):
+    config = parse_config(["--sft.max_steps", "50"])
+    sft = resolve_plan(stage_config(config, "sft"), World(), Devices("cpu"), "sft")
+    dpo = resolve_plan(stage_config(config, "dpo"), World(), Devices("cpu"), "dpo")
+    assert dpo.sources["learning_rate"]["from"] == "configs/default.yaml"
+    assert sft.sources["learning_rate"]["from"] == "configs/default.yaml (sft block)"
+    assert sft.sources["max_steps"] == {"value": 50, "from": "--sft.max_steps"}
+    assert dpo.sources["max_steps"] == {"value": 60, "from": "configs/default.yaml"}
+    assert dpo.sources["stage"]["from"] == "sft_then_dpo in configs/default.yaml"
+    without = resolve_plan(parse_config(USER + ["--stage", "dpo"]), World(), Devices("cpu"))
+    assert without.sources["learning_rate"] == {"value": None, "from": "TRL's dpo default"}
+
+
+def test_the_default_recipe_repeats_no_src_config_default():
+    """configs/default.yaml keeps only what the demo needs differently: editing src/config.py reaches the default."""
+    import dataclasses
+
+    import yaml
+
+    from src.config import CONCERNS
+
+    defaults = {item.name: item.default for concern in CONCERNS for item in dataclasses.fields(concern)
+                if item.default is not dataclasses.MISSING}
+    recipe = yaml.safe_load((PROJECT_ROOT / "configs" / "default.yaml").read_text())
+    repeated = {key: value for key, value in recipe.items() if key in defaults and defaults[key] == value}
+    assert repeated == {}
+
+
+def test_a_src_config_default_edit_reaches_the_default_run(tmp_path):
+    """On a copy of the project: a default edited in src/config.py is what ./run_distributed.sh's plan uses, and a
+    default the recipe overrides is named with the recipe."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "project"
+    for part in ("src", "configs"):
+        shutil.copytree(PROJECT_ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    source = (copy / "src" / "config.py").read_text()
+    for field_name, old, new in (("batch_size", "default=32,", "default=64,"),
+                                 ("learning_rate", "default=None,", "default=3e-4,"),
+                                 ("gradient_checkpointing", "default=False,", "default=True,")):
+        start = source.index(f"    {field_name}: ")
+        end = source.index(old, start) + len(old)
+        source = source[:start] + source[start:end].replace(old, new) + source[end:]
+    (copy / "src" / "config.py").write_text(source)
+    script = ("from src.config import *\n"
+              "config = parse_config([])\n"
+              "staged = stage_config(config, 'dpo')\n"
+              "print(staged.training.gradient_checkpointing)\n"
+              "print(format_plan(resolve_plan(staged, World(world_size=2, local_world_size=2), Devices('cpu'), 'dpo')))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=copy, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("True\n")  # a default no recipe sets: taken as edited
+    assert "32 per device x 1 accumulation x 2 processes = 64 global" in result.stdout
+    assert "[batch_size 64 from src/config.py]" in result.stdout
+    assert "learning_rate 8e-05 from configs/default.yaml" in result.stdout  # the recipe wins, and says so

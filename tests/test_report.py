@@ -172,8 +172,9 @@ def test_report_of_a_judged_dpo_run(judged_run):
     report = report_path.read_text(encoding="utf-8")
     judge = read_json(run_dir / TRAINING_INFO)["judge"]
     lines = report.splitlines()
-    assert lines[0] == "# DPO run `dpo-example`"
-    assert lines[2] == (f"**Verdict:** DPO moved correct-and-preferred from {100 * judge['before']:.1f}% to "
+    assert lines[0] == "**finished** · 200 of 200 steps · training took 1 min 31 s"  # where the run stands
+    assert lines[2] == "# DPO run `dpo-example`"
+    assert lines[4] == (f"**Verdict:** DPO moved correct-and-preferred from {100 * judge['before']:.1f}% to "
                         f"{100 * judge['after']:.1f}% on 40 held-out test prompts. No health alerts.")
     assert "| batch | 8 per device × 1 accumulation × 2 processes = 16 pairs per optimizer step |" in report
     assert "2.5e-07 at base batch 8 → 5e-07 at batch 16 (linear scaling)" in report
@@ -218,7 +219,7 @@ def test_pipeline_report_without_the_sft_directory_uses_the_copied_summary(tmp_p
 def test_report_lists_alerts_first_thing(tmp_path):
     run_dir = write_run_dir(tmp_path / "run", dpo_history("stuck"), training_info("dpo"))
     report = build_report(run_dir).read_text(encoding="utf-8")
-    verdict = report.splitlines()[2]
+    verdict = report.splitlines()[4]
     assert "**1 health alert(s) including 1 error(s):** DPO loss stuck at ln 2" in verdict
     assert "(no held-out judge)" in verdict
     alerts = report.split("## Health alerts")[1].split("\n## ")[0]
@@ -230,7 +231,7 @@ def test_report_of_a_crashed_run_without_training_info_or_samples(tmp_path):
     with open(run_dir / METRICS, "a", encoding="utf-8") as handle:
         handle.write('{"step": 61, "loss": 0.4')  # torn last line
     report = build_report(run_dir).read_text(encoding="utf-8")
-    assert report.startswith("# SFT run `run`")  # stage inferred from the metrics
+    assert report.startswith("**did not finish** · step 60 · elapsed 12 s\n\n# SFT run `run`")  # stage inferred
     assert "The run did not finish (last logged step 60)" in report
     assert "NaN/inf in the logged metrics" in report and "training_info.json` is missing" in report
     assert (run_dir / "plots" / "loss.png").is_file() and not list(run_dir.glob("distributed_output_*"))

@@ -163,6 +163,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_model, ref
     assert 12 <= stopped_at < STEPS
     assert (run_dir / "model" / f"checkpoint-{stopped_at}" / COMPLETE_MARKER).exists()
     assert "run the same command" in (tmp_path / "log1.txt").read_text()
+    assert (run_dir / "report.md").read_text().startswith(f"**stopped** (by SIGTERM) at step {stopped_at} of ")
 
     relaunched = start_launcher(args, tmp_path / "log2.txt")
     assert relaunched.wait(timeout=600) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
@@ -195,6 +196,9 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
     assert not (run_dir / "model" / "final").exists()
     assert math.isnan(train_losses(run_dir)[13])
+    status = (run_dir / "report.md").read_text().split("\n", 1)[0]
+    assert status.startswith("**diverged** (loss nan (rank 1)") and ") at step 13 of 200 (6%) · elapsed" in status
+    assert "| [job](job/report.md) | diverged 13/" in (results / "index.md").read_text()
 
     again = subprocess.run([sys.executable, "-m", "src.main_distributed",
                             *job_args(tiny_model, data, results, save_steps=5)], cwd=PROJECT_ROOT, env=os.environ,

@@ -95,6 +95,9 @@ def test_a_run_started_as_sagemaker_starts_it_writes_the_model_into_sm_model_dir
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert info["dataset_name"] == str(sagemaker_env["SM_CHANNEL_TRAINING"] / "pairs.jsonl")
     assert info["summary"]["completed_steps"] == 2 and info["use_lora"] is True
+    assert info["sources"]["dataset_name"]["from"] == "SageMaker SM_CHANNEL_TRAINING"  # where each setting came from
+    assert info["sources"]["max_steps"] == {"value": 2, "from": "--max_steps"}
+    assert info["sources"]["mixed_precision"] == {"value": "auto", "from": "src/config.py"}
     assert (run_dir / "report.md").exists()
 
     from peft import PeftModel

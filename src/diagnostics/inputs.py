@@ -141,4 +141,10 @@ def training_setup(recipe_path: str | None, overrides: dict[str, Any]) -> Traini
             settings[key] = value
     if settings.get("load_in_4bit"):
         settings["use_lora"] = True  # QLoRA trains LoRA adapters on the 4-bit base
+    batch_keys = ("batch_size", "per_device_batch_size", "micro_batch_size")
+    if recipe_path is not None and not any(settings.get(key) is not None for key in batch_keys):
+        from src.config import TrainingArguments  # light: the dataclasses, no torch
+
+        # A recipe that sets no batch trains with src/config.py's default global batch.
+        settings["batch_size"] = TrainingArguments.__dataclass_fields__["batch_size"].default
     return TrainingSetup(**settings)

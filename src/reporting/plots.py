@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from src.reporting.summary import series
+from src.run_files import atomic_path
 
 X_LABEL = "optimizer step"
 TRAIN_COLOR, EVAL_COLOR = "#1f77b4", "#ff7f0e"
@@ -248,7 +249,8 @@ def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     if not any(drew):
         return False
     figure.align_ylabels(axes)
-    figure.savefig(path)
+    with atomic_path(path) as temporary:  # the live report redraws these while someone may be looking
+        figure.savefig(temporary)
     return True
 
 

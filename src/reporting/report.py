@@ -4,8 +4,10 @@
 
 Reads only `metrics.jsonl`, `training_info.json` and `samples_<split>.jsonl` (see src/run_files.py), so it works on
 a run that crashed and on a run directory copied off a cluster. Writes, inside the run directory:
-`plots/*.png`, `distributed_output_<split>.txt` (one per samples file) and `report.md`. The training job calls
-`build_report(run_dir)` on rank 0 at the end of every run.
+`plots/*.png`, `distributed_output_<split>.txt` (one per samples file) and `report.md`, each atomically (a reader
+sees the previous version or the new one, never half a file). The training job calls `build_report` on rank 0 while
+it trains (src/reporting/live.py) and at the end of every run; report.md's first line says where the run stands
+(src/reporting/status.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import argparse
 import json
 import math
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.plots import plot_history
-from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file
+from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
 from src.reporting.summary import summarize
+from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
 
 SPLITS = ("val", "test")
 REPORT = "report.md"
@@ -304,12 +308,14 @@ def _detail(name: str, value: float | None) -> str:
     return _num(value) if name.startswith("mean_") else _pct(value)
 
 
-def final_numbers_table(summary: dict, info: dict) -> list[str]:
+def final_numbers_table(summary: dict, info: dict, running: bool = False) -> list[str]:
     stage = summary.get("stage")
     steps = _num(summary.get("last_step")) + _of_max_steps(info)
     best = summary.get("best_eval_loss")
+    status = ("running (numbers so far)" if running else
+              "finished" if summary.get("finished") else "**did not finish** (no end-of-training record)")
     rows = [
-        ["status", "finished" if summary.get("finished") else "**did not finish** (no end-of-training record)"],
+        ["status", status],
         ["optimizer steps", steps + (f" ({summary['last_epoch']:.2f} epochs)" if summary.get("last_epoch") else "")],
         ["final train loss (last logged)", _num(summary.get("final_train_loss"))],
         ["mean train loss over the run", _num(summary.get("train_loss"))],
@@ -409,7 +415,8 @@ def _eval_else_train(summary: dict, key: str) -> float | None:
     return value if value is not None else summary.get(f"{key}_train")
 
 
-def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert]) -> str:
+def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert],
+              running: bool = False) -> str:
     stage = (info.get("stage") or summary.get("stage") or "").upper()
     parts = []
     if judged_sentence:
@@ -423,7 +430,9 @@ def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: li
         parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; final train loss "
                      f"{_num(summary.get('final_train_loss'))}, best eval loss {_num(summary.get('best_eval_loss'))} "
                      f"(no held-out judge).")
-    if not summary.get("finished"):
+    if running:
+        parts.append("Training is still running: these are the numbers so far.")
+    elif not summary.get("finished"):
         parts.append(f"The run did not finish (last logged step {_num(summary.get('last_step'))}"
                      f"{_of_max_steps(info)}).")
     errors = [alert for alert in alerts if alert.severity == "error"]
@@ -437,13 +446,17 @@ def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: li
 
 
 def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert], charts: list[tuple[str, Path]],
-                  samples_by_split: dict[str, list[dict]]) -> str:
-    """report.md's text. `info` is training_info.json as read ({} when missing); `summary` names the stage."""
+                  samples_by_split: dict[str, list[dict]], state: RunState | None = None) -> str:
+    """report.md's text. `info` is training_info.json as read ({} when missing); `summary` names the stage; `state`
+    (src/reporting/status.py) is the first line."""
     stage = summary["stage"].upper()
     info = {**info, "stage": info.get("stage") or summary["stage"]}
     run_name = info.get("run_name") or run_dir.name
+    running = state is not None and state.state == RUNNING
     judged_lines, judged_sentence = judged_section(info, run_dir)
-    lines = [f"# {stage} run `{run_name}`", "", f"**Verdict:** {_headline(info, summary, judged_sentence, alerts)}", ""]
+    lines = [status_line(state), ""] if state is not None else []
+    lines += [f"# {stage} run `{run_name}`", "",
+              f"**Verdict:** {_headline(info, summary, judged_sentence, alerts, running)}", ""]
     links = [f"[`{samples_text_file(split)}`]({samples_text_file(split)})"
              for split in SPLITS if samples_by_split.get(split)]
     previous = info.get("previous_stage") or {}
@@ -453,7 +466,8 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
               f"Rebuild with `python -m src.report {run_dir}`.", ""]
     lines += ["## Health alerts", "", *_alerts_section(alerts), ""]
     lines += ["## Judged results (held-out prompts)", "", *judged_lines, ""]
-    lines += ["## Final numbers", "", *final_numbers_table(summary, info), ""]
+    lines += ["## Numbers so far" if running else "## Final numbers", "",
+              *final_numbers_table(summary, info, running), ""]
     lines += ["## Curves", ""]
     if charts:
         for caption, path in charts:
@@ -472,15 +486,16 @@ def _infer_stage(metrics: list[dict]) -> str:
     return "dpo" if logged("rewards/margins") else "reward" if logged("margin") else "sft"
 
 
-def build_report(run_dir: str | Path) -> Path:
-    """Write plots/, distributed_output_<split>.txt and report.md into `run_dir`; return report.md's path.
+def build_report(run_dir: str | Path, live: Live | None = None) -> Path:
+    """Write plots/, distributed_output_<split>.txt and report.md into `run_dir`; return report.md's path. `live`:
+    where the training loop is, when it calls this while it runs.
 
     Raises ReportError when `run_dir` is not a run directory with at least one logged metric record.
     """
-    return _build(Path(run_dir))[0]
+    return _build(Path(run_dir), live)[0]
 
 
-def _build(run_dir: Path) -> tuple[Path, list[Alert]]:
+def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory")
     if not (run_dir / METRICS).exists():
@@ -512,11 +527,12 @@ def _build(run_dir: Path) -> tuple[Path, list[Alert]]:
             samples_by_split[split] = sorted(read_jsonl(path), key=lambda sample: sample.get("index", 0))
             judge = (info.get("judges") or {}).get(split)
             text = render_samples_text(samples_by_split[split], split, info.get("run_name", ""), judge)
-            (run_dir / samples_text_file(split)).write_text(text, encoding="utf-8")
+            write_text(run_dir / samples_text_file(split), text)
 
+    written = datetime.fromtimestamp((run_dir / METRICS).stat().st_mtime, timezone.utc)
+    state = run_state(info, metrics, live, last_written=written)
     report = run_dir / REPORT
-    report.write_text(render_report(run_dir, info, summary, alerts, charts, samples_by_split),
-                      encoding="utf-8")
+    write_text(report, render_report(run_dir, info, summary, alerts, charts, samples_by_split, state))
     return report, alerts
 
 

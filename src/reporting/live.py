@@ -1,0 +1,110 @@
+"""The live report: plots and report.md refreshed on rank 0 while a run trains, so `results/<run>/` shows the run
+as it goes rather than only at its end.
+
+When: after every evaluation and every checkpoint, and every `every` seconds (5 minutes) in between — at the start
+of the next optimizer step, so the refresh sees the evaluation's record and the checkpoint on disk.
+Cost: a refresh takes one to a few seconds (matplotlib on the CPU; bench/bench_live_report.py). It is taken only while the time spent refreshing,
+this refresh included (estimated as the last one, FIRST_ESTIMATE_S before any), stays within MAX_SHARE (1%) of the
+time since training began. So refreshing costs at most 1% of training on any machine (a refresh slower than its
+estimate can overshoot by its difference; the next one then waits longer): a long run refreshes at
+every evaluation; a short one (the 4-minute CPU default) refreshes less often or only at its end, and evaluations
+that come too fast fold into the next refresh. PREFKIT_LIVE_REPORT_SHARE overrides the 1%. The refresh time is
+reported to the throughput meter as a pause (it is not training) and the totals go to training_info.json
+(`live_report`).
+Safety: every file is replaced atomically (src/run_files.py), so a reader, or a run that crashes mid-refresh, keeps
+the previous complete report; a refresh that fails prints one warning and training goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from transformers import TrainerCallback
+
+from src.progress import eta_seconds
+from src.reporting.status import Live
+
+REFRESH_EVERY_S = 300.0
+MAX_SHARE = 0.01  # of the training time, at most spent refreshing
+# A refresh of a DPO run (six charts) costs about 1 s of CPU for a short history, 4 s for 8,000 logged steps
+# (bench/bench_live_report.py), more wall time on a loaded machine. The first is budgeted at this until one is timed.
+FIRST_ESTIMATE_S = 2.0
+
+
+class LiveReport(TrainerCallback):
+    """Refreshes `run_dir`'s report while training runs (rank 0 only; the other ranks never refresh)."""
+
+    def __init__(self, run_dir: str | Path, on_pause: Callable[[float], None] | None = None,
+                 every: float = REFRESH_EVERY_S, max_share: float | None = None, clock=time.monotonic):
+        self.run_dir = Path(run_dir)
+        self.report_pause = on_pause  # not named on_pause: the trainer calls every callback's on_pause
+        self.every, self.clock = every, clock
+        self.max_share = max_share if max_share is not None else float(
+            os.environ.get("PREFKIT_LIVE_REPORT_SHARE", MAX_SHARE))
+        self.started = clock()
+        self.ended: float | None = None
+        self.start_step = 0
+        self.due = False
+        self.last_end: float | None = None
+        self.last_duration = 0.0
+        self.refreshes = 0
+        self.seconds = 0.0
+        self.failed = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = self.last_end = self.clock()
+        self.start_step = state.global_step  # a resumed run's ETA goes at the rate since the resume
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.due = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.due = True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._maybe_refresh(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._maybe_refresh(state)  # the last evaluation's record, while the model is saved and judged
+        self.ended = self.clock()
+
+    def _maybe_refresh(self, state) -> None:
+        if not state.is_world_process_zero or self.failed:
+            return
+        now = self.clock()
+        expected = self.last_duration or FIRST_ESTIMATE_S
+        within_budget = self.seconds + expected <= self.max_share * (now - self.started)
+        if (self.due or now - self.last_end >= self.every) and within_budget:
+            self.refresh(state)
+
+    def refresh(self, state) -> None:
+        from src.reporting.report import ReportError, build_report
+
+        started = self.clock()
+        elapsed = started - self.started
+        live = Live(step=state.global_step, total=state.max_steps, elapsed_s=elapsed,
+                    eta_s=eta_seconds(state.global_step - self.start_step, state.max_steps - self.start_step, elapsed))
+        try:
+            build_report(self.run_dir, live)
+        except ReportError:
+            pass  # nothing logged yet: the next evaluation or interval tries again
+        except Exception as error:  # a report must never stop a run: say it once and carry on without
+            self.failed = True
+            print(f"  warning: the live report could not be refreshed ({type(error).__name__}: {error}); training "
+                  f"goes on, and the report is built at the end", flush=True)
+        self.last_end = self.clock()
+        self.last_duration = self.last_end - started
+        self.due = False
+        self.refreshes += 1
+        self.seconds += self.last_duration
+        if self.report_pause is not None:
+            self.report_pause(self.last_duration)
+
+    def summary(self) -> dict:
+        """For training_info.json: how often the report was refreshed during training and what it cost."""
+        training = (self.ended if self.ended is not None else self.clock()) - self.started
+        return {"refreshes": self.refreshes, "seconds": round(self.seconds, 2),
+                "share_of_training": round(self.seconds / max(training, 1e-9), 5)}
