@@ -272,6 +272,12 @@ class TrainingArguments:
         metadata={"help": "Check the configuration and the data (tokenizing it into the cache), print the plan, "
                   "and stop before loading a model or starting a process group."},
     )
+    node_timeout: int = field(
+        default=180,
+        metadata={"help": "With several nodes: seconds without a sign of life from another node's processes before "
+                  "this node stops with one line naming the silent node (src/node_watch.py), instead of waiting on "
+                  "a collective for the 60-minute process-group timeout. 0 turns the watch off."},
+    )
     report_to: list[str] = field(
         default_factory=lambda: ["none"],
         metadata={"help": "Experiment trackers, one or several: tensorboard (event files in <run dir>/tensorboard), "
