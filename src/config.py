@@ -50,6 +50,13 @@ class ModelArguments(ModelConfig):
         metadata={"help": f"Hub id or local directory of the model to train; '{EMBEDDED}' builds the small offline "
                   "default model on first use (cached after)."},
     )
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={"help": "Give a model without a chat template (a base model) one: a Jinja file (.jinja/.j2), or a "
+                  "tokenizer directory or Hub id whose template, special tokens and EOS are copied (TRL's "
+                  "clone_chat_template: the embeddings grow by the new tokens). Every stage tokenizes with it and "
+                  "saves it with the model, so a DPO stage after SFT uses it."},
+    )
     trust_remote_code: bool = field(
         default=False,
         metadata={"help": "Allow models and tokenizers that ship their own Python code (runs that code: only for "
@@ -79,6 +86,11 @@ class ModelArguments(ModelConfig):
         super().__post_init__()
 
 
+# Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
+# channel lookup here recognises them): configuration owns the list so it depends on no other module.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
 @dataclass
 class DataArguments:
     """Where the data comes from and how its columns map onto TRL's shapes."""
@@ -91,6 +103,13 @@ class DataArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration (subset) name."})
     dataset_split: str = field(
         default="train", metadata={"help": "Split of the source to train on when it has several."}
+    )
+    dataset_mixture: list[dict] | None = field(
+        default=None,
+        metadata={"help": "Several sources mixed into one training set (instead of --dataset_name), in a recipe: a "
+                  "list of {name: Hub id, file or directory; weight: fraction of its training rows to take (0-1], "
+                  "default 1; split; config; columns: {prompt: ..., chosen: ..., rejected: ..., messages: ...}}. "
+                  "Each source is recognised in its own shape; validation/test are carved per source."},
     )
     prompt_column: str | None = field(default=None, metadata={"help": "Column holding the prompt (mapped to 'prompt')."})
     chosen_column: str | None = field(default=None, metadata={"help": "Column holding the preferred answer."})
@@ -118,7 +137,11 @@ class DataArguments:
         metadata={"help": "Maximum tokens of prompt + completion. Longer rows are truncated at the end; rows whose "
                   "prompt alone fills it are dropped (both counted and reported before training)."},
     )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (datasets.map)."})
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize the data in parallel (datasets.map). Default: the cores this "
+                  "process may run on (its CPU affinity); preparation runs once per machine, before training."},
+    )
 
 
 @dataclass
@@ -248,6 +271,12 @@ class TrainingArguments:
         default=False,
         metadata={"help": "Check the configuration and the data (tokenizing it into the cache), print the plan, "
                   "and stop before loading a model or starting a process group."},
+    )
+    node_timeout: int = field(
+        default=180,
+        metadata={"help": "With several nodes: seconds without a sign of life from another node's processes before "
+                  "this node stops with one line naming the silent node (src/node_watch.py), instead of waiting on "
+                  "a collective for the 60-minute process-group timeout. 0 turns the watch off."},
     )
     report_to: list[str] = field(
         default_factory=lambda: ["none"],
@@ -644,8 +673,6 @@ def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tu
     SM_OUTPUT_DATA_DIR → --results_dir (uploaded as output.tar.gz); SM_MODEL_DIR → --final_model_dir (model.tar.gz);
     SM_CHANNEL_TRAINING → --dataset_name: the channel's one data file, or the directory (split files, save_to_disk).
     """
-    from src.data import DATA_FILE_BUILDERS
-
     environ = os.environ if environ is None else environ
     defaults = {}
     for variable, key in (("SM_OUTPUT_DATA_DIR", "results_dir"), ("SM_MODEL_DIR", "final_model_dir"),
@@ -739,6 +766,31 @@ def stage_config(config: Config, stage: str) -> Config:
     return staged
 
 
+MIXTURE_KEYS = ("name", "path", "weight", "fraction", "split", "config", "columns")
+MIXTURE_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion", "text")
+
+
+def validate_mixture(mixture: list[dict] | None) -> None:
+    """Each --dataset_mixture entry names a source and a fraction in (0, 1]; the error names the entry."""
+    for number, entry in enumerate(mixture or [], start=1):
+        where = f"dataset_mixture entry {number}"
+        unknown = [key for key in entry if key not in MIXTURE_KEYS]
+        if unknown:
+            raise ConfigError(f"{where}: unknown key '{unknown[0]}'{_closest(unknown[0], MIXTURE_KEYS)}; an entry "
+                              f"holds {', '.join(MIXTURE_KEYS)}")
+        name = entry.get("name") or entry.get("path")
+        if not name:
+            raise ConfigError(f"{where}: 'name' (a Hub id, a file or a directory) is required")
+        where = f"dataset_mixture entry {number} ({name})"
+        fraction = entry.get("weight", entry.get("fraction", 1.0))
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ConfigError(f"{where}: weight must be the fraction of its rows to take, in (0, 1]; got {fraction!r}")
+        columns = entry.get("columns") or {}
+        if not isinstance(columns, dict) or any(key not in MIXTURE_COLUMNS for key in columns):
+            raise ConfigError(f"{where}: columns maps {', '.join(MIXTURE_COLUMNS)} to the source's column names; "
+                              f"got {columns!r}")
+
+
 def validate(config: Config) -> None:
     """Checks that need no data, model or process group; each names its flag and what to do."""
     training, data = config.training, config.data
@@ -791,7 +843,8 @@ def validate(config: Config) -> None:
                               "(letters, digits, '-', '_', '.')") from None
     if config.model.model_name_or_path is None:
         raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
-    if config.data.dataset_name is None:
+    validate_mixture(config.data.dataset_mixture)
+    if config.data.dataset_name is None and not config.data.dataset_mixture:
         raise ConfigError(f"--dataset_name is required (a Hub id, a directory or a data file, or '{EMBEDDED}')")
 
 

@@ -8,24 +8,29 @@ precomputation working under several processes.
 
 Tokenization mirrors what TRL's trainers do themselves (same helpers, same prompt/completion boundary, same EOS
 rules; `tests/test_data.py` checks the ids are identical), so the trainers receive ready columns and skip it.
+
+Preparation streams: the source stays in memory-mapped Arrow files, splits are carved as row indices, and one
+batched `datasets.map` per chunk normalizes, checks and tokenizes (on --dataset_num_proc processes) into int32 id
+columns written to disk batch by batch, so peak memory follows the batch size, not the data size
+(`bench/bench_prepare.py` measures it; docs/data.md has the numbers).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from src.config import EMBEDDED, DataArguments, SFTArguments
+from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
 from src.locking import build_once
 
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 3  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 4  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
@@ -56,6 +61,26 @@ class PreparedData:
 # --------------------------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def mixture_sources(data: DataArguments) -> list[tuple[DataArguments, float]]:
+    """--dataset_mixture as one DataArguments per source (its name, config, split and column mapping; the rest
+    shared) and the fraction of its training rows to take. Empty without a mixture."""
+    import dataclasses
+
+    sources = []
+    for entry in data.dataset_mixture or []:
+        columns = {f"{canonical}_column": column for canonical, column in (entry.get("columns") or {}).items()}
+        source = dataclasses.replace(data, dataset_name=entry.get("name") or entry.get("path"),
+                                     dataset_config=entry.get("config"), dataset_split=entry.get("split", "train"),
+                                     dataset_mixture=None, **columns)
+        sources.append((source, float(entry.get("weight", entry.get("fraction", 1.0)))))
+    return sources
+
+
+def source_names(data: DataArguments) -> list[str]:
+    """The names the data comes from as the user wrote them: --dataset_name, or each source of a mixture."""
+    return [source.dataset_name for source, _ in mixture_sources(data)] or [data.dataset_name]
 
 
 def source_location(data: DataArguments, stage: str) -> str:
@@ -98,6 +123,10 @@ def _split_files(directory: Path) -> dict[str, str]:
 
 def check_source(data: DataArguments, stage: str) -> None:
     """The cheap checks on where the data comes from, before any model or tokenizer is fetched."""
+    for source, _ in mixture_sources(data):
+        check_source(source, stage)
+    if data.dataset_mixture:
+        return
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
@@ -285,39 +314,36 @@ def _text_of(value: Any) -> str:
     return ""
 
 
-def check_rows(rows: list[dict], stage: str, source: str) -> tuple[list[dict], dict]:
-    """Refuse malformed rows (wrong types), drop rows with no training signal (empty or identical answers) and
-    count them; refuse when nothing is left."""
-    answer_columns = ("chosen", "rejected") if "chosen" in rows[0] else (
-        ("completion",) if "completion" in rows[0] else ("messages",) if "messages" in rows[0] else ("text",))
-    kept, empty, identical = [], [], []
-    for index, row in enumerate(rows):
-        for column in ("prompt",) + answer_columns:
-            if column not in row or row[column] is None:
-                if column == "prompt" and column not in row:
-                    continue
-                raise DataError(f"{source} row {index + 1}: '{column}' is missing")
-            value = row[column]
-            if not isinstance(value, str) and not _is_chat(value):
-                raise DataError(
-                    f"{source} row {index + 1}: '{column}' must be text or a list of {{role, content}} messages, "
-                    f"got {type(value).__name__}"
-                )
-        if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
-            raise DataError(f"{source} row {index + 1}: 'chosen' and 'rejected' must both be text or both messages")
-        if any(not _text_of(row[column]).strip() for column in answer_columns):
-            empty.append(index + 1)
-        elif stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
-            identical.append(index + 1)
-        else:
-            kept.append(row)
-    counts = {"rows": len(rows), "empty_answers": len(empty), "identical_pairs": len(identical), "kept": len(kept)}
-    if not kept:
-        reason = "chosen identical to rejected" if identical and not empty else "an empty answer"
-        raise DataError(f"{source}: every one of its {len(rows)} rows has {reason}: nothing to learn from")
-    counts["first_empty_rows"] = empty[:5]
-    counts["first_identical_rows"] = identical[:5]
-    return kept, counts
+KEPT, EMPTY, IDENTICAL, TOO_LONG = 0, 1, 2, 3  # a row's fate, stored per row while preparing (int8)
+
+
+def _answer_columns(row: dict) -> tuple[str, ...]:
+    return ("chosen", "rejected") if "chosen" in row else (
+        ("completion",) if "completion" in row else ("messages",) if "messages" in row else ("text",))
+
+
+def check_row(row: dict, number: int, stage: str, source: str) -> int:
+    """Refuse a malformed row (wrong types) naming its number; say whether it carries a training signal (KEPT) or is
+    dropped for an empty answer or chosen == rejected."""
+    answer_columns = _answer_columns(row)
+    for column in ("prompt",) + answer_columns:
+        if column not in row or row[column] is None:
+            if column == "prompt" and column not in row:
+                continue
+            raise DataError(f"{source} row {number}: '{column}' is missing")
+        value = row[column]
+        if not isinstance(value, str) and not _is_chat(value):
+            raise DataError(
+                f"{source} row {number}: '{column}' must be text or a list of {{role, content}} messages, "
+                f"got {type(value).__name__}"
+            )
+    if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+        raise DataError(f"{source} row {number}: 'chosen' and 'rejected' must both be text or both messages")
+    if any(not _text_of(row[column]).strip() for column in answer_columns):
+        return EMPTY
+    if stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
+        return IDENTICAL
+    return KEPT
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -452,37 +478,43 @@ def _split_count(size: float, rows: int) -> int:
     return int(size) if size >= 1 else int(round(size * rows))
 
 
-def split_rows(raw, data: DataArguments, seed: int) -> dict[str, list[dict]]:
-    """train / validation / test rows: the source's own splits where it has them, else carved with `seed`."""
+def split_datasets(raw, data: DataArguments, seed: int) -> dict:
+    """train / validation / test Datasets: the source's own splits where it has them, else carved with `seed`.
+
+    Carving selects row indices (the rows stay in their memory-mapped Arrow files); the order is that of
+    `random.Random(seed).shuffle`, so a seed carves the same rows it always has."""
     import random
+
+    import numpy as np
 
     names = list(raw.keys())
     if data.dataset_split not in names:
         raise DataError(f"--dataset_split {data.dataset_split}: no such split; the data has {', '.join(names)}")
-    splits = {"train": raw[data.dataset_split].to_list()}
+    splits = {"train": raw[data.dataset_split]}
     for kind in ("validation", "test"):
         found = _find_split(names, data.dataset_split, kind)
         if found:
-            splits[kind] = raw[found].to_list()
+            splits[kind] = raw[found]
     carve = [kind for kind in ("validation", "test") if kind not in splits]
     if carve:
-        order = list(range(len(splits["train"])))
-        random.Random(seed).shuffle(order)
-        rows = splits["train"]
-        counts = {kind: _split_count(getattr(data, f"{'val' if kind == 'validation' else 'test'}_size"), len(rows))
+        train = splits["train"]
+        counts = {kind: _split_count(getattr(data, f"{'val' if kind == 'validation' else 'test'}_size"), len(train))
                   for kind in carve}
-        if sum(counts.values()) >= len(rows):
+        if sum(counts.values()) >= len(train):
             raise DataError(
-                f"{len(rows)} training rows cannot give {counts} held-out rows: lower --val_size / --test_size"
+                f"{len(train)} training rows cannot give {counts} held-out rows: lower --val_size / --test_size"
             )
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        order = np.asarray(order, dtype=np.int64)  # 8 bytes a row instead of a Python int's 36
         start = 0
         for kind in carve:
-            splits[kind] = [rows[i] for i in order[start:start + counts[kind]]]
+            splits[kind] = train.select(order[start:start + counts[kind]])
             start += counts[kind]
-        splits["train"] = [rows[i] for i in sorted(order[start:])]
+        splits["train"] = train.select(np.sort(order[start:]))
     if data.max_train_samples:
-        splits["train"] = splits["train"][: data.max_train_samples]
-    return {kind: rows for kind, rows in splits.items() if rows}
+        splits["train"] = splits["train"].select(range(min(data.max_train_samples, len(splits["train"]))))
+    return {kind: dataset for kind, dataset in splits.items() if len(dataset)}
 
 
 def _source_fingerprint(location: str) -> list:
@@ -509,7 +541,9 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     parts = {
         "format": PREPARED_FORMAT,
         "stage": stage,
-        "source": _source_fingerprint(source_location(data, stage)),
+        "source": _source_fingerprint(source_location(data, stage)) if not data.dataset_mixture else
+        [_source_fingerprint(source_location(source, stage)) for source, _ in mixture_sources(data)],
+        "mixture": data.dataset_mixture,
         "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "system_prompt", "val_size",
@@ -521,10 +555,205 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
+# --------------------------------------------------------------------------------------------------------------------
+# Streaming preparation: batched `datasets.map` over memory-mapped Arrow, token ids as int32 columns
+# --------------------------------------------------------------------------------------------------------------------
+
+CHUNK_ROWS_PER_PROCESS = 4096  # rows a process tokenizes between two progress updates
+MIN_ROWS_PER_PROCESS = 1000  # below this a worker process costs more to start than it saves
+MAP_BATCH_ROWS = 256  # rows per batch of the map function and per Arrow write: peak memory follows this
+
+
+def default_num_proc() -> int:
+    """The cores this process may run on (its CPU affinity: what a scheduler or `taskset` gave it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return max(1, os.cpu_count() or 1)
+
+
+def _normalized_features(features, shape: str, has_chat_template: bool, pair_shape: str | None = None) -> dict:
+    """Arrow types of normalize_row's columns, from the source's: batches written one after another must agree even
+    where one batch holds only None in a field (a tool call no row of it has)."""
+    from datasets import List, Value
+
+    text = Value("string")
+    chat = List({"role": text, "content": text})  # the messages normalize_row builds from transcripts
+    if shape == "explicit_prompt":
+        out = {key: features[key] for key in ("prompt", "chosen", "rejected")}
+    elif shape in ("ultrafeedback", "implicit_prompt"):
+        out = {"prompt": features["chosen"], "chosen": features["chosen"], "rejected": features["rejected"]}
+    elif shape in ("anthropic_hh", "orca"):
+        out = dict.fromkeys(("prompt", "chosen", "rejected"), chat if has_chat_template else text)
+    elif shape == "messages":
+        out = {"messages": features["messages"]}
+    elif shape == "sharegpt":
+        message = dict(features["conversations"].feature)
+        renamed = {{"from": "role", "value": "content"}.get(key, key): value for key, value in message.items()}
+        out = {"messages": type(features["conversations"])(renamed)}
+    elif shape == "prompt_completion":
+        out = {"prompt": features["prompt"], "completion": features["completion"]}
+    elif shape == "text":
+        out = {"text": features["text"]}
+    elif shape == "preference":
+        pair = _normalized_features(features, pair_shape, has_chat_template)
+        out = {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    else:
+        raise ValueError(f"unknown shape {shape}")
+    if "meta" in features:
+        out["meta"] = features["meta"]
+    if "tools" in features:
+        out["tools"] = text  # _serializable: JSON text
+    return out
+
+
+def _output_features(normalized: dict, token_columns: list[str], held_out: bool):
+    from datasets import Features, List, Value
+
+    features = dict(normalized)
+    for column in token_columns:
+        features[column] = List(Value("int8") if "mask" in column else Value("int32"))
+    features["length"] = Value("int64")
+    if held_out:
+        judge = normalized.get("prompt", normalized.get("messages", Value("string")))
+        features.update(sample_prompt=Value("string"), sample_prompt_ids=List(Value("int32")),
+                        sample_chosen=Value("string"), sample_rejected=Value("string"), judge_prompt=judge)
+    features["_status"] = Value("int8")
+    return Features(features)
+
+
+def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, stage: str, location: str, source: str,
+                   tokenizer, data: DataArguments, sft: SFTArguments, chat_template: str | None,
+                   has_chat_template: bool, held_out: bool, output_columns: list[str]) -> dict:
+    """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
+
+    Dropped rows stay in the batch with their reason in `_status` (so the counts and the first dropped row numbers
+    come out of one pass) and are filtered out afterwards."""
+    columns = list(batch)
+    out = {column: [] for column in output_columns}
+    for values, index in zip(zip(*(batch[column] for column in columns)), indices):
+        number = offset + index + 1
+        row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
+        status = check_row(row, number, stage, source)
+        if not has_chat_template and any(_is_chat(value) for value in row.values()):
+            raise DataError(
+                f"{location}: the data is a chat but the model's tokenizer has no chat template to "
+                "render it; use a chat/instruct model, text data (prompt/chosen/rejected as strings), or give the "
+                "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
+            )
+        item, length = {}, 0
+        if status == KEPT:
+            if stage == "dpo":
+                item = tokenize_preference(row, tokenizer)
+                length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+                kept = len(item["prompt_ids"]) < data.max_length
+            elif stage == "reward":
+                item = tokenize_reward(row, tokenizer)
+                length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
+                # cut the answer whose last token the score is read from).
+                kept = length <= data.max_length
+            else:
+                item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                length = len(item["input_ids"])
+                kept = _has_trainable_token(item, data.max_length, sft)
+            status = KEPT if kept else TOO_LONG
+        record = {**_serializable(row), **item, "length": length, "_status": status}
+        if held_out:
+            record.update(sample_fields(row, tokenizer) if status == KEPT else
+                          {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
+                           "sample_rejected": None, "judge_prompt": None})
+        for column in output_columns:
+            out[column].append(record.get(column, [] if column.endswith(("_ids", "_mask", "_masks")) else None))
+    return out
+
+
+def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str, num_proc: int, work: Path):
+    """dataset.map(function) in chunks, each on up to `num_proc` processes, with one progress line between chunks.
+
+    The chunks' Arrow files go to `work` (not datasets' global cache) and are concatenated without copying."""
     import datasets
 
+    from src.progress import Progress
+
+    chunk_rows = CHUNK_ROWS_PER_PROCESS * num_proc
+    # One chunk is a few seconds of work: data that fits in one needs no progress line.
+    progress = Progress(label, total=len(dataset), enabled=len(dataset) > chunk_rows)
+    pieces = []
+    for number, start in enumerate(range(0, len(dataset), chunk_rows)):
+        chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
+        processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
+        pieces.append(chunk.map(
+            function, fn_kwargs=fn_kwargs | {"offset": start}, batched=True, batch_size=MAP_BATCH_ROWS,
+            writer_batch_size=MAP_BATCH_ROWS, with_indices=True, remove_columns=chunk.column_names,
+            features=features, num_proc=processes if processes > 1 else None,
+            cache_file_name=str(work / f"{label.replace(' ', '_')}-{number:05d}.arrow"),
+            new_fingerprint=f"{work.name}-{label}-{number}",  # no hashing of the tokenizer for every chunk
+        ))
+        if start + chunk_rows < len(dataset):
+            progress.update(len(chunk))
+        else:
+            progress.done += len(chunk)  # counted, not shown: close() tells the last chunk, once
+    progress.close()
+    return datasets.concatenate_datasets(pieces)
+
+
+def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
+    """Kept / dropped / truncated counts of a split from its `_status` and `length` columns (read as arrays, a few
+    bytes a row), with the same refusals as before: nothing left after the checks, or after the length rule."""
+    import numpy as np
+
+    status = prepared.data.column("_status").to_numpy()
+    lengths = prepared.data.column("length").to_numpy()
+    empty, identical = np.flatnonzero(status == EMPTY), np.flatnonzero(status == IDENTICAL)
+    checked, kept = (status == KEPT) | (status == TOO_LONG), status == KEPT
+    if not checked.any():
+        reason = "chosen identical to rejected" if len(identical) and not len(empty) else "an empty answer"
+        raise DataError(f"{source}: every one of its {len(status)} rows has {reason}: nothing to learn from")
+    if not kept.any():
+        what = "pair is over" if stage == "reward" else "prompt is at least"
+        raise DataError(f"{source}: every {what} --max_length {max_length} tokens long; raise --max_length")
+    return {"rows": len(status), "empty_answers": len(empty), "identical_pairs": len(identical),
+            "kept": int(kept.sum()), "first_empty_rows": [int(i) + 1 for i in empty[:5]],
+            "first_identical_rows": [int(i) + 1 for i in identical[:5]],
+            "dropped_too_long" if stage == "reward" else "dropped_prompt_too_long": int((status == TOO_LONG).sum()),
+            "truncated": int((kept & (lengths > max_length)).sum()), "longest_tokens": int(lengths[checked].max())}
+
+
+def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
+    import shutil
+
+    import datasets
+
+    num_proc = data.dataset_num_proc or default_num_proc()
+    if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    work = target / ".work"
+    work.mkdir()
+    summary = {"stage": stage, "max_length": data.max_length}
+    sources = mixture_sources(data)
+    if not sources:
+        location, shape, built, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
+        summary |= {"source": location, "shape": shape, "splits": counts}
+    else:
+        parts = []
+        for number, (source, fraction) in enumerate(sources):
+            location, shape, built, counts = _prepare_source(source, sft, stage, seed, tokenizer, num_proc,
+                                                             work / str(number), fraction)
+            parts.append((location, shape, fraction, built, counts))
+        built, summary_parts = _mix(parts, seed)
+        summary |= summary_parts
+    datasets.DatasetDict(built).save_to_disk(str(target))
+    shutil.rmtree(work)
+    (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, num_proc: int,
+                    work: Path, fraction: float = 1.0):
+    """One source, recognised in its own shape and columns: (location, shape, kept splits, counts per split)."""
     location = source_location(data, stage)
+    work.mkdir(parents=True, exist_ok=True)
     raw = load_source(data, stage)
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
@@ -533,59 +762,104 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
     if mapping:
         raw = raw.rename_columns(mapping)
     columns = raw[next(iter(raw))].column_names
-    shape = detect_shape(columns, raw[next(iter(raw))][0], stage)
-    summary = {"source": location, "shape": shape, "stage": stage, "max_length": data.max_length, "splits": {}}
+    features = raw[next(iter(raw))].features
+    first_row = raw[next(iter(raw))][0]
+    shape = detect_shape(columns, first_row, stage)
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
-    built = {}
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    for kind, rows in split_rows(raw, data, seed).items():
-        rows = [normalize_row(row, shape, data.system_prompt, has_chat_template) for row in rows]
-        rows, counts = check_rows(rows, stage, f"{location} ({kind})")
-        if not has_chat_template and any(_is_chat(value) for value in rows[0].values()):
-            raise DataError(
-                f"{location}: the data is a chat but the model's tokenizer has no chat template to render it; use "
-                "a chat/instruct model or text data (prompt/chosen/rejected as strings)"
-            )
-        dropped = "dropped_prompt_too_long"
-        if stage == "dpo":
-            tokenized = [tokenize_preference(row, tokenizer) for row in rows]
-            prompt_lengths = [len(item["prompt_ids"]) for item in tokenized]
-            full_lengths = [len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                            for item in tokenized]
-            # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
-            keep = [length < data.max_length for length in prompt_lengths]
-        elif stage == "reward":
-            tokenized = [tokenize_reward(row, tokenizer) for row in rows]
-            full_lengths = [max(len(item["chosen_ids"]), len(item["rejected_ids"])) for item in tokenized]
-            # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would cut
-            # the answer whose last token the score is read from).
-            keep = [length <= data.max_length for length in full_lengths]
-            dropped = "dropped_too_long"
-        else:
-            tokenized = [tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template) for row in rows]
-            full_lengths = [len(item["input_ids"]) for item in tokenized]
-            keep = [_has_trainable_token(item, data.max_length, sft) for item in tokenized]
-        counts[dropped] = keep.count(False)
-        counts["truncated"] = sum(1 for length, kept in zip(full_lengths, keep) if kept and length > data.max_length)
-        counts["longest_tokens"] = max(full_lengths)
-        records = []
-        for row, item, kept, length in zip(rows, tokenized, keep, full_lengths):
-            if not kept:
-                continue
-            # "length" is what transformers' group_by_length sorts on (it cannot read DPO's three id columns).
-            record = {**_serializable(row), **item, "length": length}
-            if kind != "train":
-                record.update(sample_fields(row, tokenizer))
-            records.append(record)
-        if not records:
-            what = "pair is over" if stage == "reward" else "prompt is at least"
-            raise DataError(f"{location} ({kind}): every {what} --max_length {data.max_length} tokens long; raise "
-                            "--max_length")
-        counts["kept"] = len(records)
-        summary["splits"][kind] = counts
-        built[kind] = datasets.Dataset.from_list(records)
-    datasets.DatasetDict(built).save_to_disk(str(target))
-    (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
+    normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
+    first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
+    token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
+    built, counts = {}, {}
+    for kind, split in split_datasets(raw, data, seed).items():
+        if kind == "train" and fraction < 1:
+            split = _take_fraction(split, fraction, seed)
+        held_out = kind != "train"
+        output = _output_features(normalized, token_columns, held_out)
+        kwargs = {"shape": shape, "stage": stage, "location": location, "source": f"{location} ({kind})",
+                  "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
+                  "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
+        prepared = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc, work)
+        counts[kind] = _counts(prepared, stage, kwargs["source"], data.max_length)
+        built[kind] = prepared.filter(_is_kept, input_columns="_status", batched=True,
+                                      cache_file_name=str(work / f"{kind}-kept.arrow"),
+                                      new_fingerprint=f"{work.name}-{kind}-kept").remove_columns("_status")
+    return location, shape, built, counts
+
+
+def _take_fraction(split, fraction: float, seed: int):
+    """`fraction` of a source's training rows, drawn with the seed (the rows keep their order in the source)."""
+    import numpy as np
+
+    count = max(1, int(round(fraction * len(split))))
+    return split.select(np.sort(np.random.default_rng(seed).permutation(len(split))[:count]))
+
+
+def _mix(parts: list, seed: int) -> tuple[dict, dict]:
+    """The sources' prepared splits as one: concatenated (held-out splits carved per source, so each source is
+    evaluated on its own rows), the training rows shuffled with the seed; the counts summed and kept per source."""
+    import datasets
+
+    splits: dict[str, list] = {}
+    for location, _, _, built, _ in parts:
+        for kind, dataset in built.items():
+            splits.setdefault(kind, []).append((location, dataset))
+    mixed = {}
+    for kind, pieces in splits.items():
+        columns = set.intersection(*(set(dataset.column_names) for _, dataset in pieces))
+        pieces = [(location, dataset.select_columns(sorted(columns))) for location, dataset in pieces]
+        for location, dataset in pieces[1:]:
+            if dataset.features != pieces[0][1].features:
+                different = [column for column in sorted(columns)
+                             if dataset.features[column] != pieces[0][1].features[column]]
+                raise DataError(
+                    f"dataset_mixture: {location} and {pieces[0][0]} differ in the type of {', '.join(different)} "
+                    "after normalisation (e.g. one is text and the other chat messages): mix sources of one kind"
+                )
+        combined = datasets.concatenate_datasets([dataset for _, dataset in pieces])
+        mixed[kind] = combined.shuffle(seed=seed) if kind == "train" else combined
+    counts = {}
+    for kind in mixed:
+        per_source = [part[4][kind] for part in parts if kind in part[4]]
+        total = {key: sum(item[key] for item in per_source) for key in per_source[0]
+                 if isinstance(per_source[0][key], int) and key != "longest_tokens"}
+        total["longest_tokens"] = max(item["longest_tokens"] for item in per_source)
+        # Row numbers count rows of one source: the summary names them per source.
+        total["first_empty_rows"] = [f"{location}:{row}" for location, _, _, _, c in parts if kind in c
+                                     for row in c[kind]["first_empty_rows"]][:5]
+        total["first_identical_rows"] = [f"{location}:{row}" for location, _, _, _, c in parts if kind in c
+                                         for row in c[kind]["first_identical_rows"]][:5]
+        counts[kind] = total
+    return mixed, {
+        "source": " + ".join(part[0] for part in parts),
+        "shape": "mixture",
+        "splits": counts,
+        "sources": [{"source": location, "shape": shape, "fraction": fraction,
+                     "rows_taken": {kind: c[kind]["kept"] for kind in c}, "splits": c}
+                    for location, shape, fraction, _, c in parts],
+        "held_out": "carved per source",
+    }
+
+
+def _is_kept(statuses: list[int]) -> list[bool]:
+    return [status == KEPT for status in statuses]
+
+
+def _token_columns(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
+    """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
+    if stage == "dpo":
+        return ("prompt_ids", "chosen_ids", "rejected_ids")
+    if stage == "reward":
+        return ("chosen_ids", "rejected_ids")
+    if "prompt" in first_row:
+        from trl.data_utils import is_conversational
+
+        masks = ("assistant_masks",) if sft.assistant_only_loss and is_conversational(first_row) else ()
+        return ("input_ids", "completion_mask") + masks
+    if "messages" in first_row:
+        return ("input_ids",) + (("assistant_masks",) if sft.assistant_only_loss else ())
+    return ("input_ids",)
 
 
 def _has_trainable_token(item: dict, max_length: int, sft: SFTArguments) -> bool:
@@ -619,6 +893,9 @@ def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
 def format_summary(summary: dict) -> str:
     """A few lines for rank 0: what was recognised and what was dropped or truncated, per split."""
     lines = [f"  data: {summary['source']} ({summary['shape']}, {summary['stage']})"]
+    for source in summary.get("sources", []):
+        taken = ", ".join(f"{kind} {rows}" for kind, rows in source["rows_taken"].items())
+        lines.append(f"    {source['source']} ({source['shape']}, fraction {source['fraction']:g}): {taken} rows")
     for kind, counts in summary["splits"].items():
         notes = []
         if counts["empty_answers"]:

@@ -23,14 +23,20 @@ def is_offline(environ: Mapping[str, str] | None = None) -> bool:
                for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the URL's host and port opens within `timeout` (the trackers' probe too)."""
+    endpoint = urlparse(url)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443)),
+                                      timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def hub_reachable(environ: Mapping[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
-    endpoint = urlparse(environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=PROBE_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
+    return reachable(environ.get("HF_ENDPOINT", "https://huggingface.co"))
 
 
 def looks_like_hub_id(name: str) -> bool:

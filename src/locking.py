@@ -1,18 +1,23 @@
 """Build-once directories shared by processes that have no process group yet.
 
 Work done before training (building the embedded model, tokenizing the dataset) must happen once per machine, with
-the other processes waiting for it. A collective barrier would put them on NCCL's 30-minute timeout; a file lock has
-no timeout, and a crash of the builder releases it (the kernel drops flock locks of dead processes), so the next
-process takes over instead of hanging.
+the other processes waiting for it. A collective barrier would put them on NCCL's 30-minute timeout; a file lock
+(the `filelock` package the Hugging Face libraries use for their caches) has no timeout, and a crash of the builder
+releases it (the kernel drops the locks of dead processes), so the next process takes over instead of hanging.
+
+A builder writes into `.<name>.building-<pid>` and renames it into place when complete, so a reader never sees a
+half-built directory. Whoever holds the lock next removes what killed builders left behind: while it is held, no
+other `.building-*` sibling can belong to a live build.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 COMPLETE_MARKER = ".complete"
 
@@ -21,30 +26,29 @@ def is_complete(directory: Path) -> bool:
     return (directory / COMPLETE_MARKER).exists()
 
 
-def build_once(directory: Path, build: Callable[[Path], None]) -> Path:
-    """Return `directory`, calling `build(temporary_dir)` first if no process has completed it yet.
+def remove_leftovers(directory: Path) -> list[Path]:
+    """The half-built siblings of `directory` that killed builders left (call with the lock held)."""
+    leftovers = sorted(directory.parent.glob(f".{directory.name}.building-*"))
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
 
-    The build writes into a temporary sibling that is renamed into place only when complete, so a reader never sees
-    a half-built directory and a killed builder leaves nothing that looks finished.
-    """
+
+def build_once(directory: Path, build: Callable[[Path], None]) -> Path:
+    """Return `directory`, calling `build(temporary_dir)` first if no process has completed it yet."""
     directory = Path(directory)
     if is_complete(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = directory.parent / f".{directory.name}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # waits, without a timeout, for the process building it
-        try:
-            if is_complete(directory):
-                return directory
-            temporary = directory.parent / f".{directory.name}.building-{os.getpid()}"
-            shutil.rmtree(temporary, ignore_errors=True)
-            temporary.mkdir()
-            build(temporary)
-            (temporary / COMPLETE_MARKER).write_text("")
-            if directory.exists():  # an incomplete leftover of a crashed build
-                shutil.rmtree(directory)
-            os.replace(temporary, directory)
+    with FileLock(directory.parent / f".{directory.name}.lock"):  # waits, without a timeout, for the builder
+        remove_leftovers(directory)
+        if is_complete(directory):
             return directory
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        temporary = directory.parent / f".{directory.name}.building-{os.getpid()}"
+        temporary.mkdir()
+        build(temporary)
+        (temporary / COMPLETE_MARKER).write_text("")
+        if directory.exists():  # an incomplete leftover of a crashed build
+            shutil.rmtree(directory)
+        os.replace(temporary, directory)
+        return directory

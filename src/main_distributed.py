@@ -30,16 +30,20 @@ from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, resolve_plan, sagemaker_process_hint, stage_config,
 )
-from src.data import DataError, PreparedData, check_source, format_summary, prepare_data
+from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
+from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_reported
 from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
-from src.models import ModelError, load_model, load_tokenizer, peft_config, resolve_model_path, save_final_model
+from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
+                        peft_config, resolve_model_path, save_final_model)
+from src.node_watch import watch
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
     DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.reporting.summary import summarize
+from src.run_lock import acquire, check_free
 from src.trackers import TrackerRecord, check_trackers, tracker_environment
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
@@ -292,6 +296,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         set_seed(config.training.seed)
     model = load_model(model_path, config.model, plan, world,
                        reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+    model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
     sft_forward = resolve_sft_forward(config, model.config._attn_implementation) if stage.name == "sft" else None
     if sft_forward:
         print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
@@ -320,6 +325,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         for split, outcome in trainer.reference_cache.items():
             print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
                    f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
+    # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
+    # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
+    merge = config.model.merge_adapter or (config.model.use_peft and (
+        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)))
+    check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
         run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value))
@@ -331,10 +341,6 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trained = trainer.accelerator.unwrap_model(trainer.model)
     after = answer_held_out(trained, tokenizer, rows, config, plan, world)
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
-    # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
-    # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
-    merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)))
     saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
 
     outcome = {"stage": stage.name, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
@@ -377,6 +383,25 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
             print0(f"  model card: {directory / 'README.md'}")
     barrier()
     return outcome
+
+
+def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
+    """Rank 0 estimates what the stage will write (src/disk_space.py) against the free space and records it in
+    training_info.json; every rank stops with rank 0's verdict, before the first step."""
+    from src.disk_space import check_space, estimate_writes
+    from src.distributed import gather_objects
+
+    verdict = (None, None)
+    if world.is_main:
+        estimate = estimate_writes(trainer.model, trainer.args, total_steps, merge, stage.output_dir)
+        verdict = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
+        run_files.update_json(stage.run_dir / run_files.TRAINING_INFO,
+                              disk_estimate={"bytes": estimate.total, "breakdown": estimate.breakdown()})
+    error, warning = gather_objects([verdict])[0][0]
+    if warning:
+        print0(f"  warning: {warning}")
+    if error:
+        raise ConfigError(error)
 
 
 def _resuming(info_path: Path) -> bool:
@@ -498,7 +523,7 @@ def push_final_model(stage: Stage, config: Config) -> None:
 
 def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
     """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
-    names = [config.model.model_name_or_path] + [stage.config.data.dataset_name for stage in stages]
+    names = [config.model.model_name_or_path] + [name for stage in stages for name in source_names(stage.config.data)]
     if config.training.judge not in ("auto", "none", EMBEDDED):
         names.append(config.training.judge)  # a reward model as judge
     return [name for name in names if name != EMBEDDED]
@@ -515,6 +540,18 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
 
 
+def hold_run_directory(run_dir: Path, dry_run: bool, world: World) -> None:
+    """One job per run directory (src/run_lock.py): rank 0 takes the hold before anything is written; a dry run
+    (run_distributed.sh's preflight among them) only checks that no live job holds it."""
+    if dry_run:
+        check_free(run_dir)
+    elif world.is_main:
+        hold = acquire(run_dir)
+        if hold.took_over:
+            print0(f"  {run_dir}: took over the hold of a job that is gone ({hold.took_over})")
+        run_files.remove_temporary_files(run_dir)  # half-written files of a killed job: nobody else writes here
+
+
 def run(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     config = parse_config(argv)
@@ -527,6 +564,10 @@ def run(argv: list[str] | None = None) -> int:
     for note in check_trackers(config.training.report_to):
         print0(f"  {note}")
     stages = plan_stages(config, world, devices)
+    hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
+    if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
+        watch(world, config.training.node_timeout, lambda: next(filter(None, (
+            newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     check_earlier_run(stages[-1].run_dir, overwrite)
@@ -543,7 +584,8 @@ def run(argv: list[str] | None = None) -> int:
     quiet_libraries()
 
     model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
+    tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
+                                         config.model.chat_template_path)
     from src.embedded.model import cache_root
 
     # Every stage's data is checked and tokenized now, before any process group or model exists.
@@ -569,7 +611,8 @@ def run(argv: list[str] | None = None) -> int:
             previous = {"stage": stage.name, "run_dir": str(stage.run_dir), "judge": earlier.get("judge"),
                         "model_path": earlier.get("merged_model", earlier["final_model"])}
         else:
-            previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
+            with write_failures_reported(stage.output_dir):
+                previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
         model_path = previous["model_path"]  # the next stage starts from this one's model
     if config.training.final_model_dir and world.is_main:
         export_final_model(stages[-1], Path(config.training.final_model_dir))
@@ -598,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
+    except WriteFailed as error:  # every rank raises it (src/disk_space.py); rank 0 says it
+        if debug:
+            raise
+        print0(f"error: {error}", file=sys.stderr)
+        return WRITE_FAILED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -103,6 +103,45 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
+def _is_jinja_file(path: str) -> bool:
+    return Path(path).is_file() and path.endswith((".jinja", ".j2"))  # TRL's own test (SFTTrainer)
+
+
+def apply_chat_template_path(tokenizer, path: str | None):
+    """The tokenizer half of --chat_template_path, before any data is tokenized: a Jinja file's template, or a source
+    tokenizer's template, its added (special) tokens and its EOS, as TRL's clone_chat_template sets them."""
+    if not path:
+        return tokenizer
+    if _is_jinja_file(path):
+        tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        source = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ModelError(f"--chat_template_path {path}: neither a .jinja/.j2 file nor a tokenizer directory or Hub id "
+                         f"({_first_line(error)})") from None
+    if not source.chat_template:
+        raise ModelError(f"--chat_template_path {path}: that tokenizer has no chat template to copy")
+    tokenizer.chat_template = source.get_chat_template()
+    vocabulary = tokenizer.get_vocab()
+    tokenizer.add_tokens([token for token in source.added_tokens_decoder.values() if token.content not in vocabulary])
+    tokenizer.eos_token = source.eos_token
+    return tokenizer
+
+
+def apply_chat_template_to_model(model, tokenizer, path: str | None):
+    """The model half of --chat_template_path (every stage, DPO included, whose TRL trainer has no such option):
+    TRL's clone_chat_template resizes the embeddings for the tokens the template brought and sets the EOS id."""
+    if not path or _is_jinja_file(path):
+        return model
+    from trl import clone_chat_template
+
+    model, _, _ = clone_chat_template(model, tokenizer, path)
+    return model
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -89,6 +89,16 @@ def write_json(path: str | os.PathLike, value: Any) -> None:
     os.replace(temporary, path)
 
 
+def remove_temporary_files(run_dir: str | os.PathLike) -> list[Path]:
+    """`write_json`'s temporary files that a killed writer left in a run directory; only the job holding the
+    directory (src/run_lock.py) may call this, so none of them can be a write in progress."""
+    leftovers = [path for path in Path(run_dir).rglob(".*.tmp*") if path.is_file() and
+                 path.name.rsplit(".tmp", 1)[1].isdigit()]
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return leftovers
+
+
 def read_json(path: str | os.PathLike) -> Any:
     return _decode(json.loads(Path(path).read_text(encoding="utf-8")))
 

@@ -34,8 +34,11 @@ def requested(report_to: list[str]) -> list[str]:
 
 
 def check_trackers(report_to: list[str], environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Every requested tracker can be used; returns notes for the console. W&B with no API key (WANDB_API_KEY,
-    `wandb login`, a settings file) is switched to offline mode (WANDB_MODE=offline) rather than prompting."""
+    """Every requested tracker can be used; returns notes for the console. W&B is settled in seconds, before any
+    model loads: no API key (WANDB_API_KEY, `wandb login`, a settings file) or a server that a 3-second probe cannot
+    reach (WANDB_BASE_URL, default api.wandb.ai) logs offline (WANDB_MODE=offline) instead of prompting, or retrying
+    for minutes and failing mid-run; WANDB_MODE=online (online only, asked for) stops in one line instead; a
+    malformed key is one line."""
     environ = os.environ if environ is None else environ
     notes = []
     for name in requested(report_to):
@@ -44,14 +47,35 @@ def check_trackers(report_to: list[str], environ: MutableMapping[str, str] | Non
         except ImportError:
             raise ConfigError(f"--report_to {name}: the {name} package is not installed: pip install {name}") from None
     if "wandb" in report_to and environ.get("WANDB_MODE", "").lower() not in WANDB_QUIET_MODES:
-        import wandb
-
-        if not wandb.login(prompt=False, verify=False):
-            environ["WANDB_MODE"] = "offline"
-            wandb.teardown()  # the login check loaded wandb's settings: let wandb.init read WANDB_MODE afresh
-            notes.append("W&B: no API key (WANDB_API_KEY or `wandb login`), so logging offline (WANDB_MODE=offline); "
-                         "upload later with `wandb sync <run dir>/wandb/offline-run-*`")
+        notes += _settle_wandb(environ)
     return notes
+
+
+def _settle_wandb(environ: MutableMapping[str, str]) -> list[str]:
+    import wandb
+
+    from src.hub_access import reachable
+
+    sync = "upload it later with `wandb sync <run dir>/wandb/offline-run-*`"
+    try:
+        logged_in = wandb.login(prompt=False, verify=False)
+    except wandb.errors.Error as error:  # a malformed key: AuthenticationError
+        raise ConfigError(f"--report_to wandb: {error}: fix WANDB_API_KEY (or run `wandb login --relogin`), or set "
+                          "WANDB_MODE=offline") from None
+    finally:
+        wandb.teardown()  # the login loaded wandb's settings: let wandb.init read WANDB_MODE and WANDB_DIR afresh
+    if not logged_in:
+        environ["WANDB_MODE"] = "offline"
+        return [f"W&B: no API key (WANDB_API_KEY or `wandb login`), so logging offline (WANDB_MODE=offline); {sync}"]
+    server = environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if reachable(server):
+        return []
+    if environ.get("WANDB_MODE", "").lower() == "online":
+        raise ConfigError(f"--report_to wandb: the W&B server {server} cannot be reached and WANDB_MODE=online asks "
+                          "for online logging only: check the network (or WANDB_BASE_URL), or unset WANDB_MODE to log "
+                          "offline and sync later")
+    environ["WANDB_MODE"] = "offline"
+    return [f"W&B: {server} cannot be reached, so logging offline (WANDB_MODE=offline); {sync}"]
 
 
 def tracker_environment(report_to: list[str], run_dir: Path, environ: MutableMapping[str, str] | None = None

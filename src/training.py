@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, S
 
 from src import run_files
 from src.config import Config, Plan
+from src.disk_space import (
+    WriteFailed, note_write_failure, pending_write_failure, write_failed_message, write_failure_errno,
+)
 from src.distributed import gather_objects, print0
 from src.progress import Progress, eta_seconds, format_duration
 from src.reporting.live import LiveReport
@@ -28,23 +32,67 @@ from src.throughput import ThroughputMeter
 
 class CompleteCheckpointsMixin:
     """For transformers Trainers: a checkpoint is marked complete once every rank has saved, and older checkpoints
-    are rotated only then (transformers rotates inside the save, so a crash mid-save could leave none whole)."""
+    are rotated only then (transformers rotates inside the save, so a crash mid-save could leave none whole). A write
+    that fails (full disk, quota, I/O error: src/disk_space.py) on any rank stops every rank in the same collective,
+    with the half-written checkpoint removed and one line naming the newest complete one."""
+
+    _write_failure: tuple[int, Path] | None = None
+
+    def _note_write_failure(self, error: Exception, directory) -> None:
+        number = write_failure_errno(error, directory)
+        if number is None:
+            raise error
+        if self._write_failure is None:
+            self._write_failure = (number, Path(directory))
+
+    # Each piece of a checkpoint save records its failure instead of raising, so this rank still reaches the
+    # collectives transformers runs between the pieces (a barrier after the weights when a best model is tracked).
+    def save_model(self, output_dir=None, _internal_call=False):
+        if not _internal_call:
+            return super().save_model(output_dir, _internal_call)
+        try:
+            return super().save_model(output_dir, _internal_call)
+        except Exception as error:
+            self._note_write_failure(error, output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self._write_failure is None:
+            try:
+                super()._save_optimizer_and_scheduler(output_dir)
+            except Exception as error:
+                self._note_write_failure(error, output_dir)
+
+    def _save_rng_state(self, output_dir):
+        if self._write_failure is None:
+            try:
+                super()._save_rng_state(output_dir)
+            except Exception as error:
+                self._note_write_failure(error, output_dir)
 
     def _save_checkpoint(self, model, trial):
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         try:
             super()._save_checkpoint(model, trial)
+        except Exception as error:  # the trainer state, written after every collective of the save
+            self._note_write_failure(error, checkpoint)
         finally:
             self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
-        self.accelerator.wait_for_everyone()  # every rank's RNG state and shards are on disk
+        # Every rank's RNG state and shards are on disk, or some rank could not write its share.
+        (failed,) = _any_rank(self._write_failure is not None)
+        if failed:
+            number, directory = next(failure for (failure,) in gather_objects([self._write_failure]) if failure)
+            message = write_failed_message(number, directory, Path(run_dir))  # the free space when it failed
+            if self.args.should_save:
+                shutil.rmtree(checkpoint, ignore_errors=True)  # never complete: its space goes back
+            raise WriteFailed(message)
         if self.args.should_save:
-            mark_complete(Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            mark_complete(checkpoint)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
         self.accelerator.wait_for_everyone()
-
 
 
 class StopConditions(TrainerCallback):
@@ -80,10 +128,12 @@ class StopConditions(TrainerCallback):
                 gradient.zero_()
 
     def on_step_end(self, args, state, control, **kwargs):
-        signalled, diverged = _any_rank(stop_signal() is not None, self.non_finite is not None)
+        signalled, diverged, write_failed = _any_rank(stop_signal() is not None, self.non_finite is not None,
+                                                      pending_write_failure() is not None)
+        if write_failed:  # rank 0 could not append a metrics line: every rank stops here, the same way
+            number, directory = next(failure for (failure,) in gather_objects([pending_write_failure()]) if failure)
+            raise WriteFailed(write_failed_message(number, directory, Path(args.output_dir)))
         if diverged:
-            from src.distributed import gather_objects, print0
-
             self.diverged_at = state.global_step
             reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]
             # The rank where it started first: its loss, before the all-reduce spread NaN gradients to every rank.
@@ -334,7 +384,10 @@ class MetricsRecorder(TrainerCallback):
         if state.is_world_process_zero and logs:
             record = {"step": state.global_step, "epoch": state.epoch, "time_s": round(time.monotonic() - self.started, 3)}
             record.update(logs)
-            run_files.append_jsonl(self.metrics_path, record)
+            try:
+                run_files.append_jsonl(self.metrics_path, record)
+            except OSError as error:
+                note_write_failure(error, self.metrics_path.parent)
 
 
 class ConsoleLog(TrainerCallback):

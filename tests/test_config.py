@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,27 @@ def test_sft_stage_overrides_apply_to_the_sft_stage_only():
     assert stage_config(config, "sft").training.max_steps == 3
     assert stage_config(config, "sft").training.learning_rate == 0.01
     assert stage_config(config, "dpo").training.max_steps == 7
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"weight": 0.5}, "dataset_mixture entry 1: 'name'"),
+    ({"name": "a.jsonl", "weight": 1.5}, "entry 1 (a.jsonl): weight must be the fraction"),
+    ({"name": "a.jsonl", "wieght": 0.5}, "unknown key 'wieght' (did you mean 'weight'?)"),
+    ({"name": "a.jsonl", "columns": {"question": "q"}}, "entry 1 (a.jsonl): columns maps prompt"),
+])
+def test_dataset_mixture_entries_are_checked_by_name(entry, message):
+    from src.config import validate_mixture
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_mixture([entry])
+
+
+def test_a_recipe_with_a_mixture_needs_no_dataset_name(tmp_path):
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text("model_name_or_path: embedded\ndataset_mixture:\n  - name: a.jsonl\n    weight: 0.3\n"
+                      "  - {name: dir/, columns: {prompt: question}}\n")
+    config = parse_config(["--config", str(recipe)])
+    assert config.data.dataset_mixture[1] == {"name": "dir/", "columns": {"prompt": "question"}}
 
 
 def test_the_plan_names_where_each_setting_came_from(tmp_path, monkeypatch):

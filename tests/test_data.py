@@ -211,3 +211,102 @@ def test_long_prompts_are_counted_and_dropped(tiny_tokenizer, tmp_path):
                       val_size=0, test_size=0)
     assert result.summary["splits"]["train"]["dropped_prompt_too_long"] == 1
     assert len(result.train) == 39
+
+
+def test_prepared_output_is_unchanged(tmp_path):
+    """Every recognised shape, stage and option prepares to the same rows, ids, columns and counts as the list-based
+    preparation did (digests recorded from it: tests/prepared_snapshots.py)."""
+    from prepared_snapshots import DIGESTS, compute_all
+
+    expected = json.loads(DIGESTS.read_text())
+    computed = compute_all(tmp_path)
+    assert computed == expected
+
+
+def test_memory_does_not_grow_with_the_number_of_rows(tmp_path):
+    """Peak RSS of preparing 12,000 generated UltraFeedback-shaped pairs stays within 50 MB of preparing 2,000, each
+    in a fresh process. Rows held as Python lists (the old preparation) grew it by ~140 MB from 2,000 to 16,000."""
+    import subprocess
+    import sys
+
+    from conftest import PROJECT_ROOT
+
+    peaks = {}
+    for rows in (2000, 12000):
+        output = subprocess.run([sys.executable, str(PROJECT_ROOT / "tests" / "prepare_probe.py"), str(tmp_path),
+                                 str(rows), "1"], capture_output=True, text=True, check=True)
+        result = json.loads(output.stdout.strip().splitlines()[-1])
+        assert result["kept"] >= rows - 200  # all but the held-out rows
+        peaks[rows] = result["peak_mb"]
+    assert peaks[12000] - peaks[2000] < 50, peaks
+
+
+def _base_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = None  # a base model's tokenizer
+    return tokenizer
+
+
+def test_a_base_model_is_told_which_flag_gives_it_a_chat_template(tiny_model, tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": r["prompt"] + r["chosen"]} for r in ROWS])
+    with pytest.raises(DataError, match="no chat template.*--chat_template_path"):
+        prepared(_base_tokenizer(tiny_model), tmp_path, stage="sft", dataset_name=str(path))
+
+
+def test_chat_template_path_a_jinja_file_or_a_tokenizer_directory(tiny_tokenizer, tiny_model, tmp_path):
+    """Either form gives the base tokenizer the template: the prepared ids equal those of a tokenizer that had it, and a
+    directory's extra special tokens are added to the tokenizer and to the model's embeddings (TRL's clone)."""
+    from conftest import CHAT_TEMPLATE
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.models import apply_chat_template_path, apply_chat_template_to_model
+
+    path = str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": r["prompt"] + r["chosen"]} for r in ROWS]))
+    reference = prepared(tiny_tokenizer, tmp_path / "ref", stage="sft", dataset_name=path)
+    jinja = tmp_path / "template.jinja"
+    jinja.write_text(CHAT_TEMPLATE)
+    from_file = prepared(apply_chat_template_path(_base_tokenizer(tiny_model), str(jinja)), tmp_path / "file",
+                         stage="sft", dataset_name=path)
+    assert from_file.train["input_ids"] == reference.train["input_ids"]
+
+    source = AutoTokenizer.from_pretrained(tiny_model)
+    source.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    source.save_pretrained(tmp_path / "source")
+    tokenizer = apply_chat_template_path(_base_tokenizer(tiny_model), str(tmp_path / "source"))
+    assert "<|tool|>" in tokenizer.get_vocab() and tokenizer.chat_template == CHAT_TEMPLATE
+    from_directory = prepared(tokenizer, tmp_path / "dir", stage="sft", dataset_name=path)
+    assert from_directory.train["input_ids"] == reference.train["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    before = model.get_input_embeddings().weight.shape[0]
+    model = apply_chat_template_to_model(model, tokenizer, str(tmp_path / "source"))
+    assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer) > before
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_a_mixture_of_two_shapes_takes_each_sources_fraction_and_records_it(tiny_tokenizer, tmp_path):
+    from conftest import preference_rows
+
+    explicit = write_jsonl(tmp_path / "explicit.jsonl", ROWS)
+    orca = write_jsonl(tmp_path / "orca.jsonl", [SHAPES["orca"](row) | {"question": "orca " + _text(row["prompt"])}
+                                                 for row in preference_rows(40, seed=1)])
+    result = prepared(tiny_tokenizer, tmp_path, dataset_mixture=[{"name": str(explicit)},
+                                                                 {"name": str(orca), "weight": 0.5}])
+    sources = result.summary["sources"]
+    assert [(s["shape"], s["rows_taken"]["train"]) for s in sources] == [("explicit_prompt", 32), ("orca", 16)]
+    # Held-out rows are carved per source (4 + 4 each); the training rows of both are mixed with the seed.
+    assert (len(result.train), len(result.validation), len(result.test)) == (48, 8, 8)
+    assert result.summary["splits"]["train"]["kept"] == 48
+    from_orca = [prompt[-1]["content"].startswith("orca ") for prompt in result.train["prompt"]]
+    assert sum(from_orca) == 16 and from_orca.index(True) < 32  # mixed with the seed, not appended
+
+
+def test_a_bad_row_in_a_mixture_names_its_source(tiny_tokenizer, tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", ROWS)
+    bad_rows = [dict(row) for row in ROWS]
+    bad_rows[2] = dict(bad_rows[2], chosen=7)
+    bad = write_jsonl(tmp_path / "bad.jsonl", bad_rows)
+    with pytest.raises(DataError, match=r"bad.jsonl \(train\) row 3: 'chosen' must be text"):
+        prepared(tiny_tokenizer, tmp_path, val_size=0, test_size=0,
+                 dataset_mixture=[{"name": str(good)}, {"name": str(bad)}])

@@ -153,3 +153,50 @@ def test_tracker_directories_sit_in_the_run_directory_unless_the_user_chose(tmp_
         "TENSORBOARD_LOGGING_DIR": str(run_dir / "tensorboard"), "WANDB_DIR": str(run_dir)}
     assert tracker_environment(["wandb"], run_dir, {"WANDB_DIR": "/elsewhere"}) == {"WANDB_DIR": "/elsewhere"}
     assert tracker_environment(["none"], run_dir, {}) == {}
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:  # bound then closed: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_an_unreachable_wandb_server_is_found_before_training_and_the_run_logs_offline(tiny_model, preference_file,
+                                                                                       tmp_path):
+    """A key in the environment (a cluster's shell profile) and no network: the probe fails in a moment, the run logs
+    offline into its own directory, says how to sync, and exits 0 (wandb alone retries for about 2 minutes, then
+    fails the run with a CommError traceback)."""
+    server = f"http://127.0.0.1:{closed_port()}"
+    env = {key: value for key, value in os.environ.items() if key != "WANDB_MODE"}
+    env |= {"WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": server}
+    result, info = tracked_run(tiny_model, preference_file, tmp_path / "results", "offline", ["wandb"], env)
+    assert f"W&B: {server} cannot be reached, so logging offline (WANDB_MODE=offline); upload it later with " \
+           "`wandb sync <run dir>/wandb/offline-run-*`" in result.stdout
+    assert result.stdout.index("cannot be reached") < result.stdout.index("== DPO"), "found before training"
+    assert "Traceback" not in result.stderr and info["status"] == "completed"
+    assert glob.glob(str(tmp_path / "results" / "offline" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert not (PROJECT_ROOT / "wandb").exists(), "tracker files belong in the run directory"
+
+    online_only = subprocess.run([sys.executable, "-m", "src.main_distributed", "--model_name_or_path",
+                                  str(tiny_model), "--dataset_name", str(preference_file), "--results_dir",
+                                  str(tmp_path / "results"), "--run_name", "online", "--report_to", "wandb"],
+                                 cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120,
+                                 env=env | {"WANDB_MODE": "online"})
+    assert online_only.returncode == 2 and "Traceback" not in online_only.stderr
+    (line,) = [line for line in online_only.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: --report_to wandb: the W&B server {server} cannot be reached and WANDB_MODE="
+                           "online asks for online logging only"), line
+    assert not (tmp_path / "results" / "online").exists()
+
+
+def test_a_malformed_wandb_key_is_one_line(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "WANDB_MODE"} | {"WANDB_API_KEY": "short"}
+    result = subprocess.run([sys.executable, "-m", "src.main_distributed", "--model_name_or_path", "m",
+                             "--dataset_name", "d", "--results_dir", str(tmp_path), "--report_to", "wandb"],
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "--report_to wandb: WANDB_API_KEY invalid: API key must have 40+ characters" in line
+    assert "fix WANDB_API_KEY" in line

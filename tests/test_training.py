@@ -162,3 +162,34 @@ def test_qlora_where_bitsandbytes_cannot_gets_a_clear_message(tiny_model, prefer
     result = run_single(args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "error: --load_in_4bit: bitsandbytes could not run" in result.stderr
+
+
+def test_sft_then_dpo_of_a_base_model_with_chat_template_path(tiny_model, preference_file, tmp_path):
+    """A base model (no chat template) on chat data: refused naming the flag; with --chat_template_path (a tokenizer
+    directory bringing a new special token) both stages train, and the SFT model is saved with the template and the
+    grown embeddings, which the DPO stage starts from."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = None
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer.save_pretrained(base)
+    source = AutoTokenizer.from_pretrained(tiny_model)
+    source.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    source.save_pretrained(tmp_path / "instruct")
+
+    args = common_args(base, preference_file, tmp_path / "results", "base", "sft_then_dpo") + [
+        "--batch_size", "4", "--max_steps", "2", "--sft.max_steps", "2", "--learning_rate", "1e-3"]
+    refused = run_single(args)
+    assert refused.returncode == 2 and "--chat_template_path" in refused.stderr, refused.stderr[-2000:]
+    result = run_single(args + ["--chat_template_path", str(tmp_path / "instruct"), "--overwrite"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    sft_final = next((tmp_path / "results" / "base").glob("sft*/model/final"))
+    saved = AutoTokenizer.from_pretrained(sft_final)
+    assert saved.chat_template and "<|tool|>" in saved.get_vocab()
+    assert AutoModelForCausalLM.from_pretrained(sft_final).get_input_embeddings().weight.shape[0] >= len(saved)
+    assert (tmp_path / "results" / "base" / "model" / "final").exists()

@@ -87,11 +87,12 @@ def two_hosts():
         ip("link", "del", hosts.interfaces[0], check=False)  # if it never moved into a namespace
 
 
-def launch_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
-                 private_dir: tuple[Path, Path] | None = None, **environment: str) -> list[tuple[int, str]]:
-    """`./run_distributed.sh 2 ARGS` in each namespace as node 0 and node 1; (exit status, output) per node.
-    Each node has its own caches. With private_dir=(directory, per-node subdirectory name), each node sees its own
-    directory at that path (a bind mount in the node's mount namespace): no storage shared there."""
+def start_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
+                private_dir: tuple[Path, Path] | None = None, **environment: str) -> tuple[list, list]:
+    """`./run_distributed.sh 2 ARGS` in each namespace as node 0 and node 1, each in its own process group (every
+    process of a "host"); (processes, logs). Each node has its own caches. With private_dir=(directory, per-node
+    subdirectory name), each node sees its own directory at that path (a bind mount in the node's mount namespace):
+    no storage shared there."""
     processes, logs = [], []
     for node, (namespace, node_dir) in enumerate(zip(hosts.namespaces, node_dirs)):
         node_dir.mkdir(parents=True, exist_ok=True)
@@ -109,12 +110,18 @@ def launch_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int
         logs.append(log)
         processes.append(subprocess.Popen(["ip", "netns", "exec", namespace, *command], cwd=PROJECT_ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return processes, logs
+
+
+def finish_nodes(processes: list, logs: list, timeout: float = NODE_TIMEOUT) -> list[tuple[int, str]]:
+    """Wait for every node; (exit status, output) per node. On a timeout or an error, no node's processes outlive
+    the test."""
     results = []
     try:
         for process in processes:
-            process.wait(timeout=NODE_TIMEOUT)
+            process.wait(timeout=timeout)
     finally:
-        for process in processes:  # on a timeout or an error, neither node's processes outlive the test
+        for process in processes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
@@ -123,6 +130,12 @@ def launch_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int
         results.append((process.returncode, log.read()))
         log.close()
     return results
+
+
+def launch_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
+                 private_dir: tuple[Path, Path] | None = None, **environment: str) -> list[tuple[int, str]]:
+    """start_nodes, then finish_nodes: (exit status, output) per node."""
+    return finish_nodes(*start_nodes(hosts, node_dirs, args, port, private_dir, **environment))
 
 
 def dpo_args(model: Path, data: Path, results: Path, run_name: str) -> list[str]:
@@ -201,6 +214,46 @@ def test_results_on_storage_a_node_cannot_see_is_refused(two_hosts, tiny_model, 
     assert "must be on storage every node shares" in outcome[0][1]
     assert (tmp_path / "results-of-node0" / "private" / run_files.TRAINING_INFO).exists()  # node 0's own disk
     assert not list((tmp_path / "results-of-node1").rglob("*.json")), "node 1 wrote results of its own"
+
+
+def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two_hosts, tiny_model, preference_file,
+                                                                            tmp_path):
+    """Every process of node 1 is killed mid-training (the machine is lost). Node 0 stops within --node_timeout (20 s
+    here) of its workers' (re)start, with one line naming node 1, instead of waiting for the process-group timeout
+    (60 minutes) in the restarted workers' rendezvous; the newest complete checkpoint stays whole."""
+    import time
+
+    from src.locking import COMPLETE_MARKER
+    from src.resilience import newest_complete_checkpoint
+    from test_resilience import wait_for
+
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    results = tmp_path / "results"
+    args = dpo_args(tiny_model, preference_file, results, "lost")
+    args[args.index("--max_steps") + 1] = "5000"  # far longer than the test
+    args += ["--save_steps", "5", "--eval_strategy", "no", "--node_timeout", "20"]
+    processes, logs = start_nodes(two_hosts, nodes, args, 29515)
+    try:
+        model_dir = results / "lost" / "model"
+        wait_for(lambda: newest_complete_checkpoint(model_dir), timeout=NODE_TIMEOUT, what="a complete checkpoint")
+        # Node 1 is gone: every process in its namespace (torchrun puts each worker in a process group of its own).
+        for pid in ip("netns", "pids", two_hosts.namespaces[1]).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        # gloo fails the step at once on node 0 and torchrun restarts its workers, which then wait for node 1: the
+        # watch stops them --node_timeout after they start (their start is slow on a loaded 2-core machine).
+        processes[0].wait(timeout=20 + 200)
+        stopped_after = time.monotonic() - killed
+    finally:
+        outcome = finish_nodes(processes, logs, timeout=1)
+    code, output = outcome[0]
+    assert code != 0, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("error: node 1 stopped answering")]
+    assert len(lines) == 1, output[-4000:]
+    assert "--node_timeout" in lines[0] and "resumes from" in lines[0] and str(model_dir) in lines[0]
+    newest = newest_complete_checkpoint(model_dir)
+    assert newest is not None and (newest / COMPLETE_MARKER).exists() and (newest / "model.safetensors").exists()
+    print(f"node 0 stopped {stopped_after:.0f} s after node 1 was killed")
 
 
 SBATCH = PROJECT_ROOT / "configs" / "slurm" / "dpo_2nodes.sbatch"

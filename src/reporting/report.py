@@ -344,7 +344,10 @@ def setup_table(info: dict) -> list[str]:
     if set(info) <= {"stage"}:
         return [f"`{TRAINING_INFO}` is missing: setup unknown."]
     get = info.get
-    rows = [["model", f"`{get('model_name_or_path', 'n/a')}`"], ["dataset", f"`{get('dataset_name', 'n/a')}`"],
+    sources = (get("data") or {}).get("sources")  # a --dataset_mixture: what each source gave
+    dataset = ("; ".join(f"`{source['source']}` ({source['rows_taken'].get('train', 0):,} training rows)"
+                         for source in sources) if sources else f"`{get('dataset_name', 'n/a')}`")
+    rows = [["model", f"`{get('model_name_or_path', 'n/a')}`"], ["dataset", dataset],
             ["processes", f"{get('world_size', '?')} ({get('num_nodes', '?')} node(s)), backend {get('backend', '?')}, "
                           f"device {get('device', '?')}"]]
     unit = "pairs" if get("stage") in ("dpo", "reward") else "sequences"

@@ -1,0 +1,107 @@
+"""A lost node: with several nodes, every process beats into torchrun's rendezvous store and watches the others'
+beats, so the survivors of a dead node stop in `--node_timeout` seconds with one line instead of waiting on a
+collective until the process-group timeout (60 minutes) or, after torchrun restarts them, on a rendezvous the dead
+node never joins.
+
+- Each process increments `prefkit/alive/<rank>` every BEAT_S seconds on its own connection to the store
+  torchrun's agent on node 0 keeps (MASTER_ADDR:MASTER_PORT); the counters need no synchronised clocks.
+- A rank whose counter has not moved for the timeout (by this process's own monotonic clock) has stopped answering:
+  its node is named. A store that does not answer for the timeout means node 0 (which holds it) is gone.
+- On a verdict, local rank 0 of each surviving node prints the line, asks its torchrun agent to end (a static
+  multi-node job cannot re-form without the lost node, so a restart would only wait again), and every process exits
+  with NODE_LOST_EXIT_CODE; the newest complete checkpoint stays for the relaunch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from src.config import World
+
+NODE_LOST_EXIT_CODE = 6
+BEAT_S = 5.0
+
+
+def watch(world: World, timeout_s: float, newest_checkpoint) -> threading.Thread | None:
+    """Start the watch for a multi-node torchrun job (a daemon thread); `newest_checkpoint()` names what a relaunch
+    resumes from. Returns None where there is nothing to watch."""
+    if world.num_nodes < 2 or timeout_s <= 0 or "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's store only
+        return None
+    thread = threading.Thread(target=_watch, args=(world, timeout_s, newest_checkpoint), name="node-watch",
+                              daemon=True)
+    thread.start()
+    atexit.register(_done, world)
+    return thread
+
+
+def _done(world: World) -> None:
+    """A process that exits by itself (finished, or an error torchrun handles) is not lost: the others stop watching
+    it, so a node still doing rank 0's final work is not stopped because the others have finished."""
+    try:
+        _connect().set(f"prefkit/done/{world.rank}", "1")
+    except Exception:
+        pass
+
+
+def _connect():
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=BEAT_S * 2))
+
+
+def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
+    # One counter per rank for the whole job, restarts included: the agent's store outlives restarts, so a rank of a
+    # lost node stays silent while the restarted survivors' counters move on. A rank that never beat (a node started
+    # late, or still preparing its data) is not judged: the process group's own timeout covers a node never started.
+    key = lambda rank: f"prefkit/alive/{rank}"  # noqa: E731
+    store = None
+    seen: dict[int, tuple[int, float]] = {}       # rank -> (counter, when it last moved by this process's clock)
+    store_answered = time.monotonic()
+    try:
+        _connect().delete_key(f"prefkit/done/{world.rank}")  # a restarted rank is watched again
+    except Exception:
+        pass
+    while True:
+        now = time.monotonic()
+        try:
+            store = store or _connect()
+            store.add(key(world.rank), 1)
+            for rank in range(world.world_size):
+                done = store.check([f"prefkit/done/{rank}"])
+                value = -1 if done else int(store.get(key(rank))) if store.check([key(rank)]) else 0
+                if rank not in seen or seen[rank][0] != value:
+                    seen[rank] = (value, now)
+            store_answered = now
+        except Exception:  # the store's host (node 0) does not answer: a fresh connection next time
+            store = None
+        if now - store_answered > timeout_s:
+            _stop(world, 0, now - store_answered, newest_checkpoint, "the rendezvous store it holds")
+        silent = [rank for rank, (value, moved) in seen.items()
+                  if value > 0 and now - moved > timeout_s and rank != world.rank]
+        if silent:
+            node = silent[0] // world.local_world_size
+            _stop(world, node, now - seen[silent[0]][1], newest_checkpoint,
+                  f"rank(s) {', '.join(map(str, silent))}")
+        time.sleep(BEAT_S)
+
+
+def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str) -> None:
+    if world.local_rank == 0:
+        newest = newest_checkpoint()
+        resume = (f"a relaunch of the same command on every node resumes from {newest}" if newest else
+                  "no complete checkpoint was saved yet")
+        print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
+              f"stopping this node; {resume}", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            try:
+                os.kill(os.getppid(), signal.SIGTERM)  # the agent: a restart would wait for the lost node again
+            except OSError:
+                pass
+    os._exit(NODE_LOST_EXIT_CODE)

@@ -1,0 +1,222 @@
+"""One job per run directory: a hold file next to it, kept alive by a heartbeat.
+
+A second launch into a run directory that a live job trains into (a double-submitted Slurm job, a requeue while the
+old job still runs, two terminals) would take the live run for an interrupted one: delete its newest checkpoint as
+"incomplete", cut back its metrics, and train into the same files. It is refused instead, before it touches anything,
+in one line that names the holder.
+
+- The hold is `<results_dir>/.<run_name>.job` (next to the run directory, so `--overwrite` cannot delete it): a small
+  JSON record (job, host, pid, since) created with `link()`, which is atomic on NFS too, unlike `O_EXCL` on old NFS
+  clients and unlike `flock`, which many NFS setups do not honour across machines.
+- The holder touches it every HEARTBEAT_S seconds (rank 0, a daemon thread). A hold is stale, and taken over, when its
+  holder is gone: on the same machine (same host name and boot id) when neither the recorded process nor its torchrun
+  agent is alive; from another machine when its heartbeat is older than STALE_AFTER_S by the storage's own clock (a
+  file written now gives it, so machines with skewed clocks agree).
+- A torchrun restart of the job is the same job: the job is torchrun's agent (host, boot, agent pid; or an explicit
+  `--rdzv_id` with its master address), not the worker's pid, so the restarted rank 0 takes its own hold back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from src.config import ConfigError
+
+HEARTBEAT_S = float(os.environ.get("PREFKIT_HEARTBEAT_S", "15"))
+STALE_AFTER_S = 8 * HEARTBEAT_S  # a heartbeat missed this long: the holder's machine is gone (or frozen)
+
+
+class RunDirectoryHeld(ConfigError):
+    """Another live job holds the run directory: one line, exit 2, nothing touched."""
+
+
+def hold_path(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    return run_dir.parent / f".{run_dir.name}.job"
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot: with the pid, it names one process (pids are reused)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def identity(environ=None) -> dict:
+    """Who this process is, as the hold records it."""
+    environ = os.environ if environ is None else environ
+    pid, host = os.getpid(), socket.gethostname()
+    me = {"host": host, "boot_id": _boot_id(), "pid": pid, "pid_start": _start_time(pid),
+          "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if "TORCHELASTIC_RUN_ID" in environ:  # a torchrun worker: the job is its agent, which outlives restarts
+        agent = os.getppid()
+        me.update(agent_pid=agent, agent_start=_start_time(agent))
+        run_id = environ["TORCHELASTIC_RUN_ID"]
+        me["job"] = (f"torchrun {run_id} at {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+                     if run_id not in ("", "none") else f"torchrun pid {agent} on {host} ({me['boot_id'][:8]})")
+    else:
+        me["job"] = f"pid {pid} on {host} ({me['boot_id'][:8]})"
+    return me
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int | None, start: str | None) -> bool:
+    return bool(pid) and _start_time(pid) is not None and _start_time(pid) == start
+
+
+def storage_now(directory: Path) -> float:
+    """The current time by the clock of the filesystem holding `directory` (the NFS server's, on NFS)."""
+    probe = directory / f".clock-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_text("")
+        return probe.stat().st_mtime
+    except OSError:
+        return time.time()
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def heartbeat_age(path: Path) -> float | None:
+    try:
+        return max(0.0, storage_now(path.parent) - path.stat().st_mtime)
+    except OSError:
+        return None
+
+
+def why_stale(holder: dict, path: Path) -> str | None:
+    """Why `holder` no longer holds the run directory, or None while it may still be training."""
+    if holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id():
+        if _alive(holder.get("pid"), holder.get("pid_start")) or _alive(holder.get("agent_pid"),
+                                                                       holder.get("agent_start")):
+            return None
+        return f"its process {holder.get('pid')} is gone"
+    age = heartbeat_age(path)
+    if age is not None and age > STALE_AFTER_S:
+        return f"its heartbeat stopped {age:.0f} s ago"
+    return None
+
+
+def describe(holder: dict, path: Path) -> str:
+    age = heartbeat_age(path)
+    beat = f", last heartbeat {age:.0f} s ago" if age is not None else ""
+    return (f"host {holder.get('host')}, pid {holder.get('pid')} ({holder.get('job')}), since {holder.get('since')}"
+            f"{beat}")
+
+
+def _refusal(run_dir: Path, holder: dict, path: Path) -> RunDirectoryHeld:
+    return RunDirectoryHeld(
+        f"{run_dir} is in use by another job: {describe(holder, path)}. Wait for it to end or stop it (then the same "
+        f"command resumes), or pass another --run_name. A hold whose heartbeat stops for {STALE_AFTER_S:.0f} s is "
+        f"taken over (its file: {path})")
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse if another live job holds `run_dir` (read only: for the preflight that precedes the workers)."""
+    path = hold_path(run_dir)
+    holder = _read(path)
+    if holder and why_stale(holder, path) is None and holder.get("job") != identity()["job"]:
+        raise _refusal(run_dir, holder, path)
+
+
+class Hold:
+    """This job's hold on a run directory, its heartbeat, and its release at exit."""
+
+    def __init__(self, path: Path, me: dict, took_over: str | None):
+        self.path, self.me, self.took_over = path, me, took_over
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="run-dir-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.release)
+
+    def ours(self) -> bool:
+        holder = _read(self.path)
+        return bool(holder) and holder.get("job") == self.me["job"] and holder.get("pid") == self.me["pid"]
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                if self.ours():
+                    os.utime(self.path)  # a NULL utime: the NFS server stamps its own time
+            except OSError:
+                pass  # a full or flaky disk must not kill the job from here; a missed beat or two is harmless
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            if self.ours():
+                self.path.unlink()
+        except OSError:
+            pass
+
+
+def _create(path: Path, me: dict) -> bool:
+    """Create the hold atomically (link of a complete temporary file); False if it exists."""
+    temporary = path.with_name(f"{path.name}.{me['host']}-{me['pid']}.tmp")
+    temporary.write_text(json.dumps(me))
+    try:
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def acquire(run_dir: Path) -> Hold:
+    """Hold `run_dir` for this job (rank 0, before anything is written), or raise RunDirectoryHeld."""
+    path, me = hold_path(run_dir), identity()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    took_over = None
+    for _ in range(5):
+        if _create(path, me):
+            return Hold(path, me, took_over)
+        holder = _read(path)
+        if holder is None:  # removed between our link and our read (its job just ended): try again
+            time.sleep(0.1)
+            continue
+        if holder.get("job") == me["job"]:  # a torchrun restart of this job: the hold is already ours
+            temporary = path.with_name(f"{path.name}.{me['pid']}.tmp")
+            temporary.write_text(json.dumps(me | {"since": holder.get("since", me["since"])}))
+            os.replace(temporary, path)
+            return Hold(path, me, None)
+        reason = why_stale(holder, path)
+        if reason is None:
+            raise _refusal(run_dir, holder, path)
+        # Take the stale hold over: move it aside (one relaunch wins the rename), and put it back if what was moved
+        # is not the hold judged stale (another relaunch replaced it meanwhile).
+        aside = path.with_name(f"{path.name}.stale-{me['pid']}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue
+        if _read(aside) != holder:
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+        else:
+            took_over = f"{describe(holder, aside)}: {reason}"
+        aside.unlink(missing_ok=True)
+    holder = _read(path) or {}
+    raise _refusal(run_dir, holder, path)

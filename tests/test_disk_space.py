@@ -1,0 +1,159 @@
+"""A full disk: refused at start when the run cannot fit, and one line (no traceback) when a write fails anyway, with
+the newest complete checkpoint kept for the relaunch. The results live on a small tmpfs mount (root), or the test
+skips outside CI."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+from src import run_files
+from src.disk_space import WRITE_FAILED_EXIT_CODE, is_write_failure, write_failure_errno
+from src.locking import COMPLETE_MARKER
+from src.resilience import newest_complete_checkpoint
+from test_run_lock import complete_checkpoint_from
+from test_resilience import job_args, start_launcher, train_losses, wait_for
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A tmpfs of a few megabytes at tmp_path/small (size set per test through the returned function)."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        target = tmp_path / "small"
+        target.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"cannot mount a tmpfs: {result.stderr.strip()} (CI runs as root and must run it)")
+            pytest.skip(f"cannot mount a tmpfs: {result.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_training(tiny_model, tmp_path, small_filesystem):
+    small = small_filesystem("1m")
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
+    args = job_args(tiny_model, data, small / "results", steps=40, save_steps=5)  # --save_total_limit 2
+    result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: --results_dir: this run will write about ") and "× 3 kept" in line, line
+    assert "free: keep fewer checkpoints (--save_total_limit 1), or put --results_dir" in line, line
+    assert not list((small / "results").rglob("checkpoint-*")), "refused before the first step"
+
+
+def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resumes(tiny_model, tmp_path,
+                                                                                       small_filesystem):
+    small = small_filesystem("4m")
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(120))
+    results, run_dir = small / "results", small / "results" / "job"
+    args = job_args(tiny_model, data, results, steps=5000, save_steps=5)  # far longer than the test
+    args[args.index("--save_total_limit") + 1] = "1"
+    args[args.index("--logging_steps") + 1] = "5"  # each checkpoint holds the log history: it must fit at start
+    launch = start_launcher(args, tmp_path / "first.txt", MAX_RESTARTS="0")
+    filler = small / "filler"
+    try:
+        wait_for(lambda: complete_checkpoint_from(run_dir / "model", 10), what="a complete checkpoint")
+        descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT)  # another job fills the disk: all it can take
+        try:
+            while True:
+                os.write(descriptor, b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+        finally:
+            os.close(descriptor)
+        assert launch.wait(timeout=240) != 0
+    finally:
+        os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
+    output = (tmp_path / "first.txt").read_text()
+    newest = newest_complete_checkpoint(run_dir / "model")
+    assert newest is not None
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: writing to {re.escape(str(run_dir))}\S* failed: no space left on device \([\d.]+ K?B free there\); a "
+        rf"relaunch of the same command resumes from {re.escape(str(newest))} \(step {newest.name.split('-')[1]}\): "
+        "free space, lower --save_total_limit or move --results_dir, then relaunch", errors[0]), output[-4000:]
+    # No rank shows a traceback (torchrun's own failure report follows, with the workers' exit status 5 in it).
+    assert "]: Traceback" not in output and "exitcode: 5" in output, output[-4000:]
+    assert [path for path in (run_dir / "model").glob("checkpoint-*") if not (path / COMPLETE_MARKER).exists()] == []
+    steps = sorted(train_losses(run_dir))
+    assert steps == sorted({1, *range(5, steps[-1] + 1, 5)}), "every logged step once, none lost"
+
+    filler.unlink()
+    relaunched = start_launcher(args, tmp_path / "relaunched.txt")
+    try:
+        wait_for(lambda: run_files.read_json(run_dir / run_files.TRAINING_INFO)["resumes"]
+                 and max(train_losses(run_dir), default=0) >= int(newest.name.split("-")[1]) + 3, what="resumed steps")
+        os.killpg(relaunched.pid, signal.SIGTERM)
+        relaunched.wait(timeout=120)
+    finally:
+        os.killpg(relaunched.pid, signal.SIGKILL) if relaunched.poll() is None else None
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert info["resumes"][0]["from_step"] == int(newest.name.split("-")[1]), (tmp_path / "relaunched.txt").read_text()
+
+
+def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_model, tmp_path, small_filesystem):
+    """Without torchrun: the exit status is WRITE_FAILED_EXIT_CODE; --debug shows the traceback."""
+    small = small_filesystem("4m")
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
+    args = job_args(tiny_model, data, small / "results", steps=30, save_steps=5)
+    # Fill the disk from inside the process once checkpoint-10 is complete: deterministic, no race with the test.
+    fill = ("import src.resilience as r, os\n_mark = r.mark_complete\n"
+            "def mark(path):\n    _mark(path)\n    if path.name == 'checkpoint-10':\n"
+            "        with open(path.parent.parent.parent / 'filler', 'wb') as f:\n"
+            "            try:\n                while True: f.write(bytes(4096)); f.flush()\n"
+            "            except OSError: pass\n"
+            "r.mark_complete = mark\nimport src.training as t\nt.mark_complete = mark\n"
+            "import sys\nfrom src.main_distributed import main\nsys.exit(main())\n")
+    script = tmp_path / "fill_then_run.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + fill)
+    result = subprocess.run([sys.executable, str(script), *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == WRITE_FAILED_EXIT_CODE, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "no space left on device" in line and "resumes from" in line and "checkpoint-10 (step 10)" in line, line
+
+    shutil.rmtree(small / "results")  # the filler with it
+    debug = subprocess.run([sys.executable, str(script), *args, "--debug"], cwd=PROJECT_ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "WriteFailed" in debug.stderr
+
+
+def test_failed_writes_are_recognised_however_the_library_words_them():
+    safetensors_error = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                     '"No space left on device" })')
+    assert is_write_failure(safetensors_error) == errno.ENOSPC
+    assert is_write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == errno.EDQUOT
+    wrapped = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 448")
+    wrapped.__cause__ = OSError(errno.EIO, "Input/output error")
+    assert is_write_failure(wrapped) == errno.EIO
+    assert is_write_failure(ValueError("bad value")) is None
+    assert is_write_failure(OSError(errno.ENOENT, "No such file")) is None
+
+
+def test_torch_writer_errors_count_as_a_full_disk_only_when_it_is_full(tmp_path, small_filesystem):
+    """torch.save's zip writer drops the errno ("unexpected pos 64 vs 0"): the free space decides."""
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    assert write_failure_errno(torch_error, tmp_path) is None  # room to spare: some other fault, raised as is
+    small = small_filesystem("1m")
+    with open(small / "filler", "wb") as handle:
+        handle.write(b"\0" * (1024 * 1024 - 64 * 1024))
+    assert write_failure_errno(torch_error, small / "results" / "checkpoint-5") == errno.ENOSPC
