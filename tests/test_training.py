@@ -156,12 +156,35 @@ def test_qlora_runs_on_cpu_where_bitsandbytes_can(tmp_path):
     assert (tmp_path / "results" / "qlora" / "model" / "final" / "adapter_model.safetensors").exists()
 
 
-def test_qlora_where_bitsandbytes_cannot_gets_a_clear_message(tiny_model, preference_file, tmp_path):
+def _bitsandbytes_runs_4bit_at_width(width: int) -> bool:
+    """Whether this machine's bitsandbytes CPU backend runs a 4-bit layer this narrow (it depends on the CPU and the
+    bitsandbytes build: some refuse widths that are not multiples of 64)."""
+    import torch
+    from bitsandbytes.nn import Linear4bit
+
+    layer = Linear4bit(width, width, compute_dtype=torch.float32, quant_type="nf4").to("cpu")
+    try:
+        with torch.no_grad():
+            layer(torch.randn(1, width))
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+def test_qlora_of_a_narrow_model_trains_or_gets_a_clear_message(tiny_model, preference_file, tmp_path):
+    """The tiny model is 32 wide: where bitsandbytes runs that, QLoRA trains; where it cannot, one clear line."""
+    pytest.importorskip("bitsandbytes")
     args = common_args(tiny_model, preference_file, tmp_path / "results", "q", "dpo") + [
         "--use_lora", "--load_in_4bit", "--max_steps", "1", "--batch_size", "4"]
     result = run_single(args)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "error: --load_in_4bit: bitsandbytes could not run" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if _bitsandbytes_runs_4bit_at_width(32):
+        assert result.returncode == 0, result.stderr[-3000:]
+        info = run_files.read_json(tmp_path / "results" / "q" / run_files.TRAINING_INFO)
+        assert info["load_in_4bit"] is True and info["summary"]["completed_steps"] == 1
+    else:
+        assert result.returncode == 2
+        assert "error: --load_in_4bit: bitsandbytes could not run" in result.stderr
 
 
 def test_sft_then_dpo_of_a_base_model_with_chat_template_path(tiny_model, preference_file, tmp_path):
