@@ -117,7 +117,8 @@ def test_reward_run_trains_reloads_and_judges(tiny_model, tiny_tokenizer, prefer
     copied = tmp_path / "metrics_only"  # the report from metrics.jsonl alone recognises a reward run
     copied.mkdir()
     (copied / run_files.METRICS).write_bytes((run_dir / run_files.METRICS).read_bytes())
-    assert build_report(copied).read_text().startswith("# REWARD run")
+    status_line, _, title = build_report(copied).read_text().split("\n")[:3]  # the first line is the run's status
+    assert status_line.startswith("**") and title.startswith("# REWARD run")
     assert (copied / "plots" / "margins.png").exists()
 
     final = run_dir / "model" / "final"
