@@ -55,19 +55,18 @@ class CompleteCheckpointsMixin:
         except Exception as error:
             self._note_write_failure(error, output_dir)
 
-    def _save_optimizer_and_scheduler(self, output_dir):
-        if self._write_failure is None:
+    def _save_piece(self, save, output_dir) -> None:
+        if self._write_failure is None:  # after one failure the rest of this checkpoint is not attempted
             try:
-                super()._save_optimizer_and_scheduler(output_dir)
+                save(output_dir)
             except Exception as error:
                 self._note_write_failure(error, output_dir)
 
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self._save_piece(super()._save_optimizer_and_scheduler, output_dir)
+
     def _save_rng_state(self, output_dir):
-        if self._write_failure is None:
-            try:
-                super()._save_rng_state(output_dir)
-            except Exception as error:
-                self._note_write_failure(error, output_dir)
+        self._save_piece(super()._save_rng_state, output_dir)
 
     def _save_checkpoint(self, model, trial):
         limit = self.args.save_total_limit
