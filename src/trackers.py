@@ -57,12 +57,20 @@ def _settle_wandb(environ: MutableMapping[str, str]) -> list[str]:
     from src.hub_access import reachable
 
     sync = "upload it later with `wandb sync <run dir>/wandb/offline-run-*`"
+    # Silent, the login only reads the key and checks its format. Not silent, it asks the server for the user's name
+    # through wandb's service process: seconds when the server answers, minutes when the network drops packets.
+    silent = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = "true"
     try:
         logged_in = wandb.login(prompt=False, verify=False)
     except wandb.errors.Error as error:  # a malformed key: AuthenticationError
         raise ConfigError(f"--report_to wandb: {error}: fix WANDB_API_KEY (or run `wandb login --relogin`), or set "
                           "WANDB_MODE=offline") from None
     finally:
+        if silent is None:
+            del os.environ["WANDB_SILENT"]
+        else:
+            os.environ["WANDB_SILENT"] = silent
         wandb.teardown()  # the login loaded wandb's settings: let wandb.init read WANDB_MODE and WANDB_DIR afresh
     if not logged_in:
         environ["WANDB_MODE"] = "offline"
