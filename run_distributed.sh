@@ -111,4 +111,22 @@ if [[ ${PRINT_LAUNCH:-0} == 1 ]]; then
   echo
   exit 0
 fi
-exec "${launch[@]}"
+# A stop the job chose (a user error, divergence, a full disk, a lost node: src/launch_verdict.py) is recorded here by
+# the workers, who then exit 0 so torchrun neither restarts them nor prints its failure report; this script exits with
+# the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
+PREFKIT_VERDICT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
+export PREFKIT_VERDICT_DIR
+trap 'rm -rf "$PREFKIT_VERDICT_DIR"' EXIT
+"${launch[@]}" <&0 &
+launcher=$!
+trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM HUP  # a scheduler's stop: torchrun stops its workers
+trap ':' INT  # Ctrl-C reaches torchrun and its workers themselves; wait for them to save and exit
+while kill -0 "$launcher" 2>/dev/null; do
+  wait "$launcher" || true
+done
+status=0
+wait "$launcher" || status=$?
+for verdict in "$PREFKIT_VERDICT_DIR"/rank-*; do
+  [[ -f $verdict ]] && status=$(<"$verdict") && break
+done
+exit "$status"

@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_distributed.py`, SageMaker's entry point
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from src import run_files  # noqa: E402
+from src import launch_verdict, run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, resolve_plan, sagemaker_process_hint, stage_config,
@@ -622,6 +622,12 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if launch_verdict.recorded() is not None:  # torchrun restarted this worker after the job chose to stop
+        return 0
+    return launch_verdict.settle(exit_status(argv))
+
+
+def exit_status(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         return run([arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"])

@@ -22,6 +22,7 @@ import threading
 import time
 from datetime import timedelta
 
+from src import launch_verdict
 from src.config import World
 
 NODE_LOST_EXIT_CODE = 6
@@ -99,9 +100,13 @@ def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str
                   "no complete checkpoint was saved yet")
         print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
               f"stopping this node; {resume}", file=sys.stderr, flush=True)
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            try:
-                os.kill(os.getppid(), signal.SIGTERM)  # the agent: a restart would wait for the lost node again
-            except OSError:
-                pass
+    under_launcher = launch_verdict.record(NODE_LOST_EXIT_CODE)
+    if world.local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        # The agent must end: a restart would wait for the lost node again, and a finished agent would wait for it at
+        # its exit barrier. run_distributed.sh reports the recorded status, so there the agent ends without its
+        # SIGTERM traceback; under plain torchrun, SIGTERM lets it stop its workers.
+        try:
+            os.kill(os.getppid(), signal.SIGKILL if under_launcher else signal.SIGTERM)
+        except OSError:
+            pass
     os._exit(NODE_LOST_EXIT_CODE)

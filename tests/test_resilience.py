@@ -40,19 +40,23 @@ def start_launcher(args: list[str], log: Path, **env) -> subprocess.Popen:
 
 
 def worker_pid(rank: int, launcher: subprocess.Popen) -> int | None:
-    """The pid of this launch's training worker with this RANK: a child of its torchrun (run_distributed.sh execs
-    torchrun, so the launcher's pid). Only children count: a stray process elsewhere on the machine with the same
+    """The pid of this launch's training worker with this RANK: a child of its torchrun, itself a child of
+    run_distributed.sh (the launcher's pid). Only those count: a stray process elsewhere on the machine with the same
     command line and RANK (another job, a forked helper) must never be the one a test kills."""
+    def parent_of(entry: Path) -> int:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             command = (entry / "cmdline").read_bytes()
             environ = (entry / "environ").read_bytes().split(b"\0")
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = parent_of(entry)
+            grandparent = parent_of(Path("/proc") / str(parent))
         except (OSError, ValueError, IndexError):
             continue
-        if (parent == launcher.pid and b"src.main_distributed" in command and b"--dry_run" not in command
+        if (grandparent == launcher.pid and b"src.main_distributed" in command and b"--dry_run" not in command
                 and f"RANK={rank}".encode() in environ):
             return int(entry.name)
     return None

@@ -224,6 +224,7 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
     import time
 
     from src.locking import COMPLETE_MARKER
+    from src.node_watch import NODE_LOST_EXIT_CODE
     from src.resilience import newest_complete_checkpoint
     from test_resilience import wait_for
 
@@ -247,7 +248,8 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
     finally:
         outcome = finish_nodes(processes, logs, timeout=1)
     code, output = outcome[0]
-    assert code != 0, output[-4000:]
+    assert code == NODE_LOST_EXIT_CODE, output[-4000:]
+    assert "SignalException" not in output and "ChildFailedError" not in output, "the line ends it: " + output[-4000:]
     lines = [line for line in output.splitlines() if line.startswith("error: node 1 stopped answering")]
     assert len(lines) == 1, output[-4000:]
     assert "--node_timeout" in lines[0] and "resumes from" in lines[0] and str(model_dir) in lines[0]

@@ -1,0 +1,52 @@
+"""A deliberate stop under run_distributed.sh: one line and the toolkit's exit status, not torchrun's restarts and
+failure report.
+
+torchrun restarts a job whose worker exits non-zero (MAX_RESTARTS) and, once out of restarts, prints a ChildFailedError
+report after the worker's own line and exits 1. That is right for a crash a restart can mend; it is wrong for a stop
+the toolkit chose because a restart cannot mend it: a user error (2), a diverged run (4), a failed write on a full
+disk (5), a lost node (6). For those, each worker under the launcher records its status in the launcher's directory
+(PREFKIT_VERDICT_DIR, one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded
+status. A worker that torchrun restarts anyway (another rank crashed on the way out) finds the verdict and exits 0 at
+once. Outside the launcher (plain torchrun, python -m src.main_distributed), exit statuses are unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FINAL_EXIT_CODES = (2, 4, 5, 6)  # user error, diverged, write failed, node lost: see docs/reliability.md
+
+
+def _directory() -> Path | None:
+    directory = os.environ.get("PREFKIT_VERDICT_DIR")
+    return Path(directory) if directory and "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def record(code: int) -> bool:
+    """Record a final exit status for the launcher; True when it did (the worker then exits 0)."""
+    directory = _directory()
+    if code not in FINAL_EXIT_CODES or directory is None or not directory.is_dir():
+        return False
+    temporary = directory / f".rank-{os.environ.get('RANK', '0')}-{os.getpid()}"
+    temporary.write_text(f"{code}\n")
+    os.replace(temporary, directory / f"rank-{os.environ.get('RANK', '0')}")
+    return True
+
+
+def settle(code: int) -> int:
+    """The status this worker exits with: 0 when the launcher will report `code` itself."""
+    return 0 if record(code) else code
+
+
+def recorded() -> int | None:
+    """The status an earlier worker of this launch recorded, if any (a restarted worker then has nothing to do)."""
+    directory = _directory()
+    if directory is None or not directory.is_dir():
+        return None
+    for path in sorted(directory.glob("rank-*")):
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None

@@ -1,0 +1,37 @@
+"""A stop the job chose is recorded for run_distributed.sh and the worker exits 0 (no torchrun restart, no failure
+report); outside the launcher, or for a crash, the status is the worker's own."""
+
+import pytest
+
+from src import launch_verdict
+
+
+@pytest.fixture
+def under_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFKIT_VERDICT_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", "3")
+    return tmp_path
+
+
+@pytest.mark.parametrize("code", launch_verdict.FINAL_EXIT_CODES)
+def test_a_chosen_stop_is_recorded_and_the_worker_exits_0(under_launcher, code):
+    assert launch_verdict.recorded() is None
+    assert launch_verdict.settle(code) == 0
+    assert (under_launcher / "rank-3").read_text() == f"{code}\n"
+    assert launch_verdict.recorded() == code, "a restarted worker finds it"
+    assert [path.name for path in under_launcher.iterdir()] == ["rank-3"], "no temporary file left"
+
+
+@pytest.mark.parametrize("code", [0, 1, 130, 143])
+def test_success_crashes_and_signals_keep_their_status(under_launcher, code):
+    assert launch_verdict.settle(code) == code and launch_verdict.recorded() is None
+
+
+def test_outside_the_launcher_the_status_is_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.delenv("PREFKIT_VERDICT_DIR", raising=False)
+    assert launch_verdict.settle(5) == 5
+    monkeypatch.setenv("PREFKIT_VERDICT_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # python -m src.main_distributed with the variable left in the shell
+    assert launch_verdict.settle(5) == 5 and list(tmp_path.iterdir()) == []
