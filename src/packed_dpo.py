@@ -264,6 +264,7 @@ class PackedDPOForward:
         self.check_result: dict | None = None
         self.counts = {"policy": TokenCounts(), "reference": TokenCounts()}
         self.padded_equivalent = {"policy": TokenCounts(), "reference": TokenCounts()}
+        self.last_policy: list[int] | None = None  # computed, padding, repeated, useful of the last training forward
 
     # Called by the trainer around TRL's loss / reference computation
     @contextlib.contextmanager
@@ -285,7 +286,16 @@ class PackedDPOForward:
         finally:
             _ACTIVE.reset(token)
         for kind in forwards:  # after the block: a failed first check falls back within it
-            self.counts[kind].add(packed["packed_counts"] if self.enabled and plan else padded_counts(inputs))
+            counts = [int(value) for value in (packed["packed_counts"] if self.enabled and plan else
+                                               padded_counts(inputs))]
+            self.counts[kind].add(counts)
+            if kind == "policy":
+                self.last_policy = counts
+
+    def computed_tokens(self) -> tuple[int, int] | None:
+        """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures."""
+        counts, self.last_policy = self.last_policy, None
+        return (counts[0], counts[1]) if counts else None
 
     def summary(self) -> dict:
         return {

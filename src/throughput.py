@@ -58,19 +58,25 @@ class ThroughputMeter(TrainerCallback):
         self.sequences_per_example = sequences_per_example  # DPO batches hold chosen and rejected: 2 per pair
         self.flops_per_token = training_flops_per_token(parameters, reference_forward)
         self.peak = peak_flops(device_name) if device == "cuda" else None
-        self.tokens = self.padded = self.samples = 0.0
+        self.tokens = self.computed = self.padding = self.samples = 0.0
+        self.computed_tokens = None  # () -> (computed, padding) of the last micro-batch, set by a forward that knows
         self.window_start = None
         self.window_steps = 0
         self.world_size = 1
-        self.totals = {"tokens": 0.0, "padded": 0.0, "samples": 0.0, "seconds": 0.0}
+        self.totals = {"tokens": 0.0, "computed": 0.0, "padding": 0.0, "samples": 0.0, "seconds": 0.0}
 
     def on_micro_batch(self, loss, inputs: dict) -> None:
         mask = inputs.get("attention_mask")
         ids = inputs.get("input_ids")
         if ids is None:
             return
-        self.padded += ids.numel()
-        self.tokens += float(mask.sum()) if mask is not None else ids.numel()
+        tokens = float(mask.sum()) if mask is not None else ids.numel()
+        self.tokens += tokens
+        # The tokens the forward computed: the collated batch's, unless the forward lays them out itself (the packed
+        # DPO forward: each prompt once, little padding), which says what it computed.
+        computed = self.computed_tokens() if self.computed_tokens else None
+        self.computed += computed[0] if computed else ids.numel()
+        self.padding += computed[1] if computed else ids.numel() - tokens
         positions = inputs.get("position_ids")
         # A padding-free batch is one row of several sequences, each starting again at position 0.
         rows = int((positions == 0).sum()) if mask is None and positions is not None else ids.shape[0]
@@ -92,21 +98,22 @@ class ThroughputMeter(TrainerCallback):
         if logs is None or self.window_start is None or not self.window_steps or "loss" not in logs:
             return
         seconds = time.perf_counter() - self.window_start
-        tokens, padded, samples, memory = _sum_and_max_over_ranks(self.tokens, self.padded, self.samples,
-                                                                  peak_memory_mb(self.device))
+        tokens, computed, padding, samples, memory = _sum_and_max_over_ranks(
+            self.tokens, self.computed, self.padding, self.samples, peak_memory_mb(self.device))
         world = self.world_size = max(1, args.world_size)
         logs["perf/tokens_per_second"] = tokens / seconds
         logs["perf/tokens_per_second_per_process"] = tokens / seconds / world
         logs["perf/samples_per_second"] = samples / seconds
         logs["perf/step_time_s"] = seconds / self.window_steps
-        logs["perf/padding_fraction"] = 1 - tokens / padded if padded else 0.0
+        logs["perf/padding_fraction"] = padding / computed if computed else 0.0
         logs["perf/peak_memory_mb"] = memory
         if self.peak:
             logs["perf/mfu"] = tokens / seconds * self.flops_per_token / (self.peak * world)
-        for key, value in (("tokens", tokens), ("padded", padded), ("samples", samples), ("seconds", seconds)):
+        for key, value in (("tokens", tokens), ("computed", computed), ("padding", padding), ("samples", samples),
+                           ("seconds", seconds)):
             self.totals[key] += value
         self.totals["peak_memory_mb"] = max(self.totals.get("peak_memory_mb", 0.0), memory)
-        self.tokens = self.padded = self.samples = 0.0
+        self.tokens = self.computed = self.padding = self.samples = 0.0
         self.window_start, self.window_steps = time.perf_counter(), 0
 
     def summary(self) -> dict:
@@ -117,7 +124,7 @@ class ThroughputMeter(TrainerCallback):
         summary = {
             "tokens_per_second": self.totals["tokens"] / seconds,
             "samples_per_second": self.totals["samples"] / seconds,
-            "padding_fraction": 1 - self.totals["tokens"] / self.totals["padded"] if self.totals["padded"] else 0.0,
+            "padding_fraction": self.totals["padding"] / self.totals["computed"] if self.totals["computed"] else 0.0,
             "peak_memory_mb": self.totals["peak_memory_mb"],
         }
         if self.peak:
@@ -125,15 +132,16 @@ class ThroughputMeter(TrainerCallback):
         return summary
 
 
-def _sum_and_max_over_ranks(tokens: float, padded: float, samples: float, memory: float) -> tuple[float, ...]:
+def _sum_and_max_over_ranks(*sums_then_memory: float) -> tuple[float, ...]:
+    """Every value summed over the ranks but the last (peak memory), which takes the largest."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tokens, padded, samples, memory
+        return sums_then_memory
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    sums = torch.tensor([tokens, padded, samples], dtype=torch.float64, device=device)
-    peak = torch.tensor([memory], dtype=torch.float64, device=device)
+    sums = torch.tensor(sums_then_memory[:-1], dtype=torch.float64, device=device)
+    peak = torch.tensor([sums_then_memory[-1]], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return (*sums.tolist(), peak.item())

@@ -676,6 +676,8 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         **dpo_forward,
     )
     trainer.remove_callback(PrinterCallback)
+    if dpo_forward and dpo_forward["packed_forward"].enabled:
+        meter.computed_tokens = dpo_forward["packed_forward"].computed_tokens
     return trainer
 
 

@@ -252,6 +252,12 @@ def test_the_toolkit_run_packs_by_default_on_two_processes_and_records_the_forwa
     assert would["useful_share"] < packed["tokens"]["policy"]["useful_share"]
     assert len(runs["padded"]["loss"]) == 4 and runs["padded"]["eval_loss"]
     assert runs["packed"]["info"]["world_size"] == 2
+    # perf/padding_fraction is the share of what the forward computed, in the layout that ran (the training forwards;
+    # dpo_forward's policy counts also hold the evaluation batches, hence the tolerance).
+    fraction = {name: run["info"]["summary"]["throughput"]["padding_fraction"] for name, run in runs.items()}
+    assert fraction["padded"] == pytest.approx(padded["tokens"]["policy"]["padding_share"], abs=0.05)
+    assert fraction["packed"] == pytest.approx(packed["tokens"]["policy"]["padding_share"], abs=0.05)
+    assert fraction["packed"] < fraction["padded"], fraction
     assert runs["packed"]["loss"] == pytest.approx(runs["padded"]["loss"], rel=1e-4, abs=1e-6)
     assert runs["packed"]["eval_loss"] == pytest.approx(runs["padded"]["eval_loss"], rel=1e-4, abs=1e-6)
 
