@@ -37,15 +37,24 @@ def watch(world: World, timeout_s: float, newest_checkpoint) -> threading.Thread
     thread = threading.Thread(target=_watch, args=(world, timeout_s, newest_checkpoint), name="node-watch",
                               daemon=True)
     thread.start()
-    atexit.register(_done, world)
+    atexit.register(_done, world, thread)
     return thread
 
 
-def _done(world: World) -> None:
+_finished = threading.Event()
+
+
+def _done(world: World, thread: threading.Thread) -> None:
     """A process that exits by itself (finished, or an error torchrun handles) is not lost: the others stop watching
-    it, so a node still doing rank 0's final work is not stopped because the others have finished."""
+    it, so a node still doing rank 0's final work is not stopped because the others have finished. The watch thread
+    ends first, with its store connection: a daemon thread still inside a TCPStore call when the interpreter tears
+    down aborts the process ("terminate called without an active exception", exit -6), which torchrun restarts."""
+    _finished.set()
+    thread.join(timeout=BEAT_S * 3)
     try:
-        _connect().set(f"prefkit/done/{world.rank}", "1")
+        store = _connect()
+        store.set(f"prefkit/done/{world.rank}", "1")
+        del store
     except Exception:
         pass
 
@@ -69,7 +78,7 @@ def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
         _connect().delete_key(f"prefkit/done/{world.rank}")  # a restarted rank is watched again
     except Exception:
         pass
-    while True:
+    while not _finished.is_set():
         now = time.monotonic()
         try:
             store = store or _connect()
@@ -90,7 +99,8 @@ def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
             node = silent[0] // world.local_world_size
             _stop(world, node, now - seen[silent[0]][1], newest_checkpoint,
                   f"rank(s) {', '.join(map(str, silent))}")
-        time.sleep(BEAT_S)
+        _finished.wait(BEAT_S)
+    store = None  # the connection closes in this thread, before the interpreter's teardown
 
 
 def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str) -> None:

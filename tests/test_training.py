@@ -148,7 +148,7 @@ def test_qlora_runs_on_cpu_where_bitsandbytes_can(tmp_path):
     args = ["--stage", "dpo", "--model_name_or_path", "embedded", "--dataset_name", "embedded", "--use_lora",
             "--load_in_4bit", "--batch_size", "4", "--max_steps", "2", "--num_samples", "2", "--max_new_tokens", "4",
             "--results_dir", str(tmp_path / "results"), "--run_name", "qlora", "--eval_strategy", "no",
-            "--max_length", "64", "--learning_rate", "1e-4"]
+            "--max_length", "64", "--learning_rate", "1e-4", "--max_train_samples", "16"]  # 4-bit on CPU is slow
     result = run_single(args)
     assert result.returncode == 0, result.stderr[-3000:]
     info = run_files.read_json(tmp_path / "results" / "qlora" / run_files.TRAINING_INFO)

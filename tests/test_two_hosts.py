@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
 
 PREFIX = "pkth"        # every namespace and link this test creates starts with it, followed by the creating pid
@@ -145,10 +145,20 @@ def dpo_args(model: Path, data: Path, results: Path, run_name: str) -> list[str]
             "--val_size", "4", "--test_size", "4", "--batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3"]
 
 
-def test_two_hosts_train_as_one_job_of_four(two_hosts, tiny_model, preference_file, tmp_path):
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    results = tmp_path / "results"  # shared by both nodes, as a cluster's shared filesystem is
-    outcome = launch_nodes(two_hosts, nodes, dpo_args(tiny_model, preference_file, results, "two"), 29511)
+@pytest.fixture(scope="module")
+def job_of_four(two_hosts, tiny_model, tmp_path_factory):
+    """One DPO job on the two hosts (2 processes each): its directory, node directories and (status, output)s."""
+    root = tmp_path_factory.mktemp("job_of_four")
+    data = write_jsonl(root / "pairs.jsonl", preference_rows(48))
+    nodes = [root / "node0", root / "node1"]
+    results = root / "results"  # shared by both nodes, as a cluster's shared filesystem is
+    outcome = launch_nodes(two_hosts, nodes, dpo_args(tiny_model, data, results, "two"), 29511)
+    return root, data, nodes, outcome
+
+
+def test_two_hosts_train_as_one_job_of_four(two_hosts, job_of_four):
+    root, _, nodes, outcome = job_of_four
+    results = root / "results"
     for node, (code, output) in enumerate(outcome):
         assert code == 0, f"node {node} exited {code}:\n{output[-6000:]}"
         # gloo bound to the veth (the hostname resolves to 127.0.0.1 here, which the other node cannot reach)
@@ -180,23 +190,21 @@ def test_two_hosts_train_as_one_job_of_four(two_hosts, tiny_model, preference_fi
     assert info["reference_log_probs"]["train"]["cache"] == "computed"
 
 
-def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts, tiny_model, preference_file,
-                                                                        tmp_path):
-    """Node 0 keeps the reference log-probs of an earlier run; node 1 is a fresh machine without them. TRL would reuse
-    the file on node 0 and run collectives on node 1: a hang. Both recompute instead, and both caches are whole."""
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    args = lambda run_name: dpo_args(tiny_model, preference_file, tmp_path / "results", run_name)  # noqa: E731
-    first = launch_nodes(two_hosts, nodes, args("first"), 29513)
+def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts, tiny_model, job_of_four):
+    """Node 0 keeps the reference log-probs of an earlier run (the job of four); node 1 is a fresh machine without
+    them. TRL would reuse the file on node 0 and run collectives on node 1: a hang. Both recompute instead, and both
+    caches are whole."""
+    root, data, nodes, first = job_of_four
     assert [code for code, _ in first] == [0, 0], first[1][1][-4000:]
     reference_files = lambda node: sorted((node / "prefkit_cache" / "datasets").glob("dpo-*/*/cache-*.arrow"))  # noqa: E731
     assert reference_files(nodes[0]) and reference_files(nodes[1])
     for path in reference_files(nodes[1]):
         path.unlink()
 
-    second = launch_nodes(two_hosts, nodes, args("second"), 29514)
+    second = launch_nodes(two_hosts, nodes, dpo_args(tiny_model, data, root / "results", "second"), 29514)
     for node, (code, output) in enumerate(second):
         assert code == 0, f"node {node} exited {code}:\n{output[-6000:]}"
-    info = run_files.read_json(tmp_path / "results" / "second" / run_files.TRAINING_INFO)
+    info = run_files.read_json(root / "results" / "second" / run_files.TRAINING_INFO)
     assert info["reference_log_probs"]["train"]["cache"] == "computed"
     assert info["one_job"]["identical_weights"] and info["summary"]["completed_steps"] == 4
     assert len(reference_files(nodes[1])) == len(reference_files(nodes[0]))
