@@ -3,16 +3,17 @@
 The result is a `DatasetDict` (train / validation / test) saved to disk under a key of everything that determines it
 (source files, tokenizer, stage, lengths, column mapping, split sizes, seed). One process per machine builds it under
 a file lock while the others wait on the lock, not on a collective, so a long tokenization cannot run into NCCL's
-timeout; every rank then memory-maps the same files (`load_from_disk`), which also keeps TRL's reference log-prob
-precomputation working under several processes.
+timeout; every rank then memory-maps the same files (one Arrow file per split), which also keeps TRL's reference
+log-prob precomputation working under several processes.
 
 Tokenization mirrors what TRL's trainers do themselves (same helpers, same prompt/completion boundary, same EOS
 rules; `tests/test_data.py` checks the ids are identical), so the trainers receive ready columns and skip it.
 
 Preparation streams: the source stays in memory-mapped Arrow files, splits are carved as row indices, and one
 batched `datasets.map` per chunk normalizes, checks and tokenizes (on --dataset_num_proc processes) into int32 id
-columns written to disk batch by batch, so peak memory follows the batch size, not the data size
-(`bench/bench_prepare.py` measures it; docs/data.md has the numbers).
+columns written to disk batch by batch; the kept rows are then streamed from those files into each split's file with
+plain reads, never through a memory map (a mapped page once read stays in the resident set), so peak memory follows
+the batch size, not the data size (`bench/bench_prepare.py` measures it; docs/data.md has the numbers).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from src.locking import build_once
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 4  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 5  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
@@ -724,8 +725,6 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
 def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
     import shutil
 
-    import datasets
-
     num_proc = data.dataset_num_proc or default_num_proc()
     if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -734,24 +733,27 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
     summary = {"stage": stage, "max_length": data.max_length}
     sources = mixture_sources(data)
     if not sources:
-        location, shape, built, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
+        location, shape, tokenized, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
+        for kind, dataset in tokenized.items():
+            _write_kept([dataset], [column for column in dataset.column_names if column != "_status"],
+                        _split_file(target, kind))
         summary |= {"source": location, "shape": shape, "splits": counts}
     else:
         parts = []
         for number, (source, fraction) in enumerate(sources):
-            location, shape, built, counts = _prepare_source(source, sft, stage, seed, tokenizer, num_proc,
-                                                             work / str(number), fraction)
-            parts.append((location, shape, fraction, built, counts))
-        built, summary_parts = _mix(parts, seed)
-        summary |= summary_parts
-    datasets.DatasetDict(built).save_to_disk(str(target))
+            location, shape, tokenized, counts = _prepare_source(source, sft, stage, seed, tokenizer, num_proc,
+                                                                 work / str(number), fraction)
+            parts.append((location, shape, fraction, tokenized, counts))
+        summary |= _mix(parts, seed, target)
     shutil.rmtree(work)
     (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, num_proc: int,
                     work: Path, fraction: float = 1.0):
-    """One source, recognised in its own shape and columns: (location, shape, kept splits, counts per split)."""
+    """One source, recognised in its own shape and columns: (location, shape, tokenized splits, counts per split).
+
+    The tokenized splits still hold the dropped rows, with their reason in `_status` (`_write_kept` leaves them out)."""
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
     raw = load_source(data, stage)
@@ -771,7 +773,7 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
     first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
     token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
-    built, counts = {}, {}
+    tokenized, counts = {}, {}
     for kind, split in split_datasets(raw, data, seed).items():
         if kind == "train" and fraction < 1:
             split = _take_fraction(split, fraction, seed)
@@ -780,12 +782,36 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
         kwargs = {"shape": shape, "stage": stage, "location": location, "source": f"{location} ({kind})",
                   "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
                   "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
-        prepared = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc, work)
-        counts[kind] = _counts(prepared, stage, kwargs["source"], data.max_length)
-        built[kind] = prepared.filter(_is_kept, input_columns="_status", batched=True,
-                                      cache_file_name=str(work / f"{kind}-kept.arrow"),
-                                      new_fingerprint=f"{work.name}-{kind}-kept").remove_columns("_status")
-    return location, shape, built, counts
+        tokenized[kind] = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc,
+                                             work)
+        counts[kind] = _counts(tokenized[kind], stage, kwargs["source"], data.max_length)
+    return location, shape, tokenized, counts
+
+
+def _split_file(target: Path, kind: str, suffix: str = "") -> Path:
+    return target / f"{kind}{suffix}.arrow"
+
+
+def _write_kept(pieces: list, columns: list[str], path: Path) -> None:
+    """The KEPT rows of tokenized datasets (file-backed, in order) as one Arrow file with `columns` and their datasets
+    types, streamed record batch by record batch from the files the tokenizing map wrote. The files are read with
+    plain reads, not memory-mapped: every mapped page this process reads would stay in its resident set (that made
+    `save_to_disk` of the filtered splits grow the peak with the data), while a read batch is freed once written."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from datasets import Features
+    from datasets.arrow_writer import ArrowWriter
+
+    features = Features({column: pieces[0].features[column] for column in columns})
+    with ArrowWriter(features=features, path=str(path)) as writer:
+        for piece in pieces:
+            for cache_file in piece.cache_files:
+                with pa.OSFile(cache_file["filename"]) as source:
+                    for batch in pa.ipc.open_stream(source):
+                        kept = batch.filter(pc.equal(batch.column("_status"), KEPT)).select(columns)
+                        if kept.num_rows:
+                            writer.write_table(pa.Table.from_batches([kept]))
+        writer.finalize()
 
 
 def _take_fraction(split, fraction: float, seed: int):
@@ -796,31 +822,34 @@ def _take_fraction(split, fraction: float, seed: int):
     return split.select(np.sort(np.random.default_rng(seed).permutation(len(split))[:count]))
 
 
-def _mix(parts: list, seed: int) -> tuple[dict, dict]:
-    """The sources' prepared splits as one: concatenated (held-out splits carved per source, so each source is
-    evaluated on its own rows), the training rows shuffled with the seed; the counts summed and kept per source."""
+def _mix(parts: list, seed: int, target: Path) -> dict:
+    """The sources' tokenized splits written as one per kind: concatenated (held-out splits carved per source, so each
+    source is evaluated on its own rows), the training rows shuffled with the seed; the counts summed and kept per
+    source (the summary's part)."""
     import datasets
 
     splits: dict[str, list] = {}
-    for location, _, _, built, _ in parts:
-        for kind, dataset in built.items():
+    for location, _, _, tokenized, _ in parts:
+        for kind, dataset in tokenized.items():
             splits.setdefault(kind, []).append((location, dataset))
-    mixed = {}
     for kind, pieces in splits.items():
-        columns = set.intersection(*(set(dataset.column_names) for _, dataset in pieces))
-        pieces = [(location, dataset.select_columns(sorted(columns))) for location, dataset in pieces]
+        columns = sorted(set.intersection(*(set(dataset.column_names) for _, dataset in pieces)) - {"_status"})
+        first_location, first = pieces[0]
         for location, dataset in pieces[1:]:
-            if dataset.features != pieces[0][1].features:
-                different = [column for column in sorted(columns)
-                             if dataset.features[column] != pieces[0][1].features[column]]
+            different = [column for column in columns if dataset.features[column] != first.features[column]]
+            if different:
                 raise DataError(
-                    f"dataset_mixture: {location} and {pieces[0][0]} differ in the type of {', '.join(different)} "
+                    f"dataset_mixture: {location} and {first_location} differ in the type of {', '.join(different)} "
                     "after normalisation (e.g. one is text and the other chat messages): mix sources of one kind"
                 )
-        combined = datasets.concatenate_datasets([dataset for _, dataset in pieces])
-        mixed[kind] = combined.shuffle(seed=seed) if kind == "train" else combined
+        _write_kept([dataset for _, dataset in pieces], columns, _split_file(target, kind))
+        if kind == "train":
+            # datasets' shuffle writes the permutation as an indices file next to the rows (none when it comes out
+            # in order): the rows of the in-memory shuffle of the concatenation, without reading them again.
+            datasets.Dataset.from_file(str(_split_file(target, kind))).shuffle(
+                seed=seed, indices_cache_file_name=str(_split_file(target, kind, "-indices")))
     counts = {}
-    for kind in mixed:
+    for kind in splits:
         per_source = [part[4][kind] for part in parts if kind in part[4]]
         total = {key: sum(item[key] for item in per_source) for key in per_source[0]
                  if isinstance(per_source[0][key], int) and key != "longest_tokens"}
@@ -831,7 +860,7 @@ def _mix(parts: list, seed: int) -> tuple[dict, dict]:
         total["first_identical_rows"] = [f"{location}:{row}" for location, _, _, _, c in parts if kind in c
                                          for row in c[kind]["first_identical_rows"]][:5]
         counts[kind] = total
-    return mixed, {
+    return {
         "source": " + ".join(part[0] for part in parts),
         "shape": "mixture",
         "splits": counts,
@@ -840,10 +869,6 @@ def _mix(parts: list, seed: int) -> tuple[dict, dict]:
                     for location, shape, fraction, _, c in parts],
         "held_out": "carved per source",
     }
-
-
-def _is_kept(statuses: list[int]) -> list[bool]:
-    return [status == KEPT for status in statuses]
 
 
 def _token_columns(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
@@ -885,9 +910,21 @@ def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     key = prepared_key(data, sft, stage, seed, tokenizer)
     target = build_once(Path(cache_dir) / f"{stage}-{key}",
                         lambda temporary: _build(temporary, data, sft, stage, seed, tokenizer))
-    splits = datasets.load_from_disk(str(target))
     summary = json.loads((target / SUMMARY_FILE).read_text())
+    splits = datasets.DatasetDict({kind: _open_split(target, kind) for kind in summary["splits"]})
     return PreparedData(path=target, splits=splits, summary=summary)
+
+
+def _open_split(target: Path, kind: str):
+    """A prepared split, memory-mapped (zero-copy), its types from the file's datasets metadata. Its fingerprint is
+    its cache key, the same on every machine and in every run: TRL names its reference log-prob cache after it."""
+    from datasets import Dataset
+    from datasets.table import MemoryMappedTable
+
+    indices = _split_file(target, kind, "-indices")
+    return Dataset(MemoryMappedTable.from_file(str(_split_file(target, kind))),
+                   indices_table=MemoryMappedTable.from_file(str(indices)) if indices.exists() else None,
+                   fingerprint=f"{target.name}-{kind}")
 
 
 def format_summary(summary: dict) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -239,6 +240,39 @@ def test_memory_does_not_grow_with_the_number_of_rows(tmp_path):
         assert result["kept"] >= rows - 200  # all but the held-out rows
         peaks[rows] = result["peak_mb"]
     assert peaks[12000] - peaks[2000] < 50, peaks
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssFile from /proc")
+def test_kept_rows_are_written_without_keeping_the_tokenized_files_resident(tmp_path):
+    """The kept rows go from the tokenized chunk files to the split's file in record batches read with plain reads,
+    so the files' pages do not stay in this process's resident set. Filtering and `save_to_disk` through the memory
+    map (the way before) left ~59 MB of this 64 MB file resident: at 200k pairs the peak grew to 1.6x the 50k one."""
+    import re
+
+    import pyarrow.compute  # noqa: F401  (its library is mapped before the measurement, not during it)
+    from datasets import Dataset, Features, Value
+    from datasets.arrow_writer import ArrowWriter
+
+    from src.data import KEPT, TOO_LONG, _write_kept
+
+    def resident_file_pages_mb() -> float:
+        return int(re.search(r"RssFile:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    features = Features({"text": Value("string"), "_status": Value("int8")})
+    with ArrowWriter(features=features, path=str(tmp_path / "chunk.arrow")) as writer:
+        for start in range(0, 16384, 256):
+            rows = range(start, start + 256)
+            writer.write_batch({"text": [f"{i:06d}" + "x" * 4000 for i in rows],
+                                "_status": [TOO_LONG if i % 3 == 0 else KEPT for i in rows]})
+        writer.finalize()
+    tokenized = Dataset.from_file(str(tmp_path / "chunk.arrow"))
+    before = resident_file_pages_mb()
+    _write_kept([tokenized], ["text"], tmp_path / "train.arrow")
+    grown = resident_file_pages_mb() - before
+    kept = Dataset.from_file(str(tmp_path / "train.arrow"))
+    assert kept.column_names == ["text"] and kept.features["text"] == Value("string")
+    assert [int(text[:6]) for text in kept["text"]] == [i for i in range(16384) if i % 3]
+    assert grown < 16, f"{grown:.0f} MB of the 64 MB tokenized file stayed resident"
 
 
 def _base_tokenizer(tiny_model):

@@ -185,8 +185,8 @@ def test_two_hosts_train_as_one_job_of_four(two_hosts, job_of_four):
 
     # Each machine tokenized into, and cached the reference log-probs in, its own cache.
     for node in nodes:
-        prepared = list((node / "prefkit_cache" / "datasets").glob("dpo-*/train"))
-        assert len(prepared) == 1 and list(prepared[0].glob("cache-*.arrow")), f"{node}: no reference cache"
+        prepared = list((node / "prefkit_cache" / "datasets").glob("dpo-*/train.arrow"))
+        assert len(prepared) == 1 and list(prepared[0].parent.glob("cache-*.arrow")), f"{node}: no reference cache"
     assert info["reference_log_probs"]["train"]["cache"] == "computed"
 
 
@@ -196,7 +196,7 @@ def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts
     caches are whole."""
     root, data, nodes, first = job_of_four
     assert [code for code, _ in first] == [0, 0], first[1][1][-4000:]
-    reference_files = lambda node: sorted((node / "prefkit_cache" / "datasets").glob("dpo-*/*/cache-*.arrow"))  # noqa: E731
+    reference_files = lambda node: sorted((node / "prefkit_cache" / "datasets").glob("dpo-*/cache-*.arrow"))  # noqa: E731
     assert reference_files(nodes[0]) and reference_files(nodes[1])
     for path in reference_files(nodes[1]):
         path.unlink()
