@@ -227,10 +227,10 @@ def test_the_plan_names_where_each_setting_came_from(tmp_path, monkeypatch):
                                             "from": "SageMaker SM_CHANNEL_TRAINING"}
     assert "seed" not in plan.sources  # at its src/config.py default and in no row of the plan
 
-    text = format_plan(plan)
+    text = " ".join(format_plan(plan).split())  # long temporary paths wrap the plan's lines differently
     assert "[batch_size 32 from src/config.py]" in text
     assert f"learning_rate 1e-05 from {recipe}" in text
-    assert f"set by         {recipe}: model_name_or_path=m" in text and "beta=0.3" in text
+    assert f"set by {recipe}: model_name_or_path=m" in text and "beta=0.3" in text
     assert "flags: --max_steps 7" in text
     assert "SageMaker SM_CHANNEL_TRAINING:" in text and f"dataset_name={channel / 'pairs.jsonl'}" in text
 
