@@ -143,6 +143,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; deselected unless asked for (python -m pytest -m gpu)")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one worker per core this process may use, at most 4 (tests start processes too)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only when a -m expression names them (`-m gpu`); a plain `pytest` deselects them."""
     if "gpu" in (config.option.markexpr or ""):
