@@ -21,7 +21,7 @@ from src.locking import COMPLETE_MARKER
 from src.resilience import checkpoint_step, checkpoints
 
 
-STEPS = 200  # long enough (seconds) that a kill lands mid-training on any machine
+STEPS = 100  # kills land at steps 12-20, the moment their condition is seen: the job is still training
 
 
 def job_args(model: Path, data: Path, results: Path, steps: int = STEPS, save_steps: int = 10) -> list[str]:
