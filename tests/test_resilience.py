@@ -201,7 +201,7 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     assert not (run_dir / "model" / "final").exists()
     assert math.isnan(train_losses(run_dir)[13])
     status = (run_dir / "report.md").read_text().split("\n", 1)[0]
-    assert status.startswith("**diverged** (loss nan (rank 1)") and ") at step 13 of 200 (6%) · elapsed" in status
+    assert status.startswith("**diverged** (loss nan (rank 1)") and f") at step 13 of {STEPS} ({100 * 13 / STEPS:.0f}%) · elapsed" in status
     assert "| [job](job/report.md) | diverged 13/" in (results / "index.md").read_text()
 
     again = subprocess.run([sys.executable, "-m", "src.main_distributed",
