@@ -14,6 +14,7 @@ backend. It is pure, computed once, printed once and written to `training_info.j
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -1034,10 +1035,29 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
 
 
 def default_learning_rate(stage: str) -> float:
-    """TRL's own default for the stage's trainer."""
-    from trl import DPOConfig, RewardConfig, SFTConfig
+    """TRL's own default for the stage's trainer, read from the config class's source when it is written there as
+    `learning_rate: float = field(default=<number>, ...)` (TRL 1.x): importing the class imports transformers'
+    trainer stack (peft, bitsandbytes: 6 s of CPU), which the preflight needs for nothing else. Otherwise (another
+    layout), from the class itself."""
+    import ast
+    import importlib.util
 
-    config_class = {"dpo": DPOConfig, "sft": SFTConfig, "reward": RewardConfig}[stage]
+    module, class_name = {"dpo": ("trl.trainer.dpo_config", "DPOConfig"),
+                          "sft": ("trl.trainer.sft_config", "SFTConfig"),
+                          "reward": ("trl.trainer.reward_config", "RewardConfig")}[stage]
+    with contextlib.suppress(Exception):
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == class_name:
+                for item in node.body:
+                    if (isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == "learning_rate"
+                            and isinstance(item.value, ast.Call)):
+                        for keyword in item.value.keywords:
+                            if keyword.arg == "default":
+                                value = ast.literal_eval(keyword.value)
+                                if isinstance(value, float):
+                                    return value
+    config_class = getattr(importlib.import_module(module), class_name)
     return next(item.default for item in dataclasses.fields(config_class) if item.name == "learning_rate")
 
 

@@ -90,6 +90,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def finish() -> None:
+    """Leave the job's process group once this rank's last collective is done. Without it every NCCL rank warns at
+    exit that destroy_process_group() was never called (and may leak the communicator's resources); rank 0's work
+    after the last collective (export, Hub push) goes on alone, which needs no group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def gather_objects(local: list) -> list[list]:
     """Every rank's list, in rank order, on every rank."""
     import torch.distributed as dist

@@ -32,7 +32,7 @@ from src.config import (
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
 from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_reported
-from src.distributed import barrier, check_shared_storage, check_world_size, init, print0
+from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
@@ -44,7 +44,7 @@ from src.resilience import (
 )
 from src.reporting.summary import summarize
 from src.run_lock import acquire, check_free
-from src.trackers import TrackerRecord, check_trackers, tracker_environment
+from src.trackers import check_trackers, tracker_environment
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -318,6 +318,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
                             else None)
+    from src.trackers import TrackerRecord
+
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
     if world.is_main and getattr(trainer, "reference_cache", None):
@@ -614,6 +616,7 @@ def run(argv: list[str] | None = None) -> int:
             with write_failures_reported(stage.output_dir):
                 previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
         model_path = previous["model_path"]  # the next stage starts from this one's model
+    finish()
     if config.training.final_model_dir and world.is_main:
         export_final_model(stages[-1], Path(config.training.final_model_dir))
     if config.hub.push_to_hub and world.is_main:

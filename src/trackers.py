@@ -21,8 +21,6 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from transformers import TrainerCallback
-
 from src import run_files
 from src.config import TRACKERS, ConfigError
 
@@ -136,72 +134,88 @@ def _markdown_json(value) -> str:
     return "\n".join("    " + line for line in json.dumps(value, indent=2, default=str).splitlines())
 
 
-class TrackerRecord(TrainerCallback):
-    """Logs the stage's training_info.json to each requested tracker when training starts (after the integrations
-    have opened their runs, before their first log: trackio stores a run's config with its first record), and the
-    final numbers when `finish` is called at the end of the stage. Rank 0 only."""
+def __getattr__(name: str):
+    # TrackerRecord subclasses transformers' TrainerCallback, whose import pulls in peft and bitsandbytes (8 s of CPU
+    # here): the class is built on first use, so the preflight (check_trackers, tracker_environment) does not wait.
+    if name == "TrackerRecord":
+        globals()[name] = record = _tracker_record_class()
+        return record
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __init__(self, report_to: list[str], info_path: Path, tensorboard_dir: str | None = None):
-        self.report_to = requested(report_to)
-        self.info_path = Path(info_path)
-        self.tensorboard_dir = tensorboard_dir
-        self.trackio_run: dict | None = None  # project, name and config, to reopen the run trackio closed at train end
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero or not self.report_to:
-            return
-        from src.reporting.report import setup_table
+def _tracker_record_class() -> type:
+    from transformers import TrainerCallback
 
-        info = run_files.read_json(self.info_path)
-        if "tensorboard" in self.report_to:
-            with self._tensorboard_writer() as writer:
-                writer.add_text("prefkit/setup", "\n".join(setup_table(info)))
-                writer.add_text("prefkit/training_info", _markdown_json(info))
-        if "wandb" in self.report_to:
-            import wandb
+    class TrackerRecord(TrainerCallback):
+        """Logs the stage's training_info.json to each requested tracker when training starts (after the integrations
+        have opened their runs, before their first log: trackio stores a run's config with its first record), and the
+        final numbers when `finish` is called at the end of the stage. Rank 0 only."""
 
-            if wandb.run is not None:
-                wandb.config.update({"prefkit": info}, allow_val_change=True)
-        if "trackio" in self.report_to:
-            import trackio
+        def __init__(self, report_to: list[str], info_path: Path, tensorboard_dir: str | None = None):
+            self.report_to = requested(report_to)
+            self.info_path = Path(info_path)
+            self.tensorboard_dir = tensorboard_dir
+            self.trackio_run: dict | None = None  # project, name, config: to reopen the run trackio closed at train end
 
-            trackio.config.update({"prefkit": info})
-            config = {key: value for key, value in trackio.config.items() if not key.startswith("_")}  # trackio's own
-            self.trackio_run = {"project": args.project, "name": args.run_name, "config": config}
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero or not self.report_to:
+                return
+            from src.reporting.report import setup_table
 
-    def finish(self, info: dict) -> None:
-        """The final numbers (training_info.json's summary and judge) to each tracker; closes the W&B run so a next
-        stage starts its own, in its own directory."""
-        if not self.report_to:
-            return
-        from src.reporting.report import final_numbers_table
+            info = run_files.read_json(self.info_path)
+            if "tensorboard" in self.report_to:
+                with self._tensorboard_writer() as writer:
+                    writer.add_text("prefkit/setup", "\n".join(setup_table(info)))
+                    writer.add_text("prefkit/training_info", _markdown_json(info))
+            if "wandb" in self.report_to:
+                import wandb
 
-        numbers = final_numbers(info)
-        if "tensorboard" in self.report_to:
-            with self._tensorboard_writer() as writer:
-                writer.add_text("prefkit/final_numbers", "\n".join(final_numbers_table(info.get("summary") or {},
-                                                                                       info)))
-                # One HParams row per run directory: the plan next to its outcome, comparable across runs.
-                writer.add_hparams(hyperparameters(info), numbers, run_name=".",
-                                   global_step=(info.get("summary") or {}).get("completed_steps"))
-        if "wandb" in self.report_to:
-            import wandb
+                if wandb.run is not None:
+                    wandb.config.update({"prefkit": info}, allow_val_change=True)
+            if "trackio" in self.report_to:
+                import trackio
 
-            if wandb.run is not None:
-                wandb.run.summary.update(numbers)
-                wandb.finish()
-            wandb.teardown()  # a next stage's run then reads its own WANDB_DIR (wandb reads settings once per session)
-        if "trackio" in self.report_to and self.trackio_run:
-            import trackio
+                trackio.config.update({"prefkit": info})
+                # Keys starting with "_" are trackio's own.
+                config = {key: value for key, value in trackio.config.items() if not key.startswith("_")}
+                self.trackio_run = {"project": args.project, "name": args.run_name, "config": config}
 
-            # TrackioCallback finished the run at train end; a resumed run writes its config again with its first
-            # record, so the same config is passed back.
-            trackio.init(project=self.trackio_run["project"], name=self.trackio_run["name"], resume="must",
-                         config=self.trackio_run["config"])
-            trackio.log(numbers)
-            trackio.finish()
+        def finish(self, info: dict) -> None:
+            """The final numbers (training_info.json's summary and judge) to each tracker; closes the W&B run so a next
+            stage starts its own, in its own directory."""
+            if not self.report_to:
+                return
+            from src.reporting.report import final_numbers_table
 
-    def _tensorboard_writer(self):
-        from torch.utils.tensorboard import SummaryWriter
+            numbers = final_numbers(info)
+            if "tensorboard" in self.report_to:
+                with self._tensorboard_writer() as writer:
+                    writer.add_text("prefkit/final_numbers", "\n".join(final_numbers_table(info.get("summary") or {},
+                                                                                           info)))
+                    # One HParams row per run directory: the plan next to its outcome, comparable across runs.
+                    writer.add_hparams(hyperparameters(info), numbers, run_name=".",
+                                       global_step=(info.get("summary") or {}).get("completed_steps"))
+            if "wandb" in self.report_to:
+                import wandb
 
-        return SummaryWriter(log_dir=self.tensorboard_dir)
+                if wandb.run is not None:
+                    wandb.run.summary.update(numbers)
+                    wandb.finish()
+                # A next stage's run then reads its own WANDB_DIR (wandb reads settings once per session).
+                wandb.teardown()
+            if "trackio" in self.report_to and self.trackio_run:
+                import trackio
+
+                # TrackioCallback finished the run at train end; a resumed run writes its config again with its first
+                # record, so the same config is passed back.
+                trackio.init(project=self.trackio_run["project"], name=self.trackio_run["name"], resume="must",
+                             config=self.trackio_run["config"])
+                trackio.log(numbers)
+                trackio.finish()
+
+        def _tensorboard_writer(self):
+            from torch.utils.tensorboard import SummaryWriter
+
+            return SummaryWriter(log_dir=self.tensorboard_dir)
+
+    return TrackerRecord

@@ -59,6 +59,19 @@ def test_dry_run_prints_the_plan_and_trains_nothing(user_args, tmp_path):
     assert "rows" in result.stdout and not (tmp_path / "results").exists()
 
 
+def test_the_preflight_does_not_import_the_training_stack(user_args):
+    # run_distributed.sh runs this check before every launch: transformers' trainer utilities pull in peft and
+    # bitsandbytes (8 s of CPU on this machine), matplotlib another second, and the check needs none of them.
+    heavy = ("peft", "bitsandbytes", "matplotlib", "transformers.trainer_utils", "trl.trainer.dpo_trainer")
+    script = ("import json, sys\nfrom src.main_distributed import main\n"
+              f"code = main({[*user_args, '--stage', 'dpo', '--dry_run']!r})\n"
+              f"print(json.dumps([code, [name for name in {heavy!r} if name in sys.modules]]))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[0, []]"
+
+
 def test_debug_shows_the_traceback(user_args):
     result = run_main(*user_args, "--batch_size", "0", "--debug")
     assert result.returncode != 0 and "Traceback" in result.stderr

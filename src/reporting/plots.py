@@ -12,9 +12,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
-
 from src.reporting.summary import series
 from src.run_files import atomic_path
 
@@ -196,6 +193,8 @@ def _draw_curve(ax, metrics: list[dict], curve: Curve, single_curve: bool) -> tu
 
 
 def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
+    from matplotlib.ticker import MaxNLocator
+
     drew, spans = False, set()
     for curve in panel.curves:
         drew_curve, span = _draw_curve(ax, metrics, curve, single_curve=len(panel.curves) == 1)
@@ -239,6 +238,8 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
 
 def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     """Draw one chart into `path`; False (and no file) when none of its metrics was logged."""
+    from matplotlib.figure import Figure  # here, not at import: the preflight reads CHARTS and never draws (1 s)
+
     height = 0.75 + 3.75 * len(chart.panels)
     figure = Figure(figsize=(8.5, height), dpi=110)
     # Fixed margins instead of a layout engine: the panels are alike, and a layout engine renders every figure twice.
