@@ -31,9 +31,14 @@ from src.locking import build_once
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 5  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 6  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+# ShareGPT's speakers (`from`: ShareGPT, Vicuna, LLaMA-Factory's sharegpt format) → chat roles. TRL's
+# maybe_convert_to_chatml renames the keys but keeps the values: "human" / "gpt" would reach the chat template as role
+# names (printed as such by most templates), and assistant_only_loss would find no assistant turn to learn from.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "observation": "tool", "tool": "tool"}
 
 
 class DataError(ValueError):
@@ -285,7 +290,13 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
     elif shape == "messages":
         out = {"messages": row["messages"]}
     elif shape == "sharegpt":
-        out = {"messages": maybe_convert_to_chatml({"conversations": row["conversations"]})["messages"]}
+        messages = maybe_convert_to_chatml({"conversations": row["conversations"]})["messages"]
+        for message in messages:
+            if message.get("role") not in SHAREGPT_ROLES:
+                raise DataError(f"'conversations' has a turn from {message.get('role')!r}: the known speakers are "
+                                f"{', '.join(SHAREGPT_ROLES)}; rename it in the data")
+            message["role"] = SHAREGPT_ROLES[message["role"]]
+        out = {"messages": messages}
     elif shape == "prompt_completion":
         out = {"prompt": row["prompt"], "completion": row["completion"]}
     elif shape == "text":
@@ -634,7 +645,10 @@ def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, 
     out = {column: [] for column in output_columns}
     for values, index in zip(zip(*(batch[column] for column in columns)), indices):
         number = offset + index + 1
-        row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
+        try:
+            row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
+        except DataError as error:
+            raise DataError(f"{source} row {number}: {error}") from None
         status = check_row(row, number, stage, source)
         if not has_chat_template and any(_is_chat(value) for value in row.values()):
             raise DataError(
@@ -771,7 +785,10 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
     pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
     normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
-    first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
+    try:
+        first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
+    except DataError as error:
+        raise DataError(f"{location} row 1: {error}") from None
     token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
     tokenized, counts = {}, {}
     for kind, split in split_datasets(raw, data, seed).items():

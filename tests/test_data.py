@@ -149,6 +149,30 @@ def test_sft_recognises_chat_prompt_completion_text_and_preference_data(tiny_tok
         assert len(result.train) == 32 and all(result.train["input_ids"])
 
 
+def test_sharegpt_speakers_become_chat_roles(tiny_tokenizer, tmp_path):
+    # ShareGPT as it is published (human / gpt): the same training rows as the same chats written with roles, with
+    # the loss on the assistant's turns.
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    chats = [[{"role": "system", "content": "answer briefly"}] + row["prompt"] + row["chosen"] for row in ROWS]
+    sharegpt = [{"conversations": [{"from": speakers[turn["role"]], "value": turn["content"]} for turn in chat]}
+                for chat in chats]
+    sft = SFTArguments(assistant_only_loss=True)
+    ours = prepared(tiny_tokenizer, tmp_path / "a", stage="sft", sft=sft,
+                    dataset_name=str(write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt)))
+    theirs = prepared(tiny_tokenizer, tmp_path / "b", stage="sft", sft=sft,
+                      dataset_name=str(write_jsonl(tmp_path / "messages.jsonl", [{"messages": c} for c in chats])))
+    assert ours.summary["shape"] == "sharegpt" and len(ours.train) == len(theirs.train) == 32
+    for column in ("input_ids", "assistant_masks"):
+        assert ours.train[column] == theirs.train[column]
+    assert all(any(mask) for mask in ours.train["assistant_masks"])
+
+    sharegpt[5]["conversations"][1]["from"] = "narrator"
+    with pytest.raises(DataError, match=r"row \d+: 'conversations' has a turn from 'narrator': the known speakers are "
+                                        r"human, user, gpt, assistant, system, observation, tool; rename it"):
+        prepared(tiny_tokenizer, tmp_path / "c", stage="sft",
+                 dataset_name=str(write_jsonl(tmp_path / "narrator.jsonl", sharegpt)))
+
+
 def test_tool_calling_chat_with_a_tools_column(tiny_tokenizer, tmp_path):
     tools = [{"type": "function", "function": {"name": "get_heart_rate", "description": "read the sensor",
                                                   "parameters": {"type": "object", "properties": {}}}}]
