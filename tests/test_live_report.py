@@ -206,6 +206,7 @@ def test_a_run_in_progress_reports_running_from_its_files(tmp_path):
     first, rest = text.split("\n", 1)
     assert first.startswith("**running** · step 120 of 200 (60%) · elapsed") and "ETA" in first
     assert "## Numbers so far" in rest and "Training is still running" in rest and "did not finish" not in rest
+    assert "| latest train loss (last logged) |" in rest and "final " not in rest.split("## Setup")[0]
 
 
 # ------------------------------------------------------------------------------------------------- a real 2-process

@@ -337,6 +337,8 @@ def final_numbers_table(summary: dict, info: dict, running: bool = False) -> lis
                             f"{_num(samples_per_second, 3)} samples/s (all ranks)"],
              ["wall time (training)", _duration(summary.get("wall_time_s"))],
              ["peak memory per device", "n/a" if peak is None else f"{peak:,.0f} MB"]]
+    if running:  # mid-run, the last logged values are the latest, not the final ones
+        rows = [[label.replace("final ", "latest ", 1), value] for label, value in rows]
     return _table(["", "value"], rows)
 
 
@@ -433,16 +435,17 @@ def _eval_else_train(summary: dict, key: str) -> float | None:
 def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert],
               running: bool = False) -> str:
     stage = (info.get("stage") or summary.get("stage") or "").upper()
+    final = "latest" if running else "final"
     parts = []
     if judged_sentence:
         parts.append(judged_sentence)
     elif stage in ("DPO", "REWARD"):
         accuracy = _eval_else_train(summary, "final_reward_accuracy")
         margin = _eval_else_train(summary, "final_reward_margin")
-        parts.append(f"{stage} ran {_num(summary.get('last_step'))} steps; final reward accuracy {_pct(accuracy)}, "
+        parts.append(f"{stage} ran {_num(summary.get('last_step'))} steps; {final} reward accuracy {_pct(accuracy)}, "
                      f"margin {_num(margin, 3)} (no held-out judge).")
     else:
-        parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; final train loss "
+        parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; {final} train loss "
                      f"{_num(summary.get('final_train_loss'))}, best eval loss {_num(summary.get('best_eval_loss'))} "
                      f"(no held-out judge).")
     if running:
