@@ -50,11 +50,16 @@ def _boot_id() -> str:
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot: with the pid, it names one process (pids are reused)."""
+    """The process's start time in clock ticks since boot: with the pid, it names one process (pids are reused).
+    None for a process that is gone, a zombie included: a killed process whose parent died too stays a zombie
+    where nothing reaps orphans (a container whose first process is not an init), and it trains nothing."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):  # zombie, dead
+        return None
+    return fields[19]
 
 
 def identity(environ=None) -> dict:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,31 @@ def test_a_torchrun_restart_is_the_same_job(tmp_path, monkeypatch):
     hold_path(run_dir).write_text(json.dumps(other))
     with pytest.raises(RunDirectoryHeld, match="in use by another job"):
         acquire(run_dir)
+
+
+def test_a_holder_left_a_zombie_is_gone(tmp_path):
+    """A killed job whose parent died too stays a zombie where nothing reaps orphans (a container without an init):
+    its /proc entry remains, but it trains nothing, so its hold is taken over."""
+    run_dir = tmp_path / "results" / "job"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        alive = identity() | {"job": "torchrun pid 1 on here", "pid": child.pid,
+                              "pid_start": Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]}
+        alive.pop("agent_pid", None)
+        hold_path(run_dir).parent.mkdir(parents=True)
+        hold_path(run_dir).write_text(json.dumps(alive))
+        with pytest.raises(RunDirectoryHeld, match="in use by another job"):
+            acquire(run_dir)
+        child.kill()
+        deadline = time.monotonic() + 10  # killed but not reaped (no wait() yet): a zombie
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the killed child did not become a zombie"
+            time.sleep(0.05)
+        hold = acquire(run_dir)
+        try:
+            assert hold.took_over and f"its process {child.pid} is gone" in hold.took_over
+        finally:
+            hold.release()
+    finally:
+        child.kill()
+        child.wait()
