@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from src.reporting.plots import CHARTS, plot_history, smooth
+from src.reporting.plots import CHARTS, dpo_loss_chart, plot_history, smooth
 from src.reporting.report import ReportError, build_report, main, pick_examples, render_samples_text
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_json
 from src.reporting.summary import summarize
@@ -97,6 +97,20 @@ def test_plots_are_written_and_non_empty(name, tmp_path):
     assert ("throughput.png" in names) == (name == "dpo")  # only when perf/* was logged
     for _, path in written:
         assert_real_png(path)
+
+
+def test_the_dpo_loss_chart_draws_ln2_only_for_the_sigmoid_loss(tmp_path):
+    """ln 2 is where sigmoid DPO starts; a combined loss (the default's sigmoid + 0.4 x sft) starts above it, and the
+    line would look like a problem."""
+    (panel,) = dpo_loss_chart("sigmoid").panels
+    assert [label for _, label in panel.reference_lines] == ["ln 2 = 0.693 (policy = reference)"]
+    assert dpo_loss_chart(["sigmoid"], [1.0]) == dpo_loss_chart(None) == CHARTS["dpo"][0]
+    combined = dpo_loss_chart(["sigmoid", "sft"], [1.0, 0.4])
+    assert combined.panels[0].reference_lines == () and combined.panels[0].title == "DPO loss: sigmoid + 0.4 × sft"
+    assert dpo_loss_chart("ipo").panels[0].reference_lines == ()
+    captions = [caption for caption, _ in plot_history(HISTORIES["dpo"], "dpo", tmp_path, ["sigmoid", "sft"],
+                                                       [1.0, 0.4])]
+    assert captions[0] == "DPO loss (sigmoid + 0.4 × sft)"
 
 
 def test_a_chart_with_no_data_is_not_written_and_a_partial_one_is(tmp_path):

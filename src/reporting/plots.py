@@ -255,12 +255,30 @@ def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     return True
 
 
-def plot_history(metrics: list[dict], stage: str, out_dir: str | Path) -> list[tuple[str, Path]]:
-    """Write every chart of `stage` that has data into `out_dir`; returns (caption, path) per written file."""
+def dpo_loss_chart(loss_type, loss_weights=None) -> Chart:
+    """The DPO loss chart for the loss that ran. ln 2 is where TRL's sigmoid loss starts (policy = reference); a
+    combined loss (e.g. sigmoid + 0.4 x sft, RPO) or another loss type starts elsewhere, so the line would read as a
+    problem that is not there: the title names the terms instead."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type or ["sigmoid"])
+    weights = list(loss_weights or [1.0] * len(types))
+    if types == ["sigmoid"] and weights in ([1.0], [1]):
+        return CHARTS["dpo"][0]
+    terms = " + ".join(f"{weight:g} × {name}" if weight != 1 else name for name, weight in zip(types, weights))
+    return Chart("loss.png", f"DPO loss ({terms})", (
+        Panel(f"DPO loss: {terms}", "loss", (Curve("loss", "loss"),), min_y_span=0.2),))
+
+
+def plot_history(metrics: list[dict], stage: str, out_dir: str | Path, loss_type=None,
+                 loss_weights=None) -> list[tuple[str, Path]]:
+    """Write every chart of `stage` that has data into `out_dir`; returns (caption, path) per written file.
+    `loss_type` / `loss_weights` (DPO, as configured) choose how the loss chart is labelled."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for chart in CHARTS[stage]:
+    charts = CHARTS[stage]
+    if stage == "dpo" and loss_type is not None:
+        charts = (dpo_loss_chart(loss_type, loss_weights),) + charts[1:]
+    for chart in charts:
         path = out_dir / chart.filename
         if plot_chart(metrics, chart, path):
             written.append((chart.caption, path))

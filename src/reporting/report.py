@@ -536,7 +536,8 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
         if summary.get(key) is None:
             summary[key] = value
     alerts = detect_alerts(metrics, stage)
-    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR)
+    config = info.get("config") or {}
+    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, config.get("loss_type"), config.get("loss_weights"))
 
     samples_by_split = {}
     for split in SPLITS:
