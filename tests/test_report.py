@@ -108,9 +108,11 @@ def test_the_dpo_loss_chart_draws_ln2_only_for_the_sigmoid_loss(tmp_path):
     combined = dpo_loss_chart(["sigmoid", "sft"], [1.0, 0.4])
     assert combined.panels[0].reference_lines == () and combined.panels[0].title == "DPO loss: sigmoid + 0.4 × sft"
     assert dpo_loss_chart("ipo").panels[0].reference_lines == ()
-    captions = [caption for caption, _ in plot_history(HISTORIES["dpo"], "dpo", tmp_path, ["sigmoid", "sft"],
-                                                       [1.0, 0.4])]
-    assert captions[0] == "DPO loss (sigmoid + 0.4 × sft)"
+    info = training_info("dpo", loss_type=["sigmoid", "sft"], config={"loss_type": ["sigmoid", "sft"],
+                                                                       "loss_weights": [1.0, 0.4]})
+    report = build_report(write_run_dir(tmp_path / "run", HISTORIES["dpo"], info)).read_text(encoding="utf-8")
+    assert "![DPO loss (sigmoid + 0.4 × sft)](plots/loss.png)" in report
+    assert "| DPO | beta 0.1, loss sigmoid + 0.4 × sft |" in report
 
 
 def test_a_chart_with_no_data_is_not_written_and_a_partial_one_is(tmp_path):

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.reporting.summary import series
+from src.reporting.summary import describe_dpo_loss, dpo_loss_terms, series
 from src.run_files import atomic_path
 
 X_LABEL = "optimizer step"
@@ -259,11 +259,9 @@ def dpo_loss_chart(loss_type, loss_weights=None) -> Chart:
     """The DPO loss chart for the loss that ran. ln 2 is where TRL's sigmoid loss starts (policy = reference); a
     combined loss (e.g. sigmoid + 0.4 x sft, RPO) or another loss type starts elsewhere, so the line would read as a
     problem that is not there: the title names the terms instead."""
-    types = [loss_type] if isinstance(loss_type, str) else list(loss_type or ["sigmoid"])
-    weights = list(loss_weights or [1.0] * len(types))
-    if types == ["sigmoid"] and weights in ([1.0], [1]):
+    if dpo_loss_terms(loss_type, loss_weights) == [("sigmoid", 1)]:
         return CHARTS["dpo"][0]
-    terms = " + ".join(f"{weight:g} × {name}" if weight != 1 else name for name, weight in zip(types, weights))
+    terms = describe_dpo_loss(loss_type, loss_weights)
     return Chart("loss.png", f"DPO loss ({terms})", (
         Panel(f"DPO loss: {terms}", "loss", (Curve("loss", "loss"),), min_y_span=0.2),))
 

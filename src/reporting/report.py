@@ -22,7 +22,7 @@ from pathlib import Path
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.plots import plot_history
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
-from src.reporting.summary import summarize
+from src.reporting.summary import describe_dpo_loss, summarize
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
 
 SPLITS = ("val", "test")
@@ -364,9 +364,9 @@ def setup_table(info: dict) -> list[str]:
         learning_rate = f"{_num(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
     if get("stage") == "dpo":
-        loss_type = get("loss_type")
-        loss_type = " + ".join(loss_type) if isinstance(loss_type, list) else loss_type
-        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {loss_type}"])
+        config = get("config") or {}
+        loss = describe_dpo_loss(config.get("loss_type", get("loss_type")), config.get("loss_weights"))
+        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {loss}"])
         if get("dpo_forward"):
             rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {_num(get('gradient_checkpointing'))}"],
