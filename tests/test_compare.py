@@ -133,3 +133,27 @@ def test_index_lists_every_run_with_status_stage_settings_judged_and_time(tmp_pa
     assert "| running 200/400 | SFT |" in rows[3]
     pipeline = rows[4]
     assert "| SFT → DPO |" in pipeline and pipeline.count(" → ") >= 3  # untrained → after SFT → after DPO
+
+
+def test_the_ln2_line_is_drawn_only_when_every_run_used_the_sigmoid_loss(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    drawn = {}
+    real_savefig = Figure.savefig
+
+    def savefig(figure, path, *args, **kwargs):
+        drawn[figure.axes[0].get_title(loc="left")] = [line.get_label() for ax in figure.axes for line in ax.lines]
+        return real_savefig(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    runs = [judged_run_dir(tmp_path / "results" / name) for name in ("plain", "rpo")]
+    compare([str(path) for path in runs], str(tmp_path / "sigmoid"))
+    assert any("ln 2" in label for label in drawn["DPO loss"])
+
+    info = read_json(runs[1] / "training_info.json")
+    write_json(runs[1] / "training_info.json", info | {"config": {"loss_type": ["sigmoid", "sft"],
+                                                                  "loss_weights": [1.0, 0.4]}})
+    drawn.clear()
+    compare([str(path) for path in runs], str(tmp_path / "mixed"))
+    assert drawn["DPO loss"] and not any("ln 2" in label for label in drawn["DPO loss"])
+    assert any("chance" in label for label in drawn["Reward accuracy"])  # the other references stay

@@ -29,7 +29,7 @@ from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
 from src.reporting.report import REPORT, _ci95, _judge_results, _num, _pct, _points, _table
 from src.reporting.status import status_line
-from src.reporting.summary import series, summarize
+from src.reporting.summary import dpo_loss_config, dpo_loss_terms, series, summarize
 from src.run_files import TRAINING_INFO, atomic_path, write_text
 
 PAGE = "compare.md"
@@ -202,7 +202,9 @@ def plot_metric(runs: list[Run], metric: Metric, x_label: str, scale: dict[str, 
                 drew = True
     if not drew:
         return False
-    if metric.reference:
+    # ln 2 is where sigmoid DPO starts; a run with another or a combined loss starts elsewhere.
+    plain = all(dpo_loss_terms(*dpo_loss_config(run.info)) == [("sigmoid", 1)] for run in runs if run.stage == "dpo")
+    if metric.reference and (plain or metric.key != "loss" or runs[0].stage != "dpo"):
         ax.axhline(metric.reference[0], color="gray", linestyle=":", linewidth=1.2, label=metric.reference[1])
     ax.set_title(metric.title, fontsize=12, fontweight="bold", loc="left")
     ax.set_title("lines: train (smoothed, raw faint)   " + ("◆ ▼: eval" if metric.second else "◆: eval"),

@@ -22,7 +22,7 @@ from pathlib import Path
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.plots import plot_history
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
-from src.reporting.summary import describe_dpo_loss, summarize
+from src.reporting.summary import describe_dpo_loss, dpo_loss_config, summarize
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
 
 SPLITS = ("val", "test")
@@ -364,9 +364,7 @@ def setup_table(info: dict) -> list[str]:
         learning_rate = f"{_num(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
     if get("stage") == "dpo":
-        config = get("config") or {}
-        loss = describe_dpo_loss(config.get("loss_type", get("loss_type")), config.get("loss_weights"))
-        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {loss}"])
+        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {describe_dpo_loss(*dpo_loss_config(info))}"])
         if get("dpo_forward"):
             rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {_num(get('gradient_checkpointing'))}"],
@@ -536,8 +534,7 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
         if summary.get(key) is None:
             summary[key] = value
     alerts = detect_alerts(metrics, stage)
-    config = info.get("config") or {}
-    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, config.get("loss_type"), config.get("loss_weights"))
+    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, *dpo_loss_config(info))
 
     samples_by_split = {}
     for split in SPLITS:

@@ -17,6 +17,12 @@ def dpo_loss_terms(loss_type, loss_weights=None) -> list[tuple[str, float]]:
     return list(zip(types, list(loss_weights or [1.0] * len(types))))
 
 
+def dpo_loss_config(info: dict) -> tuple:
+    """(loss_type, loss_weights) of a run, from its training_info.json (the resolved config holds both)."""
+    config = info.get("config") or {}
+    return config.get("loss_type", info.get("loss_type")), config.get("loss_weights")
+
+
 def describe_dpo_loss(loss_type, loss_weights=None) -> str:
     """'sigmoid', or 'sigmoid + 0.4 × sft' for a weighted combination."""
     return " + ".join(name if weight == 1 else f"{weight:g} × {name}"
