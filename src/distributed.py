@@ -83,6 +83,19 @@ def check_shared_storage(written_by_rank_0: Path, world: World) -> None:
                           "every node shares (NFS, Lustre, ...), so checkpoints can be resumed on every node")
 
 
+def any_rank(*flags: bool) -> list[bool]:
+    """Each flag OR-ed over all ranks (itself when there is no process group)."""
+    import torch
+    import torch.distributed as dist
+
+    values = torch.tensor([float(flag) for flag in flags])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            values = values.cuda()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_distributed.py`, SageMaker's entry point
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from src import launch_verdict, run_files  # noqa: E402
+from src import launch_verdict, packed_dpo_support, run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, resolve_plan, sagemaker_process_hint, stage_config,
@@ -113,6 +113,16 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
         stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir)))
     return stages
+
+
+def check_dpo_forward(stages: list[Stage], model_path: str) -> None:
+    """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
+    the packed forward is refused (src/packed_dpo_support.py); a model no DPO forward can run stops the launch."""
+    for stage in stages:
+        if stage.name == "dpo":
+            reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
+            if reason:
+                packed_dpo_support.announce_padded(reason)
 
 
 def stage_status(run_dir: Path) -> dict:
@@ -588,6 +598,7 @@ def run(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(config.model)
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
+    check_dpo_forward(stages, model_path)
     from src.embedded.model import cache_root
 
     # Every stage's data is checked and tokenized now, before any process group or model exists.

@@ -25,9 +25,13 @@ Layout (flash-attention, varlen): flash-attention takes no such mask, so each an
 `[prompt | answer]` with positions restarting at 0 (transformers turns that into varlen); all sequences of the
 micro-batch are one row: no padding, but the prompt is computed twice.
 
-Never silently wrong: `unsupported_reason` refuses what is known not to honour the mask or the positions, and the first
-packed forward of a run is checked against the padded one (same model, same batch, no grad); any mismatch on any rank
-turns packing off for the run with one warning line.
+Sliding windows: a model whose config lists `layer_types` takes one mask per layer kind (a dict keyed by kind), each
+with its window counted in positions; one without (Mistral, Phi-3, StarCoder2) one mask with its `sliding_window`.
+
+Never silently wrong: trust is the allow-list of src/packed_dpo_support.py (each family proven exact in
+tests/test_packed_support.py; anything else refused with its cause before data preparation), and the first packed
+forward of a run is checked against the padded one (same model, same batch, no grad); a mismatch, or an error, on any
+rank turns packing off for the run with one warning line naming the difference and the likely cause.
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
+from src.distributed import any_rank
+from src.packed_dpo_support import FLASH_PREFIX, refusal
+
 PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels", "packed_segment_ids",
                "packed_branch_ids", "packed_source_index", "padded_target_index", "packed_counts")
-FLASH_PREFIX = "flash_attention"
-MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 SHARED, CHOSEN, REJECTED = 0, 1, 2
+PACKED_FORMAT = 2        # in the reference cache key: bump when the layout or masks change (2: per-layer windows)
+ONE_MASK = "*"           # layer_windows' key when every layer takes the same mask
 FP32_TOLERANCE = 1e-4    # per-token log-prob, absolute + relative: fp32 packed vs padded differ by ~1e-6
 HALF_TOLERANCE = 1e-1    # bf16 / fp16: rounding differs with the shapes; a leak through the mask shifts far more
 
@@ -57,25 +64,21 @@ def attention_layout(model) -> str:
 
 
 def unsupported_reason(model, args, peft_config=None) -> str | None:
-    """Why the packed forward cannot be trusted for this model and configuration, or None. What is not refused here
-    is still checked against the padded forward on the first batch."""
-    config = model.config.get_text_config()
-    implementation = str(getattr(model.config, "_attn_implementation", None) or "")
-    if implementation not in MASKED_IMPLEMENTATIONS and FLASH_PREFIX not in implementation:
-        return f"attention implementation {implementation!r} is not known to honour a custom mask (sdpa, eager, flash)"
-    if getattr(model.config, "get_text_config", None) and model.config.get_text_config() is not model.config:
-        return f"{model.config.model_type} is a multimodal model (its positions are not plain token positions)"
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-    if any(kind != "full_attention" for kind in layer_types) and window and (args.max_length or 1 << 30) > window:
-        return f"the model has sliding-window or chunked attention layers (window {window}), which a 4D mask overrides"
-    if getattr(config, "output_router_logits", False):
-        return "the MoE router auxiliary loss counts tokens by the padded attention mask"
-    if args.truncation_mode != "keep_start":
-        return f"truncation_mode {args.truncation_mode!r} (only keep_start is packed)"
-    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        return "prompt-learning PEFT adds virtual tokens before every sequence"
-    return None
+    """Why the packed forward cannot be trusted for this model and configuration, or None: the allow-list and causes
+    of src/packed_dpo_support.py. What is not refused is still checked against the padded forward on the first batch."""
+    return refusal(model.config, attn_implementation=getattr(model.config, "_attn_implementation", None),
+                   router_aux_loss_coef=getattr(args, "router_aux_loss_coef", None),
+                   truncation_mode=args.truncation_mode,
+                   prompt_learning=peft_config is not None and getattr(peft_config, "is_prompt_learning", False))
+
+
+def likely_cause(config) -> str:
+    """What most often makes a model's packed log-probs differ, for the first-batch check's warning."""
+    windows = {kind: window for kind, window in layer_windows(config).items() if window}
+    if windows:
+        return f"its attention window ({', '.join(f'{k} {w}' for k, w in windows.items())} positions) is applied " \
+               "differently from transformers' masks"
+    return "the model or attention implementation does not honour the packed mask or positions"
 
 
 # --- the collator -----------------------------------------------------------------------------------------------
@@ -292,6 +295,11 @@ class PackedDPOForward:
             if kind == "policy":
                 self.last_policy = counts
 
+    def cache_tag(self) -> str:
+        """Which forward computes the log-probs, for the reference cache key: a cache written by one forward (or an
+        older packing code) is never reused by another."""
+        return f"packed-{self.layout}-v{PACKED_FORMAT}" if self.enabled else "padded"
+
     def computed_tokens(self) -> tuple[int, int] | None:
         """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures."""
         counts, self.last_policy = self.last_policy, None
@@ -336,11 +344,16 @@ class PackedDPOForward:
         kwargs = {key: value for key, value in kwargs.items()
                   if key not in ("input_ids", "attention_mask", "labels", "position_ids", "shift_labels")}
         if self.layout == "prefix_shared":
-            mask = _prefix_shared_mask(batch["packed_segment_ids"], batch["packed_branch_ids"])
-            if str(module.config._attn_implementation) == "eager":  # eager adds the mask to the scores
-                dtype = next(module.parameters()).dtype
-                mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-            kwargs["attention_mask"] = mask
+            eager = str(module.config._attn_implementation) == "eager"  # eager adds the mask to the scores
+            dtype = next(module.parameters()).dtype
+            masks = {}
+            for kind, window in layer_windows(module.config).items():
+                mask = _prefix_shared_mask(batch["packed_segment_ids"], batch["packed_branch_ids"],
+                                           batch["packed_position_ids"], window)
+                if eager:
+                    mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+                masks[kind] = mask
+            kwargs["attention_mask"] = masks.pop(ONE_MASK) if ONE_MASK in masks else masks
         else:
             kwargs["attention_mask"] = None  # positions restarting at 0 → transformers' varlen path
         outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
@@ -359,38 +372,65 @@ class PackedDPOForward:
         return type(outputs)(loss=outputs.loss, aux_loss=outputs.aux_loss, **fields)
 
     def _check(self, module, fused, plan: _Plan, padded_kwargs: dict) -> str | None:
-        """Packed vs padded per-token log-probs of this batch, no grad, dropout off; agreed over all ranks."""
+        """Packed vs padded per-token log-probs of this batch, no grad, dropout off; agreed over all ranks. An error
+        in the packed forward (a shape the model cannot take) is a failed check, not a crash."""
         was_training = module.training
         module.eval()
+        error = None
         try:
             with torch.no_grad():
                 padded = fused(**padded_kwargs, fused_lm_head=True).log_probs.float()
-                packed = self._packed(module, fused, plan, padded_kwargs, padded_kwargs["input_ids"]).log_probs.float()
+                try:
+                    packed = self._packed(module, fused, plan, padded_kwargs,
+                                          padded_kwargs["input_ids"]).log_probs.float()
+                except Exception as raised:  # noqa: BLE001 - any failure of the packed layout means: do not pack
+                    error = f"{type(raised).__name__}: {str(raised).splitlines()[0][:200] if str(raised) else ''}"
+                    packed = padded
         finally:
             module.train(was_training)
         device_type = padded_kwargs["input_ids"].device.type
         half = torch.is_autocast_enabled(device_type) or next(module.parameters()).dtype != torch.float32
         tolerance = HALF_TOLERANCE if half else FP32_TOLERANCE
-        error = (packed - padded).abs() - tolerance * padded.abs()
+        excess = (packed - padded).abs() - tolerance * padded.abs()
         worst = float((packed - padded).abs().max()) if packed.numel() else 0.0
-        failed = _any_rank(bool((error > tolerance).any()))
-        self.check_result = {"max_abs_difference": worst, "tolerance": tolerance, "passed": not failed,
-                             "tokens": int((padded != 0).sum())}
-        if failed:
-            return (f"its first batch's log-probs differ from the padded forward's (max |difference| {worst:.3g} on "
-                    f"this rank, tolerance {tolerance}): the model or attention implementation does not honour the "
-                    "packed mask or positions")
-        return None
+        (failed,) = any_rank(error is not None or bool((excess > tolerance).any()))
+        self.check_result = {"max_abs_difference": None if error else worst, "tolerance": tolerance,
+                             "passed": not failed, "tokens": int((padded != 0).sum()), "error": error}
+        if not failed:
+            return None
+        if error:
+            return f"the packed forward raised {error} on its first batch"
+        if worst <= tolerance:
+            return "its first batch's log-probs differ from the padded forward's on another rank"
+        return (f"its first batch's log-probs differ from the padded forward's (max |difference| {worst:.3g} on this "
+                f"rank, tolerance {tolerance}); likely cause: {likely_cause(module.config)}")
 
 
-def _prefix_shared_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor) -> torch.Tensor:
-    """(rows, 1, width, width) boolean, True = may attend: causal within a pair's segment, and a rejected answer's
-    token never sees the chosen answer."""
+def _prefix_shared_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor,
+                        window: int | None = None) -> torch.Tensor:
+    """(rows, 1, width, width) boolean, True = may attend: causal within a pair's segment, a rejected answer's token
+    never sees the chosen answer, and with a window only keys fewer than `window` positions back (transformers'
+    `kv_idx > q_idx - sliding_window`, counted in positions: the shared prompt's positions count for both answers)."""
     width = segment_ids.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     leak = (branch_ids[:, :, None] == REJECTED) & (branch_ids[:, None, :] == CHOSEN)
-    return (same & causal & ~leak)[:, None]
+    allowed = same & causal & ~leak
+    if window is not None:
+        allowed &= (position_ids[:, :, None] - position_ids[:, None, :]) < window
+    return allowed[:, None]
+
+
+def layer_windows(config) -> dict[str, int | None]:
+    """The attention window, in positions, of each kind of layer the packed mask must reproduce (None: full causal).
+    A model whose config lists `layer_types` takes one mask per kind (a dict keyed by kind, as its forward accepts);
+    one without takes a single mask for every layer, windowed when the config has a `sliding_window` (Mistral, Phi-3,
+    StarCoder2). Kinds a mask cannot express are refused before this is asked (src/packed_dpo_support.py)."""
+    text = config.get_text_config()
+    kinds = list(dict.fromkeys(getattr(text, "layer_types", None) or []))
+    if kinds and kinds != ["full_attention"]:
+        return {kind: text.sliding_window if kind == "sliding_attention" else None for kind in kinds}
+    return {ONE_MASK: None if kinds else getattr(text, "sliding_window", None)}
 
 
 def _install(module) -> None:
@@ -423,16 +463,6 @@ def fused_modules(trainer) -> list:
             model = model.get_base_model()
         found.append(model)
     return found
-
-
-def _any_rank(flag: bool) -> bool:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    value = torch.tensor([float(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def _is_main_process() -> bool:

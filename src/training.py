@@ -23,7 +23,7 @@ from src.config import Config, Plan
 from src.disk_space import (
     WriteFailed, note_write_failure, pending_write_failure, write_failed_message, write_failure_errno,
 )
-from src.distributed import gather_objects, print0
+from src.distributed import any_rank, gather_objects, print0
 from src.progress import Progress, eta_seconds, format_duration
 from src.reporting.live import LiveReport
 from src.resilience import mark_complete, stop_signal
@@ -80,7 +80,7 @@ class CompleteCheckpointsMixin:
         finally:
             self.args.save_total_limit = limit
         # Every rank's RNG state and shards are on disk, or some rank could not write its share.
-        (failed,) = _any_rank(self._write_failure is not None)
+        (failed,) = any_rank(self._write_failure is not None)
         if failed:
             number, directory = next(failure for (failure,) in gather_objects([self._write_failure]) if failure)
             message = write_failed_message(number, directory, Path(run_dir))  # the free space when it failed
@@ -127,7 +127,7 @@ class StopConditions(TrainerCallback):
                 gradient.zero_()
 
     def on_step_end(self, args, state, control, **kwargs):
-        signalled, diverged, write_failed = _any_rank(stop_signal() is not None, self.non_finite is not None,
+        signalled, diverged, write_failed = any_rank(stop_signal() is not None, self.non_finite is not None,
                                                       pending_write_failure() is not None)
         if write_failed:  # rank 0 could not append a metrics line: every rank stops here, the same way
             number, directory = next(failure for (failure,) in gather_objects([pending_write_failure()]) if failure)
@@ -147,19 +147,6 @@ class StopConditions(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
-
-
-def _any_rank(*flags: bool) -> list[bool]:
-    """Each flag OR-ed over all ranks."""
-    import torch
-    import torch.distributed as dist
-
-    values = torch.tensor([float(flag) for flag in flags])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            values = values.cuda()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(value) for value in values.tolist()]
 
 
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
@@ -248,9 +235,10 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     def _precompute_ref_logps(self, dataset, name, batch_size):
         from datasets.fingerprint import Hasher
 
-        # Autocast precision, device kind, LD-DPO weighting and truncation change the log-probs, not the weights.
+        # Autocast precision, device kind, LD-DPO weighting, truncation and the forward (packed or padded, and the
+        # packing code's version) change the log-probs, not the weights.
         how = (self.args.bf16, self.args.fp16, self.accelerator.device.type, self.ld_alpha, self.args.max_length,
-               self.args.truncation_mode)
+               self.args.truncation_mode, self.packed_forward.cache_tag() if self.packed_forward else "padded")
         original = dataset._fingerprint
         cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
         started = time.monotonic()
@@ -310,7 +298,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         fingerprint = [Hasher.hash((dataset._fingerprint, self._precompute_model_hash))]  # as TRL derives it
         broadcast_object_list(fingerprint, from_process=0)
         cache_file = Path(dataset._get_cache_file_path(fingerprint[0]))
-        (missing_somewhere,) = _any_rank(not cache_file.exists())
+        (missing_somewhere,) = any_rank(not cache_file.exists())
         if missing_somewhere:
             self.accelerator.wait_for_everyone()  # every rank has looked before any copy goes
             if self.accelerator.is_local_main_process:
@@ -687,13 +675,14 @@ def packed_dpo_forward(model, tokenizer, trl_config, peft_config) -> dict:
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from src.packed_dpo import PackedDPOForward, PackedPreferenceCollator, attention_layout, unsupported_reason
+    from src.packed_dpo_support import announce_padded
 
     if not getattr(trl_config, "packed_dpo", True):
         return {"packed_forward": PackedDPOForward("--padding_free false")}
     reason = unsupported_reason(model, trl_config, peft_config)
     forward = PackedDPOForward(reason, attention_layout(model))
     if reason:
-        print0(f"  warning: packed DPO forward off, TRL's padded forward runs instead: {reason}")
+        announce_padded(reason)
         return {"packed_forward": forward}
     pad_token = trl_config.pad_token or tokenizer.pad_token or tokenizer.eos_token
     padded = DataCollatorForPreference(pad_token_id=tokenizer.convert_tokens_to_ids(pad_token),

@@ -137,8 +137,8 @@ def test_a_mask_that_lets_the_rejected_answer_see_the_chosen_one_is_caught(token
     padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False), rows)
     correct_mask = packed_dpo._prefix_shared_mask
 
-    def leaky_mask(segment_ids, branch_ids):  # causal within each pair's segment, the rejected answer sees all
-        return correct_mask(segment_ids, branch_ids.clamp(max=packed_dpo.CHOSEN))
+    def leaky_mask(segment_ids, branch_ids, position_ids, window=None):  # the rejected answer sees all of its pair
+        return correct_mask(segment_ids, branch_ids.clamp(max=packed_dpo.CHOSEN), position_ids, window)
 
     monkeypatch.setattr(packed_dpo, "_prefix_shared_mask", leaky_mask)
     trainer = trainer_for(model, tokenizer, rows, tmp_path, True)

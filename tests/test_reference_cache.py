@@ -66,7 +66,7 @@ def test_what_does_not_change_the_reference_reuses_it(setup, tiny_model):
 
 
 @pytest.mark.parametrize("change", ["weights", "tokenizer_or_chat_template", "data", "max_length", "precision",
-                                    "ld_alpha"])
+                                    "ld_alpha", "forward"])
 def test_what_changes_the_reference_recomputes_it(change, setup, tiny_model, corpus, tmp_path):
     root, data, cache, _ = setup
     model, extra = tiny_model, []
@@ -86,7 +86,7 @@ def test_what_changes_the_reference_recomputes_it(change, setup, tiny_model, cor
         data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     else:
         extra = {"max_length": ["--max_length", "48"], "precision": ["--mixed_precision", "bf16"],
-                 "ld_alpha": ["--ld_alpha", "0.5"]}[change]
+                 "ld_alpha": ["--ld_alpha", "0.5"], "forward": ["--padding_free", "false"]}[change]
     assert train(dpo_args(model, data, root / "results", f"change-{change}", *extra), cache)["cache"] == "computed"
 
 

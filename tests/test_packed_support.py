@@ -1,0 +1,96 @@
+"""The packed forward's allow-list (src/packed_dpo_support.py) against every causal LM of the pinned transformers:
+each model type is either exact — a tiny random model gives TRL's padded forward's per-token log-probs within 1e-5 on
+rows longer than every window it has — or refused before training with a cause. docs/speed.md's table is the
+registry's own."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tiny_architectures import causal_lm_types, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pair_rows(count: int = 6, seed: int = 0, vocab: int = 90) -> list[dict]:
+    """Prompts of 12-30 tokens and answers of 4-30: every row is longer than the tiny configs' windows (8)."""
+    rng = random.Random(seed)
+    ids = lambda low, high: [rng.randrange(3, vocab) for _ in range(rng.randint(low, high))]  # noqa: E731
+    return [{"prompt_ids": ids(12, 30), "chosen_ids": ids(4, 30), "rejected_ids": ids(4, 30)} for _ in range(count)]
+
+
+def packed_and_padded_log_probs(model, rows: list[dict]):
+    """Per-token log-probs of TRL's padded batch, through TRL's fused LM head, computed the padded way and the packed
+    way (the trainer's own collator and redirect), no grad, eval mode."""
+    import torch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.utils import add_fused_lm_head
+
+    from src.packed_dpo import PACKED_KEYS, PackedDPOForward, PackedPreferenceCollator, attention_layout
+
+    add_fused_lm_head(model, outputs=("log_probs",))
+    layout = attention_layout(model)
+    batch = PackedPreferenceCollator(DataCollatorForPreference(pad_token_id=0, max_length=None), layout, 1 / 192)(rows)
+    forward = PackedDPOForward(None, layout)
+    forward.checked = True  # compare here, not through the first-batch check
+
+    def log_probs(inputs):
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                     use_cache=False, fused_lm_head=True).log_probs
+
+    model.eval()
+    with torch.no_grad():
+        padded = log_probs({key: value for key, value in batch.items() if key not in PACKED_KEYS})
+        with forward.running(batch, ("reference",), [model]) as inputs:
+            packed = log_probs(inputs)
+    return packed, padded
+
+
+@pytest.mark.parametrize("model_type", causal_lm_types())
+def test_every_causal_lm_is_exact_or_refused(model_type):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from src.packed_dpo_support import VERIFIED, refusal, router_aux_enabled
+
+    try:
+        config = tiny_config(model_type)
+    except Exception as error:  # noqa: BLE001 - a family no tiny config can be built for must not be trusted
+        assert model_type not in VERIFIED, f"{model_type}: no tiny config ({error})"
+        return
+    reason = refusal(config)
+    if reason is not None:
+        assert model_type in reason or reason.startswith("TRL"), reason  # one line naming the family and the cause
+        if model_type not in VERIFIED or not router_aux_enabled(config.get_text_config(), None):
+            return
+        # MoE families: TRL turns the router loss on with the config's own coefficient; with it at 0, packed and exact
+        assert "router auxiliary loss" in reason
+        reason = refusal(config, router_aux_loss_coef=0.0)
+        if reason is not None:
+            return
+    assert model_type in VERIFIED
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    packed, padded = packed_and_padded_log_probs(model, pair_rows())
+    assert (padded != 0).sum() > 100
+    difference = (packed - padded).abs()
+    assert (difference <= 1e-5 * padded.abs() + 1e-5).all(), f"{model_type}: max |difference| {difference.max():.3g}"
+
+
+def test_the_registry_names_only_types_the_pinned_transformers_has():
+    from src.packed_dpo_support import CANNOT_TRAIN, REFUSED, VERIFIED
+
+    known = set(causal_lm_types())
+    assert not (VERIFIED | set(REFUSED) | set(CANNOT_TRAIN)) - known
+    assert not VERIFIED & (set(REFUSED) | set(CANNOT_TRAIN))
+
+
+def test_docs_speed_carries_the_registrys_table():
+    from src.packed_dpo_support import markdown_table
+
+    assert markdown_table() in (ROOT / "docs" / "speed.md").read_text(), \
+        "regenerate docs/speed.md's table: python -m src.packed_dpo_support"
