@@ -15,11 +15,11 @@ from __future__ import annotations
 # Proven exact by tests/test_packed_support.py (sliding windows, where the family has them, are reproduced per
 # layer kind by src/packed_dpo.layer_windows).
 VERIFIED = frozenset("""
-apertus arcee aria_text biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm diffllama doge dots1 ernie4_5
-ernie4_5_moe exaone4 exaone_moe flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe gpt-sw3 gpt2
+afmoe apertus arcee aria_text beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm diffllama doge dots1 ernie4_5
+ernie4_5_moe exaone4 exaone_moe falcon flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe gpt-sw3 gpt2
 gpt_bigcode gpt_neox gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe granitemoe_swa granitemoeshared
-helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hy_v4 hyperclovax internlm3 iquestcoder jais2 jetmoe laguna
-lfm2 lfm3 llama mellum minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral nanochat
+helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hy_v4 hyperclovax internlm3 iquestcoder jais2 jetmoe kolibri1 laguna
+lfm2 lfm3 llama mellum mimo_v2_flash minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral modernbert-decoder nanochat
 nemotron olmo olmo2 olmo3 olmoe opt persimmon phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_moe seed_oss smollm3
 solar_open stablelm starcoder2 vaultgemma xglm
 """.split())
@@ -35,7 +35,7 @@ NOT_VERIFIED = "not verified for the packed forward (the suite has not compared 
 # Refused with a known cause (what the registry test measured: a difference or an error under the packed layout).
 REFUSED = {
     **dict.fromkeys("bert camembert data2vec-text electra ernie megatron-bert rembert roberta roberta-prelayernorm "
-                    "roc_bert roformer xlm xlm-roberta xlm-roberta-xl xmod big_bird modernbert-decoder".split(), ENCODER),
+                    "roc_bert roformer xlm xlm-roberta xlm-roberta-xl xmod big_bird".split(), ENCODER),
     **dict.fromkeys("bart bigbird_pegasus blenderbot blenderbot-small marian mbart mvp pegasus plbart prophetnet "
                     "trocr whisper musicgen musicgen_melody bert-generation".split(), SEQ2SEQ),
     **dict.fromkeys("bloom mpt".split(), ALIBI),

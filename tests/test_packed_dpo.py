@@ -149,6 +149,50 @@ def test_a_mask_that_lets_the_rejected_answer_see_the_chosen_one_is_caught(token
     assert len(warnings) == 1
 
 
+def test_a_packed_forward_that_raises_falls_back_with_the_error(tokenizer, tmp_path, monkeypatch, capsys):
+    """A shape the model cannot take in the packed layout is a failed first-batch check, not a crash: the padded
+    forward's numbers, one warning line naming the error."""
+    import src.packed_dpo as packed_dpo
+
+    rows = pairs(8, seed=5)
+    model = tiny("llama", tokenizer)
+    padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False), rows)
+
+    def unbuildable_mask(*args, **kwargs):
+        raise ValueError("too many values to unpack (expected 2)")  # what BLOOM's ALiBi raised on a 4D mask
+
+    monkeypatch.setattr(packed_dpo, "_prefix_shared_mask", unbuildable_mask)
+    trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
+    assert_close(reference_logps(trainer, rows), padded)
+    assert not trainer.packed_forward.enabled
+    assert "raised ValueError: too many values to unpack" in trainer.packed_forward.reason
+    assert trainer.packed_forward.check_result["error"].startswith("ValueError")
+    assert len([line for line in capsys.readouterr().out.splitlines() if "packed DPO forward off" in line]) == 1
+
+
+def test_a_window_the_mask_does_not_reproduce_is_named_as_the_likely_cause(tokenizer, tmp_path, monkeypatch):
+    """The first-batch check's warning names a windowed model's window when the numbers differ."""
+    import src.packed_dpo as packed_dpo
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    rows = pairs(8, seed=6)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, pad_token_id=tokenizer.pad_token_id, use_sliding_window=True,
+        sliding_window=4, max_window_layers=1, attn_implementation="sdpa"))
+    correct_mask = packed_dpo._prefix_shared_mask
+    monkeypatch.setattr(packed_dpo, "_prefix_shared_mask",  # the window left out of the mask
+                        lambda segment_ids, branch_ids, position_ids, window=None: correct_mask(
+                            segment_ids, branch_ids, position_ids, None))
+    trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
+    reference_logps(trainer, rows)
+    assert not trainer.packed_forward.enabled
+    assert "likely cause: its attention window (sliding_attention 4 positions)" in trainer.packed_forward.reason
+
+
 def test_an_attention_implementation_not_known_to_honour_the_mask_falls_back(tokenizer, tmp_path, capsys):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

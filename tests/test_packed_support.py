@@ -94,3 +94,53 @@ def test_docs_speed_carries_the_registrys_table():
 
     assert markdown_table() in (ROOT / "docs" / "speed.md").read_text(), \
         "regenerate docs/speed.md's table: python -m src.packed_dpo_support"
+
+
+def saved_model(path: Path, model_type: str, tokenizer_from: Path, **overrides) -> Path:
+    """A tiny model of `model_type` saved with the suite's tokenizer (what --model_name_or_path points at)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = tiny_config(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **overrides)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type, overrides, cause", [
+    ("bloom", {}, "ALiBi"),
+    ("falcon", {"alibi": True}, "ALiBi"),
+    ("mamba", {}, "state-space"),
+    ("deepseek_v3", {}, "not verified"),
+    ("mixtral", {}, "router auxiliary loss is on (coefficient 0.001)"),
+])
+def test_a_refused_model_is_named_before_data_preparation(model_type, overrides, cause, tiny_model, tmp_path):
+    """The launch reads config.json and says why the padded forward will run before it prepares any data: here the
+    data has a broken line, and the warning comes first."""
+    from test_cli import run_main
+
+    from conftest import preference_rows, write_jsonl
+
+    model = saved_model(tmp_path / model_type, model_type, tiny_model, **overrides)
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(8))
+    data.write_text(data.read_text() + "{broken\n")
+    result = run_main("--model_name_or_path", str(model), "--dataset_name", str(data), "--stage", "dpo",
+                      "--results_dir", str(tmp_path / "results"), "--dry_run")
+    warnings = [line for line in result.stdout.splitlines() if "packed DPO forward off" in line]
+    assert len(warnings) == 1 and model_type in warnings[0] and cause in warnings[0], result.stdout[-2000:]
+    assert result.returncode == 2 and "pairs.jsonl line 9" in result.stderr  # data preparation came after
+
+
+def test_a_model_no_dpo_forward_can_run_stops_the_launch_in_one_line(tiny_model, tmp_path):
+    from test_cli import assert_one_line_error, run_main
+
+    from conftest import preference_rows, write_jsonl
+
+    model = saved_model(tmp_path / "llama4_text", "llama4_text", tiny_model)
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(8))
+    assert_one_line_error(run_main("--model_name_or_path", str(model), "--dataset_name", str(data), "--stage", "dpo",
+                                   "--results_dir", str(tmp_path / "results"), "--dry_run"),
+                          "llama4_text cannot be trained with DPO", "fused LM head")
