@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
 
 from src.config import EMBEDDED, ConfigError, ModelArguments, Plan, World
@@ -272,6 +274,64 @@ def verify_adapter(adapter_dir: Path, model) -> None:
             raise ModelError(f"{adapter_dir}: LoRA tensor {key} was saved as {tuple(tensor.shape)}"
                              f"{f', expected {want}' if want else ''} (empty shards: under ZeRO-3 set "
                              "zero3_save_16bit_model: true in the accelerate config)")
+
+
+# A dropout probability, whatever the family calls it: dropout, attention_dropout, resid_pdrop, hidden_dropout_prob,
+# layerdrop, drop_path_rate, ...
+DROPOUT_FIELD = re.compile("drop", re.IGNORECASE)
+
+
+class DropoutOff:
+    """Every dropout a model applies, at 0 for DPO (TRL's `disable_dropout`, the default): TRL zeroes `nn.Dropout`
+    modules only, but many families pass a probability to a functional dropout at run time: stored on a module
+    (OPT's `self.dropout`, every attention module's `attention_dropout`) or read from the config (Persimmon's
+    `self.config.attention_dropout`). Both are set to 0 here. The config's own values are what a saved model must keep,
+    so `restored()` puts them back around every save, and `restore()` for good when training ends."""
+
+    def __init__(self, model):
+        from transformers import PreTrainedConfig
+
+        self.config_fields: list[tuple[object, str, float]] = []
+        configs = {id(module.config): module.config for module in model.modules()
+                   if isinstance(getattr(module, "config", None), PreTrainedConfig)}
+        for config in list(configs.values()):  # and their sub-configs (text_config, ...)
+            for value in vars(config).values():
+                if isinstance(value, PreTrainedConfig):
+                    configs.setdefault(id(value), value)
+        for config in configs.values():
+            for name, value in vars(config).items():
+                if _is_probability(name, value):
+                    self.config_fields.append((config, name, value))
+        self.module_fields = 0
+        for module in model.modules():
+            if isinstance(getattr(module, "p", None), float) and "Dropout" in type(module).__name__:
+                module.p = 0.0
+            for name, value in list(vars(module).items()):
+                if _is_probability(name, value):
+                    setattr(module, name, 0.0)
+                    self.module_fields += 1
+        self._zero()
+
+    def _zero(self) -> None:
+        for config, name, _ in self.config_fields:
+            setattr(config, name, 0.0)
+
+    def restore(self) -> None:
+        for config, name, value in self.config_fields:
+            setattr(config, name, value)
+
+    @contextlib.contextmanager
+    def restored(self):
+        self.restore()
+        try:
+            yield
+        finally:
+            self._zero()
+
+
+def _is_probability(name: str, value) -> bool:
+    return isinstance(value, float) and not isinstance(value, bool) and 0.0 < value < 1.0 and \
+        DROPOUT_FIELD.search(name) is not None
 
 
 def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:

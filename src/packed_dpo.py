@@ -55,6 +55,7 @@ FP32_TOLERANCE = 1e-4    # per-token log-prob, absolute + relative: fp32 packed 
 HALF_TOLERANCE = 1e-1    # bf16 / fp16: rounding differs with the shapes; a leak through the mask shifts far more
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("packed_dpo_plan", default=None)
+TAPE: contextvars.ContextVar = contextvars.ContextVar("fused_forward_tape", default=None)  # src/dpo_eval.py
 
 
 def attention_layout(model) -> str:
@@ -278,8 +279,7 @@ class PackedDPOForward:
         inputs = {key: value for key, value in inputs.items() if key not in PACKED_KEYS}
         plan = None
         if self.enabled and packed:
-            for module in modules:
-                _install(module)
+            install(modules)
             plan = _Plan(packed, tuple(inputs["input_ids"].shape), verify=not self.checked)
         for kind in forwards:
             self.padded_equivalent[kind].add(padded_counts(inputs))
@@ -435,21 +435,35 @@ def layer_windows(config) -> dict[str, int | None]:
 
 def _install(module) -> None:
     """Wrap `module`'s fused forward (TRL's, an instance attribute) once: while a plan is active, a
-    `fused_lm_head=True` call runs the packed layout. Called through `__call__` or, as PEFT does, `.forward`."""
+    `fused_lm_head=True` call runs the packed layout; while a tape is active (src/dpo_eval.py) its outputs are
+    recorded, or replayed instead of computed. Called through `__call__` or, as PEFT does, `.forward`."""
     if getattr(module, "_packed_dpo_installed", False):
         return
     fused = module.forward
 
     @functools.wraps(fused)
     def forward(*args, fused_lm_head=False, **kwargs):
+        tape = TAPE.get()
+        if fused_lm_head and tape is not None and tape.replaying:
+            return tape.replay()
         active = _ACTIVE.get()
         if not fused_lm_head or active is None or active[1] is None or args:
-            return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
-        owner, plan = active
-        return owner._forward(module, fused, plan, kwargs)
+            outputs = fused(*args, fused_lm_head=fused_lm_head, **kwargs)
+        else:
+            owner, plan = active
+            outputs = owner._forward(module, fused, plan, kwargs)
+        if fused_lm_head and tape is not None:
+            tape.record(outputs)
+        return outputs
 
     module.forward = forward
     module._packed_dpo_installed = True
+
+
+def install(modules) -> None:
+    """The fused-forward wrapper on each module (what `running` does for the packed layout)."""
+    for module in modules:
+        _install(module)
 
 
 def fused_modules(trainer) -> list:

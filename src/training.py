@@ -24,6 +24,8 @@ from src.disk_space import (
     WriteFailed, note_write_failure, pending_write_failure, write_failed_message, write_failure_errno,
 )
 from src.distributed import any_rank, gather_objects, print0
+from src.dpo_eval import PairMetrics
+from src.models import DropoutOff
 from src.progress import Progress, eta_seconds, format_duration
 from src.reporting.live import LiveReport
 from src.resilience import mark_complete, stop_signal
@@ -215,12 +217,54 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     def __init__(self, *args, packed_forward=None, **kwargs):
         # Set before TRL's __init__, which already runs the reference precompute pass through it.
         self.packed_forward = packed_forward
+        self.pair_metrics = PairMetrics()
+        self.dropout_off = []
+        if kwargs["args"].disable_dropout:  # before the precompute pass too
+            self.dropout_off = [DropoutOff(model) for model in (kwargs.get("model"), kwargs.get("ref_model"))
+                                if model is not None and not isinstance(model, str)]
         super().__init__(*args, **kwargs)
+        if self.args.disable_dropout:
+            if self.ref_model is not None and kwargs.get("ref_model") is None:  # TRL loaded it
+                self.dropout_off.append(DropoutOff(self.ref_model))
+            if dropout_still_on(self.model, self.args.gradient_checkpointing_kwargs):
+                print0(f"  warning: {self.model.config.model_type} still applies dropout after --disable_dropout (a "
+                       "dropout the toolkit cannot reach): its DPO log-probs are noisy")
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for dropout in self.dropout_off:  # the saved config keeps the model's own dropout values
+                dropout.restore()
+
+    def _save(self, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for dropout in self.dropout_off:
+                stack.enter_context(dropout.restored())
+            return super()._save(*args, **kwargs)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        """Eval metrics as per-pair means (src/dpo_eval.py): the same on any number of processes and batch size."""
+        self.pair_metrics.reset()
+        output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+        output.metrics.update(self.pair_metrics.result(metric_key_prefix))
+        output.metrics[f"{metric_key_prefix}_num_tokens"] = self._total_train_tokens
+        self._metrics["eval"].clear()  # TRL's per-batch means, replaced by the above
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        import torch
+
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.pair_metrics.add_batch(self, model, inputs,
+                                               lambda model, inputs: self._compute_loss(model, inputs, False))
+        return loss.detach(), None, None
 
     def _compute_loss(self, model, inputs, return_outputs):
         if self.packed_forward is None:
@@ -304,6 +348,29 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             if self.accelerator.is_local_main_process:
                 cache_file.unlink(missing_ok=True)
             self.accelerator.wait_for_everyone()
+
+
+def dropout_still_on(model, gradient_checkpointing_kwargs: dict | None = None) -> bool:
+    """Two train-mode forwards of the same 16 tokens differ: some dropout still reaches the outputs. No grad, the RNG
+    state forked (the run's random stream is untouched); a model that cannot run outside its wrapper (sharded weights)
+    is not judged."""
+    import torch
+    from trl.models.utils import disable_gradient_checkpointing
+
+    was_training = model.training
+    try:
+        device = next(model.parameters()).device
+        vocab = model.get_input_embeddings().num_embeddings
+        input_ids = (torch.arange(16, device=device) * 7 % vocab)[None]
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                disable_gradient_checkpointing(model, gradient_checkpointing_kwargs):
+            first, second = (model(input_ids=input_ids, use_cache=False).logits for _ in range(2))
+        return not torch.equal(first, second)
+    except Exception:  # noqa: BLE001 - a check that cannot run says nothing rather than stopping the run
+        return False
+    finally:
+        model.train(was_training)
 
 
 class _LocalMainAccelerator:
