@@ -269,10 +269,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
     from src.judges import pair_accuracy
-    from src.throughput import peak_memory_mb
-    from src.training import (
-        build_trainer, build_trl_config, callback, planned_steps, resolve_sft_forward, silent_no_op_warnings,
-    )
+    from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
 
     config, plan = stage.config, stage.plan
     started = time.monotonic()
@@ -281,15 +278,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     total_steps = planned_steps(len(prepared.train), plan, config)
     warnings = silent_no_op_warnings(stage.name, config, plan)
     if world.is_main:
-        stage.run_dir.mkdir(parents=True, exist_ok=True)
-        info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps,
-                                                                      "warnings": warnings,
-                                                                      "status": Status.RUNNING}
-        if previous:
-            info["previous_stage"] = {"stage": previous["stage"], "judge": previous.get("judge"),
-                                      "run_dir": os.path.relpath(previous["run_dir"], stage.run_dir)}
-        info["resumes"] = prepare_resume(stage, info_path, metrics_path)
-        run_files.write_json(info_path, info)
+        open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
@@ -307,14 +296,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     model = load_model(model_path, config.model, plan, world,
                        reward_pad_token_id=tokenizer.pad_token_id if reward else None)
     model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
-    sft_forward = resolve_sft_forward(config, model.config._attn_implementation) if stage.name == "sft" else None
-    if sft_forward:
-        print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
-        if sft_forward["warning"]:
-            print0(f"  warning: {sft_forward['warning']}")
-        if world.is_main:
-            run_files.update_json(info_path, sft_forward=sft_forward,
-                                  warnings=warnings + ([sft_forward["warning"]] if sft_forward["warning"] else []))
+    sft_forward = announce_sft_forward(config, model, info_path, warnings, world) if stage.name == "sft" else None
     # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
@@ -361,40 +343,77 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         judged = record_samples(stage.run_dir, rows, before, after, make_judge(config) if rows else None)
         judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                        for split, scores in pairs_after.items()})
-        meter = callback(trainer, "ThroughputMeter")
-        measured = {"wall_time_s": round(time.monotonic() - started, 1),
-                    "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
-        summary = summarize(run_files.read_jsonl(metrics_path), stage.name)
-        summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
-        summary["throughput"] = meter.summary()
-        one_job = callback(trainer, "OneJobCheck").result
-        compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
-        summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
-        fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
-                  "live_report": callback(trainer, "LiveReport").summary()}
-        if getattr(trainer, "packed_forward", None) is not None:  # which DPO forward ran, and the tokens it computed
-            fields["dpo_forward"] = trainer.packed_forward.summary()
-        if compression:
-            fields["gradient_all_reduce"] = compression
-            print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
-                   f"per rank instead of {compression['uncompressed_bytes_per_step']:,}" if compression["applied"] else
-                   f"  warning: --ddp_comm_hook {compression['name']} was not applied: {compression['reason']}")
-        if one_job and not (one_job["identical_weights"] and one_job["disjoint_rows_per_step"]):
-            print0(f"  warning: the ranks did not train as one job: {one_job}")
-        if judged:
-            test = judged.get("test") or next(iter(judged.values()))
-            split = "test" if "test" in judged else next(iter(judged))
-            fields["judge"] = {"metric": test["metric"], "split": split, "n": test["n"], "before": test["before"],
-                               "after": test["after"]}
-            fields["judges"] = judged
-            outcome["judge"] = fields["judge"]
-        trackers.finish(run_files.update_json(info_path, **fields))
-        publish_report(stage.run_dir, stage.name)
-        publish_index(stage)
-        for directory in write_model_cards(stage.run_dir).values():
-            print0(f"  model card: {directory / 'README.md'}")
+        outcome.update(close_stage_record(stage, trainer, trackers, judged, saved, started))
     barrier()
     return outcome
+
+
+def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, world: World, previous: dict | None,
+                      total_steps: int, warnings: list[str]) -> None:
+    """Rank 0: training_info.json for a stage that starts (or resumes) now, half-written checkpoints removed."""
+    info_path = stage.run_dir / run_files.TRAINING_INFO
+    stage.run_dir.mkdir(parents=True, exist_ok=True)
+    info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps, "warnings": warnings,
+                                                                  "status": Status.RUNNING}
+    if previous:
+        info["previous_stage"] = {"stage": previous["stage"], "judge": previous.get("judge"),
+                                  "run_dir": os.path.relpath(previous["run_dir"], stage.run_dir)}
+    info["resumes"] = prepare_resume(stage, info_path, stage.run_dir / run_files.METRICS)
+    run_files.write_json(info_path, info)
+
+
+def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
+    """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
+    from src.training import resolve_sft_forward  # the training stack: not imported for the preflight
+    sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
+    print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
+    if sft_forward["warning"]:
+        print0(f"  warning: {sft_forward['warning']}")
+    if world.is_main:
+        run_files.update_json(info_path, sft_forward=sft_forward,
+                              warnings=warnings + ([sft_forward["warning"]] if sft_forward["warning"] else []))
+    return sft_forward
+
+
+def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dict, started: float) -> dict:
+    """Rank 0: the finished stage's summary, forward, judged results and files into training_info.json, then the
+    report, the index and the model cards. Returns the judge result the next stage carries ({} without one)."""
+    from src.throughput import peak_memory_mb  # with the training stack: not imported for the preflight
+    from src.training import callback
+    plan, info_path = stage.plan, stage.run_dir / run_files.TRAINING_INFO
+    meter = callback(trainer, "ThroughputMeter")
+    measured = {"wall_time_s": round(time.monotonic() - started, 1), "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
+    summary = summarize(run_files.read_jsonl(stage.run_dir / run_files.METRICS), stage.name)
+    summary.update({key: value for key, value in measured.items() if summary.get(key) is None})
+    summary["throughput"] = meter.summary()
+    one_job = callback(trainer, "OneJobCheck").result
+    compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
+    summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
+    fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
+              "live_report": callback(trainer, "LiveReport").summary()}
+    if getattr(trainer, "packed_forward", None) is not None:  # which DPO forward ran, and the tokens it computed
+        fields["dpo_forward"] = trainer.packed_forward.summary()
+    if compression:
+        fields["gradient_all_reduce"] = compression
+        print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "
+               f"per rank instead of {compression['uncompressed_bytes_per_step']:,}" if compression["applied"] else
+               f"  warning: --ddp_comm_hook {compression['name']} was not applied: {compression['reason']}")
+    if one_job and not (one_job["identical_weights"] and one_job["disjoint_rows_per_step"]):
+        print0(f"  warning: the ranks did not train as one job: {one_job}")
+    carried = {}
+    if judged:
+        test = judged.get("test") or next(iter(judged.values()))
+        split = "test" if "test" in judged else next(iter(judged))
+        fields["judge"] = {"metric": test["metric"], "split": split, "n": test["n"], "before": test["before"],
+                           "after": test["after"]}
+        fields["judges"] = judged
+        carried["judge"] = fields["judge"]
+    trackers.finish(run_files.update_json(info_path, **fields))
+    publish_report(stage.run_dir, stage.name)
+    publish_index(stage)
+    for directory in write_model_cards(stage.run_dir).values():
+        print0(f"  model card: {directory / 'README.md'}")
+    return carried
 
 
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
