@@ -85,6 +85,11 @@ class ModelArguments(ModelConfig):
         self.use_peft = self.use_peft or self.use_lora
         self.use_lora = self.use_peft
         super().__post_init__()
+        # TRL turns a one-name list into a string, which PEFT reads as a regular expression over the whole module name:
+        # `--lora_target_modules q_proj` alone then matches nothing. A plain name stays a name (PEFT's suffix rule).
+        if isinstance(self.lora_target_modules, str) and self.lora_target_modules != "all-linear" and \
+                re.fullmatch(r"[\w.]+", self.lora_target_modules):
+            self.lora_target_modules = [self.lora_target_modules]
 
 
 # Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
