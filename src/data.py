@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,14 @@ EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 PREPARED_FORMAT = 6  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
+CHAT_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion")  # columns that may hold messages
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+# Message roles TRL and the common chat templates know; chat_roles adds any other role the model's template names
+# (developer, ipython, ...).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# How templates name roles: message['role'] == 'user', 'user' != message.role, message['role'] in ['user', 'tool']
+_TEMPLATE_ROLE = re.compile(r"""role['"\]]*\s*(?:==|!=)\s*['"](\w+)['"]|['"](\w+)['"]\s*(?:==|!=)\s*[\w.\['"]*role\b""")
+_TEMPLATE_ROLE_LIST = re.compile(r"""role['"\]]*\s+(?:not\s+)?in\s+[\[(]([^\])]*)[\])]""")
 # ShareGPT's speakers (`from`: ShareGPT, Vicuna, LLaMA-Factory's sharegpt format) → chat roles. TRL's
 # maybe_convert_to_chatml renames the keys but keeps the values: "human" / "gpt" would reach the chat template as role
 # names (printed as such by most templates), and assistant_only_loss would find no assistant turn to learn from.
@@ -97,11 +105,19 @@ def source_location(data: DataArguments, stage: str) -> str:
     return data.dataset_name
 
 
-def _check_json_lines(path: Path) -> None:
-    """Find the first line of a JSON Lines file that does not parse: datasets' own error does not say which."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
+def _check_text_lines(path: Path, json_lines: bool) -> None:
+    """Find the first line of a text data file that is not UTF-8, or (JSON Lines) does not parse: the errors of
+    datasets and Python say neither the file nor the line ("UnicodeDecodeError ... position 339")."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}, the line's byte "
+                    f"{error.start + 1}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            if json_lines and line.strip():
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as error:
@@ -114,8 +130,10 @@ def _check_json_lines(path: Path) -> None:
 def _check_data_file(path: Path) -> None:
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty: it needs one row per example")
-    if path.suffix == ".jsonl" or (path.suffix == ".json" and path.read_bytes()[:1] != b"["):
-        _check_json_lines(path)
+    if path.suffix in (".json", ".jsonl", ".csv"):
+        with open(path, "rb") as handle:
+            json_array = handle.read(1) == b"["
+        _check_text_lines(path, json_lines=path.suffix == ".jsonl" or (path.suffix == ".json" and not json_array))
 
 
 def _split_files(directory: Path) -> dict[str, str]:
@@ -259,6 +277,50 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
         f"SFT data needs a 'messages' chat, 'prompt' + 'completion', or 'text' column; the data has "
         f"{', '.join(columns)}; map yours with --messages_column, --prompt_column/--completion_column or --text_column"
     )
+
+
+def chat_roles(tokenizer) -> list[str]:
+    """The message roles a run accepts: TRL's, and any other role the tokenizer's chat template compares with."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = " ".join(template.values()) if isinstance(template, dict) else template
+    named = {first or second for first, second in _TEMPLATE_ROLE.findall(text)}
+    for group in _TEMPLATE_ROLE_LIST.findall(text):
+        named |= set(re.findall(r"""['"](\w+)['"]""", group))
+    return list(CHAT_ROLES) + sorted(named - set(CHAT_ROLES))
+
+
+def check_chat_roles(raw, columns: dict[str, str], roles: list[str], location: str) -> None:
+    """Every message of the chat columns ({column: the name the user gave it}) has a known role. A role no template
+    branch handles ("robot", a typo like "assitant") renders as if it were valid, or not at all, and the run trains to
+    the end on it. Checked on the source's Arrow columns before any row is normalized: the row named is the source's."""
+    import difflib
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    known = pa.array(roles)
+    for split, dataset in raw.items():
+        where = location if len(raw) == 1 else f"{location} ({split})"
+        for column, name in columns.items():
+            kind = dataset.features.get(column)
+            if not (hasattr(kind, "feature") and isinstance(kind.feature, dict) and "role" in kind.feature):
+                continue  # text, or a chat column shaped otherwise (check_row names those)
+            offset = 0
+            for chunk in dataset.data.column(column).chunks:
+                flat = pc.list_flatten(chunk)
+                unknown = pc.index(pc.invert(pc.is_in(pc.struct_field(flat, "role"), value_set=known)), True).as_py()
+                if unknown >= 0:
+                    parents = pc.list_parent_indices(chunk)
+                    row = parents[unknown].as_py()
+                    message = unknown - pc.index(parents, row).as_py() + 1
+                    role = pc.struct_field(flat, "role")[unknown].as_py()
+                    close = difflib.get_close_matches(str(role), roles, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise DataError(
+                        f"{where} row {offset + row + 1}: '{name}' message {message} has role {role!r}{hint}; the "
+                        f"model's chat template and TRL know {', '.join(roles)}: fix the role in the data"
+                    )
+                offset += len(chunk)
 
 
 def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_template: bool = True) -> dict:
@@ -657,31 +719,46 @@ def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, 
                 "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
             )
         item, length = {}, 0
-        if status == KEPT:
-            if stage == "dpo":
-                item = tokenize_preference(row, tokenizer)
-                length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
-                kept = len(item["prompt_ids"]) < data.max_length
-            elif stage == "reward":
-                item = tokenize_reward(row, tokenizer)
-                length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
-                # cut the answer whose last token the score is read from).
-                kept = length <= data.max_length
-            else:
-                item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
-                length = len(item["input_ids"])
-                kept = _has_trainable_token(item, data.max_length, sft)
-            status = KEPT if kept else TOO_LONG
-        record = {**_serializable(row), **item, "length": length, "_status": status}
-        if held_out:
-            record.update(sample_fields(row, tokenizer) if status == KEPT else
-                          {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
-                           "sample_rejected": None, "judge_prompt": None})
+        with _template_refusals(source, number):
+            if status == KEPT:
+                if stage == "dpo":
+                    item = tokenize_preference(row, tokenizer)
+                    length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                    # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+                    kept = len(item["prompt_ids"]) < data.max_length
+                elif stage == "reward":
+                    item = tokenize_reward(row, tokenizer)
+                    length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                    # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
+                    # cut the answer whose last token the score is read from).
+                    kept = length <= data.max_length
+                else:
+                    item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                    length = len(item["input_ids"])
+                    kept = _has_trainable_token(item, data.max_length, sft)
+                status = KEPT if kept else TOO_LONG
+            record = {**_serializable(row), **item, "length": length, "_status": status}
+            if held_out:
+                record.update(sample_fields(row, tokenizer) if status == KEPT else
+                              {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
+                               "sample_rejected": None, "judge_prompt": None})
         for column in output_columns:
             out[column].append(record.get(column, [] if column.endswith(("_ids", "_mask", "_masks")) else None))
     return out
+
+
+@contextmanager
+def _template_refusals(source: str, number: int):
+    """A chat template that raises on a row (raise_exception("Conversation roles must alternate ..."), an undefined
+    field): one line naming the row, not a Jinja traceback from inside the tokenizing map."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except TemplateError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{source} row {number}: the chat template refused it ({reason}); fix the row or the "
+                        "template (--chat_template_path)") from None
 
 
 def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str, num_proc: int, work: Path):
@@ -781,6 +858,9 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]
     shape = detect_shape(columns, first_row, stage)
+    named = {canonical: source for source, canonical in mapping.items()}
+    check_chat_roles(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
+                     chat_roles(tokenizer), location)
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
     pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None

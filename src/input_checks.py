@@ -103,7 +103,8 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
 
 
 def module_names(config, causal: bool, trust_remote_code: bool) -> dict[str, str]:
-    """{module name: class name} of the model as the stage loads it, built on the meta device (no weights, no memory)."""
+    """{module name: class name} of the model as the stage loads it, built on the meta device: no weights, no
+    memory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
