@@ -828,6 +828,12 @@ def validate(config: Config) -> None:
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
     if config.model.load_in_4bit and not config.model.use_peft:
         raise ConfigError("--load_in_4bit trains adapters on a frozen 4-bit base: add --use_lora (QLoRA)")
+    # PEFT refuses these only when the trainer is built, after the data was prepared and every rank loaded the model.
+    if config.model.use_peft and config.model.lora_r < 1:
+        raise ConfigError(f"--lora_r is the adapters' rank, a positive whole number (e.g. 16), got "
+                          f"{config.model.lora_r}")
+    if config.model.use_peft and not 0 <= config.model.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout is a probability in [0, 1), got {config.model.lora_dropout}")
     if config.training.run_name is not None and (
         not config.training.run_name.strip() or ".." in Path(config.training.run_name).parts
     ):

@@ -512,9 +512,12 @@ def sample_fields(row: dict, tokenizer) -> dict:
         prompt, reference, rejected = row["prompt"], row["chosen"], row["rejected"]
     elif "completion" in row:
         prompt, reference, rejected = row["prompt"], row["completion"], None
-    elif "messages" in row:
+    elif "messages" in row and any(message["role"] == "assistant" for message in row["messages"]):
         last_assistant = max(i for i, message in enumerate(row["messages"]) if message["role"] == "assistant")
         prompt, reference, rejected = row["messages"][:last_assistant], row["messages"][last_assistant:], None
+    elif "messages" in row:  # a chat with no assistant turn trains as text; nothing to answer
+        return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": _text_of(row["messages"]),
+                "sample_rejected": None, "judge_prompt": None}
     else:
         return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": _text_of(row["text"]),
                 "sample_rejected": None, "judge_prompt": ""}
