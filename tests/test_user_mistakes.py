@@ -391,3 +391,34 @@ def test_a_mistake_leaves_an_earlier_run_untouched(workspace):
     assert result.returncode == 2 and "--lora_target_modules nope_proj" in result.stderr, result.stderr[-2000:]
     after = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in run_dir.rglob("*") if path.is_file()}
     assert after == before
+
+
+@pytest.mark.parametrize("targets, accepted", [
+    (["q_proj"], True),  # one name: TRL made it a string, which PEFT read as a regex over the full name
+    (["q_proj", "v_proj"], True),
+    ([r".*\.(q|v)_proj"], True),  # a regular expression stays one
+    (["all-linear"], True),
+    (["nope_proj"], False),
+    (["norm"], False),
+])
+def test_the_lora_target_check_agrees_with_peft(targets, accepted, tiny_model):
+    """The preflight's verdict on --lora_target_modules is PEFT's own, given the same model."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from src.config import ModelArguments
+    from src.input_checks import check_lora_targets, load_config
+    from src.models import ModelError, peft_config
+
+    model_args = ModelArguments(model_name_or_path=str(tiny_model), use_lora=True, lora_target_modules=targets)
+    try:
+        check_lora_targets(str(tiny_model), load_config(str(tiny_model), False), model_args, causal=True)
+        ours = True
+    except ModelError:
+        ours = False
+    try:
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), peft_config(model_args))
+        peft = True
+    except ValueError:  # NoMatchingPeftModuleError, "Target module ... is not supported"
+        peft = False
+    assert (ours, peft) == (accepted, accepted)
