@@ -404,7 +404,7 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
         if column not in row or row[column] is None:
             if column == "prompt" and column not in row:
                 continue
-            raise DataError(f"{source} row {number}: '{column}' is missing")
+            raise DataError(f"{source} row {number}: '{column}' is missing; fill it in or remove the row")
         value = row[column]
         if not isinstance(value, str) and not _is_chat(value):
             raise DataError(
@@ -860,7 +860,10 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]
-    shape = detect_shape(columns, first_row, stage)
+    try:
+        shape = detect_shape(columns, first_row, stage)
+    except DataError as error:
+        raise DataError(f"{location}: {error}") from None
     named = {canonical: source for source, canonical in mapping.items()}
     check_chat_roles(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
                      chat_roles(tokenizer), location)

@@ -162,6 +162,18 @@ def _recipe(ws: Workspace, text: str) -> list[str]:
     return ws.args() + ["--config", str(path)]
 
 
+def _empty_dir(ws: Workspace) -> str:
+    (ws.root / "data").mkdir()
+    return str(ws.root / "data")
+
+
+def _mixed_split_files(ws: Workspace) -> list[str]:
+    (ws.root / "splits").mkdir()
+    write_jsonl(ws.root / "splits" / "train.jsonl", preference_rows(12))
+    (ws.root / "splits" / "test.csv").write_text("prompt,chosen,rejected\na,b,c\n")
+    return ws.args(dataset_name=str(ws.root / "splits"))
+
+
 def _finished_run(ws: Workspace) -> list[str]:
     run_dir = ws.root / "results" / "done"
     run_dir.mkdir(parents=True)
@@ -230,8 +242,8 @@ MISTAKES = [
             "0xe9", _latin1_jsonl),
     Mistake("undecodable_csv", "Undecodable (Latin-1) bytes in a CSV file", "line 2: not UTF-8 text (byte 0xe9",
             _latin1_csv),
-    Mistake("missing_columns", "Preference data without chosen/rejected columns", "missing chosen, rejected; the "
-            "data has prompt, answer", lambda ws: ws.args(dataset_name=ws.rows_file(
+    Mistake("missing_columns", "Preference data without chosen/rejected columns", "answers.jsonl: preference data "
+            "needs chosen and rejected answers", lambda ws: ws.args(dataset_name=ws.rows_file(
                 "answers.jsonl", [{"prompt": "a", "answer": "b"}] * 12))),
     Mistake("unknown_mapped_column", "A `--chosen_column` the data does not have", "--chosen_column good: no such "
             "column", lambda ws: ws.args(chosen_column="good")),
@@ -241,6 +253,18 @@ MISTAKES = [
     Mistake("all_identical", "Every pair has chosen == rejected", "chosen identical to rejected: nothing to learn",
             lambda ws: ws.args(dataset_name=ws.rows_file(
                 "same.jsonl", [{"prompt": "a", "chosen": "same", "rejected": "same"}] * 12))),
+    Mistake("sft_without_known_columns", "SFT data with none of the columns SFT reads", "notes.jsonl: SFT data needs a "
+            "'messages' chat, 'prompt' + 'completion', or 'text' column", lambda ws: ws.args(
+                stage="sft", dataset_name=ws.rows_file("notes.jsonl", [{"note": "a"}] * 12))),
+    Mistake("missing_completion", "A row with a column left empty (`\"completion\": null`)", "'completion' is "
+            "missing", lambda ws: ws.args(stage="sft", val_size="0", test_size="0", dataset_name=ws.rows_file(
+                "gaps.jsonl", [{"prompt": "a", "completion": "b"}] * 6 + [{"prompt": "a", "completion": None}]))),
+    Mistake("directory_without_data", "A `--dataset_name` directory with no data files in it", "the directory holds "
+            "neither a save_to_disk dataset nor data files", lambda ws: ws.args(dataset_name=_empty_dir(ws))),
+    Mistake("split_files_of_two_formats", "Split files of two formats in one directory", "split files of one format "
+            "please", _mixed_split_files),
+    Mistake("mixture_without_name", "A `dataset_mixture` entry without a name", "'name' (a Hub id, a file or a "
+            "directory) is required", lambda ws: _recipe(ws, "dataset_mixture:\n  - weight: 0.5\n")),
     Mistake("no_such_split", "A `--dataset_split` the data does not have", "--dataset_split dev: no such split",
             lambda ws: ws.args(dataset_split="dev")),
     Mistake("too_many_held_out", "`--val_size` / `--test_size` that leave no training rows", "lower --val_size / "
