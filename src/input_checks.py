@@ -9,7 +9,8 @@ Owns the checks that need only the model's config.json, its module names and the
   from another model): an `IndexError` deep in the first forward otherwise;
 - LoRA target modules that match no module, or match modules LoRA cannot adapt: PEFT's traceback at trainer creation
   otherwise, after the data was prepared;
-- a chat template that does not compile.
+- a chat template that does not compile;
+- a --judge reward model that is not there (it is loaded only after training).
 
 `run()` in src/main_distributed.py calls `check_model_inputs` once, right after the tokenizer is loaded, so
 `--dry_run` (run_distributed.sh's preflight) shows it. The module names come from the model built on the meta device:
@@ -20,16 +21,20 @@ from __future__ import annotations
 
 import difflib
 import re
+from pathlib import Path
 
-from src.config import ModelArguments
+from src.config import EMBEDDED, Config, ModelArguments
 from src.models import ModelError, _first_line, _is_jinja_file
 
 CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model is a sequence classifier
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 
-def check_model_inputs(path: str, model: ModelArguments, tokenizer, stages: list[str]) -> None:
-    """Refuse, with one line naming the flag and what to do, a model, tokenizer or LoRA setting that cannot train."""
+def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list[str]) -> None:
+    """Refuse, with one line naming the flag and what to do, a model, tokenizer, LoRA setting or judge that cannot
+    work."""
+    model = run_config.model
+    check_judge(run_config.training.judge)
     config = load_config(path, model.trust_remote_code)
     causal = any(stage in CAUSAL_STAGES for stage in stages)
     if causal:
@@ -38,6 +43,21 @@ def check_model_inputs(path: str, model: ModelArguments, tokenizer, stages: list
     check_chat_template(path, tokenizer, model.chat_template_path)
     if model.use_peft:
         check_lora_targets(path, config, model, causal)
+
+
+def check_judge(judge: str) -> None:
+    """--judge as a local reward model: it is loaded only after training, so a wrong path would cost the whole run."""
+    if judge in ("auto", "none", EMBEDDED):
+        return
+    path = Path(judge).expanduser()
+    if not path.exists():
+        if judge.startswith((".", "/", "~")) or judge.count("/") > 1:
+            raise ModelError(f"--judge {judge}: no such directory (a reward model's directory or Hub id; or auto, "
+                             f"none, {EMBEDDED})")
+        return  # a Hub id
+    if not any((path / name).exists() for name in ("config.json", "adapter_config.json")):
+        raise ModelError(f"--judge {judge}: not a saved reward model (no config.json); pass the model directory a "
+                         "reward stage saved (its model/final or model/merged)")
 
 
 def load_config(path: str, trust_remote_code: bool):

@@ -131,7 +131,8 @@ def _no_tokenizer(ws: Workspace) -> list[str]:
 def _adapter(ws: Workspace) -> list[str]:
     adapter = ws.root / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}')
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA",
+                                                             "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}))
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     return ws.args(model_name_or_path=str(adapter))
 
@@ -315,6 +316,10 @@ MISTAKES = [
                 "--lora_target_modules", "q_proj", "v_pro"]),
     Mistake("lora_target_not_linear", "A LoRA target that is not a linear layer (`norm`)", "which LoRA cannot adapt",
             lambda ws: ws.args(use_lora="true", lora_target_modules="norm")),
+    Mistake("judge_missing", "A `--judge` reward model path that does not exist", "no such directory (a reward "
+            "model's", lambda ws: ws.args(judge=str(ws.root / "reward_model"))),
+    Mistake("judge_not_a_model", "A `--judge` directory that is not a saved model", "not a saved reward model",
+            lambda ws: ws.args(judge=str(ws.root))),
     Mistake("template_syntax", "A chat template that is not valid Jinja", "is not valid Jinja",
             lambda ws: ws.args(chat_template_path=_template_file(ws, "bad.jinja", "{% for m in messages %}{{ m }"))),
     Mistake("template_source_missing", "A `--chat_template_path` that is neither a file nor a tokenizer",
