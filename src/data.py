@@ -35,6 +35,7 @@ SUMMARY_FILE = "summary.json"
 PREPARED_FORMAT = 6  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 CHAT_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion")  # columns that may hold messages
+SOURCE_ROW = "_source_row"  # a row's index in its source split, while preparing (_prepare_source)
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 # Message roles TRL and the common chat templates know; chat_roles adds any other role the model's template names
 # (developer, ipython, ...).
@@ -699,22 +700,24 @@ def _output_features(normalized: dict, token_columns: list[str], held_out: bool)
     return Features(features)
 
 
-def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, stage: str, location: str, source: str,
-                   tokenizer, data: DataArguments, sft: SFTArguments, chat_template: str | None,
+def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source: str, rows_in: str, tokenizer,
+                   data: DataArguments, sft: SFTArguments, chat_template: str | None,
                    has_chat_template: bool, held_out: bool, output_columns: list[str]) -> dict:
     """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
 
     Dropped rows stay in the batch with their reason in `_status` (so the counts and the first dropped row numbers
-    come out of one pass) and are filtered out afterwards."""
+    come out of one pass) and are filtered out afterwards. A bad row is named by its number in `rows_in`, the source
+    it was read from (SOURCE_ROW), not by its place in a carved split."""
+    source_rows = batch.pop(SOURCE_ROW)
     columns = list(batch)
     out = {column: [] for column in output_columns}
-    for values, index in zip(zip(*(batch[column] for column in columns)), indices):
-        number = offset + index + 1
+    for values, source_row in zip(zip(*(batch[column] for column in columns)), source_rows):
+        number = source_row + 1
         try:
             row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
         except DataError as error:
-            raise DataError(f"{source} row {number}: {error}") from None
-        status = check_row(row, number, stage, source)
+            raise DataError(f"{rows_in} row {number}: {error}") from None
+        status = check_row(row, number, stage, rows_in)
         if not has_chat_template and any(_is_chat(value) for value in row.values()):
             raise DataError(
                 f"{location}: the data is a chat but the model's tokenizer has no chat template to "
@@ -722,7 +725,7 @@ def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, 
                 "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
             )
         item, length = {}, 0
-        with _template_refusals(source, number):
+        with _template_refusals(rows_in, number):
             if status == KEPT:
                 if stage == "dpo":
                     item = tokenize_preference(row, tokenizer)
@@ -780,8 +783,8 @@ def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str,
         chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
         processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
         pieces.append(chunk.map(
-            function, fn_kwargs=fn_kwargs | {"offset": start}, batched=True, batch_size=MAP_BATCH_ROWS,
-            writer_batch_size=MAP_BATCH_ROWS, with_indices=True, remove_columns=chunk.column_names,
+            function, fn_kwargs=fn_kwargs, batched=True, batch_size=MAP_BATCH_ROWS,
+            writer_batch_size=MAP_BATCH_ROWS, remove_columns=chunk.column_names,
             features=features, num_proc=processes if processes > 1 else None,
             cache_file_name=str(work / f"{label.replace(' ', '_')}-{number:05d}.arrow"),
             new_fingerprint=f"{work.name}-{label}-{number}",  # no hashing of the tokenizer for every chunk
@@ -848,6 +851,9 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     """One source, recognised in its own shape and columns: (location, shape, tokenized splits, counts per split).
 
     The tokenized splits still hold the dropped rows, with their reason in `_status` (`_write_kept` leaves them out)."""
+    import datasets
+    import numpy as np
+
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
     raw = load_source(data, stage)
@@ -867,6 +873,10 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     named = {canonical: source for source, canonical in mapping.items()}
     check_chat_roles(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
                      chat_roles(tokenizer), location)
+    # Each row carries its number in its source split, so an error names the row a user finds in the file, not its
+    # place in the training split once the held-out rows are carved out.
+    raw = datasets.DatasetDict({name: split.add_column(SOURCE_ROW, np.arange(len(split), dtype=np.int64))
+                                for name, split in raw.items()})
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
     pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
@@ -877,12 +887,16 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
         raise DataError(f"{location} row 1: {error}") from None
     token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
     tokenized, counts = {}, {}
+    # The source split each kind's rows come from: its own (validation, test), else carved from the training split.
+    split_names = {kind: _find_split(list(raw), data.dataset_split, kind) or data.dataset_split
+                   for kind in ("validation", "test")} | {"train": data.dataset_split}
     for kind, split in split_datasets(raw, data, seed).items():
         if kind == "train" and fraction < 1:
             split = _take_fraction(split, fraction, seed)
         held_out = kind != "train"
         output = _output_features(normalized, token_columns, held_out)
         kwargs = {"shape": shape, "stage": stage, "location": location, "source": f"{location} ({kind})",
+                  "rows_in": location if len(raw) == 1 else f"{location} ({split_names[kind]})",
                   "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
                   "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
         tokenized[kind] = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc,

@@ -376,6 +376,6 @@ def test_a_bad_row_in_a_mixture_names_its_source(tiny_tokenizer, tmp_path):
     bad_rows = [dict(row) for row in ROWS]
     bad_rows[2] = dict(bad_rows[2], chosen=7)
     bad = write_jsonl(tmp_path / "bad.jsonl", bad_rows)
-    with pytest.raises(DataError, match=r"bad.jsonl \(train\) row 3: 'chosen' must be text"):
+    with pytest.raises(DataError, match=r"bad.jsonl row 3: 'chosen' must be text"):
         prepared(tiny_tokenizer, tmp_path, val_size=0, test_size=0,
                  dataset_mixture=[{"name": str(good)}, {"name": str(bad)}])

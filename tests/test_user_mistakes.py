@@ -199,7 +199,7 @@ def _roles(rows: list[dict], row: int, column: str, role: str) -> None:
 def _assistant_first(ws: Workspace) -> list[str]:
     rows = preference_rows(24)
     rows[5]["prompt"].insert(0, {"role": "assistant", "content": "hi"})
-    return ws.args(val_size="0", test_size="0", chat_template_path=_template_file(ws, "strict.jinja", STRICT_TEMPLATE),
+    return ws.args(chat_template_path=_template_file(ws, "strict.jinja", STRICT_TEMPLATE),
                    dataset_name=ws.rows_file("assistant_first.jsonl", rows))
 
 
@@ -257,9 +257,10 @@ MISTAKES = [
     Mistake("sft_without_known_columns", "SFT data with none of the columns SFT reads", "notes.jsonl: SFT data needs a "
             "'messages' chat, 'prompt' + 'completion', or 'text' column", lambda ws: ws.args(
                 stage="sft", dataset_name=ws.rows_file("notes.jsonl", [{"note": "a"}] * 12))),
-    Mistake("missing_completion", "A row with a column left empty (`\"completion\": null`)", "'completion' is "
-            "missing", lambda ws: ws.args(stage="sft", val_size="0", test_size="0", dataset_name=ws.rows_file(
-                "gaps.jsonl", [{"prompt": "a", "completion": "b"}] * 6 + [{"prompt": "a", "completion": None}]))),
+    Mistake("missing_completion", "A row with a column left empty (`\"completion\": null` in row 20)", "row 20: "
+            "'completion' is missing", lambda ws: ws.args(stage="sft", dataset_name=ws.rows_file(
+                "gaps.jsonl", [{"prompt": "a", "completion": "b"}] * 19 + [{"prompt": "a", "completion": None}] +
+                [{"prompt": "a", "completion": "b"}] * 4))),
     Mistake("directory_without_data", "A `--dataset_name` directory with no data files in it", "the directory holds "
             "neither a save_to_disk dataset nor data files", lambda ws: ws.args(dataset_name=_empty_dir(ws))),
     Mistake("split_files_of_two_formats", "Split files of two formats in one directory", "split files of one format "
@@ -281,7 +282,7 @@ MISTAKES = [
                 {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]}] * 12))),
     Mistake("chat_without_template", "Chat data for a model whose tokenizer has no chat template", "has no chat "
             "template to render it", _base_model),
-    Mistake("template_refuses_row", "A row the chat template refuses (its `raise_exception`)", "row 6: the chat "
+    Mistake("template_refuses_row", "A row the chat template refuses (its `raise_exception`, row 6)", "row 6: the chat "
             "template refused it (Conversations must start with a user turn)",
             _assistant_first),
     # Models, tokenizers, adapters, chat templates
