@@ -9,6 +9,7 @@ Owns the checks that need only the model's config.json, its module names and the
   from another model): an `IndexError` deep in the first forward otherwise;
 - LoRA target modules that match no module, or match modules LoRA cannot adapt: PEFT's traceback at trainer creation
   otherwise, after the data was prepared;
+- a --max_length past a model's learned position table (GPT-2, OPT): an `IndexError` in the first long batch;
 - a chat template that does not compile;
 - a --judge reward model that is not there (it is loaded only after training).
 
@@ -30,19 +31,28 @@ CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 
-def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list[str]) -> None:
-    """Refuse, with one line naming the flag and what to do, a model, tokenizer, LoRA setting or judge that cannot
-    work."""
+def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -> None:
+    """Refuse, with one line naming the flag and what to do, a model, tokenizer, length, LoRA setting or judge that
+    cannot work. `stages`: the run's planned stages (src/main_distributed.Stage: a name and its config)."""
     model = run_config.model
     check_judge(run_config.training.judge)
     config = load_config(path, model.trust_remote_code)
-    causal = any(stage in CAUSAL_STAGES for stage in stages)
+    causal = any(stage.name in CAUSAL_STAGES for stage in stages)
     if causal:
         check_causal(path, config)
     check_vocabulary(path, config, tokenizer, model.chat_template_path)
     check_chat_template(path, tokenizer, model.chat_template_path)
-    if model.use_peft:
-        check_lora_targets(path, config, model, causal)
+    max_length = max(stage.config.data.max_length for stage in stages)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    past_positions = isinstance(positions, int) and max_length > positions
+    targets = model.lora_target_modules if model.use_peft else None
+    if not past_positions and (targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR)):
+        return  # nothing left that needs the module names
+    built = meta_model(config, causal, model.trust_remote_code)
+    if past_positions:
+        check_positions(path, built, positions, max_length)
+    if targets is not None:
+        check_lora_targets(path, built, model, causal)
 
 
 def check_judge(judge: str) -> None:
@@ -122,15 +132,32 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
             raise ModelError(f"{where} is not valid Jinja ({_first_line(error)}{line}); fix the template") from None
 
 
-def module_names(config, causal: bool, trust_remote_code: bool) -> dict[str, str]:
-    """{module name: class name} of the model as the stage loads it, built on the meta device: no weights, no
-    memory."""
+def meta_model(config, causal: bool, trust_remote_code: bool):
+    """The model as the stage loads it, built on the meta device: its modules without weights or memory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model_class = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
     with torch.device("meta"):
-        built = model_class.from_config(config, trust_remote_code=trust_remote_code)
+        return model_class.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def check_positions(path: str, built, positions: int, max_length: int) -> None:
+    """A model with learned absolute positions (GPT-2, OPT, ...) has no embedding for a position past its table: an
+    `IndexError` in the first batch that long. Rotary models run past max_position_embeddings, so they pass."""
+    import torch
+
+    tokens = built.get_input_embeddings()
+    # OPT's table has 2 extra rows (its positions start at 2).
+    learned = [name for name, module in built.named_modules() if isinstance(module, torch.nn.Embedding)
+               and module is not tokens and positions <= module.num_embeddings <= positions + 2]
+    if learned:
+        raise ModelError(f"--max_length {max_length}: {path} has learned positions for {positions} tokens only "
+                         f"(max_position_embeddings in config.json); lower --max_length to {positions} or less")
+
+
+def module_names(built, causal: bool) -> dict[str, str]:
+    """{module name: class name} of a (meta) model, without its output head."""
     # PEFT never adapts the output head under all-linear; listing it as a choice would invite a 100M-parameter adapter.
     head = built.get_output_embeddings() if causal else None
     return {name: type(module).__name__ for name, module in built.named_modules()
@@ -141,13 +168,13 @@ def module_names(config, causal: bool, trust_remote_code: bool) -> dict[str, str
 LORA_LAYER_TYPES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention")
 
 
-def check_lora_targets(path: str, config, model: ModelArguments, causal: bool) -> None:
-    """--lora_target_modules against the model's module names, with PEFT's matching rule: a string is a regular
+def check_lora_targets(path: str, built, model: ModelArguments, causal: bool) -> None:
+    """--lora_target_modules against the (meta) model's module names, with PEFT's matching rule: a string is a regular
     expression over the whole module name, each name of a list matches a module of that name or ending in '.name'."""
     targets = model.lora_target_modules
     if targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR):
         return
-    modules = module_names(config, causal, model.trust_remote_code)
+    modules = module_names(built, causal)
     linear = sorted({name.rsplit(".", 1)[-1] for name, kind in modules.items() if kind in ("Linear", "Conv1D")})
     choices = f"its linear layers are {', '.join(linear)}: use those names, or {ALL_LINEAR}"
     if isinstance(targets, str):

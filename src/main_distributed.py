@@ -589,7 +589,7 @@ def run(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(config.model)
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
-    check_model_inputs(model_path, config, tokenizer, [stage.name for stage in stages])
+    check_model_inputs(model_path, config, tokenizer, stages)
     from src.embedded.model import cache_root
 
     # Every stage's data is checked and tokenized now, before any process group or model exists.

@@ -107,6 +107,18 @@ def _encoder(model_class: str, config_class: str, **sizes):
     return make
 
 
+def _learned_positions(ws: Workspace) -> list[str]:
+    """GPT-2 learns one embedding per position, 64 here: a 128-token row has none for its positions 64 and on."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(ws.model)
+    path = ws.root / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2)
+                    ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return ws.args(model_name_or_path=str(path), max_length="128")
+
+
 def _broken_config(ws: Workspace) -> list[str]:
     model = ws.model_copy("broken_config")
     (model / "config.json").write_text('{"model_type": "llama", ')
@@ -309,6 +321,8 @@ MISTAKES = [
     Mistake("encoder_decoder", "An encoder-decoder model (T5) for SFT/DPO", "is an encoder-decoder",
             _encoder("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=16, num_layers=1,
                      num_heads=2)),
+    Mistake("past_learned_positions", "A `--max_length` longer than a GPT-2-style model's position table",
+            "has learned positions for 64 tokens only", _learned_positions),
     Mistake("lora_target_matches_nothing", "LoRA target modules that match nothing (`nope_proj`)",
             "--lora_target_modules nope_proj: matches no module", lambda ws: ws.args(
                 use_lora="true", lora_target_modules="nope_proj")),
@@ -437,12 +451,13 @@ def test_the_lora_target_check_agrees_with_peft(targets, accepted, tiny_model):
     from transformers import AutoModelForCausalLM
 
     from src.config import ModelArguments
-    from src.input_checks import check_lora_targets, load_config
+    from src.input_checks import check_lora_targets, load_config, meta_model
     from src.models import ModelError, peft_config
 
     model_args = ModelArguments(model_name_or_path=str(tiny_model), use_lora=True, lora_target_modules=targets)
     try:
-        check_lora_targets(str(tiny_model), load_config(str(tiny_model), False), model_args, causal=True)
+        built = meta_model(load_config(str(tiny_model), False), causal=True, trust_remote_code=False)
+        check_lora_targets(str(tiny_model), built, model_args, causal=True)
         ours = True
     except ModelError:
         ours = False
