@@ -46,9 +46,10 @@ def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     past_positions = isinstance(positions, int) and max_length > positions
     targets = model.lora_target_modules if model.use_peft else None
-    if not past_positions and (targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR)):
-        return  # nothing left that needs the module names
-    built = meta_model(config, causal, model.trust_remote_code)
+    if not past_positions and not model.attn_implementation and (
+            targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR)):
+        return  # nothing left that needs the model built
+    built = meta_model(config, causal, model.trust_remote_code, path, model.attn_implementation)
     if past_positions:
         check_positions(path, built, positions, max_length)
     if targets is not None:
@@ -132,14 +133,28 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
             raise ModelError(f"{where} is not valid Jinja ({_first_line(error)}{line}); fix the template") from None
 
 
-def meta_model(config, causal: bool, trust_remote_code: bool):
-    """The model as the stage loads it, built on the meta device: its modules without weights or memory."""
+def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", attn_implementation: str | None = None):
+    """The model as the stage loads it, built on the meta device: its modules without weights or memory. Building it
+    runs transformers' own checks of --attn_implementation (a name it knows, its package installed, a GPU for
+    FlashAttention), which otherwise fail after the data is prepared, as an ImportError traceback for FlashAttention."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model_class = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-    with torch.device("meta"):
-        return model_class.from_config(config, trust_remote_code=trust_remote_code)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        with torch.device("meta"):
+            return model_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    except (ValueError, ImportError) as error:
+        if attn_implementation and any(word in str(error).lower() for word in ("attn", "attention")):
+            reason = _first_line(error).rstrip(".")
+            raise ModelError(f"--attn_implementation {attn_implementation}: {reason}; use sdpa (the default) or "
+                             "eager") from None
+        if not causal and isinstance(error, ValueError):  # a type with no sequence-classification head
+            raise ModelError(f"--model_name_or_path {path}: transformers has no sequence-classification (reward "
+                             f"model) class for model type {getattr(config, 'model_type', '?')!r}: pick another "
+                             "model") from None
+        raise
 
 
 def check_positions(path: str, built, positions: int, max_length: int) -> None:

@@ -323,6 +323,11 @@ MISTAKES = [
                      num_heads=2)),
     Mistake("past_learned_positions", "A `--max_length` longer than a GPT-2-style model's position table",
             "has learned positions for 64 tokens only", _learned_positions),
+    Mistake("unknown_attention", "An `--attn_implementation` transformers does not have", "--attn_implementation "
+            "flash: Specified", lambda ws: ws.args(attn_implementation="flash")),
+    Mistake("flash_attention_missing", "`--attn_implementation flash_attention_2` without FlashAttention installed",
+            "--attn_implementation flash_attention_2: FlashAttention2 has been toggled on",
+            lambda ws: ws.args(attn_implementation="flash_attention_2")),
     Mistake("lora_target_matches_nothing", "LoRA target modules that match nothing (`nope_proj`)",
             "--lora_target_modules nope_proj: matches no module", lambda ws: ws.args(
                 use_lora="true", lora_target_modules="nope_proj")),
