@@ -43,6 +43,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # How templates name roles: message['role'] == 'user', 'user' != message.role, message['role'] in ['user', 'tool']
 _TEMPLATE_ROLE = re.compile(r"""role['"\]]*\s*(?:==|!=)\s*['"](\w+)['"]|['"](\w+)['"]\s*(?:==|!=)\s*[\w.\['"]*role\b""")
 _TEMPLATE_ROLE_LIST = re.compile(r"""role['"\]]*\s+(?:not\s+)?in\s+[\[(]([^\])]*)[\])]""")
+# How templates that take content as a list of parts tell them apart: content is string, part['type'], part.type
+_TEMPLATE_PARTS = re.compile(
+    r"""content['"\]]*\s+is\s+(?:not\s+)?(?:string|iterable|sequence|mapping)|\[['"]type['"]\]|\.type\b""")
 # ShareGPT's speakers (`from`: ShareGPT, Vicuna, LLaMA-Factory's sharegpt format) → chat roles. TRL's
 # maybe_convert_to_chatml renames the keys but keeps the values: "human" / "gpt" would reach the chat template as role
 # names (printed as such by most templates), and assistant_only_loss would find no assistant turn to learn from.
@@ -290,28 +293,41 @@ def chat_roles(tokenizer) -> list[str]:
     return list(CHAT_ROLES) + sorted(named - set(CHAT_ROLES))
 
 
-def check_chat_roles(raw, columns: dict[str, str], roles: list[str], location: str) -> None:
-    """Every message of the chat columns ({column: the name the user gave it}) has a known role. A role no template
-    branch handles ("robot", a typo like "assitant") renders as if it were valid, or not at all, and the run trains to
-    the end on it. Checked on the source's Arrow columns before any row is normalized: the row named is the source's."""
+def renders_content_parts(tokenizer) -> bool:
+    """Whether the chat template reads message content given as a list of parts ([{"type": "text", "text": ...}]), as
+    multimodal templates do; a text-only template prints such a list as its Python repr."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = " ".join(template.values()) if isinstance(template, dict) else template
+    return bool(_TEMPLATE_PARTS.search(text))
+
+
+def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str) -> None:
+    """Every message of the chat columns ({column: the name the user gave it}) has a role the template knows and
+    content it can render. A role no template branch handles ("robot", a typo like "assitant") renders as if it were
+    valid, or not at all, and content given as a list of parts reaches a text-only template as a Python repr: either
+    way the run trains to the end on it. Checked on the source's Arrow columns before any row is normalized (no row
+    reaches Python): the row named is the source's."""
     import difflib
 
     import pyarrow as pa
     import pyarrow.compute as pc
+    from datasets import Value
 
-    known = pa.array(roles)
+    roles = chat_roles(tokenizer)
+    known, parts_rendered = pa.array(roles), renders_content_parts(tokenizer)
     for split, dataset in raw.items():
         where = location if len(raw) == 1 else f"{location} ({split})"
         for column, name in columns.items():
             kind = dataset.features.get(column)
             if not (hasattr(kind, "feature") and isinstance(kind.feature, dict) and "role" in kind.feature):
                 continue  # text, or a chat column shaped otherwise (check_row names those)
+            parts = not parts_rendered and not isinstance(kind.feature.get("content"), Value)
             offset = 0
             for chunk in dataset.data.column(column).chunks:
                 flat = pc.list_flatten(chunk)
+                parents = pc.list_parent_indices(chunk)
                 unknown = pc.index(pc.invert(pc.is_in(pc.struct_field(flat, "role"), value_set=known)), True).as_py()
                 if unknown >= 0:
-                    parents = pc.list_parent_indices(chunk)
                     row = parents[unknown].as_py()
                     message = unknown - pc.index(parents, row).as_py() + 1
                     role = pc.struct_field(flat, "role")[unknown].as_py()
@@ -320,6 +336,15 @@ def check_chat_roles(raw, columns: dict[str, str], roles: list[str], location: s
                     raise DataError(
                         f"{where} row {offset + row + 1}: '{name}' message {message} has role {role!r}{hint}; the "
                         f"model's chat template and TRL know {', '.join(roles)}: fix the role in the data"
+                    )
+                listed = pc.index(pc.is_valid(pc.struct_field(flat, "content")), True).as_py() if parts else -1
+                if listed >= 0:
+                    row = parents[listed].as_py()
+                    message = listed - pc.index(parents, row).as_py() + 1
+                    raise DataError(
+                        f"{where} row {offset + row + 1}: '{name}' message {message} has its content as a list of "
+                        "parts, which the model's chat template prints as a Python list: write each message's content "
+                        "as text"
                     )
                 offset += len(chunk)
 
@@ -871,8 +896,8 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     except DataError as error:
         raise DataError(f"{location}: {error}") from None
     named = {canonical: source for source, canonical in mapping.items()}
-    check_chat_roles(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
-                     chat_roles(tokenizer), location)
+    check_chat_messages(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
+                        tokenizer, location)
     # Each row carries its number in its source split, so an error names the row a user finds in the file, not its
     # place in the training split once the held-out rows are carved out.
     raw = datasets.DatasetDict({name: split.add_column(SOURCE_ROW, np.arange(len(split), dtype=np.int64))

@@ -289,6 +289,10 @@ MISTAKES = [
     Mistake("misspelt_role", "A misspelt role (`assitant`)", "has role 'assitant' (did you mean 'assistant'?)",
             lambda ws: ws.args(dataset_name=ws.rows_file(
                 "typo.jsonl", _edit_rows(lambda rows: _roles(rows, 3, "chosen", "assitant"))))),
+    Mistake("content_as_parts", "Message content as a list of parts for a text-only chat template", "row 1: 'prompt' "
+            "message 1 has its content as a list of parts", lambda ws: ws.args(dataset_name=ws.rows_file(
+                "parts.jsonl", _edit_rows(lambda rows: [row["prompt"][0].update(content=[
+                    {"type": "text", "text": row["prompt"][0]["content"]}]) for row in rows])))),
     Mistake("sharegpt_speaker", "A ShareGPT turn from an unknown speaker", "'conversations' has a turn from 'bot'",
             lambda ws: ws.args(stage="sft", dataset_name=ws.rows_file("sharegpt.jsonl", [
                 {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]}] * 12))),
