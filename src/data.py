@@ -119,7 +119,7 @@ def _check_text_lines(path: Path, json_lines: bool) -> None:
             except UnicodeDecodeError as error:
                 raise DataError(
                     f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}, the line's byte "
-                    f"{error.start + 1}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                    f"{error.start + 1}); save the file as UTF-8 (iconv -f <its encoding, e.g. latin1> -t utf-8)"
                 ) from None
             if json_lines and line.strip():
                 try:

@@ -93,7 +93,8 @@ def check_causal(path: str, config) -> None:
         raise ModelError(f"--model_name_or_path {path}: a {model_type} model is an encoder-decoder; {advice}")
     # BERT-like types have a causal-LM class too (BertLMHeadModel) that is only causal with is_decoder=True; a masked-LM
     # checkpoint loaded through it attends to the tokens it predicts, so every log-prob and DPO number is meaningless.
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not (getattr(config, "is_decoder", False)
+                                                                or getattr(config, "causal", False)):  # XLM's CLM
         raise ModelError(f"--model_name_or_path {path}: a {model_type} model is encoder-only (it sees the tokens it "
                          f"would predict); {advice}")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and \
@@ -121,6 +122,7 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
     if not template:
         return
     from jinja2 import TemplateError
+    # transformers' own environment: its extensions ({% generation %}, loop controls) are part of the language.
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     where = f"--chat_template_path {chat_template_path}" if chat_template_path else \
