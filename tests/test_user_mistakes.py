@@ -239,6 +239,20 @@ MISTAKES = [
             lambda ws: ws.args(report_to="nope")),
     Mistake("finished_run", "A `--run_name` that already holds a finished run", "already holds a finished run: pass "
             "--overwrite", _finished_run),
+    Mistake("unknown_scheduler", "An `--lr_scheduler_type` transformers does not have (`cosin`)",
+            "'lr_scheduler_type' must be one of linear, cosine", lambda ws: ws.args(lr_scheduler_type="cosin")),
+    Mistake("unknown_choice_of_trl", "A value a TRL option does not have (`--optim adamw_torchh`)",
+            "'optim' must be one of adamw_torch", lambda ws: ws.args(optim="adamw_torchh")),
+    Mistake("sft_override_outside_pipeline", "An `--sft.*` override outside `--stage sft_then_dpo`", "--sft.* "
+            "overrides apply only to --stage sft_then_dpo", lambda ws: ws.args() + ["--sft.max_steps", "3"]),
+    Mistake("wrong_value_type_flag", "A flag value of the wrong type (`--seed abc`)", "'seed' must be int, got 'abc'",
+            lambda ws: ws.args(seed="abc")),
+    Mistake("fp16_on_cpu", "`--mixed_precision fp16` on a machine without a GPU", "--mixed_precision fp16 needs a GPU",
+            lambda ws: ws.args(mixed_precision="fp16")),
+    Mistake("4bit_without_lora", "`--load_in_4bit` without `--use_lora`", "--load_in_4bit trains adapters on a frozen "
+            "4-bit base: add --use_lora", lambda ws: ws.args(load_in_4bit="true")),
+    Mistake("push_without_repo", "`--push_to_hub` without `--hub_model_id`", "--push_to_hub needs --hub_model_id",
+            lambda ws: ws.args(push_to_hub="true")),
     Mistake("lora_rank_zero", "`--lora_r 0`", "--lora_r is the adapters' rank",
             lambda ws: ws.args(use_lora="true", lora_r="0")),
     # Data: files, lines, columns, rows
@@ -476,3 +490,11 @@ def test_the_lora_target_check_agrees_with_peft(targets, accepted, tiny_model):
     except ValueError:  # NoMatchingPeftModuleError, "Target module ... is not supported"
         peft = False
     assert (ours, peft) == (accepted, accepted)
+
+
+def test_the_scheduler_choices_are_transformers():
+    from transformers.trainer_utils import SchedulerType
+
+    from src.config import LR_SCHEDULERS
+
+    assert list(LR_SCHEDULERS) == [member.value for member in SchedulerType]
