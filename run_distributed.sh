@@ -27,6 +27,24 @@ if [[ $NUM_PROCS -lt 1 ]]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+# The launch environment, checked before anything starts: torchrun reports these late or not at all (a node rank
+# beyond the node count waits at the rendezvous for a node that never comes), and bash names a word in NNODES an
+# unbound variable.
+for name in NNODES NODE_RANK MASTER_PORT MAX_RESTARTS; do
+  if [[ -n ${!name:-} && ! ${!name} =~ ^[0-9]+$ ]]; then
+    echo "error: $name must be a whole number, got '${!name}'" >&2
+    exit 2
+  fi
+done
+if [[ $NNODES -lt 1 || $NODE_RANK -ge $NNODES ]]; then
+  echo "error: NODE_RANK $NODE_RANK with NNODES $NNODES: NNODES is the number of machines (at least 1) and each" \
+       "machine's NODE_RANK is a different number from 0 to NNODES - 1" >&2
+  exit 2
+fi
+if [[ -n ${MASTER_PORT:-} ]] && (( MASTER_PORT < 1 || MASTER_PORT > 65535 )); then
+  echo "error: MASTER_PORT must be a port number from 1 to 65535, got $MASTER_PORT" >&2
+  exit 2
+fi
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 
 STRATEGY=${STRATEGY:-torchrun}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import enum
 import math
 import os
 import re
@@ -85,6 +86,18 @@ class ModelArguments(ModelConfig):
         self.use_peft = self.use_peft or self.use_lora
         self.use_lora = self.use_peft
         super().__post_init__()
+        # TRL turns a one-name list into a string, which PEFT reads as a regular expression over the whole module name:
+        # `--lora_target_modules q_proj` alone then matches nothing. A plain name stays a name (PEFT's suffix rule).
+        if isinstance(self.lora_target_modules, str) and self.lora_target_modules != "all-linear" and \
+                re.fullmatch(r"[\w.]+", self.lora_target_modules):
+            self.lora_target_modules = [self.lora_target_modules]
+
+
+# transformers 5.23's SchedulerType values, written out so that parsing a flag imports no trainer code
+# (tests/test_user_mistakes.py checks them against the installed transformers).
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                 "warmup_stable_decay", "greedy")
 
 
 # Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
@@ -217,7 +230,8 @@ class TrainingArguments:
     warmup_steps: float = field(
         default=0.0, metadata={"help": "Learning-rate warmup: steps (>=1) or a fraction of all steps (<1)."}
     )
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "Schedule after warmup (transformers' names)."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "Schedule after warmup (transformers' names).",
+                                                               "choices": list(LR_SCHEDULERS)})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
 
@@ -478,6 +492,13 @@ def _convert(value: Any, annotation: Any, key: str, where: str) -> Any:
         return None
     if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in get_args(annotation):
         return None
+    # transformers types its choices as `SchedulerType | str` (optim, the strategies): the str admits any word, which
+    # TRL's config refuses only when the trainer is built, after the data was prepared. Its enum's values are the set.
+    choices = [member.value for option in options if isinstance(option, type) and issubclass(option, enum.Enum)
+               for member in option]
+    word = ("yes" if value else "no") if isinstance(value, bool) else value  # YAML reads `no` as False (see str)
+    if choices and not isinstance(value, enum.Enum) and word not in choices:
+        raise ConfigError(f"{where}: '{key}' must be one of {', '.join(map(str, choices))}, got {value!r}")
     errors = []
     for option in options:
         origin = get_origin(option) or option
@@ -823,6 +844,12 @@ def validate(config: Config) -> None:
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
     if config.model.load_in_4bit and not config.model.use_peft:
         raise ConfigError("--load_in_4bit trains adapters on a frozen 4-bit base: add --use_lora (QLoRA)")
+    # PEFT refuses these only when the trainer is built, after the data was prepared and every rank loaded the model.
+    if config.model.use_peft and config.model.lora_r < 1:
+        raise ConfigError(f"--lora_r is the adapters' rank, a positive whole number (e.g. 16), got "
+                          f"{config.model.lora_r}")
+    if config.model.use_peft and not 0 <= config.model.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout is a probability in [0, 1), got {config.model.lora_dropout}")
     if config.training.run_name is not None and (
         not config.training.run_name.strip() or ".." in Path(config.training.run_name).parts
     ):

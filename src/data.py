@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,18 @@ EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 PREPARED_FORMAT = 6  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
+CHAT_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion")  # columns that may hold messages
+SOURCE_ROW = "_source_row"  # a row's index in its source split, while preparing (_prepare_source)
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+# Message roles TRL and the common chat templates know; chat_roles adds any other role the model's template names
+# (developer, ipython, ...).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# How templates name roles: message['role'] == 'user', 'user' != message.role, message['role'] in ['user', 'tool']
+_TEMPLATE_ROLE = re.compile(r"""role['"\]]*\s*(?:==|!=)\s*['"](\w+)['"]|['"](\w+)['"]\s*(?:==|!=)\s*[\w.\['"]*role\b""")
+_TEMPLATE_ROLE_LIST = re.compile(r"""role['"\]]*\s+(?:not\s+)?in\s+[\[(]([^\])]*)[\])]""")
+# How templates that take content as a list of parts tell them apart: content is string, part['type'], part.type
+_TEMPLATE_PARTS = re.compile(
+    r"""content['"\]]*\s+is\s+(?:not\s+)?(?:string|iterable|sequence|mapping)|\[['"]type['"]\]|\.type\b""")
 # ShareGPT's speakers (`from`: ShareGPT, Vicuna, LLaMA-Factory's sharegpt format) → chat roles. TRL's
 # maybe_convert_to_chatml renames the keys but keeps the values: "human" / "gpt" would reach the chat template as role
 # names (printed as such by most templates), and assistant_only_loss would find no assistant turn to learn from.
@@ -97,11 +109,19 @@ def source_location(data: DataArguments, stage: str) -> str:
     return data.dataset_name
 
 
-def _check_json_lines(path: Path) -> None:
-    """Find the first line of a JSON Lines file that does not parse: datasets' own error does not say which."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
+def _check_text_lines(path: Path, json_lines: bool) -> None:
+    """Find the first line of a text data file that is not UTF-8, or (JSON Lines) does not parse: the errors of
+    datasets and Python say neither the file nor the line ("UnicodeDecodeError ... position 339")."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}, the line's byte "
+                    f"{error.start + 1}); save the file as UTF-8 (iconv -f <its encoding, e.g. latin1> -t utf-8)"
+                ) from None
+            if json_lines and line.strip():
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as error:
@@ -114,8 +134,10 @@ def _check_json_lines(path: Path) -> None:
 def _check_data_file(path: Path) -> None:
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty: it needs one row per example")
-    if path.suffix == ".jsonl" or (path.suffix == ".json" and path.read_bytes()[:1] != b"["):
-        _check_json_lines(path)
+    if path.suffix in (".json", ".jsonl", ".csv"):
+        with open(path, "rb") as handle:
+            json_array = handle.read(1) == b"["
+        _check_text_lines(path, json_lines=path.suffix == ".jsonl" or (path.suffix == ".json" and not json_array))
 
 
 def _split_files(directory: Path) -> dict[str, str]:
@@ -261,6 +283,72 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
     )
 
 
+def chat_roles(tokenizer) -> list[str]:
+    """The message roles a run accepts: TRL's, and any other role the tokenizer's chat template compares with."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = " ".join(template.values()) if isinstance(template, dict) else template
+    named = {first or second for first, second in _TEMPLATE_ROLE.findall(text)}
+    for group in _TEMPLATE_ROLE_LIST.findall(text):
+        named |= set(re.findall(r"""['"](\w+)['"]""", group))
+    return list(CHAT_ROLES) + sorted(named - set(CHAT_ROLES))
+
+
+def renders_content_parts(tokenizer) -> bool:
+    """Whether the chat template reads message content given as a list of parts ([{"type": "text", "text": ...}]), as
+    multimodal templates do; a text-only template prints such a list as its Python repr."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = " ".join(template.values()) if isinstance(template, dict) else template
+    return bool(_TEMPLATE_PARTS.search(text))
+
+
+def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str) -> None:
+    """Every message of the chat columns ({column: the name the user gave it}) has a role the template knows and
+    content it can render. A role no template branch handles ("robot", a typo like "assitant") renders as if it were
+    valid, or not at all, and content given as a list of parts reaches a text-only template as a Python repr: either
+    way the run trains to the end on it. Checked on the source's Arrow columns before any row is normalized (no row
+    reaches Python): the row named is the source's."""
+    import difflib
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from datasets import Value
+
+    roles = chat_roles(tokenizer)
+    known, parts_rendered = pa.array(roles), renders_content_parts(tokenizer)
+    for split, dataset in raw.items():
+        where = location if len(raw) == 1 else f"{location} ({split})"
+        for column, name in columns.items():
+            kind = dataset.features.get(column)
+            if not (hasattr(kind, "feature") and isinstance(kind.feature, dict) and "role" in kind.feature):
+                continue  # text, or a chat column shaped otherwise (check_row names those)
+            parts = not parts_rendered and not isinstance(kind.feature.get("content"), Value)
+            offset = 0
+            for chunk in dataset.data.column(column).chunks:
+                flat = pc.list_flatten(chunk)
+                parents = pc.list_parent_indices(chunk)
+                unknown = pc.index(pc.invert(pc.is_in(pc.struct_field(flat, "role"), value_set=known)), True).as_py()
+                if unknown >= 0:
+                    row = parents[unknown].as_py()
+                    message = unknown - pc.index(parents, row).as_py() + 1
+                    role = pc.struct_field(flat, "role")[unknown].as_py()
+                    close = difflib.get_close_matches(str(role), roles, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise DataError(
+                        f"{where} row {offset + row + 1}: '{name}' message {message} has role {role!r}{hint}; the "
+                        f"model's chat template and TRL know {', '.join(roles)}: fix the role in the data"
+                    )
+                listed = pc.index(pc.is_valid(pc.struct_field(flat, "content")), True).as_py() if parts else -1
+                if listed >= 0:
+                    row = parents[listed].as_py()
+                    message = listed - pc.index(parents, row).as_py() + 1
+                    raise DataError(
+                        f"{where} row {offset + row + 1}: '{name}' message {message} has its content as a list of "
+                        "parts, which the model's chat template prints as a Python list: write each message's content "
+                        "as text"
+                    )
+                offset += len(chunk)
+
+
 def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_template: bool = True) -> dict:
     """One row of a recognised shape → TRL's standard or conversational columns (plus `meta`/`tools` if present).
 
@@ -342,7 +430,7 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
         if column not in row or row[column] is None:
             if column == "prompt" and column not in row:
                 continue
-            raise DataError(f"{source} row {number}: '{column}' is missing")
+            raise DataError(f"{source} row {number}: '{column}' is missing; fill it in or remove the row")
         value = row[column]
         if not isinstance(value, str) and not _is_chat(value):
             raise DataError(
@@ -450,9 +538,12 @@ def sample_fields(row: dict, tokenizer) -> dict:
         prompt, reference, rejected = row["prompt"], row["chosen"], row["rejected"]
     elif "completion" in row:
         prompt, reference, rejected = row["prompt"], row["completion"], None
-    elif "messages" in row:
+    elif "messages" in row and any(message["role"] == "assistant" for message in row["messages"]):
         last_assistant = max(i for i, message in enumerate(row["messages"]) if message["role"] == "assistant")
         prompt, reference, rejected = row["messages"][:last_assistant], row["messages"][last_assistant:], None
+    elif "messages" in row:  # a chat with no assistant turn trains as text; nothing to answer
+        return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": _text_of(row["messages"]),
+                "sample_rejected": None, "judge_prompt": None}
     else:
         return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": _text_of(row["text"]),
                 "sample_rejected": None, "judge_prompt": ""}
@@ -634,22 +725,24 @@ def _output_features(normalized: dict, token_columns: list[str], held_out: bool)
     return Features(features)
 
 
-def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, stage: str, location: str, source: str,
-                   tokenizer, data: DataArguments, sft: SFTArguments, chat_template: str | None,
+def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source: str, rows_in: str, tokenizer,
+                   data: DataArguments, sft: SFTArguments, chat_template: str | None,
                    has_chat_template: bool, held_out: bool, output_columns: list[str]) -> dict:
     """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
 
     Dropped rows stay in the batch with their reason in `_status` (so the counts and the first dropped row numbers
-    come out of one pass) and are filtered out afterwards."""
+    come out of one pass) and are filtered out afterwards. A bad row is named by its number in `rows_in`, the source
+    it was read from (SOURCE_ROW), not by its place in a carved split."""
+    source_rows = batch.pop(SOURCE_ROW)
     columns = list(batch)
     out = {column: [] for column in output_columns}
-    for values, index in zip(zip(*(batch[column] for column in columns)), indices):
-        number = offset + index + 1
+    for values, source_row in zip(zip(*(batch[column] for column in columns)), source_rows):
+        number = source_row + 1
         try:
             row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
         except DataError as error:
-            raise DataError(f"{source} row {number}: {error}") from None
-        status = check_row(row, number, stage, source)
+            raise DataError(f"{rows_in} row {number}: {error}") from None
+        status = check_row(row, number, stage, rows_in)
         if not has_chat_template and any(_is_chat(value) for value in row.values()):
             raise DataError(
                 f"{location}: the data is a chat but the model's tokenizer has no chat template to "
@@ -657,31 +750,46 @@ def _prepare_batch(batch: dict, indices: list[int], *, offset: int, shape: str, 
                 "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
             )
         item, length = {}, 0
-        if status == KEPT:
-            if stage == "dpo":
-                item = tokenize_preference(row, tokenizer)
-                length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
-                kept = len(item["prompt_ids"]) < data.max_length
-            elif stage == "reward":
-                item = tokenize_reward(row, tokenizer)
-                length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
-                # cut the answer whose last token the score is read from).
-                kept = length <= data.max_length
-            else:
-                item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
-                length = len(item["input_ids"])
-                kept = _has_trainable_token(item, data.max_length, sft)
-            status = KEPT if kept else TOO_LONG
-        record = {**_serializable(row), **item, "length": length, "_status": status}
-        if held_out:
-            record.update(sample_fields(row, tokenizer) if status == KEPT else
-                          {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
-                           "sample_rejected": None, "judge_prompt": None})
+        with _template_refusals(rows_in, number):
+            if status == KEPT:
+                if stage == "dpo":
+                    item = tokenize_preference(row, tokenizer)
+                    length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                    # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+                    kept = len(item["prompt_ids"]) < data.max_length
+                elif stage == "reward":
+                    item = tokenize_reward(row, tokenizer)
+                    length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                    # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
+                    # cut the answer whose last token the score is read from).
+                    kept = length <= data.max_length
+                else:
+                    item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                    length = len(item["input_ids"])
+                    kept = _has_trainable_token(item, data.max_length, sft)
+                status = KEPT if kept else TOO_LONG
+            record = {**_serializable(row), **item, "length": length, "_status": status}
+            if held_out:
+                record.update(sample_fields(row, tokenizer) if status == KEPT else
+                              {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
+                               "sample_rejected": None, "judge_prompt": None})
         for column in output_columns:
             out[column].append(record.get(column, [] if column.endswith(("_ids", "_mask", "_masks")) else None))
     return out
+
+
+@contextmanager
+def _template_refusals(source: str, number: int):
+    """A chat template that raises on a row (raise_exception("Conversation roles must alternate ..."), an undefined
+    field): one line naming the row, not a Jinja traceback from inside the tokenizing map."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except TemplateError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{source} row {number}: the chat template refused it ({reason}); fix the row or the "
+                        "template (--chat_template_path)") from None
 
 
 def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str, num_proc: int, work: Path):
@@ -700,8 +808,8 @@ def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str,
         chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
         processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
         pieces.append(chunk.map(
-            function, fn_kwargs=fn_kwargs | {"offset": start}, batched=True, batch_size=MAP_BATCH_ROWS,
-            writer_batch_size=MAP_BATCH_ROWS, with_indices=True, remove_columns=chunk.column_names,
+            function, fn_kwargs=fn_kwargs, batched=True, batch_size=MAP_BATCH_ROWS,
+            writer_batch_size=MAP_BATCH_ROWS, remove_columns=chunk.column_names,
             features=features, num_proc=processes if processes > 1 else None,
             cache_file_name=str(work / f"{label.replace(' ', '_')}-{number:05d}.arrow"),
             new_fingerprint=f"{work.name}-{label}-{number}",  # no hashing of the tokenizer for every chunk
@@ -768,6 +876,9 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     """One source, recognised in its own shape and columns: (location, shape, tokenized splits, counts per split).
 
     The tokenized splits still hold the dropped rows, with their reason in `_status` (`_write_kept` leaves them out)."""
+    import datasets
+    import numpy as np
+
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
     raw = load_source(data, stage)
@@ -780,7 +891,17 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]
-    shape = detect_shape(columns, first_row, stage)
+    try:
+        shape = detect_shape(columns, first_row, stage)
+    except DataError as error:
+        raise DataError(f"{location}: {error}") from None
+    named = {canonical: source for source, canonical in mapping.items()}
+    check_chat_messages(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
+                        tokenizer, location)
+    # Each row carries its number in its source split, so an error names the row a user finds in the file, not its
+    # place in the training split once the held-out rows are carved out.
+    raw = datasets.DatasetDict({name: split.add_column(SOURCE_ROW, np.arange(len(split), dtype=np.int64))
+                                for name, split in raw.items()})
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
     pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
@@ -791,12 +912,16 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
         raise DataError(f"{location} row 1: {error}") from None
     token_columns = list(_token_columns(first, stage, tokenizer, sft, chat_template))
     tokenized, counts = {}, {}
+    # The source split each kind's rows come from: its own (validation, test), else carved from the training split.
+    split_names = {kind: _find_split(list(raw), data.dataset_split, kind) or data.dataset_split
+                   for kind in ("validation", "test")} | {"train": data.dataset_split}
     for kind, split in split_datasets(raw, data, seed).items():
         if kind == "train" and fraction < 1:
             split = _take_fraction(split, fraction, seed)
         held_out = kind != "train"
         output = _output_features(normalized, token_columns, held_out)
         kwargs = {"shape": shape, "stage": stage, "location": location, "source": f"{location} ({kind})",
+                  "rows_in": location if len(raw) == 1 else f"{location} ({split_names[kind]})",
                   "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
                   "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
         tokenized[kind] = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc,

@@ -33,6 +33,7 @@ from src.config import (
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
 from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_reported
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
+from src.input_checks import check_model_inputs
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
@@ -617,6 +618,7 @@ def run(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(config.model)
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
+    check_model_inputs(model_path, config, tokenizer, stages)
     check_dpo_forward(stages, model_path)
     from src.embedded.model import cache_root
 

@@ -31,6 +31,11 @@ def resolve_model_path(model: ModelArguments) -> str:
         return str(ensure_embedded_model())
     path = Path(name).expanduser()
     if path.exists():
+        if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+            base = _adapter_base(path)
+            raise ModelError(f"--model_name_or_path {name} is a LoRA adapter, not a model: pass its merged model "
+                             f"(model/merged/, --merge_adapter), or merge it into its base{base} with peft's "
+                             "merge_and_unload and pass that")
         if not (path / "config.json").exists():
             raise ModelError(f"--model_name_or_path {name}: the directory has no config.json (not a saved model)")
         check_weight_files(path)
@@ -38,6 +43,14 @@ def resolve_model_path(model: ModelArguments) -> str:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelError(f"--model_name_or_path {name}: no such directory")
     return name
+
+
+def _adapter_base(path: Path) -> str:
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        return ""
+    return f" ({base})" if base else ""
 
 
 def check_weight_files(path: Path) -> None:
@@ -98,7 +111,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: no tokenizer file it can build a fast tokenizer from
+        if Path(path).is_dir() and not any((Path(path) / name).exists()
+                                           for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise ModelError(f"--model_name_or_path {path}: no tokenizer files (tokenizer.json, tokenizer.model or "
+                             "vocab.json) in the directory; save the tokenizer beside the model "
+                             "(tokenizer.save_pretrained)") from None
         raise ModelError(f"--model_name_or_path {path}: could not load its tokenizer ({_first_line(error)})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # what TRL does too; padded positions are masked out

@@ -173,6 +173,17 @@ def test_sharegpt_speakers_become_chat_roles(tiny_tokenizer, tmp_path):
                  dataset_name=str(write_jsonl(tmp_path / "narrator.jsonl", sharegpt)))
 
 
+def test_a_chat_without_an_assistant_turn_trains_as_text_and_has_no_sample_prompt(tiny_tokenizer, tmp_path):
+    # Held-out rows become sample prompts up to the last assistant turn; a chat with none used to crash there.
+    chats = [{"messages": row["prompt"] + ([] if index % 2 else row["chosen"])} for index, row in enumerate(ROWS)]
+    result = prepared(tiny_tokenizer, tmp_path, stage="sft", dataset_name=str(write_jsonl(tmp_path / "c.jsonl", chats)))
+    held_out = result.validation.to_list() + result.test.to_list()
+    assert len(result.train) == 32 and len(held_out) == 8
+    for row in held_out:
+        has_assistant = any(message["role"] == "assistant" for message in row["messages"])
+        assert bool(row["sample_prompt_ids"]) == has_assistant
+
+
 def test_tool_calling_chat_with_a_tools_column(tiny_tokenizer, tmp_path):
     tools = [{"type": "function", "function": {"name": "get_heart_rate", "description": "read the sensor",
                                                   "parameters": {"type": "object", "properties": {}}}}]
@@ -365,6 +376,6 @@ def test_a_bad_row_in_a_mixture_names_its_source(tiny_tokenizer, tmp_path):
     bad_rows = [dict(row) for row in ROWS]
     bad_rows[2] = dict(bad_rows[2], chosen=7)
     bad = write_jsonl(tmp_path / "bad.jsonl", bad_rows)
-    with pytest.raises(DataError, match=r"bad.jsonl \(train\) row 3: 'chosen' must be text"):
+    with pytest.raises(DataError, match=r"bad.jsonl row 3: 'chosen' must be text"):
         prepared(tiny_tokenizer, tmp_path, val_size=0, test_size=0,
                  dataset_mixture=[{"name": str(good)}, {"name": str(bad)}])

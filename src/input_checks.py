@@ -1,0 +1,218 @@
+"""The model-side mistakes a user can make, refused in the preflight before any data is tokenized or GPU is taken.
+
+Owns the checks that need only the model's config.json, its module names and the tokenizer, never its weights:
+
+- a model that is not a causal LM for SFT/DPO: an encoder-only checkpoint (BERT, RoBERTa, ...) loads through its
+  LM-head class and trains to the end with meaningless log-probs (each position sees the token it predicts); an
+  encoder-decoder (T5, BART) or a type transformers has no causal-LM class for;
+- a tokenizer with more token ids than the model's embeddings (tokens added without resizing the model, or a tokenizer
+  from another model): an `IndexError` deep in the first forward otherwise;
+- LoRA target modules that match no module, or match modules LoRA cannot adapt: PEFT's traceback at trainer creation
+  otherwise, after the data was prepared;
+- a --max_length past a model's learned position table (GPT-2, OPT): an `IndexError` in the first long batch;
+- a chat template that does not compile;
+- a --judge reward model that is not there (it is loaded only after training).
+
+`run()` in src/main_distributed.py calls `check_model_inputs` once, right after the tokenizer is loaded, so
+`--dry_run` (run_distributed.sh's preflight) shows it. The module names come from the model built on the meta device:
+no weights are read and no memory is allocated, even for a 70B model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+from src.config import EMBEDDED, Config, ModelArguments
+from src.models import ModelError, _first_line, _is_jinja_file
+
+CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model is a sequence classifier
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
+
+
+def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -> None:
+    """Refuse, with one line naming the flag and what to do, a model, tokenizer, length, LoRA setting or judge that
+    cannot work. `stages`: the run's planned stages (src/main_distributed.Stage: a name and its config)."""
+    model = run_config.model
+    check_judge(run_config.training.judge)
+    config = load_config(path, model.trust_remote_code)
+    causal = any(stage.name in CAUSAL_STAGES for stage in stages)
+    if causal:
+        check_causal(path, config)
+    check_vocabulary(path, config, tokenizer, model.chat_template_path)
+    check_chat_template(path, tokenizer, model.chat_template_path)
+    max_length = max(stage.config.data.max_length for stage in stages)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    past_positions = isinstance(positions, int) and max_length > positions
+    targets = model.lora_target_modules if model.use_peft else None
+    if not past_positions and not model.attn_implementation and (
+            targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR)):
+        return  # nothing left that needs the model built
+    built = meta_model(config, causal, model.trust_remote_code, path, model.attn_implementation)
+    if past_positions:
+        check_positions(path, built, positions, max_length)
+    if targets is not None:
+        check_lora_targets(path, built, model, causal)
+
+
+def check_judge(judge: str) -> None:
+    """--judge as a local reward model: it is loaded only after training, so a wrong path would cost the whole run."""
+    if judge in ("auto", "none", EMBEDDED):
+        return
+    path = Path(judge).expanduser()
+    if not path.exists():
+        if judge.startswith((".", "/", "~")) or judge.count("/") > 1:
+            raise ModelError(f"--judge {judge}: no such directory (a reward model's directory or Hub id; or auto, "
+                             f"none, {EMBEDDED})")
+        return  # a Hub id
+    if not any((path / name).exists() for name in ("config.json", "adapter_config.json")):
+        raise ModelError(f"--judge {judge}: not a saved reward model (no config.json); pass the model directory a "
+                         "reward stage saved (its model/final or model/merged)")
+
+
+def load_config(path: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as error:  # missing, not JSON, unknown model type, remote code refused
+        raise ModelError(f"--model_name_or_path {path}: could not read its config.json ({_first_line(error)}); "
+                         "check the model type, or pass --trust_remote_code for a model that ships its own code"
+                         ) from None
+
+
+def check_causal(path: str, config) -> None:
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    model_type = getattr(config, "model_type", "?")
+    advice = ("SFT and DPO train decoder-only causal LMs (Llama, Qwen, Mistral, ...): pass one of those, or train "
+              "this one as a reward model with --stage reward")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"--model_name_or_path {path}: a {model_type} model is an encoder-decoder; {advice}")
+    # BERT-like types have a causal-LM class too (BertLMHeadModel) that is only causal with is_decoder=True; a masked-LM
+    # checkpoint loaded through it attends to the tokens it predicts, so every log-prob and DPO number is meaningless.
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not (getattr(config, "is_decoder", False)
+                                                                or getattr(config, "causal", False)):  # XLM's CLM
+        raise ModelError(f"--model_name_or_path {path}: a {model_type} model is encoder-only (it sees the tokens it "
+                         f"would predict); {advice}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and \
+            "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
+        raise ModelError(f"--model_name_or_path {path}: transformers has no causal language model class for model "
+                         f"type {model_type!r}; {advice}")
+
+
+def check_vocabulary(path: str, config, tokenizer, chat_template_path: str | None) -> None:
+    if chat_template_path and not _is_jinja_file(chat_template_path):
+        return  # TRL's clone_chat_template resizes the embeddings to the tokenizer (src/models.py)
+    embeddings = getattr(config.get_text_config(), "vocab_size", None)
+    token_ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    if embeddings is not None and token_ids > embeddings:
+        raise ModelError(
+            f"--model_name_or_path {path}: its tokenizer has {token_ids} token ids but the model's embeddings hold "
+            f"{embeddings} (vocab_size in config.json): tokens were added to the tokenizer without resizing the model "
+            "(model.resize_token_embeddings(len(tokenizer)), then save both), or the tokenizer belongs to another model"
+        )
+
+
+def check_chat_template(path: str, tokenizer, chat_template_path: str | None) -> None:
+    """A template that does not compile fails at the first chat row; name where it came from instead."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return
+    from jinja2 import TemplateError
+    # transformers' own environment: its extensions ({% generation %}, loop controls) are part of the language.
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    where = f"--chat_template_path {chat_template_path}" if chat_template_path else \
+        f"--model_name_or_path {path}: its chat template"
+    for text in template.values() if isinstance(template, dict) else [template]:
+        try:
+            _compile_jinja_template(text)
+        except TemplateError as error:
+            line = f" at template line {error.lineno}" if getattr(error, "lineno", None) else ""
+            raise ModelError(f"{where} is not valid Jinja ({_first_line(error)}{line}); fix the template") from None
+
+
+def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", attn_implementation: str | None = None):
+    """The model as the stage loads it, built on the meta device: its modules without weights or memory. Building it
+    runs transformers' own checks of --attn_implementation (a name it knows, its package installed, a GPU for
+    FlashAttention), which otherwise fail after the data is prepared, as an ImportError traceback for FlashAttention."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model_class = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        with torch.device("meta"):
+            return model_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    except (ValueError, ImportError) as error:
+        if attn_implementation and any(word in str(error).lower() for word in ("attn", "attention")):
+            reason = _first_line(error).rstrip(".")
+            raise ModelError(f"--attn_implementation {attn_implementation}: {reason}; use sdpa (the default) or "
+                             "eager") from None
+        if not causal and isinstance(error, ValueError):  # a type with no sequence-classification head
+            raise ModelError(f"--model_name_or_path {path}: transformers has no sequence-classification (reward "
+                             f"model) class for model type {getattr(config, 'model_type', '?')!r}: pick another "
+                             "model") from None
+        raise
+
+
+def check_positions(path: str, built, positions: int, max_length: int) -> None:
+    """A model with learned absolute positions (GPT-2, OPT, ...) has no embedding for a position past its table: an
+    `IndexError` in the first batch that long. Rotary models run past max_position_embeddings, so they pass."""
+    import torch
+
+    tokens = built.get_input_embeddings()
+    # OPT's table has 2 extra rows (its positions start at 2).
+    learned = [name for name, module in built.named_modules() if isinstance(module, torch.nn.Embedding)
+               and module is not tokens and positions <= module.num_embeddings <= positions + 2]
+    if learned:
+        raise ModelError(f"--max_length {max_length}: {path} has learned positions for {positions} tokens only "
+                         f"(max_position_embeddings in config.json); lower --max_length to {positions} or less")
+
+
+def module_names(built, causal: bool) -> dict[str, str]:
+    """{module name: class name} of a (meta) model, without its output head."""
+    # PEFT never adapts the output head under all-linear; listing it as a choice would invite a 100M-parameter adapter.
+    head = built.get_output_embeddings() if causal else None
+    return {name: type(module).__name__ for name, module in built.named_modules()
+            if name and module is not head}
+
+
+# What LoRA can adapt: peft 0.21's LoraModel._create_new_module dispatch (4-bit layers are nn.Linear before loading).
+LORA_LAYER_TYPES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention")
+
+
+def check_lora_targets(path: str, built, model: ModelArguments, causal: bool) -> None:
+    """--lora_target_modules against the (meta) model's module names, with PEFT's matching rule: a string is a regular
+    expression over the whole module name, each name of a list matches a module of that name or ending in '.name'."""
+    targets = model.lora_target_modules
+    if targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR):
+        return
+    modules = module_names(built, causal)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, kind in modules.items() if kind in ("Linear", "Conv1D")})
+    choices = f"its linear layers are {', '.join(linear)}: use those names, or {ALL_LINEAR}"
+    if isinstance(targets, str):
+        try:
+            matched = [name for name in modules if re.fullmatch(targets, name)]
+        except re.error as error:
+            raise ModelError(f"--lora_target_modules {targets}: not a valid regular expression ({error}); "
+                             f"{choices}") from None
+        unmatched = [] if matched else [targets]
+    else:
+        matched, unmatched = [], []
+        for target in targets:
+            found = [name for name in modules if name == target or name.endswith(f".{target}")]
+            matched += found
+            if not found:
+                unmatched.append(target)
+    if unmatched:
+        close = difflib.get_close_matches(unmatched[0], linear, n=1, cutoff=0.85)  # v_pro, not nope_proj
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ModelError(f"--lora_target_modules {' '.join(unmatched)}: matches no module of {path}{hint}; {choices}")
+    unsupported = [name for name in matched if modules[name] not in LORA_LAYER_TYPES]
+    if unsupported:
+        raise ModelError(f"--lora_target_modules: {unsupported[0]} is a {modules[unsupported[0]]}, which LoRA cannot "
+                         f"adapt; {choices}")
