@@ -14,7 +14,6 @@ backend. It is pure, computed once, printed once and written to `training_info.j
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import math
@@ -1034,31 +1033,18 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
     return requested if world_size > 1 else "none"
 
 
-def default_learning_rate(stage: str) -> float:
-    """TRL's own default for the stage's trainer, read from the config class's source when it is written there as
-    `learning_rate: float = field(default=<number>, ...)` (TRL 1.x): importing the class imports transformers'
-    trainer stack (peft, bitsandbytes: 6 s of CPU), which the preflight needs for nothing else. Otherwise (another
-    layout), from the class itself."""
-    import ast
-    import importlib.util
+# TRL 1.16's default learning rate per stage (DPOConfig, SFTConfig, RewardConfig). Kept here rather than read from
+# the classes because importing one of them imports transformers' trainer stack: measured on the 2-core development
+# machine, `trl.trainer.dpo_config` + `dataclasses.fields` took 4.5-4.9 s (3 runs) against 0.2 s for the whole
+# `src.config` import, and the preflight (and check_gpu.py) needs the class for nothing else.
+# tests/test_config.py compares this table with the installed TRL's classes, so a TRL upgrade that moves a default
+# fails that test instead of silently changing the plan.
+TRL_DEFAULT_LEARNING_RATES = {"dpo": 1e-6, "sft": 2e-5, "reward": 1e-4}
 
-    module, class_name = {"dpo": ("trl.trainer.dpo_config", "DPOConfig"),
-                          "sft": ("trl.trainer.sft_config", "SFTConfig"),
-                          "reward": ("trl.trainer.reward_config", "RewardConfig")}[stage]
-    with contextlib.suppress(Exception):
-        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name == class_name:
-                for item in node.body:
-                    if (isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == "learning_rate"
-                            and isinstance(item.value, ast.Call)):
-                        for keyword in item.value.keywords:
-                            if keyword.arg == "default":
-                                value = ast.literal_eval(keyword.value)
-                                if isinstance(value, float):
-                                    return value
-    config_class = getattr(importlib.import_module(module), class_name)
-    return next(item.default for item in dataclasses.fields(config_class) if item.name == "learning_rate")
+
+def default_learning_rate(stage: str) -> float:
+    """TRL's default learning rate for the stage's trainer (sft_then_dpo: its final DPO stage)."""
+    return TRL_DEFAULT_LEARNING_RATES["dpo" if stage == "sft_then_dpo" else stage]
 
 
 def resolve_plan(config: Config, world: World, devices: Devices, stage: str | None = None) -> Plan:
