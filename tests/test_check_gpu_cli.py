@@ -87,11 +87,13 @@ def test_bench_on_gloo_is_measured_and_checked(bench_report):
     "arguments, message",
     [
         (["--params", "abc"], "--params 'abc': write a count such as 7e9"),
-        (["--config", "configs/no-such-recipe.yaml"], "--config configs/no-such-recipe.yaml: no such file"),
-        (["--model", "./no/such/model"], "--model ./no/such/model: no such model directory"),
+        # the launcher's own recipe reader and messages (src/config.py)
+        (["--config", "configs/no-such-recipe.yaml"], "--config: configs/no-such-recipe.yaml does not exist"),
+        (["--model_name_or_path", "./no/such/model"], "--model_name_or_path ./no/such/model: no such model directory"),
         (["--model", "x", "--params", "7e9"], "--model and --params both given"),
         (["--num_procs", "0"], "--num_procs 0"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus"], "--bogus: unknown key 'bogus'"),
+        (["--batch_size", "0"], "--batch_size must be a positive whole number, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_3(arguments, message):
@@ -110,9 +112,9 @@ def test_recipe_model_that_cannot_be_found_names_the_recipe(tmp_path):
 
 
 def test_unreachable_hub_id_fails_fast_and_suggests_params(tmp_path):
-    completed, seconds = run_cli("--model", "prefkit-tests/no-such-model", environ={"HF_HOME": str(tmp_path)})
+    completed, seconds = run_cli("--model_name_or_path", "prefkit-tests/no-such-model", environ={"HF_HOME": str(tmp_path)})
     assert completed.returncode == 3 and "Traceback" not in completed.stderr
-    assert "--model prefkit-tests/no-such-model" in completed.stderr and "--params" in completed.stderr
+    assert "--model_name_or_path prefkit-tests/no-such-model" in completed.stderr and "--params" in completed.stderr
     assert len(completed.stderr.strip().splitlines()) == 1
     assert seconds < 20  # the Hub client alone would retry for about half a minute
 
@@ -170,7 +172,8 @@ def test_unreadable_config_is_bad_input(tmp_path):
 def test_model_directory_through_the_command_line(tiny_model_directory, capsys):
     """LoRA r=8 on all linear layers, per layer: q 8*(64+64) + k 8*(64+32) + v 8*96 + o 8*128 + gate, up, down
     3 * 8*(64+128) = 1024 + 768 + 768 + 1024 + 4608 = 8192; two layers 16384."""
-    exit_code = main(["--json", "--model", str(tiny_model_directory), "--lora", "--stage", "sft", "--max_length", "256"])
+    exit_code = main(["--json", "--model_name_or_path", str(tiny_model_directory), "--use_lora", "--stage", "sft",
+                      "--max_length", "256"])
     report = json.loads(capsys.readouterr().out)
     assert exit_code == report["exit_code"]
     plan = report["memory_plan"]
@@ -178,7 +181,7 @@ def test_model_directory_through_the_command_line(tiny_model_directory, capsys):
     assert plan["lora_r"] == 16 and plan["lora_trainable_params"] == 16384 * 2  # r=16 is twice r=8
     chosen = [estimate for estimate in plan["estimates"] if estimate["chosen"]]
     assert [estimate["method"] for estimate in chosen] == ["lora"] and chosen[0]["fits"]
-    assert report["command"].endswith(f"--model_name_or_path {tiny_model_directory} --stage sft --max_length 256 --use_lora true")
+    assert report["command"].endswith(f"--model_name_or_path {tiny_model_directory} --use_lora --stage sft --max_length 256")
 
 
 def test_bench_timeout_kills_the_whole_process_group(tmp_path):

@@ -78,17 +78,6 @@ class MemoryPlan:
         return next((estimate for estimate in self.estimates if estimate.chosen), None)
 
 
-def resolve_precision(mixed_precision: str, device_kind: str, all_bf16: bool) -> str:
-    """The precision training will use: 'auto' is bf16 where every GPU has it natively, else fp16; fp32 on CPU."""
-    if mixed_precision == "no":
-        return "fp32"
-    if mixed_precision in ("fp16", "bf16"):
-        return mixed_precision
-    if device_kind == "cpu":
-        return "fp32"
-    return "bf16" if all_bf16 else "fp16"
-
-
 def _adapted(name: str, targets: list[str] | str) -> bool:
     # PEFT's matching: a module is adapted when its name equals a target or ends with "." + target.
     if targets == ALL_LINEAR:
@@ -181,12 +170,11 @@ def plan_memory(
     device_kind: str,
     budget_bytes: int,
     budget_source: str,
-    all_bf16: bool,
     deepspeed_installed: bool,
 ) -> MemoryPlan:
-    precision = resolve_precision(setup.mixed_precision, device_kind, all_bf16)
+    precision = setup.precision  # resolved by the launcher's plan (src/config.py resolve_precision)
     weight_bytes = 4 if precision == "fp32" else 2
-    batch, batch_source = setup.per_device_batch(num_devices)
+    batch, batch_source = setup.per_device_batch_size, setup.batch_source
     trainable = lora_trainable_params(shape, setup.lora_target_modules, setup.lora_r)
     per_sample = activation_bytes_per_sample(shape, setup, weight_bytes)
     plan = MemoryPlan(

@@ -236,7 +236,7 @@ def _topology(report: dict) -> list[str]:
 def _memory_plan(report: dict) -> list[str]:
     plan = report["memory_plan"]
     if plan is None:
-        return ["MEMORY PLAN", f"{INDENT}add --model NAME_OR_PATH or --params 7e9 (and --config RECIPE.yaml) for memory per GPU and the batch that fits"]
+        return ["MEMORY PLAN", f"{INDENT}add --model_name_or_path NAME_OR_PATH or --params 7e9 (and --config RECIPE.yaml) for memory per GPU and the batch that fits"]
     model = plan["model"]
     on_gpu = plan["device_kind"] == "gpu"
     devices = f"{plan['num_devices']} GPU(s)" if on_gpu else f"{plan['num_devices']} process(es) on CPU"
