@@ -495,6 +495,7 @@ def test_a_launch_line_checks_to_the_launchers_own_plan(capsys):
     assert (memory["per_device_batch_size"], memory["precision"]) == (8, "bf16")
     assert [estimate["method"] for estimate in memory["estimates"] if estimate["chosen"]] == ["lora"]
     assert report["command"] == "./run_distributed.sh 2 " + " ".join(launch)
+    assert "8 per device x 8 accumulation x 2 processes = 128 global (global mode)" in render(report)  # the table
 
 
 def test_the_printed_command_checks_to_the_same_plan(capsys, tmp_path):

@@ -99,7 +99,8 @@ def launch_plans(machine: Machine) -> tuple[list[tuple[str, Plan]], str | None]:
     command launches, with the precision that command passes; or no plan and the launcher's reason for refusing it."""
     config = machine.options.config
     if needs_fp16(machine):  # the command adds --mixed_precision fp16: plan what it will run
-        config = dataclasses.replace(config, training=dataclasses.replace(config.training, mixed_precision="fp16"))
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, mixed_precision="fp16"),
+                                     sources={**config.sources, "mixed_precision": "--mixed_precision"})
     processes = max(1, machine.num_procs)
     nodes = int(machine.environ.get("NNODES", "1").strip() or 1) if machine.multi_node else 1
     world = World(world_size=processes * nodes, local_world_size=processes)
@@ -205,13 +206,6 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
-def _plan_row(plan: Plan) -> dict[str, Any]:
-    """What the launcher's plan table shows, without where each setting came from."""
-    row = plan.as_dict()
-    row.pop("sources")
-    return row
-
-
 def _memory_plan_dict(plan: MemoryPlan | None) -> dict[str, Any] | None:
     if plan is None:
         return None
@@ -280,7 +274,7 @@ def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
                 "gpus": machine.launch_gpus,
                 "cuda_visible_devices": machine.environ.get("CUDA_VISIBLE_DEVICES"),
             },
-            "plan": {name: _plan_row(plan) for name, plan in plans},
+            "plan": {name: plan.as_dict() for name, plan in plans} or None,
             "memory_plan": _memory_plan_dict(machine.memory_plan),
             "bench": machine.bench if machine.bench else ({"skipped": bench_skipped} if bench_skipped else None),
             "problems": problems,
