@@ -405,7 +405,12 @@ def test_batch_too_large_for_the_gpu():
     problem = next(problem for problem in report["problems"] if problem["code"] == "does_not_fit")
     lora = next(estimate for estimate in report["memory_plan"]["estimates"] if estimate["method"] == "lora")
     assert 1 <= lora["max_per_device_batch"] < 64
-    assert f"set per_device_batch_size to {lora['max_per_device_batch']} or less" in problem["fix"]
+    assert f"add --micro_batch_size {lora['max_per_device_batch']} (or less)" in problem["fix"]
+    # The advice, taken: it fits, and the batch per optimizer step is the same.
+    advised = run_check(rtx4090_pcie(), "--params", "7e9", "--use_lora", "--per_device_batch_size", "64",
+                        "--gradient_checkpointing", "--micro_batch_size", str(lora["max_per_device_batch"]))
+    assert "does_not_fit" not in codes(advised)
+    assert advised["plan"]["dpo"]["global_batch_size"] == report["plan"]["dpo"]["global_batch_size"] == 128
 
 
 def test_bf16_recipe_on_a_t4(tmp_path):

@@ -844,9 +844,11 @@ def memory_fit(machine: Machine) -> list[Problem]:
         f"{plan.per_device_batch_size} and max_length {plan.max_length}, but {where} is available"
     )
     if chosen.max_per_device_batch >= 1:
+        # The launcher's cap: it keeps the batch per optimizer step through accumulation, in either batch mode
+        # (a --per_device_batch_size beside a recipe's global batch_size would be refused as two batch modes).
         fix = (
-            f"set per_device_batch_size to {chosen.max_per_device_batch} or less and raise gradient accumulation to "
-            "keep the global batch"
+            f"add --micro_batch_size {chosen.max_per_device_batch} (or less): the launcher keeps the batch per "
+            "optimizer step through gradient accumulation"
         )
     else:
         others = [f"{estimate.label} ({HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
