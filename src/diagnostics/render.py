@@ -249,6 +249,8 @@ def _launch_plan(report: dict) -> list[str]:
 
 def _memory_plan(report: dict) -> list[str]:
     plan = report["memory_plan"]
+    if plan is None and report.get("plan") is None:
+        return ["MEMORY PLAN", f"{INDENT}none: the launcher would not start this launch (see PROBLEMS)"]
     if plan is None:
         return ["MEMORY PLAN", f"{INDENT}add --model_name_or_path NAME_OR_PATH or --params 7e9 (and --config RECIPE.yaml) for memory per GPU and the batch that fits"]
     model = plan["model"]

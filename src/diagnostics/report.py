@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
+from src.config import ConfigError, Devices, Plan, World, stage_plans
+
 from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
 from .devices import CudaView, cuda_view, torch_cuda_uuids
-from src.config import ConfigError, Devices, Plan, World, stage_plans
-
 from .inputs import CheckOptions, with_plan
 from .memory_plan import MemoryPlan, plan_memory
 from .model_shape import ModelShape, shape_from_model, shape_from_param_count
@@ -102,7 +102,8 @@ def launch_plans(machine: Machine) -> tuple[list[tuple[str, Plan]], str | None]:
         config = dataclasses.replace(config, training=dataclasses.replace(config.training, mixed_precision="fp16"),
                                      sources={**config.sources, "mixed_precision": "--mixed_precision"})
     processes = max(1, machine.num_procs)
-    nodes = int(machine.environ.get("NNODES", "1").strip() or 1) if machine.multi_node else 1
+    nodes_text = machine.environ.get("NNODES", "1").strip()
+    nodes = int(nodes_text) if machine.multi_node and nodes_text.isdigit() else 1  # a bad NNODES is its own problem
     world = World(world_size=processes * nodes, local_world_size=processes)
     if machine.has_gpus:
         gpus = [machine.gpu(index) for index in (machine.launch_gpus or machine.cuda.visible)]
