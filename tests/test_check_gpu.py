@@ -546,3 +546,11 @@ def test_per_device_batch_size_keeps_the_launchers_meaning(capsys):
     assert notices == []
     assert (plan["batch_mode"], plan["per_device_batch_size"], plan["global_batch_size"]) == ("per_device", 6, 24)
     assert report["memory_plan"]["per_device_batch_size"] == 6
+
+
+def test_several_nodes_split_the_global_batch_over_every_process():
+    """NNODES=2 x 8 GPUs = 16 processes, as run_distributed.sh starts them: the global 64 is 4 per device."""
+    spec = h100_nvswitch()
+    spec.environ.update({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"})
+    plan = run_check(spec, "--params", "1e9", "--batch_size", "64")["plan"]["dpo"]
+    assert (plan["world_size"], plan["num_nodes"], plan["per_device_batch_size"]) == (16, 2, 4)

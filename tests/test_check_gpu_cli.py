@@ -204,3 +204,33 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_a_launch_line_checks_to_the_plan_the_launchers_dry_run_prints(tiny_model, tmp_path, capsys):
+    """`./run_distributed.sh 2 --config <shipped recipe> --batch_size 48 --use_lora ...`: the preflight the launcher
+    runs (`python -m src.main_distributed --dry_run` with the world size of 2 processes, as run_distributed.sh sets
+    it) prints the same batch and learning-rate rows as `check_gpu.py --num_procs 2 <same flags>` resolves. Global 48
+    over 2 = 24 per process, under the recipe's micro_batch_size 8: 8 per device x 3 accumulation."""
+    from dataclasses import replace
+
+    from conftest import preference_rows, write_jsonl
+    from fakes.machines import cpu_only, fake_sources
+    from src.config import Plan, format_plan
+    from src.diagnostics.model_shape import shape_from_param_count
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    launch = ["--config", "configs/dpo_qwen2.5-0.5b_ultrafeedback.yaml", "--batch_size", "48", "--use_lora",
+              "--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--val_size", "0.1",
+              "--test_size", "0.1", "--results_dir", str(tmp_path / "results")]
+    environ = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    dry_run = subprocess.run([sys.executable, "-m", "src.main_distributed", "--dry_run", *launch], cwd=REPOSITORY,
+                             capture_output=True, text=True, timeout=300, env=environ)
+    assert dry_run.returncode == 0, dry_run.stderr[-2000:]
+
+    sources = replace(fake_sources(cpu_only()), model_shape=lambda name, subject: shape_from_param_count(1_000_000))
+    assert main(["--json", "--num_procs", "2", *launch], sources) in (0, 1, 2)
+    report = json.loads(capsys.readouterr().out)
+    checked = format_plan(Plan(**report["plan"]["dpo"])).splitlines()
+    rows = [line for line in checked if line.strip().startswith(("batch", "learning rate", "precision", "processes"))]
+    assert len(rows) == 4 and all(row in dry_run.stdout.splitlines() for row in rows), (rows, dry_run.stdout)
+    assert "8 per device x 3 accumulation x 2 processes = 48 global" in rows[1]
