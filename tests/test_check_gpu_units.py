@@ -178,6 +178,8 @@ def test_activations_per_sample(tiny_shape):
     checkpointed = TrainingSetup(stage="dpo", max_length=3, gradient_checkpointing=True)
     # only each layer's 16-bit input (2 * 4 bytes) is kept, plus one layer recomputed in backward
     assert activation_bytes_per_sample(tiny_shape, checkpointed, 2) == 6 * (2 * 2 * 4 + 128 + 100)
+    reward = TrainingSetup(stage="reward", max_length=3, gradient_checkpointing=False)
+    assert activation_bytes_per_sample(tiny_shape, reward, 2) == 6 * (2 * 128)  # a pair, a one-number score head
     sft_fp32 = TrainingSetup(stage="sft", max_length=3, gradient_checkpointing=False)
     assert activation_bytes_per_sample(tiny_shape, sft_fp32, 4) == 3 * (2 * 256 + 10 * 12)
 

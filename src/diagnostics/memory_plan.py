@@ -13,7 +13,8 @@ Activations are an estimate, per token per decoder layer of a Llama-style block 
 attention, which stores no seq x seq matrix: in 16-bit, 12*hidden + 4*kv + 8*intermediate bytes (norm inputs,
 Q/K/V, attention output, MLP gate/up/product). Gradient checkpointing keeps only each layer's input (2*hidden
 bytes) plus one layer recomputed in backward. The logits add vocab * (2 + 8) bytes per token (16-bit logits, fp32
-upcast and fp32 log-probs). DPO runs chosen and rejected: twice the tokens. The reference forward runs without
+upcast and fp32 log-probs). DPO runs chosen and rejected: twice the tokens. A reward model (stage reward) runs both
+too, but scores each sequence with a one-number head: no vocabulary logits. The reference forward runs without
 gradients and its activations are freed at once, so it is left out.
 
 Margin: 10% for allocator fragmentation, plus 1 GiB per process for the CUDA context and cuBLAS/NCCL workspaces
@@ -121,15 +122,16 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 
 
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
-    """Activations kept for backward for one sequence (one chosen+rejected pair for DPO); see the module doc."""
-    tokens = setup.max_length * (2 if setup.stage == "dpo" else 1)
+    """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward); see the module
+    doc."""
+    tokens = setup.max_length * (2 if setup.stage in ("dpo", "reward") else 1)
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)
     if setup.gradient_checkpointing:
         layers = shape.num_layers * activation_bytes * shape.hidden_size + block
     else:
         layers = shape.num_layers * block
-    logits = shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
+    logits = 0 if setup.stage == "reward" else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
     return int(tokens * (layers + logits))
 
 
