@@ -2,8 +2,13 @@
 
     python check_gpu.py                                   # software, driver, GPUs, topology, problems, verdict
     python check_gpu.py --bench                           # + all-reduce bus bandwidth (NCCL on GPUs, gloo on CPU)
-    python check_gpu.py --config configs/default.yaml --model Qwen/Qwen2.5-7B   # + memory per GPU for the recipe
-    python check_gpu.py --params 7e9 --lora --json        # one JSON object for programs
+    python check_gpu.py --num_procs 8 --config configs/dpo_qwen2.5-0.5b_ultrafeedback.yaml --batch_size 64 --use_lora
+                                                          # + the launcher's plan and memory per GPU for that launch
+    python check_gpu.py --params 7e9 --use_lora --json    # a size instead of a model; one JSON object for programs
+
+Every flag of the launcher is taken with its meaning (src/config.py parses them, recipe and all), so
+`./run_distributed.sh N ARGS` checks as `python check_gpu.py --num_procs N ARGS`, and the command the check prints
+runs as it was checked.
 
 Exit status: 0 ready, 1 ready with warnings, 2 not ready, 3 bad input (nothing was checked).
 """
@@ -15,82 +20,107 @@ import json
 import signal
 import sys
 
-from src.diagnostics.inputs import CheckOptions, InputError, STAGES, parse_param_count, training_setup
+from src.diagnostics.inputs import CheckOptions, InputError, parse_launch_arguments, parse_param_count, training_setup
 from src.diagnostics.render import render
 from src.diagnostics.report import Sources, check
 from src.diagnostics.verdict import EXIT_BAD_INPUT
 
+# check_gpu's own flags; every other flag is the launcher's.
+OWN_FLAGS = ("json", "bench", "bench_timeout", "num_procs", "params", "help")
+# The names check_gpu.py used before it took the launcher's, kept for one release (with one notice line each).
+OLD_NAMES = {"model": ("--model_name_or_path",), "lora": ("--use_lora",), "qlora": ("--use_lora", "--load_in_4bit")}
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on a usage error, which here means "not ready"; bad input exits 3."""
+    """check_gpu's own flags through argparse, every other flag to the launcher's parser (src/config.py)."""
 
     def error(self, message: str) -> None:
+        # argparse exits 2 on a usage error, which here means "not ready"; bad input exits 3.
         self.print_usage(sys.stderr)
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        own, launch, old_names = split_arguments(list(sys.argv[1:] if args is None else args))
+        namespace = super().parse_args(own, namespace)
+        namespace.launch_arguments, namespace.old_names = launch, old_names
+        return namespace
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(check_gpu's own tokens, the launcher's tokens with old names translated, the old names used). A flag owns the
+    tokens after it up to the next `--flag`, as the launcher reads them."""
+    groups: list[list[str]] = []
+    for token in argv:
+        if token.startswith("--") or token == "-h" or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    own, launch, old_names = [], [], []
+    for group in groups:
+        name, equals, value = group[0].lstrip("-").partition("=")
+        if name in OWN_FLAGS or not group[0].startswith("--"):
+            own += group
+        elif name in OLD_NAMES:
+            new = list(OLD_NAMES[name])
+            new[0] += equals + value  # --model=x -> --model_name_or_path=x
+            launch += new + group[1:]
+            if name not in old_names:
+                old_names.append(name)
+        else:
+            launch += group
+    return own, launch, old_names
+
+
+def old_name_notice(name: str) -> str:
+    return (f"note: --{name} is now {' '.join(OLD_NAMES[name])} (the launcher's name); the old name works until the "
+            "next release")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="check_gpu.py",
-        description="Pre-launch check: software, driver and GPUs, topology and NCCL transport, memory plan, "
-        "bandwidth, problems with fixes, and the launch command.",
+        usage="python check_gpu.py [--num_procs N] [--json] [--bench] [--params COUNT] [LAUNCHER FLAGS ...]",
+        description="Pre-launch check: software, driver and GPUs, topology and NCCL transport, the launcher's plan, "
+        "memory plan, bandwidth, problems with fixes, and the launch command. Takes every flag of "
+        "./run_distributed.sh (--config RECIPE.yaml, --model_name_or_path, --batch_size, --use_lora, ...; "
+        "`python -m src.main_distributed --help` lists them) with the same meaning.",
         epilog="Exit status: 0 ready, 1 ready with warnings, 2 not ready, 3 bad input.",
+        allow_abbrev=False,  # a prefix of a launcher flag must not be taken for one of these
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--bench", action="store_true", help="measure all-reduce bus bandwidth in a child process")
     parser.add_argument("--bench_timeout", type=float, default=90.0, help="seconds before a hung measurement is killed")
-    parser.add_argument("--num_procs", type=int, help="processes you intend to launch (default: one per usable GPU, 2 on CPU)")
-    plan = parser.add_argument_group("memory plan (recipe keys; flags override --config)")
-    plan.add_argument("--config", help="recipe YAML, e.g. configs/default.yaml")
-    plan.add_argument("--model", help="local model directory with config.json, or a Hub id (cached or reachable)")
-    plan.add_argument("--params", help="parameter count instead of a model, e.g. 7e9 or 1.5B")
-    plan.add_argument("--stage", choices=STAGES, help="dpo (chosen + rejected, reference model) or sft")
-    plan.add_argument("--max_length", type=int, help="tokens per sequence (prompt + completion)")
-    plan.add_argument("--per_device_batch_size", type=int, help="sequences (DPO: pairs) per GPU per step")
-    plan.add_argument("--lora", action="store_true", help="LoRA adapters on a frozen 16-bit base")
-    plan.add_argument("--qlora", action="store_true", help="LoRA adapters on a 4-bit (NF4) base")
-    plan.add_argument("--precompute_ref_log_probs", choices=["true", "false"],
-                      help="DPO: reference log-probs computed before training, so no reference model in memory "
-                      "(the toolkit's default: true; false keeps a reference copy per GPU)")
-    plan.add_argument("--gradient_checkpointing", action="store_true",
-                      help="recompute activations in the backward pass (the toolkit's default is off)")
+    parser.add_argument("--num_procs", type=int,
+                        help="processes per node you intend to launch, run_distributed.sh's N (default: one per usable "
+                        "GPU, 2 on CPU); the launcher's global --batch_size is split over them")
+    parser.add_argument("--params", help="parameter count instead of a model, e.g. 7e9 or 1.5B")
     return parser
 
 
 def options_from(args: argparse.Namespace) -> CheckOptions:
     if args.num_procs is not None and args.num_procs < 1:
         raise InputError(f"--num_procs {args.num_procs}: give at least 1")
-    if args.model and args.params:
-        raise InputError("--model and --params both given: name the model, or give its size, not both")
-    flags = {
-        "model_name_or_path": args.model,
-        "stage": args.stage,
-        "max_length": args.max_length,
-        "per_device_batch_size": args.per_device_batch_size,
-        "use_lora": True if args.lora or args.qlora else None,
-        "load_in_4bit": True if args.qlora else None,
-        "gradient_checkpointing": True if args.gradient_checkpointing else None,
-        "precompute_ref_log_probs": None if args.precompute_ref_log_probs is None else
-        args.precompute_ref_log_probs == "true",
-    }
-    flags = {name: value for name, value in flags.items() if value is not None}
-    overrides = dict(flags)
-    if args.params is not None:
-        overrides["param_count"] = parse_param_count(args.params)
-    if args.lora or args.qlora:
-        overrides["method_chosen"] = True
+    param_count = parse_param_count(args.params) if args.params is not None else None
+    config = parse_launch_arguments(args.launch_arguments, size_given=param_count is not None)
+    if param_count is not None and config.sources.get("model_name_or_path", "").startswith("--"):
+        model_flag = "--model" if "model" in args.old_names else "--model_name_or_path"
+        raise InputError(f"{model_flag} and --params both given: name the model, or give its size, not both")
     return CheckOptions(
         as_json=args.json,
         bench=args.bench,
         bench_timeout_s=args.bench_timeout,
         num_procs=args.num_procs,
-        training=training_setup(args.config, overrides),
-        training_flags=flags,
+        config=config,
+        launch_arguments=args.launch_arguments,
+        param_count=param_count,
+        training=training_setup(config, param_count),
     )
 
 
 def main(argv: list[str] | None = None, sources: Sources | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in args.old_names:
+        print(old_name_notice(name), file=sys.stderr)
     try:
         options = options_from(args)
         report = check(options, sources or Sources.this_machine())

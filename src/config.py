@@ -14,7 +14,6 @@ backend. It is pure, computed once, printed once and written to `training_info.j
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import enum
@@ -624,8 +623,12 @@ def format_help() -> str:
     return "\n".join(lines)
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Flags (and the recipe named by --config) → Config. Raises ConfigError with one readable line."""
+def parse_config(argv: list[str] | None = None, require_sources: bool = True, default_recipe: bool = True) -> Config:
+    """Flags (and the recipe named by --config) → Config. Raises ConfigError with one readable line.
+
+    For check_gpu.py, which plans memory from a model or from a size alone: `require_sources=False` lets the model and
+    the dataset be left out (everything else is checked as for a launch); `default_recipe=False` keeps
+    configs/default.yaml out when nothing names a recipe, model or data (a size stands in for the model)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         raise HelpRequested
@@ -638,7 +641,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     sagemaker = sagemaker_defaults()
     if recipe_paths:
         recipe = str(recipe_paths[0])
-    elif not {"model_name_or_path", "dataset_name"} & (flag_keys | set(sagemaker)):
+    elif default_recipe and not {"model_name_or_path", "dataset_name"} & (flag_keys | set(sagemaker)):
         recipe = str(DEFAULT_RECIPE)  # no recipe, no model, no data: the embedded default
     else:
         recipe = None
@@ -676,6 +679,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     config = _build_config(requested, stage)
     config.recipe = recipe
     config.sources = sources
+    if require_sources:
+        for problem in missing_sources(config):
+            raise ConfigError(problem)
     return config
 
 
@@ -869,11 +875,19 @@ def validate(config: Config) -> None:
         except HFValidationError:
             raise ConfigError(f"--hub_model_id {config.hub.hub_model_id!r} is not a Hub repository id: use ORG/NAME "
                               "(letters, digits, '-', '_', '.')") from None
-    if config.model.model_name_or_path is None:
-        raise ConfigError(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
+    if config.model.lora_r < 1:
+        raise ConfigError(f"--lora_r must be a positive whole number, got {config.model.lora_r}")
     validate_mixture(config.data.dataset_mixture)
+
+
+def missing_sources(config: Config) -> list[str]:
+    """What a launch still needs before it can start: the model and the data (one line each)."""
+    missing = []
+    if config.model.model_name_or_path is None:
+        missing.append(f"--model_name_or_path is required (a Hub id or a local directory, or '{EMBEDDED}')")
     if config.data.dataset_name is None and not config.data.dataset_mixture:
-        raise ConfigError(f"--dataset_name is required (a Hub id, a directory or a data file, or '{EMBEDDED}')")
+        missing.append(f"--dataset_name is required (a Hub id, a directory or a data file, or '{EMBEDDED}')")
+    return missing
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1061,31 +1075,18 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
     return requested if world_size > 1 else "none"
 
 
-def default_learning_rate(stage: str) -> float:
-    """TRL's own default for the stage's trainer, read from the config class's source when it is written there as
-    `learning_rate: float = field(default=<number>, ...)` (TRL 1.x): importing the class imports transformers'
-    trainer stack (peft, bitsandbytes: 6 s of CPU), which the preflight needs for nothing else. Otherwise (another
-    layout), from the class itself."""
-    import ast
-    import importlib.util
+# TRL 1.16's default learning rate per stage (DPOConfig, SFTConfig, RewardConfig). Kept here rather than read from
+# the classes because importing one of them imports transformers' trainer stack: measured on the 2-core development
+# machine, `trl.trainer.dpo_config` + `dataclasses.fields` took 4.5-4.9 s (3 runs) against 0.2 s for the whole
+# `src.config` import, and the preflight (and check_gpu.py) needs the class for nothing else.
+# tests/test_config.py compares this table with the installed TRL's classes, so a TRL upgrade that moves a default
+# fails that test instead of silently changing the plan.
+TRL_DEFAULT_LEARNING_RATES = {"dpo": 1e-6, "sft": 2e-5, "reward": 1e-4}
 
-    module, class_name = {"dpo": ("trl.trainer.dpo_config", "DPOConfig"),
-                          "sft": ("trl.trainer.sft_config", "SFTConfig"),
-                          "reward": ("trl.trainer.reward_config", "RewardConfig")}[stage]
-    with contextlib.suppress(Exception):
-        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name == class_name:
-                for item in node.body:
-                    if (isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == "learning_rate"
-                            and isinstance(item.value, ast.Call)):
-                        for keyword in item.value.keywords:
-                            if keyword.arg == "default":
-                                value = ast.literal_eval(keyword.value)
-                                if isinstance(value, float):
-                                    return value
-    config_class = getattr(importlib.import_module(module), class_name)
-    return next(item.default for item in dataclasses.fields(config_class) if item.name == "learning_rate")
+
+def default_learning_rate(stage: str) -> float:
+    """TRL's default learning rate for the stage's trainer (sft_then_dpo: its final DPO stage)."""
+    return TRL_DEFAULT_LEARNING_RATES["dpo" if stage == "sft_then_dpo" else stage]
 
 
 def resolve_plan(config: Config, world: World, devices: Devices, stage: str | None = None) -> Plan:
@@ -1120,6 +1121,17 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         ddp_comm_hook=resolve_ddp_comm_hook(training.ddp_comm_hook, world.world_size, devices),
         sources=value_sources(config, PLAN_ROW_KEYS, fallbacks),
     )
+
+
+def stage_plans(config: Config, world: World, devices: Devices) -> list[tuple[str, Config, Plan]]:
+    """(stage name, the stage's config, its plan) for every stage the run trains, in order: sft_then_dpo is an SFT
+    stage (with the recipe's `sft:` overrides) and then DPO. The launcher and check_gpu.py both plan through this."""
+    names = ["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]
+    plans = []
+    for name in names:
+        staged = stage_config(config, name)
+        plans.append((name, staged, resolve_plan(staged, world, devices, name)))
+    return plans
 
 
 # The settings each row of the printed plan is resolved from (a None value is left out of the row's note).

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import launch_verdict, packed_dpo_support, run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
-    parse_config, resolve_plan, sagemaker_process_hint, stage_config,
+    parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
 from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_reported
@@ -97,10 +97,10 @@ def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", envir
 def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
     """Every stage's config, plan and directories: all validated before the first one starts."""
     run_dir = Path(config.training.results_dir) / run_name_for(config)
-    names = ["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]
+    planned = stage_plans(config, world, devices)
+    names = [name for name, _staged, _plan in planned]
     stages = []
-    for name in names:
-        staged = stage_config(config, name)
+    for name, staged, plan in planned:
         # In a pipeline the final stage's results are the run's; earlier stages get a subdirectory.
         stage_dir = run_dir if name == names[-1] else run_dir / name
         staged.training.run_name = str(stage_dir.relative_to(config.training.results_dir))
@@ -111,7 +111,7 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
                 "batch_rebalance":
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
                               "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
-        stages.append(Stage(name, staged, resolve_plan(staged, world, devices, name), stage_dir, output_dir,
+        stages.append(Stage(name, staged, plan, stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir)))
     return stages
 

@@ -1,11 +1,14 @@
 """check_gpu.py on whole machines described as data (tests/fakes/machines.py): the topology matrix, the transport
 NCCL picks per pair, the problems, the verdict, the exit status and the launch command."""
 
+import json
+import shlex
 from dataclasses import replace
 
 import pytest
 
 from check_gpu import build_parser, options_from
+from src.diagnostics.model_shape import shape_from_param_count
 from src.diagnostics.render import render
 from src.diagnostics.report import check
 from src.diagnostics.system import InfinibandPort
@@ -77,7 +80,8 @@ def test_rtx4090_with_an_old_driver_also_needs_ib_disabled_for_accelerate():
 
 
 def test_t4_with_a100_sizes_by_the_smallest_and_uses_fp16():
-    report = run_check(t4_a100_mixed(), "--params", "1.5e9", "--lora")
+    # The launcher's default global batch (32: 16 per GPU on two) does not fit a T4; a micro-batch cap of 1 does.
+    report = run_check(t4_a100_mixed(), "--params", "1.5e9", "--use_lora", "--micro_batch_size", "1")
     topology = report["topology"]
     assert topology["links"] == [["X", "NODE"], ["NODE", "X"]]
     assert topology["transport"] == [["X", "SHM"], ["SHM", "X"]]
@@ -90,7 +94,9 @@ def test_t4_with_a100_sizes_by_the_smallest_and_uses_fp16():
     plan = report["memory_plan"]
     assert plan["precision"] == "fp16" and plan["budget_source"] == "free on GPU 0, the smallest"
     assert plan["budget_bytes"] == (15360 - 512) * MIB
-    assert report["command"] == "./run_distributed.sh 2 --use_lora true --mixed_precision fp16"
+    assert (report["plan"]["dpo"]["per_device_batch_size"], report["plan"]["dpo"]["gradient_accumulation_steps"]) == (1, 16)
+    assert report["plan"]["dpo"]["precision"] == "fp16"
+    assert report["command"] == "./run_distributed.sh 2 --use_lora --micro_batch_size 1 --mixed_precision fp16"
     assert report["exit_code"] == 1
 
 
@@ -116,7 +122,9 @@ def test_single_mig_gpu_leaves_nothing_to_run():
 def test_gpu_with_ecc_errors_is_not_ready_and_left_out():
     report = run_check(a100_ecc())
     assert every_pair_off_diagonal(report["topology"]["links"], "NV4")
-    assert codes(report) == ["memory_errors"]
+    # The default recipe's global batch (32) does not split over the 3 GPUs left: the launcher would stop.
+    assert codes(report) == ["memory_errors", "plan_refused"]
+    assert "--batch_size 32 cannot be split across 3 processes" in report["problems"][1]["what"]
     assert report["problems"][0]["gpus"] == [2]
     assert "pending row remap" in report["problems"][0]["what"]
     assert report["gpus"][2]["excluded"] == "uncorrected ECC errors"
@@ -125,12 +133,12 @@ def test_gpu_with_ecc_errors_is_not_ready_and_left_out():
 
 
 def test_gpu_busy_with_another_process_warns_and_shrinks_the_budget():
-    report = run_check(a100_busy(), "--params", "7e9", "--lora")
+    report = run_check(a100_busy(), "--params", "7e9", "--use_lora", "--micro_batch_size", "1")
     assert codes(report) == ["memory_held"]
     assert "PID 48213 python3 30.0 GiB" in report["problems"][0]["what"]
     assert report["memory_plan"]["budget_source"] == "free on GPU 1, the smallest"
     assert report["memory_plan"]["budget_bytes"] == (81920 - 512) * MIB - 30 * 1024**3
-    assert (report["exit_code"], report["command"]) == (1, "./run_distributed.sh 2 --use_lora true")
+    assert (report["exit_code"], report["command"]) == (1, "./run_distributed.sh 2 --use_lora --micro_batch_size 1")
 
 
 def test_gpus_across_two_sockets():
@@ -392,12 +400,17 @@ def test_a_full_fine_tune_that_fits_only_sharded_names_the_strategy(tmp_path):
 
 
 def test_batch_too_large_for_the_gpu():
-    report = run_check(rtx4090_pcie(), "--params", "7e9", "--lora", "--per_device_batch_size", "64",
+    report = run_check(rtx4090_pcie(), "--params", "7e9", "--use_lora", "--per_device_batch_size", "64",
                        "--gradient_checkpointing")
     problem = next(problem for problem in report["problems"] if problem["code"] == "does_not_fit")
     lora = next(estimate for estimate in report["memory_plan"]["estimates"] if estimate["method"] == "lora")
     assert 1 <= lora["max_per_device_batch"] < 64
-    assert f"set per_device_batch_size to {lora['max_per_device_batch']} or less" in problem["fix"]
+    assert f"add --micro_batch_size {lora['max_per_device_batch']} (or less)" in problem["fix"]
+    # The advice, taken: it fits, and the batch per optimizer step is the same.
+    advised = run_check(rtx4090_pcie(), "--params", "7e9", "--use_lora", "--per_device_batch_size", "64",
+                        "--gradient_checkpointing", "--micro_batch_size", str(lora["max_per_device_batch"]))
+    assert "does_not_fit" not in codes(advised)
+    assert advised["plan"]["dpo"]["global_batch_size"] == report["plan"]["dpo"]["global_batch_size"] == 128
 
 
 def test_bf16_recipe_on_a_t4(tmp_path):
@@ -444,3 +457,100 @@ def test_bench_passing_reports_bus_bandwidth():
 def test_bench_needs_two_gpus():
     spec = a100_mig()
     assert run_check(spec, "--bench")["bench"] == {"skipped": "needs at least 2 usable GPUs"}
+
+
+# --- the launcher's flags and plan ------------------------------------------------------------------------------------
+
+QWEN_RECIPE = "configs/dpo_qwen2.5-0.5b_ultrafeedback.yaml"
+
+
+def sized_sources(spec, params=494_000_000):
+    """The machine as data, and any model named measured as a Llama-style shape of `params` (no Hub here)."""
+    return replace(fake_sources(spec), model_shape=lambda name, subject: shape_from_param_count(params))
+
+
+def check_json(capsys, spec, arguments):
+    """main() on a described machine: (report, the stderr lines)."""
+    from check_gpu import main
+
+    exit_code = main(["--json", *arguments], sized_sources(spec))
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert exit_code == report["exit_code"]
+    return report, err.splitlines()
+
+
+def test_a_launch_line_checks_to_the_launchers_own_plan(capsys):
+    """`./run_distributed.sh 2 --config <qwen recipe> --batch_size 128 --base_batch_size 64 --use_lora` as
+    `check_gpu.py --num_procs 2 ...`: global 128 over 2 GPUs = 64 per process, capped by the recipe's
+    micro_batch_size 8 -> 8 per device x 8 accumulation; learning rate 5e-7 x sqrt(128 / 64)."""
+    from src.config import Devices, World, parse_config
+    from src.main_distributed import plan_stages  # the function --dry_run prints the plan of
+
+    launch = ["--config", QWEN_RECIPE, "--batch_size", "128", "--base_batch_size", "64", "--use_lora"]
+    report, _ = check_json(capsys, h100_nvswitch(), ["--num_procs", "2", *launch])
+    (stage,) = plan_stages(parse_config(launch), World(world_size=2, local_world_size=2),
+                           Devices("cuda", ("NVIDIA H100 80GB HBM3",) * 2, ((9, 0),) * 2))
+    checked = report["plan"]["dpo"]
+    keys = ("per_device_batch_size", "gradient_accumulation_steps", "global_batch_size", "learning_rate", "precision")
+    assert {key: checked[key] for key in keys} == {key: getattr(stage.plan, key) for key in keys}
+    assert (checked["per_device_batch_size"], checked["gradient_accumulation_steps"]) == (8, 8)
+    assert checked["learning_rate"] == pytest.approx(5e-7 * 2 ** 0.5)
+    memory = report["memory_plan"]
+    assert (memory["per_device_batch_size"], memory["precision"]) == (8, "bf16")
+    assert [estimate["method"] for estimate in memory["estimates"] if estimate["chosen"]] == ["lora"]
+    assert report["command"] == "./run_distributed.sh 2 " + " ".join(launch)
+    assert "8 per device x 8 accumulation x 2 processes = 128 global (global mode)" in render(report)  # the table
+
+
+def test_the_printed_command_checks_to_the_same_plan(capsys, tmp_path):
+    """The command (with what the check added: --mixed_precision fp16 on a T4) fed back gives the same plan and
+    command."""
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text("stage: dpo\nmodel_name_or_path: some/model\ndataset_name: some/data\nbatch_size: 12\n"
+                      "micro_batch_size: 3\n")
+    first, _ = check_json(capsys, t4_a100_mixed(), ["--config", str(recipe), "--use_lora", "--learning_rate", "1e-5"])
+    assert "--mixed_precision fp16" in first["command"]
+    words = shlex.split(first["command"])
+    assert words[0] == "./run_distributed.sh"
+    again, _ = check_json(capsys, t4_a100_mixed(), ["--num_procs", words[1], *words[2:]])
+    assert again["plan"] == first["plan"] and again["command"] == first["command"]
+    assert (first["plan"]["dpo"]["per_device_batch_size"], first["plan"]["dpo"]["gradient_accumulation_steps"]) == (3, 2)
+    assert first["plan"]["dpo"]["precision"] == "fp16"
+
+
+def test_old_flag_names_work_with_one_notice_each(capsys, tmp_path):
+    old, old_notices = check_json(capsys, h100_nvswitch(), ["--num_procs", "2", "--model", "some/model", "--qlora",
+                                                             "--lora", "--stage", "sft"])
+    assert old_notices == [
+        "note: --model is now --model_name_or_path (the launcher's name); the old name works until the next release",
+        "note: --qlora is now --use_lora --load_in_4bit (the launcher's name); the old name works until the next "
+        "release",
+        "note: --lora is now --use_lora (the launcher's name); the old name works until the next release",
+    ]
+    new, new_notices = check_json(capsys, h100_nvswitch(), ["--num_procs", "2", "--model_name_or_path", "some/model",
+                                                            "--use_lora", "--load_in_4bit", "--use_lora", "--stage",
+                                                            "sft"])
+    assert new_notices == []
+    assert old["plan"] == new["plan"] and old["memory_plan"] == new["memory_plan"]
+    assert old["command"] == new["command"]  # printed with the launcher's names
+    assert [estimate["method"] for estimate in old["memory_plan"]["estimates"] if estimate["chosen"]] == ["qlora"]
+
+
+def test_per_device_batch_size_keeps_the_launchers_meaning(capsys):
+    """The launcher's --per_device_batch_size (per-device mode: the global batch grows with the processes, and the
+    learning rate with it) is the flag check_gpu took before, with the same per-device batch: no notice."""
+    report, notices = check_json(capsys, h100_nvswitch(), ["--num_procs", "4", "--params", "1e9",
+                                                           "--per_device_batch_size", "6"])
+    plan = report["plan"]["dpo"]
+    assert notices == []
+    assert (plan["batch_mode"], plan["per_device_batch_size"], plan["global_batch_size"]) == ("per_device", 6, 24)
+    assert report["memory_plan"]["per_device_batch_size"] == 6
+
+
+def test_several_nodes_split_the_global_batch_over_every_process():
+    """NNODES=2 x 8 GPUs = 16 processes, as run_distributed.sh starts them: the global 64 is 4 per device."""
+    spec = h100_nvswitch()
+    spec.environ.update({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"})
+    plan = run_check(spec, "--params", "1e9", "--batch_size", "64")["plan"]["dpo"]
+    assert (plan["world_size"], plan["num_nodes"], plan["per_device_batch_size"]) == (16, 2, 4)

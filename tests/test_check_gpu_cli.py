@@ -87,11 +87,13 @@ def test_bench_on_gloo_is_measured_and_checked(bench_report):
     "arguments, message",
     [
         (["--params", "abc"], "--params 'abc': write a count such as 7e9"),
-        (["--config", "configs/no-such-recipe.yaml"], "--config configs/no-such-recipe.yaml: no such file"),
-        (["--model", "./no/such/model"], "--model ./no/such/model: no such model directory"),
+        # the launcher's own recipe reader and messages (src/config.py)
+        (["--config", "configs/no-such-recipe.yaml"], "--config: configs/no-such-recipe.yaml does not exist"),
+        (["--model_name_or_path", "./no/such/model"], "--model_name_or_path ./no/such/model: no such model directory"),
         (["--model", "x", "--params", "7e9"], "--model and --params both given"),
         (["--num_procs", "0"], "--num_procs 0"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus"], "--bogus: unknown key 'bogus'"),
+        (["--batch_size", "0"], "--batch_size must be a positive whole number, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_3(arguments, message):
@@ -110,9 +112,9 @@ def test_recipe_model_that_cannot_be_found_names_the_recipe(tmp_path):
 
 
 def test_unreachable_hub_id_fails_fast_and_suggests_params(tmp_path):
-    completed, seconds = run_cli("--model", "prefkit-tests/no-such-model", environ={"HF_HOME": str(tmp_path)})
+    completed, seconds = run_cli("--model_name_or_path", "prefkit-tests/no-such-model", environ={"HF_HOME": str(tmp_path)})
     assert completed.returncode == 3 and "Traceback" not in completed.stderr
-    assert "--model prefkit-tests/no-such-model" in completed.stderr and "--params" in completed.stderr
+    assert "--model_name_or_path prefkit-tests/no-such-model" in completed.stderr and "--params" in completed.stderr
     assert len(completed.stderr.strip().splitlines()) == 1
     assert seconds < 20  # the Hub client alone would retry for about half a minute
 
@@ -170,7 +172,8 @@ def test_unreadable_config_is_bad_input(tmp_path):
 def test_model_directory_through_the_command_line(tiny_model_directory, capsys):
     """LoRA r=8 on all linear layers, per layer: q 8*(64+64) + k 8*(64+32) + v 8*96 + o 8*128 + gate, up, down
     3 * 8*(64+128) = 1024 + 768 + 768 + 1024 + 4608 = 8192; two layers 16384."""
-    exit_code = main(["--json", "--model", str(tiny_model_directory), "--lora", "--stage", "sft", "--max_length", "256"])
+    exit_code = main(["--json", "--model_name_or_path", str(tiny_model_directory), "--use_lora", "--stage", "sft",
+                      "--max_length", "256"])
     report = json.loads(capsys.readouterr().out)
     assert exit_code == report["exit_code"]
     plan = report["memory_plan"]
@@ -178,7 +181,7 @@ def test_model_directory_through_the_command_line(tiny_model_directory, capsys):
     assert plan["lora_r"] == 16 and plan["lora_trainable_params"] == 16384 * 2  # r=16 is twice r=8
     chosen = [estimate for estimate in plan["estimates"] if estimate["chosen"]]
     assert [estimate["method"] for estimate in chosen] == ["lora"] and chosen[0]["fits"]
-    assert report["command"].endswith(f"--model_name_or_path {tiny_model_directory} --stage sft --max_length 256 --use_lora true")
+    assert report["command"].endswith(f"--model_name_or_path {tiny_model_directory} --use_lora --stage sft --max_length 256")
 
 
 def test_bench_timeout_kills_the_whole_process_group(tmp_path):
@@ -201,3 +204,33 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_a_launch_line_checks_to_the_plan_the_launchers_dry_run_prints(tiny_model, tmp_path, capsys):
+    """`./run_distributed.sh 2 --config <shipped recipe> --batch_size 48 --use_lora ...`: the preflight the launcher
+    runs (`python -m src.main_distributed --dry_run` with the world size of 2 processes, as run_distributed.sh sets
+    it) prints the same batch and learning-rate rows as `check_gpu.py --num_procs 2 <same flags>` resolves. Global 48
+    over 2 = 24 per process, under the recipe's micro_batch_size 8: 8 per device x 3 accumulation."""
+    from dataclasses import replace
+
+    from conftest import preference_rows, write_jsonl
+    from fakes.machines import cpu_only, fake_sources
+    from src.config import Plan, format_plan
+    from src.diagnostics.model_shape import shape_from_param_count
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    launch = ["--config", "configs/dpo_qwen2.5-0.5b_ultrafeedback.yaml", "--batch_size", "48", "--use_lora",
+              "--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--val_size", "0.1",
+              "--test_size", "0.1", "--results_dir", str(tmp_path / "results")]
+    environ = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    dry_run = subprocess.run([sys.executable, "-m", "src.main_distributed", "--dry_run", *launch], cwd=REPOSITORY,
+                             capture_output=True, text=True, timeout=300, env=environ)
+    assert dry_run.returncode == 0, dry_run.stderr[-2000:]
+
+    sources = replace(fake_sources(cpu_only()), model_shape=lambda name, subject: shape_from_param_count(1_000_000))
+    assert main(["--json", "--num_procs", "2", *launch], sources) in (0, 1, 2)
+    report = json.loads(capsys.readouterr().out)
+    checked = format_plan(Plan(**report["plan"]["dpo"])).splitlines()
+    rows = [line for line in checked if line.strip().startswith(("batch", "learning rate", "precision", "processes"))]
+    assert len(rows) == 4 and all(row in dry_run.stdout.splitlines() for row in rows), (rows, dry_run.stdout)
+    assert "8 per device x 3 accumulation x 2 processes = 48 global" in rows[1]

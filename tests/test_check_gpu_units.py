@@ -9,7 +9,9 @@ import pytest
 
 from src.diagnostics.bandwidth import bus_bandwidth
 from src.diagnostics.devices import cuda_view
-from src.diagnostics.inputs import InputError, TrainingSetup, parse_param_count, training_setup
+from src.config import STAGES, Devices, World, stage_plans
+from src.diagnostics.inputs import (InputError, TrainingSetup, parse_launch_arguments, parse_param_count, training_setup,
+                                   with_plan)
 from src.diagnostics.memory_plan import (
     GIB,
     activation_bytes_per_sample,
@@ -44,50 +46,71 @@ def test_bad_param_counts_name_the_flag(text):
         parse_param_count(text)
 
 
-def test_recipe_keys_are_read_unknown_keys_ignored_and_flags_win(tmp_path):
+def setup_for(*arguments):
+    """check_gpu's settings from launcher flags, through the launcher's parser (src/config.py)."""
+    return training_setup(parse_launch_arguments(list(arguments)))
+
+
+def launch_plan(arguments, processes):
+    """The launcher's plan of the final stage for `processes` CPU processes (what check_gpu resolves)."""
+    config = parse_launch_arguments(list(arguments))
+    return stage_plans(config, World(world_size=processes, local_world_size=processes), Devices("cpu"))[-1][2]
+
+
+def test_recipe_keys_are_read_and_flags_win(tmp_path):
     recipe = tmp_path / "dpo.yaml"
     recipe.write_text(
         "model_name_or_path: some/model\nuse_lora: true\nlora_r: 64\nlora_target_modules: [q_proj, v_proj]\n"
         "batch_size: 32\nmax_length: 2048\nlearning_rate: 5.0e-7\nbeta: 0.1\n"
     )
-    setup = training_setup(str(recipe), {"max_length": 512})
+    setup = setup_for("--config", str(recipe), "--max_length", "512")
     assert (setup.model_name_or_path, setup.lora_r, setup.lora_target_modules) == ("some/model", 64, ["q_proj", "v_proj"])
     assert setup.max_length == 512  # the flag overrides the recipe
     assert setup.method == "lora" and setup.method_chosen
-    assert setup.per_device_batch(4) == (8, "batch_size 32 / 4")
+    plan = launch_plan(["--config", str(recipe)], 4)
+    assert (plan.per_device_batch_size, plan.gradient_accumulation_steps) == (8, 1)  # the global 32 over 4
+    assert with_plan(setup, plan).batch_source == "batch_size 32 / 4 processes"
 
 
-def test_qlora_in_a_recipe_implies_lora(tmp_path):
+def test_qlora_in_a_recipe_is_lora_on_a_4bit_base(tmp_path):
     recipe = tmp_path / "qlora.yaml"
-    recipe.write_text("load_in_4bit: true\nmicro_batch_size: 2\n")
-    setup = training_setup(str(recipe), {})
+    recipe.write_text("use_lora: true\nload_in_4bit: true\nmicro_batch_size: 2\n")
+    setup = setup_for("--config", str(recipe))
     assert setup.use_lora and setup.method == "qlora"
-    assert setup.per_device_batch(8) == (2, "micro_batch_size")
+    plan = launch_plan(["--config", str(recipe)], 8)  # the default global batch 32: 4 per process, capped at 2
+    assert (plan.per_device_batch_size, plan.gradient_accumulation_steps) == (2, 2)
+    assert with_plan(setup, plan).batch_source == "batch_size 32 / 8 processes / 2 accumulation"
 
 
 def test_reference_log_probs_are_precomputed_unless_the_recipe_moves_the_reference(tmp_path):
     recipe = tmp_path / "dpo.yaml"
     recipe.write_text("stage: dpo\n")
-    assert training_setup(str(recipe), {}).precompute_ref_log_probs  # the toolkit's default
+    assert setup_for("--config", str(recipe)).precompute_ref_log_probs  # the toolkit's default
     recipe.write_text("stage: dpo\nsync_ref_model: true\n")  # TR-DPO: a reference model stays in memory
-    assert not training_setup(str(recipe), {}).precompute_ref_log_probs
-    assert training_setup(str(recipe), {"precompute_ref_log_probs": True}).precompute_ref_log_probs
+    assert not setup_for("--config", str(recipe)).precompute_ref_log_probs
+    assert setup_for("--config", str(recipe), "--precompute_ref_log_probs", "true").precompute_ref_log_probs
+
+
+def test_every_stage_of_the_launcher_is_taken():
+    """One list of stages (src/config.py): reward included; a pipeline is planned by its DPO stage."""
+    assert [setup_for("--stage", stage).stage for stage in STAGES] == ["dpo", "sft", "dpo", "reward"]
 
 
 @pytest.mark.parametrize(
     "content, message",
-    [("stage: ppo\n", "--stage 'ppo'"), ("- a\n- b\n", "expected a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "lora_r")],
+    [("stage: ppo\n", "stage must be one of dpo, sft, sft_then_dpo, reward, got 'ppo'"),
+     ("- a\n- b\n", "a recipe is a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "--lora_r")],
 )
 def test_bad_recipes_say_what_is_wrong(tmp_path, content, message):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(content)
     with pytest.raises(InputError, match=message.replace("[", r"\[")):
-        training_setup(str(recipe), {})
+        setup_for("--config", str(recipe))
 
 
 def test_missing_recipe_names_the_flag():
-    with pytest.raises(InputError, match="--config nowhere.yaml: no such file"):
-        training_setup("nowhere.yaml", {})
+    with pytest.raises(InputError, match="--config: nowhere.yaml does not exist"):
+        setup_for("--config", "nowhere.yaml")
 
 
 # --- memory formulas, on a shape small enough to work out by hand ------------------------------------------------
@@ -155,6 +178,8 @@ def test_activations_per_sample(tiny_shape):
     checkpointed = TrainingSetup(stage="dpo", max_length=3, gradient_checkpointing=True)
     # only each layer's 16-bit input (2 * 4 bytes) is kept, plus one layer recomputed in backward
     assert activation_bytes_per_sample(tiny_shape, checkpointed, 2) == 6 * (2 * 2 * 4 + 128 + 100)
+    reward = TrainingSetup(stage="reward", max_length=3, gradient_checkpointing=False)
+    assert activation_bytes_per_sample(tiny_shape, reward, 2) == 6 * (2 * 128)  # a pair, a one-number score head
     sft_fp32 = TrainingSetup(stage="sft", max_length=3, gradient_checkpointing=False)
     assert activation_bytes_per_sample(tiny_shape, sft_fp32, 4) == 3 * (2 * 256 + 10 * 12)
 

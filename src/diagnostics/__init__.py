@@ -2,7 +2,8 @@
 
 The check reads the machine once, then judges it with pure functions:
 
-- `inputs`        what the user asked: flags, the recipe YAML, parameter counts.
+- `inputs`        what the user asked: the launcher's flags and recipe (parsed by src/config.py), the settings
+                  that decide memory, parameter counts.
 - `software`      Python, torch/NCCL/gloo, library versions, NCCL_*/CUDA_* variables and nccl.conf.
 - `system`        CPU, memory, /dev/shm, memlock, container/VM, IOMMU, InfiniBand, the rendezvous port.
 - `nvml_probe`    driver and per-GPU facts through NVML (nvidia-ml-py), tolerant of per-call errors.

@@ -1,21 +1,18 @@
-"""What the user asked `check_gpu.py` to check: the recipe YAML, the flags that override it, and their validation.
+"""What the user asked `check_gpu.py` to check: the launcher's own configuration and plan, seen as the settings that
+decide memory per device.
 
-A recipe is the toolkit's YAML file (`configs/<name>.yaml`, keys are the training flags). Only the keys that decide
-memory per GPU are read here; every other key is ignored.
+`check_gpu.py` takes the launcher's flags and recipes: src/config.py parses them (`parse_config`, the same recipe
+reader, fields and checks as `./run_distributed.sh`), and the launcher's `stage_plans` resolves the per-device batch,
+accumulation, learning rate and precision once the check knows how many processes the launch starts.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, replace
 
-import yaml
+from src.config import EMBEDDED, Config, ConfigError, Plan, parse_config
 
-STAGES = ("dpo", "sft", "sft_then_dpo")
-MIXED_PRECISIONS = ("auto", "no", "fp16", "bf16")
 ALL_LINEAR = "all-linear"
 
 
@@ -25,60 +22,31 @@ class InputError(Exception):
 
 @dataclass
 class TrainingSetup:
-    """The recipe settings that decide memory per GPU (recipe keys, overridden by flags)."""
+    """The settings that decide memory per device, from the launcher's config and resolved plan of the stage that
+    peaks (a pipeline's DPO stage: pairs, and maybe a reference model)."""
 
-    stage: str = field(default="dpo", metadata={"help": "dpo or sft; DPO holds chosen+rejected and maybe a reference"})
-    model_name_or_path: str | None = field(default=None, metadata={"help": "local directory or Hub id"})
-    param_count: int | None = field(default=None, metadata={"help": "parameter count when no model is named"})
-    use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters on a frozen base"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    lora_target_modules: list[str] | str = field(default=ALL_LINEAR, metadata={"help": "module names or all-linear"})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights"})
-    per_device_batch_size: int | None = field(default=None, metadata={"help": "sequences (pairs for DPO) per GPU"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "same as per_device_batch_size"})
-    batch_size: int | None = field(default=None, metadata={"help": "global batch; per device = batch / processes"})
-    max_length: int = field(default=1024, metadata={"help": "tokens of prompt + completion"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations (the toolkit's "
-                                                                        "default: off)"})
-    precompute_ref_log_probs: bool = field(
-        default=True, metadata={"help": "no reference model during training (the toolkit's default, unless the recipe "
-                                "sets sync_ref_model: TR-DPO moves the reference)"}
-    )
-    mixed_precision: str = field(default="auto", metadata={"help": "auto, no, fp16 or bf16"})
-    recipe_path: str | None = field(default=None, metadata={"help": "the YAML these settings came from"})
-    method_chosen: bool = field(
-        default=False, metadata={"help": "the user picked full/LoRA/QLoRA (recipe or flag), so its fit is checked"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise InputError(f"--stage {self.stage!r}: use one of {', '.join(STAGES)}")
-        if self.stage == "sft_then_dpo":
-            self.stage = "dpo"  # the pipeline's peak memory is its DPO stage (pairs, and a reference model)
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise InputError(f"mixed_precision {self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISIONS)}")
-        for name in ("lora_r", "max_length", "per_device_batch_size", "micro_batch_size", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.lora_target_modules, str) and self.lora_target_modules != ALL_LINEAR:
-            self.lora_target_modules = [self.lora_target_modules]
+    stage: str = "dpo"  # dpo, sft or reward
+    model_name_or_path: str | None = None
+    param_count: int | None = None  # --params: a size instead of a model
+    use_lora: bool = False
+    lora_r: int = 16
+    lora_target_modules: list[str] | str = ALL_LINEAR
+    load_in_4bit: bool = False
+    per_device_batch_size: int = 1  # the plan's micro-batch on one device
+    batch_source: str = "default"  # how the plan got it, for the report
+    max_length: int = 1024
+    gradient_checkpointing: bool = False
+    precompute_ref_log_probs: bool = True
+    mixed_precision: str = "auto"  # as requested
+    precision: str = "fp32"  # as the plan resolves it on the launch devices
+    recipe_path: str | None = None
+    method_chosen: bool = False  # the user picked full/LoRA/QLoRA (recipe or flag), so its fit is checked
 
     @property
     def method(self) -> str:
         if self.load_in_4bit:
             return "qlora"
         return "lora" if self.use_lora else "full"
-
-    def per_device_batch(self, num_processes: int) -> tuple[int, str]:
-        """The per-device batch and where it came from (the global batch is split over the processes)."""
-        if self.per_device_batch_size is not None:
-            return self.per_device_batch_size, "per_device_batch_size"
-        if self.micro_batch_size is not None:
-            return self.micro_batch_size, "micro_batch_size"
-        if self.batch_size is not None:
-            return max(1, math.ceil(self.batch_size / max(1, num_processes))), f"batch_size {self.batch_size} / {num_processes}"
-        return 1, "default"
 
 
 @dataclass
@@ -89,12 +57,59 @@ class CheckOptions:
     bench: bool = False
     bench_timeout_s: float = 90.0
     num_procs: int | None = None
+    config: Config | None = None  # the launcher's parse of launch_arguments
+    launch_arguments: list[str] = field(default_factory=list)  # the launcher's flags as given (old names translated)
+    param_count: int | None = None
+    # The settings before the plan is resolved (batch and precision are filled in by `with_plan`).
     training: TrainingSetup = field(default_factory=TrainingSetup)
-    training_flags: dict[str, Any] = field(default_factory=dict)  # recipe keys given as flags, passed on to the launch
 
     @property
     def plan_requested(self) -> bool:
-        return self.training.model_name_or_path is not None or self.training.param_count is not None
+        # The embedded default's model is built on first use, 4 layers x 128: nothing to plan for.
+        return self.param_count is not None or self.training.model_name_or_path not in (None, EMBEDDED)
+
+
+def training_setup(config: Config, param_count: int | None = None) -> TrainingSetup:
+    """The memory-relevant settings of the run's final stage (a pipeline's peak is its DPO stage)."""
+    stage = "dpo" if config.training.stage == "sft_then_dpo" else config.training.stage
+    model, training = config.model, config.training
+    precompute = config.dpo.precompute_ref_log_probs
+    if precompute is None:  # the launcher's default: on, unless TR-DPO's sync_ref_model moves the reference
+        precompute = not config.trl_overrides.get("sync_ref_model", False)
+    return TrainingSetup(
+        stage=stage,
+        model_name_or_path=model.model_name_or_path,
+        param_count=param_count,
+        use_lora=model.use_peft,
+        lora_r=model.lora_r,
+        lora_target_modules=_targets(model.lora_target_modules),
+        load_in_4bit=model.load_in_4bit,
+        max_length=config.data.max_length,
+        gradient_checkpointing=training.gradient_checkpointing,
+        precompute_ref_log_probs=precompute,
+        mixed_precision=training.mixed_precision,
+        recipe_path=config.recipe,
+        method_chosen=any(key in config.sources for key in ("use_lora", "use_peft", "load_in_4bit")),
+    )
+
+
+def _targets(targets: list[str] | str | None) -> list[str] | str:
+    if not targets or targets == [ALL_LINEAR] or targets == ALL_LINEAR:
+        return ALL_LINEAR
+    return [targets] if isinstance(targets, str) else list(targets)
+
+
+def with_plan(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
+    """The setup with the launcher's resolved per-device batch and precision."""
+    if plan.batch_mode == "global":
+        source = (f"batch_size {plan.global_batch_size} / {plan.world_size} processes"
+                  + (f" / {plan.gradient_accumulation_steps} accumulation" if plan.gradient_accumulation_steps > 1
+                     else ""))
+    else:
+        source = "per_device_batch_size" + (f" / {plan.gradient_accumulation_steps} accumulation"
+                                            if plan.gradient_accumulation_steps > 1 else "")
+    return replace(setup, per_device_batch_size=plan.per_device_batch_size, batch_source=source,
+                   precision=plan.precision)
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -111,40 +126,11 @@ def parse_param_count(text: str) -> int:
     return int(count)
 
 
-def _read_recipe(path: str) -> dict[str, Any]:
-    recipe_file = Path(path)
-    if not recipe_file.is_file():
-        raise InputError(f"--config {path}: no such file; pass a recipe YAML such as configs/default.yaml")
+def parse_launch_arguments(arguments: list[str], size_given: bool = False) -> Config:
+    """The launcher's parse of its flags and recipe, without requiring a model or data. With a size (--params) in
+    place of a model, configs/default.yaml (the embedded model's recipe) is not read when nothing names a recipe:
+    the plan is src/config.py's defaults and the flags."""
     try:
-        recipe = yaml.safe_load(recipe_file.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        first_line = str(error).splitlines()[0]
-        raise InputError(f"--config {path}: not valid YAML ({first_line})") from None
-    if not isinstance(recipe, dict):
-        raise InputError(f"--config {path}: expected a mapping of flag: value, got {type(recipe).__name__}")
-    return recipe
-
-
-def training_setup(recipe_path: str | None, overrides: dict[str, Any]) -> TrainingSetup:
-    """The recipe's memory-relevant keys, then the flags that were given (None means 'not given')."""
-    known = {item.name for item in fields(TrainingSetup)}
-    settings: dict[str, Any] = {}
-    if recipe_path is not None:
-        recipe = _read_recipe(recipe_path)
-        settings = {key: value for key, value in recipe.items() if key in known and value is not None}
-        settings["recipe_path"] = recipe_path
-        settings["method_chosen"] = "use_lora" in recipe or "load_in_4bit" in recipe
-        if recipe.get("sync_ref_model") and recipe.get("precompute_ref_log_probs") is None:
-            settings["precompute_ref_log_probs"] = False
-    for key, value in overrides.items():
-        if value is not None:
-            settings[key] = value
-    if settings.get("load_in_4bit"):
-        settings["use_lora"] = True  # QLoRA trains LoRA adapters on the 4-bit base
-    batch_keys = ("batch_size", "per_device_batch_size", "micro_batch_size")
-    if recipe_path is not None and not any(settings.get(key) is not None for key in batch_keys):
-        from src.config import TrainingArguments  # light: the dataclasses, no torch
-
-        # A recipe that sets no batch trains with src/config.py's default global batch.
-        settings["batch_size"] = TrainingArguments.__dataclass_fields__["batch_size"].default
-    return TrainingSetup(**settings)
+        return parse_config(list(arguments), require_sources=False, default_recipe=not size_given)
+    except ConfigError as error:
+        raise InputError(str(error)) from None

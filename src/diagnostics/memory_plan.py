@@ -13,7 +13,8 @@ Activations are an estimate, per token per decoder layer of a Llama-style block 
 attention, which stores no seq x seq matrix: in 16-bit, 12*hidden + 4*kv + 8*intermediate bytes (norm inputs,
 Q/K/V, attention output, MLP gate/up/product). Gradient checkpointing keeps only each layer's input (2*hidden
 bytes) plus one layer recomputed in backward. The logits add vocab * (2 + 8) bytes per token (16-bit logits, fp32
-upcast and fp32 log-probs). DPO runs chosen and rejected: twice the tokens. The reference forward runs without
+upcast and fp32 log-probs). DPO runs chosen and rejected: twice the tokens. A reward model (stage reward) runs both
+too, but scores each sequence with a one-number head: no vocabulary logits. The reference forward runs without
 gradients and its activations are freed at once, so it is left out.
 
 Margin: 10% for allocator fragmentation, plus 1 GiB per process for the CUDA context and cuBLAS/NCCL workspaces
@@ -78,17 +79,6 @@ class MemoryPlan:
         return next((estimate for estimate in self.estimates if estimate.chosen), None)
 
 
-def resolve_precision(mixed_precision: str, device_kind: str, all_bf16: bool) -> str:
-    """The precision training will use: 'auto' is bf16 where every GPU has it natively, else fp16; fp32 on CPU."""
-    if mixed_precision == "no":
-        return "fp32"
-    if mixed_precision in ("fp16", "bf16"):
-        return mixed_precision
-    if device_kind == "cpu":
-        return "fp32"
-    return "bf16" if all_bf16 else "fp16"
-
-
 def _adapted(name: str, targets: list[str] | str) -> bool:
     # PEFT's matching: a module is adapted when its name equals a target or ends with "." + target.
     if targets == ALL_LINEAR:
@@ -132,15 +122,16 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 
 
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
-    """Activations kept for backward for one sequence (one chosen+rejected pair for DPO); see the module doc."""
-    tokens = setup.max_length * (2 if setup.stage == "dpo" else 1)
+    """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward); see the module
+    doc."""
+    tokens = setup.max_length * (2 if setup.stage in ("dpo", "reward") else 1)
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)
     if setup.gradient_checkpointing:
         layers = shape.num_layers * activation_bytes * shape.hidden_size + block
     else:
         layers = shape.num_layers * block
-    logits = shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
+    logits = 0 if setup.stage == "reward" else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
     return int(tokens * (layers + logits))
 
 
@@ -181,12 +172,11 @@ def plan_memory(
     device_kind: str,
     budget_bytes: int,
     budget_source: str,
-    all_bf16: bool,
     deepspeed_installed: bool,
 ) -> MemoryPlan:
-    precision = resolve_precision(setup.mixed_precision, device_kind, all_bf16)
+    precision = setup.precision  # resolved by the launcher's plan (src/config.py resolve_precision)
     weight_bytes = 4 if precision == "fp32" else 2
-    batch, batch_source = setup.per_device_batch(num_devices)
+    batch, batch_source = setup.per_device_batch_size, setup.batch_source
     trainable = lora_trainable_params(shape, setup.lora_target_modules, setup.lora_r)
     per_sample = activation_bytes_per_sample(shape, setup, weight_bytes)
     plan = MemoryPlan(

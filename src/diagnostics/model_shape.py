@@ -79,7 +79,7 @@ def shape_from_param_count(param_count: int) -> ModelShape:
     return ModelShape(
         name="assumed Llama-style model",
         source=f"--params: Llama-style shape assumed (hidden {hidden}, vocab {vocab}, like {reference}); "
-        "name the model with --model for exact numbers",
+        "name the model with --model_name_or_path for exact numbers",
         exact=False,
         total_params=param_count,
         num_layers=layers,
@@ -188,9 +188,9 @@ def _config_value(config, *names: str, default=None):
 
 
 def shape_from_model(name_or_path: str, environ: Mapping[str, str] | None = None, subject: str | None = None) -> ModelShape:
-    """The model's sizes; `subject` names where the name came from in messages (default "--model NAME")."""
+    """The model's sizes; `subject` names where the name came from in messages (default "--model_name_or_path NAME")."""
     environ = os.environ if environ is None else environ
-    subject = subject or f"--model {name_or_path}"
+    subject = subject or f"--model_name_or_path {name_or_path}"
     config, source = _load_config(name_or_path, environ, subject)
     try:
         model = _build_on_meta_device(config)

@@ -89,6 +89,7 @@ class Machine:
     transports: dict[tuple[int, int], Transport]
     memory_plan: MemoryPlan | None = None
     bench: BenchResult | None = None
+    plan_refused: str | None = None  # the launcher's own message when it would refuse the plan on this launch
 
     @property
     def has_gpus(self) -> bool:
@@ -823,6 +824,15 @@ HOW_TO_RUN = {"full": "the default", "lora": "--use_lora", "qlora": "--use_lora 
               "zero3": "STRATEGY=zero3 ./run_distributed.sh ..., with deepspeed installed"}
 
 
+def plan_refused(machine: Machine) -> list[Problem]:
+    """The launcher resolves the batch for the processes it starts; one it cannot split stops the launch."""
+    if machine.plan_refused is None:
+        return []
+    return [Problem(ERROR, "plan_refused",
+                    f"the launcher would stop on {machine.num_procs} process(es) per node: {machine.plan_refused}",
+                    "change what the message names (or --num_procs); the command below is the one to run then")]
+
+
 def memory_fit(machine: Machine) -> list[Problem]:
     plan = machine.memory_plan
     chosen = plan.chosen() if plan else None
@@ -834,9 +844,11 @@ def memory_fit(machine: Machine) -> list[Problem]:
         f"{plan.per_device_batch_size} and max_length {plan.max_length}, but {where} is available"
     )
     if chosen.max_per_device_batch >= 1:
+        # The launcher's cap: it keeps the batch per optimizer step through accumulation, in either batch mode
+        # (a --per_device_batch_size beside a recipe's global batch_size would be refused as two batch modes).
         fix = (
-            f"set per_device_batch_size to {chosen.max_per_device_batch} or less and raise gradient accumulation to "
-            "keep the global batch"
+            f"add --micro_batch_size {chosen.max_per_device_batch} (or less): the launcher keeps the batch per "
+            "optimizer step through gradient accumulation"
         )
     else:
         others = [f"{estimate.label} ({HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
@@ -897,6 +909,7 @@ RULES: tuple[Callable[[Machine], list[Problem]], ...] = (
     multi_node,
     bf16_unsupported,
     nvlink_p2p_broken,
+    plan_refused,
     memory_fit,
     bench_outcome,
     shared_memory,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from src.config import Plan, format_plan
+
 from .memory_plan import GIB
 from .problems import CLOCK_EVENT_REASONS
 
@@ -233,10 +235,24 @@ def _topology(report: dict) -> list[str]:
     return lines
 
 
+def _launch_plan(report: dict) -> list[str]:
+    """The launcher's own plan table (src/config.py format_plan), as its --dry_run prints it for the same launch."""
+    if not report.get("plan"):
+        return []
+    lines = ["LAUNCH PLAN (the launcher's, for the command below)"]
+    for stage, plan in report["plan"].items():
+        if len(report["plan"]) > 1:
+            lines.append(f"{INDENT}{stage}:")
+        lines += [INDENT + line for line in format_plan(Plan(**plan)).splitlines()]
+    return lines
+
+
 def _memory_plan(report: dict) -> list[str]:
     plan = report["memory_plan"]
+    if plan is None and report.get("plan") is None:
+        return ["MEMORY PLAN", f"{INDENT}none: the launcher would not start this launch (see PROBLEMS)"]
     if plan is None:
-        return ["MEMORY PLAN", f"{INDENT}add --model NAME_OR_PATH or --params 7e9 (and --config RECIPE.yaml) for memory per GPU and the batch that fits"]
+        return ["MEMORY PLAN", f"{INDENT}add --model_name_or_path NAME_OR_PATH or --params 7e9 (and --config RECIPE.yaml) for memory per GPU and the batch that fits"]
     model = plan["model"]
     on_gpu = plan["device_kind"] == "gpu"
     devices = f"{plan['num_devices']} GPU(s)" if on_gpu else f"{plan['num_devices']} process(es) on CPU"
@@ -340,7 +356,8 @@ def _title(report: dict) -> list[str]:
 
 
 def render(report: dict[str, Any]) -> str:
-    sections = [_title, _software, _system, _driver_and_gpus, _topology, _memory_plan, _bench, _problems, _verdict]
+    sections = [_title, _software, _system, _driver_and_gpus, _topology, _launch_plan, _memory_plan, _bench, _problems,
+                _verdict]
     blocks = [section(report) for section in sections]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
 

@@ -13,17 +13,19 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
+from src.config import ConfigError, Devices, Plan, World, stage_plans
+
 from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
 from .devices import CudaView, cuda_view, torch_cuda_uuids
-from .inputs import CheckOptions
+from .inputs import CheckOptions, with_plan
 from .memory_plan import MemoryPlan, plan_memory
 from .model_shape import ModelShape, shape_from_model, shape_from_param_count
 from .nvml_probe import NvmlFacts, probe_nvml
 from .problems import Machine, driver_supports_torch, exclusion_reason, find_problems, pci_positions
 from .software import SoftwareFacts, collect_software, effective_nccl_settings
 from .system import SystemFacts, collect_system
-from .verdict import decide
+from .verdict import decide, needs_fp16
 
 CPU_DEFAULT_PROCESSES = 2
 
@@ -84,26 +86,47 @@ def _memory_budget(machine: Machine) -> tuple[int, str]:
 
 def _model_shape(options: CheckOptions, sources: Sources) -> ModelShape:
     training = options.training
-    if training.model_name_or_path is None:
-        return shape_from_param_count(training.param_count)
+    if options.param_count is not None:
+        return shape_from_param_count(options.param_count)
     name = training.model_name_or_path
-    from_flag = "model_name_or_path" in options.training_flags
-    subject = f"--model {name}" if from_flag else f"model_name_or_path {name} in {training.recipe_path}"
+    from_flag = options.config.sources.get("model_name_or_path", "").startswith("--")
+    subject = f"--model_name_or_path {name}" if from_flag else f"model_name_or_path {name} in {training.recipe_path}"
     return sources.model_shape(name, subject)
 
 
-def _memory_plan(machine: Machine, shape: ModelShape) -> MemoryPlan:
-    training = machine.options.training
+def launch_plans(machine: Machine) -> tuple[list[tuple[str, Plan]], str | None]:
+    """The launcher's own plan of every stage (src/config.py stage_plans) for the processes and devices the printed
+    command launches, with the precision that command passes; or no plan and the launcher's reason for refusing it."""
+    config = machine.options.config
+    if needs_fp16(machine):  # the command adds --mixed_precision fp16: plan what it will run
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, mixed_precision="fp16"),
+                                     sources={**config.sources, "mixed_precision": "--mixed_precision"})
+    processes = max(1, machine.num_procs)
+    nodes_text = machine.environ.get("NNODES", "1").strip()
+    nodes = int(nodes_text) if machine.multi_node and nodes_text.isdigit() else 1  # a bad NNODES is its own problem
+    world = World(world_size=processes * nodes, local_world_size=processes)
+    if machine.has_gpus:
+        gpus = [machine.gpu(index) for index in (machine.launch_gpus or machine.cuda.visible)]
+        # NVML may not say a GPU's capability: the launcher reads it from torch; 16-bit either way, same memory.
+        devices = Devices("cuda", tuple(gpu.name or "GPU" for gpu in gpus),
+                          tuple(gpu.compute_capability or (8, 0) for gpu in gpus))
+    else:
+        devices = Devices("cpu")
+    try:
+        return [(name, plan) for name, _staged, plan in stage_plans(config, world, devices)], None
+    except ConfigError as error:  # what the launcher would stop on here, e.g. a batch these processes cannot split
+        return [], str(error)
+
+
+def _memory_plan(machine: Machine, shape: ModelShape, plan: Plan) -> MemoryPlan:
     budget, budget_source = _memory_budget(machine)
-    gpus = [machine.gpu(index) for index in machine.launch_gpus] if machine.has_gpus else []
     return plan_memory(
         shape,
-        training,
+        with_plan(machine.options.training, plan),
         num_devices=max(1, machine.num_procs),
         device_kind="gpu" if machine.has_gpus else "cpu",
         budget_bytes=budget,
         budget_source=budget_source,
-        all_bf16=bool(gpus) and all(gpu.bf16 for gpu in gpus),
         deepspeed_installed=machine.software.deepspeed_installed,
     )
 
@@ -228,11 +251,12 @@ def assess(options: CheckOptions, sources: Sources) -> Machine:
 
 
 def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
-    # The model is looked up first, so a bad --model fails before the machine is read.
+    # The model is looked up first, so a bad --model_name_or_path fails before the machine is read.
     shape = _model_shape(options, sources) if options.plan_requested else None
     machine = assess(options, sources)
-    if shape is not None:
-        machine.memory_plan = _memory_plan(machine, shape)
+    plans, machine.plan_refused = launch_plans(machine)
+    if shape is not None and plans:
+        machine.memory_plan = _memory_plan(machine, shape, plans[-1][1])  # the final stage: a pipeline's peak (DPO)
     bench_skipped = None
     if options.bench:
         machine.bench, bench_skipped = _bench(machine, sources)
@@ -251,6 +275,7 @@ def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
                 "gpus": machine.launch_gpus,
                 "cuda_visible_devices": machine.environ.get("CUDA_VISIBLE_DEVICES"),
             },
+            "plan": {name: plan.as_dict() for name, plan in plans} or None,
             "memory_plan": _memory_plan_dict(machine.memory_plan),
             "bench": machine.bench if machine.bench else ({"skipped": bench_skipped} if bench_skipped else None),
             "problems": problems,

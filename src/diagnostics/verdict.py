@@ -14,6 +14,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from src.config import missing_sources
+
 from .problems import ERROR, WARNING, Machine, Problem, pinned_gpus_prefix
 
 EXIT_READY, EXIT_WARNINGS, EXIT_NOT_READY, EXIT_BAD_INPUT = 0, 1, 2, 3
@@ -75,17 +77,16 @@ def _environment(machine: Machine, problems: list[Problem]) -> tuple[list[str], 
 
 
 def _arguments(machine: Machine) -> tuple[list[str], list[str]]:
-    training = machine.options.training
-    arguments, notes = [], []
-    if training.recipe_path:
-        arguments += ["--config", training.recipe_path]
-    for name, value in machine.options.training_flags.items():
-        if name != "param_count":  # a size for the estimate, not something the toolkit takes
-            arguments += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    """The launcher's flags as the check was given them (old check_gpu names already translated), so the command
+    round-trips: `./run_distributed.sh N ARGS` checks as `check_gpu.py --num_procs N ARGS`, and back."""
+    arguments, notes = list(machine.options.launch_arguments), []
     if needs_fp16(machine):
         arguments += ["--mixed_precision", "fp16"]
         lacking = sorted({machine.gpu(index).name for index in machine.launch_gpus if machine.gpu(index).bf16 is False})
         notes.append(f"--mixed_precision fp16: {', '.join(lacking)} has no native bf16")
+    config = machine.options.config
+    if config is not None:
+        notes += [f"{missing}: the launch needs it" for missing in missing_sources(config)]
     return [shlex.quote(argument) for argument in arguments], notes
 
 

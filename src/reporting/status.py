@@ -55,7 +55,9 @@ def _last(metrics: list[dict], key: str) -> float | None:
     return None
 
 
-def planned_steps(info: dict) -> int | None:
+def recorded_total_steps(info: dict) -> int | None:
+    """The optimizer steps the run said it would take, as training_info.json records them (src/training.py
+    planned_steps computes them at the start; a run written before they were recorded has max_steps at most)."""
     total = info.get("planned_steps") or info.get("max_steps")
     return int(total) if isinstance(total, int) and total > 0 else None
 
@@ -80,7 +82,7 @@ def run_state(info: dict, metrics: list[dict], live: Live | None = None, last_wr
     state = {"completed": FINISHED, "stopped": STOPPED, "diverged": DIVERGED, "running": RUNNING}.get(status)
     if state is None:  # a run directory written before statuses were recorded, or copied without training_info.json
         state = FINISHED if finished_training else UNFINISHED
-    total = planned_steps(info)
+    total = recorded_total_steps(info)
     if live is not None and state == RUNNING:
         return RunState(RUNNING, live.step, live.total or total, live.elapsed_s, live.eta_s, None, True, now)
 
