@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from src.config import EMBEDDED, Config, ModelArguments
-from src.models import ModelError, _first_line, _is_jinja_file
+from src.models import ModelError, first_line, is_jinja_file
 
 CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model is a sequence classifier
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
@@ -77,7 +77,7 @@ def load_config(path: str, trust_remote_code: bool):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:  # missing, not JSON, unknown model type, remote code refused
-        raise ModelError(f"--model_name_or_path {path}: could not read its config.json ({_first_line(error)}); "
+        raise ModelError(f"--model_name_or_path {path}: could not read its config.json ({first_line(error)}); "
                          "check the model type, or pass --trust_remote_code for a model that ships its own code"
                          ) from None
 
@@ -104,7 +104,7 @@ def check_causal(path: str, config) -> None:
 
 
 def check_vocabulary(path: str, config, tokenizer, chat_template_path: str | None) -> None:
-    if chat_template_path and not _is_jinja_file(chat_template_path):
+    if chat_template_path and not is_jinja_file(chat_template_path):
         return  # TRL's clone_chat_template resizes the embeddings to the tokenizer (src/models.py)
     embeddings = getattr(config.get_text_config(), "vocab_size", None)
     token_ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
@@ -132,7 +132,7 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
             _compile_jinja_template(text)
         except TemplateError as error:
             line = f" at template line {error.lineno}" if getattr(error, "lineno", None) else ""
-            raise ModelError(f"{where} is not valid Jinja ({_first_line(error)}{line}); fix the template") from None
+            raise ModelError(f"{where} is not valid Jinja ({first_line(error)}{line}); fix the template") from None
 
 
 def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", attn_implementation: str | None = None):
@@ -149,7 +149,7 @@ def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", at
             return model_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
     except (ValueError, ImportError) as error:
         if attn_implementation and any(word in str(error).lower() for word in ("attn", "attention")):
-            reason = _first_line(error).rstrip(".")
+            reason = first_line(error).rstrip(".")
             raise ModelError(f"--attn_implementation {attn_implementation}: {reason}; use sdpa (the default) or "
                              "eager") from None
         if not causal and isinstance(error, ValueError):  # a type with no sequence-classification head

@@ -117,13 +117,13 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
             raise ModelError(f"--model_name_or_path {path}: no tokenizer files (tokenizer.json, tokenizer.model or "
                              "vocab.json) in the directory; save the tokenizer beside the model "
                              "(tokenizer.save_pretrained)") from None
-        raise ModelError(f"--model_name_or_path {path}: could not load its tokenizer ({_first_line(error)})") from None
+        raise ModelError(f"--model_name_or_path {path}: could not load its tokenizer ({first_line(error)})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # what TRL does too; padded positions are masked out
     return tokenizer
 
 
-def _is_jinja_file(path: str) -> bool:
+def is_jinja_file(path: str) -> bool:
     return Path(path).is_file() and path.endswith((".jinja", ".j2"))  # TRL's own test (SFTTrainer)
 
 
@@ -132,7 +132,7 @@ def apply_chat_template_path(tokenizer, path: str | None):
     tokenizer's template, its added (special) tokens and its EOS, as TRL's clone_chat_template sets them."""
     if not path:
         return tokenizer
-    if _is_jinja_file(path):
+    if is_jinja_file(path):
         tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
         return tokenizer
     from transformers import AutoTokenizer
@@ -141,7 +141,7 @@ def apply_chat_template_path(tokenizer, path: str | None):
         source = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise ModelError(f"--chat_template_path {path}: neither a .jinja/.j2 file nor a tokenizer directory or Hub id "
-                         f"({_first_line(error)})") from None
+                         f"({first_line(error)})") from None
     if not source.chat_template:
         raise ModelError(f"--chat_template_path {path}: that tokenizer has no chat template to copy")
     tokenizer.chat_template = source.get_chat_template()
@@ -154,7 +154,7 @@ def apply_chat_template_path(tokenizer, path: str | None):
 def apply_chat_template_to_model(model, tokenizer, path: str | None):
     """The model half of --chat_template_path (every stage, DPO included, whose TRL trainer has no such option):
     TRL's clone_chat_template resizes the embeddings for the tokens the template brought and sets the EOS id."""
-    if not path or _is_jinja_file(path):
+    if not path or is_jinja_file(path):
         return model
     from trl import clone_chat_template
 
@@ -162,7 +162,7 @@ def apply_chat_template_to_model(model, tokenizer, path: str | None):
     return model
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
@@ -192,7 +192,7 @@ def check_4bit_supported(plan: Plan) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except Exception as error:  # a broken native library raises more than ImportError
-        raise ConfigError(f"--load_in_4bit: bitsandbytes cannot be imported here ({_first_line(error)})") from None
+        raise ConfigError(f"--load_in_4bit: bitsandbytes cannot be imported here ({first_line(error)})") from None
 
 
 def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None):
@@ -227,7 +227,7 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         with loading:
             loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
-        raise ModelError(f"--model_name_or_path {path}: could not load the model ({_first_line(error)})") from None
+        raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)})") from None
     if quantization is not None:
         keep_4bit_layers_trainable(loaded)
         # bitsandbytes packs 4-bit weights lazily, at the first forward: run one now so an unsupported layout fails
@@ -238,7 +238,7 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         except (RuntimeError, ValueError) as error:
             hint = "its CPU kernels need layer widths that are multiples of 64 — use a GPU, or drop --load_in_4bit" \
                 if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
-            raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({_first_line(error)}); "
+            raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({first_line(error)}); "
                              f"{hint}") from None
     if plan.device == "cuda" and quantization is None:
         loaded.to(torch.device("cuda", world.local_rank))
@@ -280,7 +280,7 @@ def verify_adapter(adapter_dir: Path, model) -> None:
     try:
         saved = load_peft_weights(str(adapter_dir))
     except Exception as error:  # a file that does not parse is the failure being looked for
-        raise ModelError(f"{adapter_dir}: the saved LoRA adapter does not load ({_first_line(error)})") from None
+        raise ModelError(f"{adapter_dir}: the saved LoRA adapter does not load ({first_line(error)})") from None
     expected = {name: tuple(getattr(param, "ds_shape", param.shape)) for name, param in model.named_parameters()
                 if "lora_" in name}
     if not saved:

@@ -27,7 +27,7 @@ from matplotlib.ticker import FuncFormatter
 from src.progress import format_duration
 from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
-from src.reporting.report import REPORT, _ci95, _judge_results, _num, _pct, _points, _table
+from src.reporting.report import REPORT, ci95, judge_results, format_number, format_percent, metric_points, table_lines
 from src.reporting.status import status_line
 from src.reporting.summary import dpo_loss_config, dpo_loss_terms, series, summarize
 from src.run_files import TRAINING_INFO, atomic_path, write_text
@@ -145,7 +145,7 @@ def _flatten(info: dict) -> dict:
 def _value(value) -> str:
     if isinstance(value, list):
         return ", ".join(_value(item) for item in value) or "[]"
-    return _num(value, 4) if not isinstance(value, str) else value
+    return format_number(value, 4) if not isinstance(value, str) else value
 
 
 def differing_settings(runs: list[Run]) -> list[list[str]]:
@@ -270,14 +270,14 @@ def _relative(path: Path, start: Path) -> str:
 def judged_rows(runs: list[Run]) -> list[list]:
     rows = []
     for run in runs:
-        results = _judge_results(run.info)
+        results = judge_results(run.info)
         if not results:
             rows.append([run.name, "—", "not judged", "", "", "", ""])
         for split, result in results.items():
             after = result.get("after")
             rows.append([run.name, split, str(result.get("metric", "")).replace("_", " "), result.get("n"),
-                         _pct(result.get("before")) + _ci95(result.get("before"), result.get("n") or 0),
-                         _pct(after) + _ci95(after, result.get("n") or 0), _points(result.get("before"), after)])
+                         format_percent(result.get("before")) + ci95(result.get("before"), result.get("n") or 0),
+                         format_percent(after) + ci95(after, result.get("n") or 0), metric_points(result.get("before"), after)])
     return rows
 
 
@@ -295,7 +295,7 @@ def throughput_rows(runs: list[Run]) -> list[list]:
         rows.append([run.name, f"{world}× {run.info.get('device', '?')}", run.global_batch or "?",
                      "n/a" if tokens is None else f"{tokens:,.0f}",
                      "n/a" if tokens is None else f"{tokens / world:,.0f}",
-                     _num(samples, 3), "n/a" if not steps else f"{sorted(steps)[len(steps) // 2]:.3g} s",
+                     format_number(samples, 3), "n/a" if not steps else f"{sorted(steps)[len(steps) // 2]:.3g} s",
                      "n/a" if memory is None else f"{memory:,.0f} MB",
                      "n/a" if measured.get("mfu") is None else f"{100 * measured['mfu']:.1f}%",
                      format_duration(wall)])
@@ -318,17 +318,17 @@ def _section(runs: list[Run], page_dir: Path, prefix: str) -> list[str]:
 
 def render_page(runs: list[Run], page_dir: Path) -> str:
     lines = [f"# {len(runs)} runs compared", ""]
-    lines += _table(["run", "status", "stage", "model", "data", "global batch", "report"],
+    lines += table_lines(["run", "status", "stage", "model", "data", "global batch", "report"],
                     [[run.name, status_line(run_state_of(run.path, run.info, run.metrics)), run.stage.upper(),
                       f"`{run.info.get('model_name_or_path', 'n/a')}`", f"`{run.info.get('dataset_name', 'n/a')}`",
                       run.global_batch or "?", _report_link(run, page_dir)] for run in runs]) + [""]
     lines += ["## Settings that differ", ""]
     differing = differing_settings(runs)
-    lines += (_table(["setting", *[run.name for run in runs]], differing) if differing
+    lines += (table_lines(["setting", *[run.name for run in runs]], differing) if differing
               else ["None: every recorded setting is the same (the runs differ only by chance: seed order, "
                     "machine)."]) + [""]
     lines += ["## Judged results (held-out prompts)", ""]
-    lines += _table(["run", "split", "metric", "n", "before (starting model)", "after (trained)", "change"],
+    lines += table_lines(["run", "split", "metric", "n", "before (starting model)", "after (trained)", "change"],
                     judged_rows(runs))
     lines += ["", "± is the 95% interval of each fraction (normal approximation). Where two runs' intervals overlap "
                   "much, the difference between them may be chance: judge more prompts (--num_samples) to tell.", ""]
@@ -338,7 +338,7 @@ def render_page(runs: list[Run], page_dir: Path) -> str:
         title = "## Curves" + (f": {stage.upper()} runs" if len(stages) > 1 else "")
         lines += [title, "", *_section(group, page_dir, f"{stage}_" if len(stages) > 1 else "")]
     lines += ["## Throughput", ""]
-    lines += _table(["run", "processes", "global batch", "tokens/s (all ranks)", "tokens/s per process",
+    lines += table_lines(["run", "processes", "global batch", "tokens/s (all ranks)", "tokens/s per process",
                      "samples/s", "median step time", "peak memory per process", "MFU", "training time"],
                     throughput_rows(runs))
     lines += ["", "Throughput is training only: evaluation and checkpoint time are left out (training time has "

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from src.progress import format_duration
-from src.reporting.report import REPORT, _ci95, _num, _pct, _table
+from src.reporting.report import REPORT, ci95, format_number, format_percent, table_lines
 from src.reporting.status import run_state
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, write_text
 
@@ -60,10 +60,10 @@ def key_settings(info: dict) -> str:
     if info.get("global_batch_size"):
         parts.append(f"batch {info['global_batch_size']}")
     if info.get("learning_rate") is not None:
-        parts.append(f"lr {_num(info['learning_rate'], 3)}")
+        parts.append(f"lr {format_number(info['learning_rate'], 3)}")
     if info.get("stage") == "dpo":
         loss = info.get("loss_type") or config.get("loss_type")
-        parts.append(f"β {_num(info.get('beta', config.get('beta')), 3)}"
+        parts.append(f"β {format_number(info.get('beta', config.get('beta')), 3)}"
                      + (f" {'+'.join(loss) if isinstance(loss, list) else loss}" if loss else ""))
     if info.get("use_lora"):
         parts.append(f"{'QLoRA' if info.get('load_in_4bit') else 'LoRA'} r{config.get('lora_r', '?')}")
@@ -77,9 +77,9 @@ def judged_cell(info: dict) -> str:
     judge = info.get("judge")
     if not judge:
         return "not judged"
-    after = _pct(judge.get("after")) + _ci95(judge.get("after"), judge.get("n") or 0)
+    after = format_percent(judge.get("after")) + ci95(judge.get("after"), judge.get("n") or 0)
     earlier = (info.get("previous_stage") or {}).get("judge")
-    chain = [_pct(earlier.get("before")), _pct(earlier.get("after"))] if earlier else [_pct(judge.get("before"))]
+    chain = [format_percent(earlier.get("before")), format_percent(earlier.get("after"))] if earlier else [format_percent(judge.get("before"))]
     metric = str(judge.get("metric", "")).replace("_", " ")
     return f"{metric}: {' → '.join(chain + [after])} (n={judge.get('n')})"
 
@@ -126,7 +126,7 @@ def render_index(results_dir: Path) -> str:
                      f"`{info.get('model_name_or_path', 'n/a')}`", f"`{info.get('dataset_name', 'n/a')}`",
                      key_settings(info), judged_cell(info), _wall(info, metrics, run_dir),
                      (info.get("started_at") or "n/a")[:16].replace("T", " ")])
-    lines += _table(["run", "status", "stage", "model", "data", "key settings", "judged before → after",
+    lines += table_lines(["run", "status", "stage", "model", "data", "key settings", "judged before → after",
                      "training time", "started (UTC)"], rows)
     lines += ["", "± is the 95% interval of the trained model's fraction. A pipeline's judged column reads untrained → "
                   "after the first stage → after the last."]

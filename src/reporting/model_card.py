@@ -16,7 +16,7 @@ from pathlib import Path
 from src.config import EMBEDDED
 from src.hub_access import looks_like_hub_id
 from src.reporting.plots import CHARTS
-from src.reporting.report import PLOTS_DIR, _num, final_numbers_table, judged_section, setup_table
+from src.reporting.report import PLOTS_DIR, format_number, final_numbers_table, judged_section, setup_table
 from src.run_files import TRAINING_INFO, read_json
 
 CARD = "README.md"
@@ -53,19 +53,19 @@ def _method_table(info: dict, merged: bool) -> list[str]:
         loss_type = info.get("loss_type") or config.get("loss_type")
         loss = " + ".join(loss_type) if isinstance(loss_type, list) else str(loss_type)
         if config.get("loss_weights"):
-            loss += f" (weights {', '.join(_num(weight) for weight in config['loss_weights'])})"
-        rows += [["loss type", loss], ["beta", _num(info.get("beta", config.get("beta")))]]
+            loss += f" (weights {', '.join(format_number(weight) for weight in config['loss_weights'])})"
+        rows += [["loss type", loss], ["beta", format_number(info.get("beta", config.get("beta")))]]
         if config.get("label_smoothing"):
-            rows.append(["label smoothing", _num(config["label_smoothing"])])
+            rows.append(["label smoothing", format_number(config["label_smoothing"])])
     if info.get("use_lora"):
         targets = config.get("lora_target_modules")
         targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
         rows.append(["LoRA", f"r {config.get('lora_r')}, alpha {config.get('lora_alpha')}, dropout "
-                             f"{_num(config.get('lora_dropout'))}, target modules {targets}"
+                             f"{format_number(config.get('lora_dropout'))}, target modules {targets}"
                              + (" — merged into the base weights in this repository" if merged else "")])
     if info.get("load_in_4bit"):
         rows.append(["QLoRA", f"base quantized to 4 bits ({config.get('bnb_4bit_quant_type', 'nf4')}, double "
-                              f"quantization {_num(config.get('use_bnb_nested_quant'))}) during training"])
+                              f"quantization {format_number(config.get('use_bnb_nested_quant'))}) during training"])
     rows += [["max length", f"{info.get('max_length')} tokens (prompt + completion)"],
              ["training", "full fine-tuning" if not info.get("use_lora") else "LoRA adapters, base frozen"]]
     return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]

@@ -44,13 +44,13 @@ def samples_text_file(split: str) -> str:
 # ---------------------------------------------------------------------------------------------------- formatting
 
 
-def _pct(value: float | None) -> str:
+def format_percent(value: float | None) -> str:
     if value is None:
         return "n/a"
     return f"{100 * value:.1f}%" if math.isfinite(value) else str(value)
 
 
-def _num(value, digits: int = 4) -> str:
+def format_number(value, digits: int = 4) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, bool):
@@ -64,13 +64,13 @@ def _num(value, digits: int = 4) -> str:
     return str(value)
 
 
-def _points(before: float | None, after: float | None) -> str:
+def metric_points(before: float | None, after: float | None) -> str:
     if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
         return "n/a"
     return f"{100 * (after - before):+.1f} pts"
 
 
-def _ci95(fraction: float, count: int) -> str:
+def ci95(fraction: float, count: int) -> str:
     """Half-width of the normal-approximation 95% interval of a fraction, in percentage points."""
     if not count or fraction is None or not math.isfinite(fraction):
         return ""
@@ -93,7 +93,7 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: list[str], rows: list[list]) -> list[str]:
+def table_lines(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
     return lines
@@ -111,7 +111,7 @@ def _fenced(text, limit: int | None = None) -> list[str]:
 def _format_verdict(verdict: dict | None) -> str:
     if not verdict:
         return "no verdict"
-    return ", ".join(f"{key} {_num(value)}" for key, value in verdict.items())
+    return ", ".join(f"{key} {format_number(value)}" for key, value in verdict.items())
 
 
 def _score(verdict: dict | None) -> float | None:
@@ -142,8 +142,8 @@ def render_samples_text(samples: list[dict], split: str, run_name: str = "", jud
     lines = [f"prefkit held-out samples: split {split}, {len(samples)} prompts"
              + (f", run {run_name}" if run_name else "")]
     if judge:
-        lines.append(f"judge: {judge.get('judge') or 'n/a'}; {judge.get('metric')}: before {_pct(judge.get('before'))}"
-                     f" -> after {_pct(judge.get('after'))} (n={judge.get('n')})")
+        lines.append(f"judge: {judge.get('judge') or 'n/a'}; {judge.get('metric')}: before {format_percent(judge.get('before'))}"
+                     f" -> after {format_percent(judge.get('after'))} (n={judge.get('n')})")
     lines.append("REFERENCE = the model this stage started from; TRAINED = the model after this stage; "
                  "CHOSEN / REJECTED = the dataset's answers.")
     rule = "=" * 100
@@ -189,7 +189,7 @@ def pick_examples(samples: list[dict], count: int = EXAMPLES_IN_REPORT) -> list[
 # ------------------------------------------------------------------------------------------------------- report
 
 
-def _judge_results(info: dict) -> dict[str, dict]:
+def judge_results(info: dict) -> dict[str, dict]:
     """Judged results per split: `judges` when the job wrote them, else the single headline `judge`."""
     judges = dict(info.get("judges") or {})
     if not judges and info.get("judge"):
@@ -204,7 +204,7 @@ def _previous_judge_results(info: dict, run_dir: Path) -> dict[str, dict]:
     if not previous:
         return {}
     try:
-        results = _judge_results(read_json(run_dir / previous.get("run_dir", "") / TRAINING_INFO))
+        results = judge_results(read_json(run_dir / previous.get("run_dir", "") / TRAINING_INFO))
     except (OSError, ValueError):
         results = {}
     if previous.get("judge"):
@@ -232,7 +232,7 @@ def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
 def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     """Markdown for the judged results, and the one-sentence verdict they support."""
     stage = info["stage"].upper()
-    judges, previous_judges = _judge_results(info), _previous_judge_results(info, run_dir)
+    judges, previous_judges = judge_results(info), _previous_judge_results(info, run_dir)
     if not judges:
         return ["No held-out prompts were judged in this run."], None
     pipeline = bool(previous_judges)
@@ -246,18 +246,18 @@ def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
         for name in ["main", *_sub_metrics(result)]:
             values = [model.get(name) for model in models]
             cells = [_detail(name, value) for value in values]
-            change = "" if name.startswith("mean_") else _points(values[-2], values[-1])
+            change = "" if name.startswith("mean_") else metric_points(values[-2], values[-1])
             if name == "main":
-                cells[-1] += _ci95(values[-1], result.get("n") or 0)
+                cells[-1] += ci95(values[-1], result.get("n") or 0)
                 rows.append([split, _metric_name(result.get("metric", "")), result.get("n"), *cells, change])
             else:
                 rows.append(["", f"↳ {_metric_name(name)}", "", *cells, change])
         if earlier and _differs(earlier.get("after"), result.get("before")):
-            notes.append(f"The {stage} stage measured its starting model at {_pct(result.get('before'))} on {split}, "
-                         f"the {previous_stage} stage at {_pct(earlier.get('after'))}: generation was not "
+            notes.append(f"The {stage} stage measured its starting model at {format_percent(result.get('before'))} on {split}, "
+                         f"the {previous_stage} stage at {format_percent(earlier.get('after'))}: generation was not "
                          f"deterministic or the prompts differ.")
 
-    lines = _table(header, rows) + [""]
+    lines = table_lines(header, rows) + [""]
     judge_names = sorted({result.get("judge") for result in judges.values() if result.get("judge")})
     if judge_names:
         lines.append(f"Judge: {', '.join(judge_names)}.")
@@ -281,16 +281,16 @@ def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_s
     result, earlier = judges[split], previous_judges.get(split)
     metric, count = result.get("metric", "").replace("_", "-"), result.get("n")
     if result.get("metric") == "win_rate":
-        return (f"{stage}'s answers beat the starting model's on {_pct(result.get('after'))} of {count} held-out "
+        return (f"{stage}'s answers beat the starting model's on {format_percent(result.get('after'))} of {count} held-out "
                 f"{split} prompts (reward-model win rate; 50% = no change).")
     if result.get("metric") == "pair_accuracy":
-        return (f"The reward model ranks the chosen answer first on {_pct(result.get('after'))} of {count} held-out "
-                f"{split} pairs ({_pct(result.get('before'))} before training; 50% = chance).")
+        return (f"The reward model ranks the chosen answer first on {format_percent(result.get('after'))} of {count} held-out "
+                f"{split} pairs ({format_percent(result.get('before'))} before training; 50% = chance).")
     if earlier:
-        return (f"On {count} held-out {split} prompts, {metric} went from {_pct(earlier.get('before'))} (untrained) "
-                f"to {_pct(earlier.get('after'))} after {previous_stage} and {_pct(result.get('after'))} "
+        return (f"On {count} held-out {split} prompts, {metric} went from {format_percent(earlier.get('before'))} (untrained) "
+                f"to {format_percent(earlier.get('after'))} after {previous_stage} and {format_percent(result.get('after'))} "
                 f"after {stage}.")
-    return (f"{stage} moved {metric} from {_pct(result.get('before'))} to {_pct(result.get('after'))} on {count} "
+    return (f"{stage} moved {metric} from {format_percent(result.get('before'))} to {format_percent(result.get('after'))} on {count} "
             f"held-out {split} prompts.")
 
 
@@ -305,41 +305,41 @@ def _sub_metrics(result: dict) -> dict:
 
 
 def _detail(name: str, value: float | None) -> str:
-    return _num(value) if name.startswith("mean_") else _pct(value)
+    return format_number(value) if name.startswith("mean_") else format_percent(value)
 
 
 def final_numbers_table(summary: dict, info: dict, running: bool = False) -> list[str]:
     stage = summary.get("stage")
-    steps = _num(summary.get("last_step")) + _of_max_steps(info)
+    steps = format_number(summary.get("last_step")) + _of_max_steps(info)
     best = summary.get("best_eval_loss")
     status = ("running (numbers so far)" if running else
               "finished" if summary.get("finished") else "**did not finish** (no end-of-training record)")
     rows = [
         ["status", status],
         ["optimizer steps", steps + (f" ({summary['last_epoch']:.2f} epochs)" if summary.get("last_epoch") else "")],
-        ["final train loss (last logged)", _num(summary.get("final_train_loss"))],
-        ["mean train loss over the run", _num(summary.get("train_loss"))],
+        ["final train loss (last logged)", format_number(summary.get("final_train_loss"))],
+        ["mean train loss over the run", format_number(summary.get("train_loss"))],
         ["best eval loss",
-         "n/a (no eval)" if best is None else f"{_num(best)} at step {summary.get('best_eval_step')}"],
-        ["final eval loss", _num(summary.get("final_eval_loss"))],
+         "n/a (no eval)" if best is None else f"{format_number(best)} at step {summary.get('best_eval_step')}"],
+        ["final eval loss", format_number(summary.get("final_eval_loss"))],
     ]
     if stage in ("dpo", "reward"):
-        rows += [["final reward accuracy (train / eval)", f"{_pct(summary.get('final_reward_accuracy_train'))} / "
-                                                          f"{_pct(summary.get('final_reward_accuracy_eval'))}"],
-                 ["final reward margin (train / eval)", f"{_num(summary.get('final_reward_margin_train'))} / "
-                                                        f"{_num(summary.get('final_reward_margin_eval'))}"]]
+        rows += [["final reward accuracy (train / eval)", f"{format_percent(summary.get('final_reward_accuracy_train'))} / "
+                                                          f"{format_percent(summary.get('final_reward_accuracy_eval'))}"],
+                 ["final reward margin (train / eval)", f"{format_number(summary.get('final_reward_margin_train'))} / "
+                                                        f"{format_number(summary.get('final_reward_margin_eval'))}"]]
     else:
-        rows += [["final token accuracy (train / eval)", f"{_pct(summary.get('final_token_accuracy_train'))} / "
-                                                         f"{_pct(summary.get('final_token_accuracy_eval'))}"]]
+        rows += [["final token accuracy (train / eval)", f"{format_percent(summary.get('final_token_accuracy_train'))} / "
+                                                         f"{format_percent(summary.get('final_token_accuracy_eval'))}"]]
     tokens_per_second, samples_per_second = summary.get("tokens_per_second"), summary.get("samples_per_second")
     peak = summary.get("peak_memory_mb")
-    rows += [["throughput", f"{_num(tokens_per_second and round(tokens_per_second))} tokens/s, "
-                            f"{_num(samples_per_second, 3)} samples/s (all ranks)"],
+    rows += [["throughput", f"{format_number(tokens_per_second and round(tokens_per_second))} tokens/s, "
+                            f"{format_number(samples_per_second, 3)} samples/s (all ranks)"],
              ["wall time (training)", _duration(summary.get("wall_time_s"))],
              ["peak memory per device", "n/a" if peak is None else f"{peak:,.0f} MB"]]
     if running:  # mid-run, the last logged values are the latest, not the final ones
         rows = [[label.replace("final ", "latest ", 1), value] for label, value in rows]
-    return _table(["", "value"], rows)
+    return table_lines(["", "value"], rows)
 
 
 def setup_table(info: dict) -> list[str]:
@@ -358,23 +358,23 @@ def setup_table(info: dict) -> list[str]:
                           f"optimizer step"])
     rule = get("lr_scaling")
     if rule and rule != "none" and get("base_learning_rate") is not None:
-        learning_rate = (f"{_num(get('base_learning_rate'))} at base batch {get('base_batch_size')} → "
-                         f"{_num(get('learning_rate'))} at batch {get('global_batch_size')} ({rule} scaling)")
+        learning_rate = (f"{format_number(get('base_learning_rate'))} at base batch {get('base_batch_size')} → "
+                         f"{format_number(get('learning_rate'))} at batch {get('global_batch_size')} ({rule} scaling)")
     else:
-        learning_rate = f"{_num(get('learning_rate'))} (not scaled)"
+        learning_rate = f"{format_number(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
     if get("stage") == "dpo":
-        rows.append(["DPO", f"beta {_num(get('beta'))}, loss {describe_dpo_loss(*dpo_loss_config(info))}"])
+        rows.append(["DPO", f"beta {format_number(get('beta'))}, loss {describe_dpo_loss(*dpo_loss_config(info))}"])
         if get("dpo_forward"):
             rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
-    rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {_num(get('gradient_checkpointing'))}"],
-             ["LoRA / 4-bit", f"{_num(get('use_lora'))} / {_num(get('load_in_4bit'))}"],
-             ["max steps, seed", f"{_num(get('max_steps'))}, {_num(get('seed'))}"],
+    rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {format_number(get('gradient_checkpointing'))}"],
+             ["LoRA / 4-bit", f"{format_number(get('use_lora'))} / {format_number(get('load_in_4bit'))}"],
+             ["max steps, seed", f"{format_number(get('max_steps'))}, {format_number(get('seed'))}"],
              ["code", f"git {get('git_commit', 'n/a')}, started {get('started_at', 'n/a')}"]]
     versions = get("versions") or {}
     if versions:
         rows.append(["versions", " · ".join(f"{name} {version}" for name, version in versions.items())])
-    return _table(["", "resolved value"], rows)
+    return table_lines(["", "resolved value"], rows)
 
 
 def _dpo_forward(forward: dict) -> str:
@@ -382,8 +382,8 @@ def _dpo_forward(forward: dict) -> str:
     that was padding or a repeated prompt, per pass."""
     text = forward.get("forward", "?") + (f" ({forward['reason']})" if forward.get("reason") else "")
     for kind, tokens in (forward.get("tokens") or {}).items():
-        text += (f"; {kind}: {_pct(tokens.get('padding_share'))} padding, "
-                 f"{_pct(tokens.get('repeated_prompt_share'))} repeated prompt")
+        text += (f"; {kind}: {format_percent(tokens.get('padding_share'))} padding, "
+                 f"{format_percent(tokens.get('repeated_prompt_share'))} repeated prompt")
     return text
 
 
@@ -440,16 +440,16 @@ def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: li
     elif stage in ("DPO", "REWARD"):
         accuracy = _eval_else_train(summary, "final_reward_accuracy")
         margin = _eval_else_train(summary, "final_reward_margin")
-        parts.append(f"{stage} ran {_num(summary.get('last_step'))} steps; {final} reward accuracy {_pct(accuracy)}, "
-                     f"margin {_num(margin, 3)} (no held-out judge).")
+        parts.append(f"{stage} ran {format_number(summary.get('last_step'))} steps; {final} reward accuracy {format_percent(accuracy)}, "
+                     f"margin {format_number(margin, 3)} (no held-out judge).")
     else:
-        parts.append(f"SFT ran {_num(summary.get('last_step'))} steps; {final} train loss "
-                     f"{_num(summary.get('final_train_loss'))}, best eval loss {_num(summary.get('best_eval_loss'))} "
+        parts.append(f"SFT ran {format_number(summary.get('last_step'))} steps; {final} train loss "
+                     f"{format_number(summary.get('final_train_loss'))}, best eval loss {format_number(summary.get('best_eval_loss'))} "
                      f"(no held-out judge).")
     if running:
         parts.append("Training is still running: these are the numbers so far.")
     elif not summary.get("finished"):
-        parts.append(f"The run did not finish (last logged step {_num(summary.get('last_step'))}"
+        parts.append(f"The run did not finish (last logged step {format_number(summary.get('last_step'))}"
                      f"{_of_max_steps(info)}).")
     errors = [alert for alert in alerts if alert.severity == "error"]
     if alerts:
