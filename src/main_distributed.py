@@ -270,6 +270,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
     from src.judges import pair_accuracy
+    from src.packed_dpo import padding_free_requested
     from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
 
     config, plan = stage.config, stage.plan
@@ -310,7 +311,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                   total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
-                            else None)
+                            else None, packed_dpo=padding_free_requested(config.trl_overrides))
     from src.trackers import TrackerRecord
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))

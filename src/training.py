@@ -26,6 +26,9 @@ from src.disk_space import (
 from src.distributed import any_rank, gather_objects, print0
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
+from src.packed_dpo import (PackedDPOForward, PackedPreferenceCollator, attention_layout, fused_modules,
+                            unsupported_reason)
+from src.packed_dpo_support import announce_padded
 from src.progress import Progress, eta_seconds, format_duration
 from src.reporting.live import LiveReport
 from src.resilience import mark_complete, stop_signal
@@ -269,8 +272,6 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     def _compute_loss(self, model, inputs, return_outputs):
         if self.packed_forward is None:
             return super()._compute_loss(model, inputs, return_outputs)
-        from src.packed_dpo import fused_modules
-
         # Without precomputed reference log-probs the reference forward runs inside the same call.
         forwards = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
         with self.packed_forward.running(inputs, forwards, fused_modules(self)) as inputs:
@@ -324,8 +325,6 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             progress.update(min(pairs, progress.total - progress.done))
         if self.packed_forward is None:
             return super().compute_ref_log_probs(model, inputs)
-        from src.packed_dpo import fused_modules
-
         with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
             return super().compute_ref_log_probs(model, inputs)
 
@@ -694,25 +693,21 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         overrides |= {"packing": sft_forward["forward"] == "packed", "padding_free": sft_forward["padding_free"]}
         if sft_forward["forward"] == "padding_free":
             overrides["max_length"] = None  # TRL's rule without packing: the trainer truncates (ToolkitSFTTrainer)
-    if stage == "dpo":
-        # TRL 1.16's DPOTrainer ignores padding_free (it pads); the toolkit's packed forward answers to the flag.
-        from src.packed_dpo import padding_free_requested
-
+    if stage == "dpo":  # TRL 1.16's DPOTrainer ignores padding_free (it pads): build_trainer's packed_dpo answers to it
         overrides.pop("padding_free", None)
-        trl_config = config_class(**{**common, **specific, **overrides})
-        trl_config.packed_dpo = padding_free_requested(config.trl_overrides)
-        return trl_config
     return config_class(**{**common, **specific, **overrides})
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
-                  plan: Plan, truncate_to: int | None = None):
+                  plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True):
+    """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
+    (`--padding_free false`, src/packed_dpo.padding_free_requested)."""
     trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
     extra = {"truncate_to": truncate_to} if stage == "sft" else {}
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
     dpo_forward = {}
     if stage == "dpo":
-        dpo_forward = packed_dpo_forward(model, tokenizer, trl_config, peft_config)
+        dpo_forward = packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed_dpo)
     # DPO and reward batches hold a chosen and a rejected sequence per pair.
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
                             _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)
@@ -736,15 +731,13 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     return trainer
 
 
-def packed_dpo_forward(model, tokenizer, trl_config, peft_config) -> dict:
+def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
     """The trainer arguments of the DPO forward: packed (src/packed_dpo.py) unless `--padding_free false` or the
     model cannot honour it (then TRL's padded forward, with one warning line saying why)."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from src.packed_dpo import PackedDPOForward, PackedPreferenceCollator, attention_layout, unsupported_reason
-    from src.packed_dpo_support import announce_padded
 
-    if not getattr(trl_config, "packed_dpo", True):
+    if not packed:
         return {"packed_forward": PackedDPOForward("--padding_free false")}
     reason = unsupported_reason(model, trl_config, peft_config)
     forward = PackedDPOForward(reason, attention_layout(model))

@@ -63,10 +63,9 @@ def trainer_for(model, tokenizer, rows, tmp_path, packed: bool = True, **overrid
                         "per_device_train_batch_size": 4, "max_length": 40, "bf16": False, "use_cpu": True,
                         "activation_checkpointing": False, "report_to": [], "logging_steps": 1, "disable_tqdm": True,
                         "precompute_ref_log_probs": False, "learning_rate": 1e-3, "seed": 0, **overrides})
-    args.packed_dpo = packed
     return PreparedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, peft_config=peft_config,
-                              **packed_dpo_forward(model, tokenizer, args, peft_config))
+                              **packed_dpo_forward(model, tokenizer, args, peft_config, packed))
 
 
 def reference_logps(trainer, rows):
