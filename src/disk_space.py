@@ -10,7 +10,7 @@ write fails anyway (full disk, quota, I/O error).
   --results_dir advice; more than WARN_FRACTION of it is a warning.
 - `is_write_failure` / `WriteFailed`: ENOSPC, EDQUOT or EIO, as an OSError or as the text safetensors and torch wrap
   them in, becomes one line naming the directory, its free space and the newest complete checkpoint a relaunch
-  resumes from: exit status WRITE_FAILED_EXIT_CODE, no traceback (--debug shows it).
+  resumes from: exit status ExitStatus.WRITE_FAILED (5), no traceback (--debug shows it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-WRITE_FAILED_EXIT_CODE = 5
 WARN_FRACTION = 0.8  # beyond this share of the free space, logs, reports and tracker files may not fit
 _FAILED_WRITES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                   errno.EIO: "input/output error"}

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-FINAL_EXIT_CODES = (2, 4, 5, 6)  # user error, diverged, write failed, node lost: see docs/reliability.md
+from src.exit_status import FINAL
+
 
 
 def _directory() -> Path | None:
@@ -26,10 +27,10 @@ def _directory() -> Path | None:
 def record(code: int) -> bool:
     """Record a final exit status for the launcher; True when it did (the worker then exits 0)."""
     directory = _directory()
-    if code not in FINAL_EXIT_CODES or directory is None or not directory.is_dir():
+    if code not in FINAL or directory is None or not directory.is_dir():
         return False
     temporary = directory / f".rank-{os.environ.get('RANK', '0')}-{os.getpid()}"
-    temporary.write_text(f"{code}\n")
+    temporary.write_text(f"{int(code)}\n")
     os.replace(temporary, directory / f"rank-{os.environ.get('RANK', '0')}")
     return True
 

@@ -31,8 +31,9 @@ from src.config import (
     parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
-from src.disk_space import WRITE_FAILED_EXIT_CODE, WriteFailed, write_failures_reported
+from src.disk_space import WriteFailed, write_failures_reported
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
+from src.exit_status import ExitStatus
 from src.input_checks import check_model_inputs
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
@@ -40,7 +41,7 @@ from src.models import (ModelError, apply_chat_template_path, apply_chat_templat
 from src.node_watch import watch
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.resilience import (
-    DIVERGED_EXIT_CODE, SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
+    SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.reporting.summary import summarize
@@ -470,7 +471,7 @@ class StoppedBySignal(Exception):
 
     def __init__(self, signal_name: str, message: str):
         super().__init__(message)
-        self.exit_code = SIGNAL_EXIT_CODES.get(signal_name, 143)
+        self.exit_code = SIGNAL_EXIT_CODES.get(signal_name, ExitStatus.SIGTERM)
 
 
 def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
@@ -675,11 +676,11 @@ def exit_status(argv: list[str] | None = None) -> int:
             raise
         if World.from_environment().is_main:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return ExitStatus.USER_ERROR
     except TrainingDiverged as error:
         if World.from_environment().is_main:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        return DIVERGED_EXIT_CODE
+        return ExitStatus.DIVERGED
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
@@ -687,7 +688,7 @@ def exit_status(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print0(f"error: {error}", file=sys.stderr)
-        return WRITE_FAILED_EXIT_CODE
+        return ExitStatus.WRITE_FAILED
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ node never joins.
   its node is named. A store that does not answer for the timeout means node 0 (which holds it) is gone.
 - On a verdict, local rank 0 of each surviving node prints the line, asks its torchrun agent to end (a static
   multi-node job cannot re-form without the lost node, so a restart would only wait again), and every process exits
-  with NODE_LOST_EXIT_CODE; the newest complete checkpoint stays for the relaunch.
+  with ExitStatus.NODE_LOST (6); the newest complete checkpoint stays for the relaunch.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from datetime import timedelta
 
 from src import launch_verdict
 from src.config import World
+from src.exit_status import ExitStatus
 
-NODE_LOST_EXIT_CODE = 6
 BEAT_S = 5.0
 
 
@@ -110,7 +110,7 @@ def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str
                   "no complete checkpoint was saved yet")
         print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
               f"stopping this node; {resume}", file=sys.stderr, flush=True)
-    under_launcher = launch_verdict.record(NODE_LOST_EXIT_CODE)
+    under_launcher = launch_verdict.record(ExitStatus.NODE_LOST)
     if world.local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         # The agent must end: a restart would wait for the lost node again, and a finished agent would wait for it at
         # its exit barrier. run_distributed.sh reports the recorded status, so there the agent ends without its
@@ -119,4 +119,4 @@ def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str
             os.kill(os.getppid(), signal.SIGKILL if under_launcher else signal.SIGTERM)
         except OSError:
             pass
-    os._exit(NODE_LOST_EXIT_CODE)
+    os._exit(ExitStatus.NODE_LOST)

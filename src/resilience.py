@@ -20,10 +20,10 @@ import shutil
 import signal
 from pathlib import Path
 
+from src.exit_status import ExitStatus
 from src.locking import COMPLETE_MARKER
 
-SIGNAL_EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
-DIVERGED_EXIT_CODE = 4
+SIGNAL_EXIT_CODES = {"SIGTERM": ExitStatus.SIGTERM, "SIGINT": ExitStatus.SIGINT}
 PREFIX_CHECKPOINT_DIR = "checkpoint"  # transformers' name for checkpoint-<step> directories
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 

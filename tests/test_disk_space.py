@@ -17,7 +17,8 @@ import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
-from src.disk_space import WRITE_FAILED_EXIT_CODE, is_write_failure, write_failure_errno
+from src.disk_space import is_write_failure, write_failure_errno
+from src.exit_status import ExitStatus
 from src.locking import COMPLETE_MARKER
 from src.resilience import newest_complete_checkpoint
 from test_run_lock import complete_checkpoint_from
@@ -79,7 +80,7 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
             assert error.errno == errno.ENOSPC
         finally:
             os.close(descriptor)
-        assert launch.wait(timeout=240) == WRITE_FAILED_EXIT_CODE, (tmp_path / "first.txt").read_text()[-4000:]
+        assert launch.wait(timeout=240) == ExitStatus.WRITE_FAILED, (tmp_path / "first.txt").read_text()[-4000:]
     finally:
         os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
     output = (tmp_path / "first.txt").read_text()
@@ -111,7 +112,7 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
 
 
 def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_model, tmp_path, small_filesystem):
-    """Without torchrun: the exit status is WRITE_FAILED_EXIT_CODE; --debug shows the traceback."""
+    """Without torchrun: the exit status is ExitStatus.WRITE_FAILED; --debug shows the traceback."""
     small = small_filesystem("4m")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
     args = job_args(tiny_model, data, small / "results", steps=30, save_steps=5)
@@ -127,7 +128,7 @@ def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_mod
     script.write_text(f"import sys\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + fill)
     result = subprocess.run([sys.executable, str(script), *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == WRITE_FAILED_EXIT_CODE, result.stderr[-3000:]
+    assert result.returncode == ExitStatus.WRITE_FAILED, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert "no space left on device" in line and "resumes from" in line and "checkpoint-10 (step 10)" in line, line

@@ -1,9 +1,13 @@
 """A stop the job chose is recorded for run_distributed.sh and the worker exits 0 (no torchrun restart, no failure
 report); outside the launcher, or for a crash, the status is the worker's own."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from src import launch_verdict
+from src.exit_status import FINAL, ExitStatus
 
 
 @pytest.fixture
@@ -14,11 +18,11 @@ def under_launcher(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("code", launch_verdict.FINAL_EXIT_CODES)
+@pytest.mark.parametrize("code", FINAL)
 def test_a_chosen_stop_is_recorded_and_the_worker_exits_0(under_launcher, code):
     assert launch_verdict.recorded() is None
     assert launch_verdict.settle(code) == 0
-    assert (under_launcher / "rank-3").read_text() == f"{code}\n"
+    assert (under_launcher / "rank-3").read_text() == f"{int(code)}\n"
     assert launch_verdict.recorded() == code, "a restarted worker finds it"
     assert [path.name for path in under_launcher.iterdir()] == ["rank-3"], "no temporary file left"
 
@@ -35,3 +39,11 @@ def test_outside_the_launcher_the_status_is_unchanged(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFKIT_VERDICT_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # python -m src.main_distributed with the variable left in the shell
     assert launch_verdict.settle(5) == 5 and list(tmp_path.iterdir()) == []
+
+
+def test_docs_reliability_has_a_row_for_every_exit_status():
+    """docs/reliability.md's table follows src/exit_status.py: each status has its row, and no row names another."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    table = doc[doc.index("### Exit statuses"):]
+    rows = {int(number) for row in re.findall(r"^\| ([0-9 /]+) \|", table, re.M) for number in row.split("/")}
+    assert rows == {int(status) for status in ExitStatus}

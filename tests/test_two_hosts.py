@@ -232,7 +232,7 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
     import time
 
     from src.locking import COMPLETE_MARKER
-    from src.node_watch import NODE_LOST_EXIT_CODE
+    from src.exit_status import ExitStatus
     from src.resilience import newest_complete_checkpoint
     from test_resilience import wait_for
 
@@ -256,7 +256,7 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
     finally:
         outcome = finish_nodes(processes, logs, timeout=1)
     code, output = outcome[0]
-    assert code == NODE_LOST_EXIT_CODE, output[-4000:]
+    assert code == ExitStatus.NODE_LOST, output[-4000:]
     assert "SignalException" not in output and "ChildFailedError" not in output, "the line ends it: " + output[-4000:]
     lines = [line for line in output.splitlines() if line.startswith("error: node 1 stopped answering")]
     assert len(lines) == 1, output[-4000:]
