@@ -15,13 +15,13 @@ from __future__ import annotations
 # Proven exact by tests/test_packed_support.py (sliding windows, where the family has them, are reproduced per
 # layer kind by src/packed_dpo.layer_windows).
 VERIFIED = frozenset("""
-afmoe apertus arcee aria_text beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm diffllama doge dots1 ernie4_5
-ernie4_5_moe exaone4 exaone_moe falcon flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe gpt-sw3 gpt2
+afmoe apertus arcee aria_text axk1 beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm diffllama deepseek_v2 deepseek_v3 doge dots1 ernie4_5
+ernie4_5_moe exaone4 exaone_moe falcon flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2
 gpt_bigcode gpt_neox gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe granitemoe_swa granitemoeshared
 helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hy_v4 hyperclovax internlm3 iquestcoder jais2 jetmoe kolibri1 laguna
-lfm2 lfm3 llama mellum mimo_v2_flash minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral modernbert-decoder nanochat
+lfm2 lfm3 llama longcat_flash mellum mimo_v2_flash minicpm3 minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral modernbert-decoder nanochat
 nemotron olmo olmo2 olmo3 olmoe opt persimmon phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_moe seed_oss smollm3
-solar_open stablelm starcoder2 vaultgemma xglm
+solar_open stablelm starcoder2 vaultgemma xglm youtu
 """.split())
 
 ENCODER = "an encoder family: its attention is bidirectional unless built as a decoder, so a mask cannot make it causal"
@@ -47,6 +47,8 @@ REFUSED = {
     "xlnet": "permutation language model: no causal mask to share a prompt through",
     "openai-gpt": "its attention takes no 4D mask (its own causal buffer)",
     "deepseek_v4": "compressed and sparse attention layers select keys across the row",
+    **dict.fromkeys("axk2 deepseek_v32 glm_moe_dsa".split(),
+                    "sparse attention: an indexer picks the top keys over the whole row, which a mask cannot pin"),
     "moshi": "its sliding window is not the one transformers' masks build (measured: a 4D mask does not reproduce it)",
 }
 # Neither forward can run these with TRL 1.16: refused before training, as an error (not a fallback).

@@ -114,7 +114,7 @@ def saved_model(path: Path, model_type: str, tokenizer_from: Path, **overrides) 
     ("bloom", {}, "ALiBi"),
     ("falcon", {"alibi": True}, "ALiBi"),
     ("mamba", {}, "state-space"),
-    ("deepseek_v3", {}, "not verified"),
+    ("lfm2_moe", {}, "not verified"),
     ("mixtral", {}, "router auxiliary loss is on (coefficient 0.001)"),
 ])
 def test_a_refused_model_is_named_before_data_preparation(model_type, overrides, cause, tiny_model, tmp_path):

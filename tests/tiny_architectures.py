@@ -40,6 +40,9 @@ def tiny_config(model_type: str, **extra):
     kwargs = {key: value for key, value in SMALL.items() if hasattr(default, key) or key in aliases}
     if hasattr(default, "head_dim") and not isinstance(getattr(config_class, "head_dim", None), property):
         kwargs["head_dim"] = 16  # families that read it instead of hidden_size / heads
+        if "qk_rope_head_dim" in kwargs:  # multi-head latent attention (DeepSeek): rotary sizes come from head_dim
+            kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # latent keys and values: one per head
     text = default.get_text_config() if _single_text_config(default) else default
     for window in ("sliding_window", "attention_chunk_size"):
         if hasattr(text, window) or hasattr(default, window):
