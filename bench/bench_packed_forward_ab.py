@@ -4,7 +4,7 @@
     python bench/bench_packed_forward_ab.py --before /tmp/before/src/packed_dpo.py
 
 What a change to src/packed_dpo.py costs (or saves) per micro-batch, without the noise of whole runs: the same Llama
-(hidden 256, 4 layers, sdpa, fp32 on CPU), the same 6 micro-batches of 8 log-normal pairs (prompt median 31 tokens,
+(--hidden 256 --layers 4 by default, sdpa, fp32 on CPU), the same 6 micro-batches of 8 log-normal pairs (prompt median 31 tokens,
 answers 26, capped at 150), each version on its own copy of the model (each installs its own fused-forward wrapper).
 Prints the median seconds per 6 micro-batches of each and their ratio."""
 
@@ -43,10 +43,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="another version's src/packed_dpo.py")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     versions = {"before": load_version(args.before), "after": after}
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=2000, hidden_size=args.hidden,
+                                        intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
                                         num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa"))
     models = {}
     for name in versions:
@@ -60,7 +63,7 @@ def main() -> None:
 
     def step(module, model, rows):
         collator = module.PackedPreferenceCollator(DataCollatorForPreference(pad_token_id=0, max_length=400),
-                                                   "prefix_shared", 1 / (3 * 256))
+                                                   "prefix_shared", 1 / (3 * args.hidden))
         batch = collator(rows)
         forward = module.PackedDPOForward(None, "prefix_shared")
         forward.checked = True
