@@ -324,6 +324,28 @@ class DPOArguments:
                   "learning rate or world size reuses them): no reference model in memory, no reference forward "
                   "per step. Default: on, unless TRL's sync_ref_model (TR-DPO) moves the reference."},
     )
+    rounds: int = field(
+        default=0,
+        metadata={"help": "On-policy rounds after the DPO stage (iterative DPO, src/rounds.py): each round the current "
+                  "model answers the train prompts --round_samples times, --judge scores every answer, each prompt's "
+                  "best and worst answers become a pair, and DPO trains on those pairs. 0: offline DPO only."},
+    )
+    round_samples: int = field(default=4, metadata={"help": "Answers sampled per prompt in a round (K, at least 2)."})
+    round_prompts: int = field(
+        default=0, metadata={"help": "Train prompts asked per round, drawn anew each round; 0: every train prompt."}
+    )
+    round_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of a round's answers."})
+    round_top_p: float = field(default=1.0, metadata={"help": "Nucleus (top-p) of a round's sampling; 1: off."})
+    round_max_steps: int = field(
+        default=-1,
+        metadata={"help": "Optimizer steps per round; -1: one pass over the round's pairs (--num_epochs 1)."},
+    )
+    round_reference: str = field(
+        default="previous",
+        metadata={"help": "The reference model of each round: previous (the model the round starts from, i.e. the "
+                  "previous round's result: the reference moves with the policy) or start (the model the DPO stage "
+                  "started from, for every round).", "choices": ["previous", "start"]},
+    )
 
 
 @dataclass
@@ -786,6 +808,8 @@ def stage_config(config: Config, stage: str) -> Config:
             requested[key] = (value, "sft")
             sources[key] = config.sources.get(f"sft.{key}", "the sft block")
     requested["stage"] = (stage, "sft")
+    if stage == "sft":
+        requested.pop("rounds", None)  # on-policy rounds follow the DPO stage
     if "stage" in sources:
         sources["stage"] = f"sft_then_dpo in {sources['stage']}"
     staged = _build_config(requested, stage)
@@ -845,6 +869,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
     if config.dpo.beta <= 0:
         raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
+    validate_rounds(config)
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
@@ -878,6 +903,33 @@ def validate(config: Config) -> None:
     if config.model.lora_r < 1:
         raise ConfigError(f"--lora_r must be a positive whole number, got {config.model.lora_r}")
     validate_mixture(config.data.dataset_mixture)
+
+
+def validate_rounds(config: Config) -> None:
+    """--rounds and its round_* settings: each error names the flag."""
+    dpo = config.dpo
+    if dpo.rounds < 0:
+        raise ConfigError(f"--rounds must be 0 (offline DPO) or more, got {dpo.rounds}")
+    if not dpo.rounds:
+        return
+    if config.training.stage not in ("dpo", "sft_then_dpo"):
+        raise ConfigError(f"--rounds runs DPO rounds after the DPO stage: use --stage dpo or sft_then_dpo, not "
+                          f"{config.training.stage}")
+    judge = config.training.judge
+    if judge == "none" or (judge == "auto" and config.data.dataset_name != EMBEDDED):
+        raise ConfigError("--rounds needs a judge to rank each prompt's answers: --judge module:function (your own "
+                          "check), or the path or Hub id of a reward model (e.g. a --stage reward run's model)")
+    if dpo.round_samples < 2:
+        raise ConfigError(f"--round_samples must be at least 2 (a pair needs two answers), got {dpo.round_samples}")
+    if dpo.round_prompts < 0:
+        raise ConfigError(f"--round_prompts must be 0 (every train prompt) or more, got {dpo.round_prompts}")
+    if not dpo.round_temperature > 0:
+        raise ConfigError(f"--round_temperature must be positive, got {dpo.round_temperature}")
+    if not 0 < dpo.round_top_p <= 1:
+        raise ConfigError(f"--round_top_p is a probability in (0, 1], got {dpo.round_top_p}")
+    if dpo.round_max_steps == 0 or dpo.round_max_steps < -1:
+        raise ConfigError(f"--round_max_steps must be positive (or -1: one pass over the round's pairs), got "
+                          f"{dpo.round_max_steps}")
 
 
 def missing_sources(config: Config) -> list[str]:

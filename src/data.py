@@ -146,7 +146,9 @@ def _split_files(directory: Path) -> dict[str, str]:
     for path in sorted(directory.iterdir()):
         if path.suffix in DATA_FILE_BUILDERS:
             files[path.stem] = str(path)
-    return files
+    # train first: datasets takes the column types from the first split it reads, and a held-out split may hold only
+    # nulls in a column the training rows fill (an on-policy round's scores, src/rounds.py)
+    return dict(sorted(files.items(), key=lambda item: item[0] != "train"))
 
 
 def check_source(data: DataArguments, stage: str) -> None:

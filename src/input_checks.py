@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 from src.config import EMBEDDED, Config, ModelArguments
+from src.judges import FUNCTION_JUDGE, load_function
 from src.models import ModelError, first_line, is_jinja_file
 
 CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model is a sequence classifier
@@ -57,8 +58,12 @@ def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -
 
 
 def check_judge(judge: str) -> None:
-    """--judge as a local reward model: it is loaded only after training, so a wrong path would cost the whole run."""
+    """--judge as a local reward model or a module:function: either is used only after training (or in a round), so a
+    wrong path or name would cost the whole run."""
     if judge in ("auto", "none", EMBEDDED):
+        return
+    if FUNCTION_JUDGE.match(judge):  # the user's own function: imported now, so a typo costs no training
+        load_function(judge)
         return
     path = Path(judge).expanduser()
     if not path.exists():

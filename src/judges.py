@@ -3,6 +3,13 @@
     result = ProgrammaticJudge(check, metric="correct_and_preferred").judge(rows, reference_answers, trained_answers)
     result = RewardModelJudge("path/or/hub-id-of-a-reward-model").judge(rows, reference_answers, trained_answers)
     result = pair_accuracy(score_pairs(untrained, ...), score_pairs(trained, ...))   # a reward model on pairs
+    judge = judge_for(config.training.judge, config.data.dataset_name)   # what --judge names, or None
+    scores = judge.scores(rows, answers)        # one number per (row, answer): on-policy rounds (src/rounds.py)
+
+--judge module:function brings a user's own check (a math answer checker, unit tests): `function(row, answer)`
+returns a number, higher is better (a bool counts as 0/1), or a dict with a numeric "score" and boolean
+sub-criteria; it is called once per answer, on every process for its share. A judge that raises or returns anything
+else stops the run with one line naming the prompt and the value (JudgeError).
 
 `rows` are dicts with at least "prompt" (str, or a list of chat messages) and "meta" (dict), optionally "chosen".
 The per-sample verdicts go into `samples_<split>.jsonl`, the aggregates (`JudgeResult.to_dict()`) into
@@ -12,9 +19,20 @@ The per-sample verdicts go into `samples_<split>.jsonl`, the aggregates (`JudgeR
 from __future__ import annotations
 
 import abc
+import importlib
 import math
+import re
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
+
+
+FUNCTION_JUDGE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # --judge module:function
+
+
+class JudgeError(ValueError):
+    """A judge that cannot be loaded, raised, or returned something other than a number: one line naming the judge,
+    the prompt and the value."""
 
 
 @dataclass
@@ -56,12 +74,25 @@ def _changes(before: list[float], after: list[float]) -> dict:
             "unchanged": sum(b == a for b, a in zip(before, after))}
 
 
+def prompt_text(prompt) -> str:
+    """A prompt as one short line for a message: a chat's last user turn, or the text, cut at 80 characters."""
+    if isinstance(prompt, list):
+        turns = [message.get("content") for message in prompt if isinstance(message, dict)]
+        prompt = turns[-1] if turns else ""
+    text = " ".join(str(prompt).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class Judge(abc.ABC):
     name: str = "judge"
 
     @abc.abstractmethod
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         """Verdicts for the reference and the trained answer to every row, and their aggregates."""
+
+    @abc.abstractmethod
+    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+        """One number per (row, answer), higher is better: how on-policy rounds rank a prompt's answers."""
 
 
 class ProgrammaticJudge(Judge):
@@ -73,15 +104,30 @@ class ProgrammaticJudge(Judge):
 
     name = "programmatic"
 
-    def __init__(self, check: Callable[[dict, str], dict], metric: str = "accuracy"):
+    def __init__(self, check: Callable[[dict, str], dict | float], metric: str = "accuracy", name: str = "programmatic"):
         self.check = check
         self.metric = metric
+        self.name = name
 
     def _verdict(self, row: dict, answer: str) -> dict:
-        verdict = dict(self.check(row, answer))
-        if not isinstance(verdict.get("score"), (int, float)) or isinstance(verdict.get("score"), bool):
-            raise ValueError(f"ProgrammaticJudge: check() must return a dict with a numeric 'score', got {verdict!r}")
-        return verdict
+        where = f"judge {self.name}, prompt {prompt_text(row.get('prompt'))!r}"
+        try:
+            verdict = self.check(row, answer)
+        except Exception as error:  # the user's code: whatever it raises is named, with the prompt
+            raise JudgeError(f"{where}: raised {type(error).__name__}: {error}") from error
+        if isinstance(verdict, (int, float)):  # a bare number (or bool) is the score
+            verdict = {"score": float(verdict)}
+        score = verdict.get("score") if isinstance(verdict, dict) else None
+        if not isinstance(score, (int, float)) or (isinstance(score, float) and not math.isfinite(score)):
+            raise JudgeError(f"{where}: returned {verdict!r}; a judge returns a finite number (higher is better) or a "
+                             "dict with a numeric 'score'")
+        return dict(verdict)
+
+    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+        """The verdict's "reward" where the check ranks answers more finely than its score, else the score."""
+        verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
+        return [float(verdict["reward"] if isinstance(verdict.get("reward"), (int, float)) else verdict["score"])
+                for verdict in verdicts]
 
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
@@ -155,6 +201,9 @@ class RewardModelJudge(Judge):
         sequences = [self._input_ids(prompt, answer) for prompt, answer in zip(prompts, answers)]
         return reward_scores(self.model, sequences, self.tokenizer.pad_token_id, self.batch_size)
 
+    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+        return self.score([row["prompt"] for row in rows], answers)
+
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
         prompts = [row["prompt"] for row in rows]
@@ -177,6 +226,38 @@ class RewardModelJudge(Judge):
                 verdict["reference"]["chosen_reward"] = verdict["trained"]["chosen_reward"] = reward
         return JudgeResult(self.metric, len(rows), 0.5 if rows else math.nan, _mean(wins), verdicts, details,
                            judge=self.name)
+
+
+def load_function(spec: str) -> Callable:
+    """`module:function` from the working directory or the Python path; JudgeError when it is not there."""
+    module_name, _, name = spec.partition(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # the launch directory, where a user keeps their judge's module
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or the module's own code failing on import
+        raise JudgeError(f"--judge {spec}: cannot import {module_name} ({type(error).__name__}: {error}); the module "
+                         "must be importable from the launch directory or PYTHONPATH") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise JudgeError(f"--judge {spec}: {module_name} has no function {name!r}")
+    return function
+
+
+def judge_for(choice: str, dataset_name: str | None) -> Judge | None:
+    """The judge --judge names: the embedded tasks' check, a user's function (module:function), a reward model (a
+    path or Hub id); None for 'none' and for 'auto' on data no judge knows."""
+    from src.config import EMBEDDED
+
+    if choice == "none" or (choice == "auto" and dataset_name != EMBEDDED):
+        return None
+    if choice in ("auto", EMBEDDED):
+        from src.embedded.tasks import check
+
+        return ProgrammaticJudge(check, metric="correct_and_preferred")
+    if FUNCTION_JUDGE.match(choice):
+        return ProgrammaticJudge(load_function(choice), metric="score", name=choice)
+    return RewardModelJudge(choice)
 
 
 def reward_scores(model, sequences: list[list[int]], pad_token_id: int, batch_size: int) -> list[float]:

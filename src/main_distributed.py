@@ -35,6 +35,7 @@ from src.disk_space import WriteFailed, write_failures_reported
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
 from src.exit_status import ExitStatus
 from src.input_checks import check_model_inputs
+from src.judges import FUNCTION_JUDGE, JudgeError
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
@@ -45,10 +46,11 @@ from src.resilience import (
     newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
 )
 from src.reporting.summary import summarize
+from src.rounds import round_stage_config, rounds_summary, start_round
 from src.run_lock import acquire, check_free
 from src.trackers import check_trackers, tracker_environment
 
-USER_ERRORS = (ConfigError, DataError, ModelError)
+USER_ERRORS = (ConfigError, DataError, ModelError, JudgeError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
 
 
@@ -62,6 +64,13 @@ class Stage:
     run_dir: Path
     output_dir: Path
     environment: dict[str, str]  # tracker variables for this stage (where TensorBoard and W&B write)
+    round: int = 0  # an on-policy DPO round (src/rounds.py): 1..--rounds; 0 for the stages of the pipeline
+    round_record: dict | None = None  # a round's pairs: counts, seconds, where (set when the round starts)
+
+    @property
+    def label(self) -> str:
+        """The stage's name in directories and on the console: sft, dpo, reward, round1, round2, ..."""
+        return f"round{self.round}" if self.round else self.name
 
 
 def run_name_for(config: Config) -> str:
@@ -96,24 +105,28 @@ def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", envir
 
 
 def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
-    """Every stage's config, plan and directories: all validated before the first one starts."""
+    """Every stage's config, plan and directories: all validated before the first one starts. --rounds adds DPO
+    stages after the DPO stage, one per on-policy round."""
     run_dir = Path(config.training.results_dir) / run_name_for(config)
-    planned = stage_plans(config, world, devices)
-    names = [name for name, _staged, _plan in planned]
+    planned = [(name, staged, plan, 0) for name, staged, plan in stage_plans(config, world, devices)]
+    if config.dpo.rounds:
+        _, staged, plan, _ = planned[-1]
+        planned += [("dpo", round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]
+    labels = [f"round{index}" if index else name for name, _staged, _plan, index in planned]
     stages = []
-    for name, staged, plan in planned:
+    for label, (name, staged, plan, index) in zip(labels, planned):
         # In a pipeline the final stage's results are the run's; earlier stages get a subdirectory.
-        stage_dir = run_dir if name == names[-1] else run_dir / name
+        stage_dir = run_dir if label == labels[-1] else run_dir / label
         staged.training.run_name = str(stage_dir.relative_to(config.training.results_dir))
         output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
-        if len(names) > 1 and name != names[-1] and staged.training.output_dir:
-            output_dir = output_dir / name
+        if len(labels) > 1 and label != labels[-1] and staged.training.output_dir:
+            output_dir = output_dir / label
         if name == "dpo" and world.world_size > 1 and staged.trl_overrides.get("train_sampling_strategy") == \
                 "batch_rebalance":
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
                               "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
-                            tracker_environment(staged.training.report_to, stage_dir)))
+                            tracker_environment(staged.training.report_to, stage_dir), index))
     return stages
 
 
@@ -121,7 +134,7 @@ def check_dpo_forward(stages: list[Stage], model_path: str) -> None:
     """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
     the packed forward is refused (src/packed_dpo_support.py); a model no DPO forward can run stops the launch."""
     for stage in stages:
-        if stage.name == "dpo":
+        if stage.name == "dpo" and not stage.round:
             reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
             if reason:
                 packed_dpo_support.announce_padded(reason)
@@ -193,6 +206,9 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
     }
     if stage.name == "dpo":
         info.update(beta=config.dpo.beta, loss_type=config.dpo.loss_type)
+    if stage.round:
+        info["round"] = {"round": stage.round, "of": config.dpo.rounds, "reference": config.dpo.round_reference,
+                         **(stage.round_record or {})}
     return info
 
 
@@ -205,18 +221,10 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 
 def make_judge(config: Config):
-    """The judge for held-out answers: the embedded tasks are checked by code; a reward model path judges
-    anything; none otherwise."""
-    choice = config.training.judge
-    if choice == "none" or (choice == "auto" and config.data.dataset_name != EMBEDDED):
-        return None
-    from src.judges import ProgrammaticJudge, RewardModelJudge
+    """The judge for held-out answers (src/judges.py judge_for): None where --judge names none."""
+    from src.judges import judge_for
 
-    if choice in ("auto", EMBEDDED):
-        from src.embedded.tasks import check
-
-        return ProgrammaticJudge(check, metric="correct_and_preferred")
-    return RewardModelJudge(choice)
+    return judge_for(config.training.judge, config.data.dataset_name)
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
@@ -267,9 +275,25 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     return results
 
 
+def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict, world: World, previous: dict | None,
+                       dpo_start: str | None) -> dict:
+    """A stage on its prepared data; a round first makes its pairs with the model it starts from (src/rounds.py)."""
+    if not stage.round:
+        return run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
+    model, pairs, stage.round_record = start_round(stage, model_path, tokenizer, prepared["dpo"], world)
+    reference = dpo_start if stage.config.dpo.round_reference == "start" else None
+    return run_stage(stage, model_path, tokenizer, pairs, world, previous, model=model, reference_path=reference)
+
+
+def stage_title(stage: Stage) -> str:
+    return f"DPO ROUND {stage.round} of {stage.config.dpo.rounds}" if stage.round else stage.name.upper()
+
+
 def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
-              previous: dict | None) -> dict:
-    """Train one stage; returns what the next stage needs (its model path and judged results)."""
+              previous: dict | None, model=None, reference_path: str | None = None) -> dict:
+    """Train one stage; returns what the next stage needs (its model path and judged results). `model`: the stage's
+    starting model when already loaded (a round's, which answered its prompts); `reference_path`: a DPO reference
+    other than the starting model (--round_reference start)."""
     from src.judges import pair_accuracy
     from src.packed_dpo import padding_free_requested
     from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
@@ -285,7 +309,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
-    print0(f"\n== {stage.name.upper()} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
+    print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
     for warning in warnings:
         print0(f"  warning: {warning}")
@@ -296,9 +320,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         from transformers import set_seed
 
         set_seed(config.training.seed)
-    model = load_model(model_path, config.model, plan, world,
-                       reward_pad_token_id=tokenizer.pad_token_id if reward else None)
-    model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
+    if model is None:
+        model = load_model(model_path, config.model, plan, world,
+                           reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+        model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
     sft_forward = announce_sft_forward(config, model, info_path, warnings, world) if stage.name == "sft" else None
     # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
@@ -312,7 +337,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                   total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
-                            else None, packed_dpo=padding_free_requested(config.trl_overrides))
+                            else None, packed_dpo=padding_free_requested(config.trl_overrides),
+                            ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None)
     from src.trackers import TrackerRecord
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
@@ -325,7 +351,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
     # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
     merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)))
+        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)
+        or (stage.name == "dpo" and stage.round < config.dpo.rounds)))  # a round starts from this model
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
@@ -340,7 +367,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
     saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
 
-    outcome = {"stage": stage.name, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
+    outcome = {"stage": stage.label, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
     if world.is_main:
         judged = record_samples(stage.run_dir, rows, before, after, make_judge(config) if rows else None)
@@ -412,6 +439,8 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
         fields["judges"] = judged
         carried["judge"] = fields["judge"]
     trackers.finish(run_files.update_json(info_path, **fields))
+    if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report
+        run_files.update_json(info_path, rounds=rounds_summary(stage.run_dir, stage.round))
     publish_report(stage.run_dir, stage.name)
     publish_index(stage)
     for directory in write_model_cards(stage.run_dir).values():
@@ -558,7 +587,7 @@ def push_final_model(stage: Stage, config: Config) -> None:
 def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
     """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
     names = [config.model.model_name_or_path] + [name for stage in stages for name in source_names(stage.config.data)]
-    if config.training.judge not in ("auto", "none", EMBEDDED):
+    if config.training.judge not in ("auto", "none", EMBEDDED) and not FUNCTION_JUDGE.match(config.training.judge):
         names.append(config.training.judge)  # a reward model as judge
     return [name for name in names if name != EMBEDDED]
 
@@ -639,16 +668,18 @@ def run(argv: list[str] | None = None) -> int:
     if world.is_main and overwrite and stages[-1].run_dir.exists():
         shutil.rmtree(stages[-1].run_dir)
     barrier()
-    previous = None
+    previous, dpo_start = None, None
     for stage in stages:
         earlier = stage_status(stage.run_dir)
+        if stage.name == "dpo" and not stage.round:
+            dpo_start = model_path  # --round_reference start: every round's reference
         if stage is not stages[-1] and earlier.get("status") == Status.COMPLETED:
-            print0(f"\n== {stage.name.upper()} → {stage.run_dir}: finished in an earlier launch, reused")
-            previous = {"stage": stage.name, "run_dir": str(stage.run_dir), "judge": earlier.get("judge"),
+            print0(f"\n== {stage_title(stage)} → {stage.run_dir}: finished in an earlier launch, reused")
+            previous = {"stage": stage.label, "run_dir": str(stage.run_dir), "judge": earlier.get("judge"),
                         "model_path": earlier.get("merged_model", earlier["final_model"])}
         else:
             with write_failures_reported(stage.output_dir):
-                previous = run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
+                previous = run_stage_or_round(stage, model_path, tokenizer, prepared, world, previous, dpo_start)
         model_path = previous["model_path"]  # the next stage starts from this one's model
     finish()
     if config.training.final_model_dir and world.is_main:

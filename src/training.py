@@ -699,11 +699,12 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
-                  plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True):
+                  plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True, ref_model=None):
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
-    (`--padding_free false`, src/packed_dpo.padding_free_requested)."""
+    (`--padding_free false`, src/packed_dpo.padding_free_requested), and `ref_model` as the reference when given
+    (otherwise TRL's: the starting model)."""
     trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
-    extra = {"truncate_to": truncate_to} if stage == "sft" else {}
+    extra = {"truncate_to": truncate_to} if stage == "sft" else {"ref_model": ref_model} if ref_model is not None else {}
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
     dpo_forward = {}
     if stage == "dpo":

@@ -67,10 +67,13 @@ def check(row: dict, text: str) -> dict:
     """Verdict on one generated answer. Every answer is one run of letters or digits, so an answer is read as that
     run and whatever follows it: correct = the run is the right value; preferred = nothing follows it (the direct
     style: no sign-off, and no mangled or partial one either); score = correct and preferred, the metric the
-    embedded default is judged by."""
+    embedded default is judged by; reward = how on-policy rounds rank a prompt's answers: correct and direct (3) >
+    correct and chatty (1) > wrong (0), so a round's chosen answer is never a wrong one and its rejected answer is a
+    wrong one wherever the model gave one (a style-only pair where it did not)."""
     expected = row["meta"]["answer"]
     match = _ANSWER.match(text.strip())
     value, rest = (match.group(1), match.group(2)) if match else ("", text.strip())
     correct = value == expected
     preferred = rest == "" and value != ""
-    return {"score": float(correct and preferred), "correct": correct, "preferred": preferred}
+    return {"score": float(correct and preferred), "correct": correct, "preferred": preferred,
+            "reward": 2.0 * (correct and preferred) + correct}

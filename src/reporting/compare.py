@@ -27,7 +27,8 @@ from matplotlib.ticker import FuncFormatter
 from src.progress import format_duration
 from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
-from src.reporting.report import REPORT, ci95, judge_results, format_number, format_percent, metric_points, table_lines
+from src.reporting.formatting import ci95, format_number, format_percent, metric_points, table_lines
+from src.reporting.report import REPORT, judge_results
 from src.reporting.status import status_line
 from src.reporting.summary import dpo_loss_config, dpo_loss_terms, series, summarize
 from src.run_files import TRAINING_INFO, atomic_path, write_text
@@ -281,6 +282,30 @@ def judged_rows(runs: list[Run]) -> list[list]:
     return rows
 
 
+def rounds_rows(runs: list[Run]) -> list[str]:
+    """The judged result after the DPO stage and after every round, one row per DPO run: offline runs (no rounds)
+    show their one result beside the rounds of iterative ones."""
+    dpo_runs = [run for run in runs if run.stage == "dpo"]
+    most = max(len(run.info.get("rounds") or []) for run in dpo_runs)
+    header = ["run", "split", "metric", "before DPO", "after DPO"] + [f"round {index}" for index in range(1, most)]
+    rows = []
+    for run in dpo_runs:
+        rounds = run.info.get("rounds") or []
+        results = judge_results(run.info)
+        split = "test" if "test" in results else next(iter(results), None)
+        if split is None:
+            continue
+        if rounds:
+            judged = [(entry.get("judged") or {}).get(split) or {} for entry in rounds]
+            values = [judged[0].get("before")] + [result.get("after") for result in judged]
+        else:
+            values = [results[split].get("before"), results[split].get("after")]
+        metric = str(results[split].get("metric", "")).replace("_", " ")
+        rows.append([run.name, split, metric, *[format_percent(value) for value in values]]
+                    + [""] * (len(header) - 3 - len(values)))
+    return table_lines(header, rows)
+
+
 def throughput_rows(runs: list[Run]) -> list[list]:
     rows = []
     for run in runs:
@@ -332,6 +357,8 @@ def render_page(runs: list[Run], page_dir: Path) -> str:
                     judged_rows(runs))
     lines += ["", "± is the 95% interval of each fraction (normal approximation). Where two runs' intervals overlap "
                   "much, the difference between them may be chance: judge more prompts (--num_samples) to tell.", ""]
+    if any(run.info.get("rounds") for run in runs):
+        lines += ["## Rounds (on-policy DPO)", "", *rounds_rows(runs), ""]
     stages = list(dict.fromkeys(run.stage for run in runs))
     for stage in stages:
         group = [run for run in runs if run.stage == stage]

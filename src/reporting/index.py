@@ -18,7 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from src.progress import format_duration
-from src.reporting.report import REPORT, ci95, format_number, format_percent, table_lines
+from src.reporting.formatting import ci95, format_number, format_percent, table_lines
+from src.reporting.report import REPORT
 from src.reporting.status import run_state
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, write_text
 

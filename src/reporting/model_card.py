@@ -16,7 +16,8 @@ from pathlib import Path
 from src.config import EMBEDDED
 from src.hub_access import looks_like_hub_id
 from src.reporting.plots import CHARTS
-from src.reporting.report import PLOTS_DIR, format_number, final_numbers_table, judged_section, setup_table
+from src.reporting.formatting import format_number
+from src.reporting.report import PLOTS_DIR, final_numbers_table, judged_section, setup_table
 from src.run_files import TRAINING_INFO, read_json
 
 CARD = "README.md"

@@ -20,7 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
+from src.reporting.formatting import ci95, duration, format_number, format_percent, metric_name, metric_points, table_lines
 from src.reporting.plots import plot_history
+from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
 from src.reporting.summary import describe_dpo_loss, dpo_loss_config, summarize
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
@@ -39,64 +41,6 @@ class ReportError(Exception):
 
 def samples_text_file(split: str) -> str:
     return f"distributed_output_{split}.txt"
-
-
-# ---------------------------------------------------------------------------------------------------- formatting
-
-
-def format_percent(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{100 * value:.1f}%" if math.isfinite(value) else str(value)
-
-
-def format_number(value, digits: int = 4) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
-def metric_points(before: float | None, after: float | None) -> str:
-    if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
-        return "n/a"
-    return f"{100 * (after - before):+.1f} pts"
-
-
-def ci95(fraction: float, count: int) -> str:
-    """Half-width of the normal-approximation 95% interval of a fraction, in percentage points."""
-    if not count or fraction is None or not math.isfinite(fraction):
-        return ""
-    return f" ±{196 * math.sqrt(max(fraction * (1 - fraction), 0.0) / count):.1f}"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min" if hours else (f"{minutes} min {secs} s" if minutes else f"{seconds:.1f} s")
-
-
-def _metric_name(metric: str) -> str:
-    return metric.replace("_", " ")
-
-
-def _cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def table_lines(header: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
-    return lines
 
 
 def _fenced(text, limit: int | None = None) -> list[str]:
@@ -249,9 +193,9 @@ def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
             change = "" if name.startswith("mean_") else metric_points(values[-2], values[-1])
             if name == "main":
                 cells[-1] += ci95(values[-1], result.get("n") or 0)
-                rows.append([split, _metric_name(result.get("metric", "")), result.get("n"), *cells, change])
+                rows.append([split, metric_name(result.get("metric", "")), result.get("n"), *cells, change])
             else:
-                rows.append(["", f"↳ {_metric_name(name)}", "", *cells, change])
+                rows.append(["", f"↳ {metric_name(name)}", "", *cells, change])
         if earlier and _differs(earlier.get("after"), result.get("before")):
             notes.append(f"The {stage} stage measured its starting model at {format_percent(result.get('before'))} on {split}, "
                          f"the {previous_stage} stage at {format_percent(earlier.get('after'))}: generation was not "
@@ -335,7 +279,7 @@ def final_numbers_table(summary: dict, info: dict, running: bool = False) -> lis
     peak = summary.get("peak_memory_mb")
     rows += [["throughput", f"{format_number(tokens_per_second and round(tokens_per_second))} tokens/s, "
                             f"{format_number(samples_per_second, 3)} samples/s (all ranks)"],
-             ["wall time (training)", _duration(summary.get("wall_time_s"))],
+             ["wall time (training)", duration(summary.get("wall_time_s"))],
              ["peak memory per device", "n/a" if peak is None else f"{peak:,.0f} MB"]]
     if running:  # mid-run, the last logged values are the latest, not the final ones
         rows = [[label.replace("final ", "latest ", 1), value] for label, value in rows]
@@ -482,6 +426,9 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
               f"Rebuild with `python -m src.report {run_dir}`.", ""]
     lines += ["## Health alerts", "", *_alerts_section(alerts), ""]
     lines += ["## Judged results (held-out prompts)", "", *judged_lines, ""]
+    if info.get("rounds"):
+        plot = run_dir / PLOTS_DIR / ROUNDS_PLOT
+        lines += ["## Rounds", "", *rounds_section(info["rounds"], plot if plot.exists() else None, run_dir), ""]
     lines += ["## Numbers so far" if running else "## Final numbers", "",
               *final_numbers_table(summary, info, running), ""]
     lines += ["## Curves", ""]
@@ -535,6 +482,8 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
             summary[key] = value
     alerts = detect_alerts(metrics, stage)
     charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, *dpo_loss_config(info))
+    if info.get("rounds"):
+        plot_rounds(info["rounds"], run_dir / PLOTS_DIR / ROUNDS_PLOT)
 
     samples_by_split = {}
     for split in SPLITS:

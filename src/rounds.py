@@ -1,0 +1,275 @@
+"""On-policy rounds (iterative DPO): the current policy answers the train prompts K times, the judge scores every
+answer, each prompt's best and worst answers become a preference pair, and DPO trains on those pairs; `--rounds N`
+repeats it N times after the first DPO stage.
+
+    ./run_distributed.sh --config configs/iterative.yaml     # the embedded default's SFT model through rounds
+
+This module owns one round's data: which prompts it asks (`round_prompts`), sampling them (seeded per answer, so the
+answers do not depend on how prompts are split across processes or batched: src/generation.py), judging (the judges
+of src/judges.py, every process its share), pairing (best vs worst; a prompt whose answers all score the same is
+skipped and counted) and the round's dataset directory `<round dir>/pairs/` (train.jsonl: the pairs with their scores;
+validation.jsonl and test.jsonl: the run's held-out pairs, so every round is judged on the same prompts), written
+before training on it and reused when a stopped run resumes. Training each round is the DPO stage's own code
+(src/main_distributed.py run_stage).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from src import run_files
+from src.config import ConfigError, World
+from src.distributed import barrier, map_across_ranks, print0
+from src.generation import Sampling, answer_seed, generate
+from src.judges import JudgeError
+from src.progress import Progress
+
+PAIRS_DIR = "pairs"
+ROUND_FILE = "round.json"  # beside pairs/, written after it: a round whose record exists has its pairs complete
+HELD_OUT_COLUMNS = ("prompt", "chosen", "rejected", "meta", "tools")
+# What a pair records besides the pair itself; the held-out rows carry the same columns, empty, since one dataset's
+# splits share their columns.
+SCORE_COLUMNS = ("chosen_score", "rejected_score", "mean_score", "source_row")
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """How a round asks, samples and pairs (from the DPO arguments round_*)."""
+
+    samples: int  # answers per prompt (K)
+    prompts: int  # train prompts asked per round (0: all)
+    sampling: Sampling
+    max_new_tokens: int
+    batch_size: int  # sequences generated at once per process
+    seed: int
+
+
+def train_prompts(train, tokenizer, count: int, seed: int, round_index: int) -> list[dict]:
+    """The prompts a round asks: all train rows, or `count` of them drawn with the round's seed (another sample each
+    round). Each: its row index, the prompt as the data has it, its meta and the prompt's token ids as generation
+    sees them (chat template with the generation prompt, as the held-out answers use)."""
+    from src.data import sample_fields
+
+    indices = list(range(len(train)))
+    if 0 < count < len(indices):
+        indices = sorted(random.Random(answer_seed(seed, round_index, "prompts")).sample(indices, count))
+    rows = []
+    for index in indices:
+        row = train[index]
+        fields = sample_fields({key: row[key] for key in ("prompt", "chosen", "rejected", "tools", "meta")
+                                if key in row}, tokenizer)
+        if fields["sample_prompt_ids"]:
+            rows.append({"index": index, "prompt": row["prompt"], "meta": row.get("meta") or {},
+                         "prompt_ids": fields["sample_prompt_ids"]})
+    return rows
+
+
+def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundSettings, round_index: int,
+                     world: World) -> list[dict]:
+    """K sampled answers to every row and the judge's score of each, every rank its share; identical on every rank,
+    in row order. A progress line (rank 0, its share) with the ETA."""
+    k = settings.samples
+    progress = Progress(f"  round {round_index}: sampling {k} answers per prompt", total=-(-len(rows) // world.world_size) * k,
+                        unit="answers", enabled=world.is_main)
+
+    def work(share: list[dict]) -> list[dict]:
+        prompts = [row["prompt_ids"] for row in share for _ in range(k)]
+        seeds = [answer_seed(settings.seed, round_index, row["index"], sample) for row in share for sample in range(k)]
+        answers = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
+                           settings.sampling, seeds, on_batch=progress.update)
+        judged_rows = [{"prompt": row["prompt"], "meta": row["meta"]} for row in share for _ in range(k)]
+        try:
+            scores = judge.scores(judged_rows, answers)
+        except JudgeError as error:  # said by every rank, rank 0 among them, whichever rank's share it was in
+            return [{"error": str(error)}] * len(share)
+        return [{"answers": answers[i * k:(i + 1) * k], "scores": scores[i * k:(i + 1) * k]} for i in range(len(share))]
+
+    judged = map_across_ranks(rows, work, world)
+    progress.close()
+    failed = next((result["error"] for result in judged if "error" in result), None)
+    if failed:
+        raise JudgeError(f"round {round_index}: {failed}")
+    return judged
+
+
+def form_pairs(rows: list[dict], judged: list[dict]) -> tuple[list[dict], dict]:
+    """Each prompt's best-scored answer (chosen) against its worst (rejected), the first of each in sampling order;
+    a prompt whose answers all score the same teaches nothing and is skipped. Returns the pairs and the counts."""
+    pairs, skipped = [], 0
+    for row, result in zip(rows, judged):
+        scores = result["scores"]
+        best, worst = max(scores), min(scores)
+        if best == worst:
+            skipped += 1
+            continue
+        chosen, rejected = scores.index(best), scores.index(worst)
+        pairs.append({"prompt": row["prompt"],
+                      "chosen": _as_answer(row["prompt"], result["answers"][chosen]),
+                      "rejected": _as_answer(row["prompt"], result["answers"][rejected]),
+                      "meta": row["meta"], "chosen_score": best, "rejected_score": worst,
+                      "mean_score": sum(scores) / len(scores), "source_row": row["index"]})
+    all_scores = [score for result in judged for score in result["scores"]]
+    counts = {"prompts": len(rows), "answers": len(all_scores), "pairs": len(pairs), "skipped_all_equal": skipped,
+              "mean_score": sum(all_scores) / len(all_scores) if all_scores else None,
+              "best_of_k_score": (sum(max(result["scores"]) for result in judged) / len(judged)) if judged else None}
+    return pairs, counts
+
+
+def _as_answer(prompt, text: str):
+    """An answer in the prompt's form: an assistant message for a chat, plain text otherwise."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def pairs_ready(round_dir: Path) -> dict | None:
+    """The round's record when its pairs directory is complete (written by an earlier launch), else None."""
+    path = Path(round_dir) / ROUND_FILE
+    return run_files.read_json(path) if path.exists() else None
+
+
+def write_pairs(round_dir: Path, pairs: list[dict], held_out: dict, record: dict) -> Path:
+    """`<round dir>/pairs/` as a dataset directory a user can open (train / validation / test JSONL), written in a
+    temporary directory and renamed into place, then round.json beside it: a killed write leaves no half dataset."""
+    target = Path(round_dir) / PAIRS_DIR
+    temporary = target.with_name(f".{PAIRS_DIR}.tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    for split, rows in {"train": pairs, **held_out}.items():
+        with open(temporary / f"{split}.jsonl", "w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps(row, ensure_ascii=False) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    temporary.rename(target)
+    run_files.write_json(Path(round_dir) / ROUND_FILE, record)
+    return target
+
+
+def held_out_pairs(prepared) -> dict[str, list[dict]]:
+    """The DPO stage's validation and test pairs as the data holds them (normalized), for every round's directory."""
+    held_out = {}
+    for split in ("validation", "test"):
+        dataset = prepared.splits[split] if split in prepared.splits else None
+        if dataset is not None:
+            columns = [column for column in HELD_OUT_COLUMNS if column in dataset.column_names]
+            held_out[split] = [row | dict.fromkeys(SCORE_COLUMNS) for row in dataset.select_columns(columns).to_list()]
+    return held_out
+
+
+def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings, round_index: int, round_dir: Path,
+                     world: World) -> dict:
+    """One round's pairs: reused when an earlier launch wrote them, else sampled, judged, paired and written (rank 0)
+    before training. Returns the round's record (counts, seconds per phase, where the pairs are)."""
+    ready = pairs_ready(round_dir)
+    if ready:
+        print0(f"  round {round_index}: pairs written by an earlier launch, reused ({ready['counts']['pairs']:,} pairs)")
+        return ready
+    started = time.monotonic()
+    rows = train_prompts(prepared.train, tokenizer, settings.prompts, settings.seed, round_index)
+    judged = sample_and_judge(model, tokenizer, rows, judge, settings, round_index, world)
+    sampled = time.monotonic()
+    pairs, counts = form_pairs(rows, judged)
+    if not pairs:
+        raise ConfigError(f"round {round_index}: no pairs: the judge gave all {settings.samples} answers to each of the "
+                          f"{len(rows):,} prompts the same score; raise --round_samples or --round_temperature, or use "
+                          "a judge that tells the answers apart")
+    record = {"round": round_index, "counts": counts, "seconds": {"sample_and_judge": round(sampled - started, 1)},
+              "settings": {"samples": settings.samples, "prompts": settings.prompts,
+                           "temperature": settings.sampling.temperature, "top_p": settings.sampling.top_p,
+                           "max_new_tokens": settings.max_new_tokens, "seed": settings.seed},
+              "pairs_dir": str(Path(round_dir) / PAIRS_DIR)}
+    if world.is_main:
+        write_pairs(round_dir, pairs, held_out_pairs(prepared), record)
+        best = counts["best_of_k_score"]
+        print0(f"  round {round_index}: {counts['pairs']:,} pairs from {counts['prompts']:,} prompts "
+              f"({counts['skipped_all_equal']:,} skipped: all answers scored the same); mean score "
+              f"{counts['mean_score']:.3f}, best of {settings.samples} {best:.3f}; "
+              f"{record['pairs_dir']}")
+    barrier()
+    return record
+
+
+def round_settings(config, plan) -> RoundSettings:
+    """A round's sampling settings from the DPO arguments (round_*) and the plan."""
+    dpo = config.dpo
+    return RoundSettings(samples=dpo.round_samples, prompts=dpo.round_prompts,
+                         sampling=Sampling(dpo.round_temperature, dpo.round_top_p),
+                         max_new_tokens=config.training.max_new_tokens,
+                         batch_size=max(8, plan.per_device_batch_size * 8), seed=config.training.seed)
+
+
+def round_stage_config(config, round_index: int):
+    """The DPO stage's config for one round: --round_max_steps steps, or one pass over the round's pairs."""
+    import copy
+
+    staged = copy.deepcopy(config)
+    staged.training.max_steps = config.dpo.round_max_steps
+    if staged.training.max_steps == -1:
+        staged.training.num_epochs = 1.0
+    return staged
+
+
+def round_data(config, pairs_dir: Path, tokenizer):
+    """The round's pairs prepared like any DPO data (tokenized once per machine under a file lock, cached)."""
+    import dataclasses
+
+    from src.data import prepare_data
+    from src.embedded.model import cache_root
+
+    data = dataclasses.replace(
+        config.data, dataset_name=str(pairs_dir), dataset_config=None, dataset_split="train", dataset_mixture=None,
+        prompt_column=None, chosen_column=None, rejected_column=None, system_prompt=None, max_train_samples=None)
+    return prepare_data(data, config.sft, "dpo", config.training.seed, tokenizer, cache_root() / "datasets")
+
+
+def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
+    """Before a round trains: its starting model (the previous round's) loaded on this rank, its pairs made (or
+    reused) and prepared. Returns (model, prepared pairs, the round's record)."""
+    from src.judges import judge_for
+    from src.models import apply_chat_template_to_model, load_model
+
+    config = stage.config
+    model = load_model(model_path, config.model, stage.plan, world)
+    model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
+    print0(f"\n== DPO ROUND {stage.round} of {config.dpo.rounds}: pairs from the answers of {model_path}")
+    judge = None if pairs_ready(stage.run_dir) else judge_for(config.training.judge, config.data.dataset_name)
+    record = make_round_pairs(model, tokenizer, dpo_data, judge, round_settings(config, stage.plan), stage.round,
+                              stage.run_dir, world)
+    started = time.monotonic()
+    prepared = round_data(config, Path(record["pairs_dir"]), tokenizer)
+    record["seconds"]["prepare"] = round(time.monotonic() - started, 1)
+    return model, prepared, record
+
+
+def rounds_summary(run_dir: Path, rounds: int) -> list[dict]:
+    """Every round of a run from its files, the DPO stage as round 0: pairs formed and skipped, the judged held-out
+    results after it, and seconds per phase. For training_info.json's "rounds" and the report's table and plot."""
+    run_dir = Path(run_dir)
+    entries = []
+    for index in range(rounds + 1):
+        directory = run_dir / ("dpo" if index == 0 else "." if index == rounds else f"round{index}")
+        info_path = directory / run_files.TRAINING_INFO
+        info = run_files.read_json(info_path) if info_path.exists() else {}
+        record = (info.get("round") or {}) if index else {}
+        counts = record.get("counts") or {}
+        summary = info.get("summary") or {}
+        entry = {"round": index, "run_dir": "dpo" if index == 0 else "." if index == rounds else f"round{index}",
+                 "status": info.get("status"),
+                 "pairs": counts.get("pairs", (((info.get("data") or {}).get("splits") or {}).get("train") or {})
+                                     .get("kept")),
+                 "skipped_all_equal": counts.get("skipped_all_equal"), "prompts": counts.get("prompts"),
+                 "mean_score": counts.get("mean_score"), "best_of_k_score": counts.get("best_of_k_score"),
+                 "seconds": {**(record.get("seconds") or {}), "train_and_judge": summary.get("wall_time_s")},
+                 "judged": {split: {"metric": result["metric"], "n": result["n"], "before": result["before"],
+                                    "after": result["after"],
+                                    "details": {name: value["after"] for name, value in result.get("details", {}).items()
+                                                if isinstance(value, dict) and "after" in value},
+                                    "details_before": {name: value["before"] for name, value
+                                                       in result.get("details", {}).items()
+                                                       if isinstance(value, dict) and "before" in value}}
+                            for split, result in (info.get("judges") or {}).items()}}
+        entries.append(entry)
+    return entries

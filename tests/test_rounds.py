@@ -1,0 +1,193 @@
+"""On-policy rounds (--rounds, src/rounds.py): pairs formed from the policy's own judged answers, ties skipped, a
+failing judge named in one line, resume inside a round, and the same pairs on 1 and 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+from src import run_files
+from src.generation import Sampling, answer_seed, generate
+from src.rounds import form_pairs
+
+JUDGE = "tests.round_judges:by_length"
+
+
+def round_args(model: Path, data: Path, results: Path, *extra: str) -> list[str]:
+    return ["--stage", "dpo", "--model_name_or_path", str(model), "--dataset_name", str(data), "--results_dir",
+            str(results), "--run_name", "iter", "--batch_size", "8", "--max_steps", "2", "--round_max_steps", "2",
+            "--eval_strategy", "no", "--save_steps", "1", "--logging_steps", "1", "--num_samples", "4",
+            "--max_new_tokens", "6", "--learning_rate", "1e-3", "--max_length", "64", "--val_size", "4",
+            "--test_size", "4", "--seed", "7", "--judge", JUDGE, "--round_samples", "3", *extra]
+
+
+def launch(args: list[str], processes: int = 0, **env) -> subprocess.CompletedProcess:
+    """One process (`python -m src.main_distributed`), or run_distributed.sh on `processes`."""
+    command = (["bash", "run_distributed.sh", str(processes), *args] if processes else
+               [sys.executable, "-m", "src.main_distributed", *args])
+    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"} | env)
+
+
+def read_pairs(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "pairs" / "train.jsonl").read_text().splitlines()]
+
+
+def test_each_prompt_pairs_its_best_answer_against_its_worst_and_ties_are_skipped():
+    rows = [{"index": i, "prompt": [{"role": "user", "content": f"q{i}"}], "meta": {"i": i}} for i in range(4)]
+    judged = [{"answers": ["a", "b", "c"], "scores": [1.0, 3.0, 0.0]},
+              {"answers": ["a", "b", "c"], "scores": [2.0, 2.0, 2.0]},  # all equal: nothing to learn
+              {"answers": ["x", "y", "z"], "scores": [0.0, 1.0, 1.0]},  # ties: the first best, the first worst
+              {"answers": ["p", "q", "r"], "scores": [5.0, 5.0, -1.0]}]
+    pairs, counts = form_pairs(rows, judged)
+    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [("b", "c"), ("y", "x"),
+                                                                                          ("p", "r")]
+    assert [p["source_row"] for p in pairs] == [0, 2, 3] and pairs[0]["meta"] == {"i": 0}
+    assert (pairs[0]["chosen_score"], pairs[0]["rejected_score"]) == (3.0, 0.0)
+    assert counts | {"mean_score": None} == {"prompts": 4, "answers": 12, "pairs": 3, "skipped_all_equal": 1,
+                                             "mean_score": None, "best_of_k_score": (3 + 2 + 1 + 5) / 4}
+    text_pairs, _ = form_pairs([{"index": 0, "prompt": "q", "meta": {}}], [{"answers": ["a", "b"], "scores": [0, 1]}])
+    assert (text_pairs[0]["chosen"], text_pairs[0]["rejected"]) == ("b", "a")  # a text prompt gets text answers
+
+
+def test_a_sampled_answer_depends_on_its_seed_not_on_its_batch(tiny_model, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    prompts = [tiny_tokenizer(f"what color is the sky {i}")["input_ids"][: 3 + i % 4] for i in range(7)]
+    seeds = [answer_seed(7, 1, i, 0) for i in range(7)]
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+    alone = [generate(model, tiny_tokenizer, [p], 8, 1, sampling, [s])[0] for p, s in zip(prompts, seeds)]
+    assert generate(model, tiny_tokenizer, prompts, 8, 3, sampling, seeds) == alone
+    assert generate(model, tiny_tokenizer, prompts[::-1], 8, 7, sampling, seeds[::-1]) == alone[::-1]
+    other = generate(model, tiny_tokenizer, prompts, 8, 7, sampling, [seed + 1 for seed in seeds])
+    assert other != alone  # another seed, other draws
+    assert generate(model, tiny_tokenizer, prompts, 8, 7) != alone  # greedy is not sampling
+
+
+def test_rounds_train_on_the_judged_pairs_and_report_every_round(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "results" / "iter"
+    from tests.round_judges import by_length
+
+    for directory in (run_dir / "round1", run_dir):
+        pairs = read_pairs(directory)
+        record = run_files.read_json(directory / "round.json")
+        assert record["counts"]["prompts"] == 16 and record["counts"]["answers"] == 48
+        assert len(pairs) == record["counts"]["pairs"] == 16 - record["counts"]["skipped_all_equal"] > 0
+        for pair in pairs:  # the judge's own scores, best above worst
+            assert pair["chosen_score"] == by_length({}, pair["chosen"][0]["content"]) > \
+                   pair["rejected_score"] == by_length({}, pair["rejected"][0]["content"])
+        held_out = [json.loads(line) for line in (directory / "pairs" / "validation.jsonl").read_text().splitlines()]
+        assert len(held_out) == 4 and held_out[0]["chosen_score"] is None  # the run's own held-out pairs
+    assert read_pairs(run_dir) != read_pairs(run_dir / "round1")  # another model, another round's seeds
+    info = run_files.read_json(run_dir / "training_info.json")
+    assert info["round"]["round"] == 2 and info["status"] == "completed"
+    assert [entry["round"] for entry in info["rounds"]] == [0, 1, 2]
+    assert info["rounds"][1]["pairs"] == run_files.read_json(run_dir / "round1" / "round.json")["counts"]["pairs"]
+    assert all(entry["judged"]["val"]["metric"] == "score" for entry in info["rounds"])
+    previous = run_files.read_json(run_dir / "round1" / "training_info.json")
+    assert previous["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")  # round 1 starts from DPO
+    assert info["model_name_or_path"] == str(run_dir / "round1" / "model" / "final")
+    report = (run_dir / "report.md").read_text()
+    assert "## Rounds" in report and "| round 2 |" in report and (run_dir / "plots" / "rounds.png").exists()
+    assert "DPO ROUND 1 of 2" in result.stdout and "pairs from 16 prompts" in result.stdout
+
+
+@pytest.mark.parametrize("judge, expected", [
+    ("raising", "round 1: judge tests.round_judges:raising, prompt 'what color is the sun "),
+    ("not_a_number", "round 1: judge tests.round_judges:not_a_number, prompt 'what color is the sea "),
+    ("always_one", "round 1: no pairs: the judge gave all 3 answers to each of the 16 prompts the same score"),
+])
+def test_a_failing_judge_stops_the_run_with_one_line_and_keeps_what_finished(judge, expected, tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge", f"tests.round_judges:{judge}")
+    result = launch(args)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
+    assert {"raising": "': raised ValueError: cannot parse the answer", "not_a_number": "': returned 'yes'; a judge "
+            "returns a finite number"}.get(judge, "") in errors[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    dpo = run_files.read_json(tmp_path / "results" / "iter" / "dpo" / "training_info.json")
+    assert dpo["status"] == "completed"  # the DPO stage before the round is kept, and reused by the next launch
+
+
+def test_an_unimportable_judge_is_refused_before_any_data_is_prepared(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge",
+                               "tests.no_such_module:score", "--dry_run"))
+    assert result.returncode == 2 and "error: --judge tests.no_such_module:score: cannot import tests.no_such_module" \
+        in result.stderr
+    assert "Traceback" not in result.stderr and "train " not in result.stdout
+
+
+def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_before(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    mark = tmp_path / "judge_down"
+    args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "2", "--judge",
+                      "tests.round_judges:fails_after_first_round")
+    env = {"ROUND_JUDGE_MARK": str(mark)}
+    # Round 1 finishes; the judge goes down in round 2 (the file appears once round 1's pairs are written).
+    first = subprocess.Popen([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                             env=os.environ | {"OMP_NUM_THREADS": "1"} | env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "results" / "iter"
+    round1 = run_dir / "round1" / "round.json"
+    _wait_for(lambda: round1.exists() or first.poll() is not None)
+    mark.touch()
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 2 and "judge service unavailable" in err, out[-2000:] + err[-2000:]
+    pairs_before = (run_dir / "round1" / "pairs" / "train.jsonl").read_bytes()
+    mark.unlink()
+    second = launch(args, **env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "DPO → " in second.stdout and "finished in an earlier launch, reused" in second.stdout
+    assert "DPO ROUND 1 of 2 → " in second.stdout and "round 1: sampling" not in second.stdout
+    assert "round 2: sampling" in second.stdout
+    assert (run_dir / "round1" / "pairs" / "train.jsonl").read_bytes() == pairs_before
+
+
+def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_from_its_checkpoint(tiny_model,
+                                                                                                   tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    one = launch(round_args(tiny_model, data, tmp_path / "one", "--rounds", "1"), processes=1)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+
+    # Two processes, stopped by SIGTERM while round 1 trains (its pairs written), then the same command again.
+    args = round_args(tiny_model, data, tmp_path / "two", "--rounds", "1", "--round_max_steps", "60")
+    log = tmp_path / "two.log"
+    job = subprocess.Popen(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT, start_new_session=True,
+                           env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+                           stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    run_dir = tmp_path / "two" / "iter"
+    _wait_for(lambda: any(run_dir.glob("model/checkpoint-*/trainer_state.json")) or job.poll() is not None)
+    os.killpg(job.pid, signal.SIGTERM)
+    job.wait(timeout=300)
+    info = run_files.read_json(run_dir / "training_info.json")
+    assert info["status"] == "stopped", log.read_text()[-3000:]
+    pairs_written = (run_dir / "pairs" / "train.jsonl").read_bytes()
+    two = launch(args, processes=2)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "round 1: pairs written by an earlier launch, reused" in two.stdout and "resuming from" in two.stdout
+    assert (run_dir / "pairs" / "train.jsonl").read_bytes() == pairs_written
+    assert read_pairs(run_dir) == read_pairs(tmp_path / "one" / "iter")  # same seed: same answers, same pairs
+
+
+def _wait_for(condition, timeout: float = 400):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError("timed out")
