@@ -358,6 +358,17 @@ MISTAKES = [
             "model's", lambda ws: ws.args(judge=str(ws.root / "reward_model"))),
     Mistake("judge_not_a_model", "A `--judge` directory that is not a saved model", "not a saved reward model",
             lambda ws: ws.args(judge=str(ws.root))),
+    Mistake("judge_function_missing", "A `--judge module:function` that cannot be imported",
+            "--judge nosuch_judges:score: cannot import nosuch_judges", lambda ws: ws.args(judge="nosuch_judges:score")),
+    Mistake("judge_function_misspelt", "A `--judge module:function` whose module lacks the function",
+            "has no function 'no_such_function'", lambda ws: ws.args(judge="json:no_such_function")),
+    # On-policy rounds
+    Mistake("rounds_without_judge", "`--rounds` on data no judge knows, without `--judge`", "--rounds needs a judge to "
+            "rank each prompt's answers", lambda ws: ws.args(rounds="2")),
+    Mistake("rounds_one_sample", "`--round_samples 1`: no pair can be formed", "--round_samples must be at least 2",
+            lambda ws: ws.args(rounds="1", round_samples="1", judge="json:loads")),
+    Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",
+            lambda ws: ws.args(stage="sft", rounds="1", judge="json:loads")),
     Mistake("template_syntax", "A chat template that is not valid Jinja", "is not valid Jinja",
             lambda ws: ws.args(chat_template_path=_template_file(ws, "bad.jinja", "{% for m in messages %}{{ m }"))),
     Mistake("template_source_missing", "A `--chat_template_path` that is neither a file nor a tokenizer",
