@@ -52,20 +52,22 @@ class RoundSettings:
 def train_prompts(train, tokenizer, count: int, seed: int, round_index: int) -> list[dict]:
     """The prompts a round asks: all train rows, or `count` of them drawn with the round's seed (another sample each
     round). Each: its row index, the prompt as the data has it, its meta and the prompt's token ids as generation
-    sees them (chat template with the generation prompt, as the held-out answers use)."""
+    sees them (chat template with the generation prompt, as the held-out answers use); a repeated prompt once."""
     from src.data import sample_fields
 
     indices = list(range(len(train)))
     if 0 < count < len(indices):
         indices = sorted(random.Random(answer_seed(seed, round_index, "prompts")).sample(indices, count))
-    rows = []
+    rows, seen = [], set()
     for index in indices:
         row = train[index]
         fields = sample_fields({key: row[key] for key in ("prompt", "chosen", "rejected", "tools", "meta")
                                 if key in row}, tokenizer)
-        if fields["sample_prompt_ids"]:
+        ids = tuple(fields["sample_prompt_ids"])
+        if ids and ids not in seen:  # a prompt the data repeats is asked once: the same answers, the same pair
+            seen.add(ids)
             rows.append({"index": index, "prompt": row["prompt"], "meta": row.get("meta") or {},
-                         "prompt_ids": fields["sample_prompt_ids"]})
+                         "prompt_ids": list(ids)})
     return rows
 
 

@@ -175,13 +175,17 @@ def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
 
 def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     """Markdown for the judged results, and the one-sentence verdict they support."""
-    stage = info["stage"].upper()
+    stage = stage_label(info["stage"], (info.get("round") or {}).get("round"))
     judges, previous_judges = judge_results(info), _previous_judge_results(info, run_dir)
     if not judges:
         return ["No held-out prompts were judged in this run."], None
     pipeline = bool(previous_judges)
-    previous_stage = (info.get("previous_stage") or {}).get("stage", "previous").upper()
-    header = (["split", "metric", "n", "untrained", f"after {previous_stage}", f"after {stage}", f"{stage} change"]
+    previous = (info.get("previous_stage") or {}).get("stage", "previous")
+    previous_stage = stage_label(previous.rstrip("0123456789"), int(previous[5:]) if previous.startswith("round")
+                                 else None)
+    # Before the previous stage: the untrained model before a pipeline's SFT, the previous round's start in rounds.
+    first = "untrained" if not info.get("round") else f"before {previous_stage}"
+    header = (["split", "metric", "n", first, f"after {previous_stage}", f"after {stage}", f"{stage} change"]
               if pipeline else ["split", "metric", "n", "before (starting model)", "after (trained)", "change"])
     rows, notes = [], []
     for split, result in judges.items():
@@ -217,7 +221,26 @@ def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
         if counts:
             lines.append(f"\n{split}: " + ", ".join(f"{value} {key}" for key, value in counts.items()) + ".")
     lines += [f"\n> {note}" for note in notes]
-    return lines, _judged_sentence(stage, judges, previous_judges, previous_stage)
+    return lines, _rounds_sentence(info) or _judged_sentence(stage, judges, previous_judges, previous_stage)
+
+
+def _rounds_sentence(info: dict) -> str | None:
+    """The last round's verdict: the held-out result before DPO, after DPO on the offline pairs, after the rounds."""
+    rounds = info.get("rounds") or []
+    judged = [(entry.get("judged") or {}) for entry in rounds]
+    split = "test" if judged and all("test" in entry for entry in judged) else "val"
+    if len(rounds) < 2 or not all(split in entry for entry in judged):
+        return None
+    first, last = judged[0][split], judged[-1][split]
+    return (f"On {last['n']} held-out {split} prompts, {metric_name(last['metric']).replace(' ', '-')} went from "
+            f"{format_percent(first['before'])} before DPO to {format_percent(first['after'])} after DPO on the offline "
+            f"pairs and {format_percent(last['after'])} after {len(rounds) - 1} on-policy round"
+            f"{'s' if len(rounds) > 2 else ''}.")
+
+
+def stage_label(stage: str, round_index: int | None = None) -> str:
+    """SFT, DPO, REWARD; an on-policy round (src/rounds.py) is ROUND 2."""
+    return f"ROUND {round_index}" if round_index else stage.upper()
 
 
 def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str) -> str:
@@ -231,7 +254,8 @@ def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_s
         return (f"The reward model ranks the chosen answer first on {format_percent(result.get('after'))} of {count} held-out "
                 f"{split} pairs ({format_percent(result.get('before'))} before training; 50% = chance).")
     if earlier:
-        return (f"On {count} held-out {split} prompts, {metric} went from {format_percent(earlier.get('before'))} (untrained) "
+        start = "(untrained)" if not stage.startswith("ROUND") else f"before {previous_stage}"
+        return (f"On {count} held-out {split} prompts, {metric} went from {format_percent(earlier.get('before'))} {start} "
                 f"to {format_percent(earlier.get('after'))} after {previous_stage} and {format_percent(result.get('after'))} "
                 f"after {stage}.")
     return (f"{stage} moved {metric} from {format_percent(result.get('before'))} to {format_percent(result.get('after'))} on {count} "
