@@ -76,8 +76,9 @@ def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundS
     """K sampled answers to every row and the judge's score of each, every rank its share; identical on every rank,
     in row order. A progress line (rank 0, its share) with the ETA."""
     k = settings.samples
-    progress = Progress(f"  round {round_index}: sampling {k} answers per prompt", total=-(-len(rows) // world.world_size) * k,
-                        unit="answers", enabled=world.is_main)
+    share = -(-len(rows) // world.world_size)  # rank 0's share: the line counts its answers, the ETA holds for all
+    progress = Progress(f"  round {round_index}: sampling {k} answers per prompt", total=share * k, unit="answers",
+                        enabled=world.is_main)
 
     def work(share: list[dict]) -> list[dict]:
         prompts = [row["prompt_ids"] for row in share for _ in range(k)]
@@ -113,7 +114,7 @@ def form_pairs(rows: list[dict], judged: list[dict]) -> tuple[list[dict], dict]:
         pairs.append({"prompt": row["prompt"],
                       "chosen": _as_answer(row["prompt"], result["answers"][chosen]),
                       "rejected": _as_answer(row["prompt"], result["answers"][rejected]),
-                      "meta": row["meta"], "chosen_score": best, "rejected_score": worst,
+                      **({"meta": row["meta"]} if row["meta"] else {}), "chosen_score": best, "rejected_score": worst,
                       "mean_score": sum(scores) / len(scores), "source_row": row["index"]})
     all_scores = [score for result in judged for score in result["scores"]]
     counts = {"prompts": len(rows), "answers": len(all_scores), "pairs": len(pairs), "skipped_all_equal": skipped,

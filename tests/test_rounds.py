@@ -98,9 +98,21 @@ def test_rounds_train_on_the_judged_pairs_and_report_every_round(tiny_model, tmp
     previous = run_files.read_json(run_dir / "round1" / "training_info.json")
     assert previous["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")  # round 1 starts from DPO
     assert info["model_name_or_path"] == str(run_dir / "round1" / "model" / "final")
+    first = next(r for r in run_files.read_jsonl(run_dir / "round1" / "metrics.jsonl") if "rewards/chosen" in r)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0  # reference = the round's starting model
     report = (run_dir / "report.md").read_text()
     assert "## Rounds" in report and "| round 2 |" in report and (run_dir / "plots" / "rounds.png").exists()
     assert "DPO ROUND 1 of 2" in result.stdout and "pairs from 16 prompts" in result.stdout
+
+
+def test_round_reference_start_keeps_the_dpo_stages_starting_model_as_every_rounds_reference(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--round_reference", "start"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "results" / "iter"
+    assert run_files.read_json(run_dir / "training_info.json")["round"]["reference"] == "start"
+    first = next(r for r in run_files.read_jsonl(run_dir / "metrics.jsonl") if "rewards/chosen" in r)
+    assert first["rewards/chosen"] != 0  # the policy left the reference (the tiny model) in the DPO stage
 
 
 @pytest.mark.parametrize("judge, expected", [
