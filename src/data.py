@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
-from src.locking import build_once
+from src.run_safety.build_once import build_once
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"

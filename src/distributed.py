@@ -17,7 +17,7 @@ from pathlib import Path
 from src.config import Plan, World
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
-# data preparation never waits on a collective (see src/locking.py), so it does not count against it.
+# data preparation never waits on a collective (see src/run_safety/build_once.py), so it does not count against it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 
 _world = World.from_environment()

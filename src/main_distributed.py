@@ -25,27 +25,27 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_distributed.py`, SageMaker's entry point
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from src import launch_verdict, packed_dpo_support, run_files  # noqa: E402
+from src import packed_dpo_support, run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
-from src.disk_space import WriteFailed, write_failures_reported
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
-from src.exit_status import ExitStatus
 from src.input_checks import check_model_inputs
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
-from src.node_watch import watch
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
-from src.resilience import (
-    SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
-    newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
-)
 from src.reporting.summary import summarize
-from src.run_lock import acquire, check_free
+from src.run_safety import launcher_exit
+from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
+                                        trim_metrics)
+from src.run_safety.disk_space import WriteFailed, write_failures_reported
+from src.run_safety.exit_status import ExitStatus
+from src.run_safety.node_watch import watch
+from src.run_safety.run_lock import acquire, check_free
+from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
@@ -420,18 +420,18 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
 
 
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
-    """Rank 0 estimates what the stage will write (src/disk_space.py) against the free space and records it in
-    training_info.json; every rank stops with rank 0's verdict, before the first step."""
-    from src.disk_space import check_space, estimate_writes
+    """Rank 0 estimates what the stage will write (src/run_safety/disk_space.py) against the free space and records
+    it in training_info.json; every rank stops with rank 0's space check, before the first step."""
+    from src.run_safety.disk_space import check_space, estimate_writes
     from src.distributed import gather_objects
 
-    verdict = (None, None)
+    space_check = (None, None)  # (error, warning)
     if world.is_main:
         estimate = estimate_writes(trainer.model, trainer.args, total_steps, merge, stage.output_dir)
-        verdict = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
+        space_check = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
         run_files.update_json(stage.run_dir / run_files.TRAINING_INFO,
                               disk_estimate={"bytes": estimate.total, "breakdown": estimate.breakdown()})
-    error, warning = gather_objects([verdict])[0][0]
+    error, warning = gather_objects([space_check])[0][0]
     if warning:
         print0(f"  warning: {warning}")
     if error:
@@ -575,7 +575,7 @@ def quiet_libraries() -> None:
 
 
 def hold_run_directory(run_dir: Path, dry_run: bool, world: World) -> None:
-    """One job per run directory (src/run_lock.py): rank 0 takes the hold before anything is written; a dry run
+    """One job per run directory (src/run_safety/run_lock.py): rank 0 takes the hold before anything is written; a dry run
     (run_distributed.sh's preflight among them) only checks that no live job holds it."""
     if dry_run:
         check_free(run_dir)
@@ -659,9 +659,9 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if launch_verdict.recorded() is not None:  # torchrun restarted this worker after the job chose to stop
+    if launcher_exit.recorded() is not None:  # torchrun restarted this worker after the job chose to stop
         return 0
-    return launch_verdict.settle(exit_status(argv))
+    return launcher_exit.settle(exit_status(argv))
 
 
 def exit_status(argv: list[str] | None = None) -> int:
@@ -684,7 +684,7 @@ def exit_status(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
-    except WriteFailed as error:  # every rank raises it (src/disk_space.py); rank 0 says it
+    except WriteFailed as error:  # every rank raises it (src/run_safety/disk_space.py); rank 0 says it
         if debug:
             raise
         print0(f"error: {error}", file=sys.stderr)

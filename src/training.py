@@ -20,7 +20,7 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, S
 
 from src import run_files
 from src.config import Config, Plan
-from src.disk_space import (
+from src.run_safety.disk_space import (
     WriteFailed, note_write_failure, pending_write_failure, write_failed_message, write_failure_errno,
 )
 from src.distributed import any_rank, gather_objects, print0
@@ -31,14 +31,15 @@ from src.packed_dpo import (PackedDPOForward, PackedPreferenceCollator, attentio
 from src.packed_dpo_support import announce_padded
 from src.progress import Progress, eta_seconds, format_duration
 from src.reporting.live import LiveReport
-from src.resilience import mark_complete, stop_signal
+from src.run_safety.checkpoints import mark_complete
+from src.run_safety.stops import stop_signal
 from src.throughput import ThroughputMeter
 
 
 class CompleteCheckpointsMixin:
     """For transformers Trainers: a checkpoint is marked complete once every rank has saved, and older checkpoints
     are rotated only then (transformers rotates inside the save, so a crash mid-save could leave none whole). A write
-    that fails (full disk, quota, I/O error: src/disk_space.py) on any rank stops every rank in the same collective,
+    that fails (full disk, quota, I/O error: src/run_safety/disk_space.py) on any rank stops every rank in the same collective,
     with the half-written checkpoint removed and one line naming the newest complete one."""
 
     _write_failure: tuple[int, Path] | None = None
