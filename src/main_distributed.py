@@ -272,7 +272,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
     from src.judges import pair_accuracy
     from src.packed_dpo import padding_free_requested
-    from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
+    from src.trainers.build import build_trainer
+    from src.trainers.stage_plan import planned_steps, silent_no_op_warnings
+    from src.trainers.trl_config import build_trl_config
 
     config, plan = stage.config, stage.plan
     started = time.monotonic()
@@ -367,7 +369,7 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
 
 def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
     """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
-    from src.training import resolve_sft_forward  # the training stack: not imported for the preflight
+    from src.trainers.stage_plan import resolve_sft_forward
     sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
     print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
     if sft_forward["warning"]:
@@ -382,7 +384,7 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
     """Rank 0: the finished stage's summary, forward, judged results and files into training_info.json, then the
     report, the index and the model cards. Returns the judge result the next stage carries ({} without one)."""
     from src.throughput import peak_memory_mb  # with the training stack: not imported for the preflight
-    from src.training import callback
+    from src.trainers.callbacks import callback
     plan, info_path = stage.plan, stage.run_dir / run_files.TRAINING_INFO
     meter = callback(trainer, "ThroughputMeter")
     measured = {"wall_time_s": round(time.monotonic() - started, 1), "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
@@ -477,7 +479,7 @@ class StoppedBySignal(Exception):
 def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
     """After trainer.train(): record and raise a stop by signal or a divergence, so nothing after training (final
     save, sample answers) runs on a model that is not finished or not finite."""
-    from src.training import callback
+    from src.trainers.callbacks import callback
 
     conditions = callback(trainer, "StopConditions")
     if conditions.diverged_at is not None:

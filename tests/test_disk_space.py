@@ -122,7 +122,7 @@ def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_mod
             "        with open(path.parent.parent.parent / 'filler', 'wb') as f:\n"
             "            try:\n                while True: f.write(bytes(4096)); f.flush()\n"
             "            except OSError: pass\n"
-            "r.mark_complete = mark\nimport src.training as t\nt.mark_complete = mark\n"
+            "r.mark_complete = mark\nimport src.trainers.checkpointing as t\nt.mark_complete = mark\n"
             "import sys\nfrom src.main_distributed import main\nsys.exit(main())\n")
     script = tmp_path / "fill_then_run.py"
     script.write_text(f"import sys\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + fill)

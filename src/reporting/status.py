@@ -56,8 +56,9 @@ def _last(metrics: list[dict], key: str) -> float | None:
 
 
 def recorded_total_steps(info: dict) -> int | None:
-    """The optimizer steps the run said it would take, as training_info.json records them (src/training.py
-    planned_steps computes them at the start; a run written before they were recorded has max_steps at most)."""
+    """The optimizer steps the run said it would take, as training_info.json records them (planned_steps in
+    src/trainers/stage_plan.py computes them at the start; a run written before they were recorded has max_steps at
+    most)."""
     total = info.get("planned_steps") or info.get("max_steps")
     return int(total) if isinstance(total, int) and total > 0 else None
 
