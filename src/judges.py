@@ -16,6 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from src.distributed import map_across_ranks
+
 
 @dataclass
 class JudgeResult:
@@ -209,8 +211,6 @@ def score_pairs(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: i
                 world) -> list[tuple[float, float]]:
     """(chosen reward, rejected reward) of each held-out (chosen ids, rejected ids) pair, every rank scoring its
     share; identical on every rank."""
-    from src.distributed import map_across_ranks
-
     def score(share: list[tuple[list[int], list[int]]]) -> list[tuple[float, float]]:
         rewards = reward_scores(model, [ids for pair in share for ids in pair], pad_token_id, batch_size)
         return list(zip(rewards[0::2], rewards[1::2]))

@@ -31,22 +31,30 @@ from src.config import (
     parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
-from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
-from src.input_checks import check_model_inputs
+from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
+from src.embedded.model import cache_root
+from src.embedded.tasks import check as check_embedded_answer
+from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
+from src.input_checks import check_model_inputs
+from src.judges import ProgrammaticJudge, RewardModelJudge, pair_accuracy, score_pairs
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
+from src.reporting.alerts import detect_alerts, format_alerts
+from src.reporting.index import write_index
+from src.reporting.report import ReportError, build_report
 from src.reporting.summary import summarize
 from src.run_safety import launcher_exit
 from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
                                         trim_metrics)
-from src.run_safety.disk_space import WriteFailed, write_failures_reported
+from src.run_safety.disk_space import WriteFailed, check_space, estimate_writes, write_failures_reported
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.node_watch import watch
 from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
+from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
 
 USER_ERRORS = (ConfigError, DataError, ModelError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -210,19 +218,13 @@ def make_judge(config: Config):
     choice = config.training.judge
     if choice == "none" or (choice == "auto" and config.data.dataset_name != EMBEDDED):
         return None
-    from src.judges import ProgrammaticJudge, RewardModelJudge
-
     if choice in ("auto", EMBEDDED):
-        from src.embedded.tasks import check
-
-        return ProgrammaticJudge(check, metric="correct_and_preferred")
+        return ProgrammaticJudge(check_embedded_answer, metric="correct_and_preferred")
     return RewardModelJudge(choice)
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
                     plan: Plan, world: World) -> dict[str, list[str]]:
-    from src.generation import generate_answers
-
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
                                 config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world)
@@ -232,8 +234,6 @@ def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], conf
 
 def score_held_out_pairs(model, tokenizer, prepared: PreparedData, plan: Plan, world: World) -> dict[str, list]:
     """A reward model's (chosen, rejected) rewards for every pair of the validation and test splits."""
-    from src.judges import score_pairs
-
     splits = {"val": prepared.validation, "test": prepared.test}
     return {split: score_pairs(model, list(zip(dataset["chosen_ids"], dataset["rejected_ids"])),
                                tokenizer.pad_token_id, max(8, plan.per_device_batch_size * 4), world)
@@ -270,10 +270,8 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
 def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
-    from src.judges import pair_accuracy
-    from src.packed_dpo import padding_free_requested
+    # The training stack (TRL, transformers' Trainer, peft, bitsandbytes: ~6 s): not imported for the preflight.
     from src.trainers.build import build_trainer
-    from src.trainers.stage_plan import planned_steps, silent_no_op_warnings
     from src.trainers.trl_config import build_trl_config
 
     config, plan = stage.config, stage.plan
@@ -314,8 +312,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                   total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
-                            else None, packed_dpo=padding_free_requested(config.trl_overrides))
-    from src.trackers import TrackerRecord
+                            else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides))
+    from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~5 s): not for the preflight
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
@@ -369,7 +367,6 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
 
 def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
     """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
-    from src.trainers.stage_plan import resolve_sft_forward
     sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
     print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
     if sft_forward["warning"]:
@@ -383,8 +380,9 @@ def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[
 def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dict, started: float) -> dict:
     """Rank 0: the finished stage's summary, forward, judged results and files into training_info.json, then the
     report, the index and the model cards. Returns the judge result the next stage carries ({} without one)."""
-    from src.throughput import peak_memory_mb  # with the training stack: not imported for the preflight
-    from src.trainers.callbacks import callback
+    from src.throughput import peak_memory_mb  # transformers' Trainer (~5 s): loaded by now, not for the preflight
+    from src.trainers.callbacks import callback  # the training stack (~5 s): loaded by now, not for the preflight
+
     plan, info_path = stage.plan, stage.run_dir / run_files.TRAINING_INFO
     meter = callback(trainer, "ThroughputMeter")
     measured = {"wall_time_s": round(time.monotonic() - started, 1), "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
@@ -424,9 +422,6 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
     """Rank 0 estimates what the stage will write (src/run_safety/disk_space.py) against the free space and records
     it in training_info.json; every rank stops with rank 0's space check, before the first step."""
-    from src.run_safety.disk_space import check_space, estimate_writes
-    from src.distributed import gather_objects
-
     space_check = (None, None)  # (error, warning)
     if world.is_main:
         estimate = estimate_writes(trainer.model, trainer.args, total_steps, merge, stage.output_dir)
@@ -479,7 +474,7 @@ class StoppedBySignal(Exception):
 def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
     """After trainer.train(): record and raise a stop by signal or a divergence, so nothing after training (final
     save, sample answers) runs on a model that is not finished or not finite."""
-    from src.trainers.callbacks import callback
+    from src.trainers.callbacks import callback  # the training stack (~5 s): loaded by now, not for the preflight
 
     conditions = callback(trainer, "StopConditions")
     if conditions.diverged_at is not None:
@@ -503,9 +498,6 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
 
 def publish_report(run_dir: Path, stage: str) -> None:
     """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
-    from src.reporting.alerts import detect_alerts, format_alerts
-    from src.reporting.report import build_report
-
     report = build_report(run_dir)
     alerts = detect_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage)
     if alerts:
@@ -515,8 +507,6 @@ def publish_report(run_dir: Path, stage: str) -> None:
 
 def publish_pages_after_stop(stage: Stage) -> None:
     """The report as the run stopped (the status line says stopped or diverged) and the index."""
-    from src.reporting.report import ReportError
-
     try:
         publish_report(stage.run_dir, stage.name)
     except ReportError as error:  # stopped before its first log: nothing to report, the exit says why
@@ -526,8 +516,6 @@ def publish_pages_after_stop(stage: Stage) -> None:
 
 def publish_index(stage: Stage) -> None:
     """results/index.md, every run in the results folder, rewritten when a stage ends (finished, stopped, diverged)."""
-    from src.reporting.index import write_index
-
     write_index(stage.config.training.results_dir)
 
 
@@ -624,8 +612,6 @@ def run(argv: list[str] | None = None) -> int:
                                          config.model.chat_template_path)
     check_model_inputs(model_path, config, tokenizer, stages)
     check_dpo_forward(stages, model_path)
-    from src.embedded.model import cache_root
-
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     prepared = {stage.name: prepare_data(stage.config.data, stage.config.sft, stage.name, stage.config.training.seed,
                                          tokenizer, cache_root() / "datasets") for stage in stages}

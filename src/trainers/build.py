@@ -23,7 +23,7 @@ from src.trainers.sft import ToolkitSFTTrainer
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
                   plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True):
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
-    (`--padding_free false`, src/packed_dpo.padding_free_requested)."""
+    (`--padding_free false`, src/packed_dpo_support.padding_free_requested)."""
     trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
     extra = {"truncate_to": truncate_to} if stage == "sft" else {}
     reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
