@@ -482,18 +482,21 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
         message = (f"{stage.run_dir}: training diverged at step {conditions.diverged_at} ({conditions.non_finite}); "
                    f"nothing was saved from that step; the last good checkpoint is {good or 'none (none saved yet)'}. "
                    "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
-        if world.is_main:
-            run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
-            publish_pages_after_stop(stage)
+        record_stop(stage, info_path, world, Status.DIVERGED, message)
         raise TrainingDiverged(message)
     if conditions.stopped_at is not None:
         message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
                    f"{newest_complete_checkpoint(stage.output_dir)} saved; run the same command (without --overwrite) "
                    "to resume")
-        if world.is_main:
-            run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
-            publish_pages_after_stop(stage)
+        record_stop(stage, info_path, world, Status.STOPPED, message)
         raise StoppedBySignal(conditions.stopped_by, message)
+
+
+def record_stop(stage: Stage, info_path: Path, world: World, status: str, message: str) -> None:
+    """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped."""
+    if world.is_main:
+        run_files.update_json(info_path, status=status, stop_reason=message)
+        publish_pages_after_stop(stage)
 
 
 def publish_report(run_dir: Path, stage: str) -> None:
