@@ -270,7 +270,7 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
 def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, world: World,
               previous: dict | None) -> dict:
     """Train one stage; returns what the next stage needs (its model path and judged results)."""
-    # The training stack (TRL, transformers' Trainer, peft, bitsandbytes: ~6 s): not imported for the preflight.
+    # The training stack (TRL, transformers' Trainer, peft, bitsandbytes: ~5 s): not imported for the preflight.
     from src.trainers.build import build_trainer
     from src.trainers.trl_config import build_trl_config
 
@@ -313,7 +313,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
                             else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides))
-    from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~5 s): not for the preflight
+    from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
@@ -380,8 +380,8 @@ def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[
 def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dict, started: float) -> dict:
     """Rank 0: the finished stage's summary, forward, judged results and files into training_info.json, then the
     report, the index and the model cards. Returns the judge result the next stage carries ({} without one)."""
-    from src.throughput import peak_memory_mb  # transformers' Trainer (~5 s): loaded by now, not for the preflight
-    from src.trainers.callbacks import callback  # the training stack (~5 s): loaded by now, not for the preflight
+    from src.throughput import peak_memory_mb  # transformers' Trainer (~4 s): loaded by now, not for the preflight
+    from src.trainers.callbacks import callback  # the training stack (~4 s): loaded by now, not for the preflight
 
     plan, info_path = stage.plan, stage.run_dir / run_files.TRAINING_INFO
     meter = callback(trainer, "ThroughputMeter")
@@ -474,7 +474,7 @@ class StoppedBySignal(Exception):
 def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
     """After trainer.train(): record and raise a stop by signal or a divergence, so nothing after training (final
     save, sample answers) runs on a model that is not finished or not finite."""
-    from src.trainers.callbacks import callback  # the training stack (~5 s): loaded by now, not for the preflight
+    from src.trainers.callbacks import callback  # the training stack (~4 s): loaded by now, not for the preflight
 
     conditions = callback(trainer, "StopConditions")
     if conditions.diverged_at is not None:

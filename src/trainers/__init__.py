@@ -13,5 +13,6 @@
 - metrics_log.py    metrics.jsonl as it happens, one console line per logged event
 
 Importing this package imports nothing: stage_plan.py is light, the others pull in the training stack (TRL,
-transformers' Trainer, peft, bitsandbytes: ~6 s) and are imported where training starts.
+transformers' Trainer, peft, bitsandbytes: ~5 s after `import src.main_distributed`) and are imported where
+training starts.
 """
