@@ -22,7 +22,7 @@ import sys
 
 from src.diagnostics.inputs import CheckOptions, InputError, parse_launch_arguments, parse_param_count, training_setup
 from src.diagnostics.render import render
-from src.diagnostics.report import Sources, check
+from src.diagnostics.check import Sources, check
 from src.diagnostics.verdict import EXIT_BAD_INPUT
 
 # check_gpu's own flags; every other flag is the launcher's.

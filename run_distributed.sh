@@ -129,12 +129,12 @@ if [[ ${PRINT_LAUNCH:-0} == 1 ]]; then
   echo
   exit 0
 fi
-# A stop the job chose (a user error, divergence, a full disk, a lost node: src/launch_verdict.py) is recorded here by
-# the workers, who then exit 0 so torchrun neither restarts them nor prints its failure report; this script exits with
-# the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
-PREFKIT_VERDICT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
-export PREFKIT_VERDICT_DIR
-trap 'rm -rf "$PREFKIT_VERDICT_DIR"' EXIT
+# A stop the job chose (a user error, divergence, a full disk, a lost node: src/run_safety/launcher_exit.py) is recorded
+# here by the workers, who then exit 0 so torchrun neither restarts them nor prints its failure report; this script
+# exits with the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
+PREFKIT_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
+export PREFKIT_EXIT_DIR
+trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
 "${launch[@]}" <&0 &
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM HUP  # a scheduler's stop: torchrun stops its workers
@@ -144,7 +144,7 @@ while kill -0 "$launcher" 2>/dev/null; do
 done
 status=0
 wait "$launcher" || status=$?
-for verdict in "$PREFKIT_VERDICT_DIR"/rank-*; do
-  [[ -f $verdict ]] && status=$(<"$verdict") && break
+for recorded in "$PREFKIT_EXIT_DIR"/rank-*; do
+  [[ -f $recorded ]] && status=$(<"$recorded") && break
 done
 exit "$status"

@@ -6,7 +6,7 @@
 Each step draws one micro-batch of the SFT training split and runs a forward and backward through TRL's own collator
 in both forms, alternating, so both arms see the same batches and the same machine load. Reported: CPU seconds per
 micro-batch (process time: steadier than wall time on a shared machine), and the padding share of the padded arm.
-It is what decides src/training.py's default (resolve_sft_forward): padding-free only where it is cheaper.
+It is what decides src/trainers/stage_plan.py's default (resolve_sft_forward): padding-free only where it is cheaper.
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ class TrainingArguments:
     node_timeout: int = field(
         default=180,
         metadata={"help": "With several nodes: seconds without a sign of life from another node's processes before "
-                  "this node stops with one line naming the silent node (src/node_watch.py), instead of waiting on "
+                  "this node stops with one line naming the silent node (src/run_safety/node_watch.py), instead of waiting on "
                   "a collective for the 60-minute process-group timeout. 0 turns the watch off."},
     )
     report_to: list[str] = field(

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
-from src.locking import build_once
+from src.progress import Progress
+from src.run_safety.build_once import build_once
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
@@ -799,8 +800,6 @@ def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str,
 
     The chunks' Arrow files go to `work` (not datasets' global cache) and are concatenated without copying."""
     import datasets
-
-    from src.progress import Progress
 
     chunk_rows = CHUNK_ROWS_PER_PROCESS * num_proc
     # One chunk is a few seconds of work: data that fits in one needs no progress line.

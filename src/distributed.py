@@ -14,10 +14,10 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from src.config import Plan, World
+from src.config import ConfigError, Plan, World
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
-# data preparation never waits on a collective (see src/locking.py), so it does not count against it.
+# data preparation never waits on a collective (see src/run_safety/build_once.py), so it does not count against it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 
 _world = World.from_environment()
@@ -71,8 +71,6 @@ def check_shared_storage(written_by_rank_0: Path, world: World) -> None:
     """Every node must see the run directory rank 0 writes: each rank saves its share of a checkpoint there (its RNG
     state; rank 0 the weights and optimizer) and every rank reads the newest one back to resume. On storage private
     to each node, the other nodes would silently start from scratch while node 0 resumes."""
-    from src.config import ConfigError
-
     if world.num_nodes == 1:
         return
     seen = [visible for (visible,) in gather_objects([written_by_rank_0.exists()])]

@@ -26,6 +26,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from src.config import EMBEDDED
+from src.distributed import map_across_ranks
+from src.embedded.tasks import check as check_embedded_answer
+
 
 FUNCTION_JUDGE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # --judge module:function
 
@@ -247,14 +251,10 @@ def load_function(spec: str) -> Callable:
 def judge_for(choice: str, dataset_name: str | None) -> Judge | None:
     """The judge --judge names: the embedded tasks' check, a user's function (module:function), a reward model (a
     path or Hub id); None for 'none' and for 'auto' on data no judge knows."""
-    from src.config import EMBEDDED
-
     if choice == "none" or (choice == "auto" and dataset_name != EMBEDDED):
         return None
     if choice in ("auto", EMBEDDED):
-        from src.embedded.tasks import check
-
-        return ProgrammaticJudge(check, metric="correct_and_preferred")
+        return ProgrammaticJudge(check_embedded_answer, metric="correct_and_preferred")
     if FUNCTION_JUDGE.match(choice):
         return ProgrammaticJudge(load_function(choice), metric="score", name=choice)
     return RewardModelJudge(choice)
@@ -290,8 +290,6 @@ def score_pairs(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: i
                 world) -> list[tuple[float, float]]:
     """(chosen reward, rejected reward) of each held-out (chosen ids, rejected ids) pair, every rank scoring its
     share; identical on every rank."""
-    from src.distributed import map_across_ranks
-
     def score(share: list[tuple[list[int], list[int]]]) -> list[tuple[float, float]]:
         rewards = reward_scores(model, [ids for pair in share for ids in pair], pad_token_id, batch_size)
         return list(zip(rewards[0::2], rewards[1::2]))

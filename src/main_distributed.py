@@ -25,30 +25,36 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_distributed.py`, SageMaker's entry point
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from src import launch_verdict, packed_dpo_support, run_files  # noqa: E402
+from src import packed_dpo_support, run_files  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
-from src.disk_space import WriteFailed, write_failures_reported
-from src.distributed import barrier, check_shared_storage, check_world_size, finish, init, print0
-from src.exit_status import ExitStatus
-from src.input_checks import check_model_inputs
-from src.judges import FUNCTION_JUDGE, JudgeError
+from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
+from src.embedded.model import cache_root
+from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
+from src.input_checks import check_model_inputs
+from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, score_pairs
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
-from src.node_watch import watch
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
-from src.resilience import (
-    SIGNAL_EXIT_CODES, Status, TrainingDiverged, checkpoint_step, install_signal_handlers,
-    newest_complete_checkpoint, remove_incomplete_checkpoints, trim_metrics,
-)
+from src.reporting.alerts import detect_alerts, format_alerts
+from src.reporting.index import write_index
+from src.reporting.report import ReportError, build_report
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
-from src.run_lock import acquire, check_free
+from src.run_safety import launcher_exit
+from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
+                                        trim_metrics)
+from src.run_safety.disk_space import WriteFailed, check_space, estimate_writes, write_failures_reported
+from src.run_safety.exit_status import ExitStatus
+from src.run_safety.node_watch import watch
+from src.run_safety.run_lock import acquire, check_free
+from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
+from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
 
 USER_ERRORS = (ConfigError, DataError, ModelError, JudgeError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -222,15 +228,11 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 def make_judge(config: Config):
     """The judge for held-out answers (src/judges.py judge_for): None where --judge names none."""
-    from src.judges import judge_for
-
     return judge_for(config.training.judge, config.data.dataset_name)
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
                     plan: Plan, world: World) -> dict[str, list[str]]:
-    from src.generation import generate_answers
-
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
                                 config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world)
@@ -240,8 +242,6 @@ def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], conf
 
 def score_held_out_pairs(model, tokenizer, prepared: PreparedData, plan: Plan, world: World) -> dict[str, list]:
     """A reward model's (chosen, rejected) rewards for every pair of the validation and test splits."""
-    from src.judges import score_pairs
-
     splits = {"val": prepared.validation, "test": prepared.test}
     return {split: score_pairs(model, list(zip(dataset["chosen_ids"], dataset["rejected_ids"])),
                                tokenizer.pad_token_id, max(8, plan.per_device_batch_size * 4), world)
@@ -294,9 +294,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     """Train one stage; returns what the next stage needs (its model path and judged results). `model`: the stage's
     starting model when already loaded (a round's, which answered its prompts); `reference_path`: a DPO reference
     other than the starting model (--round_reference start)."""
-    from src.judges import pair_accuracy
-    from src.packed_dpo import padding_free_requested
-    from src.training import build_trainer, build_trl_config, planned_steps, silent_no_op_warnings
+    # The training stack (TRL, transformers' Trainer, peft, bitsandbytes: ~5 s): not imported for the preflight.
+    from src.trainers.build import build_trainer
+    from src.trainers.trl_config import build_trl_config
 
     config, plan = stage.config, stage.plan
     started = time.monotonic()
@@ -337,9 +337,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                   total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
-                            else None, packed_dpo=padding_free_requested(config.trl_overrides),
+                            else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
                             ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None)
-    from src.trackers import TrackerRecord
+    from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
@@ -394,7 +394,6 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
 
 def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
     """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
-    from src.training import resolve_sft_forward  # the training stack: not imported for the preflight
     sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
     print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
     if sft_forward["warning"]:
@@ -408,8 +407,9 @@ def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[
 def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dict, started: float) -> dict:
     """Rank 0: the finished stage's summary, forward, judged results and files into training_info.json, then the
     report, the index and the model cards. Returns the judge result the next stage carries ({} without one)."""
-    from src.throughput import peak_memory_mb  # with the training stack: not imported for the preflight
-    from src.training import callback
+    from src.throughput import peak_memory_mb  # transformers' Trainer (~4 s): loaded by now, not for the preflight
+    from src.trainers.callbacks import callback  # the training stack (~4 s): loaded by now, not for the preflight
+
     plan, info_path = stage.plan, stage.run_dir / run_files.TRAINING_INFO
     meter = callback(trainer, "ThroughputMeter")
     measured = {"wall_time_s": round(time.monotonic() - started, 1), "peak_memory_mb": round(peak_memory_mb(plan.device), 1)}
@@ -449,18 +449,15 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
 
 
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
-    """Rank 0 estimates what the stage will write (src/disk_space.py) against the free space and records it in
-    training_info.json; every rank stops with rank 0's verdict, before the first step."""
-    from src.disk_space import check_space, estimate_writes
-    from src.distributed import gather_objects
-
-    verdict = (None, None)
+    """Rank 0 estimates what the stage will write (src/run_safety/disk_space.py) against the free space and records
+    it in training_info.json; every rank stops with rank 0's space check, before the first step."""
+    space_check = (None, None)  # (error, warning)
     if world.is_main:
         estimate = estimate_writes(trainer.model, trainer.args, total_steps, merge, stage.output_dir)
-        verdict = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
+        space_check = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
         run_files.update_json(stage.run_dir / run_files.TRAINING_INFO,
                               disk_estimate={"bytes": estimate.total, "breakdown": estimate.breakdown()})
-    error, warning = gather_objects([verdict])[0][0]
+    error, warning = gather_objects([space_check])[0][0]
     if warning:
         print0(f"  warning: {warning}")
     if error:
@@ -506,7 +503,7 @@ class StoppedBySignal(Exception):
 def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) -> None:
     """After trainer.train(): record and raise a stop by signal or a divergence, so nothing after training (final
     save, sample answers) runs on a model that is not finished or not finite."""
-    from src.training import callback
+    from src.trainers.callbacks import callback  # the training stack (~4 s): loaded by now, not for the preflight
 
     conditions = callback(trainer, "StopConditions")
     if conditions.diverged_at is not None:
@@ -514,25 +511,25 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
         message = (f"{stage.run_dir}: training diverged at step {conditions.diverged_at} ({conditions.non_finite}); "
                    f"nothing was saved from that step; the last good checkpoint is {good or 'none (none saved yet)'}. "
                    "Lower the learning rate (or raise warmup), then relaunch with --overwrite or a new --run_name")
-        if world.is_main:
-            run_files.update_json(info_path, status=Status.DIVERGED, stop_reason=message)
-            publish_pages_after_stop(stage)
+        record_stop(stage, info_path, world, Status.DIVERGED, message)
         raise TrainingDiverged(message)
     if conditions.stopped_at is not None:
         message = (f"stopped by {conditions.stopped_by} at step {conditions.stopped_at}: checkpoint "
                    f"{newest_complete_checkpoint(stage.output_dir)} saved; run the same command (without --overwrite) "
                    "to resume")
-        if world.is_main:
-            run_files.update_json(info_path, status=Status.STOPPED, stop_reason=message)
-            publish_pages_after_stop(stage)
+        record_stop(stage, info_path, world, Status.STOPPED, message)
         raise StoppedBySignal(conditions.stopped_by, message)
+
+
+def record_stop(stage: Stage, info_path: Path, world: World, status: str, message: str) -> None:
+    """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped."""
+    if world.is_main:
+        run_files.update_json(info_path, status=status, stop_reason=message)
+        publish_pages_after_stop(stage)
 
 
 def publish_report(run_dir: Path, stage: str) -> None:
     """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
-    from src.reporting.alerts import detect_alerts, format_alerts
-    from src.reporting.report import build_report
-
     report = build_report(run_dir)
     alerts = detect_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage)
     if alerts:
@@ -542,8 +539,6 @@ def publish_report(run_dir: Path, stage: str) -> None:
 
 def publish_pages_after_stop(stage: Stage) -> None:
     """The report as the run stopped (the status line says stopped or diverged) and the index."""
-    from src.reporting.report import ReportError
-
     try:
         publish_report(stage.run_dir, stage.name)
     except ReportError as error:  # stopped before its first log: nothing to report, the exit says why
@@ -553,8 +548,6 @@ def publish_pages_after_stop(stage: Stage) -> None:
 
 def publish_index(stage: Stage) -> None:
     """results/index.md, every run in the results folder, rewritten when a stage ends (finished, stopped, diverged)."""
-    from src.reporting.index import write_index
-
     write_index(stage.config.training.results_dir)
 
 
@@ -604,7 +597,7 @@ def quiet_libraries() -> None:
 
 
 def hold_run_directory(run_dir: Path, dry_run: bool, world: World) -> None:
-    """One job per run directory (src/run_lock.py): rank 0 takes the hold before anything is written; a dry run
+    """One job per run directory (src/run_safety/run_lock.py): rank 0 takes the hold before anything is written; a dry run
     (run_distributed.sh's preflight among them) only checks that no live job holds it."""
     if dry_run:
         check_free(run_dir)
@@ -651,8 +644,6 @@ def run(argv: list[str] | None = None) -> int:
                                          config.model.chat_template_path)
     check_model_inputs(model_path, config, tokenizer, stages)
     check_dpo_forward(stages, model_path)
-    from src.embedded.model import cache_root
-
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     prepared = {stage.name: prepare_data(stage.config.data, stage.config.sft, stage.name, stage.config.training.seed,
                                          tokenizer, cache_root() / "datasets") for stage in stages}
@@ -690,9 +681,9 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if launch_verdict.recorded() is not None:  # torchrun restarted this worker after the job chose to stop
+    if launcher_exit.recorded() is not None:  # torchrun restarted this worker after the job chose to stop
         return 0
-    return launch_verdict.settle(exit_status(argv))
+    return launcher_exit.settle(exit_status(argv))
 
 
 def exit_status(argv: list[str] | None = None) -> int:
@@ -715,7 +706,7 @@ def exit_status(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
-    except WriteFailed as error:  # every rank raises it (src/disk_space.py); rank 0 says it
+    except WriteFailed as error:  # every rank raises it (src/run_safety/disk_space.py); rank 0 says it
         if debug:
             raise
         print0(f"error: {error}", file=sys.stderr)

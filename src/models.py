@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from src.config import EMBEDDED, ConfigError, ModelArguments, Plan, World
+from src.embedded.model import ensure_embedded_model
 
 
 class ModelError(ValueError):
@@ -26,8 +27,6 @@ def resolve_model_path(model: ModelArguments) -> str:
     """A local directory or Hub id to load from; the embedded default is built (once) on first use."""
     name = model.model_name_or_path
     if name == EMBEDDED:
-        from src.embedded.model import ensure_embedded_model
-
         return str(ensure_embedded_model())
     path = Path(name).expanduser()
     if path.exists():

@@ -483,8 +483,3 @@ def _is_main_process() -> bool:
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def padding_free_requested(trl_overrides: dict) -> bool:
-    """The packed forward is on unless `--padding_free false` (TRL's own flag name) asks for TRL's padded one."""
-    return bool(trl_overrides.get("padding_free", True))

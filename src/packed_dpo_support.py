@@ -12,6 +12,9 @@ dry run shows it."""
 
 from __future__ import annotations
 
+from src.distributed import print0
+from src.models import ModelError
+
 # Proven exact by tests/test_packed_support.py (sliding windows, where the family has them, are reproduced per
 # layer kind by src/packed_dpo.layer_windows).
 VERIFIED = frozenset("""
@@ -105,13 +108,16 @@ def router_aux_enabled(text_config, router_aux_loss_coef: float | None) -> bool:
     return hasattr(text_config, "output_router_logits") and coefficient != 0.0
 
 
+def padding_free_requested(trl_overrides: dict) -> bool:
+    """The packed forward is on unless `--padding_free false` (TRL's own flag name) asks for TRL's padded one."""
+    return bool(trl_overrides.get("padding_free", True))
+
+
 def preflight(model_path: str, model_args, trl_overrides: dict) -> str | None:
     """The DPO forward this launch will use, decided from the model's config.json before data preparation: None
     (packed), or why TRL's padded forward runs instead. A model neither forward can run stops the launch here (one
     line), not on every rank after the data was prepared."""
     from transformers import AutoConfig
-
-    from src.models import ModelError
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_args.trust_remote_code)
@@ -121,7 +127,7 @@ def preflight(model_path: str, model_args, trl_overrides: dict) -> str | None:
     if blocked:
         raise ModelError(f"--model_name_or_path {model_path}: {config.model_type} cannot be trained with DPO here: "
                          f"{blocked}")
-    if not trl_overrides.get("padding_free", True):
+    if not padding_free_requested(trl_overrides):
         return "--padding_free false"
     return refusal(config, attn_implementation=model_args.attn_implementation,
                    router_aux_loss_coef=trl_overrides.get("router_aux_loss_coef"),
@@ -133,9 +139,7 @@ _ANNOUNCED: set[str] = set()
 
 
 def announce_padded(reason: str) -> None:
-    """One warning line per reason and process: the launch's preflight and the trainer reach the same verdict."""
-    from src.distributed import print0
-
+    """One warning line per reason and process: the launch's preflight and the trainer come to the same reason."""
     if reason not in _ANNOUNCED:
         _ANNOUNCED.add(reason)
         print0(f"  warning: packed DPO forward off, TRL's padded forward runs instead: {reason}")

@@ -15,18 +15,22 @@ before training on it and reused when a stopped run resumes. Training each round
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from src import run_files
 from src.config import ConfigError, World
+from src.data import prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
+from src.embedded.model import cache_root
 from src.generation import Sampling, answer_seed, generate
-from src.judges import JudgeError
+from src.judges import JudgeError, judge_for
+from src.models import apply_chat_template_to_model, load_model
 from src.progress import Progress
 
 PAIRS_DIR = "pairs"
@@ -37,7 +41,7 @@ HELD_OUT_COLUMNS = ("prompt", "chosen", "rejected", "meta", "tools")
 SCORE_COLUMNS = ("chosen_score", "rejected_score", "mean_score", "source_row")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RoundSettings:
     """How a round asks, samples and pairs (from the DPO arguments round_*)."""
 
@@ -53,8 +57,6 @@ def train_prompts(train, tokenizer, count: int, seed: int, round_index: int) -> 
     """The prompts a round asks: all train rows, or `count` of them drawn with the round's seed (another sample each
     round). Each: its row index, the prompt as the data has it, its meta and the prompt's token ids as generation
     sees them (chat template with the generation prompt, as the held-out answers use); a repeated prompt once."""
-    from src.data import sample_fields
-
     indices = list(range(len(train)))
     if 0 < count < len(indices):
         indices = sorted(random.Random(answer_seed(seed, round_index, "prompts")).sample(indices, count))
@@ -206,8 +208,6 @@ def round_settings(config, plan) -> RoundSettings:
 
 def round_stage_config(config, round_index: int):
     """The DPO stage's config for one round: --round_max_steps steps, or one pass over the round's pairs."""
-    import copy
-
     staged = copy.deepcopy(config)
     staged.training.max_steps = config.dpo.round_max_steps
     if staged.training.max_steps == -1:
@@ -217,11 +217,6 @@ def round_stage_config(config, round_index: int):
 
 def round_data(config, pairs_dir: Path, tokenizer):
     """The round's pairs prepared like any DPO data (tokenized once per machine under a file lock, cached)."""
-    import dataclasses
-
-    from src.data import prepare_data
-    from src.embedded.model import cache_root
-
     data = dataclasses.replace(
         config.data, dataset_name=str(pairs_dir), dataset_config=None, dataset_split="train", dataset_mixture=None,
         prompt_column=None, chosen_column=None, rejected_column=None, system_prompt=None, max_train_samples=None)
@@ -231,9 +226,6 @@ def round_data(config, pairs_dir: Path, tokenizer):
 def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
     """Before a round trains: its starting model (the previous round's) loaded on this rank, its pairs made (or
     reused) and prepared. Returns (model, prepared pairs, the round's record)."""
-    from src.judges import judge_for
-    from src.models import apply_chat_template_to_model, load_model
-
     config = stage.config
     model = load_model(model_path, config.model, stage.plan, world)
     model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)

@@ -91,7 +91,7 @@ def write_json(path: str | os.PathLike, value: Any) -> None:
 
 def remove_temporary_files(run_dir: str | os.PathLike) -> list[Path]:
     """`write_json`'s temporary files that a killed writer left in a run directory; only the job holding the
-    directory (src/run_lock.py) may call this, so none of them can be a write in progress."""
+    directory (src/run_safety/run_lock.py) may call this, so none of them can be a write in progress."""
     leftovers = [path for path in Path(run_dir).rglob(".*.tmp*") if path.is_file() and
                  path.name.rsplit(".tmp", 1)[1].isdigit()]
     for path in leftovers:

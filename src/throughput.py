@@ -3,8 +3,8 @@ fraction, peak memory, and on GPUs an MFU estimate. Logged as `perf/*` into metr
 (the report plots them) and summarised in training_info.json.
 
 Time spent evaluating, checkpointing or refreshing the live report is not training: the trainer reports each such
-pause (`on_pause`, src/training.py) and the meter leaves it out of the window it falls in, so the curve does not dip
-after every evaluation. Wall time, which includes them, is in the report separately.
+pause (`on_pause`, src/trainers/base.py) and the meter leaves it out of the window it falls in, so the curve does not
+dip after every evaluation. Wall time, which includes them, is in the report separately.
 
 Token counts come from the batches themselves (attention mask: real tokens; input_ids: real + padding), so DPO
 counts chosen and rejected sequences, and the padding fraction is what the collator actually produced.

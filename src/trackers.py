@@ -23,6 +23,8 @@ from pathlib import Path
 
 from src import run_files
 from src.config import TRACKERS, ConfigError
+from src.hub_access import reachable
+from src.reporting.report import final_numbers_table, setup_table
 
 WANDB_QUIET_MODES = ("offline", "disabled", "dryrun")
 
@@ -51,8 +53,6 @@ def check_trackers(report_to: list[str], environ: MutableMapping[str, str] | Non
 
 def _settle_wandb(environ: MutableMapping[str, str]) -> list[str]:
     import wandb
-
-    from src.hub_access import reachable
 
     sync = "upload it later with `wandb sync <run dir>/wandb/offline-run-*`"
     # Silent, the login only reads the key and checks its format. Not silent, it asks the server for the user's name
@@ -160,8 +160,6 @@ def _tracker_record_class() -> type:
         def on_train_begin(self, args, state, control, **kwargs):
             if not state.is_world_process_zero or not self.report_to:
                 return
-            from src.reporting.report import setup_table
-
             info = run_files.read_json(self.info_path)
             if "tensorboard" in self.report_to:
                 with self._tensorboard_writer() as writer:
@@ -185,8 +183,6 @@ def _tracker_record_class() -> type:
             stage starts its own, in its own directory."""
             if not self.report_to:
                 return
-            from src.reporting.report import final_numbers_table
-
             numbers = final_numbers(info)
             if "tensorboard" in self.report_to:
                 with self._tensorboard_writer() as writer:

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from src import main_distributed, training  # noqa: E402
+from src import main_distributed  # noqa: E402
+from src.trainers import build  # noqa: E402
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -71,5 +72,5 @@ def instrument(build_trainer, probe_dir: Path):
 if __name__ == "__main__":
     probe_dir = Path(sys.argv[1])
     probe_dir.mkdir(parents=True, exist_ok=True)
-    training.build_trainer = instrument(training.build_trainer, probe_dir)
+    build.build_trainer = instrument(build.build_trainer, probe_dir)
     sys.exit(main_distributed.main(sys.argv[2:]))

@@ -10,7 +10,7 @@ import pytest
 from check_gpu import build_parser, options_from
 from src.diagnostics.model_shape import shape_from_param_count
 from src.diagnostics.render import render
-from src.diagnostics.report import check
+from src.diagnostics.check import check
 from src.diagnostics.system import InfinibandPort
 
 from fakes.fake_pynvml import real_pynvml

@@ -7,7 +7,7 @@ import pytest
 from src import run_files
 from src.config import ConfigError, Devices, World, parse_config, resolve_plan
 from src.main_distributed import check_launcher_strategy
-from src.training import silent_no_op_warnings
+from src.trainers.stage_plan import silent_no_op_warnings
 from test_training import assert_trained_as_one_job, common_args, launch, run_single
 
 

@@ -17,10 +17,10 @@ import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
-from src.disk_space import is_write_failure, write_failure_errno
-from src.exit_status import ExitStatus
-from src.locking import COMPLETE_MARKER
-from src.resilience import newest_complete_checkpoint
+from src.run_safety.disk_space import is_write_failure, write_failure_errno
+from src.run_safety.exit_status import ExitStatus
+from src.run_safety.build_once import COMPLETE_MARKER
+from src.run_safety.checkpoints import newest_complete_checkpoint
 from test_run_lock import complete_checkpoint_from
 from test_resilience import job_args, start_launcher, train_losses, wait_for
 
@@ -117,12 +117,12 @@ def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_mod
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
     args = job_args(tiny_model, data, small / "results", steps=30, save_steps=5)
     # Fill the disk from inside the process once checkpoint-10 is complete: deterministic, no race with the test.
-    fill = ("import src.resilience as r, os\n_mark = r.mark_complete\n"
+    fill = ("import src.run_safety.checkpoints as r, os\n_mark = r.mark_complete\n"
             "def mark(path):\n    _mark(path)\n    if path.name == 'checkpoint-10':\n"
             "        with open(path.parent.parent.parent / 'filler', 'wb') as f:\n"
             "            try:\n                while True: f.write(bytes(4096)); f.flush()\n"
             "            except OSError: pass\n"
-            "r.mark_complete = mark\nimport src.training as t\nt.mark_complete = mark\n"
+            "r.mark_complete = mark\nimport src.trainers.checkpointing as t\nt.mark_complete = mark\n"
             "import sys\nfrom src.main_distributed import main\nsys.exit(main())\n")
     script = tmp_path / "fill_then_run.py"
     script.write_text(f"import sys\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + fill)

@@ -19,7 +19,7 @@ def trainer_with(model, tiny_model, tmp_path, **overrides):
     from transformers import AutoTokenizer
     from trl import DPOConfig
 
-    from src.training import PreparedDPOTrainer
+    from src.trainers.dpo import PreparedDPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     args = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_length=32, bf16=False,
@@ -42,7 +42,7 @@ def test_every_dropout_is_off_for_dpo_and_the_saved_config_keeps_it(model_type, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from src.training import dropout_still_on
+    from src.trainers.dpo import dropout_still_on
 
     fields = dropout_fields(tiny_config(model_type))
     config = tiny_config(model_type, vocab_size=400, **dict.fromkeys(fields, 0.3))
@@ -77,7 +77,7 @@ def test_dropout_stays_as_configured_when_disable_dropout_is_false(tiny_model, t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from src.training import dropout_still_on
+    from src.trainers.dpo import dropout_still_on
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("opt", vocab_size=400, dropout=0.3))

@@ -11,7 +11,7 @@ import textwrap
 
 from conftest import PROJECT_ROOT
 from src import run_files
-from src.locking import build_once, is_complete
+from src.run_safety.build_once import build_once, is_complete
 from test_resilience import wait_for
 
 
@@ -22,7 +22,7 @@ def test_a_build_killed_midway_is_cleaned_up_by_the_next_one(tmp_path):
         import sys, time
         sys.path.insert(0, {str(PROJECT_ROOT)!r})
         from pathlib import Path
-        from src.locking import build_once
+        from src.run_safety.build_once import build_once
 
         def build(directory):
             (directory / "half.arrow").write_bytes(b"x" * 1000)

@@ -88,7 +88,7 @@ def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_per
         refreshed.append((clock.now, live))
         clock.now += 3.0
 
-    monkeypatch.setattr("src.reporting.report.build_report", fake_build)
+    monkeypatch.setattr("src.reporting.live.build_report", fake_build)
     paused = []
     report = LiveReport(tmp_path, on_pause=paused.append, clock=clock, max_share=0.01)
     state = SimpleNamespace(global_step=0, max_steps=1000, is_world_process_zero=True)
@@ -117,7 +117,7 @@ def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_per
 
 def test_evaluations_refresh_at_once_when_the_budget_allows(tmp_path, monkeypatch):
     clock, refreshed = FakeClock(), []
-    monkeypatch.setattr("src.reporting.report.build_report",
+    monkeypatch.setattr("src.reporting.live.build_report",
                         lambda run_dir, live: refreshed.append(live.step) or setattr(clock, "now", clock.now + 0.5))
     report = LiveReport(tmp_path, clock=clock, max_share=1.0)
     state = SimpleNamespace(global_step=0, max_steps=100, is_world_process_zero=True)
@@ -136,7 +136,7 @@ def test_a_failing_refresh_warns_once_and_training_goes_on(tmp_path, monkeypatch
     def broken(run_dir, live):
         raise OSError("disk full")
 
-    monkeypatch.setattr("src.reporting.report.build_report", broken)
+    monkeypatch.setattr("src.reporting.live.build_report", broken)
     clock = FakeClock()
     report = LiveReport(tmp_path, clock=clock, max_share=1.0)
     state = SimpleNamespace(global_step=5, max_steps=10, is_world_process_zero=True)
@@ -149,7 +149,7 @@ def test_a_failing_refresh_warns_once_and_training_goes_on(tmp_path, monkeypatch
 
 
 def test_other_ranks_never_refresh(tmp_path, monkeypatch):
-    monkeypatch.setattr("src.reporting.report.build_report", lambda *args: pytest.fail("rank 1 refreshed"))
+    monkeypatch.setattr("src.reporting.live.build_report", lambda *args: pytest.fail("rank 1 refreshed"))
     report = LiveReport(tmp_path, clock=FakeClock(), max_share=1e9)
     state = SimpleNamespace(global_step=5, max_steps=10, is_world_process_zero=False)
     report.on_evaluate(None, state, None)

@@ -55,7 +55,7 @@ def trainer_for(model, tokenizer, rows, tmp_path, packed: bool = True, **overrid
     from datasets import Dataset
     from trl import DPOConfig
 
-    from src.training import PreparedDPOTrainer, packed_dpo_forward
+    from src.trainers.dpo import PreparedDPOTrainer, packed_dpo_forward
 
     peft_config = overrides.pop("peft_config", None)
     ref_model = overrides.pop("ref_model", None) or (None if peft_config else copy.deepcopy(model))

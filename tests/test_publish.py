@@ -170,7 +170,7 @@ def test_hub_flag_mistakes(flags, message):
 def test_trainer_own_push_stays_off(tiny_model, tmp_path):
     """The toolkit owns the push: TRL's config never gets push_to_hub, whatever the flags say."""
     from src.config import Devices, World, resolve_plan
-    from src.training import build_trl_config
+    from src.trainers.trl_config import build_trl_config
 
     config = parse_config(["--model_name_or_path", str(tiny_model), "--dataset_name", "d", "--push_to_hub",
                            "--hub_model_id", "my-org/x"])

@@ -17,8 +17,8 @@ import pytest
 from conftest import PROJECT_ROOT
 from src import run_files
 from src.config import ConfigError, parse_config, redact_secrets
-from src.locking import COMPLETE_MARKER
-from src.resilience import checkpoint_step, checkpoints
+from src.run_safety.build_once import COMPLETE_MARKER
+from src.run_safety.checkpoints import checkpoint_step, checkpoints
 
 
 STEPS = 100  # kills land at steps 12-20, the moment their condition is seen: the job is still training

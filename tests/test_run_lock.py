@@ -17,9 +17,9 @@ import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
-from src.locking import COMPLETE_MARKER
-from src.resilience import checkpoint_step, newest_complete_checkpoint
-from src.run_lock import STALE_AFTER_S, RunDirectoryHeld, acquire, hold_path, identity
+from src.run_safety.build_once import COMPLETE_MARKER
+from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
+from src.run_safety.run_lock import STALE_AFTER_S, RunDirectoryHeld, acquire, hold_path, identity
 from test_resilience import job_args, start_launcher, train_losses, wait_for, worker_pid
 
 

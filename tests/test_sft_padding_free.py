@@ -11,7 +11,7 @@ import pytest
 from conftest import PROJECT_ROOT, write_jsonl
 from src import run_files
 from src.config import parse_config
-from src.training import resolve_sft_forward
+from src.trainers.stage_plan import resolve_sft_forward
 
 LENGTHS = (5, 13, 3, 9)
 
@@ -20,7 +20,7 @@ def sft_trainer(model, tokenizer, padding_free: bool, tmp_path):
     import datasets
     from trl import SFTConfig
 
-    from src.training import ToolkitSFTTrainer
+    from src.trainers.sft import ToolkitSFTTrainer
 
     rows = [{"input_ids": [(7 * index + 3 * position) % 90 + 10 for position in range(length)]}
             for index, length in enumerate(LENGTHS)]

@@ -40,7 +40,7 @@ def train_with_slow_evaluation(tiny_model, tmp_path, monkeypatch, toolkit: bool)
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from src.throughput import ThroughputMeter
-    from src.training import ToolkitTrainerMixin
+    from src.trainers.base import ToolkitTrainerMixin
 
     class Records(TrainerCallback):
         def __init__(self):

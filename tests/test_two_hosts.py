@@ -231,9 +231,9 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
     (60 minutes) in the restarted workers' rendezvous; the newest complete checkpoint stays whole."""
     import time
 
-    from src.locking import COMPLETE_MARKER
-    from src.exit_status import ExitStatus
-    from src.resilience import newest_complete_checkpoint
+    from src.run_safety.build_once import COMPLETE_MARKER
+    from src.run_safety.exit_status import ExitStatus
+    from src.run_safety.checkpoints import newest_complete_checkpoint
     from test_resilience import wait_for
 
     nodes = [tmp_path / "node0", tmp_path / "node1"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from src.embedded.model import ensure_embedded_model
 from src.hub_access import hub_reachable, is_offline
 
 from .inputs import InputError
@@ -110,8 +111,6 @@ def _read_config(name_or_path: str, subject: str, **options):
 
 def _load_config(name_or_path: str, environ: Mapping[str, str], subject: str):
     if name_or_path == "embedded":  # the toolkit's offline default model, built once on first use
-        from src.embedded.model import ensure_embedded_model
-
         name_or_path = str(ensure_embedded_model())
     path = Path(name_or_path).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():

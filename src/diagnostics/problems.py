@@ -271,41 +271,31 @@ def no_visible_gpu(machine: Machine) -> list[Problem]:
 # --- per-GPU health --------------------------------------------------------------------------------------------
 
 
-def _left_out(machine: Machine) -> str:
-    if machine.launch_gpus:
-        return "The command below leaves it out."
-    return "No GPU is left to run on until it is fixed."
+def _gpu_left_out(machine: Machine, gpu: GpuFacts, code: str, what: str, fix: str) -> Problem:
+    """An error on one GPU (exclusion_reason): the launch command leaves the GPU out while another is usable."""
+    left_out = ("The command below leaves it out." if machine.launch_gpus else
+                "No GPU is left to run on until it is fixed.")
+    return Problem(ERROR, code, what, f"{fix} {left_out}", gpus=[gpu.index], worked_around=bool(machine.launch_gpus))
 
 
 def mig(machine: Machine) -> list[Problem]:
-    problems = []
-    for gpu in machine.visible_gpus():
-        if gpu.mig_enabled and not gpu.lost:
-            problems.append(
-                Problem(
-                    ERROR,
-                    "mig_enabled",
-                    f"{_gpu_name(gpu)} has MIG enabled: CUDA shows its MIG instances, not the GPU, and NCCL cannot "
-                    "all-reduce across MIG instances",
-                    f"sudo nvidia-smi -i {gpu.index} -mig 0 with no process on it (then reset it: sudo nvidia-smi -r -i "
-                    f"{gpu.index}, or reboot). {_left_out(machine)}",
-                    gpus=[gpu.index],
-                    worked_around=bool(machine.launch_gpus),
-                )
-            )
-    return problems
+    return [
+        _gpu_left_out(
+            machine, gpu, "mig_enabled",
+            f"{_gpu_name(gpu)} has MIG enabled: CUDA shows its MIG instances, not the GPU, and NCCL cannot "
+            "all-reduce across MIG instances",
+            f"sudo nvidia-smi -i {gpu.index} -mig 0 with no process on it (then reset it: sudo nvidia-smi -r -i "
+            f"{gpu.index}, or reboot).",
+        )
+        for gpu in machine.visible_gpus()
+        if gpu.mig_enabled and not gpu.lost
+    ]
 
 
 def gpu_lost(machine: Machine) -> list[Problem]:
     return [
-        Problem(
-            ERROR,
-            "gpu_lost",
-            f"GPU {gpu.index} fell off the bus (NVML: GPU is lost)",
-            f"reboot; if it recurs check power and seating (dmesg | grep -i xid: Xid 79). {_left_out(machine)}",
-            gpus=[gpu.index],
-            worked_around=bool(machine.launch_gpus),
-        )
+        _gpu_left_out(machine, gpu, "gpu_lost", f"GPU {gpu.index} fell off the bus (NVML: GPU is lost)",
+                      "reboot; if it recurs check power and seating (dmesg | grep -i xid: Xid 79).")
         for gpu in machine.visible_gpus()
         if gpu.lost
     ]
@@ -328,16 +318,9 @@ def memory_errors(machine: Machine) -> list[Problem]:
             if gpu.remap_failed
             else f"drain it and reset it (sudo nvidia-smi -r -i {gpu.index}, no process on it) or reboot; if errors recur, RMA it"
         )
-        problems.append(
-            Problem(
-                ERROR,
-                "memory_errors",
-                f"{_gpu_name(gpu)} has {' and '.join(findings)}: results computed on it cannot be trusted",
-                f"{fix}. {_left_out(machine)}",
-                gpus=[gpu.index],
-                worked_around=bool(machine.launch_gpus),
-            )
-        )
+        problems.append(_gpu_left_out(
+            machine, gpu, "memory_errors",
+            f"{_gpu_name(gpu)} has {' and '.join(findings)}: results computed on it cannot be trusted", f"{fix}."))
     return problems
 
 
@@ -350,16 +333,9 @@ def compute_mode(machine: Machine) -> list[Problem]:
             reason = "it is in exclusive-process mode and already in use"
         else:
             continue
-        problems.append(
-            Problem(
-                ERROR,
-                "compute_mode",
-                f"{_gpu_name(gpu)}: {reason}, so a training process cannot open it",
-                f"sudo nvidia-smi -i {gpu.index} -c DEFAULT. {_left_out(machine)}",
-                gpus=[gpu.index],
-                worked_around=bool(machine.launch_gpus),
-            )
-        )
+        problems.append(_gpu_left_out(machine, gpu, "compute_mode",
+                                      f"{_gpu_name(gpu)}: {reason}, so a training process cannot open it",
+                                      f"sudo nvidia-smi -i {gpu.index} -c DEFAULT."))
     return problems
 
 

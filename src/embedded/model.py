@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from src.embedded.generate import DATA_DIR
-from src.locking import build_once
+from src.run_safety.build_once import build_once
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|unk|>"]
 # Roles are marked by special tokens, so no newlines are needed; {% generation %} marks the assistant tokens for

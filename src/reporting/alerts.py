@@ -70,6 +70,61 @@ class Alert:
     code: str = ""  # stable identifier, e.g. "dpo_stuck"
 
 
+# What each alert says besides its evidence: (severity, title, what to do). A {field} in the advice is filled in
+# by the check that raises it.
+ALERTS = {
+    "non_finite": (
+        "error", "NaN/inf in the logged metrics",
+        "Training diverged or hit a numerical fault at the first step named. Lower the learning rate or add "
+        "warmup, keep gradient clipping on (max_grad_norm), prefer bf16 over fp16 (fp16 overflows), and look at "
+        "the batch at that step for empty or fully masked completions (a division by zero tokens).",
+    ),
+    "dpo_stuck": (
+        "error", "DPO loss stuck at ln 2 with zero margins: the policy is not moving away from the reference",
+        "The policy still scores chosen and rejected exactly like the reference. Either the learning rate is too "
+        "low for this setup (check the scaled learning rate in the setup table; DPO commonly uses 5e-7..5e-6 for "
+        "full fine-tuning, 1e-5..1e-4 for LoRA) or the reference is the policy itself (the same model object, or "
+        "LoRA adapters that were never enabled). Also check that chosen and rejected actually differ.",
+    ),
+    "dpo_displacement": (
+        "warning", "Chosen and rejected rewards both falling (likelihood displacement)",
+        "The margin grows by pushing both answers down, so probability moves to answers in neither column; the "
+        "trained model may get worse at producing the chosen answers. Lower the learning rate or train fewer steps, "
+        "raise beta, make chosen and rejected less similar (displacement is worst for near-identical pairs), or add "
+        "an SFT term on the chosen answers (loss_type=[\"sigmoid\", \"sft\"] with loss_weights).",
+    ),
+    "dpo_saturated": (
+        "warning", "Reward accuracy saturated at 1.0 early in training",
+        "The pairs are too easy to tell apart, so DPO has little to learn from them and mostly grows margins. "
+        "Check that chosen and rejected do not differ in a trivial way (length, a fixed phrase, formatting); use "
+        "harder pairs (e.g. rejected answers sampled from the model itself); or raise beta if it is very small.",
+    ),
+    "dpo_unbounded_margins": (
+        "warning", "Reward margins growing without bound",
+        "The pairs are already fit; more steps only move the policy further from the reference, which usually "
+        "means over-optimisation (degenerate, repetitive or very long outputs). Stop earlier (use the checkpoint "
+        "at the best eval loss), raise beta, lower the learning rate, or use a bounded loss such as "
+        "loss_type=[\"ipo\"].",
+    ),
+    "sft_not_decreasing": (
+        "warning", "SFT loss not decreasing",
+        "Too low a learning rate leaves the loss flat (check the scaled learning rate in the setup table); too high "
+        "a one makes it rise. Also check that the completion tokens are not all masked out and that the data has "
+        "something the model does not already know.",
+    ),
+    "eval_loss_rising": (
+        "warning", "Eval loss rising after its best point (overfitting)",
+        "The model is fitting the training set at the expense of held-out data. Use the checkpoint nearest step "
+        "{best_step}, train fewer steps/epochs, lower the learning rate, or add data.",
+    ),
+}
+
+
+def _alert(code: str, evidence: str, **fields) -> Alert:
+    severity, title, advice = ALERTS[code]
+    return Alert(severity, title, evidence, advice.format(**fields) if fields else advice, code=code)
+
+
 def _windows(values: list[float]) -> tuple[float, float]:
     """Mean of the start window and of the end window of a series (finite values only)."""
     values = finite(values)
@@ -84,6 +139,12 @@ def _finite_series(metrics: list[dict], key: str) -> tuple[list[int], list[float
     steps, values = series(metrics, key)
     points = [(step, value) for step, value in zip(steps, values) if math.isfinite(value)]
     return [step for step, _ in points], [value for _, value in points]
+
+
+def _trend_series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """_finite_series, or nothing when it has fewer than MIN_RECORDS values: a trend over so few is noise."""
+    steps, values = _finite_series(metrics, key)
+    return (steps, values) if len(values) >= MIN_RECORDS else ([], [])
 
 
 def _non_finite(metrics: list[dict]) -> Alert | None:
@@ -108,18 +169,12 @@ def _non_finite(metrics: list[dict]) -> Alert | None:
     later = len(first_step) - len(keys)
     evidence += (f"; {later} more metric(s) later" if later else "") + \
         f"; {bad_records} of {len(metrics)} logged records hold a non-finite value"
-    return Alert(
-        "error", "NaN/inf in the logged metrics", evidence,
-        "Training diverged or hit a numerical fault at the first step named. Lower the learning rate or add "
-        "warmup, keep gradient clipping on (max_grad_norm), prefer bf16 over fp16 (fp16 overflows), and look at "
-        "the batch at that step for empty or fully masked completions (a division by zero tokens).",
-        code="non_finite",
-    )
+    return _alert("non_finite", evidence)
 
 
 def _dpo_stuck(metrics: list[dict]) -> Alert | None:
-    steps, margins = _finite_series(metrics, "rewards/margins")
-    if len(margins) < MIN_RECORDS:
+    steps, margins = _trend_series(metrics, "rewards/margins")
+    if not margins:
         return None
     half = steps[-1] - (steps[-1] - steps[0]) / 2
     late_margins = [value for step, value in zip(steps, margins) if step >= half]
@@ -138,21 +193,13 @@ def _dpo_stuck(metrics: list[dict]) -> Alert | None:
         evidence += f", loss {min(late_losses):.4f}..{max(late_losses):.4f} (ln 2 = {LN2:.4f})"
     if rewards:
         evidence += f", |rewards/chosen|, |rewards/rejected| ≤ {max(rewards):.2g}"
-    return Alert(
-        "error", "DPO loss stuck at ln 2 with zero margins: the policy is not moving away from the reference",
-        evidence,
-        "The policy still scores chosen and rejected exactly like the reference. Either the learning rate is too "
-        "low for this setup (check the scaled learning rate in the setup table; DPO commonly uses 5e-7..5e-6 for "
-        "full fine-tuning, 1e-5..1e-4 for LoRA) or the reference is the policy itself (the same model object, or "
-        "LoRA adapters that were never enabled). Also check that chosen and rejected actually differ.",
-        code="dpo_stuck",
-    )
+    return _alert("dpo_stuck", evidence)
 
 
 def _dpo_displacement(metrics: list[dict]) -> Alert | None:
-    _, chosen = _finite_series(metrics, "rewards/chosen")
-    _, rejected = _finite_series(metrics, "rewards/rejected")
-    if min(len(chosen), len(rejected)) < MIN_RECORDS:
+    _, chosen = _trend_series(metrics, "rewards/chosen")
+    _, rejected = _trend_series(metrics, "rewards/rejected")
+    if not (chosen and rejected):
         return None
     chosen_start, chosen_end = _windows(chosen)
     rejected_start, rejected_end = _windows(rejected)
@@ -160,22 +207,14 @@ def _dpo_displacement(metrics: list[dict]) -> Alert | None:
     displaced = chosen_end < 0 and chosen_fall >= DISPLACEMENT_RATIO * rejected_fall
     if not (rejected_fall > DISPLACEMENT_MIN_FALL and displaced):
         return None
-    return Alert(
-        "warning", "Chosen and rejected rewards both falling (likelihood displacement)",
-        f"rewards/chosen {chosen_start:+.3f} → {chosen_end:+.3f}, rewards/rejected {rejected_start:+.3f} → "
-        f"{rejected_end:+.3f} (start vs end of training): the chosen answers lost {chosen_fall / rejected_fall:.0%} "
-        f"as much as the rejected ones",
-        "The margin grows by pushing both answers down, so probability moves to answers in neither column; the "
-        "trained model may get worse at producing the chosen answers. Lower the learning rate or train fewer steps, "
-        "raise beta, make chosen and rejected less similar (displacement is worst for near-identical pairs), or add "
-        "an SFT term on the chosen answers (loss_type=[\"sigmoid\", \"sft\"] with loss_weights).",
-        code="dpo_displacement",
-    )
+    return _alert("dpo_displacement", f"rewards/chosen {chosen_start:+.3f} → {chosen_end:+.3f}, rewards/rejected "
+                  f"{rejected_start:+.3f} → {rejected_end:+.3f} (start vs end of training): the chosen answers lost "
+                  f"{chosen_fall / rejected_fall:.0%} as much as the rejected ones")
 
 
 def _dpo_saturated(metrics: list[dict]) -> Alert | None:
-    steps, accuracies = _finite_series(metrics, "rewards/accuracies")
-    if len(accuracies) < MIN_RECORDS:
+    steps, accuracies = _trend_series(metrics, "rewards/accuracies")
+    if not accuracies:
         return None
     last_step = max(record.get("step", 0) for record in metrics)
     first_saturated = next((index for index, value in enumerate(accuracies) if value >= SATURATED_ACCURACY), None)
@@ -187,21 +226,14 @@ def _dpo_saturated(metrics: list[dict]) -> Alert | None:
     mean_after = sum(after) / len(after)
     if steps[first_saturated] > early_limit or mean_after < SATURATED_MEAN_AFTER:
         return None
-    return Alert(
-        "warning", "Reward accuracy saturated at 1.0 early in training",
-        f"rewards/accuracies reached {accuracies[first_saturated]:.2f} at step {steps[first_saturated]} of "
-        f"{last_step} ({steps[first_saturated] / max(last_step, 1):.0%} of training) and averaged {mean_after:.3f} "
-        f"afterwards",
-        "The pairs are too easy to tell apart, so DPO has little to learn from them and mostly grows margins. "
-        "Check that chosen and rejected do not differ in a trivial way (length, a fixed phrase, formatting); use "
-        "harder pairs (e.g. rejected answers sampled from the model itself); or raise beta if it is very small.",
-        code="dpo_saturated",
-    )
+    return _alert("dpo_saturated", f"rewards/accuracies reached {accuracies[first_saturated]:.2f} at step "
+                  f"{steps[first_saturated]} of {last_step} ({steps[first_saturated] / max(last_step, 1):.0%} of "
+                  f"training) and averaged {mean_after:.3f} afterwards")
 
 
 def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
-    steps, margins = _finite_series(metrics, "rewards/margins")
-    if len(margins) < MIN_RECORDS:
+    steps, margins = _trend_series(metrics, "rewards/margins")
+    if not margins:
         return None
     _, margin_end = _windows(margins)
     two_thirds = steps[0] + (steps[-1] - steps[0]) * 2 / 3
@@ -215,36 +247,24 @@ def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
     growth = slope * (xs[-1] - xs[0])
     if growth <= MARGIN_STILL_GROWING * margin_end:
         return None
-    return Alert(
-        "warning", "Reward margins growing without bound",
-        f"rewards/margins ends at {margin_end:.2f} (the sigmoid loss is {math.log1p(math.exp(-margin_end)):.1e} "
-        f"there) and still grew by {growth:.2f} over the last third of training (steps {xs[0]}..{xs[-1]})",
-        "The pairs are already fit; more steps only move the policy further from the reference, which usually "
-        "means over-optimisation (degenerate, repetitive or very long outputs). Stop earlier (use the checkpoint "
-        "at the best eval loss), raise beta, lower the learning rate, or use a bounded loss such as "
-        "loss_type=[\"ipo\"].",
-        code="dpo_unbounded_margins",
-    )
+    return _alert("dpo_unbounded_margins", f"rewards/margins ends at {margin_end:.2f} (the sigmoid loss is "
+                  f"{math.log1p(math.exp(-margin_end)):.1e} there) and still grew by {growth:.2f} over the last third "
+                  f"of training (steps {xs[0]}..{xs[-1]})")
 
 
 def _sft_not_decreasing(metrics: list[dict]) -> Alert | None:
-    _, losses = _finite_series(metrics, "loss")
-    if len(losses) < MIN_RECORDS:
+    _, losses = _trend_series(metrics, "loss")
+    if not losses:
         return None
     loss_start, loss_end = _windows(losses)
     if loss_end < loss_start * (1 - SFT_MIN_RELATIVE_DROP):
         return None
     rose = loss_end > loss_start
-    return Alert(
-        "error" if rose else "warning",
-        "SFT loss rising" if rose else "SFT loss not decreasing",
-        f"train loss {loss_start:.4f} at the start vs {loss_end:.4f} at the end "
-        f"({(loss_end - loss_start) / loss_start:+.1%})",
-        "Too low a learning rate leaves the loss flat (check the scaled learning rate in the setup table); too high "
-        "a one makes it rise. Also check that the completion tokens are not all masked out and that the data has "
-        "something the model does not already know.",
-        code="sft_not_decreasing",
-    )
+    alert = _alert("sft_not_decreasing", f"train loss {loss_start:.4f} at the start vs {loss_end:.4f} at the end "
+                   f"({(loss_end - loss_start) / loss_start:+.1%})")
+    if rose:
+        alert.severity, alert.title = "error", "SFT loss rising"
+    return alert
 
 
 def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
@@ -255,13 +275,8 @@ def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
     best_step = steps[losses.index(best)]
     if losses[-1] <= best + max(EVAL_RISE * abs(best), EVAL_RISE_MIN):
         return None
-    return Alert(
-        "warning", "Eval loss rising after its best point (overfitting)",
-        f"eval_loss best {best:.4f} at step {best_step}, final {losses[-1]:.4f} at step {steps[-1]}",
-        f"The model is fitting the training set at the expense of held-out data. Use the checkpoint nearest step "
-        f"{best_step}, train fewer steps/epochs, lower the learning rate, or add data.",
-        code="eval_loss_rising",
-    )
+    return _alert("eval_loss_rising", f"eval_loss best {best:.4f} at step {best_step}, final {losses[-1]:.4f} at step "
+                  f"{steps[-1]}", best_step=best_step)
 
 
 def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:

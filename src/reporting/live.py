@@ -25,6 +25,7 @@ from typing import Callable
 from transformers import TrainerCallback
 
 from src.progress import eta_seconds
+from src.reporting.report import ReportError, build_report
 from src.reporting.status import Live
 
 REFRESH_EVERY_S = 300.0
@@ -81,8 +82,6 @@ class LiveReport(TrainerCallback):
             self.refresh(state)
 
     def refresh(self, state) -> None:
-        from src.reporting.report import ReportError, build_report
-
         started = self.clock()
         elapsed = started - self.started
         live = Live(step=state.global_step, total=state.max_steps, elapsed_s=elapsed,

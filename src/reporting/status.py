@@ -3,8 +3,8 @@
     **running** · step 170 of 1,000 (17%) · elapsed 12 min 3 s · ETA 58 min · updated 2026-11-23 17:40 UTC
 
 The first line of report.md, the rows of results/index.md and the comparison page all say it this way. It is read from
-the run directory: `training_info.json`'s `status` (src/resilience.py's Status) and the last step and time logged in
-`metrics.jsonl`; the live report (src/reporting/live.py) passes what the training loop knows exactly instead (`Live`).
+the run directory: `training_info.json`'s `status` (src/run_safety/stops.py's Status) and the last step and time logged
+in `metrics.jsonl`; the live report (src/reporting/live.py) passes what the training loop knows exactly instead (`Live`).
 Elapsed and ETA are training-loop time (evaluations included) of the current launch: a resumed run counts from its
 resume, at the rate since then.
 """
@@ -56,8 +56,9 @@ def _last(metrics: list[dict], key: str) -> float | None:
 
 
 def recorded_total_steps(info: dict) -> int | None:
-    """The optimizer steps the run said it would take, as training_info.json records them (src/training.py
-    planned_steps computes them at the start; a run written before they were recorded has max_steps at most)."""
+    """The optimizer steps the run said it would take, as training_info.json records them (planned_steps in
+    src/trainers/stage_plan.py computes them at the start; a run written before they were recorded has max_steps at
+    most)."""
     total = info.get("planned_steps") or info.get("max_steps")
     return int(total) if isinstance(total, int) and total > 0 else None
 

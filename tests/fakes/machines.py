@@ -16,7 +16,7 @@ from pathlib import Path
 from check_gpu import main
 from src.diagnostics.bandwidth import BenchRequest, run_bench
 from src.diagnostics.model_shape import shape_from_model
-from src.diagnostics.report import Sources
+from src.diagnostics.check import Sources
 from src.diagnostics.software import SoftwareFacts, relevant_environment
 from src.diagnostics.system import InfinibandPort, SystemFacts
 

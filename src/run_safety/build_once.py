@@ -1,4 +1,5 @@
-"""Build-once directories shared by processes that have no process group yet.
+"""Build-once directories shared by processes that have no process group yet (and the `.complete` marker that
+checkpoints use too).
 
 Work done before training (building the embedded model, tokenizing the dataset) must happen once per machine, with
 the other processes waiting for it. A collective barrier would put them on NCCL's 30-minute timeout; a file lock
@@ -23,7 +24,8 @@ COMPLETE_MARKER = ".complete"
 
 
 def is_complete(directory: Path) -> bool:
-    return (directory / COMPLETE_MARKER).exists()
+    """A build-once directory or a checkpoint (src/run_safety/checkpoints.py) that was finished."""
+    return (Path(directory) / COMPLETE_MARKER).exists()
 
 
 def remove_leftovers(directory: Path) -> list[Path]:

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from src import launch_verdict
-from src.exit_status import FINAL, ExitStatus
+from src.run_safety import launcher_exit
+from src.run_safety.exit_status import FINAL, ExitStatus
 
 
 @pytest.fixture
 def under_launcher(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFKIT_VERDICT_DIR", str(tmp_path))
+    monkeypatch.setenv("PREFKIT_EXIT_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("RANK", "3")
     return tmp_path
@@ -20,29 +20,30 @@ def under_launcher(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("code", FINAL)
 def test_a_chosen_stop_is_recorded_and_the_worker_exits_0(under_launcher, code):
-    assert launch_verdict.recorded() is None
-    assert launch_verdict.settle(code) == 0
+    assert launcher_exit.recorded() is None
+    assert launcher_exit.settle(code) == 0
     assert (under_launcher / "rank-3").read_text() == f"{int(code)}\n"
-    assert launch_verdict.recorded() == code, "a restarted worker finds it"
+    assert launcher_exit.recorded() == code, "a restarted worker finds it"
     assert [path.name for path in under_launcher.iterdir()] == ["rank-3"], "no temporary file left"
 
 
 @pytest.mark.parametrize("code", [0, 1, 130, 143])
 def test_success_crashes_and_signals_keep_their_status(under_launcher, code):
-    assert launch_verdict.settle(code) == code and launch_verdict.recorded() is None
+    assert launcher_exit.settle(code) == code and launcher_exit.recorded() is None
 
 
 def test_outside_the_launcher_the_status_is_unchanged(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    monkeypatch.delenv("PREFKIT_VERDICT_DIR", raising=False)
-    assert launch_verdict.settle(5) == 5
-    monkeypatch.setenv("PREFKIT_VERDICT_DIR", str(tmp_path))
+    monkeypatch.delenv("PREFKIT_EXIT_DIR", raising=False)
+    assert launcher_exit.settle(5) == 5
+    monkeypatch.setenv("PREFKIT_EXIT_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # python -m src.main_distributed with the variable left in the shell
-    assert launch_verdict.settle(5) == 5 and list(tmp_path.iterdir()) == []
+    assert launcher_exit.settle(5) == 5 and list(tmp_path.iterdir()) == []
 
 
 def test_docs_reliability_has_a_row_for_every_exit_status():
-    """docs/reliability.md's table follows src/exit_status.py: each status has its row, and no row names another."""
+    """docs/reliability.md's table follows src/run_safety/exit_status.py: each status has its row, and no row names
+    another."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
     table = doc[doc.index("### Exit statuses"):]
     rows = {int(number) for row in re.findall(r"^\| ([0-9 /]+) \|", table, re.M) for number in row.split("/")}

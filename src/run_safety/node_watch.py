@@ -7,9 +7,9 @@ node never joins.
   torchrun's agent on node 0 keeps (MASTER_ADDR:MASTER_PORT); the counters need no synchronised clocks.
 - A rank whose counter has not moved for the timeout (by this process's own monotonic clock) has stopped answering:
   its node is named. A store that does not answer for the timeout means node 0 (which holds it) is gone.
-- On a verdict, local rank 0 of each surviving node prints the line, asks its torchrun agent to end (a static
-  multi-node job cannot re-form without the lost node, so a restart would only wait again), and every process exits
-  with ExitStatus.NODE_LOST (6); the newest complete checkpoint stays for the relaunch.
+- Once a node is found lost, local rank 0 of each surviving node prints the line, asks its torchrun agent to end (a
+  static multi-node job cannot re-form without the lost node, so a restart would only wait again), and every process
+  exits with ExitStatus.NODE_LOST (6); the newest complete checkpoint stays for the relaunch.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import threading
 import time
 from datetime import timedelta
 
-from src import launch_verdict
+from src.run_safety import launcher_exit
 from src.config import World
-from src.exit_status import ExitStatus
+from src.run_safety.exit_status import ExitStatus
 
 BEAT_S = 5.0
 
@@ -110,7 +110,7 @@ def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str
                   "no complete checkpoint was saved yet")
         print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
               f"stopping this node; {resume}", file=sys.stderr, flush=True)
-    under_launcher = launch_verdict.record(ExitStatus.NODE_LOST)
+    under_launcher = launcher_exit.record(ExitStatus.NODE_LOST)
     if world.local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         # The agent must end: a restart would wait for the lost node again, and a finished agent would wait for it at
         # its exit barrier. run_distributed.sh reports the recorded status, so there the agent ends without its

@@ -5,8 +5,8 @@ torchrun restarts a job whose worker exits non-zero (MAX_RESTARTS) and, once out
 report after the worker's own line and exits 1. That is right for a crash a restart can mend; it is wrong for a stop
 the toolkit chose because a restart cannot mend it: a user error (2), a diverged run (4), a failed write on a full
 disk (5), a lost node (6). For those, each worker under the launcher records its status in the launcher's directory
-(PREFKIT_VERDICT_DIR, one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded
-status. A worker that torchrun restarts anyway (another rank crashed on the way out) finds the verdict and exits 0 at
+(PREFKIT_EXIT_DIR, one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded
+status. A worker that torchrun restarts anyway (another rank crashed on the way out) finds the recorded status and exits 0 at
 once. Outside the launcher (plain torchrun, python -m src.main_distributed), exit statuses are unchanged.
 """
 
@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from src.exit_status import FINAL
+from src.run_safety.exit_status import FINAL
 
 
 
 def _directory() -> Path | None:
-    directory = os.environ.get("PREFKIT_VERDICT_DIR")
+    directory = os.environ.get("PREFKIT_EXIT_DIR")
     return Path(directory) if directory and "TORCHELASTIC_RUN_ID" in os.environ else None
 
 

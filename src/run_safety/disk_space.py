@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
+
 WARN_FRACTION = 0.8  # beyond this share of the free space, logs, reports and tracker files may not fit
 _FAILED_WRITES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                   errno.EIO: "input/output error"}
@@ -153,8 +155,6 @@ def write_failure_errno(error: BaseException, directory: Path) -> int | None:
 
 
 def write_failed_message(number: int, directory: Path, output_dir: Path) -> str:
-    from src.resilience import checkpoint_step, newest_complete_checkpoint
-
     newest = newest_complete_checkpoint(output_dir)
     resume = (f"a relaunch of the same command resumes from {newest} (step {checkpoint_step(newest)})" if newest
               else "no complete checkpoint was saved yet, so a relaunch starts afresh")

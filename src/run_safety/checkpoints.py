@@ -1,0 +1,60 @@
+"""Complete checkpoints only, and resume where a run stopped. (The trainer side of it, CompleteCheckpointsMixin,
+lives in src/trainers/checkpointing.py; this module stays light so errors are reported fast.)
+
+- A checkpoint counts once every rank has written its part and rank 0 has added a `.complete` marker; older ones
+  are rotated out only after that, so a crash at any moment leaves the previous checkpoint whole.
+- On start, a run whose training_info.json says it did not finish resumes from its newest complete checkpoint (same
+  data order, optimizer, scheduler and step: transformers' own resume), and its metric history is cut back to that
+  step so the curve continues instead of restarting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from src.run_safety.build_once import COMPLETE_MARKER, is_complete
+
+PREFIX_CHECKPOINT_DIR = "checkpoint"  # transformers' name for checkpoint-<step> directories
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _CHECKPOINT.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-N directories, oldest first (complete or not)."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [path for path in output_dir.iterdir() if path.is_dir() and checkpoint_step(path) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def newest_complete_checkpoint(output_dir: Path) -> Path | None:
+    complete = [path for path in checkpoints(output_dir) if is_complete(path)]
+    return complete[-1] if complete else None
+
+
+def remove_incomplete_checkpoints(output_dir: Path) -> list[Path]:
+    """Delete checkpoints that a crash left half-written (rank 0, before resuming); returns what was removed."""
+    removed = [path for path in checkpoints(output_dir) if not is_complete(path)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def mark_complete(checkpoint: Path) -> None:
+    marker = Path(checkpoint) / COMPLETE_MARKER
+    with open(marker, "w") as handle:
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def trim_metrics(records: list[dict], last_step: int) -> list[dict]:
+    """The history up to a checkpoint: what came after it is recomputed by the resumed run."""
+    return [record for record in records if record.get("step", 0) <= last_step]

@@ -1,0 +1,20 @@
+"""The toolkit's exit statuses, one table: what `python -m src.main_distributed` and `./run_distributed.sh` exit with.
+docs/reliability.md's table follows it (tests/test_launcher_exit.py checks every status has its row)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitStatus(IntEnum):
+    DONE = 0
+    USER_ERROR = 2       # one `error:` line: a flag, file, row, model, a held run directory, no room on the disk
+    DIVERGED = 4         # NaN/inf loss or gradient (src/run_safety/stops.py)
+    WRITE_FAILED = 5     # no space left, quota, I/O error while writing (src/run_safety/disk_space.py); resumable
+    NODE_LOST = 6        # a node of a multi-node job stopped answering (src/run_safety/node_watch.py); resumable
+    SIGINT = 130         # stopped by a signal after saving a checkpoint (src/run_safety/stops.py); resumable
+    SIGTERM = 143
+
+
+# Stops a restart cannot mend: under run_distributed.sh the launcher exits with them, not torchrun (launcher_exit.py)
+FINAL = (ExitStatus.USER_ERROR, ExitStatus.DIVERGED, ExitStatus.WRITE_FAILED, ExitStatus.NODE_LOST)

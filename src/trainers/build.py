@@ -1,0 +1,58 @@
+"""The stage's trainer, built from its TRL config and the prepared data, with the toolkit's callbacks.
+
+The toolkit hands TRL tokenized, file-backed datasets (src/data.py), so the trainers skip their own preparation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers.trainer_callback import PrinterCallback
+
+from src.config import Plan
+from src.reporting.live import LiveReport
+from src.throughput import ThroughputMeter
+from src.trainers.callbacks import GradientCompression, OneJobCheck, StopConditions
+from src.trainers.dpo import PreparedDPOTrainer, packed_dpo_forward
+from src.trainers.metrics_log import ConsoleLog, MetricsRecorder
+from src.trainers.reward import ToolkitRewardTrainer
+from src.trainers.sft import ToolkitSFTTrainer
+
+
+def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
+                  plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True, ref_model=None):
+    """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
+    (`--padding_free false`, src/packed_dpo_support.padding_free_requested), and `ref_model` as the reference when given
+    (otherwise TRL's: the starting model)."""
+    trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
+    extra = {"truncate_to": truncate_to} if stage == "sft" else {"ref_model": ref_model} if ref_model is not None else {}
+    reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
+    dpo_forward = {}
+    if stage == "dpo":
+        dpo_forward = packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed_dpo)
+    # DPO and reward batches hold a chosen and a rejected sequence per pair.
+    meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
+                            _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)
+    trainer = trainer_class(
+        model=model,
+        args=trl_config,
+        train_dataset=prepared.train,
+        eval_dataset=prepared.validation if trl_config.eval_strategy != "no" else None,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        # The meter adds perf/* to each record before the recorder writes it.
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck(),
+                   LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
+            [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
+        **extra,
+        **dpo_forward,
+    )
+    trainer.remove_callback(PrinterCallback)
+    if dpo_forward and dpo_forward["packed_forward"].enabled:
+        meter.computed_tokens = dpo_forward["packed_forward"].computed_tokens
+    return trainer
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else ""

@@ -1,0 +1,161 @@
+"""The trainer callbacks that watch a run: the stop conditions every rank agrees on (a signal, a NaN, a failed write),
+the evidence that the ranks trained as one job, and DDP's gradient compression; `callback` finds one on a trainer."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback
+
+from src.distributed import any_rank, gather_objects
+from src.run_safety.disk_space import WriteFailed, pending_write_failure, write_failed_message
+from src.run_safety.stops import stop_signal
+
+
+class StopConditions(TrainerCallback):
+    """After every optimizer step, all ranks agree (one tiny all-reduce) on whether to stop:
+    - a stop signal reached any rank: save a checkpoint now and stop;
+    - a loss or gradient norm was non-finite on any rank: stop without saving, before the step can be checkpointed.
+    Gradients are checked just before the optimizer applies them, and zeroed when non-finite so the in-memory
+    weights stay finite too."""
+
+    def __init__(self):
+        self.non_finite: str | None = None   # what went non-finite, e.g. "loss nan"
+        self.diverged_at: int | None = None
+        self.stopped_by: str | None = None
+        self.stopped_at: int | None = None
+
+    def on_micro_batch(self, loss, inputs) -> None:
+        if self.non_finite is None and not torch.isfinite(loss.detach()).all():
+            self.non_finite = f"loss {float(loss.detach().float().mean())}"
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        gradients = [p.grad for p in model.parameters() if p.grad is not None]
+        if not gradients:
+            return
+        norm = torch.nn.utils.get_total_norm(gradients)
+        if not torch.isfinite(norm):
+            if self.non_finite is None:
+                self.non_finite = f"gradient norm {float(norm)}"
+            for gradient in gradients:
+                gradient.zero_()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signalled, diverged, write_failed = any_rank(stop_signal() is not None, self.non_finite is not None,
+                                                      pending_write_failure() is not None)
+        if write_failed:  # rank 0 could not append a metrics line: every rank stops here, the same way
+            number, directory = next(failure for (failure,) in gather_objects([pending_write_failure()]) if failure)
+            raise WriteFailed(write_failed_message(number, directory, Path(args.output_dir)))
+        if diverged:
+            self.diverged_at = state.global_step
+            reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]
+            # The rank where it started first: its loss, before the all-reduce spread NaN gradients to every rank.
+            reasons.sort(key=lambda item: not item[1].startswith("loss"))
+            self.non_finite = ", ".join(f"{reason} (rank {rank})" for rank, reason in reasons)
+            control.should_save = False
+            control.should_evaluate = False
+            control.should_training_stop = True
+        elif signalled:
+            self.stopped_by = stop_signal() or "a signal to another rank"
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+class OneJobCheck(TrainerCallback):
+    """Evidence that the ranks trained as one job, checked at the end of training and recorded: the same weights
+    on every rank (a DDP desync, or ranks each training alone, would differ) and, within each optimizer step,
+    different rows on different ranks (a broken sampler would feed every rank the same data).
+
+    Cheap by design: each row is remembered as 8 bytes of a hash (for at most MAX_STEPS steps), and the weights as a
+    strided sample of every parameter, so a 70B model is not hashed in full on every rank."""
+
+    MAX_STEPS = 64
+    WEIGHT_SAMPLES = 4096  # elements sampled per parameter tensor
+
+    def __init__(self):
+        self.rows: dict[int, list[str]] = {}
+        self.step = 0
+        self.result: dict | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def on_micro_batch(self, loss, inputs) -> None:
+        if len(self.rows) >= self.MAX_STEPS and self.step not in self.rows:
+            return
+        ids = inputs["input_ids"].detach().cpu()
+        mask = inputs.get("attention_mask")
+        mask = mask.detach().cpu().bool() if mask is not None else None
+        digests = self.rows.setdefault(self.step, [])
+        for index, row in enumerate(ids):
+            tokens = row[mask[index]] if mask is not None else row
+            digests.append(hashlib.blake2b(tokens.numpy().tobytes(), digest_size=8).hexdigest())
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        digest = hashlib.blake2b(digest_size=16)
+        for name, parameter in sorted(model.state_dict().items()):
+            flat = parameter.detach().reshape(-1)
+            stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
+            digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
+        everyone = gather_objects([(digest.hexdigest(), self.rows)])
+        weights = {weights for (weights, _), in everyone}
+        shared_steps = [step for step in self.rows
+                        if any(set(rows_a.get(step, [])) & set(rows_b.get(step, []))
+                               for index, ((_, rows_a),) in enumerate(everyone)
+                               for ((_, rows_b),) in everyone[index + 1:])]
+        self.result = {"ranks": len(everyone), "identical_weights": len(weights) == 1,
+                       "disjoint_rows_per_step": not shared_steps, "steps_checked": len(self.rows),
+                       "steps_with_shared_rows": shared_steps[:10]}
+
+
+class GradientCompression(TrainerCallback):
+    """DDP's compression communication hook (torch's fp16_compress_hook / bf16_compress_hook) on the model accelerate
+    wrapped in DDP, counting what it sends: every gradient bucket DDP all-reduces passes through the hook, which casts
+    it to 16 bits, so the bytes per step are measured, not assumed."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sent_bytes = 0
+        self.uncompressed_bytes = 0
+        self.steps = 0
+        self.wrapped_as: str | None = None
+
+    def on_model_wrapped(self, model) -> None:
+        self.wrapped_as = type(model).__name__
+        if not isinstance(model, DistributedDataParallel) or getattr(model, "_prefkit_comm_hook", None):
+            return
+        compress = getattr(default_hooks, f"{self.name}_compress_hook")
+
+        @functools.wraps(compress)  # DDP checks the hook's name (bf16 only on NCCL): keep its check in force
+        def counting_hook(state, bucket):
+            buffer = bucket.buffer()
+            self.uncompressed_bytes += buffer.numel() * buffer.element_size()
+            self.sent_bytes += buffer.numel() * 2  # fp16 and bf16 are 2 bytes per value
+            return compress(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+        model._prefkit_comm_hook = self.name  # DDP takes one hook per model, for good
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def summary(self) -> dict:
+        if not self.sent_bytes:
+            return {"name": self.name, "applied": False,
+                    "reason": f"the trained model was {self.wrapped_as or 'never wrapped'}, not DDP"}
+        steps = max(1, self.steps)
+        return {"name": self.name, "applied": True, "bytes_per_step": self.sent_bytes // steps,
+                "uncompressed_bytes_per_step": self.uncompressed_bytes // steps,
+                "saved_fraction": round(1 - self.sent_bytes / self.uncompressed_bytes, 4), "steps": self.steps}
+
+
+def callback(trainer, name: str):
+    """The trainer's callback of this class name (the toolkit adds one of each)."""
+    return next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == name)

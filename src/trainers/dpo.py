@@ -1,0 +1,219 @@
+"""The DPO trainer: TRL's DPOTrainer on data src/data.py already tokenized, with the packed forward
+(src/packed_dpo.py), per-pair eval metrics (src/dpo_eval.py), dropout off and a reference log-probs cache that
+persists across runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list
+from datasets.fingerprint import Hasher
+from trl import DPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from src.distributed import any_rank, print0
+from src.dpo_eval import PairMetrics
+from src.models import DropoutOff
+from src.packed_dpo import (PackedDPOForward, PackedPreferenceCollator, attention_layout, fused_modules,
+                            unsupported_reason)
+from src.packed_dpo_support import announce_padded
+from src.progress import Progress
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+
+
+class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
+    """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation).
+
+    Reference log-probs: TRL precomputes them across all ranks and caches them next to the dataset, keyed by the
+    dataset's fingerprint and a hash of the reference weights. Our datasets are file-backed and keyed by source,
+    tokenizer and lengths (src/data.py), so that cache persists across runs; the key is widened here with what else
+    changes the numbers, and the outcome (reused or computed, how long) is recorded."""
+
+    reference_cache: dict | None = None
+    _reference_progress: Progress | None = None  # while the reference pass runs
+
+    def __init__(self, *args, packed_forward=None, **kwargs):
+        # Set before TRL's __init__, which already runs the reference precompute pass through it.
+        self.packed_forward = packed_forward
+        self.pair_metrics = PairMetrics()
+        self.dropout_off = []
+        if kwargs["args"].disable_dropout:  # before the precompute pass too
+            self.dropout_off = [DropoutOff(model) for model in (kwargs.get("model"), kwargs.get("ref_model"))
+                                if model is not None and not isinstance(model, str)]
+        super().__init__(*args, **kwargs)
+        if self.args.disable_dropout:
+            if self.ref_model is not None and kwargs.get("ref_model") is None:  # TRL loaded it
+                self.dropout_off.append(DropoutOff(self.ref_model))
+            if dropout_still_on(self.model, self.args.gradient_checkpointing_kwargs):
+                print0(f"  warning: {self.model.config.model_type} still applies dropout after --disable_dropout (a "
+                       "dropout the toolkit cannot reach): its DPO log-probs are noisy")
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for dropout in self.dropout_off:  # the saved config keeps the model's own dropout values
+                dropout.restore()
+
+    def _save(self, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for dropout in self.dropout_off:
+                stack.enter_context(dropout.restored())
+            return super()._save(*args, **kwargs)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if "prompt_ids" in dataset.column_names:
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        """Eval metrics as per-pair means (src/dpo_eval.py): the same on any number of processes and batch size."""
+        self.pair_metrics.reset()
+        output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+        output.metrics.update(self.pair_metrics.result(metric_key_prefix))
+        output.metrics[f"{metric_key_prefix}_num_tokens"] = self._total_train_tokens
+        self._metrics["eval"].clear()  # TRL's per-batch means, replaced by the above
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.pair_metrics.add_batch(self, model, inputs,
+                                               lambda model, inputs: self._compute_loss(model, inputs, False))
+        return loss.detach(), None, None
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if self.packed_forward is None:
+            return super()._compute_loss(model, inputs, return_outputs)
+        # Without precomputed reference log-probs the reference forward runs inside the same call.
+        forwards = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
+        with self.packed_forward.running(inputs, forwards, fused_modules(self)) as inputs:
+            return super()._compute_loss(model, inputs, return_outputs)
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        # Autocast precision, device kind, LD-DPO weighting, truncation and the forward (packed or padded, and the
+        # packing code's version) change the log-probs, not the weights.
+        how = (self.args.bf16, self.args.fp16, self.accelerator.device.type, self.ld_alpha, self.args.max_length,
+               self.args.truncation_mode, self.packed_forward.cache_tag() if self.packed_forward else "padded")
+        original = dataset._fingerprint
+        cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
+        started = time.monotonic()
+        dataset._fingerprint = Hasher.hash((original, how))
+        accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
+        # TRL draws a tqdm bar (carriage returns in a log file); one Progress line instead, fed by compute_ref_log_probs
+        self._reference_progress = Progress(f"  reference log-probs ({name})", total=len(dataset), unit="pairs",
+                                            enabled=accelerator.is_main_process)
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
+        try:
+            self._same_cache_on_every_machine(dataset)
+            before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
+            result = super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            dataset._fingerprint = original
+            self.accelerator = accelerator
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
+            progress, self._reference_progress = self._reference_progress, None
+        if progress.done:  # computed, not read from the cache
+            progress.close()
+        created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
+        self.reference_cache = (self.reference_cache or {}) | {name: {
+            "cache": "computed" if created else "reused",
+            "seconds": round(time.monotonic() - started, 2),
+            "rows": len(dataset),
+            "file": str(created[0]) if created else None,
+        }}
+        return result
+
+    def compute_ref_log_probs(self, model, inputs):
+        progress = self._reference_progress
+        if progress is not None:  # chosen and rejected rows of every rank's micro-batch
+            pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
+            progress.update(min(pairs, progress.total - progress.done))
+        if self.packed_forward is None:
+            return super().compute_ref_log_probs(model, inputs)
+        with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
+            return super().compute_ref_log_probs(model, inputs)
+
+    def _same_cache_on_every_machine(self, dataset) -> None:
+        """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
+        machine has the file (a warm cache from an earlier run) and another does not (a new node), the ranks would
+        take different paths and hang. Any machine missing it → every machine drops its copy and all compute (the
+        same numbers are written back)."""
+        if self.accelerator.num_processes == 1:
+            return
+        fingerprint = [Hasher.hash((dataset._fingerprint, self._precompute_model_hash))]  # as TRL derives it
+        broadcast_object_list(fingerprint, from_process=0)
+        cache_file = Path(dataset._get_cache_file_path(fingerprint[0]))
+        (missing_somewhere,) = any_rank(not cache_file.exists())
+        if missing_somewhere:
+            self.accelerator.wait_for_everyone()  # every rank has looked before any copy goes
+            if self.accelerator.is_local_main_process:
+                cache_file.unlink(missing_ok=True)
+            self.accelerator.wait_for_everyone()
+
+
+def dropout_still_on(model, gradient_checkpointing_kwargs: dict | None = None) -> bool:
+    """Two train-mode forwards of the same 16 tokens differ: some dropout still reaches the outputs. No grad, the RNG
+    state forked (the run's random stream is untouched); a model that cannot run outside its wrapper (sharded weights)
+    is not judged."""
+    was_training = model.training
+    try:
+        device = next(model.parameters()).device
+        vocab = model.get_input_embeddings().num_embeddings
+        input_ids = (torch.arange(16, device=device) * 7 % vocab)[None]
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                disable_gradient_checkpointing(model, gradient_checkpointing_kwargs):
+            first, second = (model(input_ids=input_ids, use_cache=False).logits for _ in range(2))
+        return not torch.equal(first, second)
+    except Exception:  # noqa: BLE001 - a check that cannot run says nothing rather than stopping the run
+        return False
+    finally:
+        model.train(was_training)
+
+
+class _LocalMainAccelerator:
+    """The trainer's accelerator, except that `is_main_process` means the main process of this machine.
+
+    TRL writes the reference log-probs cache next to the dataset on global rank 0 only, then every rank reads it back;
+    the dataset cache is per machine (src/data.py), so on a second node the file would not exist. Each node's first
+    process writes its own copy (the same gathered numbers; an atomic rename if the cache is shared storage)."""
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._accelerator.is_local_main_process
+
+
+def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+    """The trainer arguments of the DPO forward: packed (src/packed_dpo.py) unless `--padding_free false` or the
+    model cannot honour it (then TRL's padded forward, with one warning line saying why)."""
+    if not packed:
+        return {"packed_forward": PackedDPOForward("--padding_free false")}
+    reason = unsupported_reason(model, trl_config, peft_config)
+    forward = PackedDPOForward(reason, attention_layout(model))
+    if reason:
+        announce_padded(reason)
+        return {"packed_forward": forward}
+    pad_token = trl_config.pad_token or tokenizer.pad_token or tokenizer.eos_token
+    padded = DataCollatorForPreference(pad_token_id=tokenizer.convert_tokens_to_ids(pad_token),
+                                       max_length=trl_config.max_length, truncation_mode=trl_config.truncation_mode,
+                                       pad_to_multiple_of=trl_config.pad_to_multiple_of)
+    # Attention's work per key against the rest of a token's (projections and MLP, ~12 hidden² per layer, vs ~4 hidden)
+    attention_cost = 1 / (3 * model.config.get_text_config().hidden_size)
+    return {"packed_forward": forward,
+            "data_collator": PackedPreferenceCollator(padded, forward.layout, attention_cost)}

@@ -1,0 +1,62 @@
+"""What training logs, as it happens: every event appended to metrics.jsonl on rank 0 (a crashed run keeps its
+curves), and one compact console line per event with the elapsed time and the ETA."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from src import run_files
+from src.progress import eta_seconds, format_duration
+from src.run_safety.disk_space import note_write_failure
+
+
+class MetricsRecorder(TrainerCallback):
+    """Appends every logged event to metrics.jsonl on rank 0, as it happens, so a crashed run keeps its curves."""
+
+    def __init__(self, metrics_path: Path):
+        self.metrics_path = Path(metrics_path)
+        self.started = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            record = {"step": state.global_step, "epoch": state.epoch, "time_s": round(time.monotonic() - self.started, 3)}
+            record.update(logs)
+            try:
+                run_files.append_jsonl(self.metrics_path, record)
+            except OSError as error:
+                note_write_failure(error, self.metrics_path.parent)
+
+
+class ConsoleLog(TrainerCallback):
+    """One compact line per logged event on rank 0 (replaces Trainer's dict printer), ending with the elapsed time and
+    the ETA (at the rate since this launch began training, evaluations included)."""
+
+    KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "margin",
+            "accuracy", "eval_accuracy",
+            "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm", "perf/tokens_per_second")
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started, self.start_step = time.monotonic(), state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        if "train_runtime" in logs:
+            line = (f"done in {format_duration(logs['train_runtime'])}, "
+                    f"{logs.get('train_samples_per_second', 0):.1f} samples/s")
+        else:
+            parts = [f"{key} {logs[key]:.4g}" for key in self.KEYS if isinstance(logs.get(key), (int, float))]
+            elapsed = time.monotonic() - self.started
+            eta = eta_seconds(state.global_step - self.start_step, state.max_steps - self.start_step, elapsed)
+            line = "  ".join(parts + [f"elapsed {format_duration(elapsed)}", f"ETA {format_duration(eta)}"])
+        print(f"  step {state.global_step:>5}/{state.max_steps}  {line}", flush=True)

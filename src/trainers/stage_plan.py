@@ -1,0 +1,81 @@
+"""What a stage's training will do, decided from the config alone, before the training stack is imported: the optimizer
+steps it plans, which SFT forward runs, and the options TRL (or the toolkit) would accept and then ignore."""
+
+from __future__ import annotations
+
+import math
+
+from src.config import Config, Plan
+
+
+# TRL's padding-free SFT batch is one row: the micro-batch's sequences end to end, positions restarting at 0, no
+# attention mask. Flash-attention reads the boundaries TRL passes (cu_seq_lens) and attends within each sequence at
+# linear cost. sdpa and eager get a block-diagonal causal mask that transformers builds from the restarting positions
+# (masking_utils.find_packed_sequence_indices) -- only when no KV cache is passed, which TRL's SFTTrainer ensures
+# (use_cache=False); tests/test_sft_padding_free.py checks each sequence's hidden states against the sequence alone.
+# That mask is dense, so their attention costs (micro-batch tokens)^2 instead of sequences x length^2: on the embedded
+# default (16 rows of 47 tokens on average) a step took 1.4x (sdpa) and 2.1x (eager) the CPU time of the padded one
+# (bench/bench_sft_forward.py), so it is not their default.
+PADDING_FREE_LINEAR = ("flash_attention_2", "flash_attention_3")
+PADDING_FREE_EXACT = PADDING_FREE_LINEAR + ("sdpa", "eager")
+
+
+def _exact_padding_free(attn_implementation: str) -> bool:
+    return attn_implementation in PADDING_FREE_EXACT or "flash-attn" in attn_implementation  # Hub kernels
+
+
+def resolve_sft_forward(config: Config, attn_implementation: str | None) -> dict:
+    """How the SFT stage batches its sequences, decided once from the flags and the loaded model's attention:
+    "packed" (TRL's packing, --packing), "padding_free" (TRL's padding_free: one row per micro-batch) or "padded".
+    --padding_free unset means: on where it is exact and cheap (flash-attention), off elsewhere. Where the attention
+    cannot keep packed sequences apart, packing and padding-free are turned off with a warning (never silently wrong).
+    Returns what training_info.json records, with `warning` set when a request was not honoured."""
+    attention = attn_implementation or "sdpa"
+    requested = config.trl_overrides.get("padding_free")
+    strategy = config.trl_overrides.get("packing_strategy", "bfd")
+    packing = config.sft.packing
+    exact = _exact_padding_free(attention)
+    result = {"attn_implementation": attention, "padding_free_requested": requested, "packing_requested": packing,
+              "warning": None}
+    if packing and strategy == "wrapped":
+        # Wrapped packing cuts sequences at row ends and lets them attend across: TRL's own documented trade-off.
+        return result | {"forward": "packed", "packing_strategy": strategy, "padding_free": False,
+                         "reason": "--packing_strategy wrapped (sequences attend across their boundaries, by design)"}
+    if (packing or requested) and not exact:
+        asked = "--packing" if packing else "--padding_free"
+        return result | {"forward": "padded", "padding_free": False, "reason": f"{attention} attention",
+                         "warning": f"{asked} is off: {attention} attention cannot keep packed sequences apart; "
+                                    "training on padded batches (use sdpa, eager or flash-attention to pack)"}
+    if packing:
+        return result | {"forward": "packed", "packing_strategy": strategy, "padding_free": True,
+                         "reason": f"--packing ({strategy}): rows of --max_length, exact with {attention}"}
+    if requested is None:
+        requested = attention in PADDING_FREE_LINEAR or "flash-attn" in attention
+        reason = (f"default with {attention}: exact, attention within each sequence" if requested else
+                  f"default with {attention}: padding-free is exact but its dense mask over the whole micro-batch "
+                  "costs more than the padding it saves (--padding_free true to use it)")
+    else:
+        reason = f"--padding_free {str(requested).lower()}"
+    return result | {"forward": "padding_free" if requested else "padded", "padding_free": bool(requested),
+                     "reason": reason}
+
+
+def planned_steps(train_rows: int, plan: Plan, config: Config) -> int:
+    """Optimizer steps the run will take (what max_steps or the epochs amount to)."""
+    if config.training.max_steps > 0:
+        return config.training.max_steps
+    per_epoch = math.ceil(train_rows / (plan.per_device_batch_size * plan.world_size)) // plan.gradient_accumulation_steps
+    return max(1, math.ceil(per_epoch * config.training.num_epochs))
+
+
+def silent_no_op_warnings(stage: str, config: Config, plan: Plan) -> list[str]:
+    """Options TRL (or the toolkit) accepts and then ignores: say so instead of letting them do nothing."""
+    warnings = []
+    if config.training.ddp_comm_hook != plan.ddp_comm_hook:
+        warnings.append(f"--ddp_comm_hook {config.training.ddp_comm_hook} is ignored on one process: no gradients "
+                        "are all-reduced")
+    if stage == "dpo":
+        if config.dpo.label_smoothing and set(config.dpo.loss_type) <= {"sigmoid", "ipo", "hinge"}:
+            warnings.append(f"label_smoothing {config.dpo.label_smoothing} has no effect with loss_type "
+                            f"{config.dpo.loss_type}: it applies to robust and exo_pair")
+    return warnings

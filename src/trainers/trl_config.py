@@ -1,0 +1,91 @@
+"""DPOConfig / SFTConfig / RewardConfig from the resolved plan (src/config.py): the batch, learning rate, precision
+and backend come from the plan and nothing else sets them; TRL pass-through fields go last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trl import DPOConfig, RewardConfig, SFTConfig
+
+from src.config import Config, Plan
+
+
+def _eval_steps(config: Config, total_steps: int | None) -> int | None:
+    if config.training.eval_steps is not None:
+        return config.training.eval_steps
+    return max(1, (total_steps or 1000) // 10)  # about ten evaluations per run
+
+
+def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, has_validation: bool,
+                     total_steps: int | None, sft_forward: dict | None = None):
+    """DPOConfig / SFTConfig / RewardConfig from the plan; TRL pass-through fields go last and may set anything not
+    derived. For SFT, `sft_forward` (resolve_sft_forward) decides packing and padding-free, whatever was passed."""
+    training = config.training
+    eval_strategy = training.eval_strategy if has_validation else "no"
+    eval_steps = _eval_steps(config, total_steps)
+    save_strategy = training.save_strategy
+    if save_strategy == "best" and eval_strategy == "no":
+        save_strategy = "steps"  # "best" needs evaluations; with no validation split, checkpoint on steps
+    common = dict(
+        output_dir=str(output_dir),
+        run_name=training.run_name,
+        seed=training.seed,
+        data_seed=training.seed,
+        per_device_train_batch_size=plan.per_device_batch_size,
+        per_device_eval_batch_size=plan.per_device_batch_size,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+        learning_rate=plan.learning_rate,
+        max_steps=training.max_steps,
+        num_train_epochs=training.num_epochs,
+        warmup_steps=training.warmup_steps,
+        lr_scheduler_type=training.lr_scheduler_type,
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.max_grad_norm,
+        bf16=plan.precision == "bf16",
+        fp16=plan.precision == "fp16",
+        use_cpu=plan.device == "cpu",
+        ddp_backend=plan.backend if plan.world_size > 1 else None,
+        ddp_find_unused_parameters=False,
+        ddp_timeout=3600,
+        activation_checkpointing=training.gradient_checkpointing,
+        logging_steps=training.logging_steps,
+        logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN belongs in the curve, not replaced by the running mean
+        eval_strategy=eval_strategy,
+        eval_steps=eval_steps,
+        save_strategy=save_strategy,
+        save_steps=training.save_steps or eval_steps,
+        save_total_limit=training.save_total_limit,
+        metric_for_best_model="eval_loss" if eval_strategy != "no" else None,
+        greater_is_better=False if eval_strategy != "no" else None,
+        report_to=[] if training.report_to == ["none"] else training.report_to,
+        max_length=config.data.max_length,
+        dataset_num_proc=config.data.dataset_num_proc,
+        disable_tqdm=True,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+    if stage == "dpo":
+        dpo = config.dpo
+        precompute = dpo.precompute_ref_log_probs
+        if precompute is None:
+            precompute = not config.trl_overrides.get("sync_ref_model", False)
+        specific = dict(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
+                        label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=precompute)
+        config_class = DPOConfig
+    elif stage == "reward":
+        specific = {}
+        config_class = RewardConfig
+    else:
+        sft = config.sft
+        specific = dict(assistant_only_loss=sft.assistant_only_loss, completion_only_loss=sft.completion_only_loss,
+                        packing=sft.packing)
+        config_class = SFTConfig
+    overrides = {key: value for key, value in config.trl_overrides.items()
+                 if key in {item for item in config_class.__dataclass_fields__}}
+    if stage == "sft" and sft_forward is not None:
+        overrides |= {"packing": sft_forward["forward"] == "packed", "padding_free": sft_forward["padding_free"]}
+        if sft_forward["forward"] == "padding_free":
+            overrides["max_length"] = None  # TRL's rule without packing: the trainer truncates (ToolkitSFTTrainer)
+    if stage == "dpo":  # TRL 1.16's DPOTrainer ignores padding_free (it pads): build_trainer's packed_dpo answers to it
+        overrides.pop("padding_free", None)
+    return config_class(**{**common, **specific, **overrides})
