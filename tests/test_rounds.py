@@ -115,22 +115,27 @@ def test_round_reference_start_keeps_the_dpo_stages_starting_model_as_every_roun
     assert first["rewards/chosen"] != 0  # the policy left the reference (the tiny model) in the DPO stage
 
 
-@pytest.mark.parametrize("judge, expected", [
-    ("raising", "round 1: judge tests.round_judges:raising, prompt 'what color is the sun "),
-    ("not_a_number", "round 1: judge tests.round_judges:not_a_number, prompt 'what color is the sea "),
-    ("always_one", "round 1: no pairs: the judge gave all 3 answers to each of the 16 prompts the same score"),
-])
-def test_a_failing_judge_stops_the_run_with_one_line_and_keeps_what_finished(judge, expected, tiny_model, tmp_path):
+FAILING_JUDGES = [
+    ("raising", "round 1: judge tests.round_judges:raising, prompt 'what color is the sun ",
+     "': raised ValueError: cannot parse the answer"),
+    ("not_a_number", "round 1: judge tests.round_judges:not_a_number, prompt 'what color is the sea ",
+     "': returned 'yes'; a judge returns a finite number"),
+    ("always_one", "round 1: no pairs: the judge gave all 3 answers to each of the 16 prompts the same score", ""),
+]
+
+
+def test_a_failing_judge_stops_the_run_with_one_line_and_keeps_what_finished(tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
-    args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge", f"tests.round_judges:{judge}")
-    result = launch(args)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
-    assert {"raising": "': raised ValueError: cannot parse the answer", "not_a_number": "': returned 'yes'; a judge "
-            "returns a finite number"}.get(judge, "") in errors[0]
-    assert "Traceback" not in result.stderr + result.stdout
-    dpo = run_files.read_json(tmp_path / "results" / "iter" / "dpo" / "training_info.json")
-    assert dpo["status"] == "completed"  # the DPO stage before the round is kept, and reused by the next launch
+    dpo_info = tmp_path / "results" / "iter" / "dpo" / "training_info.json"
+    for launch_number, (judge, expected, value) in enumerate(FAILING_JUDGES):
+        result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge",
+                                   f"tests.round_judges:{judge}"))
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
+        assert value in errors[0] and "Traceback" not in result.stderr + result.stdout
+        # The DPO stage before the round is kept (trained once), and every later launch reuses it.
+        assert run_files.read_json(dpo_info)["status"] == "completed"
+        assert ("finished in an earlier launch, reused" in result.stdout) == (launch_number > 0)
 
 
 def test_an_unimportable_judge_is_refused_before_any_data_is_prepared(tiny_model, tmp_path):
