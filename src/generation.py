@@ -67,30 +67,42 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
         eos_token_id=sorted(i for i in eos_ids if i is not None), pad_token_id=tokenizer.pad_token_id,
     )
-    device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))  # similar lengths: less padding
     answers: list[str] = [""] * len(prompts)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            width = max(len(prompts[index]) for index in batch)
-            # Left padding, so every prompt ends where generation starts.
-            input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(prompts[index])) + prompts[index]
-                                      for index in batch], device=device)
-            attention_mask = torch.tensor([[0] * (width - len(prompts[index])) + [1] * len(prompts[index])
-                                           for index in batch], device=device)
+        # Left padding, so every prompt ends where generation starts.
+        for batch, input_ids, attention_mask in padded_batches(model, prompts, batch_size, tokenizer.pad_token_id,
+                                                               left=True):
             processors = LogitsProcessorList(
-                [SeededSampling([seeds[index] for index in batch], sampling, device)] if sampling else [])
+                [SeededSampling([seeds[index] for index in batch], sampling, input_ids.device)] if sampling else [])
             output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
                                     logits_processor=processors)
+            width = input_ids.shape[1]
             for index, text in zip(batch, tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)):
                 answers[index] = text
             if on_batch:
                 on_batch(len(batch))
     model.train(was_training)
     return answers
+
+
+def padded_batches(model, sequences: list[list[int]], batch_size: int, pad_token_id: int, left: bool):
+    """(indices, input_ids, attention_mask) on the model's device, batches of similar lengths (less padding), padded on
+    the left (generation) or the right (scoring the last token); the caller puts results back by the indices."""
+    import torch
+
+    device = next(model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda index: len(sequences[index]))
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        width = max(len(sequences[index]) for index in batch)
+        pads = [[pad_token_id] * (width - len(sequences[index])) for index in batch]
+        masks = [[0] * (width - len(sequences[index])) for index in batch]
+        input_ids = [pad + sequences[index] if left else sequences[index] + pad for pad, index in zip(pads, batch)]
+        attention_mask = [mask + [1] * len(sequences[index]) if left else [1] * len(sequences[index]) + mask
+                          for mask, index in zip(masks, batch)]
+        yield batch, torch.tensor(input_ids, device=device), torch.tensor(attention_mask, device=device)
 
 
 def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,

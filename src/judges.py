@@ -29,6 +29,7 @@ from typing import Callable
 from src.config import EMBEDDED
 from src.distributed import map_across_ranks
 from src.embedded.tasks import check as check_embedded_answer
+from src.generation import padded_batches
 
 
 FUNCTION_JUDGE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # --judge module:function
@@ -264,22 +265,12 @@ def reward_scores(model, sequences: list[list[int]], pad_token_id: int, batch_si
     """The reward (the one output) of a sequence-classification model for each token sequence, in order."""
     import torch
 
-    device = next(model.parameters()).device
-    # Batches of similar lengths waste less compute on padding; results go back in the original order.
-    order = sorted(range(len(sequences)), key=lambda index: len(sequences[index]))
     rewards = [math.nan] * len(sequences)
     was_training = model.training
     model.eval()
     with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            width = max(len(sequences[index]) for index in batch)
-            input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, index in enumerate(batch):
-                input_ids[row, :len(sequences[index])] = torch.tensor(sequences[index])
-                attention_mask[row, :len(sequences[index])] = 1
-            logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+        for batch, input_ids, attention_mask in padded_batches(model, sequences, batch_size, pad_token_id, left=False):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
             for index, value in zip(batch, logits[:, 0].float().cpu().tolist()):
                 rewards[index] = value
     model.train(was_training)
