@@ -175,14 +175,12 @@ def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
 
 def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     """Markdown for the judged results, and the one-sentence verdict they support."""
-    stage = stage_label(info["stage"], (info.get("round") or {}).get("round"))
+    stage = stage_label(f"round{info['round']['round']}" if info.get("round") else info["stage"])
     judges, previous_judges = judge_results(info), _previous_judge_results(info, run_dir)
     if not judges:
         return ["No held-out prompts were judged in this run."], None
     pipeline = bool(previous_judges)
-    previous = (info.get("previous_stage") or {}).get("stage", "previous")
-    previous_stage = stage_label(previous.rstrip("0123456789"), int(previous[5:]) if previous.startswith("round")
-                                 else None)
+    previous_stage = stage_label((info.get("previous_stage") or {}).get("stage", "previous"))
     # Before the previous stage: the untrained model before a pipeline's SFT, the previous round's start in rounds.
     first = "untrained" if not info.get("round") else f"before {previous_stage}"
     header = (["split", "metric", "n", first, f"after {previous_stage}", f"after {stage}", f"{stage} change"]
@@ -238,9 +236,9 @@ def _rounds_sentence(info: dict) -> str | None:
             f"{'s' if len(rounds) > 2 else ''}.")
 
 
-def stage_label(stage: str, round_index: int | None = None) -> str:
-    """SFT, DPO, REWARD; an on-policy round (src/rounds.py) is ROUND 2."""
-    return f"ROUND {round_index}" if round_index else stage.upper()
+def stage_label(label: str) -> str:
+    """A stage's label (sft, dpo, reward, round2) as reports write it: SFT, DPO, REWARD, ROUND 2."""
+    return f"ROUND {label[5:]}" if label.startswith("round") and label[5:].isdigit() else label.upper()
 
 
 def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str) -> str:
@@ -445,7 +443,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
              for split in SPLITS if samples_by_split.get(split)]
     previous = info.get("previous_stage") or {}
     if previous.get("run_dir") and (run_dir / previous["run_dir"] / REPORT).exists():
-        links.append(f"[{previous.get('stage', 'previous').upper()} stage report]({previous['run_dir']}/{REPORT})")
+        links.append(f"[{stage_label(previous.get('stage', 'previous'))} stage report]({previous['run_dir']}/{REPORT})")
     lines += ["Files: " + " · ".join(links + [f"`{METRICS}`", f"`{TRAINING_INFO}`"]) + ". "
               f"Rebuild with `python -m src.report {run_dir}`.", ""]
     lines += ["## Health alerts", "", *_alerts_section(alerts), ""]

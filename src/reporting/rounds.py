@@ -19,8 +19,9 @@ def _label(entry: dict) -> str:
 
 
 def _split(entry: dict) -> tuple[str | None, dict]:
+    """The split the report's verdict reads: test where it was judged, else val."""
     judged = entry.get("judged") or {}
-    split = "val" if "val" in judged else next(iter(judged), None)
+    split = "test" if "test" in judged else next(iter(judged), None)
     return split, judged.get(split) or {}
 
 
@@ -40,7 +41,7 @@ def rounds_section(rounds: list[dict], plot: Path | None, run_dir: Path) -> list
         after, seconds = judged.get("after"), entry.get("seconds") or {}
         correct = (judged.get("details") or {}).get("correct")
         rows.append([_label(entry), format_number(entry.get("pairs"), 0) if entry.get("pairs") is not None else "—",
-                     entry.get("skipped_all_equal") if entry.get("skipped_all_equal") is not None else "—",
+                     format_number(entry["skipped_all_equal"]) if entry.get("skipped_all_equal") is not None else "—",
                      format_number(entry.get("mean_score"), 3) if entry.get("mean_score") is not None else "—",
                      format_number(entry.get("best_of_k_score"), 3) if entry.get("best_of_k_score") is not None else "—",
                      format_percent(after), metric_points(previous, after),
