@@ -115,6 +115,33 @@ def test_round_reference_start_keeps_the_dpo_stages_starting_model_as_every_roun
     assert first["rewards/chosen"] != 0  # the policy left the reference (the tiny model) in the DPO stage
 
 
+def test_a_reward_model_judges_a_round(tiny_model, tmp_path):
+    """--judge DIR: a sequence classifier (here the tiny model with a fresh one-output head, saved like a reward
+    stage's model) scores every answer; its own scores rank each pair."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+
+    from src.judges import RewardModelJudge
+
+    set_seed(3)
+    reward_dir = tmp_path / "reward_model"
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    model.config.pad_token_id = AutoTokenizer.from_pretrained(tiny_model).pad_token_id
+    model.save_pretrained(reward_dir)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(reward_dir)
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge", str(reward_dir)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "results" / "iter"
+    pairs = read_pairs(run_dir)
+    assert pairs and run_files.read_json(run_dir / "round.json")["counts"]["skipped_all_equal"] == 16 - len(pairs)
+    judge = RewardModelJudge(str(reward_dir), device="cpu")
+    chosen = judge.score([pair["prompt"] for pair in pairs], [pair["chosen"][0]["content"] for pair in pairs])
+    rejected = judge.score([pair["prompt"] for pair in pairs], [pair["rejected"][0]["content"] for pair in pairs])
+    assert chosen == pytest.approx([pair["chosen_score"] for pair in pairs], abs=1e-5)
+    assert all(c > r for c, r in zip(chosen, rejected))
+    assert run_files.read_json(run_dir / "training_info.json")["judge"]["metric"] == "win_rate"
+
+
 FAILING_JUDGES = [
     ("raising", "round 1: judge tests.round_judges:raising, prompt 'what color is the sun ",
      "': raised ValueError: cannot parse the answer"),

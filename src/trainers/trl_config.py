@@ -9,6 +9,10 @@ from trl import DPOConfig, RewardConfig, SFTConfig
 
 from src.config import Config, Plan
 
+# TrainingArguments fields the toolkit passes to TRL's config unchanged, under the same name.
+SAME_NAME_FIELDS = ("run_name", "seed", "max_steps", "warmup_steps", "lr_scheduler_type", "weight_decay",
+                    "max_grad_norm", "logging_steps", "save_total_limit")
+
 
 def _eval_steps(config: Config, total_steps: int | None) -> int | None:
     if config.training.eval_steps is not None:
@@ -27,20 +31,14 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     if save_strategy == "best" and eval_strategy == "no":
         save_strategy = "steps"  # "best" needs evaluations; with no validation split, checkpoint on steps
     common = dict(
+        **{name: getattr(training, name) for name in SAME_NAME_FIELDS},
         output_dir=str(output_dir),
-        run_name=training.run_name,
-        seed=training.seed,
         data_seed=training.seed,
         per_device_train_batch_size=plan.per_device_batch_size,
         per_device_eval_batch_size=plan.per_device_batch_size,
         gradient_accumulation_steps=plan.gradient_accumulation_steps,
         learning_rate=plan.learning_rate,
-        max_steps=training.max_steps,
         num_train_epochs=training.num_epochs,
-        warmup_steps=training.warmup_steps,
-        lr_scheduler_type=training.lr_scheduler_type,
-        weight_decay=training.weight_decay,
-        max_grad_norm=training.max_grad_norm,
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
         use_cpu=plan.device == "cpu",
@@ -48,14 +46,12 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         ddp_find_unused_parameters=False,
         ddp_timeout=3600,
         activation_checkpointing=training.gradient_checkpointing,
-        logging_steps=training.logging_steps,
         logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN belongs in the curve, not replaced by the running mean
         eval_strategy=eval_strategy,
         eval_steps=eval_steps,
         save_strategy=save_strategy,
         save_steps=training.save_steps or eval_steps,
-        save_total_limit=training.save_total_limit,
         metric_for_best_model="eval_loss" if eval_strategy != "no" else None,
         greater_is_better=False if eval_strategy != "no" else None,
         report_to=[] if training.report_to == ["none"] else training.report_to,
