@@ -46,8 +46,9 @@ class SeededSampling:
         scores = scores.float() / self.sampling.temperature
         if self.sampling.top_p < 1.0:
             ordered, order = scores.sort(dim=-1, descending=True)
-            mass = ordered.softmax(dim=-1).cumsum(dim=-1)
-            outside = mass - ordered.softmax(dim=-1) >= self.sampling.top_p  # the most likely token always stays
+            probabilities = ordered.softmax(dim=-1)
+            # Tokens whose more likely predecessors already hold top_p of the mass; the most likely token always stays.
+            outside = probabilities.cumsum(dim=-1) - probabilities >= self.sampling.top_p
             scores = scores.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
         uniform = torch.stack([torch.rand(scores.shape[-1], generator=generator, device=scores.device)
                                for generator in self.generators])

@@ -75,8 +75,12 @@ class Stage:
 
     @property
     def label(self) -> str:
-        """The stage's name in directories and on the console: sft, dpo, reward, round1, round2, ..."""
-        return f"round{self.round}" if self.round else self.name
+        return stage_label_of(self.name, self.round)
+
+
+def stage_label_of(name: str, round_index: int) -> str:
+    """A stage's name in directories and records: sft, dpo, reward, round1, round2, ..."""
+    return f"round{round_index}" if round_index else name
 
 
 def run_name_for(config: Config) -> str:
@@ -118,7 +122,7 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
     if config.dpo.rounds:
         _, staged, plan, _ = planned[-1]
         planned += [("dpo", round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]
-    labels = [f"round{index}" if index else name for name, _staged, _plan, index in planned]
+    labels = [stage_label_of(name, index) for name, _staged, _plan, index in planned]
     stages = []
     for label, (name, staged, plan, index) in zip(labels, planned):
         # In a pipeline the final stage's results are the run's; earlier stages get a subdirectory.
@@ -224,11 +228,6 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
         return []
     rows = dataset.select(range(min(count, len(dataset)))).to_list()
     return [row for row in rows if row["sample_prompt_ids"]]
-
-
-def make_judge(config: Config):
-    """The judge for held-out answers (src/judges.py judge_for): None where --judge names none."""
-    return judge_for(config.training.judge, config.data.dataset_name)
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
@@ -370,7 +369,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     outcome = {"stage": stage.label, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
     if world.is_main:
-        judged = record_samples(stage.run_dir, rows, before, after, make_judge(config) if rows else None)
+        judged = record_samples(stage.run_dir, rows, before, after, judge_for(config.training.judge, config.data.dataset_name) if rows else None)
         judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                        for split, scores in pairs_after.items()})
         outcome.update(close_stage_record(stage, trainer, trackers, judged, saved, started))

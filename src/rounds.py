@@ -166,12 +166,8 @@ def held_out_pairs(prepared) -> dict[str, list[dict]]:
 
 def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings, round_index: int, round_dir: Path,
                      world: World) -> dict:
-    """One round's pairs: reused when an earlier launch wrote them, else sampled, judged, paired and written (rank 0)
-    before training. Returns the round's record (counts, seconds per phase, where the pairs are)."""
-    ready = pairs_ready(round_dir)
-    if ready:
-        print0(f"  round {round_index}: pairs written by an earlier launch, reused ({ready['counts']['pairs']:,} pairs)")
-        return ready
+    """One round's pairs, sampled, judged, paired and written (rank 0) before training. Returns the round's record
+    (counts, seconds per phase, where the pairs are)."""
     started = time.monotonic()
     rows = train_prompts(prepared.train, tokenizer, settings.prompts, settings.seed, round_index)
     judged = sample_and_judge(model, tokenizer, rows, judge, settings, round_index, world)
@@ -230,9 +226,12 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
     model = load_model(model_path, config.model, stage.plan, world)
     model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
     print0(f"\n== DPO ROUND {stage.round} of {config.dpo.rounds}: pairs from the answers of {model_path}")
-    judge = None if pairs_ready(stage.run_dir) else judge_for(config.training.judge, config.data.dataset_name)
-    record = make_round_pairs(model, tokenizer, dpo_data, judge, round_settings(config, stage.plan), stage.round,
-                              stage.run_dir, world)
+    record = pairs_ready(stage.run_dir)
+    if record:  # an earlier launch wrote them: no sampling, no judge
+        print0(f"  round {stage.round}: pairs written by an earlier launch, reused ({record['counts']['pairs']:,} pairs)")
+    else:
+        record = make_round_pairs(model, tokenizer, dpo_data, judge_for(config.training.judge, config.data.dataset_name),
+                                  round_settings(config, stage.plan), stage.round, stage.run_dir, world)
     started = time.monotonic()
     prepared = round_data(config, Path(record["pairs_dir"]), tokenizer)
     record["seconds"]["prepare"] = round(time.monotonic() - started, 1)
