@@ -281,6 +281,12 @@ class TrainingArguments:
                   f"is not judged), none, {EMBEDDED}, or the path/Hub id of a reward model (sequence classifier) "
                   "that scores the starting model's answers against the trained model's (win rate)."},
     )
+    audit_judge_pairs: int = field(
+        default=2000,
+        metadata={"help": "Training pairs (drawn with the seed) whose own chosen and rejected answers --judge scores "
+                  "before training: the share it ranks the other way (swapped labels) and ties, and the inverted "
+                  "pairs written to data_audit_inverted.jsonl (src/audit/judged.py). 0: off. With no judge: nothing."},
+    )
     dry_run: bool = field(
         default=False,
         metadata={"help": "Check the configuration and the data (tokenizing it into the cache), print the plan, "
@@ -859,6 +865,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--num_epochs must be positive, got {training.num_epochs}")
     if training.logging_steps < 1:
         raise ConfigError(f"--logging_steps must be at least 1, got {training.logging_steps}")
+    if training.audit_judge_pairs < 0:
+        raise ConfigError(f"--audit_judge_pairs must be 0 or more, got {training.audit_judge_pairs}")
     if training.num_samples < 0:
         raise ConfigError(f"--num_samples must be 0 or more, got {training.num_samples}")
     if data.max_length < 8:

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
 from src.progress import Progress
 from src.run_safety.build_once import build_once
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 6  # bump when the prepared layout changes, so old caches are not reused
+PREPARED_FORMAT = 7  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 CHAT_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion")  # columns that may hold messages
 SOURCE_ROW = "_source_row"  # a row's index in its source split, while preparing (_prepare_source)
@@ -490,7 +491,11 @@ def tokenize_reward(row: dict, tokenizer) -> dict:
 
     RewardTrainer tokenizes prompt + answer in one piece (through the chat template for chats, with EOS appended to
     text); DPO's prompt and completion ids are split from those very sequences, so joined they are the same ids."""
-    pair = tokenize_preference(row, tokenizer)
+    return reward_ids(tokenize_preference(row, tokenizer))
+
+
+def reward_ids(pair: dict) -> dict:
+    """A DPO pair's ids (tokenize_preference) joined into the reward model's two whole sequences."""
     return {"chosen_ids": pair["prompt_ids"] + pair["chosen_ids"],
             "rejected_ids": pair["prompt_ids"] + pair["rejected_ids"]}
 
@@ -725,6 +730,7 @@ def _output_features(normalized: dict, token_columns: list[str], held_out: bool)
         features.update(sample_prompt=Value("string"), sample_prompt_ids=List(Value("int32")),
                         sample_chosen=Value("string"), sample_rejected=Value("string"), judge_prompt=judge)
     features["_status"] = Value("int8")
+    features.update({column: Value(kind) for column, kind in AUDIT_COLUMNS.items()})
     return Features(features)
 
 
@@ -752,26 +758,28 @@ def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source
                 "render it; use a chat/instruct model, text data (prompt/chosen/rejected as strings), or give the "
                 "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
             )
-        item, length = {}, 0
+        item, ids, length = {}, {}, 0
         with _template_refusals(rows_in, number):
             if status == KEPT:
                 if stage == "dpo":
-                    item = tokenize_preference(row, tokenizer)
+                    item = ids = tokenize_preference(row, tokenizer)
                     length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                     # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
                     kept = len(item["prompt_ids"]) < data.max_length
                 elif stage == "reward":
-                    item = tokenize_reward(row, tokenizer)
+                    ids = tokenize_preference(row, tokenizer)
+                    item = reward_ids(ids)
                     length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                     # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
                     # cut the answer whose last token the score is read from).
                     kept = length <= data.max_length
                 else:
-                    item = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                    item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
                     length = len(item["input_ids"])
                     kept = _has_trainable_token(item, data.max_length, sft)
                 status = KEPT if kept else TOO_LONG
-            record = {**_serializable(row), **item, "length": length, "_status": status}
+            record = {**_serializable(row), **item, "length": length, "_status": status,
+                      **row_fields(row, ids, source_row)}
             if held_out:
                 record.update(sample_fields(row, tokenizer) if status == KEPT else
                               {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
@@ -858,9 +866,11 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
     if not sources:
         location, shape, tokenized, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
         for kind, dataset in tokenized.items():
-            _write_kept([dataset], [column for column in dataset.column_names if column != "_status"],
-                        _split_file(target, kind))
-        summary |= {"source": location, "shape": shape, "splits": counts}
+            _write_kept([dataset], _prepared_columns(dataset), _split_file(target, kind))
+            _write_source_rows(dataset, target, kind)
+        summary |= {"source": location, "shape": shape, "splits": counts,
+                    "audit": _audit({kind: [dataset] for kind, dataset in tokenized.items()}, counts, stage,
+                                    data.max_length)}
     else:
         parts = []
         for number, (source, fraction) in enumerate(sources):
@@ -868,6 +878,11 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                                                                  work / str(number), fraction)
             parts.append((location, shape, fraction, tokenized, counts))
         summary |= _mix(parts, seed, target)
+        pieces = {}
+        for _, _, _, tokenized, _ in parts:
+            for kind, dataset in tokenized.items():
+                pieces.setdefault(kind, []).append(dataset)
+        summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length)
     shutil.rmtree(work)
     (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -931,6 +946,49 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     return location, shape, tokenized, counts
 
 
+def _prepared_columns(dataset) -> list[str]:
+    """The tokenizing map's columns that the prepared files keep: not the row's fate nor the audit's columns."""
+    return [column for column in dataset.column_names if not column.startswith("_")]
+
+
+def _write_source_rows(dataset, target: Path, kind: str) -> None:
+    """Each prepared row's number in its source file (1-based), in the prepared order: what a finding names."""
+    import numpy as np
+
+    kept = dataset.data.column("_status").to_numpy() == KEPT
+    np.save(source_rows_file(target, kind), dataset.data.column("_source_row").to_numpy()[kept] + 1)
+
+
+def source_rows_file(target: Path, kind: str) -> Path:
+    return target / f"{kind}-source-rows.npy"
+
+
+def source_rows(prepared: "PreparedData", kind: str):
+    """The prepared split's rows' numbers in the source (a memory-mapped array), or None (a mixture: rows of several
+    files)."""
+    import numpy as np
+
+    path = source_rows_file(prepared.path, kind)
+    return np.load(path, mmap_mode="r") if path.exists() else None
+
+
+def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int) -> dict:
+    """The data audit of every split (src/audit/pairs.py) from the tokenizing map's output, train first: a held-out
+    split is also measured against the training prompts."""
+    import numpy as np
+
+    audits, train_prompts = {}, None
+    dropped = counts_of(counts)
+    for kind in sorted(pieces, key=lambda kind: kind != "train"):
+        statuses = np.concatenate([piece.data.column("_status").to_numpy() for piece in pieces[kind]])
+        audits[kind] = split_audit(pieces[kind], stage, max_length, statuses, KEPT,
+                                   None if kind == "train" else train_prompts) | dropped[kind]
+        if kind == "train":
+            hashes = np.concatenate([piece.data.column("_prompt_hash").to_numpy() for piece in pieces[kind]])
+            train_prompts = np.unique(hashes[(statuses == KEPT) & (hashes != NO_PROMPT)])
+    return audits
+
+
 def _split_file(target: Path, kind: str, suffix: str = "") -> Path:
     return target / f"{kind}{suffix}.arrow"
 
@@ -976,7 +1034,7 @@ def _mix(parts: list, seed: int, target: Path) -> dict:
         for kind, dataset in tokenized.items():
             splits.setdefault(kind, []).append((location, dataset))
     for kind, pieces in splits.items():
-        columns = sorted(set.intersection(*(set(dataset.column_names) for _, dataset in pieces)) - {"_status"})
+        columns = sorted(set.intersection(*(set(_prepared_columns(dataset)) for _, dataset in pieces)))
         first_location, first = pieces[0]
         for location, dataset in pieces[1:]:
             different = [column for column in columns if dataset.features[column] != first.features[column]]

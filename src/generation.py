@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from src.audit.answers import answer_record
 from src.config import World
 from src.distributed import map_across_ranks
 
@@ -57,9 +58,11 @@ class SeededSampling:
 
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-             sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None) -> list[str]:
+             sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None,
+             details: bool = False) -> list:
     """This process's answers to `prompts` (token ids), in order: greedy, or sampled with one seed per prompt;
-    `on_batch(count)` after every batch (a progress line)."""
+    `on_batch(count)` after every batch (a progress line). `details`: each answer as a dict with its text and what the
+    answer audit reads (src/audit/answers.py: tokens generated, whether it ended, its repetition)."""
     import torch
     from transformers import GenerationConfig, LogitsProcessorList
 
@@ -68,7 +71,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
         eos_token_id=sorted(i for i in eos_ids if i is not None), pad_token_id=tokenizer.pad_token_id,
     )
-    answers: list[str] = [""] * len(prompts)
+    answers: list = [""] * len(prompts)
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -80,8 +83,9 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
                                     logits_processor=processors)
             width = input_ids.shape[1]
-            for index, text in zip(batch, tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)):
-                answers[index] = text
+            texts = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+            for row, (index, text) in enumerate(zip(batch, texts)):
+                answers[index] = answer_record(text, output[row, width:].tolist(), eos_ids) if details else text
             if on_batch:
                 on_batch(len(batch))
     model.train(was_training)
@@ -107,10 +111,11 @@ def padded_batches(model, sequences: list[list[int]], batch_size: int, pad_token
 
 
 def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                     world: World) -> list[str]:
-    """The model's greedy answer to each prompt (token ids), identical on every rank, in prompt order."""
-    return map_across_ranks(prompts, lambda share: generate(model, tokenizer, share, max_new_tokens, batch_size),
-                            world)
+                     world: World) -> list[dict]:
+    """The model's greedy answer to each prompt (token ids), identical on every rank, in prompt order: its text and
+    the answer audit's numbers (answer_record)."""
+    return map_across_ranks(
+        prompts, lambda share: generate(model, tokenizer, share, max_new_tokens, batch_size, details=True), world)
 
 
 def _as_list(value) -> list:

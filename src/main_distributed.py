@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from src import packed_dpo_support, run_files  # noqa: E402
+from src.audit import run as data_audit  # noqa: E402
 from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, sagemaker_process_hint, stage_plans,
@@ -40,9 +41,9 @@ from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, sco
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
-from src.reporting.alerts import detect_alerts, format_alerts
+from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
-from src.reporting.report import ReportError, build_report
+from src.reporting.report import ReportError, build_report, health_alerts
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
 from src.run_safety import launcher_exit
@@ -207,7 +208,8 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
         "num_epochs": config.training.num_epochs,
         "seed": config.training.seed,
         "max_length": config.data.max_length,
-        "data": prepared.summary,
+        "data": {key: value for key, value in prepared.summary.items() if key != "audit"},
+        "data_audit": data_audit.opening(prepared.summary, stage.name),
         "versions": versions(),
         "git_commit": git_commit(),
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -248,14 +250,16 @@ def score_held_out_pairs(model, tokenizer, prepared: PreparedData, plan: Plan, w
 
 
 def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
-    """samples_<split>.jsonl on rank 0, and the judged results per split."""
+    """samples_<split>.jsonl on rank 0, and the judged results per split. `before` / `after`: per split, each answer's
+    text and the answer audit's numbers (src/generation.py)."""
     results = {}
     for split, rows in rows_by_split.items():
         judged = None
         if judge is not None and rows:
             judge_rows = [{"prompt": row["judge_prompt"], "meta": row.get("meta") or {},
                            "chosen": row["sample_chosen"]} for row in rows]
-            judged = judge.judge(judge_rows, before[split], after[split])
+            judged = judge.judge(judge_rows, [answer["text"] for answer in before[split]],
+                                 [answer["text"] for answer in after[split]])
             results[split] = judged.to_dict()
         path = run_dir / run_files.samples_file(split)
         path.unlink(missing_ok=True)
@@ -264,12 +268,14 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
                 "index": index,
                 "split": split,
                 "prompt": row["sample_prompt"],
-                "reference_answer": before[split][index],
-                "trained_answer": after[split][index],
+                "reference_answer": before[split][index]["text"],
+                "trained_answer": after[split][index]["text"],
                 "chosen": row["sample_chosen"],
                 "rejected": row["sample_rejected"],
                 "meta": row.get("meta") or {},
                 "verdict": judged.verdicts[index] if judged else None,
+                "answer_stats": {side: {key: value for key, value in answers[split][index].items() if key != "text"}
+                                 for side, answers in (("reference", before), ("trained", after))},
             })
     return results
 
@@ -310,6 +316,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
+    print0(data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name))
     for warning in warnings:
         print0(f"  warning: {warning}")
     barrier()
@@ -330,6 +337,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
     before = answer_held_out(model, tokenizer, rows, config, plan, world)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
+    judge = judge_for(config.training.judge, config.data.dataset_name) if rows or data_audit.judged(stage) else None
+    if judge is not None and data_audit.judged(stage):
+        data_audit.judge_training_pairs(judge, prepared, stage, world)
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
@@ -342,6 +352,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
+    if world.is_main and stage.name == "dpo":
+        data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
         run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
         for split, outcome in trainer.reference_cache.items():
@@ -369,7 +381,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     outcome = {"stage": stage.label, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
     if world.is_main:
-        judged = record_samples(stage.run_dir, rows, before, after, judge_for(config.training.judge, config.data.dataset_name) if rows else None)
+        judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
         judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                        for split, scores in pairs_after.items()})
         outcome.update(close_stage_record(stage, trainer, trackers, judged, saved, started))
@@ -437,6 +449,8 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
                            "after": test["after"]}
         fields["judges"] = judged
         carried["judge"] = fields["judge"]
+    fields["answers"] = data_audit.answers_of(stage.run_dir)
+    data_audit.print_answers(fields["answers"])
     trackers.finish(run_files.update_json(info_path, **fields))
     if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report
         run_files.update_json(info_path, rounds=rounds_summary(stage.run_dir, stage.round))
@@ -530,7 +544,7 @@ def record_stop(stage: Stage, info_path: Path, world: World, status: str, messag
 def publish_report(run_dir: Path, stage: str) -> None:
     """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
     report = build_report(run_dir)
-    alerts = detect_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage)
+    alerts = health_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage_status(run_dir), stage)
     if alerts:
         print0(format_alerts(alerts))
     print0(f"  report: {report}")

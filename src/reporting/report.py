@@ -19,7 +19,10 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from src.audit.answers import verdict_score
+from src.audit.findings import audit_alerts
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
+from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
 from src.reporting.formatting import ci95, duration, format_number, format_percent, metric_name, metric_points, table_lines
 from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
@@ -58,18 +61,9 @@ def _format_verdict(verdict: dict | None) -> str:
     return ", ".join(f"{key} {format_number(value)}" for key, value in verdict.items())
 
 
-def _score(verdict: dict | None) -> float | None:
-    """The number a verdict ranks an answer by: a programmatic score or a reward."""
-    for key in ("score", "reward"):
-        value = (verdict or {}).get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    return None
-
-
 def _change(sample: dict) -> tuple[str, float | None]:
     verdict = sample.get("verdict") or {}
-    before, after = _score(verdict.get("reference")), _score(verdict.get("trained"))
+    before, after = verdict_score(verdict.get("reference")), verdict_score(verdict.get("trained"))
     delta = None if before is None or after is None else after - before
     if delta:
         return ("improved" if delta > 0 else "regressed"), delta
@@ -451,6 +445,12 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     if info.get("rounds"):
         plot = run_dir / PLOTS_DIR / ROUNDS_PLOT
         lines += ["## Rounds", "", *rounds_section(info["rounds"], plot if plot.exists() else None, run_dir), ""]
+    if info.get("data_audit"):
+        plot = run_dir / PLOTS_DIR / DATA_PLOT
+        lines += ["## Data", "", *data_section(info["data_audit"], info["stage"], plot if plot.exists() else None,
+                                               run_dir), ""]
+    if info.get("answers"):
+        lines += ["## Answers", "", *answers_section(info["answers"]), ""]
     lines += ["## Numbers so far" if running else "## Final numbers", "",
               *final_numbers_table(summary, info, running), ""]
     lines += ["## Curves", ""]
@@ -462,6 +462,12 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     lines += ["## Sample comparisons", "", *_examples_section(samples_by_split), ""]
     lines += ["## Setup", "", *setup_table(info), ""]
     return "\n".join(lines)
+
+
+def health_alerts(metrics: list[dict], info: dict, stage: str) -> list[Alert]:
+    """The training curves' alerts and the data and answer audits' (src/audit/findings.py), errors first."""
+    alerts = detect_alerts(metrics, stage) + audit_alerts({**info, "stage": stage})
+    return sorted(alerts, key=lambda alert: alert.severity != "error")
 
 
 def _infer_stage(metrics: list[dict]) -> str:
@@ -502,10 +508,11 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
     for key, value in (info.get("summary") or {}).items():
         if summary.get(key) is None:
             summary[key] = value
-    alerts = detect_alerts(metrics, stage)
+    alerts = health_alerts(metrics, info, stage)
     charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, *dpo_loss_config(info))
     if info.get("rounds"):
         plot_rounds(info["rounds"], run_dir / PLOTS_DIR / ROUNDS_PLOT)
+    plot_data(info.get("data_audit"), run_dir / PLOTS_DIR / DATA_PLOT)
 
     samples_by_split = {}
     for split in SPLITS:

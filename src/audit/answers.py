@@ -1,0 +1,94 @@
+"""What the trained model now says: the held-out answers before and after a stage, measured.
+
+    record = answer_record(text, generated_ids, eos_ids)     # per answer, while generating (src/generation.py)
+    audit = answers_audit(read_jsonl(run_dir / "samples_test.jsonl"))   # per split, from the samples file
+
+Longer answers after DPO are the commonest surprise: preference data often prefers the longer answer, and DPO
+learns length faster than quality (Park et al. 2024, "Disentangling Length from Quality in Direct Preference
+Optimization", arXiv 2403.19159). A cut answer ran to --max_new_tokens without ending. A degenerate answer repeats
+itself: its seq-rep-4 (the share of its 4-token n-grams that repeat an earlier one, Welleck et al. 2019, "Neural Text
+Generation with Unlikelihood Training", arXiv 1908.04319: 0.006 for human text, 0.44 for greedy GPT-2) is at least
+0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.report` recomputes them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+REPETITION_N = 4
+DEGENERATE = 0.5  # seq-rep-4 at or above this: a phrase repeated over and over
+MIN_TOKENS = 16  # shorter answers have too few n-grams to call repetitive
+SIDES = ("reference", "trained")  # before and after the stage
+
+
+def repetition(tokens: list[int], n: int = REPETITION_N) -> float:
+    """seq-rep-n: 1 - distinct n-grams / n-grams (0 for an answer with no repeated n-gram)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def answer_record(text: str, generated_ids: list[int], eos_ids: set) -> dict:
+    """One generated answer: its text, the tokens before its end, whether it ended (an end-of-sequence token before
+    --max_new_tokens ran out), and its repetition."""
+    end = next((position for position, token in enumerate(generated_ids) if token in eos_ids), None)
+    tokens = generated_ids if end is None else generated_ids[:end]
+    return {"text": text, "tokens": len(tokens), "ended": end is not None, "repetition": round(repetition(tokens), 4)}
+
+
+def is_degenerate(stats: dict) -> bool:
+    return stats.get("tokens", 0) >= MIN_TOKENS and stats.get("repetition", 0) >= DEGENERATE
+
+
+def verdict_score(verdict: dict | None) -> float | None:
+    """The number a verdict ranks an answer by: a programmatic score or a reward."""
+    for key in ("score", "reward"):
+        value = (verdict or {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def _share(flags: list[bool]) -> float | None:
+    return round(sum(flags) / len(flags), 6) if flags else None
+
+
+def _lengths(values: list[int]) -> dict:
+    return {"mean": round(statistics.fmean(values), 2), "median": float(statistics.median(values))} if values else \
+        {"mean": None, "median": None}
+
+
+def answers_audit(samples: list[dict]) -> dict | None:
+    """A split's answers before → after from its samples (each with `answer_stats` per side); None for samples
+    written before the audit existed."""
+    measured = [sample for sample in samples if all(side in (sample.get("answer_stats") or {}) for side in SIDES)]
+    if not measured:
+        return None
+    stats = {side: [sample["answer_stats"][side] for sample in measured] for side in SIDES}
+    before, after = ([item["tokens"] for item in stats[side]] for side in SIDES)
+    audit = {"n": len(measured), "length_before": _lengths(before), "length_after": _lengths(after),
+             "length_ratio": round(sum(after) / sum(before), 4) if sum(before) else None}
+    for side, name in zip(SIDES, ("before", "after")):
+        audit[f"cut_share_{name}"] = _share([not item["ended"] for item in stats[side]])
+        audit[f"repetition_share_{name}"] = _share([is_degenerate(item) for item in stats[side]])
+        audit[f"empty_share_{name}"] = _share([not str(sample.get(f"{side}_answer") or "").strip()
+                                                for sample in measured])
+    audit["judged_by_length"] = _judged_by_length(measured)
+    return audit
+
+
+def _judged_by_length(samples: list[dict]) -> dict | None:
+    """With a judge: the mean change of the judge's number for answers that got longer, shorter, or kept their length
+    (does the judge reward the growth, or is the model only longer?)."""
+    groups: dict[str, list[float]] = {"longer": [], "shorter": [], "same_length": []}
+    for sample in samples:
+        verdict = sample.get("verdict") or {}
+        before, after = verdict_score(verdict.get("reference")), verdict_score(verdict.get("trained"))
+        if before is None or after is None:
+            continue
+        change = sample["answer_stats"]["trained"]["tokens"] - sample["answer_stats"]["reference"]["tokens"]
+        groups["longer" if change > 0 else "shorter" if change < 0 else "same_length"].append(after - before)
+    if not any(groups.values()):
+        return None
+    return {name: {"n": len(changes), "mean_change": round(statistics.fmean(changes), 4) if changes else None}
+            for name, changes in groups.items()}

@@ -1,0 +1,179 @@
+"""The audit's numbers → alerts: each with the evidence, what it means for DPO, and the flag that answers it.
+
+    alerts = audit_alerts(info)       # info: training_info.json (data_audit, answers, stage, loss_type)
+
+Thresholds and where they come from (docs/data-audit.md has the table):
+- length bias: chosen longer (or shorter) in 60% of pairs or more. With no length preference the share sits near 50%;
+  human and AI preference labels favour the longer answer (Hu et al. 2024, "Rethinking LLM-based Preference
+  Evaluation", arXiv 2407.01085, 14 datasets) and DPO turns it into longer answers (Park et al. 2024, arXiv 2403.19159).
+- inverted labels: a judge ranks 5% or more of the pairs the other way (re-judgings found ~16% in Intel/orca_dpo_pairs).
+- ties: 25% or more of the judged pairs tie (~31% in Intel/orca_dpo_pairs: pairs that teach noise).
+- truncation: 5% or more of the pairs lose part of an answer to --max_length.
+- near-identical pairs: 20% or more share over 80% of the shorter answer's tokens from the start (DPO-Positive).
+- duplicates: 5% or more of the rows repeat an earlier row; a held-out split with 5% or more of its prompts in train.
+- chosen == rejected: 5% or more of the rows (dropped; usually a broken export upstream).
+- the reference already ranks 90% or more of the pairs the labels' way, by summed and by per-token log-probs: little
+  left for DPO to teach
+  (reference ranking accuracy is mostly below 60%, arXiv 2405.19534).
+- answers: 1.5 times longer after the stage; 5% or more degenerate (repetition) and more than before; 10% or more cut
+  at --max_new_tokens and 5 points more than before.
+"""
+
+from __future__ import annotations
+
+from src.reporting.alerts import Alert
+from src.reporting.formatting import format_percent
+
+LENGTH_BIAS = 0.60
+INVERTED = 0.05
+TIES = 0.25
+TRUNCATED = 0.05
+NEAR_IDENTICAL = 0.20
+DUPLICATES = 0.05
+HELD_OUT_IN_TRAIN = 0.05
+IDENTICAL = 0.05
+REFERENCE_AGREES = 0.90
+ANSWERS_LONGER = 1.5
+REPETITION = 0.05
+CUT = 0.10
+CUT_RISE = 0.05
+
+PREFERENCE = ("dpo", "reward")
+
+
+def _percent(value) -> str:
+    return format_percent(value)
+
+
+def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
+    """Alerts from the data audit's training split (and a held-out split's overlap with it)."""
+    train = (audit or {}).get("train") or {}
+    if not train:
+        return []
+    alerts = []
+    pairs = train.get("pairs") or 0
+    if stage in PREFERENCE:
+        longer, shorter = train.get("chosen_longer_share") or 0, train.get("chosen_shorter_share") or 0
+        if max(longer, shorter) >= LENGTH_BIAS:
+            way = "longer" if longer >= shorter else "shorter"
+            alerts.append(Alert(
+                "warning", f"Length bias: the chosen answer is the {way} one in {_percent(max(longer, shorter))} of "
+                           "pairs",
+                f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} answer chosen (mean "
+                f"{train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
+                f"DPO learns length before quality: expect {way} answers whether or not they are better. If that is the "
+                "intent (the embedded default prefers the short, direct answer), nothing to do; otherwise --ld_alpha "
+                "0.5 (LD-DPO: the tokens past the shorter answer count half) or --loss_type sigmoid_norm "
+                "(length-normalised), and watch the Answers section's length ratio.", code="data_length_bias"))
+        inverted = train.get("judge_inverted_share")
+        if inverted is not None and inverted >= INVERTED:
+            alerts.append(Alert(
+                "warning", f"The judge ranks {_percent(inverted)} of the pairs the other way (swapped labels?)",
+                f"{train.get('judge')} scored the rejected answer above the chosen one in {_percent(inverted)} of "
+                f"{train.get('judged_pairs'):,} training pairs; they are listed in {train.get('inverted_pairs_file')}",
+                f"Read a few of them: if the labels are swapped, fix or drop those rows; or train through them with "
+                f"--loss_type robust --label_smoothing {min(0.4, round(inverted, 2))} (assumes that share of labels "
+                "is flipped).", code="data_inverted_labels"))
+        ties = train.get("judge_tie_share")
+        if ties is not None and ties >= TIES:
+            alerts.append(Alert(
+                "warning", f"The judge cannot tell {_percent(ties)} of the pairs apart",
+                f"{train.get('judge')} gave the chosen and the rejected answer the same score in {_percent(ties)} of "
+                f"{train.get('judged_pairs'):,} training pairs",
+                "Tied pairs teach the labeller's noise: drop them (cleaned preference sets do), or soften the loss "
+                "with --loss_type robust --label_smoothing 0.1.", code="data_judge_ties"))
+        near = train.get("near_identical_share") or 0
+        if stage == "dpo" and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
+            alerts.append(Alert(
+                "warning", f"{_percent(near)} of pairs are near-identical",
+                f"in {_percent(near)} of training pairs the answers share over 80% of the shorter one's tokens from "
+                f"the start (median overlap {_percent(train.get('overlap_median'))})",
+                "On near-identical pairs DPO tends to push the chosen answer's log-prob down with the rejected one "
+                "(rewards/chosen falls): add the SFT term, --loss_type sigmoid sft --loss_weights 1 0.4.",
+                code="data_near_identical"))
+        truncated = max(train.get("chosen_truncated_share") or 0, train.get("rejected_truncated_share") or 0)
+    else:
+        truncated = train.get("truncated_share") or 0
+    if truncated >= TRUNCATED:
+        alerts.append(Alert(
+            "warning", f"{_percent(truncated)} of training rows are cut by --max_length",
+            (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
+             f"{_percent(train.get('rejected_truncated_share'))} of pairs" if stage in PREFERENCE else
+             f"{_percent(truncated)} of sequences are longer than --max_length"),
+            f"A cut answer teaches a cut answer (and its end is what a pair's preference is often about): "
+            f"--max_length {train.get('suggested_max_length')} keeps 99% of them whole.", code="data_truncation"))
+    duplicates = train.get("duplicate_share") or 0
+    if duplicates >= DUPLICATES:
+        alerts.append(Alert(
+            "warning", f"{_percent(duplicates)} of training rows are exact copies",
+            f"{train.get('duplicate_pairs'):,} of {train.get('rows'):,} rows repeat an earlier row (first: rows "
+            f"{train.get('first_duplicate_rows')})",
+            "Copies weigh those pairs more and may sit in the held-out splits too: drop the repeats from the file.",
+            code="data_duplicates"))
+    identical = train.get("identical_share") or 0
+    if stage in PREFERENCE and identical >= IDENTICAL:
+        alerts.append(Alert(
+            "warning", f"{_percent(identical)} of rows have chosen == rejected (dropped)",
+            f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: the same answer "
+            "on both sides",
+            "Nothing trains on them, but that many usually means a broken export (a column mapped twice): check "
+            "--chosen_column / --rejected_column and the file.", code="data_identical"))
+    for kind in ("validation", "test"):
+        leaked = ((audit or {}).get(kind) or {}).get("prompts_in_train_share") or 0
+        if leaked >= HELD_OUT_IN_TRAIN:
+            alerts.append(Alert(
+                "warning", f"{_percent(leaked)} of {kind} prompts are also training prompts",
+                f"{_percent(leaked)} of the {kind} pairs' prompts appear in the training split",
+                "Held-out results overstate what the model learned: remove repeated prompts before the split, or give "
+                "a held-out split of your own (a validation/test file or split).", code="data_held_out_in_train"))
+    agreement = train.get("reference_agreement")
+    per_token = train.get("reference_agreement_per_token")
+    # Both ways: summed log-probs alone favour the shorter answer (the embedded default's reference "agrees" on 100%
+    # of pairs by sum, on none per token: that is length, not an easy pair)
+    if agreement is not None and min(agreement, per_token) >= REFERENCE_AGREES:
+        alerts.append(Alert(
+            "warning", f"The reference already prefers the chosen answer in {_percent(agreement)} of pairs",
+            f"summed log-probs rank {_percent(agreement)} of {train.get('reference_pairs'):,} training pairs the "
+            f"labels' way ({_percent(train.get('reference_agreement_per_token'))} per token)",
+            "Little is left for DPO to teach: margins will saturate early. Use harder pairs (rejected answers the "
+            "model itself gives: --rounds), or fewer steps.", code="data_reference_agrees"))
+    return alerts
+
+
+def answer_alerts(answers: dict) -> list[Alert]:
+    """Alerts from the held-out answers before → after (the test split where there is one)."""
+    split = "test" if (answers or {}).get("test") else next(iter(answers or {}), None)
+    audit = (answers or {}).get(split) if split else None
+    if not audit:
+        return []
+    alerts = []
+    ratio = audit.get("length_ratio")
+    if ratio is not None and ratio >= ANSWERS_LONGER:
+        alerts.append(Alert(
+            "warning", f"Answers grew {ratio:.2f} times longer",
+            f"{split} answers: mean {audit['length_before']['mean']} → {audit['length_after']['mean']} tokens",
+            "Check the Answers section: if the judge did not reward the longer answers, the pairs taught length — "
+            "--ld_alpha 0.5 or --loss_type sigmoid_norm, or a higher --beta (stay closer to the start).",
+            code="answers_longer"))
+    before, after = audit.get("repetition_share_before") or 0, audit.get("repetition_share_after") or 0
+    if after >= REPETITION and after > before:
+        alerts.append(Alert(
+            "warning", f"{_percent(after)} of answers repeat themselves",
+            f"{split}: degenerate (a phrase repeated over and over) in {_percent(after)} after, {_percent(before)} "
+            "before",
+            "The policy drifted too far from the reference: a higher --beta, a lower --learning_rate or fewer steps, "
+            "or the SFT term (--loss_type sigmoid sft --loss_weights 1 0.4).", code="answers_repetition"))
+    before, after = audit.get("cut_share_before") or 0, audit.get("cut_share_after") or 0
+    if after >= CUT and after >= before + CUT_RISE:
+        alerts.append(Alert(
+            "warning", f"{_percent(after)} of answers are cut at --max_new_tokens",
+            f"{split}: {_percent(before)} before → {_percent(after)} after did not end within --max_new_tokens",
+            "The model stopped ending its answers (or writes longer ones): raise --max_new_tokens to see them whole; "
+            "if they loop, see the repetition advice.", code="answers_cut"))
+    return alerts
+
+
+def audit_alerts(info: dict) -> list[Alert]:
+    """Every alert of the data and answer audits a run's training_info.json holds."""
+    return (data_alerts(info.get("data_audit") or {}, info.get("stage") or "dpo", info.get("loss_type"))
+            + answer_alerts(info.get("answers") or {}))

@@ -1,0 +1,168 @@
+"""What the pairs can teach, per split, from the preparation pass src/data.py makes anyway.
+
+    fields = row_fields(row, item, stage)            # inside the tokenizing map: a few numbers a row
+    audit = split_audit(tokenized_pieces, stage, max_length, train_prompts)   # after it: the split's statistics
+
+Each row of the tokenizing map carries the AUDIT_COLUMNS below (hashes of the row and of its prompt, token counts,
+the answers' shared leading tokens, its source row); they stay in the map's working files and never reach the
+prepared data. The statistics read those columns as arrays, 40 bytes a row (40 MB at a million pairs), so the audit
+costs no second read of the data. Shares are fractions in [0, 1]: of the split's rows for what is dropped or repeated,
+of the pairs that train for lengths, truncation and overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+# column → Arrow type, in the tokenizing map's output (src/data.py leaves every "_" column out of the prepared files)
+AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
+                 "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64"}
+# A pair whose answers share more than this fraction of the shorter answer's tokens from the start is near-identical:
+# the gradient pushes almost the same tokens up and down, and the chosen log-prob tends to fall (Pal et al. 2024,
+# "Smaug: Fixing Failure Modes of Preference Optimisation with DPO-Positive", arXiv 2402.13228).
+NEAR_IDENTICAL = 0.8
+NO_PROMPT = 0  # the prompt hash of a row without a prompt (plain text): not counted among prompts
+HISTOGRAM_BINS = 30
+FIRST_ROWS = 5  # row numbers named per finding
+
+
+def _hash(value) -> int:
+    """A stable signed 64-bit hash of a JSON-able value (the same in every process and run)."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _common_prefix(first: list[int], second: list[int]) -> int:
+    count = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def prompt_of(row: dict):
+    """What a row asks: its prompt, a chat's turns before the last assistant turn, or None (plain text)."""
+    if row.get("prompt") is not None:
+        return row["prompt"]
+    messages = row.get("messages") or []
+    answers = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
+    return messages[:answers[-1]] if answers else None
+
+
+def row_fields(row: dict, ids: dict, source_row: int) -> dict:
+    """The audit columns of one normalised row and its token ids (`ids`: a pair's prompt_ids / chosen_ids /
+    rejected_ids, an SFT row's input_ids and completion_mask, or nothing for a row dropped before tokenizing)."""
+    answers = {key: row[key] for key in ("chosen", "rejected", "completion", "messages", "text") if key in row}
+    prompt = prompt_of(row)
+    fields = {"_row_hash": _hash([row.get("prompt"), answers]), "_prompt_hash": NO_PROMPT if prompt is None else
+              _hash(prompt),
+              "_prompt_tokens": 0, "_chosen_tokens": 0, "_rejected_tokens": 0, "_shared_tokens": 0,
+              "_source_row": source_row}
+    if "chosen_ids" in ids:
+        fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["chosen_ids"]),
+                      _rejected_tokens=len(ids["rejected_ids"]),
+                      _shared_tokens=_common_prefix(ids["chosen_ids"], ids["rejected_ids"]))
+    elif "input_ids" in ids:
+        mask = ids.get("completion_mask") or ()
+        fields.update(_chosen_tokens=len(ids["input_ids"]), _prompt_tokens=len(mask) - sum(mask))
+    return fields
+
+
+def _stats(values) -> dict:
+    import numpy as np
+
+    if not len(values):
+        return {"mean": None, "median": None, "p95": None}
+    return {"mean": round(float(np.mean(values)), 2), "median": float(np.median(values)),
+            "p95": float(np.percentile(values, 95))}
+
+
+def _share(count, total) -> float | None:
+    return round(float(count) / total, 6) if total else None
+
+
+def _column(pieces: list, name: str):
+    import numpy as np
+
+    return np.concatenate([piece.data.column(name).to_numpy() for piece in pieces]) if pieces else np.array([])
+
+
+def histogram(values_by_name: dict, bins: int = HISTOGRAM_BINS) -> dict:
+    """Counts of each series over shared bins from 0 to the largest 99th percentile (larger values in the last bin)."""
+    import numpy as np
+
+    top = max([float(np.percentile(values, 99)) for values in values_by_name.values() if len(values)] or [1.0])
+    edges = np.linspace(0, max(top, 1.0), bins + 1)
+    return {"edges": [round(float(edge), 3) for edge in edges],
+            **{name: np.histogram(np.clip(values, edges[0], edges[-1]), edges)[0].tolist()
+               for name, values in values_by_name.items()}}
+
+
+def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status: int,
+                train_prompts=None) -> dict:
+    """A split's statistics from the tokenizing map's output (`pieces`: its datasets, in order; `statuses`: their
+    `_status` values). `train_prompts`: the training split's prompt hashes, for a held-out split (how many of its
+    prompts the model trains on)."""
+    import numpy as np
+
+    row_hash, source_row = _column(pieces, "_row_hash"), _column(pieces, "_source_row")
+    kept = statuses == kept_status
+    rows, pairs = len(row_hash), int(kept.sum())
+    _, first_index = np.unique(row_hash, return_index=True)
+    repeated = np.ones(rows, dtype=bool)
+    repeated[first_index] = False
+    prompts = _column(pieces, "_prompt_hash")
+    asked = prompts != NO_PROMPT
+    audit = {"rows": rows, "pairs": pairs,
+             "distinct_prompts": int(len(np.unique(prompts[asked]))) if asked.any() else None,
+             "duplicate_pairs": int(repeated.sum()), "duplicate_share": _share(repeated.sum(), rows),
+             "first_duplicate_rows": [int(row) + 1 for row in source_row[repeated][:FIRST_ROWS]]}
+    if train_prompts is not None and asked.any():
+        held_out = prompts[kept & asked]
+        audit["prompts_in_train_share"] = _share(np.isin(held_out, train_prompts).sum(), len(held_out))
+    prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
+    chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)
+    if stage == "sft":
+        audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
+                     suggested_max_length=_suggested_max_length(chosen),
+                     length_histogram=histogram({"sequence": chosen}))
+        return audit
+    rejected = _column(pieces, "_rejected_tokens")[kept].astype(np.int64)
+    shared = _column(pieces, "_shared_tokens")[kept].astype(np.int64)
+    overlap = shared / np.maximum(np.minimum(chosen, rejected), 1)
+    # DPO truncates prompt + answer to max_length (TRL keeps the start); a reward pair over it was dropped instead
+    limit = max_length if stage == "dpo" else math.inf
+    audit.update(
+        prompt_tokens=_stats(prompt), chosen_tokens=_stats(chosen), rejected_tokens=_stats(rejected),
+        chosen_longer_share=_share((chosen > rejected).sum(), pairs),
+        chosen_shorter_share=_share((chosen < rejected).sum(), pairs),
+        equal_length_share=_share((chosen == rejected).sum(), pairs),
+        mean_length_ratio=round(float(chosen.sum() / max(rejected.sum(), 1)), 4) if pairs else None,
+        chosen_truncated_share=_share((prompt + chosen > limit).sum(), pairs),
+        rejected_truncated_share=_share((prompt + rejected > limit).sum(), pairs),
+        suggested_max_length=_suggested_max_length(prompt + np.maximum(chosen, rejected)),
+        overlap_median=round(float(np.median(overlap)), 4) if pairs else None,
+        near_identical_share=_share((overlap > NEAR_IDENTICAL).sum(), pairs),
+        length_histogram=histogram({"chosen": chosen, "rejected": rejected}),
+    )
+    return audit
+
+
+def _suggested_max_length(lengths) -> int | None:
+    """The 99th percentile of the full sequence lengths, rounded up to a multiple of 64: what keeps 99% of pairs whole."""
+    import numpy as np
+
+    if not len(lengths):
+        return None
+    return int(math.ceil(float(np.percentile(lengths, 99)) / 64) * 64)
+
+
+def counts_of(splits: dict) -> dict:
+    """The counts src/data.py's summary already names, carried into the audit of each split (dropped rows)."""
+    return {kind: {"identical_pairs": counts["identical_pairs"], "empty_answers": counts["empty_answers"],
+                   "prompts_dropped": counts.get("dropped_prompt_too_long", counts.get("dropped_too_long", 0)),
+                   "identical_share": _share(counts["identical_pairs"], counts["rows"])}
+            for kind, counts in splits.items()}

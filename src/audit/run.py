@@ -1,0 +1,115 @@
+"""The audit inside a training run: what src/main_distributed.py calls at each step of a stage.
+
+    info["data_audit"] = opening(prepared.summary, stage)    # training_info.json as the stage opens
+    judge_training_pairs(judge, prepared, stage, world)       # before training, every rank its share
+    reference_part(trainer.train_dataset, stage, max_length)  # rank 0, once the trainer has the reference log-probs
+    info["answers"] = answers_of(run_dir)                     # rank 0, from the samples files the stage wrote
+
+training_info.json's `data_audit` holds, per split (train, validation, test), the preparation pass's numbers
+(src/audit/pairs.py) with the reference's and the judge's next to them (null where the run has none), and
+`answers` holds, per split (val, test), the held-out answers before → after (src/audit/answers.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from src import run_files
+from src.audit.answers import answers_audit
+from src.audit.judged import INVERTED_FILE, judge_pairs
+from src.audit.reference import reference_audit
+from src.data import source_rows
+from src.distributed import print0
+from src.reporting.formatting import format_number, format_percent
+
+JUDGE_FIELDS = ("judge", "judged_pairs", "judge_inverted_share", "judge_tie_share", "inverted_pairs_file")
+REFERENCE_FIELDS = ("reference_pairs", "reference_agreement", "reference_agreement_per_token", "reference_margin")
+
+
+def opening(summary: dict, stage: str) -> dict:
+    """The data audit as a stage opens: the preparation pass's numbers, the reference and judge parts still null."""
+    audit = {}
+    for kind, numbers in (summary.get("audit") or {}).items():
+        audit[kind] = dict(numbers)
+        if stage in ("dpo", "reward"):
+            audit[kind].update(dict.fromkeys(REFERENCE_FIELDS + JUDGE_FIELDS))
+    return audit
+
+
+def judged(stage) -> bool:
+    """Whether a stage's training pairs are judged: DPO and reward stages (not a round: its pairs are the judge's)."""
+    return stage.name in ("dpo", "reward") and not stage.round and stage.config.training.audit_judge_pairs > 0
+
+
+def _update_train(info_path: Path, fields: dict) -> None:
+    info = run_files.read_json(info_path)
+    audit = info.get("data_audit") or {}
+    audit["train"] = {**(audit.get("train") or {}), **fields}
+    run_files.update_json(info_path, data_audit=audit)
+
+
+def judge_training_pairs(judge, prepared, stage, world) -> None:
+    """The judge part: every rank scores its share of the drawn pairs; rank 0 records it and writes the inverted
+    pairs to data_audit_inverted.jsonl in the run directory."""
+    config = stage.config
+    audit, inverted = judge_pairs(judge, prepared.train, source_rows(prepared, "train"), prepared.summary["source"],
+                                  config.training.audit_judge_pairs, config.training.seed, world)
+    if not world.is_main:
+        return
+    path = stage.run_dir / INVERTED_FILE
+    run_files.write_text(path, "".join(run_files.dumps(row) + "\n" for row in inverted))
+    audit["inverted_pairs_file"] = INVERTED_FILE
+    _update_train(stage.run_dir / run_files.TRAINING_INFO, audit)
+    print0(f"  data audit: {audit['judge']} ranks {format_percent(audit['judge_inverted_share'])} of "
+           f"{audit['judged_pairs']:,} training pairs the other way and ties {format_percent(audit['judge_tie_share'])}"
+           f" ({audit['judge_seconds']} s){f'; listed in {path}' if inverted else ''}")
+
+
+def reference_part(dataset, stage, max_length: int | None) -> None:
+    """The reference part, rank 0: from the log-probs TRL's precompute pass attached to the training dataset."""
+    audit = reference_audit(dataset, max_length)
+    if audit is None:
+        return
+    _update_train(stage.run_dir / run_files.TRAINING_INFO, audit)
+    print0(f"  data audit: the reference ranks {format_percent(audit['reference_agreement'])} of training pairs the "
+           f"labels' way ({format_percent(audit['reference_agreement_per_token'])} per token), median margin "
+           f"{audit['reference_margin']['median']}")
+
+
+def answers_of(run_dir: Path) -> dict:
+    """The answer audit of every samples file the stage wrote (val, test)."""
+    audits = {}
+    for split in ("val", "test"):
+        path = Path(run_dir) / run_files.samples_file(split)
+        if path.exists():
+            audit = answers_audit(run_files.read_jsonl(path))
+            if audit:
+                audits[split] = audit
+    return audits
+
+
+def print_answers(answers: dict) -> None:
+    for split, audit in answers.items():
+        print0(f"  answers ({split}): {audit['length_before']['mean']} → {audit['length_after']['mean']} tokens "
+               f"(x{audit['length_ratio']}), cut {format_percent(audit['cut_share_before'])} → "
+               f"{format_percent(audit['cut_share_after'])}, repetitive {format_percent(audit['repetition_share_before'])}"
+               f" → {format_percent(audit['repetition_share_after'])}")
+
+
+def format_data_audit(audit: dict, stage: str) -> str:
+    """A few console lines for the training split, as the stage opens."""
+    train = audit.get("train")
+    if not train:
+        return ""
+    line = (f"  data audit (train): {train['pairs']:,} {'rows' if stage == 'sft' else 'pairs'}, "
+            f"{format_number(train['distinct_prompts'])} distinct prompts, {format_percent(train['duplicate_share'])} "
+            "duplicate rows")
+    if stage == "sft":
+        return (f"{line}; {train['sequence_tokens']['mean']} tokens on average (p95 {train['sequence_tokens']['p95']}),"
+                f" {format_percent(train['truncated_share'])} truncated")
+    return (f"{line}\n  data audit (train): chosen longer in {format_percent(train['chosen_longer_share'])}, shorter in "
+            f"{format_percent(train['chosen_shorter_share'])} (mean {train['chosen_tokens']['mean']} vs "
+            f"{train['rejected_tokens']['mean']} tokens); truncated: chosen "
+            f"{format_percent(train['chosen_truncated_share'])}, rejected "
+            f"{format_percent(train['rejected_truncated_share'])}; near-identical "
+            f"{format_percent(train['near_identical_share'])}")

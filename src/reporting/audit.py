@@ -1,0 +1,154 @@
+"""report.md's Data and Answers sections and plots/data.png, from training_info.json's `data_audit` and `answers`
+(src/audit/: what the numbers are and how they are computed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from src.reporting.formatting import format_number, format_percent, table_lines
+from src.run_files import atomic_path
+
+DATA_PLOT = "data.png"
+KINDS = ("train", "validation", "test")
+
+
+def _fixed(value, decimals: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{decimals}f}"
+
+
+def _tokens(stats: dict | None) -> str:
+    stats = stats or {}
+    return f"{_fixed(stats.get('mean'))} / {_fixed(stats.get('median'), 0)} / {_fixed(stats.get('p95'), 0)}"
+
+
+def _count_share(count, share) -> str:
+    return f"{format_number(count)} ({format_percent(share)})" if count is not None else "n/a"
+
+
+def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> list[str]:
+    """Markdown lines: per split, what the pairs can teach; the reference's and the judge's view of the training
+    pairs; the picture."""
+    kinds = [kind for kind in KINDS if audit.get(kind)]
+    if not kinds:
+        return ["No data audit in this run (a run from before the audit, or no prepared data)."]
+    rows = []
+    preference = stage != "sft"
+    names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
+              "prompts over --max_length (dropped)", "chosen tokens: mean / median / p95",
+              "rejected tokens: mean / median / p95", "chosen longer / shorter / equal", "chosen cut by --max_length",
+              "rejected cut by --max_length", "answers' shared start: median", "near-identical pairs (> 80%)",
+              "prompts also in train"] if preference else
+             ["rows", "distinct prompts", "duplicate rows", "empty answers (dropped)", "rows with nothing to learn "
+              "after --max_length (dropped)", "tokens: mean / median / p95", "cut by --max_length"])
+    for kind in kinds:
+        item = audit[kind]
+        if preference:
+            column = [format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
+                      _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
+                      _count_share(item.get("identical_pairs"), item.get("identical_share")),
+                      format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
+                      _tokens(item.get("chosen_tokens")), _tokens(item.get("rejected_tokens")),
+                      " / ".join(format_percent(item.get(key)) for key in
+                                 ("chosen_longer_share", "chosen_shorter_share", "equal_length_share")),
+                      format_percent(item.get("chosen_truncated_share")),
+                      format_percent(item.get("rejected_truncated_share")),
+                      format_percent(item.get("overlap_median")), format_percent(item.get("near_identical_share")),
+                      "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))]
+        else:
+            column = [format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
+                      _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
+                      format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
+                      _tokens(item.get("sequence_tokens")), format_percent(item.get("truncated_share"))]
+        rows.append(column)
+    lines = table_lines(["", *kinds], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
+    train = audit.get("train") or {}
+    if preference:
+        lines += [""]
+        if train.get("reference_agreement") is not None:
+            margin = train.get("reference_margin") or {}
+            lines.append(f"**Reference model:** ranks {format_percent(train['reference_agreement'])} of "
+                         f"{format_number(train.get('reference_pairs'))} training pairs the labels' way by summed "
+                         f"log-probs, {format_percent(train.get('reference_agreement_per_token'))} per token; margin "
+                         f"(chosen − rejected log-prob) median {format_number(margin.get('median'), 3)}, 5–95% "
+                         f"{format_number(margin.get('p5'), 3)} … {format_number(margin.get('p95'), 3)}.")
+        else:
+            lines.append("**Reference model:** no reference pass in this stage (reference log-probs not precomputed).")
+        if train.get("judge_inverted_share") is not None:
+            lines.append(f"**Judge ({train.get('judge')}):** of {format_number(train.get('judged_pairs'))} training "
+                         f"pairs, ranks {format_percent(train['judge_inverted_share'])} the other way (listed in "
+                         f"[`{train.get('inverted_pairs_file')}`]({train.get('inverted_pairs_file')})) and ties "
+                         f"{format_percent(train.get('judge_tie_share'))}.")
+        else:
+            lines.append("**Judge:** none for this data (`--judge`: the embedded check, a reward model, or "
+                         "`module:function`).")
+    if plot is not None:
+        lines += ["", f"![chosen vs rejected length, reference margin]({plot.relative_to(run_dir).as_posix()})"]
+    return lines
+
+
+def answers_section(answers: dict) -> list[str]:
+    """Markdown lines: the held-out answers before → after, per split."""
+    splits = [split for split in ("val", "test") if answers.get(split)]
+    if not splits:
+        return ["No answer audit (no held-out answers, or a run from before the audit)."]
+    names = ["answers", "tokens: mean before → after", "tokens: median before → after", "length ratio (after/before)",
+             "cut at --max_new_tokens", "repetitive (seq-rep-4 ≥ 0.5)", "empty"]
+    columns = []
+    for split in splits:
+        item = answers[split]
+        columns.append([
+            format_number(item.get("n")),
+            f"{_fixed(item['length_before']['mean'])} → {_fixed(item['length_after']['mean'])}",
+            f"{_fixed(item['length_before']['median'], 0)} → {_fixed(item['length_after']['median'], 0)}",
+            _fixed(item.get("length_ratio"), 2),
+            *(f"{format_percent(item.get(f'{name}_before'))} → {format_percent(item.get(f'{name}_after'))}"
+              for name in ("cut_share", "repetition_share", "empty_share"))])
+    lines = table_lines(["", *splits], [[name, *(column[index] for column in columns)]
+                                        for index, name in enumerate(names)])
+    judged = (answers.get("test") or answers[splits[0]]).get("judged_by_length")
+    if judged:
+        parts = [f"{name.replace('_', ' ')}: {format_number(group['n'])} answers, mean judged change "
+                 f"{format_number(group['mean_change'], 3)}" for name, group in judged.items() if group["n"]]
+        lines += ["", f"Judged change by length ({'test' if answers.get('test') else splits[0]}): {'; '.join(parts)}."]
+    return lines
+
+
+def plot_data(audit: dict, path: Path) -> bool:
+    """Chosen vs rejected answer length (training pairs) and the reference margin; False and no file when the audit
+    has no length histogram (an SFT stage, a run from before the audit)."""
+    train = (audit or {}).get("train") or {}
+    lengths = train.get("length_histogram") or {}
+    if "chosen" not in lengths:
+        return False
+    from matplotlib.figure import Figure  # drawn at the end of a run only (~1 s import)
+
+    margins = train.get("reference_margin_histogram")
+    figure = Figure(figsize=(11 if margins else 6.5, 4.0), dpi=110)
+    figure.subplots_adjust(left=0.07, right=0.98, top=0.86, bottom=0.14, wspace=0.25)
+    axes = figure.subplots(1, 2 if margins else 1, squeeze=False)[0]
+    edges = lengths["edges"]
+    centers = [(low + high) / 2 for low, high in zip(edges, edges[1:])]
+    width = edges[1] - edges[0]
+    for name, color in (("chosen", "#2ca02c"), ("rejected", "#d62728")):
+        axes[0].bar(centers, lengths[name], width=width, alpha=0.5, color=color, label=name)
+    axes[0].set_xlabel("answer length (tokens; the last bar holds the longest 1%)")
+    axes[0].set_ylabel("training pairs")
+    axes[0].set_title(f"Answer length: chosen longer in {format_percent(train.get('chosen_longer_share'))}, "
+                      f"shorter in {format_percent(train.get('chosen_shorter_share'))}", fontsize=10)
+    axes[0].legend(fontsize=8)
+    if margins:
+        edges = margins["edges"]
+        centers = [(low + high) / 2 for low, high in zip(edges, edges[1:])]
+        colors = ["#2ca02c" if center > 0 else "#d62728" for center in centers]
+        axes[1].bar(centers, margins["margin"], width=edges[1] - edges[0], color=colors, alpha=0.7)
+        axes[1].axvline(0, color="black", linewidth=0.8)
+        axes[1].set_xlabel("reference log-prob margin: chosen − rejected (summed)")
+        axes[1].set_title(f"Reference ranks {format_percent(train.get('reference_agreement'))} of pairs the labels' "
+                          f"way ({format_percent(train.get('reference_agreement_per_token'))} per token)", fontsize=10)
+    figure.suptitle("Training pairs: what DPO is given", fontsize=11)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary)
+    return True
