@@ -194,6 +194,20 @@ def check_4bit_supported(plan: Plan) -> None:
         raise ConfigError(f"--load_in_4bit: bitsandbytes cannot be imported here ({first_line(error)})") from None
 
 
+def load_model_for_audit(path: str, model: ModelArguments):
+    """The model in 16-bit on a GPU where there is one (fp32 on CPU), for scoring pairs only (`python -m src.audit`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = torch.cuda.is_available()
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=model.trust_remote_code,
+                                                      dtype=torch.bfloat16 if cuda else torch.float32)
+    except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
+        raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)})") from None
+    return loaded.to("cuda" if cuda else "cpu").eval()
+
+
 def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None):
     """The policy for this rank, on this rank's device. Full fine-tuning keeps fp32 master weights (mixed precision
     autocasts the compute); a 4-bit base is quantized on load.

@@ -1,8 +1,10 @@
-"""Judges for tests/test_rounds.py, loaded the way a user's are: --judge tests.round_judges:<function>."""
+"""Judges for tests/test_rounds.py and tests/test_data_audit.py, loaded the way a user's are:
+--judge tests.round_judges:<function>."""
 
 from __future__ import annotations
 
 import os
+import re
 
 
 def by_length(row: dict, answer: str) -> float:
@@ -29,3 +31,10 @@ def fails_after_first_round(row: dict, answer: str) -> float:
     if os.path.exists(os.environ["ROUND_JUDGE_MARK"]):
         raise RuntimeError("judge service unavailable")
     return by_length(row, answer)
+
+
+def sum_checker(row: dict, answer: str) -> float:
+    """1 when the answer's last number is the sum the prompt asks for ("... what is A + B?"), else 0."""
+    a, b = (int(number) for number in re.findall(r"(\d+) \+ (\d+)", str(row["prompt"]))[-1])
+    numbers = re.findall(r"\d+", answer)
+    return float(bool(numbers) and int(numbers[-1]) == a + b)

@@ -103,19 +103,50 @@ def test_sft_on_two_processes_trains_as_one_job(tiny_model, tmp_path):
 
 
 def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, preference_file, tmp_path):
-    """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2."""
-    losses = {}
+    """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2. The data and
+    answer audits (src/audit/) come out the same too: the judge part and the answers are split across the ranks."""
+    losses, audits = {}, {}
     for nproc in (1, 2):
         args = common_args(tiny_model, preference_file, tmp_path / "results", f"w{nproc}", "dpo") + [
             "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "5", "--learning_rate", "1e-3",
-            "--num_samples", "0", "--eval_strategy", "no"]
+            "--eval_strategy", "no", "--judge", "tests.round_judges:by_length", "--audit_judge_pairs", "30"]
         launch(nproc, args, tmp_path / f"probe{nproc}")
         info = run_files.read_json(tmp_path / "results" / f"w{nproc}" / run_files.TRAINING_INFO)
         assert info["gradient_accumulation_steps"] == 4 // nproc and info["per_device_batch_size"] == 2
         metrics = run_files.read_jsonl(tmp_path / "results" / f"w{nproc}" / run_files.METRICS)
         losses[nproc] = [record["loss"] for record in metrics if "loss" in record]
+        audits[nproc] = {"data_audit": info["data_audit"], "answers": info["answers"]}
     assert len(losses[1]) == 5
     assert losses[1] == pytest.approx(losses[2], rel=1e-4, abs=1e-6)
+    train = audits[1]["data_audit"]["train"]
+    for key in ("pairs", "identical_pairs", "duplicate_pairs", "chosen_longer_share", "chosen_truncated_share",
+                "rejected_truncated_share", "reference_agreement", "judge_inverted_share", "judge_tie_share",
+                "inverted_pairs_file"):
+        assert key in train, key
+    assert train["judged_pairs"] == 30 and train["judge_inverted_share"] == 1.0  # by_length: the rejected is longer
+    assert 0 <= train["reference_agreement"] <= 1 and set(audits[1]["answers"]) == {"val", "test"}
+    for key in ("length_before", "length_after", "cut_share_after", "repetition_share_after"):
+        assert key in audits[1]["answers"]["test"], key
+    assert _same(audits[1], audits[2])
+    report = (tmp_path / "results" / "w1" / "report.md").read_text()
+    assert "## Data" in report and "## Answers" in report and "plots/data.png" in report
+    assert (tmp_path / "results" / "w1" / "plots" / "data.png").stat().st_size > 0
+
+
+def _same(first, second, path="") -> bool:
+    """Equal but for timings, floats within 1e-5 (the reference log-probs are reduced in another order on 2
+    processes)."""
+    if isinstance(first, dict):
+        assert first.keys() == second.keys(), path
+        return all(_same(first[key], second[key], f"{path}.{key}") for key in first if not key.endswith("_seconds"))
+    if isinstance(first, list):
+        assert len(first) == len(second), path
+        return all(_same(a, b, f"{path}[{index}]") for index, (a, b) in enumerate(zip(first, second)))
+    if isinstance(first, float):
+        assert first == pytest.approx(second, rel=1e-5, abs=1e-5), path
+        return True
+    assert first == second, path
+    return True
 
 
 def run_single(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:

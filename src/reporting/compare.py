@@ -306,6 +306,25 @@ def rounds_rows(runs: list[Run]) -> list[str]:
     return table_lines(header, rows)
 
 
+def audit_rows(runs: list[Run]) -> list[list]:
+    """The data audit's training split and the answers (test, else val) side by side: one row per run."""
+    rows = []
+    for run in runs:
+        train = (run.info.get("data_audit") or {}).get("train") or {}
+        answers = run.info.get("answers") or {}
+        answered = answers.get("test") or next(iter(answers.values()), {})
+        length = lambda side: (answered.get(f"length_{side}") or {}).get("mean")  # noqa: E731
+        rows.append([run.name, format_number(train.get("pairs")), format_percent(train.get("duplicate_share")),
+                     format_percent(train.get("chosen_longer_share")),
+                     format_percent(max(train.get("chosen_truncated_share") or 0,
+                                        train.get("rejected_truncated_share") or 0) if train else None),
+                     format_percent(train.get("reference_agreement")), format_percent(train.get("judge_inverted_share")),
+                     "n/a" if length("before") is None else f"{length('before'):.1f} → {length('after'):.1f}",
+                     format_percent(answered.get("cut_share_after")),
+                     format_percent(answered.get("repetition_share_after"))])
+    return rows
+
+
 def throughput_rows(runs: list[Run]) -> list[list]:
     rows = []
     for run in runs:
@@ -359,6 +378,13 @@ def render_page(runs: list[Run], page_dir: Path) -> str:
                   "much, the difference between them may be chance: judge more prompts (--num_samples) to tell.", ""]
     if any(run.info.get("rounds") for run in runs):
         lines += ["## Rounds (on-policy DPO)", "", *rounds_rows(runs), ""]
+    if any(run.info.get("data_audit") or run.info.get("answers") for run in runs):
+        lines += ["## Data and answers", ""]
+        lines += table_lines(["run", "training pairs", "duplicate rows", "chosen longer", "cut by --max_length",
+                              "reference agrees", "judge inverts", "answer tokens before → after", "answers cut",
+                              "answers repetitive"], audit_rows(runs))
+        lines += ["", "From each run's data audit (report.md's Data and Answers sections): the training split; the "
+                      "answers of the test split (else val).", ""]
     stages = list(dict.fromkeys(run.stage for run in runs))
     for stage in stages:
         group = [run for run in runs if run.stage == stage]
