@@ -647,20 +647,19 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
 
 
-def hold_run_directory(run_dir: Path, dry_run: bool, world: World) -> None:
-    """One job per run directory (src/run_safety/run_lock.py): rank 0 takes the hold before anything is written; a dry run
-    (run_distributed.sh's preflight among them) only checks that no live job holds it."""
+def hold_run_directory(run_dir: Path, dry_run: bool, world: World):
+    """One job per run directory (src/run_safety/run_lock.py): rank 0 takes the hold before anything is written (and
+    returns it); a dry run (run_distributed.sh's preflight among them) only checks that no live job holds it."""
     if dry_run:
         check_free(run_dir)
     elif world.is_main:
-        take_hold(run_dir)
+        return take_hold(run_dir)
+    return None
 
 
-def take_hold(run_dir: Path, announce: bool = True):
+def take_hold(run_dir: Path):
     """Hold `run_dir` for this process's job (released when it ends) and remove what a killed job left half-written."""
     hold = acquire(run_dir)
-    if hold.took_over and announce:
-        print0(f"  {run_dir}: took over the hold of a job that is gone ({hold.took_over})")
     run_files.remove_temporary_files(run_dir)  # half-written files of a killed job: nobody else writes here
     return hold
 
@@ -674,7 +673,7 @@ def finish_finished_run(stages: list[Stage], config: Config, world: World, recor
     stage = stages[-1]
     launcher_preflight = config.training.dry_run and os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1"
     if world.is_main and (launcher_preflight or not config.training.dry_run):
-        hold = take_hold(stage.run_dir, announce=False) if launcher_preflight else None
+        hold = take_hold(stage.run_dir) if launcher_preflight else None
         publish_end(stage, announce=False)
         make_copies(stage, config)
         if hold is not None:
@@ -697,12 +696,14 @@ def run(argv: list[str] | None = None) -> int:
     for note in check_trackers(config.training.report_to):
         print0(f"  {note}")
     stages = plan_stages(config, world, devices)
-    hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
+    hold = hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     finished = check_earlier_run(stages, overwrite)
     if finished:
         return finish_finished_run(stages, config, world, finished)
+    if hold is not None and hold.took_over:  # said only for a run that goes on: a finished one says one line
+        print0(f"  {stages[-1].run_dir}: took over the hold of a job that is gone ({hold.took_over})")
     if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
         watch(world, config.training.node_timeout, lambda: next(filter(None, (
             newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
