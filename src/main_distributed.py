@@ -158,7 +158,8 @@ def stage_status(run_dir: Path) -> dict:
 
 
 def data_locations(stage: Stage) -> list[str]:
-    """Where a stage's data comes from: each source of a mixture, or --dataset_name (the embedded default's directory)."""
+    """Where a stage's data comes from: each source of a mixture, or --dataset_name (the embedded default: its
+    directory)."""
     data = stage.config.data
     return ([source_location(source, stage.name) for source, _ in mixture_sources(data)] or
             [source_location(data, stage.name)])

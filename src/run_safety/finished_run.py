@@ -133,8 +133,10 @@ def differences(recorded: dict, config: dict, plan: dict, locations: list[str], 
     `key: recorded → now` entry per difference; empty when it is the same command. `label` prefixes a pipeline stage's
     keys."""
     prefix = f"{label} stage: " if label else ""
+    if not recorded.get("config"):
+        return [f"{prefix}configuration: not recorded by the finished run → cannot tell"]
     found = []
-    then = recorded.get("config") or {}
+    then = recorded["config"]
     for key in sorted((then.keys() | config.keys()) - LAUNCH_ONLY_KEYS):
         if key not in then or key not in config or _shown(then[key]) != _shown(config[key]):
             found.append(f"{prefix}{key}: {_shown(then[key]) if key in then else '(not set)'} → "

@@ -25,8 +25,10 @@ class MetricsRecorder(TrainerCallback):
         self.started, self.start_step = time.monotonic(), state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if "train_runtime" in (logs or {}) and state.global_step == self.start_step and self._ended_at(state.global_step):
-            return  # resumed from the final checkpoint, nothing trained: the end record of the launch that trained stands
+        # Resumed from the final checkpoint, nothing trained: the end record of the launch that trained stands.
+        if "train_runtime" in (logs or {}) and state.global_step == self.start_step and \
+                self._ended_at(state.global_step):
+            return
         if state.is_world_process_zero and logs:
             record = {"step": state.global_step, "epoch": state.epoch, "time_s": round(time.monotonic() - self.started, 3)}
             record.update(logs)
