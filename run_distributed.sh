@@ -71,12 +71,20 @@ dry_run=0
 for arg in "$@"; do
   [[ $arg == --dry_run ]] && dry_run=1
 done
-# One process first checks the configuration and the data and tokenizes it into the cache, so a mistake is one
-# line (not one per rank under torchrun's failure report) and the workers start on prepared data.
+# A stop the job chose (a user error, divergence, a full disk, a lost node: src/run_safety/launcher_exit.py) is recorded
+# here by the workers, who then exit 0 so torchrun neither restarts them nor prints its failure report; this script
+# exits with the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
 if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
+  PREFKIT_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
+  export PREFKIT_EXIT_DIR
+  trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
+  # One process first checks the configuration and the data and tokenizes it into the cache, so a mistake is one
+  # line (not one per rank under torchrun's failure report) and the workers start on prepared data. A run the same
+  # command already finished is finished there (its report, index, model card, hold) and nothing else starts.
   WORLD_SIZE=$((NUM_PROCS * NNODES)) LOCAL_WORLD_SIZE=$NUM_PROCS RANK=$((NODE_RANK * NUM_PROCS)) LOCAL_RANK=0 \
     PREFKIT_QUIET_DRY_RUN=$((1 - dry_run)) "$PYTHON" -m src.main_distributed --dry_run "$@" || exit $?
   [[ $dry_run -eq 1 ]] && exit 0  # the check was all that was asked
+  [[ -f $PREFKIT_EXIT_DIR/finished ]] && exit 0  # already finished: no worker to start
   export PREFKIT_PREFLIGHT_DONE=1  # the workers do not repeat its notices (an unreachable Hub)
 fi
 
@@ -129,12 +137,6 @@ if [[ ${PRINT_LAUNCH:-0} == 1 ]]; then
   echo
   exit 0
 fi
-# A stop the job chose (a user error, divergence, a full disk, a lost node: src/run_safety/launcher_exit.py) is recorded
-# here by the workers, who then exit 0 so torchrun neither restarts them nor prints its failure report; this script
-# exits with the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
-PREFKIT_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
-export PREFKIT_EXIT_DIR
-trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
 "${launch[@]}" <&0 &
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM HUP  # a scheduler's stop: torchrun stops its workers

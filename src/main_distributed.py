@@ -31,7 +31,8 @@ from src.config import (
     EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
     parse_config, sagemaker_process_hint, stage_plans,
 )
-from src.data import DataError, PreparedData, check_source, format_summary, prepare_data, source_names
+from src.data import (DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
+                      source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
 from src.embedded.model import cache_root
 from src.generation import generate_answers
@@ -43,7 +44,7 @@ from src.models import (ModelError, apply_chat_template_path, apply_chat_templat
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
-from src.reporting.report import ReportError, build_report, health_alerts
+from src.reporting.report import ReportError, build_report, health_alerts, report_verdict
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
 from src.run_safety import launcher_exit
@@ -51,6 +52,7 @@ from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpo
                                         trim_metrics)
 from src.run_safety.disk_space import WriteFailed, check_space, estimate_writes, write_failures_reported
 from src.run_safety.exit_status import ExitStatus
+from src.run_safety.finished_run import data_fingerprint, differences, end_step_done, finished_line, refusal
 from src.run_safety.node_watch import watch
 from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
@@ -156,16 +158,36 @@ def stage_status(run_dir: Path) -> dict:
     return run_files.read_json(path) if path.exists() else {}
 
 
-def check_earlier_run(run_dir: Path, overwrite: bool) -> None:
-    """A finished or diverged run's results are never replaced unless asked; an unfinished one is resumed."""
+def data_locations(stage: Stage) -> list[str]:
+    """Where a stage's data comes from: each source of a mixture, or --dataset_name (the embedded default: its
+    directory)."""
+    data = stage.config.data
+    return ([source_location(source, stage.name) for source, _ in mixture_sources(data)] or
+            [source_location(data, stage.name)])
+
+
+def check_earlier_run(stages: list[Stage], overwrite: bool) -> dict | None:
+    """A finished or diverged run's results are never replaced unless asked; an unfinished one is resumed. A finished
+    run relaunched by the same command (src/run_safety/finished_run.py) is returned, to be finished and not trained;
+    another command is refused with what differs."""
+    run_dir = stages[-1].run_dir
     earlier = stage_status(run_dir)
     if overwrite or not earlier:
-        return
-    if earlier.get("status") == Status.COMPLETED:
-        raise ConfigError(f"{run_dir} already holds a finished run: pass --overwrite to replace it, or --run_name "
-                          "to keep both")
+        return None
     if earlier.get("status") == Status.DIVERGED:
         raise TrainingDiverged(earlier.get("stop_reason", f"{run_dir}: the run diverged"))
+    if earlier.get("status") != Status.COMPLETED:
+        return None
+    commit, found = git_commit(), []
+    for stage in reversed(stages):  # the run's own keys first; an earlier stage adds only what differs there alone
+        label = "" if stage is stages[-1] else stage.label
+        for line in differences(stage_status(stage.run_dir), stage.config.flat(), stage.plan.as_dict(),
+                                data_locations(stage), commit):
+            if line not in found:
+                found.append(f"{label} stage: {line}" if label else line)
+    if found:
+        raise ConfigError(refusal(run_dir, found))
+    return earlier
 
 
 def versions() -> dict[str, str]:
@@ -212,6 +234,7 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
         "data_audit": data_audit.opening(prepared.summary, stage.name),
         "versions": versions(),
         "git_commit": git_commit(),
+        "data_fingerprint": data_fingerprint(data_locations(stage)),
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "recipe": config.recipe,
         "config": config.flat(),
@@ -372,11 +395,13 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     stop_if_interrupted(trainer, stage, info_path, world)
+    end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
     after = answer_held_out(trained, tokenizer, rows, config, plan, world)
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
     saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
+    end_step_done("final_model")
 
     outcome = {"stage": stage.label, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
@@ -384,6 +409,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
         judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                        for split, scores in pairs_after.items()})
+        end_step_done("samples")
         outcome.update(close_stage_record(stage, trainer, trackers, judged, saved, started))
     barrier()
     return outcome
@@ -431,7 +457,10 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
     compression = callback(trainer, "GradientCompression").summary() if plan.ddp_comm_hook != "none" else None
     summary.update(best_checkpoint=trainer.state.best_model_checkpoint, completed_steps=trainer.state.global_step)
     fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
-              "live_report": callback(trainer, "LiveReport").summary()}
+              "live_report": callback(trainer, "LiveReport").summary(),
+              "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report
+        fields["rounds"] = rounds_summary(stage.run_dir, stage.round)
     if getattr(trainer, "packed_forward", None) is not None:  # which DPO forward ran, and the tokens it computed
         fields["dpo_forward"] = trainer.packed_forward.summary()
     if compression:
@@ -452,13 +481,23 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
     fields["answers"] = data_audit.answers_of(stage.run_dir)
     data_audit.print_answers(fields["answers"])
     trackers.finish(run_files.update_json(info_path, **fields))
-    if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report
-        run_files.update_json(info_path, rounds=rounds_summary(stage.run_dir, stage.round))
-    publish_report(stage.run_dir, stage.name)
-    publish_index(stage)
-    for directory in write_model_cards(stage.run_dir).values():
-        print0(f"  model card: {directory / 'README.md'}")
+    end_step_done("completed")
+    publish_end(stage)
     return carried
+
+
+def publish_end(stage: Stage, announce: bool = True) -> None:
+    """Rank 0, once a stage is completed: its pages, each rewritten whole from the run directory, so a relaunch
+    redoes whatever a kill interrupted (src/run_safety/finished_run.py): report and plots, results/index.md, the model
+    cards. `announce`: print where they are (and the health alerts)."""
+    publish_report(stage.run_dir, stage.name, announce)
+    end_step_done("report")
+    publish_index(stage)
+    end_step_done("index")
+    for directory in write_model_cards(stage.run_dir).values():
+        if announce:
+            print0(f"  model card: {directory / 'README.md'}")
+    end_step_done("model_card")
 
 
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
@@ -541,9 +580,11 @@ def record_stop(stage: Stage, info_path: Path, world: World, status: str, messag
         publish_pages_after_stop(stage)
 
 
-def publish_report(run_dir: Path, stage: str) -> None:
+def publish_report(run_dir: Path, stage: str, announce: bool = True) -> None:
     """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
     report = build_report(run_dir)
+    if not announce:
+        return
     alerts = health_alerts(run_files.read_jsonl(run_dir / run_files.METRICS), stage_status(run_dir), stage)
     if alerts:
         print0(format_alerts(alerts))
@@ -571,7 +612,19 @@ def export_final_model(stage: Stage, target: Path) -> None:
     shutil.copytree(dirs["final"], target, dirs_exist_ok=True)
     if "merged" in dirs:
         shutil.copytree(dirs["merged"], target / "merged", dirs_exist_ok=True)
+    run_files.update_json(stage.run_dir / run_files.TRAINING_INFO, final_model_dir=str(target.resolve()))
     print0(f"  final model copied to {target}")
+
+
+def make_copies(stage: Stage, config: Config) -> None:
+    """Rank 0, after the run: --final_model_dir and --push_to_hub, each unless training_info.json records it done
+    (a relaunch of a finished run makes what a kill left unmade)."""
+    info = stage_status(stage.run_dir)
+    target = config.training.final_model_dir
+    if target and info.get("final_model_dir") != str(Path(target).resolve()):
+        export_final_model(stage, Path(target))
+    if config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed"):
+        push_final_model(stage, config)
 
 
 def push_final_model(stage: Stage, config: Config) -> None:
@@ -609,16 +662,41 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
 
 
-def hold_run_directory(run_dir: Path, dry_run: bool, world: World) -> None:
-    """One job per run directory (src/run_safety/run_lock.py): rank 0 takes the hold before anything is written; a dry run
-    (run_distributed.sh's preflight among them) only checks that no live job holds it."""
+def hold_run_directory(run_dir: Path, dry_run: bool, world: World):
+    """One job per run directory (src/run_safety/run_lock.py): rank 0 takes the hold before anything is written (and
+    returns it); a dry run (run_distributed.sh's preflight among them) only checks that no live job holds it."""
     if dry_run:
         check_free(run_dir)
     elif world.is_main:
-        hold = acquire(run_dir)
-        if hold.took_over:
-            print0(f"  {run_dir}: took over the hold of a job that is gone ({hold.took_over})")
-        run_files.remove_temporary_files(run_dir)  # half-written files of a killed job: nobody else writes here
+        return take_hold(run_dir)
+    return None
+
+
+def take_hold(run_dir: Path):
+    """Hold `run_dir` for this process's job (released when it ends) and remove what a killed job left half-written."""
+    hold = acquire(run_dir)
+    run_files.remove_temporary_files(run_dir)  # half-written files of a killed job: nobody else writes here
+    return hold
+
+
+def finish_finished_run(stages: list[Stage], config: Config, world: World, record: dict) -> int:
+    """The same command relaunched on a finished run (src/run_safety/finished_run.py): rank 0 redoes the pages of the
+    run's end (report and plots, index, model cards: a kill may have interrupted them), makes the copies asked for
+    that the run does not record (--final_model_dir, --push_to_hub), and releases the hold; one line says the run is
+    finished; nothing trains, no process group starts. A --dry_run writes nothing; run_distributed.sh's preflight does
+    it all, then tells the launcher that no worker needs to start."""
+    stage = stages[-1]
+    launcher_preflight = config.training.dry_run and os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1"
+    if world.is_main and (launcher_preflight or not config.training.dry_run):
+        hold = take_hold(stage.run_dir) if launcher_preflight else None
+        publish_end(stage, announce=False)
+        make_copies(stage, config)
+        if hold is not None:
+            hold.release()
+    print0(f"  {finished_line(stage.run_dir, record, report_verdict(stage.run_dir))}")
+    if launcher_preflight:
+        launcher_exit.record_finished()
+    return 0
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -633,13 +711,17 @@ def run(argv: list[str] | None = None) -> int:
     for note in check_trackers(config.training.report_to):
         print0(f"  {note}")
     stages = plan_stages(config, world, devices)
-    hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
+    hold = hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
+    # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
+    overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    finished = check_earlier_run(stages, overwrite)
+    if finished:
+        return finish_finished_run(stages, config, world, finished)
+    if hold is not None and hold.took_over:  # said only for a run that goes on: a finished one says one line
+        print0(f"  {stages[-1].run_dir}: took over the hold of a job that is gone ({hold.took_over})")
     if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
         watch(world, config.training.node_timeout, lambda: next(filter(None, (
             newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
-    # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
-    overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    check_earlier_run(stages[-1].run_dir, overwrite)
     for stage in stages:
         check_source(stage.config.data, stage.name)
     hub_names = hub_sources(config, stages)
@@ -679,6 +761,8 @@ def run(argv: list[str] | None = None) -> int:
             dpo_start = model_path  # --round_reference start: every round's reference
         if stage is not stages[-1] and earlier.get("status") == Status.COMPLETED:
             print0(f"\n== {stage_title(stage)} → {stage.run_dir}: finished in an earlier launch, reused")
+            if world.is_main:  # its pages, which a kill after it finished may have left unwritten
+                publish_end(stage, announce=False)
             previous = {"stage": stage.label, "run_dir": str(stage.run_dir), "judge": earlier.get("judge"),
                         "model_path": earlier.get("merged_model", earlier["final_model"])}
         else:
@@ -686,10 +770,8 @@ def run(argv: list[str] | None = None) -> int:
                 previous = run_stage_or_round(stage, model_path, tokenizer, prepared, world, previous, dpo_start)
         model_path = previous["model_path"]  # the next stage starts from this one's model
     finish()
-    if config.training.final_model_dir and world.is_main:
-        export_final_model(stages[-1], Path(config.training.final_model_dir))
-    if config.hub.push_to_hub and world.is_main:
-        push_final_model(stages[-1], config)
+    if world.is_main:
+        make_copies(stages[-1], config)
     return 0
 
 

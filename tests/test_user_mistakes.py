@@ -188,9 +188,17 @@ def _mixed_split_files(ws: Workspace) -> list[str]:
 
 
 def _finished_run(ws: Workspace) -> list[str]:
-    run_dir = ws.root / "results" / "done"
-    run_dir.mkdir(parents=True)
-    (run_dir / "training_info.json").write_text('{"status": "completed"}')
+    """A run finished with --beta 0.5, relaunched without it: what the finished run recorded, made as a run makes it."""
+    from src.config import Devices, World, parse_config
+    from src.main_distributed import data_locations, git_commit, plan_stages
+    from src.run_safety.finished_run import data_fingerprint
+
+    (stage,) = plan_stages(parse_config(ws.args(run_name="done", beta="0.5")), World.from_environment(),
+                           Devices.detect())
+    stage.run_dir.mkdir(parents=True)
+    (stage.run_dir / "training_info.json").write_text(json.dumps({
+        "status": "completed", "config": stage.config.flat(), **stage.plan.as_dict(), "git_commit": git_commit(),
+        "data_fingerprint": data_fingerprint(data_locations(stage))}, default=str))
     return ws.args(run_name="done")
 
 
@@ -237,8 +245,8 @@ MISTAKES = [
             lambda ws: _recipe(ws, "lerning_rate: 1e-4\n")),
     Mistake("unknown_tracker", "An unknown `--report_to` tracker", "--report_to nope: not a supported tracker",
             lambda ws: ws.args(report_to="nope")),
-    Mistake("finished_run", "A `--run_name` that already holds a finished run", "already holds a finished run: pass "
-            "--overwrite", _finished_run),
+    Mistake("finished_run", "A `--run_name` that already holds a finished run of another configuration", "already "
+            "holds a finished run of another configuration (beta: 0.5 → 0.1): pass --overwrite", _finished_run),
     Mistake("unknown_scheduler", "An `--lr_scheduler_type` transformers does not have (`cosin`)",
             "'lr_scheduler_type' must be one of linear, cosine", lambda ws: ws.args(lr_scheduler_type="cosin")),
     Mistake("unknown_choice_of_trl", "A value a TRL option does not have (`--optim adamw_torchh`)",

@@ -530,6 +530,13 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
     return report, alerts
 
 
+def report_verdict(run_dir: str | Path) -> str | None:
+    """report.md's one-sentence `**Verdict:**` line (without its label), or None without a report."""
+    path = Path(run_dir) / REPORT
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return next((line.removeprefix("**Verdict:** ") for line in lines if line.startswith("**Verdict:** ")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. results/<run_name>")

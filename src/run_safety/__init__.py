@@ -3,6 +3,8 @@
 - checkpoints.py   complete checkpoints only (a `.complete` marker once every rank has saved), resume from the newest
 - stops.py         SIGTERM/SIGINT → a clean stop at the end of the step; a NaN/inf → TrainingDiverged; run Status
 - run_lock.py      one job per run directory (a hold file with a heartbeat, NFS-safe)
+- finished_run.py  the same command on a finished run finishes its end and exits 0; another one is refused, naming
+                   what differs
 - build_once.py    build-once directories (embedded model, tokenized data) before any process group exists
 - disk_space.py    what a run will write vs free space (the space check); a failed write → one line, exit 5
 - node_watch.py    a lost node of a multi-node job → the survivors stop in --node_timeout, exit 6

@@ -7,7 +7,7 @@ from enum import IntEnum
 
 
 class ExitStatus(IntEnum):
-    DONE = 0
+    DONE = 0             # finished; also the same command relaunched on a finished run (src/run_safety/finished_run.py)
     USER_ERROR = 2       # one `error:` line: a flag, file, row, model, a held run directory, no room on the disk
     DIVERGED = 4         # NaN/inf loss or gradient (src/run_safety/stops.py)
     WRITE_FAILED = 5     # no space left, quota, I/O error while writing (src/run_safety/disk_space.py); resumable

@@ -8,6 +8,10 @@ disk (5), a lost node (6). For those, each worker under the launcher records its
 (PREFKIT_EXIT_DIR, one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded
 status. A worker that torchrun restarts anyway (another rank crashed on the way out) finds the recorded status and exits 0 at
 once. Outside the launcher (plain torchrun, python -m src.main_distributed), exit statuses are unchanged.
+
+The launcher's preflight (one process, before torchrun) also finds a run that is already finished, relaunched by the
+same command (src/run_safety/finished_run.py): it finishes the run's end itself and records FINISHED, and the launcher
+exits 0 without starting torchrun.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 from src.run_safety.exit_status import FINAL
 
+FINISHED = "finished"  # the preflight's record: the run is finished, no worker needs to start
 
 
 def _directory() -> Path | None:
@@ -51,3 +56,13 @@ def recorded() -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def record_finished() -> bool:
+    """The launcher's preflight: the run is already finished (and its end finished too), so the launcher starts no
+    worker and exits 0. True when recorded (only under run_distributed.sh)."""
+    directory = os.environ.get("PREFKIT_EXIT_DIR")
+    if not directory or "TORCHELASTIC_RUN_ID" in os.environ or not Path(directory).is_dir():
+        return False
+    (Path(directory) / FINISHED).write_text("0\n")
+    return True

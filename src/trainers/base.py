@@ -22,6 +22,14 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
                 callback.on_model_wrapped(model)
         return model, train_dataloader
 
+    def _run_epoch(self, *args, **kwargs):
+        # Resumed from the final checkpoint (a kill after training finished): nothing is left to train. transformers
+        # would train one more step when the last step falls mid-epoch (it skips the trained batches, then steps).
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
         for callback in self.callback_handler.callbacks:

@@ -19,11 +19,16 @@ class MetricsRecorder(TrainerCallback):
     def __init__(self, metrics_path: Path):
         self.metrics_path = Path(metrics_path)
         self.started = time.monotonic()
+        self.start_step = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.monotonic()
+        self.started, self.start_step = time.monotonic(), state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        # Resumed from the final checkpoint, nothing trained: the end record of the launch that trained stands.
+        if "train_runtime" in (logs or {}) and state.global_step == self.start_step and \
+                self._ended_at(state.global_step):
+            return
         if state.is_world_process_zero and logs:
             record = {"step": state.global_step, "epoch": state.epoch, "time_s": round(time.monotonic() - self.started, 3)}
             record.update(logs)
@@ -31,6 +36,11 @@ class MetricsRecorder(TrainerCallback):
                 run_files.append_jsonl(self.metrics_path, record)
             except OSError as error:
                 note_write_failure(error, self.metrics_path.parent)
+
+
+    def _ended_at(self, step: int) -> bool:
+        return any("train_runtime" in record and record.get("step") == step
+                   for record in run_files.read_jsonl(self.metrics_path))
 
 
 class ConsoleLog(TrainerCallback):
