@@ -200,3 +200,12 @@ def test_answers_that_grew_looped_and_were_cut_are_alerted_and_steady_ones_are_n
     steady = answers_audit([_sample(10, 11) for _ in range(20)])
     assert audit_alerts({"stage": "dpo", "answers": {"test": steady}}) == []
     assert answers_audit([{"reference_answer": "a", "trained_answer": "b"}]) is None  # a run from before the audit
+
+
+def test_a_judge_that_fails_on_the_datas_own_pairs_is_one_line(tmp_path, capsys, preference_file):
+    status = audit_main(["--stage", "dpo", "--dataset_name", str(preference_file), "--results_dir",
+                         str(tmp_path / "results"), "--judge", "tests.round_judges:not_a_number"])
+    error = capsys.readouterr().err
+    lines = [line for line in error.splitlines() if line.startswith("error")]  # (a first use builds the embedded
+    assert status == 2 and len(lines) == 1 and "Traceback" not in error, error  # model: its progress bar)
+    assert lines[0].startswith("error: data audit: judge tests.round_judges:not_a_number, prompt 'what color is the sea")

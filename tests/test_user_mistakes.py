@@ -373,6 +373,8 @@ MISTAKES = [
     # On-policy rounds
     Mistake("rounds_without_judge", "`--rounds` on data no judge knows, without `--judge`", "--rounds needs a judge to "
             "rank each prompt's answers", lambda ws: ws.args(rounds="2")),
+    Mistake("audit_judge_pairs_negative", "`--audit_judge_pairs -1`", "--audit_judge_pairs must be 0 or more",
+            lambda ws: ws.args(audit_judge_pairs="-1")),
     Mistake("rounds_one_sample", "`--round_samples 1`: no pair can be formed", "--round_samples must be at least 2",
             lambda ws: ws.args(rounds="1", round_samples="1", judge="json:loads")),
     Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",
