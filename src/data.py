@@ -31,6 +31,7 @@ from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, spl
 from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
 from src.progress import Progress
 from src.run_safety.build_once import build_once
+from src.run_safety.disk_space import fail_write_if_injected
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
@@ -1109,8 +1110,11 @@ def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     import datasets
 
     key = prepared_key(data, sft, stage, seed, tokenizer)
-    target = build_once(Path(cache_dir) / f"{stage}-{key}",
-                        lambda temporary: _build(temporary, data, sft, stage, seed, tokenizer))
+    def build(temporary: Path) -> None:
+        fail_write_if_injected(Path(cache_dir) / f"{stage}-{key}")
+        _build(temporary, data, sft, stage, seed, tokenizer)
+
+    target = build_once(Path(cache_dir) / f"{stage}-{key}", build)
     summary = json.loads((target / SUMMARY_FILE).read_text())
     splits = datasets.DatasetDict({kind: _open_split(target, kind) for kind in summary["splits"]})
     return PreparedData(path=target, splits=splits, summary=summary)

@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from src.config import ConfigError, Plan, World
+from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
 # data preparation never waits on a collective (see src/run_safety/build_once.py), so it does not count against it.
@@ -94,11 +95,22 @@ def any_rank(*flags: bool) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
-def barrier() -> None:
-    import torch.distributed as dist
+def write_failure_on_any_rank() -> str | None:
+    """The one line of a write that failed on any rank (src/run_safety/disk_space.py note_write_failure), agreed by
+    every rank (one all-reduce; a gather only when one failed); None when none did. Every rank must call it."""
+    (failed,) = any_rank(noticed_write_failure() is not None)
+    if not failed:
+        return None
+    return stop_message([failure for (failure,) in gather_objects([noticed_write_failure()])])
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+
+def barrier() -> None:
+    """Every rank waits here for the others, and all stop here together (WriteFailed) when a write failed on any
+    rank since: a barrier is a point every rank meets, so a failure on one rank (rank 0's files) never leaves the
+    others alone in a collective."""
+    message = write_failure_on_any_rank()
+    if message:
+        raise WriteFailed(message)
 
 
 def finish() -> None:

@@ -50,7 +50,8 @@ from src.rounds import round_stage_config, rounds_summary, start_round
 from src.run_safety import launcher_exit
 from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
                                         trim_metrics)
-from src.run_safety.disk_space import WriteFailed, check_space, estimate_writes, write_failures_reported
+from src.run_safety.disk_space import (WriteFailed, check_space, estimate_writes, noticed_write_failure, stop_message,
+                                       write_failures_noted, write_failures_reported)
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.finished_run import data_fingerprint, differences, end_step_done, finished_line, refusal
 from src.run_safety.node_watch import watch
@@ -333,7 +334,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     total_steps = planned_steps(len(prepared.train), plan, config)
     warnings = silent_no_op_warnings(stage.name, config, plan)
     if world.is_main:
-        open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
+        with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
+            open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
@@ -378,7 +380,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     if world.is_main and stage.name == "dpo":
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
-        run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
+        with write_failures_noted(stage.run_dir):
+            run_files.update_json(info_path, reference_log_probs=trainer.reference_cache)
         for split, outcome in trainer.reference_cache.items():
             print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
                    f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
@@ -390,10 +393,12 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
-        run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value))
+        with write_failures_noted(stage.run_dir):
+            run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value))
     if resume_from:
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    barrier()  # a write that failed after the last step's check (the last metrics line, the live report) stops here
     stop_if_interrupted(trainer, stage, info_path, world)
     end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
 
@@ -405,12 +410,13 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     outcome = {"stage": stage.label, "run_dir": str(stage.run_dir), "model_path": saved.get("merged_model",
                                                                                               saved["final_model"])}
-    if world.is_main:
-        judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
-        judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
-                       for split, scores in pairs_after.items()})
-        end_step_done("samples")
-        outcome.update(close_stage_record(stage, trainer, trackers, judged, saved, started))
+    if world.is_main:  # rank 0's files: a failed write stops every rank at the barrier below
+        with write_failures_noted(stage.run_dir):
+            judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
+            judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
+                           for split, scores in pairs_after.items()})
+            end_step_done("samples")
+            outcome.update(close_stage_record(stage, trainer, trackers, judged, saved, started))
     barrier()
     return outcome
 
@@ -436,8 +442,9 @@ def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[
     if sft_forward["warning"]:
         print0(f"  warning: {sft_forward['warning']}")
     if world.is_main:
-        run_files.update_json(info_path, sft_forward=sft_forward,
-                              warnings=warnings + ([sft_forward["warning"]] if sft_forward["warning"] else []))
+        with write_failures_noted(info_path.parent):
+            run_files.update_json(info_path, sft_forward=sft_forward,
+                                  warnings=warnings + ([sft_forward["warning"]] if sft_forward["warning"] else []))
     return sft_forward
 
 
@@ -507,8 +514,9 @@ def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world
     if world.is_main:
         estimate = estimate_writes(trainer.model, trainer.args, total_steps, merge, stage.output_dir)
         space_check = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
-        run_files.update_json(stage.run_dir / run_files.TRAINING_INFO,
-                              disk_estimate={"bytes": estimate.total, "breakdown": estimate.breakdown()})
+        with write_failures_noted(stage.run_dir):
+            run_files.update_json(stage.run_dir / run_files.TRAINING_INFO,
+                                  disk_estimate={"bytes": estimate.total, "breakdown": estimate.breakdown()})
     error, warning = gather_objects([space_check])[0][0]
     if warning:
         print0(f"  warning: {warning}")
@@ -740,8 +748,10 @@ def run(argv: list[str] | None = None) -> int:
     check_model_inputs(model_path, config, tokenizer, stages)
     check_dpo_forward(stages, model_path)
     # Every stage's data is checked and tokenized now, before any process group or model exists.
-    prepared = {stage.name: prepare_data(stage.config.data, stage.config.sft, stage.name, stage.config.training.seed,
-                                         tokenizer, cache_root() / "datasets") for stage in stages}
+    with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
+        prepared = {stage.name: prepare_data(stage.config.data, stage.config.sft, stage.name,
+                                             stage.config.training.seed, tokenizer, cache_root() / "datasets")
+                    for stage in stages}
     if config.training.dry_run:
         if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
             return 0  # run_distributed.sh's preflight: the workers print the plan
@@ -801,11 +811,22 @@ def exit_status(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
-    except WriteFailed as error:  # every rank raises it (src/run_safety/disk_space.py); rank 0 says it
+    except WriteFailed as error:  # every rank raises it together (src/distributed.py barrier); rank 0 says it
         if debug:
             raise
-        print0(f"error: {error}", file=sys.stderr)
+        if error.alone or World.from_environment().is_main:  # alone: no other rank knows of it
+            print(f"error: {error}", file=sys.stderr, flush=True)
         return ExitStatus.WRITE_FAILED
+    except Exception:
+        # A stop already chosen (a write that failed here, or another rank's recorded exit status): this error is its
+        # echo (a peer gone from a collective: gloo's "Connection closed by peer"), not news. One line, no traceback.
+        chosen, failure = launcher_exit.recorded(), noticed_write_failure()
+        if debug or (chosen is None and failure is None):
+            raise
+        if failure is not None:
+            print(f"error: {stop_message([failure])}", file=sys.stderr, flush=True)
+            return ExitStatus.WRITE_FAILED
+        return chosen
 
 
 if __name__ == "__main__":

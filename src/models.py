@@ -16,7 +16,9 @@ import re
 from pathlib import Path
 
 from src.config import EMBEDDED, ConfigError, ModelArguments, Plan, World
+from src.distributed import barrier
 from src.embedded.model import ensure_embedded_model
+from src.run_safety.disk_space import fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
 class ModelError(ValueError):
@@ -371,18 +373,23 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
     from peft import PeftModel
 
     final_dir = output_dir / "final"
-    trainer.save_model(str(final_dir))
     paths = {"final_model": str(final_dir)}
+    # Rank 0's failed write is noted, not raised alone: every rank stops together at the barrier below.
+    with write_failures_noted(final_dir):
+        if is_main:
+            fail_write_if_injected(final_dir / "model.safetensors")
+        trainer.save_model(str(final_dir))
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if is_main:
-        tokenizer.save_pretrained(final_dir)
-        if isinstance(model, PeftModel):
-            verify_adapter(final_dir, model)
-        if merge_adapter and isinstance(model, PeftModel):
-            merged_dir = output_dir / "merged"
-            merged = model.merge_and_unload(safe_merge=True)
-            merged.save_pretrained(merged_dir)
-            tokenizer.save_pretrained(merged_dir)
-            paths["merged_model"] = str(merged_dir)
-    trainer.accelerator.wait_for_everyone()
+    if is_main and noticed_write_failure() is None:
+        with write_failures_noted(final_dir):
+            tokenizer.save_pretrained(final_dir)
+            if isinstance(model, PeftModel):
+                verify_adapter(final_dir, model)
+            if merge_adapter and isinstance(model, PeftModel):
+                merged_dir = output_dir / "merged"
+                merged = model.merge_and_unload(safe_merge=True)
+                merged.save_pretrained(merged_dir)
+                tokenizer.save_pretrained(merged_dir)
+                paths["merged_model"] = str(merged_dir)
+    barrier()
     return paths

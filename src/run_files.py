@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from src.run_safety.disk_space import fail_write_if_injected
+
 TRAINING_INFO = "training_info.json"
 METRICS = "metrics.jsonl"
 
@@ -57,6 +59,7 @@ def dumps(value: Any) -> str:
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     line = dumps(record) + "\n"
+    fail_write_if_injected(path)
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(line)
         handle.flush()
@@ -85,8 +88,13 @@ def write_json(path: str | os.PathLike, value: Any) -> None:
     """Write through a temporary file and rename, so a reader never sees half a file."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    temporary.write_text(json.dumps(_encode(value), indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    try:
+        fail_write_if_injected(path)
+        temporary.write_text(json.dumps(_encode(value), indent=2, allow_nan=False, default=str) + "\n",
+                             encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # a failed write (a full disk) gives its space back
 
 
 def remove_temporary_files(run_dir: str | os.PathLike) -> list[Path]:
@@ -119,6 +127,7 @@ def atomic_path(path: str | os.PathLike):
     path = Path(path)
     temporary = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
     try:
+        fail_write_if_injected(path)
         yield temporary
         os.replace(temporary, path)
     finally:

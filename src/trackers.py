@@ -25,6 +25,7 @@ from src import run_files
 from src.config import TRACKERS, ConfigError
 from src.hub_access import reachable
 from src.reporting.report import final_numbers_table, setup_table
+from src.run_safety.disk_space import fail_write_if_injected
 
 WANDB_QUIET_MODES = ("offline", "disabled", "dryrun")
 
@@ -162,6 +163,7 @@ def _tracker_record_class() -> type:
                 return
             info = run_files.read_json(self.info_path)
             if "tensorboard" in self.report_to:
+                fail_write_if_injected(Path(self.tensorboard_dir or ".") / "events.out.tfevents")
                 with self._tensorboard_writer() as writer:
                     writer.add_text("prefkit/setup", "\n".join(setup_table(info)))
                     writer.add_text("prefkit/training_info", _markdown_json(info))

@@ -111,6 +111,69 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
     assert info["resumes"][0]["from_step"] == int(newest.name.split("-")[1]), (tmp_path / "relaunched.txt").read_text()
 
 
+# A failed write at each site, injected (PREFKIT_TEST_FAIL_WRITE: src/run_safety/disk_space.py fail_write_if_injected),
+# one launch each: every launch but the first resumes from what the previous one's line named, and fails at the next
+# site. (what, which write fails: file-name glob[@rank][#n-th write of that process], more environment)
+FAILING_WRITES = [
+    ("the prepared-data cache (the launcher's preflight)", "dpo-*", {}),
+    ("metrics.jsonl (rank 0, between two steps' checks)", "metrics.jsonl#6", {}),
+    ("rank 1's share of a checkpoint (its RNG state)", "rng_state_1.pth@1#2", {}),
+    ("the trainer state (a checkpoint's last write)", "trainer_state.json#2", {}),
+    ("the live report (rank 0, at the step after a checkpoint)", "report.md", {"PREFKIT_LIVE_REPORT_SHARE": "1e9"}),
+    ("a tracker's files (TensorBoard, rank 0, before the first step)", "events.out.tfevents*", {}),
+    ("training_info.json (rank 0, before the stage's first barrier)", "training_info.json", {}),
+    ("the reference log-probs cache (rank 0, between TRL's collectives)", "cache-*.arrow", {}),
+    ("the held-out samples (rank 0, after training)", "samples_*.jsonl", {}),
+]
+
+
+def test_a_failed_write_at_any_site_stops_every_rank_in_one_line_and_the_relaunch_resumes(tiny_model, tmp_path):
+    """Deterministic: each site in turn, on 2 processes under the launcher; exit 5, the one line, no traceback from
+    any rank, no torchrun restart, no incomplete checkpoint, and the next launch resumes from the one the line names."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
+    results, run_dir = tmp_path / "results", tmp_path / "results" / "job"
+    args = job_args(tiny_model, data, results, steps=24, save_steps=4) + [
+        "--report_to", "tensorboard", "--precompute_ref_log_probs", "true"]
+    named_step = None  # the step of the checkpoint the previous launch's line said a relaunch resumes from
+    for index, (what, spec, environment) in enumerate(FAILING_WRITES):
+        if spec == "cache-*.arrow":  # the cache the earlier launches wrote beside the prepared data: written again
+            for cache in (Path(os.environ["PREFKIT_CACHE"]) / "datasets").glob("dpo-*/cache-*.arrow"):
+                cache.unlink()
+        log = tmp_path / f"launch-{index}.txt"
+        launch = start_launcher(args, log, PREFKIT_TEST_FAIL_WRITE=spec, **environment)
+        try:
+            status = launch.wait(timeout=300)
+        finally:
+            os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
+        output = log.read_text()
+        assert status == ExitStatus.WRITE_FAILED, f"{what}: exit {status}\n{output[-4000:]}"
+        assert "Traceback" not in output and "ChildFailedError" not in output, f"{what}:\n{output[-4000:]}"
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "failed: no space left on device (" in errors[0], f"{what}:\n{output[-4000:]}"
+        assert "restart" not in output.lower() and output.rstrip().endswith(errors[0]), f"{what}:\n{output[-4000:]}"
+        if named_step is not None:
+            resumes = run_files.read_json(run_dir / run_files.TRAINING_INFO)["resumes"]
+            assert resumes[-1]["from_step"] == named_step, f"{what}: resumed {resumes[-1]}, not {named_step}"
+        newest = newest_complete_checkpoint(run_dir / "model")
+        if newest is None:
+            assert "no complete checkpoint was saved yet, so a relaunch starts afresh" in errors[0], errors[0]
+        else:
+            assert f"resumes from {newest} (step {newest.name.split('-')[1]})" in errors[0], errors[0]
+            assert all((path / COMPLETE_MARKER).exists() for path in (run_dir / "model").glob("checkpoint-*"))
+        named_step = int(newest.name.split("-")[1]) if newest else None
+    assert named_step == 24, "the last site fails after training, with the last checkpoint complete"
+
+    log = tmp_path / "finished.txt"
+    finished = start_launcher(args, log)
+    try:
+        assert finished.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        os.killpg(finished.pid, signal.SIGKILL) if finished.poll() is None else None
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert info["status"] == "completed" and info["resumes"][-1]["from_step"] == 24, info["resumes"]
+    assert sorted(train_losses(run_dir)) == list(range(1, 25)), "every step logged once, none lost"
+
+
 def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_model, tmp_path, small_filesystem):
     """Without torchrun: the exit status is ExitStatus.WRITE_FAILED; --debug shows the traceback."""
     small = small_filesystem("4m")

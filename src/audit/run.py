@@ -20,6 +20,7 @@ from src.audit.judged import INVERTED_FILE, judge_pairs
 from src.audit.reference import reference_audit
 from src.data import source_rows
 from src.distributed import print0
+from src.run_safety.disk_space import write_failures_noted
 from src.reporting.formatting import format_number, format_percent
 
 JUDGE_FIELDS = ("judge", "judged_pairs", "judge_inverted_share", "judge_tie_share", "inverted_pairs_file")
@@ -57,9 +58,10 @@ def judge_training_pairs(judge, prepared, stage, world) -> None:
     if not world.is_main:
         return
     path = stage.run_dir / INVERTED_FILE
-    run_files.write_text(path, "".join(run_files.dumps(row) + "\n" for row in inverted))
     audit["inverted_pairs_file"] = INVERTED_FILE
-    _update_train(stage.run_dir / run_files.TRAINING_INFO, audit)
+    with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the next barrier
+        run_files.write_text(path, "".join(run_files.dumps(row) + "\n" for row in inverted))
+        _update_train(stage.run_dir / run_files.TRAINING_INFO, audit)
     print0(f"  data audit: {audit['judge']} ranks {format_percent(audit['judge_inverted_share'])} of "
            f"{audit['judged_pairs']:,} training pairs the other way and ties {format_percent(audit['judge_tie_share'])}"
            f" ({audit['judge_seconds']} s){f'; listed in {path}' if inverted else ''}")
@@ -70,7 +72,8 @@ def reference_part(dataset, stage, max_length: int | None) -> None:
     audit = reference_audit(dataset, max_length)
     if audit is None:
         return
-    _update_train(stage.run_dir / run_files.TRAINING_INFO, audit)
+    with write_failures_noted(stage.run_dir):
+        _update_train(stage.run_dir / run_files.TRAINING_INFO, audit)
     print0(f"  data audit: the reference ranks {format_percent(audit['reference_agreement'])} of training pairs the "
            f"labels' way ({format_percent(audit['reference_agreement_per_token'])} per token), median margin "
            f"{audit['reference_margin']['median']}")

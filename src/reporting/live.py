@@ -12,7 +12,8 @@ that come too fast fold into the next refresh. PREFKIT_LIVE_REPORT_SHARE overrid
 reported to the throughput meter as a pause (it is not training) and the totals go to training_info.json
 (`live_report`).
 Safety: every file is replaced atomically (src/run_files.py), so a reader, or a run that crashes mid-refresh, keeps
-the previous complete report; a refresh that fails prints one warning and training goes on.
+the previous complete report; a refresh that fails prints one warning and training goes on, unless a write failed
+(a full disk, a quota, an I/O error): then the run stops on every rank in one line (src/run_safety/disk_space.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable
 from transformers import TrainerCallback
 
 from src.progress import eta_seconds
+from src.run_safety.disk_space import write_failure_errno
 from src.reporting.report import ReportError, build_report
 from src.reporting.status import Live
 
@@ -91,6 +93,8 @@ class LiveReport(TrainerCallback):
         except ReportError:
             pass  # nothing logged yet: the next evaluation or interval tries again
         except Exception as error:  # a report must never stop a run: say it once and carry on without
+            if write_failure_errno(error, self.run_dir) is not None:
+                raise  # but a full disk does: every rank stops at the next step's check (src/trainers/base.py)
             self.failed = True
             print(f"  warning: the live report could not be refreshed ({type(error).__name__}: {error}); training "
                   f"goes on, and the report is built at the end", flush=True)

@@ -11,17 +11,25 @@ write fails anyway (full disk, quota, I/O error).
 - `is_write_failure` / `WriteFailed`: ENOSPC, EDQUOT or EIO, as an OSError or as the text safetensors and torch wrap
   them in, becomes one line naming the directory, its free space and the newest complete checkpoint a relaunch
   resumes from: exit status ExitStatus.WRITE_FAILED (5), no traceback (--debug shows it).
+- `note_write_failure` / `write_failures_noted`: a failed write is never raised on one rank alone; it is noted (and
+  the launcher's exit status recorded) until the next point every rank meets (src/distributed.py `barrier`, the
+  per-step StopConditions, a checkpoint's agreement), where every rank stops together (docs/reliability.md).
+- `fail_write_if_injected`: the test seam (PREFKIT_TEST_FAIL_WRITE) that fails a chosen write as a full disk does.
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
+import os
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from src.run_safety import launcher_exit
 from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
+from src.run_safety.exit_status import ExitStatus
 
 WARN_FRACTION = 0.8  # beyond this share of the free space, logs, reports and tracker files may not fit
 _FAILED_WRITES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -33,7 +41,13 @@ _FAILED_WRITE_TEXT = {"no space left on device": errno.ENOSPC, "storagefull": er
 
 
 class WriteFailed(RuntimeError):
-    """A write to the results failed on some rank: every rank stops with this one line."""
+    """A write to the results failed on some rank: every rank stops with this one line. `alone`: raised by the rank
+    whose write failed, without the others' agreement (a process without peers, or a write outside the points they
+    meet): that rank says the line, not rank 0."""
+
+    def __init__(self, message: str, alone: bool = False):
+        super().__init__(message)
+        self.alone = alone
 
 
 def format_bytes(count: float) -> str:
@@ -154,36 +168,82 @@ def write_failure_errno(error: BaseException, directory: Path) -> int | None:
     return number
 
 
-def write_failed_message(number: int, directory: Path, output_dir: Path) -> str:
+def write_failed_message(number: int, directory: Path, output_dir: Path, free: int | None = None) -> str:
+    """The one line: what failed, where, the free space there (`free` as it was then; now when not given), and the
+    newest complete checkpoint a relaunch resumes from."""
     newest = newest_complete_checkpoint(output_dir)
     resume = (f"a relaunch of the same command resumes from {newest} (step {checkpoint_step(newest)})" if newest
               else "no complete checkpoint was saved yet, so a relaunch starts afresh")
     advice = ("free space, lower --save_total_limit or move --results_dir, then relaunch"
               if number != errno.EIO else "check the storage, then relaunch")
-    return (f"writing to {directory} failed: {_FAILED_WRITES[number]} ({format_bytes(free_bytes(directory))} free "
+    free = free_bytes(directory) if free is None else free
+    return (f"writing to {directory} failed: {_FAILED_WRITES[number]} ({format_bytes(free)} free "
             f"there); {resume}: {advice}")
 
 
-_pending: list[tuple[int, Path]] = []  # a failed write noticed outside a collective, for the next step's agreement
+@dataclass
+class Failure:
+    """A failed write this rank noticed: what failed, where, the free space there at that moment, and where the
+    stage's checkpoints go (what a relaunch resumes from)."""
+
+    number: int
+    directory: Path
+    free: int
+    output_dir: Path
+
+    def message(self) -> str:
+        return write_failed_message(self.number, self.directory, self.output_dir, self.free)
+
+
+_noticed: list[Failure] = []  # this rank's first failed write, until every rank agrees to stop on it
+_output_dirs: list[Path] = []  # where the checkpoints of the stage being run go (write_failures_reported)
 
 
 def note_write_failure(error: BaseException, directory: Path) -> None:
-    """Remember a failed write (rank 0's metrics line) instead of raising it alone: StopConditions stops every rank
-    at the end of the next step. Anything else is raised."""
+    """Remember a failed write instead of raising it on this rank alone, so this rank still reaches the next point
+    every rank meets (the per-step stop check, a checkpoint's agreement, a barrier: src/distributed.py), where all
+    stop together with WriteFailed. The launcher's exit status is recorded at once, so even a peer that dies anyway
+    cannot make torchrun restart the job (src/run_safety/launcher_exit.py). Anything else is raised."""
+    if isinstance(error, WriteFailed):
+        raise error
+    filename = getattr(error, "filename", None)
+    directory = Path(filename).parent if filename else Path(directory)
     number = write_failure_errno(error, directory)
     if number is None:
         raise error
-    if not _pending:
-        _pending.append((number, Path(directory)))
+    if not _noticed:
+        try:
+            free = free_bytes(directory)
+        except OSError:
+            free = 0
+        _noticed.append(Failure(number, directory, free, _output_dirs[-1] if _output_dirs else directory))
+        launcher_exit.record(ExitStatus.WRITE_FAILED)
 
 
-def pending_write_failure() -> tuple[int, Path] | None:
-    return _pending[0] if _pending else None
+def noticed_write_failure() -> Failure | None:
+    return _noticed[0] if _noticed else None
+
+
+@contextmanager
+def write_failures_noted(directory: Path):
+    """A block of writes on some ranks only (rank 0's files): a failed write inside ends the block and is noted
+    (note_write_failure) for the next point every rank meets, instead of raising on this rank alone."""
+    try:
+        yield
+    except Exception as error:
+        note_write_failure(error, directory)
+
+
+def stop_message(failures: list[Failure | None]) -> str:
+    """The one line for every rank's noticed failures (in rank order): the first rank's that failed."""
+    return next(failure for failure in failures if failure).message()
 
 
 @contextmanager
 def write_failures_reported(output_dir: Path):
-    """A failed write anywhere inside becomes WriteFailed's one line (the original stays its cause, for --debug)."""
+    """A failed write anywhere inside becomes WriteFailed's one line (the original stays its cause, for --debug).
+    `output_dir`: where the stage's checkpoints go, named in the line as what a relaunch resumes from."""
+    _output_dirs.append(Path(output_dir))
     try:
         yield
     except WriteFailed:
@@ -194,4 +254,25 @@ def write_failures_reported(output_dir: Path):
         number = write_failure_errno(error, directory)
         if number is None:
             raise
-        raise WriteFailed(write_failed_message(number, directory, output_dir)) from error
+        raise WriteFailed(write_failed_message(number, directory, output_dir), alone=True) from error
+    finally:
+        _output_dirs.pop()
+
+
+# The test seam (tests/test_disk_space.py): PREFKIT_TEST_FAIL_WRITE="<glob>[@<rank>][#<n>]" makes the n-th write (the
+# first by default) of this process to a file whose name matches <glob>, on that rank (any by default), fail as a full
+# disk does (ENOSPC), at each write site the one-line stop covers. Unset (always, outside tests), it costs one lookup.
+_injected: dict[str, int] = {}
+
+
+def fail_write_if_injected(path: Path) -> None:
+    wanted = os.environ.get("PREFKIT_TEST_FAIL_WRITE")
+    if not wanted:
+        return
+    pattern, _, occurrence = wanted.partition("#")
+    pattern, _, rank = pattern.partition("@")
+    if rank and rank != os.environ.get("RANK", "0") or not fnmatch.fnmatch(Path(path).name, pattern):
+        return
+    _injected[pattern] = _injected.get(pattern, 0) + 1
+    if _injected[pattern] == int(occurrence or 1):
+        raise OSError(errno.ENOSPC, "No space left on device (PREFKIT_TEST_FAIL_WRITE)", str(path))

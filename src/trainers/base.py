@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
+from transformers import TrainerCallback
+
+from src.run_safety.disk_space import write_failures_noted
 from src.trainers.checkpointing import CompleteCheckpointsMixin
 
 
@@ -14,6 +18,11 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     the time spent evaluating and checkpointing shown to the callbacks that keep time (`on_pause(seconds)`),
     and the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
     gradient compression); Trainer's callbacks only ever see the unwrapped model."""
+
+    def train(self, *args, **kwargs):
+        for callback in self.callback_handler.callbacks:
+            note_write_failures(callback, self.args.output_dir)
+        return super().train(*args, **kwargs)
 
     def _prepare_for_training(self, *args, **kwargs):
         model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
@@ -56,6 +65,26 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
             for callback in self.callback_handler.callbacks:
                 if hasattr(callback, "on_pause"):
                     callback.on_pause(time.perf_counter() - started)
+
+
+def note_write_failures(callback, directory) -> None:
+    """Every event of `callback` (the toolkit's, and the trackers' integrations: metrics.jsonl, the live report and
+    its plots, TensorBoard's files) notes a failed write instead of raising it on this rank alone, while the others
+    go on into the next collective: StopConditions stops every rank at the end of the step (a later callback of the
+    same event still runs, so every rank reaches that check)."""
+    if getattr(callback, "_notes_write_failures", False):
+        return
+    for name in dir(TrainerCallback):
+        if name.startswith("on_"):
+            event = getattr(callback, name)
+
+            @functools.wraps(event)
+            def noted(*args, _event=event, **kwargs):
+                with write_failures_noted(directory):
+                    return _event(*args, **kwargs)
+
+            setattr(callback, name, noted)
+    callback._notes_write_failures = True
 
 
 class PairLengthsMixin:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from pathlib import Path
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -13,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
-from src.run_safety.disk_space import WriteFailed, pending_write_failure, write_failed_message
+from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 from src.run_safety.stops import stop_signal
 
 
@@ -47,10 +46,9 @@ class StopConditions(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         signalled, diverged, write_failed = any_rank(stop_signal() is not None, self.non_finite is not None,
-                                                      pending_write_failure() is not None)
-        if write_failed:  # rank 0 could not append a metrics line: every rank stops here, the same way
-            number, directory = next(failure for (failure,) in gather_objects([pending_write_failure()]) if failure)
-            raise WriteFailed(write_failed_message(number, directory, Path(args.output_dir)))
+                                                      noticed_write_failure() is not None)
+        if write_failed:  # a write failed on some rank (rank 0's metrics line, report, tracker): all stop here
+            raise WriteFailed(stop_message([failure for (failure,) in gather_objects([noticed_write_failure()])]))
         if diverged:
             self.diverged_at = state.global_step
             reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]

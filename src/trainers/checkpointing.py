@@ -6,11 +6,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from src.distributed import any_rank, gather_objects
+from src.distributed import barrier, write_failure_on_any_rank
+from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 from src.run_safety.checkpoints import mark_complete
-from src.run_safety.disk_space import WriteFailed, write_failed_message, write_failure_errno
+from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
 class CompleteCheckpointsMixin:
@@ -19,37 +21,27 @@ class CompleteCheckpointsMixin:
     that fails (full disk, quota, I/O error: src/run_safety/disk_space.py) on any rank stops every rank in the same
     collective, with the half-written checkpoint removed and one line naming the newest complete one."""
 
-    _write_failure: tuple[int, Path] | None = None
-
-    def _note_write_failure(self, error: Exception, directory) -> None:
-        number = write_failure_errno(error, directory)
-        if number is None:
-            raise error
-        if self._write_failure is None:
-            self._write_failure = (number, Path(directory))
-
-    # Each piece of a checkpoint save records its failure instead of raising, so this rank still reaches the
+    # Each piece of a checkpoint save notes its failure instead of raising, so this rank still reaches the
     # collectives transformers runs between the pieces (a barrier after the weights when a best model is tracked).
     def save_model(self, output_dir=None, _internal_call=False):
         if not _internal_call:
             return super().save_model(output_dir, _internal_call)
-        try:
-            return super().save_model(output_dir, _internal_call)
-        except Exception as error:
-            self._note_write_failure(error, output_dir)
+        self._save_piece(lambda directory: super(CompleteCheckpointsMixin, self).save_model(directory, True),
+                         output_dir, "model.safetensors")
 
-    def _save_piece(self, save, output_dir) -> None:
-        if self._write_failure is None:  # after one failure the rest of this checkpoint is not attempted
-            try:
+    def _save_piece(self, save, output_dir, name: str) -> None:
+        if noticed_write_failure() is None:  # after one failure the rest of this checkpoint is not attempted
+            with write_failures_noted(output_dir):
+                if self.args.should_save or name.startswith("rng_state"):
+                    fail_write_if_injected(Path(output_dir) / name)
                 save(output_dir)
-            except Exception as error:
-                self._note_write_failure(error, output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        self._save_piece(super()._save_optimizer_and_scheduler, output_dir)
+        self._save_piece(super()._save_optimizer_and_scheduler, output_dir, "optimizer.pt")
 
     def _save_rng_state(self, output_dir):
-        self._save_piece(super()._save_rng_state, output_dir)
+        rank = self.args.process_index
+        self._save_piece(super()._save_rng_state, output_dir, f"rng_state_{rank}.pth")
 
     def _save_checkpoint(self, model, trial):
         limit = self.args.save_total_limit
@@ -57,21 +49,25 @@ class CompleteCheckpointsMixin:
         run_dir = self._get_output_dir(trial=trial)
         checkpoint = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         try:
-            super()._save_checkpoint(model, trial)
-        except Exception as error:  # the trainer state, written after every collective of the save
-            self._note_write_failure(error, checkpoint)
+            with write_failures_noted(checkpoint):  # the trainer state, written after every collective of the save
+                super()._save_checkpoint(model, trial)
+                if self.args.should_save:  # the seam fails it as the save's last write
+                    fail_write_if_injected(checkpoint / TRAINER_STATE_NAME)
         finally:
             self.args.save_total_limit = limit
-        # Every rank's RNG state and shards are on disk, or some rank could not write its share.
-        (failed,) = any_rank(self._write_failure is not None)
-        if failed:
-            number, directory = next(failure for (failure,) in gather_objects([self._write_failure]) if failure)
-            message = write_failed_message(number, directory, Path(run_dir))  # the free space when it failed
+        # Every rank's RNG state and shards are on disk, or some rank could not write its share (or an earlier write
+        # failed since the last step's agreement: rank 0's metrics line).
+        message = write_failure_on_any_rank()
+        if message:
             if self.args.should_save:
                 shutil.rmtree(checkpoint, ignore_errors=True)  # never complete: its space goes back
             raise WriteFailed(message)
         if self.args.should_save:
-            mark_complete(checkpoint)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-        self.accelerator.wait_for_everyone()
+            with write_failures_noted(checkpoint):
+                fail_write_if_injected(checkpoint / COMPLETE_MARKER)
+                mark_complete(checkpoint)
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            if not is_complete(checkpoint):
+                shutil.rmtree(checkpoint, ignore_errors=True)
+        barrier()  # the marker's own failure (rank 0) stops every rank here

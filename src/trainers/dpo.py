@@ -16,13 +16,14 @@ from trl import DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-from src.distributed import any_rank, print0
+from src.distributed import any_rank, barrier, print0
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import (PackedDPOForward, PackedPreferenceCollator, attention_layout, fused_modules,
                             unsupported_reason)
 from src.packed_dpo_support import announce_padded
 from src.progress import Progress
+from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 
 
@@ -113,7 +114,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         try:
             self._same_cache_on_every_machine(dataset)
             before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
-            result = super()._precompute_ref_logps(dataset, name, batch_size)
+            dataset.map = _map_noting_write_failures(dataset.map)  # TRL writes the cache with it (below)
+            try:
+                result = super()._precompute_ref_logps(dataset, name, batch_size)
+            finally:
+                del dataset.map
         finally:
             dataset._fingerprint = original
             self.accelerator = accelerator
@@ -197,6 +202,23 @@ class _LocalMainAccelerator:
     @property
     def is_main_process(self) -> bool:
         return self._accelerator.is_local_main_process
+
+    def wait_for_everyone(self) -> None:
+        barrier()  # after the cache is written: a failed write there stops every rank here, together
+
+
+def _map_noting_write_failures(dataset_map):
+    """Dataset.map as TRL calls it to write the reference log-probs cache (one process per machine): a failed write
+    is noted (src/run_safety/disk_space.py), so that process still reaches the barrier after it, where every rank
+    stops together, instead of raising alone while the others wait there."""
+
+    def map_noted(*args, **kwargs):
+        with write_failures_noted(Path(kwargs.get("cache_file_name") or ".").parent):
+            if kwargs.get("cache_file_name"):
+                fail_write_if_injected(Path(kwargs["cache_file_name"]))
+            return dataset_map(*args, **kwargs)
+
+    return map_noted
 
 
 def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
