@@ -151,9 +151,9 @@ def pytest_xdist_auto_num_workers(config):
 # The files that start the most training processes, longest first: the xdist workers (pytest.ini) take files in
 # collection order, so the long ones start at once and the short ones fill the gaps, instead of one long file
 # starting last and running alone. Measured with --durations (serial, 2 cores): 90-290 s each.
-LONG_FILES = ("test_two_hosts.py", "test_resilience.py", "test_reference_cache.py", "test_finished_run.py",
-              "test_training.py", "test_cli.py", "test_eval_metrics.py", "test_rounds.py", "test_disk_space.py", "test_trackers.py", "test_run_lock.py",
-              "test_ddp_comm_hook.py")
+LONG_FILES = ("test_two_hosts.py", "test_resilience.py", "test_disk_space.py", "test_reference_cache.py",
+              "test_finished_run.py", "test_training.py", "test_cli.py", "test_eval_metrics.py", "test_rounds.py",
+              "test_data_audit.py", "test_trackers.py", "test_run_lock.py", "test_ddp_comm_hook.py")
 
 
 def pytest_collection_modifyitems(config, items):
