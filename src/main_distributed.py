@@ -362,9 +362,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
     before = answer_held_out(model, tokenizer, rows, config, plan, world)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
-    judge = judge_for(config.training.judge, config.data.dataset_name) if rows or data_audit.judged(stage) else None
-    if judge is not None and data_audit.judged(stage):
-        data_audit.judge_training_pairs(judge, prepared, stage, world)
+    if data_audit.judged(stage):
+        data_audit.judge_training_pairs(prepared, stage, world)
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
@@ -412,7 +411,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                                                                               saved["final_model"])}
     if world.is_main:  # rank 0's files: a failed write stops every rank at the barrier below
         with write_failures_noted(stage.run_dir):
-            judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
+            judged = record_samples(stage.run_dir, rows, before, after,
+                                    judge_for(config.training.judge, config.data.dataset_name) if rows else None)
             judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                            for split, scores in pairs_after.items()})
             end_step_done("samples")

@@ -91,12 +91,11 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
                 "On near-identical pairs DPO tends to push the chosen answer's log-prob down with the rejected one "
                 "(rewards/chosen falls): add the SFT term, --loss_type sigmoid sft --loss_weights 1 0.4.",
                 code="data_near_identical"))
-        truncated = max(train.get("chosen_truncated_share") or 0, train.get("rejected_truncated_share") or 0)
-    else:
-        truncated = train.get("truncated_share") or 0
+    truncated = train.get("truncated_share") or 0  # pairs with either answer cut; SFT: sequences
     if truncated >= TRUNCATED:
         alerts.append(Alert(
-            "warning", f"{_percent(truncated)} of training rows are cut by --max_length",
+            "warning", f"{_percent(truncated)} of training {'pairs' if stage in PREFERENCE else 'rows'} are cut by "
+                       "--max_length",
             (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
              f"{_percent(train.get('rejected_truncated_share'))} of pairs" if stage in PREFERENCE else
              f"{_percent(truncated)} of sequences are longer than --max_length"),

@@ -76,8 +76,8 @@ def _stats(values) -> dict:
 
     if not len(values):
         return {"mean": None, "median": None, "p95": None}
-    return {"mean": round(float(np.mean(values)), 2), "median": float(np.median(values)),
-            "p95": float(np.percentile(values, 95))}
+    return {"mean": round(float(np.mean(values)), 2), "median": round(float(np.median(values)), 2),
+            "p95": round(float(np.percentile(values, 95)), 2)}
 
 
 def _share(count, total) -> float | None:
@@ -143,6 +143,7 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
         mean_length_ratio=round(float(chosen.sum() / max(rejected.sum(), 1)), 4) if pairs else None,
         chosen_truncated_share=_share((prompt + chosen > limit).sum(), pairs),
         rejected_truncated_share=_share((prompt + rejected > limit).sum(), pairs),
+        truncated_share=_share((prompt + np.maximum(chosen, rejected) > limit).sum(), pairs),  # either answer cut
         suggested_max_length=_suggested_max_length(prompt + np.maximum(chosen, rejected)),
         overlap_median=round(float(np.median(overlap)), 4) if pairs else None,
         near_identical_share=_share((overlap > NEAR_IDENTICAL).sum(), pairs),

@@ -1,7 +1,7 @@
 """The audit inside a training run: what src/main_distributed.py calls at each step of a stage.
 
     info["data_audit"] = opening(prepared.summary, stage)    # training_info.json as the stage opens
-    judge_training_pairs(judge, prepared, stage, world)       # before training, every rank its share
+    judge_training_pairs(prepared, stage, world)              # before training, every rank its share
     reference_part(trainer.train_dataset, stage, max_length)  # rank 0, once the trainer has the reference log-probs
     info["answers"] = answers_of(run_dir)                     # rank 0, from the samples files the stage wrote
 
@@ -20,6 +20,7 @@ from src.audit.judged import INVERTED_FILE, judge_pairs
 from src.audit.reference import reference_audit
 from src.data import source_rows
 from src.distributed import print0
+from src.judges import judge_for
 from src.run_safety.disk_space import write_failures_noted
 from src.reporting.formatting import format_number, format_percent
 
@@ -49,12 +50,18 @@ def _update_train(info_path: Path, fields: dict) -> None:
     run_files.update_json(info_path, data_audit=audit)
 
 
-def judge_training_pairs(judge, prepared, stage, world) -> None:
-    """The judge part: every rank scores its share of the drawn pairs; rank 0 records it and writes the inverted
-    pairs to data_audit_inverted.jsonl in the run directory."""
+def judge_training_pairs(prepared, stage, world) -> None:
+    """The judge part, with the run's judge (none: nothing): every rank scores its share of the drawn pairs; rank 0
+    records it and writes the inverted pairs to data_audit_inverted.jsonl in the run directory. The judge is let go
+    before training: a reward model does not sit in the GPU's memory beside the policy."""
     config = stage.config
+    judge = judge_for(config.training.judge, config.data.dataset_name)
+    if judge is None:
+        return
     audit, inverted = judge_pairs(judge, prepared.train, source_rows(prepared, "train"), prepared.summary["source"],
                                   config.training.audit_judge_pairs, config.training.seed, world)
+    del judge
+    release_memory()
     if not world.is_main:
         return
     path = stage.run_dir / INVERTED_FILE
@@ -65,6 +72,17 @@ def judge_training_pairs(judge, prepared, stage, world) -> None:
     print0(f"  data audit: {audit['judge']} ranks {format_percent(audit['judge_inverted_share'])} of "
            f"{audit['judged_pairs']:,} training pairs the other way and ties {format_percent(audit['judge_tie_share'])}"
            f" ({audit['judge_seconds']} s){f'; listed in {path}' if inverted else ''}")
+
+
+def release_memory() -> None:
+    """Free what a judge held (a reward model's weights) before the trainer claims the device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def reference_part(dataset, stage, max_length: int | None) -> None:

@@ -35,8 +35,8 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     preference = stage != "sft"
     names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
               "prompts over --max_length (dropped)", "chosen tokens: mean / median / p95",
-              "rejected tokens: mean / median / p95", "chosen longer / shorter / equal", "chosen cut by --max_length",
-              "rejected cut by --max_length", "answers' shared start: median", "near-identical pairs (> 80%)",
+              "rejected tokens: mean / median / p95", "chosen longer / shorter / equal", "pairs cut by --max_length",
+              "chosen cut by --max_length", "rejected cut by --max_length", "answers' shared start: median", "near-identical pairs (> 80%)",
               "prompts also in train"] if preference else
              ["rows", "distinct prompts", "duplicate rows", "empty answers (dropped)", "rows with nothing to learn "
               "after --max_length (dropped)", "tokens: mean / median / p95", "cut by --max_length"])
@@ -50,7 +50,7 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
                       _tokens(item.get("chosen_tokens")), _tokens(item.get("rejected_tokens")),
                       " / ".join(format_percent(item.get(key)) for key in
                                  ("chosen_longer_share", "chosen_shorter_share", "equal_length_share")),
-                      format_percent(item.get("chosen_truncated_share")),
+                      format_percent(item.get("truncated_share")), format_percent(item.get("chosen_truncated_share")),
                       format_percent(item.get("rejected_truncated_share")),
                       format_percent(item.get("overlap_median")), format_percent(item.get("near_identical_share")),
                       "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))]

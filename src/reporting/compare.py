@@ -316,9 +316,7 @@ def audit_rows(runs: list[Run]) -> list[list]:
         length = lambda side: (answered.get(f"length_{side}") or {}).get("mean")  # noqa: E731
         rows.append([run.name, format_number(train.get("pairs")), format_percent(train.get("duplicate_share")),
                      format_percent(train.get("chosen_longer_share")),
-                     format_percent(train.get("truncated_share") if "truncated_share" in train else  # SFT
-                                    max(train.get("chosen_truncated_share") or 0,
-                                        train.get("rejected_truncated_share") or 0) if train else None),
+                     format_percent(train.get("truncated_share")),
                      format_percent(train.get("reference_agreement")), format_percent(train.get("judge_inverted_share")),
                      "n/a" if length("before") is None else f"{length('before'):.1f} → {length('after'):.1f}",
                      format_percent(answered.get("cut_share_after")),
