@@ -274,32 +274,35 @@ def score_held_out_pairs(model, tokenizer, prepared: PreparedData, plan: Plan, w
 
 
 def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
-    """samples_<split>.jsonl on rank 0, and the judged results per split. `before` / `after`: per split, each answer's
-    text and the answer audit's numbers (src/generation.py)."""
+    """samples_<split>.jsonl on rank 0, and the judged results per split. `before` / `after`: per split, each answer as
+    generate_answers gives it (its text and the answer audit's numbers, src/generation.py) or as plain text."""
     results = {}
     for split, rows in rows_by_split.items():
+        answers = {side: [answer if isinstance(answer, dict) else {"text": answer} for answer in given[split]]
+                   for side, given in (("reference", before), ("trained", after))}
         judged = None
         if judge is not None and rows:
             judge_rows = [{"prompt": row["judge_prompt"], "meta": row.get("meta") or {},
                            "chosen": row["sample_chosen"]} for row in rows]
-            judged = judge.judge(judge_rows, [answer["text"] for answer in before[split]],
-                                 [answer["text"] for answer in after[split]])
+            judged = judge.judge(judge_rows, *([answer["text"] for answer in answers[side]]
+                                               for side in ("reference", "trained")))
             results[split] = judged.to_dict()
         path = run_dir / run_files.samples_file(split)
         path.unlink(missing_ok=True)
         for index, row in enumerate(rows):
+            stats = {side: {key: value for key, value in answers[side][index].items() if key != "text"}
+                     for side in answers}
             run_files.append_jsonl(path, {
                 "index": index,
                 "split": split,
                 "prompt": row["sample_prompt"],
-                "reference_answer": before[split][index]["text"],
-                "trained_answer": after[split][index]["text"],
+                "reference_answer": answers["reference"][index]["text"],
+                "trained_answer": answers["trained"][index]["text"],
                 "chosen": row["sample_chosen"],
                 "rejected": row["sample_rejected"],
                 "meta": row.get("meta") or {},
                 "verdict": judged.verdicts[index] if judged else None,
-                "answer_stats": {side: {key: value for key, value in answers[split][index].items() if key != "text"}
-                                 for side, answers in (("reference", before), ("trained", after))},
+                **({"answer_stats": stats} if all(stats.values()) else {}),
             })
     return results
 
@@ -466,8 +469,6 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
     fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
               "live_report": callback(trainer, "LiveReport").summary(),
               "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report
-        fields["rounds"] = rounds_summary(stage.run_dir, stage.round)
     if getattr(trainer, "packed_forward", None) is not None:  # which DPO forward ran, and the tokens it computed
         fields["dpo_forward"] = trainer.packed_forward.summary()
     if compression:
@@ -487,6 +488,8 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
         carried["judge"] = fields["judge"]
     fields["answers"] = data_audit.answers_of(stage.run_dir)
     data_audit.print_answers(fields["answers"])
+    if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report (this
+        fields["rounds"] = rounds_summary(stage.run_dir, stage.round, last=fields)  # one's record is being written)
     trackers.finish(run_files.update_json(info_path, **fields))
     end_step_done("completed")
     publish_end(stage)

@@ -238,15 +238,18 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
     return model, prepared, record
 
 
-def rounds_summary(run_dir: Path, rounds: int) -> list[dict]:
+def rounds_summary(run_dir: Path, rounds: int, last: dict | None = None) -> list[dict]:
     """Every round of a run from its files, the DPO stage as round 0: pairs formed and skipped, the judged held-out
-    results after it, and seconds per phase. For training_info.json's "rounds" and the report's table and plot."""
+    results after it, and seconds per phase. For training_info.json's "rounds" and the report's table and plot.
+    `last`: the last round's fields that are written with the summary (its judged results, status, summary)."""
     run_dir = Path(run_dir)
     entries = []
     for index in range(rounds + 1):
         directory = run_dir / ("dpo" if index == 0 else "." if index == rounds else f"round{index}")
         info_path = directory / run_files.TRAINING_INFO
         info = run_files.read_json(info_path) if info_path.exists() else {}
+        if index == rounds and last:
+            info = {**info, **last}
         record = (info.get("round") or {}) if index else {}
         counts = record.get("counts") or {}
         summary = info.get("summary") or {}

@@ -155,8 +155,9 @@ def test_a_failing_judge_stops_the_run_with_one_line_and_keeps_what_finished(tin
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
     dpo_info = tmp_path / "results" / "iter" / "dpo" / "training_info.json"
     for launch_number, (judge, expected, value) in enumerate(FAILING_JUDGES):
+        # --audit_judge_pairs 0: the data audit would meet the failing judge first, on the data's own pairs
         result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge",
-                                   f"tests.round_judges:{judge}"))
+                                   f"tests.round_judges:{judge}", "--audit_judge_pairs", "0"))
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
         assert value in errors[0] and "Traceback" not in result.stderr + result.stdout
