@@ -11,7 +11,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from src.distributed import barrier, write_failure_on_any_rank
 from src.run_safety.build_once import COMPLETE_MARKER, is_complete
-from src.run_safety.checkpoints import mark_complete
+from src.run_safety.checkpoints import kill_if_injected, mark_complete
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
@@ -63,6 +63,7 @@ class CompleteCheckpointsMixin:
                 shutil.rmtree(checkpoint, ignore_errors=True)  # never complete: its space goes back
             raise WriteFailed(message)
         if self.args.should_save:
+            kill_if_injected("before_complete", self.state.global_step, self.args.process_index)
             with write_failures_noted(checkpoint):
                 fail_write_if_injected(checkpoint / COMPLETE_MARKER)
                 mark_complete(checkpoint)
@@ -71,3 +72,4 @@ class CompleteCheckpointsMixin:
             if not is_complete(checkpoint):
                 shutil.rmtree(checkpoint, ignore_errors=True)
         barrier()  # the marker's own failure (rank 0) stops every rank here
+        kill_if_injected("after_complete", self.state.global_step, self.args.process_index)
