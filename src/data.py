@@ -629,14 +629,20 @@ def split_datasets(raw, data: DataArguments, seed: int) -> dict:
     return {kind: dataset for kind, dataset in splits.items() if len(dataset)}
 
 
-def _source_fingerprint(location: str) -> list:
-    """Identity of the source files (path, size, modification time) without reading them."""
+def source_files(location: str) -> list[Path] | None:
+    """The files of a local source (a file, or every file under a directory, sorted); None for a Hub id."""
     path = Path(location)
     if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(item for item in path.rglob("*") if item.is_file())
-    else:
+        return [path]
+    if path.is_dir():
+        return sorted(item for item in path.rglob("*") if item.is_file())
+    return None
+
+
+def _source_fingerprint(location: str) -> list:
+    """Identity of the source files (path, size, modification time) without reading them."""
+    files = source_files(location)
+    if files is None:
         return [location]  # a Hub id: keyed by name (and config)
     return [(str(item.resolve()), item.stat().st_size, item.stat().st_mtime_ns) for item in files]
 

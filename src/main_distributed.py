@@ -344,7 +344,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
-    print0(data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name))
+    audit_lines = data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name)
+    if audit_lines:
+        print0(audit_lines)
     for warning in warnings:
         print0(f"  warning: {warning}")
     barrier()

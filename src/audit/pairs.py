@@ -90,12 +90,15 @@ def _column(pieces: list, name: str):
     return np.concatenate([piece.data.column(name).to_numpy() for piece in pieces]) if pieces else np.array([])
 
 
-def histogram(values_by_name: dict, bins: int = HISTOGRAM_BINS) -> dict:
-    """Counts of each series over shared bins from 0 to the largest 99th percentile (larger values in the last bin)."""
+def histogram(values_by_name: dict, bins: int = HISTOGRAM_BINS, low: float = 0.0, high: float | None = None) -> dict:
+    """Counts of each series over shared bins from `low` to `high` (default: the largest 99th percentile, at least
+    low + 1); values outside fall in the first or last bin."""
     import numpy as np
 
-    top = max([float(np.percentile(values, 99)) for values in values_by_name.values() if len(values)] or [1.0])
-    edges = np.linspace(0, max(top, 1.0), bins + 1)
+    if high is None:
+        high = max([float(np.percentile(values, 99)) for values in values_by_name.values() if len(values)] or [low])
+        high = max(high, low + 1.0)
+    edges = np.linspace(low, high, bins + 1)
     return {"edges": [round(float(edge), 3) for edge in edges],
             **{name: np.histogram(np.clip(values, edges[0], edges[-1]), edges)[0].tolist()
                for name, values in values_by_name.items()}}

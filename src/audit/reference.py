@@ -29,7 +29,7 @@ def agreement(chosen_logps, rejected_logps, chosen_tokens, rejected_tokens) -> d
         return {"reference_pairs": 0, "reference_agreement": None, "reference_agreement_per_token": None}
     quantiles = np.percentile(margin, [5, 25, 50, 75, 95])
     low, high = np.percentile(margin, [1, 99])
-    edges = max(abs(low), abs(high), 1e-6)
+    half_width = max(abs(low), abs(high), 1e-6)
     return {
         "reference_pairs": int(len(margin)),
         "reference_agreement": round(float((margin > 0).mean()), 6),
@@ -38,27 +38,18 @@ def agreement(chosen_logps, rejected_logps, chosen_tokens, rejected_tokens) -> d
                              **{name: round(float(value), 4) for name, value in
                                 zip(("p5", "p25", "median", "p75", "p95"), quantiles)}},
         # symmetric around 0, so the plot shows which side of zero the pairs fall on
-        "reference_margin_histogram": _centered_histogram(margin, edges),
+        "reference_margin_histogram": histogram({"margin": margin}, low=-half_width, high=half_width),
     }
 
 
-def _centered_histogram(values, half_width: float) -> dict:
-    import numpy as np
-
-    shifted = np.clip(np.asarray(values) + half_width, 0, 2 * half_width)
-    counts = histogram({"margin": shifted})
-    counts["edges"] = [round(edge - half_width, 4) for edge in counts["edges"]]
-    return counts
-
-
-def answer_tokens(prompt_tokens, answer_tokens_, max_length: int | None):
+def answer_tokens(prompt_tokens, answer_lengths, max_length: int | None):
     """The answer tokens the DPO loss sees: TRL keeps the start of prompt + answer, up to max_length."""
     import numpy as np
 
-    answer_tokens_ = np.asarray(answer_tokens_)
+    answer_lengths = np.asarray(answer_lengths)
     if not max_length:
-        return answer_tokens_
-    return np.clip(np.minimum(answer_tokens_, max_length - np.asarray(prompt_tokens)), 0, None)
+        return answer_lengths
+    return np.clip(np.minimum(answer_lengths, max_length - np.asarray(prompt_tokens)), 0, None)
 
 
 def reference_audit(dataset, max_length: int | None) -> dict | None:

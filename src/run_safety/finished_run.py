@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from src import run_files
+from src.data import source_files
 
 # Keys of a run's `config` that do not make it another run: what this launch does (--overwrite, --dry_run), where
 # results are found (--results_dir, --run_name: the directory itself, which may be moved or given another way), which
@@ -64,21 +65,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _files(location: str) -> list[Path] | None:
-    path = Path(location)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(item for item in path.rglob("*") if item.is_file())
-    return None  # a Hub id
-
-
 def data_fingerprint(locations: list[str]) -> dict[str, Any]:
     """{location: [{file, bytes, mtime_ns, sha256}, ...]} for local data (a directory: each file in it, by its path
     inside); {location: "hub"} for a Hub dataset."""
     found: dict[str, Any] = {}
     for location in locations:
-        files = _files(location)
+        files = source_files(location)
         if files is None:
             found[location] = "hub"
             continue
@@ -95,7 +87,7 @@ def _data_differences(recorded: dict | None, locations: list[str]) -> list[str]:
         return ["data: the finished run recorded no fingerprint of its data (an older toolkit) → cannot tell"]
     differences = []
     for location in locations:
-        before, files = recorded.get(location), _files(location)
+        before, files = recorded.get(location), source_files(location)
         if before is None:
             differences.append(f"data: {location} was not among the finished run's sources "
                                f"({', '.join(recorded) or 'none'})")
