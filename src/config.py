@@ -102,6 +102,23 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 # Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
 # channel lookup here recognises them): configuration owns the list so it depends on no other module.
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# The single-file compressions `datasets` undoes by a name's last suffix (datasets/filesystems/compression.py), and
+# the module each needs beyond the standard library. Text formats only: Parquet compresses inside the file.
+DATA_FILE_COMPRESSIONS = {".gz": None, ".gzip": None, ".bz2": None, ".xz": None, ".zst": "zstandard",
+                          ".zstd": "zstandard", ".lz4": "lz4"}
+TEXT_DATA_FORMATS = (".json", ".jsonl", ".csv")
+
+
+def data_file_kind(path: str | os.PathLike) -> tuple[str, str] | None:
+    """(format suffix, compression suffix or "") of a data file the toolkit reads, from its name as `datasets` reads
+    it: train.jsonl → (".jsonl", ""), pairs.jsonl.gz → (".jsonl", ".gz"); None for any other file."""
+    name = os.path.basename(os.fspath(path)).lower()
+    compression = next((suffix for suffix in DATA_FILE_COMPRESSIONS if name.endswith(suffix)), "")
+    stem = name[:len(name) - len(compression)]
+    form = os.path.splitext(stem)[1]
+    if form not in DATA_FILE_BUILDERS or (compression and form not in TEXT_DATA_FORMATS):
+        return None
+    return form, compression
 
 
 @dataclass
@@ -737,7 +754,7 @@ def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tu
             defaults[key] = (environ[variable], variable)
     channel = Path(environ.get("SM_CHANNEL_TRAINING") or "")
     if "dataset_name" in defaults and channel.is_dir():
-        files = [path for path in sorted(channel.iterdir()) if path.suffix in DATA_FILE_BUILDERS]
+        files = [path for path in sorted(channel.iterdir()) if path.is_file() and data_file_kind(path)]
         if len(files) == 1:
             defaults["dataset_name"] = (str(files[0]), "SM_CHANNEL_TRAINING")
     return defaults
