@@ -169,6 +169,20 @@ def _template_file(ws: Workspace, name: str, text: str) -> str:
     return str(path)
 
 
+def _gzip_file(ws: Workspace, name: str, text: str) -> str:
+    import gzip
+
+    path = ws.root / name
+    path.write_bytes(gzip.compress(text.encode()))
+    return str(path)
+
+
+def _truncated_gz(ws: Workspace) -> list[str]:
+    path = Path(_gzip_file(ws, "cut.jsonl.gz", "".join(json.dumps(row) + "\n" for row in preference_rows(200))))
+    path.write_bytes(path.read_bytes()[:-100])
+    return ws.args(dataset_name=str(path))
+
+
 def _recipe(ws: Workspace, text: str) -> list[str]:
     path = ws.root / "recipe.yaml"
     path.write_text(text)
@@ -273,6 +287,11 @@ MISTAKES = [
     Mistake("broken_json_line", "A JSON Lines file with a broken line", "line 2: not valid JSON",
             lambda ws: ws.args(dataset_name=_template_file(
                 ws, "broken.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n'))),
+    Mistake("broken_line_in_gz", "A broken line inside a compressed JSON Lines file (`pairs.jsonl.gz`)",
+            "pairs.jsonl.gz line 2: not valid JSON", lambda ws: ws.args(dataset_name=_gzip_file(
+                ws, "pairs.jsonl.gz", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n'))),
+    Mistake("truncated_gz", "A compressed data file cut short (an interrupted download)", "cut.jsonl.gz: cannot "
+            "decompress it", _truncated_gz),
     Mistake("undecodable_jsonl", "Undecodable (Latin-1) bytes in a JSON Lines file", "line 5: not UTF-8 text (byte "
             "0xe9", _latin1_jsonl),
     Mistake("undecodable_csv", "Undecodable (Latin-1) bytes in a CSV file", "line 2: not UTF-8 text (byte 0xe9",
