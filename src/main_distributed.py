@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
-    parse_config, sagemaker_process_hint, stage_plans,
+    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan, World,
+    batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import (DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       source_location, source_names)
@@ -798,16 +798,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_status(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    arguments = [arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"]
     try:
-        return run([arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"])
+        return run(arguments)
     except HelpRequested:
         print(format_help())
         return 0
     except USER_ERRORS as error:
         if debug:
             raise
-        if World.from_environment().is_main:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        world = World.from_environment()
+        if world.is_main:
+            # A batch the processes cannot share: the command that runs, with the nearest batch that splits.
+            command = f"; run: {batch_split_command(error, arguments, world.local_world_size)}" if isinstance(
+                error, BatchSplitError) else ""
+            print(f"error: {error}{command}", file=sys.stderr, flush=True)
         return ExitStatus.USER_ERROR
     except TrainingDiverged as error:
         if World.from_environment().is_main:

@@ -407,7 +407,8 @@ MISTAKES = [
     Mistake("fsdp_on_cpu", "An accelerate FSDP/DeepSpeed config on a machine without CUDA GPUs", "which accelerate "
             "runs only on CUDA GPUs", lambda ws: ws.args(), env={"ACCELERATE_USE_FSDP": "true"}),
     Mistake("batch_not_divisible", "A global batch that the processes cannot share", "--batch_size 3 cannot be "
-            "split across 2 processes", lambda ws: ws.args(batch_size="3"), env={"WORLD_SIZE": "2"}),
+            "split across 2 processes: use a multiple of 2, the nearest 2 or 4", lambda ws: ws.args(batch_size="3"),
+            env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),
     Mistake("nnodes_not_a_number", "`NNODES` that is not a number", "NNODES must be a whole number",
             lambda ws: ws.args(), launcher=True, env={"NNODES": "two"}),
     Mistake("node_rank_beyond_nodes", "`NODE_RANK` not below `NNODES`", "NODE_RANK 2 with NNODES 2",
