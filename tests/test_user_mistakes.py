@@ -539,3 +539,37 @@ def test_the_scheduler_choices_are_transformers():
     from src.config import LR_SCHEDULERS
 
     assert list(LR_SCHEDULERS) == [member.value for member in SchedulerType]
+
+
+def test_a_max_length_past_a_rotary_models_context_is_one_warning(workspace, preflight):
+    """The tiny Llama's rotary positions were made for 256 tokens: --max_length 512 runs (no table to run out of) but
+    on positions it never saw, which nothing else would say. One warning line in the dry run, and none within 256."""
+    code, output = preflight(workspace.args(max_length="512") + ["--dry_run"], {})
+    warnings = [line for line in output.splitlines() if "past" in line and "warning:" in line]
+    assert code == 0 and len(warnings) == 1, output[-3000:]
+    assert "--max_length 512 is past" in warnings[0] and "context of 256 tokens (max_position_embeddings 256" in \
+        warnings[0] and "lower --max_length to 256" in warnings[0]
+    code, output = preflight(workspace.args(max_length="256") + ["--dry_run"], {})
+    assert code == 0 and "positions the model never saw" not in output
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"model_type": "llama", "max_position_embeddings": 4096}, 4096),
+    # Llama 3.1: the table already holds the scaled length (8192 x 8 = 65536 < 131072)
+    ({"model_type": "llama", "max_position_embeddings": 131072, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}}, 131072),
+    # Qwen2.5 with YaRN as its card advises: 32768 x 4
+    ({"model_type": "qwen2", "max_position_embeddings": 32768, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, 131072),
+    ({"model_type": "llama", "max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     16384),
+    ({"model_type": "gpt2", "n_positions": 1024}, None),  # learned positions: check_positions' error instead
+])
+def test_the_rotary_context_counts_rope_scaling(config, expected):
+    from transformers import AutoConfig
+
+    from src.input_checks import rotary_context
+
+    found = rotary_context(AutoConfig.for_model(**config))
+    assert (found and found[0]) == expected
