@@ -6,7 +6,7 @@
 In this order, each step under its own time limit and all of them under --minutes (30):
 
 1. check_gpu.py --json on the real driver (with --bench on 2+ GPUs): its verdict, problems and launch command.
-2. The GPU tests: python -m pytest -m gpu tests/test_gpu.py (in one process: they share the GPU).
+2. The GPU tests: python -m pytest -m gpu (every test with the marker, in one process: they share the GPU).
 3. The DPO benchmark against TRL's own CLI (bench/bench_dpo.py, the packed arms, a 12 x 768 Llama): pairs/s and GPU
    memory of `trl dpo` and of the toolkit, cold and warm reference cache, interleaved.
 4. The memory plan against the measured peak: check_gpu.py's plan of a DPO run (full fine-tune, then LoRA) on one
@@ -63,7 +63,8 @@ def check_gpu_command(work: Path, gpus: int) -> list[str]:
 
 
 def gpu_tests_command(work: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "tests/test_gpu.py",
+    # every test with the gpu marker (tests/test_gpu.py, the packed DPO forward's), in one process: they share the GPU
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "tests",
             "--junitxml", str(work / "gpu-tests.xml")]
 
 
