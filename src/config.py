@@ -1144,9 +1144,13 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
     global_batch = training.batch_size
     base = training.base_batch_size if training.base_batch_size is not None else global_batch
     if global_batch % world_size:
-        unit = world_size * (accumulation or 1)
-        fits = (lambda size: size // unit <= training.micro_batch_size) if (
-            accumulation and training.micro_batch_size) else (lambda size: True)
+        unit, cap = world_size * (accumulation or 1), training.micro_batch_size
+        if accumulation and cap:
+            fits = lambda size: size // unit <= cap  # noqa: E731
+        elif cap:  # accumulation derived under the cap: a batch that leaves micro-batches of 1 is no proposal
+            fits = lambda size: _splits_well(size // world_size, cap)  # noqa: E731
+        else:
+            fits = lambda size: True  # noqa: E731
         sizes = splitting_batch_sizes(global_batch, unit, fits)
         raise BatchSplitError(
             f"--batch_size {global_batch} cannot be split across {world_size} processes: use a multiple of {unit}, "
@@ -1174,6 +1178,13 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
         return "global", per_device, accumulation, global_batch
     per_device, accumulation = _split_under_cap(per_process, training.micro_batch_size or per_process)
     return "global", per_device, accumulation, global_batch
+
+
+def _splits_well(batch: int, cap: int) -> bool:
+    """Whether a per-process batch splits under the micro-batch cap into micro-batches over half the cap (11 under 8
+    would be 11 steps of 1; 10 is 2 of 5)."""
+    micro, _ = _split_under_cap(batch, cap)
+    return micro == batch or micro * 2 > cap
 
 
 def _split_under_cap(batch: int, cap: int) -> tuple[int, int]:

@@ -235,6 +235,13 @@ def _split_name(path: Path) -> str:
     return _SHARD_NAME.sub("", stem) or stem
 
 
+def _names_a_split(name: str) -> bool:
+    """Whether a file's split name is one of datasets' split keywords (train, validation, dev, test, eval, ...)."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    return any(name == keyword for keywords in SPLIT_KEYWORDS.values() for keyword in keywords)
+
+
 def _split_files(directory: Path) -> dict[str, list[str]]:
     """A directory's data files by split, in order. Files at its top are named by split (train.jsonl,
     validation.jsonl.gz, train-00000-of-00004.parquet, ...); with none there, the layouts of the Hub below it
@@ -298,6 +305,8 @@ def _load_source(data: DataArguments, stage: str):
             return (loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded}),
                     None)
         files = _split_files(path)
+        if len(files) == 1 and data.dataset_split not in files and not _names_a_split(next(iter(files))):
+            files = {data.dataset_split: next(iter(files.values()))}  # pairs.jsonl alone: the training rows, as datasets
         if not files:
             raise DataError(
                 f"--dataset_name {location}: the directory holds neither a save_to_disk dataset nor data files "

@@ -72,6 +72,8 @@ VARIANTS = {
     "json lines under a .json name": lambda d: _write(d / "pairs.json", _lines(ROWS)),
     "csv with a byte-order mark and CRLF": lambda d: _write(d / "pairs.csv", BOM + _csv(ROWS, "\r\n")),
     "csv.gz": lambda d: _write(d / "pairs.csv.gz", _csv(ROWS), gzip.open),
+    "a directory holding one file not named by split": lambda d: (
+        _write(d / "one" / "pairs.jsonl.gz", _lines(ROWS), gzip.open), d / "one")[-1],
     "sharded files": lambda d: (_write(d / "pairs" / "train-00000-of-00002.jsonl", _lines(ROWS[:9])),
                                 _write(d / "pairs" / "train-00001-of-00002.jsonl.gz", _lines(ROWS[9:]), gzip.open),
                                 d / "pairs")[-1],
