@@ -62,7 +62,8 @@ def splitting_batch_sizes(batch: int, unit: int, fits=lambda size: True) -> list
     lower = batch - batch % unit
     below = next((size for size in range(lower, 0, -unit) if fits(size)), None)
     above = next((size for size in range(lower + unit, lower + unit * 64, unit) if fits(size)), None)
-    return sorted((size for size in (below, above) if size), key=lambda size: (abs(size - batch), size))
+    # `unit` itself always splits (one sample per process and step): never an empty proposal
+    return sorted((size for size in (below, above) if size), key=lambda size: (abs(size - batch), size)) or [unit]
 
 
 def with_batch_size(arguments: list[str], batch: int, base: int | None) -> list[str]:

@@ -163,38 +163,49 @@ def _check_text_lines(path: Path, json_lines: bool) -> int:
     and CRLF line ends are read as datasets reads them; a compressed file is read decompressed. Returns the number of
     rows (JSON Lines: its non-blank lines)."""
     rows = 0
-    try:
-        with _open_data_file(path) as handle:
-            for number, raw in enumerate(handle, start=1):
-                if number == 1 and raw.startswith(UTF8_BOM):
-                    raw = raw[len(UTF8_BOM):]
+    with _unreadable_named(path), _open_data_file(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}, the line's byte "
+                    f"{error.start + 1}); save the file as UTF-8 (iconv -f <its encoding, e.g. latin1> -t utf-8)"
+                ) from None
+            if json_lines and line.strip():
+                rows += 1
                 try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
+                    json.loads(line)
+                except json.JSONDecodeError as error:
                     raise DataError(
-                        f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}, the line's byte "
-                        f"{error.start + 1}); save the file as UTF-8 (iconv -f <its encoding, e.g. latin1> -t utf-8)"
+                        f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); fix or "
+                        "remove that line"
                     ) from None
-                if json_lines and line.strip():
-                    rows += 1
-                    try:
-                        json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise DataError(
-                            f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); fix or "
-                            "remove that line"
-                        ) from None
-    except (OSError, EOFError, ValueError) as error:  # a truncated or corrupt archive (gzip, bz2, lzma, zstd)
-        if isinstance(error, DataError):
-            raise
-        raise DataError(f"{path}: cannot decompress it ({str(error).strip() or type(error).__name__}); download or "
-                        "compress it again") from None
     return rows
+
+
+@contextmanager
+def _unreadable_named(path: Path):
+    """A file the system cannot read, or a truncated or corrupt archive (gzip, bz2, xz, zstd, lz4): one line."""
+    import lzma
+    import zlib
+
+    try:
+        yield
+    except DataError:
+        raise
+    except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, RuntimeError) as error:
+        reason = str(error).strip() or type(error).__name__
+        if data_file_kind(path)[1]:
+            raise DataError(f"{path}: cannot decompress it ({reason}); download or compress it again") from None
+        raise DataError(f"{path}: cannot read it ({reason})") from None
 
 
 def _is_json_array(path: Path) -> bool:
     """Whether a .json file holds one JSON array (else JSON Lines, as datasets reads both under that name)."""
-    with _open_data_file(path) as handle:
+    with _unreadable_named(path), _open_data_file(path) as handle:
         head = handle.read(4096)
     return head.removeprefix(UTF8_BOM).lstrip()[:1] == b"["
 
@@ -207,7 +218,10 @@ def _check_data_file(path: Path) -> int | None:
     if form == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception:  # not Parquet after all: datasets' reading of it says why (_load_files)
+            return None
     json_lines = form == ".jsonl" or (form == ".json" and not _is_json_array(path))
     rows = _check_text_lines(path, json_lines=json_lines)
     return rows if json_lines else None
@@ -215,7 +229,7 @@ def _check_data_file(path: Path) -> int | None:
 
 def _json_array_error(path: Path) -> DataError | None:
     """The line of a JSON array file that does not parse (datasets' error names neither file nor line)."""
-    with _open_data_file(path) as handle:
+    with _unreadable_named(path), _open_data_file(path) as handle:
         text = handle.read().removeprefix(UTF8_BOM)
     try:
         json.loads(text)

@@ -138,6 +138,8 @@ BROKEN = {
                             ROWS[5:8] + [ROWS[8] | {"chosen": None}] + ROWS[9:]), d / "h")[-1],
         "train-00001-of-00002.parquet row 4: 'chosen' is missing"),
     "a truncated .gz": (lambda d: _truncated(d / "pairs.jsonl.gz"), "pairs.jsonl.gz: cannot decompress it"),
+    "a plain file under a .gz name": (lambda d: _write(d / "pairs.jsonl.gz", _lines(ROWS)),
+                                      "pairs.jsonl.gz: cannot decompress it (Not a gzipped file"),
     "a compressed parquet file": (lambda d: _write(d / "pairs.parquet.gz", "x", gzip.open), "unsupported file type"),
 }
 if importlib.util.find_spec("zstandard") is None:
