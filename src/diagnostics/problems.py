@@ -827,6 +827,19 @@ def batch_does_not_split(machine: Machine) -> list[Problem]:
                     f"{error.base_batch_size}; or pick another --num_procs", worked_around=True)]
 
 
+def past_context(machine: Machine) -> list[Problem]:
+    """--max_length past a rotary model's context: it trains, on positions the model never saw (the launcher says the
+    same at the stage's start)."""
+    plan = machine.memory_plan
+    context = plan.model.context_tokens if plan else None
+    if context is None or plan.max_length <= context:
+        return []
+    return [Problem(WARNING, "past_context",
+                    f"max_length {plan.max_length} is past {plan.model.name}'s context of {context} tokens "
+                    f"({plan.model.context_source} in config.json): longer rows train on positions it never saw",
+                    f"--max_length {context} (or less), or a model (or rope scaling) made for longer context")]
+
+
 def memory_fit(machine: Machine) -> list[Problem]:
     plan = machine.memory_plan
     chosen = plan.chosen() if plan else None
@@ -906,6 +919,7 @@ RULES: tuple[Callable[[Machine], list[Problem]], ...] = (
     plan_refused,
     batch_does_not_split,
     memory_fit,
+    past_context,
     bench_outcome,
     shared_memory,
     other_processes,
