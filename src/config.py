@@ -161,12 +161,13 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 # Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
 # channel lookup here recognises them): configuration owns the list so it depends on no other module.
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv",
+                      ".tsv": "tsv"}  # tsv: datasets' csv builder with sep="\t", as datasets reads a .tsv
 # The single-file compressions `datasets` undoes by a name's last suffix (datasets/filesystems/compression.py), and
 # the module each needs beyond the standard library. Text formats only: Parquet compresses inside the file.
 DATA_FILE_COMPRESSIONS = {".gz": None, ".gzip": None, ".bz2": None, ".xz": None, ".zst": "zstandard",
                           ".zstd": "zstandard", ".lz4": "lz4"}
-TEXT_DATA_FORMATS = (".json", ".jsonl", ".csv")
+TEXT_DATA_FORMATS = (".json", ".jsonl", ".ndjson", ".csv", ".tsv")
 
 
 def data_file_kind(path: str | os.PathLike) -> tuple[str, str] | None:

@@ -114,7 +114,7 @@ def source_location(data: DataArguments, stage: str) -> str:
 
 UTF8_BOM = b"\xef\xbb\xbf"  # what Windows tools and spreadsheet exports put before UTF-8 text; datasets skips it
 _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}.*$")  # train-00000-of-00004(-<hash>): one shard of a split (the Hub's names)
-SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv, the text ones also compressed (" +
+SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv (or .ndjson, .tsv), the text ones also compressed (" +
                    ", ".join(DATA_FILE_COMPRESSIONS) + ")")
 
 
@@ -222,7 +222,7 @@ def _check_data_file(path: Path) -> int | None:
             return pq.ParquetFile(path).metadata.num_rows
         except Exception:  # not Parquet after all: datasets' reading of it says why (_load_files)
             return None
-    json_lines = form == ".jsonl" or (form == ".json" and not _is_json_array(path))
+    json_lines = form in (".jsonl", ".ndjson") or (form == ".json" and not _is_json_array(path))
     rows = _check_text_lines(path, json_lines=json_lines)
     return rows if json_lines else None
 
@@ -350,9 +350,10 @@ def _load_files(files: dict[str, list[str]], location: str):
     if len(builders) > 1:
         raise DataError(f"--dataset_name {location}: split files of one format please, found {sorted(builders)}")
     builder = builders.pop()
+    builder, options = ("csv", {"sep": "\t"}) if builder == "tsv" else (builder, {})
     rows = {file: _check_data_file(Path(file)) for found in files.values() for file in found}
     try:
-        loaded = datasets.load_dataset(builder, data_files=files)
+        loaded = datasets.load_dataset(builder, data_files=files, **options)
     except Exception as error:  # malformed files surface as several datasets/pyarrow error types
         for file in (file for found in files.values() for file in found):
             if data_file_kind(file)[0] == ".json" and rows[file] is None:
@@ -360,10 +361,12 @@ def _load_files(files: dict[str, list[str]], location: str):
                 if named:
                     raise named from None
         raise DataError(f"--dataset_name {location}: could not read it ({str(error).strip().splitlines()[0]})") from None
-    return loaded, {split: _origins(found, rows, len(loaded[split]), builder) for split, found in files.items()}
+    return loaded, {split: _origins(found, rows, len(loaded[split]), builder, options)
+                    for split, found in files.items()}
 
 
-def _origins(files: list[str], rows: dict[str, int | None], total: int, builder: str) -> list[tuple[str, int]] | None:
+def _origins(files: list[str], rows: dict[str, int | None], total: int, builder: str,
+             options: dict) -> list[tuple[str, int]] | None:
     """[(file, the split's row index of its first row)] for a split read from `files` in order; None where the rows
     per file are unknown (then a row is named by its place in the split)."""
     if len(files) == 1:
@@ -374,7 +377,7 @@ def _origins(files: list[str], rows: dict[str, int | None], total: int, builder:
     for file in files:
         count = rows[file]
         if count is None:  # a CSV or JSON array shard: its rows are known once read
-            count = len(datasets.load_dataset(builder, data_files={"train": file}, split="train"))
+            count = len(datasets.load_dataset(builder, data_files={"train": file}, split="train", **options))
         origins.append((file, start))
         start += count
     return origins if start == total else None

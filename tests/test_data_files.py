@@ -72,6 +72,10 @@ VARIANTS = {
     "json lines under a .json name": lambda d: _write(d / "pairs.json", _lines(ROWS)),
     "csv with a byte-order mark and CRLF": lambda d: _write(d / "pairs.csv", BOM + _csv(ROWS, "\r\n")),
     "csv.gz": lambda d: _write(d / "pairs.csv.gz", _csv(ROWS), gzip.open),
+    "tsv (two shards)": lambda d: (_write(d / "t" / "train-00000-of-00002.tsv", _csv(ROWS[:4]).replace(",", "\t")),
+                                   _write(d / "t" / "train-00001-of-00002.tsv", _csv(ROWS[4:]).replace(",", "\t")),
+                                   d / "t")[-1],
+    "ndjson.gz": lambda d: _write(d / "pairs.ndjson.gz", _lines(ROWS), gzip.open),
     "a directory holding one file not named by split": lambda d: (
         _write(d / "one" / "pairs.jsonl.gz", _lines(ROWS), gzip.open), d / "one")[-1],
     "sharded files": lambda d: (_write(d / "pairs" / "train-00000-of-00002.jsonl", _lines(ROWS[:9])),
@@ -137,6 +141,11 @@ BROKEN = {
                    _parquet(d / "h" / "data" / "train-00001-of-00002.parquet",
                             ROWS[5:8] + [ROWS[8] | {"chosen": None}] + ROWS[9:]), d / "h")[-1],
         "train-00001-of-00002.parquet row 4: 'chosen' is missing"),
+    "an empty cell in the second .tsv shard": (
+        lambda d: (_write(d / "t" / "train-00000-of-00002.tsv", _csv(ROWS[:4]).replace(",", "\t")),
+                   _write(d / "t" / "train-00001-of-00002.tsv",
+                          _csv(ROWS[4:6] + [ROWS[6] | {"chosen": ""}] + ROWS[7:]).replace(",", "\t")), d / "t")[-1],
+        "train-00001-of-00002.tsv row 3: 'chosen' is missing"),
     "a truncated .gz": (lambda d: _truncated(d / "pairs.jsonl.gz"), "pairs.jsonl.gz: cannot decompress it"),
     "a plain file under a .gz name": (lambda d: _write(d / "pairs.jsonl.gz", _lines(ROWS)),
                                       "pairs.jsonl.gz: cannot decompress it (Not a gzipped file"),
