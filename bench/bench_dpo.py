@@ -18,7 +18,9 @@ plain TRL's computed tokens (policy and reference passes, padded) over the usefu
 samples/s counts preference pairs over the time spent on them: for plain TRL its training time (the reference model
 runs inside every step); for the toolkit its training time plus the time it spent computing reference log-probs
 before training (zero when the cache is warm). tokens/s counts the real tokens of chosen and rejected sequences.
-Peak memory is the largest resident set of any process of the arm (on GPU: see training_info.json's perf figures).
+Peak memory is the largest resident set of any process of the arm; on GPUs, the most GPU memory in use during the
+arm beyond what was in use before it (NVML, every GPU summed, polled 5 times a second: CUDA context, allocator cache
+and all, the same way for every arm). On GPUs every arm runs in bf16 (fp16 before compute capability 8.0).
 """
 
 from __future__ import annotations
@@ -89,18 +91,66 @@ def build_assets(root: Path, hidden: int, layers: int, pairs: int, lengths: str 
     return model_dir, data_dir
 
 
+class GpuMemoryPeak:
+    """The most GPU memory in use while the block runs beyond what was in use when it began, in MB (NVML: every GPU
+    summed, polled every 0.2 s); None without NVML or GPUs."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak_mb, self._stop = None, threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(index) for index in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # no driver, no GPU: the resident set is the measure
+            return self
+        if not handles:
+            return self
+        used = lambda: sum(pynvml.nvmlDeviceGetMemoryInfo(handle).used for handle in handles)  # noqa: E731
+        start, self.peak_mb = used(), 0.0
+
+        def poll() -> None:
+            while not self._stop.wait(0.2):
+                self.peak_mb = max(self.peak_mb, (used() - start) / 2**20)
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if getattr(self, "_thread", None):
+            self._thread.join()
+
+
 def timed(command: list[str], env: dict, log: Path) -> tuple[float, float, str]:
-    """Run a command; (wall seconds, peak RSS MB of its process tree, output)."""
+    """Run a command; (wall seconds, peak MB: GPU memory on a GPU machine, else the RSS of its process tree,
+    output)."""
     started = time.perf_counter()
     wrapped = ["/usr/bin/time", "-f", "PEAK_RSS_KB=%M", *command] if Path("/usr/bin/time").exists() else command
-    result = subprocess.run(wrapped, cwd=ROOT, env=env, capture_output=True, text=True)
+    with GpuMemoryPeak() as gpu:
+        result = subprocess.run(wrapped, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     output = result.stdout + result.stderr
     log.write_text(output)
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(command[:6])} ... failed (exit {result.returncode}); see {log}")
     peak = re.search(r"PEAK_RSS_KB=(\d+)", output)
+    if gpu.peak_mb is not None:
+        return wall, gpu.peak_mb, output
     return wall, int(peak.group(1)) / 1024 if peak else float("nan"), output
+
+
+def device_flags() -> list[str]:
+    """TRL's precision and device as the toolkit's auto precision picks them: bf16 on CUDA GPUs that have it (compute
+    capability 8.0+), fp16 on older ones, fp32 on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["--bf16", "false", "--use_cpu", "true"]
+    bf16 = all(torch.cuda.get_device_capability(index) >= (8, 0) for index in range(torch.cuda.device_count()))
+    return ["--bf16", "true"] if bf16 else ["--bf16", "false", "--fp16", "true"]
 
 
 def trl_dpo(args, model: Path, data: Path, out: Path, log: Path, env: dict) -> dict:
@@ -109,7 +159,7 @@ def trl_dpo(args, model: Path, data: Path, out: Path, log: Path, env: dict) -> d
                "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(args.steps),
                "--learning_rate", "1e-5", "--max_length", str(args.max_length), "--logging_steps", "1",
                "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none", "--seed", "0",
-               "--activation_checkpointing", "false", "--bf16", "false", "--use_cpu", "true",
+               "--activation_checkpointing", "false", *device_flags(),
                "--dataloader_num_workers", "0", "--disable_tqdm", "true"]
     wall, peak, output = timed([str(Path(sys.executable).parent / command[0]), *command[1:]], env, log)
     logs = [json.loads(line.replace("'", '"')) for line in re.findall(r"^\{'loss'.*\}$", output, re.M)]
@@ -152,7 +202,7 @@ def shares(result: dict) -> str:
     return f"{tokens['padding_share']:.0%} / {tokens['repeated_prompt_share']:.0%}" if tokens else "n/a"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -167,7 +217,11 @@ def main() -> None:
     parser.add_argument("--arms", help="only the arms whose names contain one of these comma-separated words "
                         "(plain trl dpo always runs: it is the baseline), e.g. --arms packed")
     parser.add_argument("--keep", help="keep the work directory here (default: a temporary one, deleted)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.pairs = args.pairs or args.steps * args.batch_size
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="prefkit_bench_"))

@@ -42,6 +42,66 @@ class ConfigError(ValueError):
     """A mistake in the user's configuration: reported as one line, no traceback."""
 
 
+LAUNCHER = "./run_distributed.sh"
+
+
+class BatchSplitError(ConfigError):
+    """A global batch the processes (and fixed accumulation steps) cannot share evenly. `batch_sizes`: the nearest
+    global batches that split, nearest first; `base_batch_size`: the batch the learning rate was tuned for, kept by
+    the proposed command so the rate follows the new batch by --lr_scaling instead of silently changing its base."""
+
+    def __init__(self, message: str, batch_sizes: list[int], base_batch_size: int | None):
+        super().__init__(message)
+        self.batch_sizes = batch_sizes
+        self.base_batch_size = base_batch_size
+
+
+def splitting_batch_sizes(batch: int, unit: int, fits=lambda size: True) -> list[int]:
+    """The nearest global batch sizes below and above `batch` that are multiples of `unit` (and pass `fits`), nearest
+    first, the smaller on a tie."""
+    lower = batch - batch % unit
+    below = next((size for size in range(lower, 0, -unit) if fits(size)), None)
+    above = next((size for size in range(lower + unit, lower + unit * 64, unit) if fits(size)), None)
+    # `unit` itself always splits (one sample per process and step): never an empty proposal
+    return sorted((size for size in (below, above) if size), key=lambda size: (abs(size - batch), size)) or [unit]
+
+
+def with_batch_size(arguments: list[str], batch: int, base: int | None) -> list[str]:
+    """The launcher's arguments with --batch_size set to `batch` (replaced where given, else added) and, where the
+    arguments do not set it, --base_batch_size `base`."""
+    out, index, replaced = [], 0, False
+    while index < len(arguments):
+        argument = arguments[index]
+        if argument == "--batch_size" and index + 1 < len(arguments):
+            out += ["--batch_size", str(batch)]
+            index, replaced = index + 2, True
+            continue
+        if argument.startswith("--batch_size="):
+            out.append(f"--batch_size={batch}")
+            index, replaced = index + 1, True
+            continue
+        out.append(argument)
+        index += 1
+    if not replaced:
+        out += ["--batch_size", str(batch)]
+    if base is not None and not any(arg == "--base_batch_size" or arg.startswith("--base_batch_size=") for arg in out):
+        out += ["--base_batch_size", str(base)]
+    return out
+
+
+def batch_split_command(error: BatchSplitError, arguments: list[str], processes: int,
+                        environ: Mapping[str, str] | None = None) -> str:
+    """The launch command with the nearest batch that splits: what the launcher's preflight proposes."""
+    import shlex
+
+    environ = os.environ if environ is None else environ
+    strategy = environ.get("STRATEGY", "torchrun")
+    prefix = f"STRATEGY={shlex.quote(strategy)} " if strategy != "torchrun" else ""
+    flags = with_batch_size([arg for arg in arguments if arg != "--dry_run"], error.batch_sizes[0],
+                            error.base_batch_size)
+    return f"{prefix}{LAUNCHER} {processes} {shlex.join(flags)}"
+
+
 @dataclass
 class ModelArguments(ModelConfig):
     """TRL's ModelConfig (model path, LoRA, bitsandbytes) plus what the toolkit adds."""
@@ -101,7 +161,25 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 # Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
 # channel lookup here recognises them): configuration owns the list so it depends on no other module.
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv",
+                      ".tsv": "tsv"}  # tsv: datasets' csv builder with sep="\t", as datasets reads a .tsv
+# The single-file compressions `datasets` undoes by a name's last suffix (datasets/filesystems/compression.py), and
+# the module each needs beyond the standard library. Text formats only: Parquet compresses inside the file.
+DATA_FILE_COMPRESSIONS = {".gz": None, ".gzip": None, ".bz2": None, ".xz": None, ".zst": "zstandard",
+                          ".zstd": "zstandard", ".lz4": "lz4"}
+TEXT_DATA_FORMATS = (".json", ".jsonl", ".ndjson", ".csv", ".tsv")
+
+
+def data_file_kind(path: str | os.PathLike) -> tuple[str, str] | None:
+    """(format suffix, compression suffix or "") of a data file the toolkit reads, from its name as `datasets` reads
+    it: train.jsonl → (".jsonl", ""), pairs.jsonl.gz → (".jsonl", ".gz"); None for any other file."""
+    name = os.path.basename(os.fspath(path)).lower()
+    compression = next((suffix for suffix in DATA_FILE_COMPRESSIONS if name.endswith(suffix)), "")
+    stem = name[:len(name) - len(compression)]
+    form = os.path.splitext(stem)[1]
+    if form not in DATA_FILE_BUILDERS or (compression and form not in TEXT_DATA_FORMATS):
+        return None
+    return form, compression
 
 
 @dataclass
@@ -737,7 +815,7 @@ def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict[str, tu
             defaults[key] = (environ[variable], variable)
     channel = Path(environ.get("SM_CHANNEL_TRAINING") or "")
     if "dataset_name" in defaults and channel.is_dir():
-        files = [path for path in sorted(channel.iterdir()) if path.suffix in DATA_FILE_BUILDERS]
+        files = [path for path in sorted(channel.iterdir()) if path.is_file() and data_file_kind(path)]
         if len(files) == 1:
             defaults["dataset_name"] = (str(files[0]), "SM_CHANNEL_TRAINING")
     return defaults
@@ -1066,21 +1144,32 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
     if training.batch_size is None:
         raise ConfigError("no batch size: set --batch_size (global) or --per_device_batch_size")
     global_batch = training.batch_size
+    base = training.base_batch_size if training.base_batch_size is not None else global_batch
     if global_batch % world_size:
-        lower = global_batch - global_batch % world_size
-        suggestion = f"{lower} or {lower + world_size}" if lower else str(world_size)
-        raise ConfigError(
-            f"--batch_size {global_batch} cannot be split across {world_size} processes: use a multiple of "
-            f"{world_size} (e.g. {suggestion}), or set --per_device_batch_size instead"
-        )
+        unit, cap = world_size * (accumulation or 1), training.micro_batch_size
+        if accumulation and cap:
+            fits = lambda size: size // unit <= cap  # noqa: E731
+        elif cap:  # accumulation derived under the cap: a batch that leaves micro-batches of 1 is no proposal
+            fits = lambda size: _splits_well(size // world_size, cap)  # noqa: E731
+        else:
+            fits = lambda size: True  # noqa: E731
+        sizes = splitting_batch_sizes(global_batch, unit, fits)
+        raise BatchSplitError(
+            f"--batch_size {global_batch} cannot be split across {world_size} processes: use a multiple of {unit}, "
+            f"the nearest {' or '.join(map(str, sizes))} (with --base_batch_size {base} to keep the learning rate tuned "
+            f"for {base}), or set --per_device_batch_size instead", sizes, base)
     per_process = global_batch // world_size
     if accumulation is not None:
         if per_process % accumulation:
-            raise ConfigError(
+            unit = world_size * accumulation
+            fits = (lambda size: size // unit <= training.micro_batch_size) if training.micro_batch_size else (
+                lambda size: True)
+            sizes = splitting_batch_sizes(global_batch, unit, fits)
+            raise BatchSplitError(
                 f"--batch_size {global_batch} over {world_size} processes is {per_process} per process, which "
                 f"--gradient_accumulation_steps {accumulation} does not divide: use a batch size that is a multiple "
-                f"of {world_size * accumulation}"
-            )
+                f"of {unit}, the nearest {' or '.join(map(str, sizes))} (with --base_batch_size {base} to keep the "
+                f"learning rate tuned for {base})", sizes, base)
         per_device = per_process // accumulation
         if training.micro_batch_size is not None and per_device > training.micro_batch_size:
             raise ConfigError(
@@ -1091,6 +1180,13 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
         return "global", per_device, accumulation, global_batch
     per_device, accumulation = _split_under_cap(per_process, training.micro_batch_size or per_process)
     return "global", per_device, accumulation, global_batch
+
+
+def _splits_well(batch: int, cap: int) -> bool:
+    """Whether a per-process batch splits under the micro-batch cap into micro-batches over half the cap (11 under 8
+    would be 11 steps of 1; 10 is 2 of 5)."""
+    micro, _ = _split_under_cap(batch, cap)
+    return micro == batch or micro * 2 > cap
 
 
 def _split_under_cap(batch: int, cap: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
-from src.config import DATA_FILE_BUILDERS, EMBEDDED, DataArguments, SFTArguments
+from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.progress import Progress
 from src.run_safety.build_once import build_once
 from src.run_safety.disk_space import fail_write_if_injected
@@ -112,11 +112,61 @@ def source_location(data: DataArguments, stage: str) -> str:
     return data.dataset_name
 
 
-def _check_text_lines(path: Path, json_lines: bool) -> None:
+UTF8_BOM = b"\xef\xbb\xbf"  # what Windows tools and spreadsheet exports put before UTF-8 text; datasets skips it
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}.*$")  # train-00000-of-00004(-<hash>): one shard of a split (the Hub's names)
+SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv (or .ndjson, .tsv), the text ones also compressed (" +
+                   ", ".join(DATA_FILE_COMPRESSIONS) + ")")
+
+
+def _data_file_error(location: str, path: Path) -> DataError | None:
+    """Why a data file cannot be read at all (its type, a decompressor not installed), or None."""
+    kind = data_file_kind(path)
+    if kind is None:
+        return DataError(f"--dataset_name {location}: unsupported file type; use {SUPPORTED_FILES}")
+    module = DATA_FILE_COMPRESSIONS.get(kind[1])
+    if module:
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            return DataError(f"--dataset_name {location}: a {kind[1]} file needs the {module} package, as datasets "
+                             f"does: pip install {module} (or decompress it)")
+    return None
+
+
+def _open_data_file(path: Path):
+    """A data file as a binary stream of its (decompressed) bytes."""
+    import io
+
+    compression = data_file_kind(path)[1]
+    if compression in (".gz", ".gzip"):
+        import gzip
+        return gzip.open(path, "rb")
+    if compression == ".bz2":
+        import bz2
+        return bz2.open(path, "rb")
+    if compression == ".xz":
+        import lzma
+        return lzma.open(path, "rb")
+    if compression in (".zst", ".zstd"):
+        import zstandard
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True,
+                                                                                 closefd=True))
+    if compression == ".lz4":
+        import lz4.frame
+        return lz4.frame.open(path, "rb")
+    return open(path, "rb")
+
+
+def _check_text_lines(path: Path, json_lines: bool) -> int:
     """Find the first line of a text data file that is not UTF-8, or (JSON Lines) does not parse: the errors of
-    datasets and Python say neither the file nor the line ("UnicodeDecodeError ... position 339")."""
-    with open(path, "rb") as handle:
+    datasets and Python say neither the file nor the line ("UnicodeDecodeError ... position 339"). A byte-order mark
+    and CRLF line ends are read as datasets reads them; a compressed file is read decompressed. Returns the number of
+    rows (JSON Lines: its non-blank lines)."""
+    rows = 0
+    with _unreadable_named(path), _open_data_file(path) as handle:
         for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -125,30 +175,105 @@ def _check_text_lines(path: Path, json_lines: bool) -> None:
                     f"{error.start + 1}); save the file as UTF-8 (iconv -f <its encoding, e.g. latin1> -t utf-8)"
                 ) from None
             if json_lines and line.strip():
+                rows += 1
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as error:
                     raise DataError(
-                        f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); fix or remove "
-                        "that line"
+                        f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno}); fix or "
+                        "remove that line"
                     ) from None
+    return rows
 
 
-def _check_data_file(path: Path) -> None:
+@contextmanager
+def _unreadable_named(path: Path):
+    """A file the system cannot read, or a truncated or corrupt archive (gzip, bz2, xz, zstd, lz4): one line."""
+    import lzma
+    import zlib
+
+    try:
+        yield
+    except DataError:
+        raise
+    except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, RuntimeError) as error:
+        reason = str(error).strip() or type(error).__name__
+        if data_file_kind(path)[1]:
+            raise DataError(f"{path}: cannot decompress it ({reason}); download or compress it again") from None
+        raise DataError(f"{path}: cannot read it ({reason})") from None
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a .json file holds one JSON array (else JSON Lines, as datasets reads both under that name)."""
+    with _unreadable_named(path), _open_data_file(path) as handle:
+        head = handle.read(4096)
+    return head.removeprefix(UTF8_BOM).lstrip()[:1] == b"["
+
+
+def _check_data_file(path: Path) -> int | None:
+    """The cheap, line-naming checks of one data file; its number of rows where the check counted them."""
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty: it needs one row per example")
-    if path.suffix in (".json", ".jsonl", ".csv"):
-        with open(path, "rb") as handle:
-            json_array = handle.read(1) == b"["
-        _check_text_lines(path, json_lines=path.suffix == ".jsonl" or (path.suffix == ".json" and not json_array))
+    form, _ = data_file_kind(path)
+    if form == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception:  # not Parquet after all: datasets' reading of it says why (_load_files)
+            return None
+    json_lines = form in (".jsonl", ".ndjson") or (form == ".json" and not _is_json_array(path))
+    rows = _check_text_lines(path, json_lines=json_lines)
+    return rows if json_lines else None
 
 
-def _split_files(directory: Path) -> dict[str, str]:
-    """Data files in a directory named by split: train.jsonl, validation.parquet, test.csv, ..."""
-    files = {}
+def _json_array_error(path: Path) -> DataError | None:
+    """The line of a JSON array file that does not parse (datasets' error names neither file nor line)."""
+    with _unreadable_named(path), _open_data_file(path) as handle:
+        text = handle.read().removeprefix(UTF8_BOM)
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        return DataError(f"{path} line {error.lineno}: not valid JSON ({error.msg} at column {error.colno}); fix "
+                         "that row")
+    except UnicodeDecodeError:
+        return None  # _check_text_lines names the line
+    return None
+
+
+def _split_name(path: Path) -> str:
+    """The split a top-level file holds: its name before suffixes and shard number (validation.jsonl.gz →
+    validation, train-00001-of-00004.parquet → train)."""
+    form, compression = data_file_kind(path)
+    stem = path.name[:len(path.name) - len(form) - len(compression)]
+    return _SHARD_NAME.sub("", stem) or stem
+
+
+def _names_a_split(name: str) -> bool:
+    """Whether a file's split name is one of datasets' split keywords (train, validation, dev, test, eval, ...)."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    return any(name == keyword for keywords in SPLIT_KEYWORDS.values() for keyword in keywords)
+
+
+def _split_files(directory: Path) -> dict[str, list[str]]:
+    """A directory's data files by split, in order. Files at its top are named by split (train.jsonl,
+    validation.jsonl.gz, train-00000-of-00004.parquet, ...); with none there, the layouts of the Hub below it
+    (data/train-00000-of-00004.parquet, train/*.jsonl, data/train-*.jsonl, ...) are found by datasets' own patterns."""
+    files: dict[str, list[str]] = {}
     for path in sorted(directory.iterdir()):
-        if path.suffix in DATA_FILE_BUILDERS:
-            files[path.stem] = str(path)
+        if path.is_file() and data_file_kind(path):
+            files.setdefault(_split_name(path), []).append(str(path))
+    if not files:
+        from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+        try:
+            resolved = DataFilesDict.from_patterns(get_data_patterns(str(directory)), base_path=str(directory))
+        except (EmptyDatasetError, FileNotFoundError):
+            resolved = {}
+        files = {str(split): found for split, found in
+                 ((split, [file for file in found if data_file_kind(file)]) for split, found in resolved.items())
+                 if found}
     # train first: datasets takes the column types from the first split it reads, and a held-out split may hold only
     # nulls in a column the training rows fill (an on-policy round's scores, src/rounds.py)
     return dict(sorted(files.items(), key=lambda item: item[0] != "train"))
@@ -163,41 +288,45 @@ def check_source(data: DataArguments, stage: str) -> None:
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
-        if path.suffix not in DATA_FILE_BUILDERS:
-            raise DataError(f"--dataset_name {location}: unsupported file type; use .json, .jsonl, .parquet or .csv")
+        error = _data_file_error(location, path)
+        if error:
+            raise error
         if path.stat().st_size == 0:
             raise DataError(f"{path} is empty: it needs one row per example")
-    elif not path.is_dir() and (path.suffix in DATA_FILE_BUILDERS or location.startswith((".", "/", "~"))
+    elif not path.is_dir() and (data_file_kind(path) or location.startswith((".", "/", "~"))
                                 or location.count("/") > 1):
         raise DataError(f"--dataset_name {location}: no such file or directory")
 
 
 def load_source(data: DataArguments, stage: str):
     """The raw data as a DatasetDict, from a file, a directory (save_to_disk or split files) or the Hub."""
+    return _load_source(data, stage)[0]
+
+
+def _load_source(data: DataArguments, stage: str):
+    """(the raw DatasetDict, where its rows come from: {split: [(file, the split's row index of its first row)]},
+    None where the rows are not read from files here: a save_to_disk directory, the Hub)."""
     import datasets
 
     check_source(data, stage)
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
-        _check_data_file(path)
-        return _load_files(DATA_FILE_BUILDERS[path.suffix], {"train": str(path)}, location)
+        return _load_files({"train": [location]}, location)
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             loaded = datasets.load_from_disk(str(path))
-            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+            return (loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded}),
+                    None)
         files = _split_files(path)
+        if len(files) == 1 and data.dataset_split not in files and not _names_a_split(next(iter(files))):
+            files = {data.dataset_split: next(iter(files.values()))}  # pairs.jsonl alone: the training rows, as datasets
         if not files:
             raise DataError(
                 f"--dataset_name {location}: the directory holds neither a save_to_disk dataset nor data files "
-                "(train.jsonl, validation.jsonl, ...)"
+                "(train.jsonl, validation.jsonl, data/train-00000-of-00001.parquet, ...)"
             )
-        builders = {DATA_FILE_BUILDERS[Path(file).suffix] for file in files.values()}
-        if len(builders) > 1:
-            raise DataError(f"--dataset_name {location}: split files of one format please, found {sorted(builders)}")
-        for file in files.values():
-            _check_data_file(Path(file))
-        return _load_files(builders.pop(), files, location)
+        return _load_files(files, location)
     try:
         loaded = datasets.load_dataset(location, data.dataset_config)
     except Exception as error:  # the Hub client raises many types; the user needs the reason, not the type
@@ -206,16 +335,62 @@ def load_source(data: DataArguments, stage: str):
             f"--dataset_name {location}: could not load it from the Hugging Face Hub ({reason}); pass a local "
             "file or directory instead if this machine is offline"
         ) from None
-    return loaded
+    return loaded, None
 
 
-def _load_files(builder: str, files: dict[str, str], location: str):
+def _load_files(files: dict[str, list[str]], location: str):
+    """Data files by split → (DatasetDict, the files each split's rows come from), each file checked first."""
     import datasets
 
+    for file in (file for found in files.values() for file in found):
+        error = _data_file_error(location if Path(location).is_file() else file, Path(file))
+        if error:
+            raise error
+    builders = {DATA_FILE_BUILDERS[data_file_kind(file)[0]] for found in files.values() for file in found}
+    if len(builders) > 1:
+        raise DataError(f"--dataset_name {location}: split files of one format please, found {sorted(builders)}")
+    builder = builders.pop()
+    builder, options = ("csv", {"sep": "\t"}) if builder == "tsv" else (builder, {})
+    rows = {file: _check_data_file(Path(file)) for found in files.values() for file in found}
     try:
-        return datasets.load_dataset(builder, data_files=files)
+        loaded = datasets.load_dataset(builder, data_files=files, **options)
     except Exception as error:  # malformed files surface as several datasets/pyarrow error types
+        for file in (file for found in files.values() for file in found):
+            if data_file_kind(file)[0] == ".json" and rows[file] is None:
+                named = _json_array_error(Path(file))
+                if named:
+                    raise named from None
         raise DataError(f"--dataset_name {location}: could not read it ({str(error).strip().splitlines()[0]})") from None
+    return loaded, {split: _origins(found, rows, len(loaded[split]), builder, options)
+                    for split, found in files.items()}
+
+
+def _origins(files: list[str], rows: dict[str, int | None], total: int, builder: str,
+             options: dict) -> list[tuple[str, int]] | None:
+    """[(file, the split's row index of its first row)] for a split read from `files` in order; None where the rows
+    per file are unknown (then a row is named by its place in the split)."""
+    if len(files) == 1:
+        return [(files[0], 0)]
+    import datasets
+
+    origins, start = [], 0
+    for file in files:
+        count = rows[file]
+        if count is None:  # a CSV or JSON array shard: its rows are known once read
+            count = len(datasets.load_dataset(builder, data_files={"train": file}, split="train", **options))
+        origins.append((file, start))
+        start += count
+    return origins if start == total else None
+
+
+def row_origin(origins: list[tuple[str, int]] | None, where: str, number: int) -> tuple[str, int]:
+    """(file, its row number) of a split's row `number` (1-based); (where, number) when the files are unknown."""
+    import bisect
+
+    if not origins:
+        return where, number
+    index = bisect.bisect_right([start for _, start in origins], number - 1) - 1
+    return origins[index][0], number - origins[index][1]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -306,12 +481,12 @@ def renders_content_parts(tokenizer) -> bool:
     return bool(_TEMPLATE_PARTS.search(text))
 
 
-def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str) -> None:
+def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str, origins: dict | None = None) -> None:
     """Every message of the chat columns ({column: the name the user gave it}) has a role the template knows and
     content it can render. A role no template branch handles ("robot", a typo like "assitant") renders as if it were
     valid, or not at all, and content given as a list of parts reaches a text-only template as a Python repr: either
     way the run trains to the end on it. Checked on the source's Arrow columns before any row is normalized (no row
-    reaches Python): the row named is the source's."""
+    reaches Python): the row named is the source file's (`origins`: _load_source's)."""
     import difflib
 
     import pyarrow as pa
@@ -338,16 +513,18 @@ def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str) 
                     role = pc.struct_field(flat, "role")[unknown].as_py()
                     close = difflib.get_close_matches(str(role), roles, n=1)
                     hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    file, number = row_origin((origins or {}).get(split), where, offset + row + 1)
                     raise DataError(
-                        f"{where} row {offset + row + 1}: '{name}' message {message} has role {role!r}{hint}; the "
+                        f"{file} row {number}: '{name}' message {message} has role {role!r}{hint}; the "
                         f"model's chat template and TRL know {', '.join(roles)}: fix the role in the data"
                     )
                 listed = pc.index(pc.is_valid(pc.struct_field(flat, "content")), True).as_py() if parts else -1
                 if listed >= 0:
                     row = parents[listed].as_py()
                     message = listed - pc.index(parents, row).as_py() + 1
+                    file, number = row_origin((origins or {}).get(split), where, offset + row + 1)
                     raise DataError(
-                        f"{where} row {offset + row + 1}: '{name}' message {message} has its content as a list of "
+                        f"{file} row {number}: '{name}' message {message} has its content as a list of "
                         "parts, which the model's chat template prints as a Python list: write each message's content "
                         "as text"
                     )
@@ -743,22 +920,24 @@ def _output_features(normalized: dict, token_columns: list[str], held_out: bool)
 
 def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source: str, rows_in: str, tokenizer,
                    data: DataArguments, sft: SFTArguments, chat_template: str | None,
-                   has_chat_template: bool, held_out: bool, output_columns: list[str]) -> dict:
+                   has_chat_template: bool, held_out: bool, output_columns: list[str],
+                   origins: list | None = None) -> dict:
     """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
 
     Dropped rows stay in the batch with their reason in `_status` (so the counts and the first dropped row numbers
     come out of one pass) and are filtered out afterwards. A bad row is named by its number in `rows_in`, the source
-    it was read from (SOURCE_ROW), not by its place in a carved split."""
+    it was read from (SOURCE_ROW), not by its place in a carved split: in a split of several files, the file and its
+    row (`origins`)."""
     source_rows = batch.pop(SOURCE_ROW)
     columns = list(batch)
     out = {column: [] for column in output_columns}
     for values, source_row in zip(zip(*(batch[column] for column in columns)), source_rows):
-        number = source_row + 1
+        where, number = row_origin(origins, rows_in, source_row + 1)
         try:
             row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
         except DataError as error:
-            raise DataError(f"{rows_in} row {number}: {error}") from None
-        status = check_row(row, number, stage, rows_in)
+            raise DataError(f"{where} row {number}: {error}") from None
+        status = check_row(row, number, stage, where)
         if not has_chat_template and any(_is_chat(value) for value in row.values()):
             raise DataError(
                 f"{location}: the data is a chat but the model's tokenizer has no chat template to "
@@ -766,7 +945,7 @@ def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source
                 "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
             )
         item, ids, length = {}, {}, 0
-        with _template_refusals(rows_in, number):
+        with _template_refusals(where, number):
             if status == KEPT:
                 if stage == "dpo":
                     item = ids = tokenize_preference(row, tokenizer)
@@ -904,7 +1083,7 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
 
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
-    raw = load_source(data, stage)
+    raw, origins = _load_source(data, stage)
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
         raise DataError(f"--dataset_name {location}: the data has no rows")
@@ -920,7 +1099,7 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
         raise DataError(f"{location}: {error}") from None
     named = {canonical: source for source, canonical in mapping.items()}
     check_chat_messages(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
-                        tokenizer, location)
+                        tokenizer, location, origins)
     # Each row carries its number in its source split, so an error names the row a user finds in the file, not its
     # place in the training split once the held-out rows are carved out.
     raw = datasets.DatasetDict({name: split.add_column(SOURCE_ROW, np.arange(len(split), dtype=np.int64))
@@ -945,6 +1124,7 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
         output = _output_features(normalized, token_columns, held_out)
         kwargs = {"shape": shape, "stage": stage, "location": location, "source": f"{location} ({kind})",
                   "rows_in": location if len(raw) == 1 else f"{location} ({split_names[kind]})",
+                  "origins": (origins or {}).get(split_names[kind]),
                   "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
                   "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
         tokenized[kind] = _map_with_progress(split, _prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc,

@@ -10,6 +10,8 @@ Owns the checks that need only the model's config.json, its module names and the
 - LoRA target modules that match no module, or match modules LoRA cannot adapt: PEFT's traceback at trainer creation
   otherwise, after the data was prepared;
 - a --max_length past a model's learned position table (GPT-2, OPT): an `IndexError` in the first long batch;
+  past a rotary model's context (max_position_embeddings, or what its rope scaling extends it to) it runs, on
+  positions it never trained at: a warning line at the stage's start (`position_warnings`), not an error;
 - a chat template that does not compile;
 - a --judge reward model that is not there (it is loaded only after training).
 
@@ -32,9 +34,10 @@ CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 
-def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -> None:
+def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -> dict[str, list[str]]:
     """Refuse, with one line naming the flag and what to do, a model, tokenizer, length, LoRA setting or judge that
-    cannot work. `stages`: the run's planned stages (src/main_distributed.Stage: a name and its config)."""
+    cannot work. `stages`: the run's planned stages (src/main_distributed.Stage: a name and its config). Returns the
+    warnings for what runs but silently worse, by stage name (a --max_length past a rotary model's context)."""
     model = run_config.model
     check_judge(run_config.training.judge)
     config = load_config(path, model.trust_remote_code)
@@ -49,12 +52,62 @@ def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -
     targets = model.lora_target_modules if model.use_peft else None
     if not past_positions and not model.attn_implementation and (
             targets is None or (isinstance(targets, str) and targets.lower() == ALL_LINEAR)):
-        return  # nothing left that needs the model built
+        return position_warnings(path, config, stages)  # nothing left that needs the model built
     built = meta_model(config, causal, model.trust_remote_code, path, model.attn_implementation)
     if past_positions:
         check_positions(path, built, positions, max_length)
     if targets is not None:
         check_lora_targets(path, built, model, causal)
+    return position_warnings(path, config, stages)
+
+
+# Rope types that stretch the positions a model was trained on (transformers' ROPE_INIT_FUNCTIONS): the context they
+# make is factor x the original table.
+CONTEXT_EXTENDING_ROPE = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def rotary_context(config) -> tuple[int, str] | None:
+    """(the longest context a rotary model's positions are made for, how it was read from config.json), or None for a
+    model without rotary positions (learned tables: check_positions; ALiBi). Rope scaling counts: YaRN, linear,
+    dynamic, LongRoPE and Llama 3's scaling reach factor x original_max_position_embeddings."""
+    text = config.get_text_config()
+    positions = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    rotary = rope is not None or any(getattr(text, name, None) is not None for name in (
+        "rope_theta", "rotary_dim", "rotary_pct", "partial_rotary_factor", "rotary_emb_base"))
+    if not isinstance(positions, int) or not rotary or getattr(text, "alibi", False):  # Falcon's ALiBi variant
+        return None
+    if isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))  # per layer type (Gemma 3)
+    rope = rope if isinstance(rope, dict) else {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    factor = rope.get("factor")
+    if kind in CONTEXT_EXTENDING_ROPE and isinstance(factor, (int, float)) and factor > 1:
+        original = rope.get("original_max_position_embeddings") or getattr(
+            text, "original_max_position_embeddings", None) or positions
+        extended = int(original * factor)
+        if extended > positions:
+            return extended, (f"max_position_embeddings {positions}, {kind} rope scaling x{factor:g} of "
+                              f"{original} → {extended}")
+    return positions, f"max_position_embeddings {positions}" + (f", {kind} rope" if kind != "default" else "")
+
+
+def position_warnings(path: str, config, stages: list) -> dict[str, list[str]]:
+    """A --max_length past a rotary model's context: it runs (rotary positions have no table to run out of), but
+    on positions the model never saw, which degrades what it learns and answers without any error."""
+    found = rotary_context(config)
+    warnings: dict[str, list[str]] = {}
+    if found is None:
+        return warnings
+    context, how = found
+    for stage in stages:
+        max_length = stage.config.data.max_length
+        if max_length > context:
+            warnings[stage.name] = [
+                f"--max_length {max_length} is past {path}'s context of {context} tokens ({how} in config.json): "
+                f"rows longer than {context} train on positions the model never saw; lower --max_length to "
+                f"{context}, or use a model (or rope scaling) made for longer context"]
+    return warnings
 
 
 def check_judge(judge: str) -> None:
@@ -166,7 +219,7 @@ def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", at
 
 def check_positions(path: str, built, positions: int, max_length: int) -> None:
     """A model with learned absolute positions (GPT-2, OPT, ...) has no embedding for a position past its table: an
-    `IndexError` in the first batch that long. Rotary models run past max_position_embeddings, so they pass."""
+    `IndexError` in the first batch that long. Rotary models run past max_position_embeddings: position_warnings."""
     import torch
 
     tokens = built.get_input_embeddings()

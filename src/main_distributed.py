@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
-    parse_config, sagemaker_process_hint, stage_plans,
+    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan, World,
+    batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import (DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       source_location, source_names)
@@ -76,6 +76,8 @@ class Stage:
     environment: dict[str, str]  # tracker variables for this stage (where TensorBoard and W&B write)
     round: int = 0  # an on-policy DPO round (src/rounds.py): 1..--rounds; 0 for the stages of the pipeline
     round_record: dict | None = None  # a round's pairs: counts, seconds, where (set when the round starts)
+    # What the preflight's model checks found runs but silently worse (src/input_checks.py): said at the stage's start
+    model_warnings: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -335,7 +337,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     metrics_path = stage.run_dir / run_files.METRICS
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
-    warnings = silent_no_op_warnings(stage.name, config, plan)
+    warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
             open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
@@ -750,7 +752,9 @@ def run(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(config.model)
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
-    check_model_inputs(model_path, config, tokenizer, stages)
+    model_warnings = check_model_inputs(model_path, config, tokenizer, stages)
+    for stage in stages:
+        stage.model_warnings = model_warnings.get(stage.name, [])
     check_dpo_forward(stages, model_path)
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
@@ -763,6 +767,8 @@ def run(argv: list[str] | None = None) -> int:
         for stage in stages:
             print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
                    f"\n{format_summary(prepared[stage.name].summary)}")
+            for warning in stage.model_warnings:
+                print0(f"  warning: {warning}")
         return 0
 
     init(stages[0].plan, world)
@@ -798,16 +804,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_status(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    arguments = [arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"]
     try:
-        return run([arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--debug"])
+        return run(arguments)
     except HelpRequested:
         print(format_help())
         return 0
     except USER_ERRORS as error:
         if debug:
             raise
-        if World.from_environment().is_main:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        world = World.from_environment()
+        if world.is_main:
+            # A batch the processes cannot share: the command that runs, with the nearest batch that splits.
+            command = f"; run: {batch_split_command(error, arguments, world.local_world_size)}" if isinstance(
+                error, BatchSplitError) else ""
+            print(f"error: {error}{command}", file=sys.stderr, flush=True)
         return ExitStatus.USER_ERROR
     except TrainingDiverged as error:
         if World.from_environment().is_main:

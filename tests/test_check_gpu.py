@@ -122,14 +122,21 @@ def test_single_mig_gpu_leaves_nothing_to_run():
 def test_gpu_with_ecc_errors_is_not_ready_and_left_out():
     report = run_check(a100_ecc())
     assert every_pair_off_diagonal(report["topology"]["links"], "NV4")
-    # The default recipe's global batch (32) does not split over the 3 GPUs left: the launcher would stop.
-    assert codes(report) == ["memory_errors", "plan_refused"]
+    # The default recipe's global batch (32) does not split over the 3 GPUs left: the launcher would stop, so the
+    # command uses the nearest batch that splits (33, or 30), the learning rate still tuned for 32.
+    assert codes(report) == ["memory_errors", "batch_does_not_split"]
     assert "--batch_size 32 cannot be split across 3 processes" in report["problems"][1]["what"]
+    assert "--batch_size 33 (the nearest that splits; or 30) with --base_batch_size 32" in report["problems"][1]["fix"]
     assert report["problems"][0]["gpus"] == [2]
     assert "pending row remap" in report["problems"][0]["what"]
     assert report["gpus"][2]["excluded"] == "uncorrected ECC errors"
     assert (report["verdict"], report["exit_code"]) == ("NOT READY", 2)
-    assert report["command"] == "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1,3 ./run_distributed.sh 3"
+    assert report["command"] == ("CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1,3 ./run_distributed.sh 3 "
+                                 "--batch_size 33 --base_batch_size 32")
+    assert report["command_runs_now"]
+    plan = report["plan"]["dpo"]
+    assert (plan["global_batch_size"], plan["per_device_batch_size"], plan["base_batch_size"]) == (33, 11, 32)
+    assert codes(run_check(a100_ecc(), "--batch_size", "33", "--base_batch_size", "32")) == ["memory_errors"]
 
 
 def test_gpu_busy_with_another_process_warns_and_shrinks_the_budget():

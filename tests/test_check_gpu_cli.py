@@ -234,3 +234,23 @@ def test_a_launch_line_checks_to_the_plan_the_launchers_dry_run_prints(tiny_mode
     rows = [line for line in checked if line.strip().startswith(("batch", "learning rate", "precision", "processes"))]
     assert len(rows) == 4 and all(row in dry_run.stdout.splitlines() for row in rows), (rows, dry_run.stdout)
     assert "8 per device x 3 accumulation x 2 processes = 48 global" in rows[1]
+
+
+def test_a_max_length_past_a_rotary_models_context_is_a_warning(tiny_model_directory, capsys):
+    """The Llama config's rotary positions are made for 2048 tokens (max_position_embeddings): --max_length 4096 runs
+    on positions it never saw, which the launcher says at the stage's start and check_gpu before the launch."""
+    from dataclasses import replace
+
+    from fakes.machines import fake_sources, h100_nvswitch
+
+    shape = shape_from_model(str(tiny_model_directory))
+    assert (shape.context_tokens, shape.context_source) == (2048, "max_position_embeddings 2048")
+    sources = replace(fake_sources(h100_nvswitch()), model_shape=lambda name, subject: shape)
+    for max_length, warned in (("4096", True), ("2048", False)):
+        main(["--json", "--num_procs", "1", "--model_name_or_path", "tiny", "--max_length", max_length], sources)
+        report = json.loads(capsys.readouterr().out)
+        found = [problem for problem in report["problems"] if problem["code"] == "past_context"]
+        assert bool(found) == warned, report["problems"]
+        if warned:
+            assert f"max_length 4096 is past {shape.name}'s context of 2048 tokens" in found[0]["what"]
+            assert found[0]["severity"] == "warning" and "--max_length 2048" in found[0]["fix"]

@@ -83,6 +83,8 @@ def test_launcher_refuses_bad_flags_before_starting_workers(user_args):
                             env=os.environ | {"PYTHON": sys.executable})
     assert_one_line_error(result, "--batch_size 3 cannot be split across 2 processes")
     assert "ChildFailedError" not in result.stderr  # torchrun never started
+    # the command that runs: the nearest batch that splits, the learning rate still tuned for 3
+    assert f"; run: ./run_distributed.sh 2 {' '.join(user_args)} --batch_size 2 --base_batch_size 3" in result.stderr
 
 
 def test_corrupt_or_incomplete_weights_are_named_before_anything_loads(user_args, tiny_model, tmp_path):

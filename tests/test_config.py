@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from src.config import (
-    PROJECT_ROOT, ConfigError, Devices, World, format_plan, parse_config, resolve_batch, resolve_plan,
-    resolve_precision, stage_config,
+    PROJECT_ROOT, BatchSplitError, ConfigError, Devices, World, batch_split_command, format_plan, parse_config,
+    resolve_batch, resolve_plan, resolve_precision, stage_config, with_batch_size,
 )
 
 USER = ["--model_name_or_path", "some/model", "--dataset_name", "some/data"]
@@ -78,10 +78,12 @@ def test_explicit_base_batch_scales_a_global_batch():
 
 
 @pytest.mark.parametrize("argv, world_size, message", [
-    (["--batch_size", "6"], 4, "--batch_size 6 cannot be split across 4 processes: use a multiple of 4 (e.g. 4 or 8)"),
-    (["--batch_size", "2"], 4, "use a multiple of 4 (e.g. 4)"),
+    (["--batch_size", "6"], 4, "--batch_size 6 cannot be split across 4 processes: use a multiple of 4, the nearest "
+                               "4 or 8 (with --base_batch_size 6 to keep the learning rate tuned for 6)"),
+    (["--batch_size", "2"], 4, "use a multiple of 4, the nearest 4 (with"),
     (["--batch_size", "24", "--gradient_accumulation_steps", "4"], 4,
-     "6 per process, which --gradient_accumulation_steps 4 does not divide: use a batch size that is a multiple of 16"),
+     "6 per process, which --gradient_accumulation_steps 4 does not divide: use a batch size that is a multiple of 16, "
+     "the nearest 16 or 32"),
     (["--batch_size", "64", "--gradient_accumulation_steps", "1", "--micro_batch_size", "8"], 2,
      "puts 32 on each device, over --micro_batch_size 8"),
     (["--per_device_batch_size", "6", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1"], 1,
@@ -92,6 +94,43 @@ def test_impossible_splits_name_the_numbers_and_a_fix(argv, world_size, message)
     with pytest.raises(ConfigError) as error:
         plan_for(argv, world_size)
     assert message in str(error.value)
+
+
+SPLITS = {  # (recipe, GPUs): the nearest batch that splits, proposed first
+    "default 32": ([], {3: 33, 5: 30, 6: 30, 7: 35}),
+    # micro-batches of at most 8, accumulation derived: 66 on 6 GPUs would be 11 steps of 1 per GPU, so 60 (2 of 5)
+    "64, micro 8": (["--batch_size", "64", "--micro_batch_size", "8"], {3: 63, 5: 60, 6: 60, 7: 70}),
+    "64, 2 accumulation": (["--batch_size=64", "--gradient_accumulation_steps", "2"], {3: 66, 5: 60, 6: 60, 7: 70}),
+}
+
+
+@pytest.mark.parametrize("gpus", [3, 5, 6, 7])
+@pytest.mark.parametrize("recipe", list(SPLITS))
+def test_a_batch_the_gpus_cannot_share_gets_the_nearest_that_split_and_the_command(gpus, recipe):
+    """3, 5, 6 or 7 GPUs with a global batch of 32 or 64: the nearest batch sizes that split, the nearest first, each
+    one the launcher then accepts on that many processes with the learning rate it was tuned for."""
+    argv, nearest = SPLITS[recipe]
+    batch = 64 if argv else 32
+    with pytest.raises(BatchSplitError) as error:
+        plan_for(argv, gpus)
+    sizes = error.value.batch_sizes
+    assert sizes[0] == nearest[gpus] and len(sizes) == 2
+    base_lr = plan_for(argv, 1).learning_rate
+    for size in sizes:
+        plan = plan_for(with_batch_size(argv, size, error.value.base_batch_size), gpus)
+        assert plan.global_batch_size == size and plan.base_batch_size == batch
+        assert plan.learning_rate == pytest.approx(base_lr * math.sqrt(size / batch))
+    command = batch_split_command(error.value, ["--dry_run"] + argv, gpus, {"STRATEGY": "zero2"})
+    flags = " ".join(with_batch_size(argv, sizes[0], batch))
+    assert command == f"STRATEGY=zero2 ./run_distributed.sh {gpus} {flags}" and "--dry_run" not in command
+    assert command.count("--batch_size") == 1 and f"--base_batch_size {batch}" in command
+
+
+def test_the_proposed_batch_respects_a_fixed_accumulation_and_the_micro_batch_cap():
+    """64 pairs, 2 accumulation steps, at most 5 per device, on 6 GPUs: 72 would put 6 on a device; 60 is proposed."""
+    with pytest.raises(BatchSplitError) as error:
+        plan_for(["--batch_size", "64", "--gradient_accumulation_steps", "2", "--micro_batch_size", "5"], 6)
+    assert error.value.batch_sizes == [60]
 
 
 def test_odd_split_uses_the_smallest_even_accumulation():

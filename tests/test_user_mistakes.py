@@ -169,6 +169,20 @@ def _template_file(ws: Workspace, name: str, text: str) -> str:
     return str(path)
 
 
+def _gzip_file(ws: Workspace, name: str, text: str) -> str:
+    import gzip
+
+    path = ws.root / name
+    path.write_bytes(gzip.compress(text.encode()))
+    return str(path)
+
+
+def _truncated_gz(ws: Workspace) -> list[str]:
+    path = Path(_gzip_file(ws, "cut.jsonl.gz", "".join(json.dumps(row) + "\n" for row in preference_rows(200))))
+    path.write_bytes(path.read_bytes()[:-100])
+    return ws.args(dataset_name=str(path))
+
+
 def _recipe(ws: Workspace, text: str) -> list[str]:
     path = ws.root / "recipe.yaml"
     path.write_text(text)
@@ -273,6 +287,11 @@ MISTAKES = [
     Mistake("broken_json_line", "A JSON Lines file with a broken line", "line 2: not valid JSON",
             lambda ws: ws.args(dataset_name=_template_file(
                 ws, "broken.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n'))),
+    Mistake("broken_line_in_gz", "A broken line inside a compressed JSON Lines file (`pairs.jsonl.gz`)",
+            "pairs.jsonl.gz line 2: not valid JSON", lambda ws: ws.args(dataset_name=_gzip_file(
+                ws, "pairs.jsonl.gz", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n'))),
+    Mistake("truncated_gz", "A compressed data file cut short (an interrupted download)", "cut.jsonl.gz: cannot "
+            "decompress it", _truncated_gz),
     Mistake("undecodable_jsonl", "Undecodable (Latin-1) bytes in a JSON Lines file", "line 5: not UTF-8 text (byte "
             "0xe9", _latin1_jsonl),
     Mistake("undecodable_csv", "Undecodable (Latin-1) bytes in a CSV file", "line 2: not UTF-8 text (byte 0xe9",
@@ -388,7 +407,8 @@ MISTAKES = [
     Mistake("fsdp_on_cpu", "An accelerate FSDP/DeepSpeed config on a machine without CUDA GPUs", "which accelerate "
             "runs only on CUDA GPUs", lambda ws: ws.args(), env={"ACCELERATE_USE_FSDP": "true"}),
     Mistake("batch_not_divisible", "A global batch that the processes cannot share", "--batch_size 3 cannot be "
-            "split across 2 processes", lambda ws: ws.args(batch_size="3"), env={"WORLD_SIZE": "2"}),
+            "split across 2 processes: use a multiple of 2, the nearest 2 or 4", lambda ws: ws.args(batch_size="3"),
+            env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),
     Mistake("nnodes_not_a_number", "`NNODES` that is not a number", "NNODES must be a whole number",
             lambda ws: ws.args(), launcher=True, env={"NNODES": "two"}),
     Mistake("node_rank_beyond_nodes", "`NODE_RANK` not below `NNODES`", "NODE_RANK 2 with NNODES 2",
@@ -519,3 +539,37 @@ def test_the_scheduler_choices_are_transformers():
     from src.config import LR_SCHEDULERS
 
     assert list(LR_SCHEDULERS) == [member.value for member in SchedulerType]
+
+
+def test_a_max_length_past_a_rotary_models_context_is_one_warning(workspace, preflight):
+    """The tiny Llama's rotary positions were made for 256 tokens: --max_length 512 runs (no table to run out of) but
+    on positions it never saw, which nothing else would say. One warning line in the dry run, and none within 256."""
+    code, output = preflight(workspace.args(max_length="512") + ["--dry_run"], {})
+    warnings = [line for line in output.splitlines() if "past" in line and "warning:" in line]
+    assert code == 0 and len(warnings) == 1, output[-3000:]
+    assert "--max_length 512 is past" in warnings[0] and "context of 256 tokens (max_position_embeddings 256" in \
+        warnings[0] and "lower --max_length to 256" in warnings[0]
+    code, output = preflight(workspace.args(max_length="256") + ["--dry_run"], {})
+    assert code == 0 and "positions the model never saw" not in output
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"model_type": "llama", "max_position_embeddings": 4096}, 4096),
+    # Llama 3.1: the table already holds the scaled length (8192 x 8 = 65536 < 131072)
+    ({"model_type": "llama", "max_position_embeddings": 131072, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}}, 131072),
+    # Qwen2.5 with YaRN as its card advises: 32768 x 4
+    ({"model_type": "qwen2", "max_position_embeddings": 32768, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, 131072),
+    ({"model_type": "llama", "max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     16384),
+    ({"model_type": "gpt2", "n_positions": 1024}, None),  # learned positions: check_positions' error instead
+])
+def test_the_rotary_context_counts_rope_scaling(config, expected):
+    from transformers import AutoConfig
+
+    from src.input_checks import rotary_context
+
+    found = rotary_context(AutoConfig.for_model(**config))
+    assert (found and found[0]) == expected

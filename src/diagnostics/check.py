@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from src.config import ConfigError, Devices, Plan, World, stage_plans
+from src.config import BatchSplitError, ConfigError, Devices, Plan, World, stage_plans
 
 from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
@@ -114,7 +114,18 @@ def launch_plans(machine: Machine) -> tuple[list[tuple[str, Plan]], str | None]:
         devices = Devices("cpu")
     try:
         return [(name, plan) for name, _staged, plan in stage_plans(config, world, devices)], None
-    except ConfigError as error:  # what the launcher would stop on here, e.g. a batch these processes cannot split
+    except BatchSplitError as error:
+        # A global batch these processes cannot share: plan (and print the command) with the nearest that splits,
+        # the learning rate still tuned for the batch asked for.
+        resplit = dataclasses.replace(config, training=dataclasses.replace(
+            config.training, batch_size=error.batch_sizes[0], base_batch_size=error.base_batch_size))
+        try:
+            plans = [(name, plan) for name, _staged, plan in stage_plans(resplit, world, devices)]
+        except ConfigError:  # another stage's batch (a pipeline's sft block) or another limit: the launcher's word
+            return [], str(error)
+        machine.batch_split = error
+        return plans, None
+    except ConfigError as error:  # what the launcher would stop on here
         return [], str(error)
 
 

@@ -34,6 +34,10 @@ class ModelShape:
     embedding_params: int  # input embeddings plus an untied output layer: kept 16-bit under QLoRA
     largest_layer_params: int  # the biggest unit ZeRO-3 gathers at once: a decoder block or the embeddings
     linear_layers: list[tuple[str, int, int]] = field(default_factory=list)  # (name, in, out), no output layer
+    # A rotary model's context (src/input_checks.rotary_context: max_position_embeddings or what its rope scaling
+    # reaches) and how it was read; None for other position schemes and for a shape assumed from a parameter count
+    context_tokens: int | None = None
+    context_source: str | None = None
 
 
 # Well-known decoder shapes (hidden, layers, intermediate, vocab) to assume from a bare parameter count.
@@ -211,8 +215,12 @@ def _measure(model, config, name: str, source: str) -> ModelShape:
     embedding_params = input_embeddings.weight.numel()
     if output_embeddings is not None and output_embeddings.weight is not input_embeddings.weight:
         embedding_params += output_embeddings.weight.numel()
+    # the preflight's rule (~0.2 s of imports, next to building the model): check_gpu warns as the launcher does
+    from src.input_checks import rotary_context
+
     blocks = _decoder_blocks(model)
     block_params = max((sum(parameter.numel() for parameter in block.parameters()) for block in blocks), default=0)
+    context = rotary_context(config) if hasattr(config, "get_text_config") else None
     return ModelShape(
         name=name,
         source=source,
@@ -226,4 +234,6 @@ def _measure(model, config, name: str, source: str) -> ModelShape:
         embedding_params=embedding_params,
         largest_layer_params=max(block_params, input_embeddings.weight.numel()),
         linear_layers=_linear_layers(model),
+        context_tokens=context[0] if context else None,
+        context_source=context[1] if context else None,
     )

@@ -90,6 +90,9 @@ class Machine:
     memory_plan: MemoryPlan | None = None
     bench: BenchResult | None = None
     plan_refused: str | None = None  # the launcher's own message when it would refuse the plan on this launch
+    # A global batch this launch cannot split (src/config.BatchSplitError): planned, and launched, with the nearest
+    # batch that splits
+    batch_split: Exception | None = None
 
     @property
     def has_gpus(self) -> bool:
@@ -809,6 +812,34 @@ def plan_refused(machine: Machine) -> list[Problem]:
                     "change what the message names (or --num_procs); the command below is the one to run then")]
 
 
+def batch_does_not_split(machine: Machine) -> list[Problem]:
+    """A global batch the launch's processes cannot share (32 on 3, 5, 6 or 7 GPUs): the launcher would stop; the
+    command uses the nearest batch that splits."""
+    error = machine.batch_split
+    if error is None:
+        return []
+    sizes = error.batch_sizes
+    return [Problem(ERROR, "batch_does_not_split",
+                    f"the launcher would stop on {machine.num_procs} process(es) per node: {str(error).split(':')[0]}",
+                    f"the command below uses --batch_size {sizes[0]} (the nearest that splits"
+                    + (f"; or {', '.join(map(str, sizes[1:]))}" if sizes[1:] else "")
+                    + f") with --base_batch_size {error.base_batch_size}, so the learning rate stays tuned for "
+                    f"{error.base_batch_size}; or pick another --num_procs", worked_around=True)]
+
+
+def past_context(machine: Machine) -> list[Problem]:
+    """--max_length past a rotary model's context: it trains, on positions the model never saw (the launcher says the
+    same at the stage's start)."""
+    plan = machine.memory_plan
+    context = plan.model.context_tokens if plan else None
+    if context is None or plan.max_length <= context:
+        return []
+    return [Problem(WARNING, "past_context",
+                    f"max_length {plan.max_length} is past {plan.model.name}'s context of {context} tokens "
+                    f"({plan.model.context_source} in config.json): longer rows train on positions it never saw",
+                    f"--max_length {context} (or less), or a model (or rope scaling) made for longer context")]
+
+
 def memory_fit(machine: Machine) -> list[Problem]:
     plan = machine.memory_plan
     chosen = plan.chosen() if plan else None
@@ -886,7 +917,9 @@ RULES: tuple[Callable[[Machine], list[Problem]], ...] = (
     bf16_unsupported,
     nvlink_p2p_broken,
     plan_refused,
+    batch_does_not_split,
     memory_fit,
+    past_context,
     bench_outcome,
     shared_memory,
     other_processes,

@@ -14,13 +14,12 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from src.config import missing_sources
+from src.config import LAUNCHER, missing_sources, with_batch_size
 
 from .problems import ERROR, WARNING, Machine, Problem, pinned_gpus_prefix
 
 EXIT_READY, EXIT_WARNINGS, EXIT_NOT_READY, EXIT_BAD_INPUT = 0, 1, 2, 3
 VERDICTS = {EXIT_READY: "READY", EXIT_WARNINGS: "READY WITH WARNINGS", EXIT_NOT_READY: "NOT READY"}
-LAUNCHER = "./run_distributed.sh"
 MULTI_NODE_VARIABLES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -80,6 +79,11 @@ def _arguments(machine: Machine) -> tuple[list[str], list[str]]:
     """The launcher's flags as the check was given them (old check_gpu names already translated), so the command
     round-trips: `./run_distributed.sh N ARGS` checks as `check_gpu.py --num_procs N ARGS`, and back."""
     arguments, notes = list(machine.options.launch_arguments), []
+    if machine.batch_split is not None:
+        split = machine.batch_split
+        arguments = with_batch_size(arguments, split.batch_sizes[0], split.base_batch_size)
+        notes.append(f"--batch_size {split.batch_sizes[0]}: the nearest global batch {machine.num_procs} processes "
+                     "can share")
     if needs_fp16(machine):
         arguments += ["--mixed_precision", "fp16"]
         lacking = sorted({machine.gpu(index).name for index in machine.launch_gpus if machine.gpu(index).bf16 is False})
