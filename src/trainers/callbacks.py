@@ -13,7 +13,8 @@ from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
-from src.run_safety.stops import stop_signal
+from src.run_safety.parent_watch import LAUNCHER_GONE, kill_starter_if_injected, launcher_gone
+from src.run_safety.stops import set_clean_stop_point, stop_signal
 
 
 class StopConditions(TrainerCallback):
@@ -28,6 +29,12 @@ class StopConditions(TrainerCallback):
         self.diverged_at: int | None = None
         self.stopped_by: str | None = None
         self.stopped_at: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        set_clean_stop_point(True)  # a stop asked for from now on (the launcher gone) is taken at a step's end
+
+    def on_train_end(self, args, state, control, **kwargs):
+        set_clean_stop_point(False)
 
     def on_micro_batch(self, loss, inputs) -> None:
         if self.non_finite is None and not torch.isfinite(loss.detach()).all():
@@ -45,6 +52,7 @@ class StopConditions(TrainerCallback):
                 gradient.zero_()
 
     def on_step_end(self, args, state, control, **kwargs):
+        kill_starter_if_injected(f"step:{state.global_step}", args.process_index)  # a test seam
         signalled, diverged, write_failed = any_rank(stop_signal() is not None, self.non_finite is not None,
                                                       noticed_write_failure() is not None)
         if write_failed:  # a write failed on some rank (rank 0's metrics line, report, tracker): all stop here
@@ -59,7 +67,7 @@ class StopConditions(TrainerCallback):
             control.should_evaluate = False
             control.should_training_stop = True
         elif signalled:
-            self.stopped_by = stop_signal() or "a signal to another rank"
+            self.stopped_by = stop_signal() or (LAUNCHER_GONE if launcher_gone() else "a signal to another rank")
             self.stopped_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
