@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,12 +215,14 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
     args = round_args(tiny_model, data, tmp_path / "two", "--rounds", "1", "--round_max_steps", "60")
     for moment in ("sampling", "reference"):
         killed, tag = tmp_path / f"killed-{moment}", f"{tmp_path}-{moment}"
+        started = time.monotonic()
         job = start_launcher(args, tmp_path / f"{moment}.log", PREFKIT_TEST_KILL_STARTER=f"{moment}:{killed}",
                              **{TAG: tag})
         try:
             job.wait(timeout=600)
             assert killed.exists(), (tmp_path / f"{moment}.log").read_text()[-3000:]
-            print(f"killed during {moment}: its processes ended {seconds_until_gone(tag):.1f} s after the kill")
+            print(f"killed during {moment} after {time.monotonic() - started:.0f} s: its processes ended "
+                  f"{seconds_until_gone(tag):.1f} s after the kill")
         finally:
             kill_tagged(tag)
     assert "round 1: sampling" in (tmp_path / "reference.log").read_text(), "round 1 sampled again: nothing kept"
@@ -244,8 +247,6 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
 
 
 def _wait_for(condition, timeout: float = 400):
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
