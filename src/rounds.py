@@ -86,6 +86,7 @@ def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundS
     def work(share: list[dict]) -> list[dict]:
         prompts = [row["prompt_ids"] for row in share for _ in range(k)]
         seeds = [answer_seed(settings.seed, round_index, row["index"], sample) for row in share for sample in range(k)]
+
         def on_batch(answered: int) -> None:
             progress.update(answered)
             kill_starter_if_injected("sampling", world.rank)  # a test seam
