@@ -32,6 +32,8 @@ from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, Dat
 from src.progress import Progress
 from src.run_safety.build_once import build_once
 from src.run_safety.disk_space import fail_write_if_injected
+from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_with_this_process,
+                                         kill_starter_if_injected)
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
@@ -989,6 +991,14 @@ def _template_refusals(source: str, number: int):
                         "template (--chat_template_path)") from None
 
 
+def _in_pool(batch: dict, *, _function, _starter: int, **kwargs) -> dict:
+    """`_function` in a pool worker of datasets.map, which exits at once if the preparing process is gone (the pool's
+    workers outlive a killed parent otherwise: src/run_safety/parent_watch.py)."""
+    exit_with_parent(_starter)  # forked_children_exit_with_this_process watches it already where pools fork
+    kill_starter_if_injected("preparation", starter=_starter)  # a test seam
+    return _function(batch, **kwargs)
+
+
 def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str, num_proc: int, work: Path):
     """dataset.map(function) in chunks, each on up to `num_proc` processes, with one progress line between chunks.
 
@@ -996,6 +1006,8 @@ def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str,
     import datasets
 
     chunk_rows = CHUNK_ROWS_PER_PROCESS * num_proc
+    if num_proc > 1:
+        forked_children_exit_with_this_process()  # the pool's workers, idle ones too, end with this process
     # One chunk is a few seconds of work: data that fits in one needs no progress line.
     progress = Progress(label, total=len(dataset), enabled=len(dataset) > chunk_rows)
     pieces = []
@@ -1003,7 +1015,9 @@ def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str,
         chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
         processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
         pieces.append(chunk.map(
-            function, fn_kwargs=fn_kwargs, batched=True, batch_size=MAP_BATCH_ROWS,
+            _in_pool if processes > 1 else function,
+            fn_kwargs=fn_kwargs | {"_function": function, "_starter": os.getpid()} if processes > 1 else fn_kwargs,
+            batched=True, batch_size=MAP_BATCH_ROWS,
             writer_batch_size=MAP_BATCH_ROWS, remove_columns=chunk.column_names,
             features=features, num_proc=processes if processes > 1 else None,
             cache_file_name=str(work / f"{label.replace(' ', '_')}-{number:05d}.arrow"),

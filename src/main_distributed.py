@@ -55,6 +55,7 @@ from src.run_safety.disk_space import (WriteFailed, check_space, estimate_writes
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.finished_run import data_fingerprint, differences, end_step_done, finished_line, refusal
 from src.run_safety.node_watch import watch
+from src.run_safety.parent_watch import exit_without_teardown, launcher_gone, watch_launcher
 from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
@@ -589,10 +590,12 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
 
 
 def record_stop(stage: Stage, info_path: Path, world: World, status: str, message: str) -> None:
-    """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped."""
+    """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped. A job
+    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.report`)."""
     if world.is_main:
         run_files.update_json(info_path, status=status, stop_reason=message)
-        publish_pages_after_stop(stage)
+        if not launcher_gone():
+            publish_pages_after_stop(stage)
 
 
 def publish_report(run_dir: Path, stage: str, announce: bool = True) -> None:
@@ -716,6 +719,8 @@ def finish_finished_run(stages: list[Stage], config: Config, world: World, recor
 
 def run(argv: list[str] | None = None) -> int:
     install_signal_handlers()
+    if "TORCHELASTIC_RUN_ID" in os.environ or "PREFKIT_EXIT_DIR" in os.environ:  # started by a launcher
+        watch_launcher()  # its end (a kill -9 of its process group) stops this process too, as SIGTERM does
     config = parse_config(argv)
     world = World.from_environment()
     devices = Devices.detect()
@@ -799,7 +804,17 @@ def run(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     if launcher_exit.recorded() is not None:  # torchrun restarted this worker after the job chose to stop
         return 0
-    return launcher_exit.settle(exit_status(argv))
+    try:
+        code = launcher_exit.settle(exit_status(argv))
+    except BaseException:
+        if not launcher_gone():
+            raise
+        # a peer gone from a collective: its launcher is gone too, and its watch ended it (run_safety/parent_watch.py)
+        print(f"error: rank {World.from_environment().rank}: stopped, its launcher is gone", file=sys.stderr)
+        code = ExitStatus.SIGTERM
+    if launcher_gone():  # its devices are freed now, not after the interpreter's teardown
+        exit_without_teardown(code)
+    return code
 
 
 def exit_status(argv: list[str] | None = None) -> int:

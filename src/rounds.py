@@ -32,6 +32,7 @@ from src.generation import Sampling, answer_seed, generate
 from src.judges import JudgeError, judge_for
 from src.models import apply_chat_template_to_model, load_model
 from src.progress import Progress
+from src.run_safety.parent_watch import kill_starter_if_injected
 
 PAIRS_DIR = "pairs"
 ROUND_FILE = "round.json"  # beside pairs/, written after it: a round whose record exists has its pairs complete
@@ -85,8 +86,13 @@ def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundS
     def work(share: list[dict]) -> list[dict]:
         prompts = [row["prompt_ids"] for row in share for _ in range(k)]
         seeds = [answer_seed(settings.seed, round_index, row["index"], sample) for row in share for sample in range(k)]
+
+        def on_batch(answered: int) -> None:
+            progress.update(answered)
+            kill_starter_if_injected("sampling", world.rank)  # a test seam
+
         answers = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
-                           settings.sampling, seeds, on_batch=progress.update)
+                           settings.sampling, seeds, on_batch=on_batch)
         judged_rows = [{"prompt": row["prompt"], "meta": row["meta"]} for row in share for _ in range(k)]
         try:
             scores = judge.scores(judged_rows, answers)

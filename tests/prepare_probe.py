@@ -1,11 +1,13 @@
-"""Prepare `rows` generated UltraFeedback-shaped pairs in this process and print its peak RSS and the time it took:
-the memory test runs it in a fresh process per size, so one size's peak cannot hide another's.
+"""Prepare `rows` generated UltraFeedback-shaped pairs in this process and print its peak RSS, the time it took and a
+digest of the prepared training rows: the memory test runs it in a fresh process per size, so one size's peak cannot
+hide another's; the killed-preparation test compares a relaunch with a preparation left alone.
 
     python tests/prepare_probe.py WORKDIR ROWS [NUM_PROC]
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
 import sys
@@ -35,8 +37,9 @@ def main(workdir: Path, count: int, num_proc: int) -> None:
                             workdir / f"cache-{count}")
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    digest = hashlib.blake2b(json.dumps(prepared.train[:], sort_keys=True, default=str).encode()).hexdigest()
     print(json.dumps({"rows": count, "kept": len(prepared.train), "baseline_mb": baseline / 1024,
-                      "peak_mb": peak / 1024, "seconds": seconds}))
+                      "peak_mb": peak / 1024, "seconds": seconds, "train_digest": digest}))
 
 
 if __name__ == "__main__":

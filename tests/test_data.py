@@ -379,3 +379,35 @@ def test_a_bad_row_in_a_mixture_names_its_source(tiny_tokenizer, tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl row 3: 'chosen' must be text"):
         prepared(tiny_tokenizer, tmp_path, val_size=0, test_size=0,
                  dataset_mixture=[{"name": str(good)}, {"name": str(bad)}])
+
+
+def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the_same_rows(tmp_path):
+    """`kill -9` of a one-process data preparation while its 2 pool workers tokenize (a seam: a worker kills it at its
+    first batch): no worker is left 10 s later (pool workers outlive a killed parent unless they watch it), and the
+    same command relaunched prepares the rows a preparation left alone does."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import PROJECT_ROOT
+    from test_resilience import TAG, kill_tagged, seconds_until_gone
+
+    def probe(workdir, num_proc: int, **env):
+        log = tmp_path / f"{workdir}.log"
+        with open(log, "w") as output:  # a file, not a pipe: a pipe would wait for any worker left holding it
+            status = subprocess.run([sys.executable, str(PROJECT_ROOT / "tests" / "prepare_probe.py"),
+                                     str(tmp_path / workdir), "3000", str(num_proc)], stdout=output,
+                                    stderr=subprocess.STDOUT, env=os.environ | env, timeout=300).returncode
+        return status, log.read_text()
+
+    killed, tag = tmp_path / "killed", f"{tmp_path}-preparation"
+    try:
+        status, output = probe("run", 2, PREFKIT_TEST_KILL_STARTER=f"preparation:{killed}", **{TAG: tag})
+        assert status == -9 and killed.exists(), output[-2000:]
+        print(f"the preparation's pool workers ended {seconds_until_gone(tag):.1f} s after the kill")
+    finally:
+        kill_tagged(tag)
+    relaunched, alone = probe("run", 2), probe("alone", 1)
+    assert relaunched[0] == alone[0] == 0, relaunched[1][-2000:] + alone[1][-2000:]
+    first, second = (json.loads(output.strip().splitlines()[-1]) for _, output in (relaunched, alone))
+    assert first["kept"] == second["kept"] == 2800 and first["train_digest"] == second["train_digest"]

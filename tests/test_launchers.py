@@ -95,6 +95,7 @@ def test_ddp_through_accelerate_launch_trains_as_one_job(tiny_model, preference_
     info = run_files.read_json(tmp_path / "results" / "accelerate" / run_files.TRAINING_INFO)
     assert (info["distributed_type"], info["world_size"], info["summary"]["completed_steps"]) == ("MULTI_CPU", 2, 3)
     assert info["one_job"]["identical_weights"] and info["one_job"]["disjoint_rows_per_step"]
+    assert info["one_job"]["steps_checked"] > 0  # rows recorded: what each rank was given
 
 
 def test_an_empty_lora_adapter_is_caught_when_saved(tiny_model, tmp_path):

@@ -62,6 +62,44 @@ def worker_pid(rank: int, launcher: subprocess.Popen) -> int | None:
     return None
 
 
+TAG = "PREFKIT_TEST_RUN_TAG"  # set in a launch's environment: every process it starts inherits it
+
+
+def tagged_processes(tag: str) -> dict[int, str]:
+    """The live processes (pid: command line) whose environment carries TAG=tag: every process of that launch, those
+    that left its process group or session (torchrun's workers, pool workers) included. Zombies run nothing."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if (not entry.name.isdigit() or f"{TAG}={tag}".encode() not in (entry / "environ").read_bytes().split(b"\0")
+                    or (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")):
+                continue
+            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def seconds_until_gone(tag: str, within: float = 10.0) -> float:
+    """How long the processes of launch `tag` took to end; fails if any is still there `within` seconds on (and
+    kills it: a failed test leaves nothing running)."""
+    started = time.monotonic()
+    while (left := tagged_processes(tag)) and time.monotonic() - started < within:
+        time.sleep(0.1)
+    if left:
+        kill_tagged(tag)
+        raise AssertionError(f"still running {within:.0f} s after the kill: {left}")
+    return time.monotonic() - started
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged_processes(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def free_port() -> int:
     import socket
 
@@ -166,6 +204,36 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_model, ref
     assert relaunched.wait(timeout=600) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
     info = assert_finished_like_the_reference(run_dir, reference)
     assert info["resumes"][0]["from_step"] == stopped_at
+
+
+def test_a_killed_launcher_stops_its_workers_as_sigterm_does_and_the_same_command_resumes(tiny_model, reference_losses,
+                                                                                        tmp_path):
+    """`kill -9` of the launcher's process group (a terminal's kill, an OOM kill of torchrun's agent) at the end of
+    step 12 (a seam: rank 0 kills it): the workers, in sessions of their own, see their agent gone and stop as on
+    SIGTERM (a complete checkpoint, status stopped) within seconds; the same command relaunched right away takes the
+    hold over and finishes with the curve of the run left alone."""
+    data, reference = reference_losses
+    run_dir = tmp_path / "results" / "job"
+    args = job_args(tiny_model, data, tmp_path / "results", save_steps=50)
+    killed = tmp_path / "killed"
+    first = start_launcher(args, tmp_path / "log1.txt", PREFKIT_TEST_KILL_STARTER=f"step:12:{killed}",
+                           **{TAG: f"{tmp_path}-first"})
+    relaunched = None
+    try:
+        first.wait(timeout=600)
+        assert killed.exists(), "the seam never fired: the test proves nothing"
+        relaunched = start_launcher(args, tmp_path / "log2.txt", **{TAG: f"{tmp_path}-again"})  # right away
+        print(f"the killed launch's processes ended {seconds_until_gone(f'{tmp_path}-first'):.1f} s after the kill")
+        assert relaunched.wait(timeout=600) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
+    finally:
+        for process in filter(None, (first, relaunched)):
+            os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+        kill_tagged(f"{tmp_path}-first")
+    info = assert_finished_like_the_reference(run_dir, reference)
+    (resume,) = info["resumes"]
+    assert resume["previous_status"] == "stopped" and 12 < resume["from_step"] < STEPS, resume
+    assert f"stopped by the loss of its launcher at step {resume['from_step']}: checkpoint" in \
+        (tmp_path / "log1.txt").read_text()
 
 
 def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, reference_losses, tmp_path):

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
 from src.generation import Sampling, answer_seed, generate
 from src.rounds import form_pairs
+from test_resilience import TAG, kill_tagged, seconds_until_gone, start_launcher
 
 JUDGE = "tests.round_judges:by_length"
 
@@ -207,8 +209,25 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
     one = launch(round_args(tiny_model, data, tmp_path / "one", "--rounds", "1"), processes=1)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
 
-    # Two processes, stopped by SIGTERM while round 1 trains (its pairs written), then the same command again.
+    # Two processes, the launcher's process group killed (kill -9) during round 1's sampling, then during its
+    # reference pass (seams: rank 0 kills it at that moment): nothing of the launch runs 10 s later, and the same
+    # command relaunched at once goes on.
     args = round_args(tiny_model, data, tmp_path / "two", "--rounds", "1", "--round_max_steps", "60")
+    for moment in ("sampling", "reference"):
+        killed, tag = tmp_path / f"killed-{moment}", f"{tmp_path}-{moment}"
+        started = time.monotonic()
+        job = start_launcher(args, tmp_path / f"{moment}.log", PREFKIT_TEST_KILL_STARTER=f"{moment}:{killed}",
+                             **{TAG: tag})
+        try:
+            job.wait(timeout=600)
+            assert killed.exists(), (tmp_path / f"{moment}.log").read_text()[-3000:]
+            print(f"killed during {moment} after {time.monotonic() - started:.0f} s: its processes ended "
+                  f"{seconds_until_gone(tag):.1f} s after the kill")
+        finally:
+            kill_tagged(tag)
+    assert "round 1: sampling" in (tmp_path / "reference.log").read_text(), "round 1 sampled again: nothing kept"
+
+    # Stopped by SIGTERM while round 1 trains (its pairs written), then the same command again.
     log = tmp_path / "two.log"
     job = subprocess.Popen(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT, start_new_session=True,
                            env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
@@ -228,8 +247,6 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
 
 
 def _wait_for(condition, timeout: float = 400):
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

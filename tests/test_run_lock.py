@@ -156,3 +156,30 @@ def test_a_holder_left_a_zombie_is_gone(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_job_whose_launcher_is_gone_is_waited_for_and_taken_over(tmp_path, capsys):
+    """`kill -9` of the launcher: its torchrun agent is gone and its rank 0, still saving, stops within seconds
+    (src/run_safety/parent_watch.py). The same command relaunched right away waits for it instead of refusing, then
+    takes the hold over."""
+    run_dir = tmp_path / "results" / "job"
+    agent = subprocess.Popen([sys.executable, "-c", "pass"])
+    agent.wait()  # gone
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    try:
+        start = Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        holder = identity() | {"job": f"torchrun pid {agent.pid} on here", "pid": worker.pid, "pid_start": start,
+                               "agent_pid": agent.pid, "agent_start": "1"}
+        hold_path(run_dir).parent.mkdir(parents=True)
+        hold_path(run_dir).write_text(json.dumps(holder))
+        started = time.monotonic()
+        hold = acquire(run_dir)
+        try:
+            assert 0.5 < time.monotonic() - started < 10
+            assert hold.took_over and f"its process {worker.pid} is gone" in hold.took_over
+        finally:
+            hold.release()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert "lost its launcher; waiting up to" in capsys.readouterr().out

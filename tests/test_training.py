@@ -247,3 +247,38 @@ def test_sft_then_dpo_of_a_base_model_with_chat_template_path(tiny_model, prefer
     assert saved.chat_template and "<|tool|>" in saved.get_vocab()
     assert AutoModelForCausalLM.from_pretrained(sft_final).get_input_embeddings().weight.shape[0] >= len(saved)
     assert (tmp_path / "results" / "base" / "model" / "final").exists()
+
+
+def test_the_one_job_check_compares_the_rows_each_rank_was_given_not_their_content():
+    """Rows with the same content (duplicates are common in public sets) given to two ranks in one step are not a
+    broken job; the same row given to both is. Each rank's loader is sharded as accelerate shards the trainer's, and
+    the check records what that loader fetched."""
+    from accelerate.data_loader import BatchSamplerShard
+    from datasets import Dataset
+    from torch.utils.data import BatchSampler, DataLoader
+
+    from src.trainers.callbacks import OneJobCheck, steps_with_shared_rows
+
+    # Rows i and i + 8 are identical; each step gives rank 0 two rows (a batch of 2) and rank 1 their duplicates.
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3 + i % 8] for i in range(16)]})
+    order = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+
+    def given_to(rank: int, shards: int = 2) -> tuple[dict[int, list[int]], list]:
+        check, contents = OneJobCheck(), []
+        loader = DataLoader(rows, batch_sampler=BatchSamplerShard(BatchSampler(order, batch_size=2, drop_last=False),
+                                                                  num_processes=shards, process_index=rank),
+                            collate_fn=lambda batch: {"input_ids": [row["input_ids"] for row in batch]})
+        check.on_train_dataloader(loader)
+        for step, batch in enumerate(loader):
+            check.step = step
+            check.on_micro_batch(None, batch)
+            contents.append(batch["input_ids"])
+        return check.rows, contents
+
+    (rank0, content0), (rank1, content1) = given_to(0), given_to(1)
+    assert content0 == content1  # the same content on both ranks in every step...
+    assert rank0 == {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6, 7]}  # ...as different rows
+    assert rank1 == {0: [8, 9], 1: [10, 11], 2: [12, 13], 3: [14, 15]}
+    assert steps_with_shared_rows([rank0, rank1]) == []
+    # A broken sampler (every rank fed the whole batch) is still found, step by step.
+    assert steps_with_shared_rows([given_to(0, shards=1)[0], given_to(0, shards=1)[0]]) == list(range(8))

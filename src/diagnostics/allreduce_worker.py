@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from src.run_safety.parent_watch import exit_with_parent
+
 TARGET_SECONDS_PER_SIZE = 0.2
 MIN_ITERATIONS, MAX_ITERATIONS = 3, 50
 WARMUP_ITERATIONS = 2
@@ -111,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-file", required=True, help="a path for torch.distributed's FileStore rendezvous")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout in seconds")
     args = parser.parse_args(argv)
+    # check_gpu killed (kill -9, an OOM kill): this process and its ranks end at once, not at the process-group
+    # timeout (the ranks themselves get SIGINT when this process dies: torch.multiprocessing.spawn's PDEATHSIG).
+    exit_with_parent()
     mp.spawn(_rank_main, args=(args,), nprocs=args.nprocs, join=True)
 
 

@@ -2,6 +2,8 @@
 
 - checkpoints.py   complete checkpoints only (a `.complete` marker once every rank has saved), resume from the newest
 - stops.py         SIGTERM/SIGINT → a clean stop at the end of the step; a NaN/inf → TrainingDiverged; run Status
+- parent_watch.py  no process outlives its job: a worker whose launcher is gone stops as on SIGTERM, a helper
+                   exits at once
 - run_lock.py      one job per run directory (a hold file with a heartbeat, NFS-safe)
 - finished_run.py  the same command on a finished run finishes its end and exits 0; another one is refused, naming
                    what differs

@@ -12,6 +12,8 @@ in one line that names the holder.
   holder is gone: on the same machine (same host name and boot id) when neither the recorded process nor its torchrun
   agent is alive; from another machine when its heartbeat is older than STALE_AFTER_S by the storage's own clock (a
   file written now gives it, so machines with skewed clocks agree).
+- A job whose launcher was killed (its agent gone, its workers stopping: src/run_safety/parent_watch.py) is waited
+  for, up to the workers' grace, so the same command relaunched right away resumes instead of being refused.
 - A torchrun restart of the job is the same job: the job is torchrun's agent (host, boot, agent pid; or an explicit
   `--rdzv_id` with its master address), not the worker's pid, so the restarted rank 0 takes its own hold back.
 """
@@ -28,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from src.config import ConfigError
+from src.run_safety.parent_watch import GRACE_S
 
 HEARTBEAT_S = float(os.environ.get("PREFKIT_HEARTBEAT_S", "15"))
 STALE_AFTER_S = 8 * HEARTBEAT_S  # a heartbeat missed this long: the holder's machine is gone (or frozen)
@@ -122,6 +125,26 @@ def why_stale(holder: dict, path: Path) -> str | None:
     return None
 
 
+def _launcher_gone(holder: dict) -> bool:
+    """A torchrun job on this machine whose agent is gone while its rank 0 still runs: its workers are stopping
+    (src/run_safety/parent_watch.py: at once, or after a clean stop within its grace)."""
+    return (holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id()
+            and bool(holder.get("agent_pid")) and not _alive(holder.get("agent_pid"), holder.get("agent_start"))
+            and _alive(holder.get("pid"), holder.get("pid_start")))
+
+
+def wait_for_stopping_holder(holder: dict | None) -> None:
+    """The same command relaunched right after a kill of the launcher: wait for the old workers' own stop (a few
+    seconds) instead of refusing; what is left after the grace is judged as usual."""
+    if not holder or not _launcher_gone(holder):
+        return
+    print(f"  the job holding this run directory lost its launcher; waiting up to {GRACE_S + 10:.0f} s for its "
+          f"workers (pid {holder.get('pid')}) to stop", flush=True)
+    deadline = time.monotonic() + GRACE_S + 10
+    while _alive(holder.get("pid"), holder.get("pid_start")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def describe(holder: dict, path: Path) -> str:
     age = heartbeat_age(path)
     beat = f", last heartbeat {age:.0f} s ago" if age is not None else ""
@@ -139,6 +162,7 @@ def _refusal(run_dir: Path, holder: dict, path: Path) -> RunDirectoryHeld:
 def check_free(run_dir: Path) -> None:
     """Refuse if another live job holds `run_dir` (read only: for the preflight that precedes the workers)."""
     path = hold_path(run_dir)
+    wait_for_stopping_holder(_read(path))
     holder = _read(path)
     if holder and why_stale(holder, path) is None and holder.get("job") != identity()["job"]:
         raise _refusal(run_dir, holder, path)
@@ -205,6 +229,7 @@ def acquire(run_dir: Path) -> Hold:
             temporary.write_text(json.dumps(me | {"since": holder.get("since", me["since"])}))
             os.replace(temporary, path)
             return Hold(path, me, None)
+        wait_for_stopping_holder(holder)
         reason = why_stale(holder, path)
         if reason is None:
             raise _refusal(run_dir, holder, path)

@@ -4,6 +4,7 @@ trainer side of it, StopConditions, lives in src/trainers/callbacks.py; this mod
 - SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C): every rank finishes the step it is in, the job saves
   a checkpoint and exits 143 / 130; relaunching the same command resumes.
 - A non-finite loss or gradient norm stops the run at that step, without saving it, and says which step and value.
+- The launcher gone (src/run_safety/parent_watch.py): the same clean stop where one is possible (in training).
 - `Status`: what training_info.json says of a stage (running, completed, stopped, diverged).
 """
 
@@ -30,18 +31,32 @@ class TrainingDiverged(RuntimeError):
 
 
 _stop_signal: list[str] = []
+_clean_stop_point: list[bool] = [False]  # True while training: a stop requested now is taken at the step's end
+
+
+def request_stop(name: str) -> None:
+    """Ask for a clean stop at the end of the current step; `name` says why ("SIGTERM")."""
+    if not _stop_signal:
+        _stop_signal.append(name)
 
 
 def install_signal_handlers() -> None:
     """SIGTERM and SIGINT ask for a clean stop at the end of the current step instead of killing the process."""
 
-    def request_stop(signum, frame):
-        name = signal.Signals(signum).name
-        if not _stop_signal:
-            _stop_signal.append(name)
+    def on_signal(signum, frame):
+        request_stop(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def set_clean_stop_point(active: bool) -> None:
+    """StopConditions says when a requested stop will be taken (training) and when not (everything else)."""
+    _clean_stop_point[0] = active
+
+
+def clean_stop_possible() -> bool:
+    return _clean_stop_point[0]
 
 
 def stop_signal() -> str | None:

@@ -16,13 +16,21 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     """What every toolkit trainer adds to TRL's: complete-only checkpoints, each micro-batch shown to the callbacks
     that watch it (`on_micro_batch(loss, inputs)`: the non-finite guard, the throughput meter, the one-job check),
     the time spent evaluating and checkpointing shown to the callbacks that keep time (`on_pause(seconds)`),
-    and the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
-    gradient compression); Trainer's callbacks only ever see the unwrapped model."""
+    the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
+    gradient compression), and the training data loader to those that record what it gives this rank
+    (`on_train_dataloader(dataloader)`: the one-job check); Trainer's callbacks only ever see the unwrapped model."""
 
     def train(self, *args, **kwargs):
         for callback in self.callback_handler.callbacks:
             note_write_failures(callback, self.args.output_dir)
         return super().train(*args, **kwargs)
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        for callback in self.callback_handler.callbacks:
+            if hasattr(callback, "on_train_dataloader"):
+                callback.on_train_dataloader(dataloader)
+        return dataloader
 
     def _prepare_for_training(self, *args, **kwargs):
         model, train_dataloader = super()._prepare_for_training(*args, **kwargs)

@@ -3,6 +3,7 @@ the evidence that the ranks trained as one job, and DDP's gradient compression; 
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 
@@ -13,7 +14,8 @@ from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
-from src.run_safety.stops import stop_signal
+from src.run_safety.parent_watch import LAUNCHER_GONE, kill_starter_if_injected, launcher_gone
+from src.run_safety.stops import set_clean_stop_point, stop_signal
 
 
 class StopConditions(TrainerCallback):
@@ -28,6 +30,12 @@ class StopConditions(TrainerCallback):
         self.diverged_at: int | None = None
         self.stopped_by: str | None = None
         self.stopped_at: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        set_clean_stop_point(True)  # a stop asked for from now on (the launcher gone) is taken at a step's end
+
+    def on_train_end(self, args, state, control, **kwargs):
+        set_clean_stop_point(False)
 
     def on_micro_batch(self, loss, inputs) -> None:
         if self.non_finite is None and not torch.isfinite(loss.detach()).all():
@@ -45,6 +53,7 @@ class StopConditions(TrainerCallback):
                 gradient.zero_()
 
     def on_step_end(self, args, state, control, **kwargs):
+        kill_starter_if_injected(f"step:{state.global_step}", args.process_index)  # a test seam
         signalled, diverged, write_failed = any_rank(stop_signal() is not None, self.non_finite is not None,
                                                       noticed_write_failure() is not None)
         if write_failed:  # a write failed on some rank (rank 0's metrics line, report, tracker): all stop here
@@ -59,7 +68,7 @@ class StopConditions(TrainerCallback):
             control.should_evaluate = False
             control.should_training_stop = True
         elif signalled:
-            self.stopped_by = stop_signal() or "a signal to another rank"
+            self.stopped_by = stop_signal() or (LAUNCHER_GONE if launcher_gone() else "a signal to another rank")
             self.stopped_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
@@ -71,30 +80,49 @@ class OneJobCheck(TrainerCallback):
     on every rank (a DDP desync, or ranks each training alone, would differ) and, within each optimizer step,
     different rows on different ranks (a broken sampler would feed every rank the same data).
 
-    Cheap by design: each row is remembered as 8 bytes of a hash (for at most MAX_STEPS steps), and the weights as a
-    strided sample of every parameter, so a 70B model is not hashed in full on every rank."""
+    A row is what the rank was given: its index in the training set, as the rank's data loader fetched it (the
+    dataset's `__getitems__`, which every map-style torch data loader calls with the rank's own indices). Not its
+    content: public sets often hold duplicate rows, which two ranks may legitimately be given in the same step.
+    Fetches and micro-batches pair up in order (the loader fetches ahead, never out of order); with
+    --dataloader_num_workers the fetches happen in worker processes and no rows are recorded (steps_checked 0).
+
+    Cheap by design: indices for at most MAX_STEPS steps, and the weights as a strided sample of every parameter, so
+    a 70B model is not hashed in full on every rank."""
 
     MAX_STEPS = 64
     WEIGHT_SAMPLES = 4096  # elements sampled per parameter tensor
 
     def __init__(self):
-        self.rows: dict[int, list[str]] = {}
+        self.rows: dict[int, list[int]] = {}
         self.step = 0
         self.result: dict | None = None
+        self._fetched: collections.deque[list[int]] = collections.deque()
+
+    def on_train_dataloader(self, dataloader) -> None:
+        """Record the indices this rank's training data loader fetches (called by the toolkit's trainers)."""
+        dataset = getattr(dataloader, "dataset", None)
+        fetch = getattr(dataset, "__getitems__", None)
+        if fetch is None:
+            return
+        fetch = getattr(fetch, "_fetch", fetch)  # a loader of an earlier train() on the same dataset object
+
+        def recording(keys):
+            self._fetched.append([int(key) for key in keys])
+            return fetch(keys)
+
+        recording._fetch = fetch
+        dataset.__getitems__ = recording  # the fetcher looks it up on the object: the dataset itself is unchanged
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.step = state.global_step
 
     def on_micro_batch(self, loss, inputs) -> None:
+        if not self._fetched:
+            return
+        given = self._fetched.popleft()
         if len(self.rows) >= self.MAX_STEPS and self.step not in self.rows:
             return
-        ids = inputs["input_ids"].detach().cpu()
-        mask = inputs.get("attention_mask")
-        mask = mask.detach().cpu().bool() if mask is not None else None
-        digests = self.rows.setdefault(self.step, [])
-        for index, row in enumerate(ids):
-            tokens = row[mask[index]] if mask is not None else row
-            digests.append(hashlib.blake2b(tokens.numpy().tobytes(), digest_size=8).hexdigest())
+        self.rows.setdefault(self.step, []).extend(given)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         digest = hashlib.blake2b(digest_size=16)
@@ -104,13 +132,18 @@ class OneJobCheck(TrainerCallback):
             digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
         everyone = gather_objects([(digest.hexdigest(), self.rows)])
         weights = {weights for (weights, _), in everyone}
-        shared_steps = [step for step in self.rows
-                        if any(set(rows_a.get(step, [])) & set(rows_b.get(step, []))
-                               for index, ((_, rows_a),) in enumerate(everyone)
-                               for ((_, rows_b),) in everyone[index + 1:])]
+        shared = steps_with_shared_rows([rows for ((_, rows),) in everyone])
         self.result = {"ranks": len(everyone), "identical_weights": len(weights) == 1,
-                       "disjoint_rows_per_step": not shared_steps, "steps_checked": len(self.rows),
-                       "steps_with_shared_rows": shared_steps[:10]}
+                       "disjoint_rows_per_step": not shared, "steps_checked": len(self.rows),
+                       "steps_with_shared_rows": shared[:10]}
+
+
+def steps_with_shared_rows(rows_per_rank: list[dict[int, list[int]]]) -> list[int]:
+    """The steps in which two ranks were given the same row (by index), in the first rank's order."""
+    steps = dict.fromkeys(step for rows in rows_per_rank for step in rows)
+    return [step for step in steps
+            if any(set(rows_a.get(step, [])) & set(rows_b.get(step, []))
+                   for index, rows_a in enumerate(rows_per_rank) for rows_b in rows_per_rank[index + 1:])]
 
 
 class GradientCompression(TrainerCallback):

@@ -24,6 +24,7 @@ from src.packed_dpo import (PackedDPOForward, PackedPreferenceCollator, attentio
 from src.packed_dpo_support import announce_padded
 from src.progress import Progress
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
+from src.run_safety.parent_watch import kill_starter_if_injected
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 
 
@@ -143,6 +144,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         if progress is not None:  # chosen and rejected rows of every rank's micro-batch
             pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
             progress.update(min(pairs, progress.total - progress.done))
+        kill_starter_if_injected("reference", self.accelerator.process_index)  # a test seam
         if self.packed_forward is None:
             return super().compute_ref_log_probs(model, inputs)
         with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:

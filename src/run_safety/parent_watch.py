@@ -1,0 +1,140 @@
+"""No process outlives its job: a process the toolkit starts stops within seconds once the process that started it is
+gone (a `kill -9` of the launcher or of its process group, an OOM kill of torchrun's agent), the way it stops on
+SIGTERM.
+
+Why it is needed: torchrun starts each worker in a session of its own (torch elastic's `start_new_session=True`), so a
+kill of the launcher's process group never reaches the workers, and `datasets.map(num_proc=N)`'s pool workers (the
+`multiprocess` package) outlive a killed parent: both were seen running for minutes, holding the run directory and
+the devices.
+
+How: a daemon thread compares `os.getppid()` with the parent the process had when it started, every POLL_S. (Not
+PR_SET_PDEATHSIG: it fires when the parent *thread* that started the process ends, not the process; Linux only.)
+- A training worker (`watch_launcher`): in training, where a clean stop is possible (src/run_safety/stops.py), it asks
+  for one as SIGTERM does (every rank stops at the end of the step, a complete checkpoint is saved, the run is marked
+  stopped) and is killed if that takes longer than GRACE_S (torchrun's own wait between SIGTERM and SIGKILL); anywhere
+  else (loading, a round's sampling, the reference pass, the end steps) there is nothing half-done to save (every file
+  is written whole or not at all, and the next launch redoes that work), so it exits at once.
+- A helper (a preparation pool worker: `forked_children_exit_with_this_process`; check_gpu's bandwidth processes:
+  `exit_with_parent`) exits at once.
+The run directory's hold (run_lock.py) names the worker's pid and start time: once they are gone, the same command
+relaunched takes the hold over.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from src.run_safety import stops
+
+POLL_S = 0.5
+GRACE_S = float(os.environ.get("PREFKIT_ORPHAN_GRACE_S", "30"))  # a clean stop's time (a checkpoint save)
+LAUNCHER_GONE = "the loss of its launcher"  # the stop's name: "stopped by the loss of its launcher at step 12"
+
+_watching: list[int] = []  # the pid that started a watch (a forked child inherits the list, not the thread)
+
+
+def _start(on_orphaned, parent: int | None) -> None:
+    if os.getpid() in _watching:
+        return
+    _watching.append(os.getpid())
+    parent = os.getppid() if parent is None else parent
+    if os.getppid() != parent:  # gone before the watch started
+        on_orphaned()
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        on_orphaned()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _exit_now() -> None:
+    """SIGKILL this process, and its process group when it leads one (check_gpu's bandwidth worker and its ranks)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_with_parent(parent: int | None = None) -> None:
+    """This helper process exits at once when `parent` (default: its parent now) is gone. Idempotent per process."""
+    if parent == os.getpid():  # the work runs in the starting process itself (no pool)
+        return
+    _start(_exit_now, parent)
+
+
+def forked_children_exit_with_this_process() -> None:
+    """Every process this one forks from now on (datasets.map's pool workers) exits at once when this one is gone,
+    the idle ones too (they wait on a queue that this process's death never closes). Registered once per process."""
+    if _fork_hook:
+        return
+    _fork_hook.append(os.getpid())
+    os.register_at_fork(after_in_child=exit_with_parent)
+
+
+_fork_hook: list[int] = []
+
+
+def _launcher_gone() -> None:
+    if stops.clean_stop_possible():
+        stops.request_stop(LAUNCHER_GONE)
+        time.sleep(GRACE_S)  # the clean stop normally ends the process well before this
+    _exit_now()
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exit with `code` once the exit handlers have run, skipping the interpreter's teardown: after a clean stop
+    whose launcher is gone, that teardown (the collection of every object the job built) kept the tiny test job
+    alive 6-8 s longer on a loaded machine, and a real job would hold its devices that long."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def watch_launcher() -> None:
+    """A worker started by a launcher (torchrun's agent, run_distributed.sh's preflight): stop when it is gone."""
+    _launcher.append(os.getppid())
+    _start(_launcher_gone, None)
+
+
+_launcher: list[int] = []
+
+
+def launcher_gone() -> bool:
+    """This worker's launcher is gone (whichever rank's watch noticed it first)."""
+    return bool(_launcher) and os.getppid() != _launcher[0]
+
+
+# A test seam: "<moment>:<flag file>" SIGKILLs, once (the flag file says it happened), the process that started this
+# one at that moment: "preparation" (a preparation pool worker kills the preparing process), "step:<N>" (the end of
+# optimizer step N), "sampling" (a round's first sampled batch), "reference" (the reference pass's first batch): rank 0
+# kills its launcher's whole process group (its torchrun agent's group), as a terminal's `kill -9` of the job does.
+# A kill at a known moment, not a race with a polling test (tests/test_resilience.py, test_rounds.py, test_data.py).
+KILL_STARTER = "PREFKIT_TEST_KILL_STARTER"
+
+
+def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = None) -> None:
+    wanted = os.environ.get(KILL_STARTER)
+    if not wanted or rank != 0:
+        return
+    at_moment, flag = wanted.rsplit(":", 1)
+    if at_moment != moment or os.path.exists(flag):
+        return
+    Path(flag).touch()
+    if starter is not None:
+        os.kill(starter, signal.SIGKILL)
+    else:
+        group = os.getpgid(os.getppid())
+        if os.getsid(os.getppid()) != group:  # never a group that is not a launch's own session (a test runner's)
+            raise RuntimeError(f"{KILL_STARTER}: the launcher was not started in a session of its own")
+        os.killpg(group, signal.SIGKILL)
+    if not stops.clean_stop_possible():  # the work stops here, at the moment named, not POLL_S later: the watch ends it
+        time.sleep(GRACE_S + 60)
