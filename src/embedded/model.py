@@ -45,7 +45,8 @@ def cache_root() -> Path:
 
 def _corpus() -> list[str]:
     texts = []
-    for path in sorted(DATA_DIR.glob("*/*.jsonl")):
+    # dpo/ and sft/ (prompts/ repeats dpo/'s questions: the tokenizer is the one those two files have always built)
+    for path in [path for stage in ("dpo", "sft") for path in sorted((DATA_DIR / stage).glob("*.jsonl"))]:
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             for key in ("messages", "prompt", "chosen", "rejected"):
