@@ -331,8 +331,8 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
         if stage == "dpo" and holds_prompts_only(columns):
             raise DataError(
                 "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
-                "(--rounds N with a --judge that scores answers, e.g. --judge module:function), or give preference "
-                "pairs (add chosen and rejected columns)")
+                "(--rounds N with a --judge that scores answers, e.g. --judge module:function; the prompts in a local "
+                "file or directory), or give preference pairs (add chosen and rejected columns)")
         if stage == "reward" and holds_prompts_only(columns):
             raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
                             "and rejected answers: give pairs, or train the policy from these prompts with --stage "
@@ -353,6 +353,10 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
             f"{', '.join(missing)}; the data has {', '.join(columns)}; map yours with --prompt_column / "
             "--chosen_column / --rejected_column"
         )
+    if holds_prompts_only(columns) and "completion" not in names:
+        raise DataError("SFT needs answers to learn from, and the data holds prompts alone: with --stage sft_then_dpo "
+                        "and prompts for the rounds, give the SFT data in the recipe's sft: block (sft: {dataset_name: "
+                        "...}) or as --sft.dataset_name")
     if "messages" in names:
         return "messages"
     if "conversations" in names:

@@ -386,6 +386,10 @@ MISTAKES = [
     Mistake("prompts_without_rounds", "A file of prompts alone (no chosen/rejected) for DPO without `--rounds`",
             "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds",
             lambda ws: ws.args(dataset_name=ws.rows_file("prompts.jsonl", _prompts_only(24)))),
+    Mistake("prompts_for_sft", "`--stage sft_then_dpo --rounds` on prompts alone without SFT data of its own",
+            "SFT needs answers to learn from, and the data holds prompts alone",
+            lambda ws: ws.args(stage="sft_then_dpo", rounds="1", judge="json:loads",
+                               dataset_name=ws.rows_file("prompts.jsonl", _prompts_only(24)))),
     Mistake("prompts_mixed_with_pairs", "A `dataset_mixture` of prompts alone and preference pairs, with `--rounds`",
             "hold prompts without answers and the other sources hold preference pairs",
             lambda ws: _recipe(ws, "dataset_mixture:\n"
