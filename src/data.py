@@ -328,7 +328,7 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
         raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
                         f"{', '.join(columns)}; map yours with --prompt_column")
     if stage in PREFERENCE_STAGES:
-        if stage == "dpo" and holds_prompts_only(columns):
+        if stage == "dpo" and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
             raise DataError(
                 "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
                 "(--rounds N with a --judge that scores answers, e.g. --judge module:function; the prompts in a local "
@@ -348,10 +348,12 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
                 return "anthropic_hh"
             return "implicit_prompt"
         missing = [name for name in ("prompt", "chosen", "rejected") if name not in names]
+        rounds = "; or, for prompts alone, on-policy rounds: --rounds N and a --judge" if stage == "dpo" and \
+            "prompt" in names else ""
         raise DataError(
             f"preference data needs chosen and rejected answers (and a prompt, explicit or shared): missing "
             f"{', '.join(missing)}; the data has {', '.join(columns)}; map yours with --prompt_column / "
-            "--chosen_column / --rejected_column"
+            f"--chosen_column / --rejected_column{rounds}"
         )
     if holds_prompts_only(columns) and "completion" not in names:
         raise DataError("SFT needs answers to learn from, and the data holds prompts alone: with --stage sft_then_dpo "

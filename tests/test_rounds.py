@@ -280,6 +280,10 @@ def test_rounds_from_prompts_alone_start_from_the_model_pair_as_one_process_and_
     report = (run_dir / "report.md").read_text()
     assert "after 2 on-policy rounds from prompts alone" in report and "| round 2 |" in report
     assert (run_dir / "plots" / "rounds.png").exists()
+    from src.reporting.compare import load_runs, rounds_rows
+
+    row = [cell.strip() for cell in rounds_rows(load_runs([run_dir]))[-1].strip("|").split("|")]
+    assert row[4] == "—" and all(cell.endswith("%") for cell in row[3:4] + row[5:]) and len(row) == 7, row
 
     pairs_written = (run_dir / "pairs" / "train.jsonl").read_bytes()
     (run_dir / run_files.TRAINING_INFO).unlink()  # as a kill leaves it once round 2's pairs are written
