@@ -39,6 +39,9 @@ EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 PREPARED_FORMAT = 7  # bump when the prepared layout changes, so old caches are not reused
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
+# Prompts alone (a `prompt` column, no answers), prepared for on-policy rounds that start from them (src/rounds.py):
+# the preparation's stage and the shape it recognises.
+PROMPTS = "prompts"
 CHAT_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion")  # columns that may hold messages
 SOURCE_ROW = "_source_row"  # a row's index in its source split, while preparing (_prepare_source)
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
@@ -157,6 +160,78 @@ def _open_data_file(path: Path):
         import lz4.frame
         return lz4.frame.open(path, "rb")
     return open(path, "rb")
+
+
+def _first_columns(path: Path) -> list[str] | None:
+    """A local data file's column names from its first row or schema, without loading it: every kind `data_file_kind`
+    reads (compressed, with a byte-order mark, JSON Lines under a .json name). None where that is not cheap (a JSON
+    array) or the file cannot be read (the preparation names why)."""
+    kind = data_file_kind(path)
+    if kind is None or _data_file_error(str(path), path) is not None:
+        return None
+    form = kind[0]
+    if form == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    try:
+        with _open_data_file(path) as handle:
+            if form in (".csv", ".tsv"):
+                import csv
+                import io
+
+                lines = io.TextIOWrapper(handle, encoding="utf-8-sig", errors="replace", newline="")
+                return next(csv.reader(lines, delimiter="\t" if form == ".tsv" else ","), None)
+            for number, raw in enumerate(handle):
+                raw = raw.removeprefix(UTF8_BOM) if number == 0 else raw
+                if raw.strip():
+                    if raw.lstrip()[:1] == b"[":
+                        return None  # a JSON array: read whole by the preparation
+                    row = json.loads(raw)
+                    return list(row) if isinstance(row, dict) else None
+    except (OSError, EOFError, ValueError):
+        return None  # the preparation names the file and line
+    return None
+
+
+def source_columns(data: DataArguments, stage: str) -> list[str] | None:
+    """The column names of a local source's training rows, after the --*_column mapping: read from the first row of
+    a file (or of a directory's train file), or a save_to_disk directory's memory-mapped table. None where that is
+    not known without loading the data: a Hub dataset, a JSON array, a missing path (check_source names it)."""
+    location = Path(source_location(data, stage))
+    if location.is_dir():
+        if (location / "dataset_dict.json").exists() or (location / "dataset_info.json").exists():
+            loaded = load_source(data, stage)  # memory-mapped: no rows read
+            columns = loaded[data.dataset_split].column_names if data.dataset_split in loaded else None
+        else:
+            files = _split_files(location)
+            shards = files.get(data.dataset_split) or next(iter(files.values()), None)
+            columns = _first_columns(Path(shards[0])) if shards else None
+    else:
+        columns = _first_columns(location) if location.is_file() else None
+    if columns is None:
+        return None
+    renamed = {source: canonical for source, canonical in (
+        (data.prompt_column, "prompt"), (data.chosen_column, "chosen"), (data.rejected_column, "rejected"))
+        if source}
+    return [renamed.get(column, column) for column in columns]
+
+
+def holds_prompts_only(columns: list[str] | None) -> bool:
+    """Prompts without answers: a `prompt` column (text or chat) and neither `chosen` nor `rejected`."""
+    return bool(columns) and "prompt" in columns and not {"chosen", "rejected"} & set(columns)
+
+
+def prompts_only(data: DataArguments) -> bool:
+    """Whether the DPO stage's data is prompts alone (every source of a mixture: prompts, or none; a mix of the two is
+    refused). Local sources only: a Hub dataset is read as pairs (see source_columns)."""
+    sources = [source for source, _ in mixture_sources(data)] or [data]
+    found = [holds_prompts_only(source_columns(source, "dpo")) for source in sources]
+    if any(found) and not all(found):
+        names = [source.dataset_name for source, prompts in zip(sources, found) if prompts]
+        raise DataError(f"dataset_mixture: {', '.join(names)} hold prompts without answers and the other sources hold "
+                        "preference pairs: mix sources of one kind (pairs for a DPO stage, prompts for rounds alone)")
+    return all(found)
 
 
 def _check_text_lines(path: Path, json_lines: bool) -> int:
@@ -432,7 +507,21 @@ def apply_column_mapping(columns: list[str], data: DataArguments) -> dict[str, s
 def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
     """Name the layout of the (column-mapped) data, or explain what is missing."""
     names = set(columns)
+    if stage == PROMPTS:
+        if "prompt" in names:
+            return PROMPTS
+        raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
+                        f"{', '.join(columns)}; map yours with --prompt_column")
     if stage in PREFERENCE_STAGES:
+        if stage == "dpo" and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
+            raise DataError(
+                "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
+                "(--rounds N with a --judge that scores answers, e.g. --judge module:function; the prompts in a local "
+                "file or directory), or give preference pairs (add chosen and rejected columns)")
+        if stage == "reward" and holds_prompts_only(columns):
+            raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
+                            "and rejected answers: give pairs, or train the policy from these prompts with --stage "
+                            "dpo --rounds N and a --judge")
         if {"prompt", "chosen", "rejected"} <= names:
             if _is_chat(first_row["chosen"]) and isinstance(first_row["prompt"], str):
                 return "ultrafeedback"  # the prompt column is a text copy of the user turn inside chosen/rejected
@@ -444,11 +533,17 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
                 return "anthropic_hh"
             return "implicit_prompt"
         missing = [name for name in ("prompt", "chosen", "rejected") if name not in names]
+        rounds = "; or, for prompts alone, on-policy rounds: --rounds N and a --judge" if stage == "dpo" and \
+            "prompt" in names else ""
         raise DataError(
             f"preference data needs chosen and rejected answers (and a prompt, explicit or shared): missing "
             f"{', '.join(missing)}; the data has {', '.join(columns)}; map yours with --prompt_column / "
-            "--chosen_column / --rejected_column"
+            f"--chosen_column / --rejected_column{rounds}"
         )
+    if holds_prompts_only(columns) and "completion" not in names:
+        raise DataError("SFT needs answers to learn from, and the data holds prompts alone: with --stage sft_then_dpo "
+                        "and prompts for the rounds, give the SFT data in the recipe's sft: block (sft: {dataset_name: "
+                        "...}) or as --sft.dataset_name")
     if "messages" in names:
         return "messages"
     if "conversations" in names:
@@ -559,6 +654,8 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
     elif shape == "orca":
         system = f"{row['system']}\n\n" if row.get("system") else ""
         out = {"prompt": f"{system}{row['question']}\n\n", "chosen": row["chosen"], "rejected": row["rejected"]}
+    elif shape == PROMPTS:
+        out = {"prompt": row["prompt"]}
     elif shape == "messages":
         out = {"messages": row["messages"]}
     elif shape == "sharegpt":
@@ -601,7 +698,9 @@ def _text_of(value: Any) -> str:
 KEPT, EMPTY, IDENTICAL, TOO_LONG = 0, 1, 2, 3  # a row's fate, stored per row while preparing (int8)
 
 
-def _answer_columns(row: dict) -> tuple[str, ...]:
+def _answer_columns(row: dict, stage: str = "") -> tuple[str, ...]:
+    if stage == PROMPTS:
+        return ()  # nothing answers yet: the rounds sample the answers
     return ("chosen", "rejected") if "chosen" in row else (
         ("completion",) if "completion" in row else ("messages",) if "messages" in row else ("text",))
 
@@ -609,10 +708,10 @@ def _answer_columns(row: dict) -> tuple[str, ...]:
 def check_row(row: dict, number: int, stage: str, source: str) -> int:
     """Refuse a malformed row (wrong types) naming its number; say whether it carries a training signal (KEPT) or is
     dropped for an empty answer or chosen == rejected."""
-    answer_columns = _answer_columns(row)
+    answer_columns = _answer_columns(row, stage)
     for column in ("prompt",) + answer_columns:
         if column not in row or row[column] is None:
-            if column == "prompt" and column not in row:
+            if column == "prompt" and column not in row and stage != PROMPTS:
                 continue
             raise DataError(f"{source} row {number}: '{column}' is missing; fill it in or remove the row")
         value = row[column]
@@ -623,8 +722,8 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
             )
     if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
         raise DataError(f"{source} row {number}: 'chosen' and 'rejected' must both be text or both messages")
-    if any(not _text_of(row[column]).strip() for column in answer_columns):
-        return EMPTY
+    if any(not _text_of(row[column]).strip() for column in answer_columns or ("prompt",)):
+        return EMPTY  # an empty answer, or (prompts alone) an empty prompt
     if stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
         return IDENTICAL
     return KEPT
@@ -726,6 +825,8 @@ def sample_fields(row: dict, tokenizer) -> dict:
         prompt, reference, rejected = row["prompt"], row["chosen"], row["rejected"]
     elif "completion" in row:
         prompt, reference, rejected = row["prompt"], row["completion"], None
+    elif "prompt" in row and "messages" not in row:  # prompts alone (rounds from prompts): no answer to show
+        prompt, reference, rejected = row["prompt"], None, None
     elif "messages" in row and any(message["role"] == "assistant" for message in row["messages"]):
         last_assistant = max(i for i, message in enumerate(row["messages"]) if message["role"] == "assistant")
         prompt, reference, rejected = row["messages"][:last_assistant], row["messages"][last_assistant:], None
@@ -744,7 +845,7 @@ def sample_fields(row: dict, tokenizer) -> dict:
     return {
         "sample_prompt": rendered,
         "sample_prompt_ids": prompt_ids,
-        "sample_chosen": _text_of(reference),
+        "sample_chosen": None if reference is None else _text_of(reference),
         "sample_rejected": None if rejected is None else _text_of(rejected),
         # The prompt as the data has it (messages or text): a judge renders it with its own tokenizer, the way a
         # reward model trained on this kind of data saw it (src/judges.py).
@@ -882,6 +983,8 @@ def _normalized_features(features, shape: str, has_chat_template: bool, pair_sha
         out = {"prompt": features["chosen"], "chosen": features["chosen"], "rejected": features["rejected"]}
     elif shape in ("anthropic_hh", "orca"):
         out = dict.fromkeys(("prompt", "chosen", "rejected"), chat if has_chat_template else text)
+    elif shape == PROMPTS:
+        out = {"prompt": features["prompt"]}
     elif shape == "messages":
         out = {"messages": features["messages"]}
     elif shape == "sharegpt":
@@ -954,6 +1057,10 @@ def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source
                     length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                     # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
                     kept = len(item["prompt_ids"]) < data.max_length
+                elif stage == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
+                    item = ids = {"prompt_ids": sample_fields(row, tokenizer)["sample_prompt_ids"]}
+                    length = len(item["prompt_ids"])
+                    kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
                 elif stage == "reward":
                     ids = tokenize_preference(row, tokenizer)
                     item = reward_ids(ids)
@@ -1277,6 +1384,8 @@ def _token_columns(first_row: dict, stage: str, tokenizer, sft: SFTArguments, ch
     """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
     if stage == "dpo":
         return ("prompt_ids", "chosen_ids", "rejected_ids")
+    if stage == PROMPTS:
+        return ("prompt_ids",)
     if stage == "reward":
         return ("chosen_ids", "rejected_ids")
     if "prompt" in first_row:
@@ -1341,7 +1450,8 @@ def format_summary(summary: dict) -> str:
     for kind, counts in summary["splits"].items():
         notes = []
         if counts["empty_answers"]:
-            notes.append(f"{counts['empty_answers']} rows with an empty answer dropped (first: rows "
+            empty = "prompt" if summary["stage"] == PROMPTS else "answer"
+            notes.append(f"{counts['empty_answers']} rows with an empty {empty} dropped (first: rows "
                          f"{counts['first_empty_rows']})")
         if counts["identical_pairs"]:
             notes.append(f"{counts['identical_pairs']} pairs with chosen == rejected dropped (first: rows "

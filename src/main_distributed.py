@@ -31,8 +31,8 @@ from src.config import (
     EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan, World,
     batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint, stage_plans,
 )
-from src.data import (DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
-                      source_location, source_names)
+from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
+                      prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
 from src.embedded.model import cache_root
 from src.generation import generate_answers
@@ -79,10 +79,16 @@ class Stage:
     round_record: dict | None = None  # a round's pairs: counts, seconds, where (set when the round starts)
     # What the preflight's model checks found runs but silently worse (src/input_checks.py): said at the stage's start
     model_warnings: list[str] = field(default_factory=list)
+    from_prompts: bool = False  # a round of a run from prompts alone: no offline DPO stage before it
 
     @property
     def label(self) -> str:
         return stage_label_of(self.name, self.round)
+
+    @property
+    def data_stage(self) -> str:
+        """What the stage's data is prepared as: its name, or the prompts the rounds of a run from prompts ask."""
+        return PROMPTS if self.from_prompts else self.name
 
 
 def stage_label_of(name: str, round_index: int) -> str:
@@ -121,13 +127,14 @@ def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", envir
     return requested
 
 
-def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
+def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bool = False) -> list[Stage]:
     """Every stage's config, plan and directories: all validated before the first one starts. --rounds adds DPO
-    stages after the DPO stage, one per on-policy round."""
+    stages after the DPO stage, one per on-policy round; `from_prompts` (the DPO data is prompts alone): the rounds
+    replace the DPO stage, round 1 starting from the model the DPO stage would have started from."""
     run_dir = Path(config.training.results_dir) / run_name_for(config)
     planned = [(name, staged, plan, 0) for name, staged, plan in stage_plans(config, world, devices)]
     if config.dpo.rounds:
-        _, staged, plan, _ = planned[-1]
+        _, staged, plan, _ = planned.pop() if from_prompts else planned[-1]
         planned += [("dpo", round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]
     labels = [stage_label_of(name, index) for name, _staged, _plan, index in planned]
     stages = []
@@ -143,18 +150,19 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
                               "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
-                            tracker_environment(staged.training.report_to, stage_dir), index))
+                            tracker_environment(staged.training.report_to, stage_dir), index,
+                            from_prompts=from_prompts and index > 0))
     return stages
 
 
 def check_dpo_forward(stages: list[Stage], model_path: str) -> None:
     """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
     the packed forward is refused (src/packed_dpo_support.py); a model no DPO forward can run stops the launch."""
-    for stage in stages:
-        if stage.name == "dpo" and not stage.round:
-            reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
-            if reason:
-                packed_dpo_support.announce_padded(reason)
+    stage = next((stage for stage in stages if stage.name == "dpo"), None)  # the rounds train as it does
+    if stage is not None:
+        reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
+        if reason:
+            packed_dpo_support.announce_padded(reason)
 
 
 def stage_status(run_dir: Path) -> dict:
@@ -166,8 +174,8 @@ def data_locations(stage: Stage) -> list[str]:
     """Where a stage's data comes from: each source of a mixture, or --dataset_name (the embedded default: its
     directory)."""
     data = stage.config.data
-    return ([source_location(source, stage.name) for source, _ in mixture_sources(data)] or
-            [source_location(data, stage.name)])
+    return ([source_location(source, stage.data_stage) for source, _ in mixture_sources(data)] or
+            [source_location(data, stage.data_stage)])
 
 
 def check_earlier_run(stages: list[Stage], overwrite: bool) -> dict | None:
@@ -247,7 +255,7 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
         info.update(beta=config.dpo.beta, loss_type=config.dpo.loss_type)
     if stage.round:
         info["round"] = {"round": stage.round, "of": config.dpo.rounds, "reference": config.dpo.round_reference,
-                         **(stage.round_record or {})}
+                         "from_prompts": stage.from_prompts, **(stage.round_record or {})}
     return info
 
 
@@ -315,7 +323,7 @@ def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict,
     """A stage on its prepared data; a round first makes its pairs with the model it starts from (src/rounds.py)."""
     if not stage.round:
         return run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
-    model, pairs, stage.round_record = start_round(stage, model_path, tokenizer, prepared["dpo"], world)
+    model, pairs, stage.round_record = start_round(stage, model_path, tokenizer, prepared[stage.data_stage], world)
     reference = dpo_start if stage.config.dpo.round_reference == "start" else None
     return run_stage(stage, model_path, tokenizer, pairs, world, previous, model=model, reference_path=reference)
 
@@ -374,8 +382,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         data_audit.judge_training_pairs(prepared, stage, world)
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
-    trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
-                                  total_steps, sft_forward)
+    # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on.
+    evaluated = prepared.validation is not None and not {"chosen_ids", "input_ids"}.isdisjoint(
+        prepared.validation.column_names)
+    trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
                             else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
@@ -494,7 +504,8 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
     fields["answers"] = data_audit.answers_of(stage.run_dir)
     data_audit.print_answers(fields["answers"])
     if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report (this
-        fields["rounds"] = rounds_summary(stage.run_dir, stage.round, last=fields)  # one's record is being written)
+        fields["rounds"] = rounds_summary(stage.run_dir, stage.round, last=fields,  # one's record is being written)
+                                          from_prompts=stage.from_prompts)
     trackers.finish(run_files.update_json(info_path, **fields))
     end_step_done("completed")
     publish_end(stage)
@@ -730,7 +741,8 @@ def run(argv: list[str] | None = None) -> int:
         print0(f"  warning: {idle_gpus}")
     for note in check_trackers(config.training.report_to):
         print0(f"  {note}")
-    stages = plan_stages(config, world, devices)
+    # Prompts alone (no chosen/rejected) with --rounds: the rounds start from the model, no offline DPO stage.
+    stages = plan_stages(config, world, devices, from_prompts=bool(config.dpo.rounds) and prompts_only(config.data))
     hold = hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -743,7 +755,7 @@ def run(argv: list[str] | None = None) -> int:
         watch(world, config.training.node_timeout, lambda: next(filter(None, (
             newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
     for stage in stages:
-        check_source(stage.config.data, stage.name)
+        check_source(stage.config.data, stage.data_stage)
     hub_names = hub_sources(config, stages)
     if not needs_hub(hub_names) and not config.hub.push_to_hub:
         use_local_files_only()  # nothing to fetch or push: no probe, no message, no network calls
@@ -763,15 +775,15 @@ def run(argv: list[str] | None = None) -> int:
     check_dpo_forward(stages, model_path)
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
-        prepared = {stage.name: prepare_data(stage.config.data, stage.config.sft, stage.name,
-                                             stage.config.training.seed, tokenizer, cache_root() / "datasets")
+        prepared = {stage.data_stage: prepare_data(stage.config.data, stage.config.sft, stage.data_stage,
+                                                   stage.config.training.seed, tokenizer, cache_root() / "datasets")
                     for stage in stages}
     if config.training.dry_run:
         if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
             return 0  # run_distributed.sh's preflight: the workers print the plan
         for stage in stages:
             print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
-                   f"\n{format_summary(prepared[stage.name].summary)}")
+                   f"\n{format_summary(prepared[stage.data_stage].summary)}")
             for warning in stage.model_warnings:
                 print0(f"  warning: {warning}")
         return 0
@@ -783,8 +795,8 @@ def run(argv: list[str] | None = None) -> int:
     previous, dpo_start = None, None
     for stage in stages:
         earlier = stage_status(stage.run_dir)
-        if stage.name == "dpo" and not stage.round:
-            dpo_start = model_path  # --round_reference start: every round's reference
+        if stage.name == "dpo" and dpo_start is None:
+            dpo_start = model_path  # --round_reference start: every round's reference (the first DPO stage's start)
         if stage is not stages[-1] and earlier.get("status") == Status.COMPLETED:
             print0(f"\n== {stage_title(stage)} → {stage.run_dir}: finished in an earlier launch, reused")
             if world.is_main:  # its pages, which a kill after it finished may have left unwritten

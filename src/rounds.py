@@ -1,15 +1,18 @@
 """On-policy rounds (iterative DPO): the current policy answers the train prompts K times, the judge scores every
 answer, each prompt's best and worst answers become a preference pair, and DPO trains on those pairs; `--rounds N`
-repeats it N times after the first DPO stage.
+repeats it N times after the first DPO stage. Data of prompts alone (a `prompt` column, an optional `meta` the judge
+reads, no answers) needs no offline pairs: the rounds replace the DPO stage and round 1 starts from the given model.
 
     ./run_distributed.sh --config configs/iterative.yaml     # the embedded default's SFT model through rounds
+    ./run_distributed.sh --config configs/iterative_prompts.yaml   # the same from the tasks' prompts alone
 
 This module owns one round's data: which prompts it asks (`round_prompts`), sampling them (seeded per answer, so the
 answers do not depend on how prompts are split across processes or batched: src/generation.py), judging (the judges
 of src/judges.py, every process its share), pairing (best vs worst; a prompt whose answers all score the same is
 skipped and counted) and the round's dataset directory `<round dir>/pairs/` (train.jsonl: the pairs with their scores;
-validation.jsonl and test.jsonl: the run's held-out pairs, so every round is judged on the same prompts), written
-before training on it and reused when a stopped run resumes. Training each round is the DPO stage's own code
+validation.jsonl and test.jsonl: the run's held-out pairs, so every round is judged on the same prompts; a run from
+prompts judges its held-out prompts, which have no pairs to write), written before training on it and reused when a
+stopped run resumes. Training each round is the DPO stage's own code
 (src/main_distributed.py run_stage).
 """
 
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from src import run_files
 from src.config import ConfigError, World
-from src.data import prepare_data, sample_fields
+from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
 from src.embedded.model import cache_root
 from src.generation import Sampling, answer_seed, generate
@@ -172,6 +175,7 @@ def held_out_pairs(prepared) -> dict[str, list[dict]]:
 
 def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings, round_index: int, round_dir: Path,
                      world: World) -> dict:
+    # The held-out pairs (validation, test) go beside the round's pairs; a run from prompts has none to write.
     """One round's pairs, sampled, judged, paired and written (rank 0) before training. Returns the round's record
     (counts, seconds per phase, where the pairs are)."""
     started = time.monotonic()
@@ -180,16 +184,15 @@ def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings,
     sampled = time.monotonic()
     pairs, counts = form_pairs(rows, judged)
     if not pairs:
-        raise ConfigError(f"round {round_index}: no pairs: the judge gave all {settings.samples} answers to each of the "
-                          f"{len(rows):,} prompts the same score; raise --round_samples or --round_temperature, or use "
-                          "a judge that tells the answers apart")
+        raise ConfigError(no_pairs_line(round_index, settings, rows, judged))
     record = {"round": round_index, "counts": counts, "seconds": {"sample_and_judge": round(sampled - started, 1)},
               "settings": {"samples": settings.samples, "prompts": settings.prompts,
                            "temperature": settings.sampling.temperature, "top_p": settings.sampling.top_p,
                            "max_new_tokens": settings.max_new_tokens, "seed": settings.seed},
               "pairs_dir": str(Path(round_dir) / PAIRS_DIR)}
     if world.is_main:
-        write_pairs(round_dir, pairs, held_out_pairs(prepared), record)
+        write_pairs(round_dir, pairs, {} if prepared.summary.get("stage") == PROMPTS else held_out_pairs(prepared),
+                    record)
         best = counts["best_of_k_score"]
         print0(f"  round {round_index}: {counts['pairs']:,} pairs from {counts['prompts']:,} prompts "
               f"({counts['skipped_all_equal']:,} skipped: all answers scored the same); mean score "
@@ -197,6 +200,22 @@ def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings,
               f"{record['pairs_dir']}")
     barrier()
     return record
+
+
+def no_pairs_line(round_index: int, settings: RoundSettings, rows: list[dict], judged: list[dict]) -> str:
+    """The one line of a round where every prompt's answers tie: the round, what the judge returned (its scores and
+    how often), and what to change."""
+    scores: dict[float, int] = {}
+    for result in judged:
+        for score in result["scores"]:
+            scores[score] = scores.get(score, 0) + 1
+    common = sorted(scores.items(), key=lambda item: (-item[1], item[0]))
+    returned = ", ".join(f"{score:g} x {count:,}" for score, count in common[:5]) + (
+        f", and {len(common) - 5} other values" if len(common) > 5 else "")
+    return (f"round {round_index}: no pairs: the judge gave all {settings.samples} answers to each of the "
+            f"{len(rows):,} prompts the same score (it returned {returned}); raise --round_samples (now "
+            f"{settings.samples}) or --round_temperature (now {settings.sampling.temperature:g}), or use a judge with "
+            "more levels (partial credit, a reward model) that tells the answers apart")
 
 
 def round_settings(config, plan) -> RoundSettings:
@@ -219,9 +238,11 @@ def round_stage_config(config, round_index: int):
 
 def round_data(config, pairs_dir: Path, tokenizer):
     """The round's pairs prepared like any DPO data (tokenized once per machine under a file lock, cached)."""
+    held_out = (Path(pairs_dir) / "validation.jsonl").exists()  # a run from prompts writes its pairs alone: none carved
     data = dataclasses.replace(
         config.data, dataset_name=str(pairs_dir), dataset_config=None, dataset_split="train", dataset_mixture=None,
-        prompt_column=None, chosen_column=None, rejected_column=None, system_prompt=None, max_train_samples=None)
+        prompt_column=None, chosen_column=None, rejected_column=None, system_prompt=None, max_train_samples=None,
+        **({} if held_out else {"val_size": 0, "test_size": 0}))
     return prepare_data(data, config.sft, "dpo", config.training.seed, tokenizer, cache_root() / "datasets")
 
 
@@ -240,17 +261,39 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
                                   round_settings(config, stage.plan), stage.round, stage.run_dir, world)
     started = time.monotonic()
     prepared = round_data(config, Path(record["pairs_dir"]), tokenizer)
+    if dpo_data.summary.get("stage") == PROMPTS:
+        prepared = with_held_out_prompts(prepared, dpo_data)
     record["seconds"]["prepare"] = round(time.monotonic() - started, 1)
     return model, prepared, record
 
 
-def rounds_summary(run_dir: Path, rounds: int, last: dict | None = None) -> list[dict]:
-    """Every round of a run from its files, the DPO stage as round 0: pairs formed and skipped, the judged held-out
-    results after it, and seconds per phase. For training_info.json's "rounds" and the report's table and plot.
-    `last`: the last round's fields that are written with the summary (its judged results, status, summary)."""
+def with_held_out_prompts(pairs: PreparedData, prompts: PreparedData) -> PreparedData:
+    """A round of a run from prompts: its pairs to train on, and the run's held-out prompts (validation, test) to
+    judge before and after, as the data audit and the summary name them. The held-out prompts have no answers, so the
+    round is not evaluated on pairs (no eval loss): the judge's before/after is its measure."""
+    import datasets
+
+    held_out = [split for split in ("validation", "test") if split in prompts.splits]
+    splits = datasets.DatasetDict({"train": pairs.train, **{split: prompts.splits[split] for split in held_out}})
+    summary = dict(pairs.summary)
+    summary["splits"] = {"train": pairs.summary["splits"]["train"],
+                         **{split: prompts.summary["splits"][split] for split in held_out}}
+    audit = pairs.summary.get("audit") or {}
+    summary["audit"] = {**({"train": audit["train"]} if "train" in audit else {}),
+                        **{split: (prompts.summary.get("audit") or {}).get(split) for split in held_out
+                           if (prompts.summary.get("audit") or {}).get(split)}}
+    summary["held_out"] = f"prompts of {prompts.summary['source']}"
+    return PreparedData(path=pairs.path, splits=splits, summary=summary)
+
+
+def rounds_summary(run_dir: Path, rounds: int, last: dict | None = None, from_prompts: bool = False) -> list[dict]:
+    """Every round of a run from its files, the DPO stage as round 0 (none in a run from prompts alone: round 1 is the
+    first): pairs formed and skipped, the judged held-out results after it, and seconds per phase. For
+    training_info.json's "rounds" and the report's table and plot. `last`: the last round's fields that are written
+    with the summary (its judged results, status, summary)."""
     run_dir = Path(run_dir)
     entries = []
-    for index in range(rounds + 1):
+    for index in range(1 if from_prompts else 0, rounds + 1):
         directory = run_dir / ("dpo" if index == 0 else "." if index == rounds else f"round{index}")
         info_path = directory / run_files.TRAINING_INFO
         info = run_files.read_json(info_path) if info_path.exists() else {}

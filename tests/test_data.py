@@ -411,3 +411,46 @@ def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the
     assert relaunched[0] == alone[0] == 0, relaunched[1][-2000:] + alone[1][-2000:]
     first, second = (json.loads(output.strip().splitlines()[-1]) for _, output in (relaunched, alone))
     assert first["kept"] == second["kept"] == 2800 and first["train_digest"] == second["train_digest"]
+
+
+def test_prompts_alone_are_recognised_and_prepared_for_rounds(tiny_tokenizer, tmp_path):
+    """A `prompt` column with a `meta` and no answers: found without loading the data (jsonl, parquet, csv, a split
+    directory, a mapped column), prepared as the ids generation sees (an empty or over-long prompt dropped and
+    counted), held-out rows ready to answer with no dataset answer, and the audit's prompt numbers."""
+    import datasets
+
+    from src.data import PROMPTS, format_summary, prompts_only, sample_fields
+
+    rows = [{"prompt": row["prompt"], "meta": {"answer": str(index)}} for index, row in enumerate(ROWS)]
+    rows[5]["prompt"] = [{"role": "user", "content": " "}]  # empty: dropped
+    rows[6]["prompt"] = [{"role": "user", "content": "x" * 80}]  # leaves no room for an answer in 64 tokens
+    rows[7] = dict(rows[8])  # a repeated prompt
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    datasets.Dataset.from_list([{"question": "q", "meta": "m"}]).to_parquet(tmp_path / "asked.parquet")
+    (tmp_path / "text.csv").write_text("prompt,meta\nwhat is 1 + 1?,2\n")
+    write_jsonl(tmp_path / "split" / "train.jsonl", rows)
+    assert prompts_only(DataArguments(dataset_name=str(path)))
+    assert prompts_only(DataArguments(dataset_name=str(tmp_path / "text.csv")))
+    assert prompts_only(DataArguments(dataset_name=str(tmp_path / "split")))
+    import gzip  # a compressed file with a byte-order mark, and a folder of the Hub's shards: read as they come
+    (tmp_path / "prompts.jsonl.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + path.read_bytes()))
+    assert prompts_only(DataArguments(dataset_name=str(tmp_path / "prompts.jsonl.gz")))
+    write_jsonl(tmp_path / "hub" / "data" / "train-00000-of-00002.jsonl", rows)
+    assert prompts_only(DataArguments(dataset_name=str(tmp_path / "hub")))
+    assert not prompts_only(DataArguments(dataset_name=str(tmp_path / "asked.parquet")))
+    assert prompts_only(DataArguments(dataset_name=str(tmp_path / "asked.parquet"), prompt_column="question"))
+    assert not prompts_only(DataArguments(dataset_name=str(write_jsonl(tmp_path / "pairs.jsonl", ROWS))))
+    assert not prompts_only(DataArguments(dataset_name=str(tmp_path / "missing.jsonl")))  # check_source names it
+
+    result = prepared(tiny_tokenizer, tmp_path, stage=PROMPTS, dataset_name=str(path), val_size=0, test_size=4)
+    assert result.summary["shape"] == PROMPTS and result.validation is None
+    train = result.summary["splits"]["train"]
+    assert train["empty_answers"] + train["dropped_prompt_too_long"] == 2 and train["kept"] == 34
+    first = result.train[0]
+    assert first["prompt_ids"] == sample_fields(first, tiny_tokenizer)["sample_prompt_ids"] and first["meta"]
+    held_out = result.test[0]
+    assert held_out["sample_prompt_ids"] and held_out["sample_chosen"] is None and held_out["judge_prompt"]
+    audit = result.summary["audit"]["train"]
+    assert audit["duplicate_pairs"] == 1 and audit["prompt_tokens"]["median"] > 0 and "chosen_tokens" not in audit
+    assert "prompts_in_train_share" in result.summary["audit"]["test"]
+    assert "rows with an empty prompt dropped" in format_summary(result.summary)

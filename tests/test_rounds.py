@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,6 +247,75 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
     assert read_pairs(run_dir) == read_pairs(tmp_path / "one" / "iter")  # same seed: same answers, same pairs
 
 
+def prompts_rows(count: int) -> list[dict]:
+    """The toy pairs' prompts alone, each with a `meta` a judge could read."""
+    return [{"prompt": row["prompt"], "meta": {"colour": row["chosen"][0]["content"].split()[-1]}}
+            for row in preference_rows(count)]
+
+
+def round_one_pairs_in_this_process(model_dir: Path, data: Path) -> list[dict]:
+    """Round 1 of a run from prompts as one process makes it: the given model (nothing trains before round 1) answers
+    the train prompts with the round's seeds, by_length scores them, best against worst."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.config import DataArguments, SFTArguments, World
+    from src.data import PROMPTS, prepare_data
+    from src.embedded.model import cache_root
+    from src.judges import judge_for
+    from src.rounds import RoundSettings, sample_and_judge, train_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = prepare_data(DataArguments(dataset_name=str(data), val_size=4, test_size=4, max_length=64),
+                           SFTArguments(), PROMPTS, 7, tokenizer, cache_root() / "datasets")
+    settings = RoundSettings(samples=3, prompts=0, sampling=Sampling(1.0, 1.0), max_new_tokens=6, batch_size=5, seed=7)
+    rows = train_prompts(prompts.train, tokenizer, 0, 7, 1)
+    judged = sample_and_judge(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, rows, judge_for(JUDGE, None),
+                              settings, 1, World())
+    return json.loads(json.dumps(form_pairs(rows, judged)[0]))
+
+
+def test_rounds_from_prompts_alone_start_from_the_model_pair_as_one_process_and_resume_by_round(tiny_model, tmp_path):
+    """Prompts with a meta and no answers, --rounds 2 on 2 processes: no offline DPO stage, round 1 starts from the
+    given model and its pairs are the ones one process makes; the held-out prompts are judged before and after each
+    round; report, rounds table and plot. A relaunch after a kill once round 2's pairs were written reuses round 1
+    and those pairs; the same command on a finished run exits 0."""
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompts_rows(24))
+    args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "2")
+    two = launch(args, processes=2)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    run_dir = tmp_path / "results" / "iter"
+    assert not (run_dir / "dpo").exists() and "== DPO → " not in two.stdout
+    first = run_files.read_json(run_dir / "round1" / "training_info.json")
+    assert first["model_name_or_path"] == str(tiny_model) and first["round"]["from_prompts"]
+    assert first["judges"]["val"]["n"] == first["judges"]["test"]["n"] == 4  # the held-out prompts, judged
+    assert sorted(path.name for path in (run_dir / "round1" / "pairs").iterdir()) == ["train.jsonl"]
+    pairs = read_pairs(run_dir / "round1")
+    assert len(pairs) > 4 and pairs == round_one_pairs_in_this_process(tiny_model, data)
+    sample = run_files.read_jsonl(run_dir / "samples_test.jsonl")[0]
+    assert sample["chosen"] is None and sample["meta"]["colour"] and sample["verdict"] is not None
+    info = run_files.read_json(run_dir / "training_info.json")
+    assert [entry["round"] for entry in info["rounds"]] == [1, 2] and info["status"] == "completed"
+    assert info["rounds"][1]["judged"]["test"]["before"] == pytest.approx(info["rounds"][0]["judged"]["test"]["after"])
+    report = (run_dir / "report.md").read_text()
+    assert "after 2 on-policy rounds from prompts alone" in report and "| round 2 |" in report
+    assert (run_dir / "plots" / "rounds.png").exists()
+    from src.reporting.compare import load_runs, rounds_rows
+
+    row = [cell.strip() for cell in rounds_rows(load_runs([run_dir]))[-1].strip("|").split("|")]
+    assert row[4] == "—" and all(cell.endswith("%") for cell in row[3:4] + row[5:]) and len(row) == 7, row
+
+    pairs_written = (run_dir / "pairs" / "train.jsonl").read_bytes()
+    (run_dir / run_files.TRAINING_INFO).unlink()  # as a kill leaves it once round 2's pairs are written
+    shutil.rmtree(run_dir / "model")
+    again = launch(args)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "finished in an earlier launch, reused" in again.stdout and "round 1: sampling" not in again.stdout
+    assert "round 2: pairs written by an earlier launch, reused" in again.stdout
+    assert (run_dir / "pairs" / "train.jsonl").read_bytes() == pairs_written
+    finished = launch(args)
+    assert finished.returncode == 0 and "is already finished" in finished.stdout, finished.stdout + finished.stderr
+
+
 def _wait_for(condition, timeout: float = 400):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -253,3 +323,14 @@ def _wait_for(condition, timeout: float = 400):
             return
         time.sleep(0.2)
     raise AssertionError("timed out")
+
+
+def test_a_round_where_every_answer_ties_names_what_the_judge_returned_and_what_to_change():
+    from src.rounds import RoundSettings, no_pairs_line
+
+    settings = RoundSettings(samples=4, prompts=0, sampling=Sampling(0.7, 1.0), max_new_tokens=8, batch_size=8, seed=1)
+    judged = [{"scores": [0.0] * 4}] * 3 + [{"scores": [1.0] * 4}]
+    assert no_pairs_line(2, settings, [{}] * 4, judged) == (
+        "round 2: no pairs: the judge gave all 4 answers to each of the 4 prompts the same score (it returned 0 x 12, "
+        "1 x 4); raise --round_samples (now 4) or --round_temperature (now 0.7), or use a judge with more levels "
+        "(partial credit, a reward model) that tells the answers apart")

@@ -60,6 +60,10 @@ class Mistake:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def _prompts_only(count: int) -> list[dict]:
+    return [{"prompt": row["prompt"], "meta": {"row": index}} for index, row in enumerate(preference_rows(count))]
+
+
 def _edit_rows(edit: Callable[[list[dict]], None], count: int = 24) -> list[dict]:
     rows = preference_rows(count)
     edit(rows)
@@ -398,6 +402,18 @@ MISTAKES = [
             lambda ws: ws.args(rounds="1", round_samples="1", judge="json:loads")),
     Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",
             lambda ws: ws.args(stage="sft", rounds="1", judge="json:loads")),
+    Mistake("prompts_without_rounds", "A file of prompts alone (no chosen/rejected) for DPO without `--rounds`",
+            "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds",
+            lambda ws: ws.args(dataset_name=ws.rows_file("prompts.jsonl", _prompts_only(24)))),
+    Mistake("prompts_for_sft", "`--stage sft_then_dpo --rounds` on prompts alone without SFT data of its own",
+            "SFT needs answers to learn from, and the data holds prompts alone",
+            lambda ws: ws.args(stage="sft_then_dpo", rounds="1", judge="json:loads",
+                               dataset_name=ws.rows_file("prompts.jsonl", _prompts_only(24)))),
+    Mistake("prompts_mixed_with_pairs", "A `dataset_mixture` of prompts alone and preference pairs, with `--rounds`",
+            "hold prompts without answers and the other sources hold preference pairs",
+            lambda ws: _recipe(ws, "dataset_mixture:\n"
+                               f"  - name: {ws.rows_file('prompts.jsonl', _prompts_only(24))}\n  - name: {ws.data}\n")
+            + ["--rounds", "1", "--judge", "json:loads"]),
     Mistake("template_syntax", "A chat template that is not valid Jinja", "is not valid Jinja",
             lambda ws: ws.args(chat_template_path=_template_file(ws, "bad.jinja", "{% for m in messages %}{{ m }"))),
     Mistake("template_source_missing", "A `--chat_template_path` that is neither a file nor a tokenizer",

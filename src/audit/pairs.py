@@ -65,6 +65,8 @@ def row_fields(row: dict, ids: dict, source_row: int) -> dict:
         fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["chosen_ids"]),
                       _rejected_tokens=len(ids["rejected_ids"]),
                       _shared_tokens=_common_prefix(ids["chosen_ids"], ids["rejected_ids"]))
+    elif "prompt_ids" in ids:  # prompts alone (rounds from prompts): no answer yet
+        fields.update(_prompt_tokens=len(ids["prompt_ids"]))
     elif "input_ids" in ids:
         mask = ids.get("completion_mask") or ()
         fields.update(_chosen_tokens=len(ids["input_ids"]), _prompt_tokens=len(mask) - sum(mask))
@@ -128,6 +130,9 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
         audit["prompts_in_train_share"] = _share(np.isin(held_out, train_prompts).sum(), len(held_out))
     prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
     chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)
+    if stage == "prompts":  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
+        audit.update(prompt_tokens=_stats(prompt), length_histogram=histogram({"prompt": prompt}))
+        return audit
     if stage == "sft":
         audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
                      suggested_max_length=_suggested_max_length(chosen),

@@ -6,6 +6,8 @@ sft/{train,validation,test}.jsonl   chat `messages` (user question, assistant an
                                     CHATTY_FRACTION of rows and direct in the rest.
 dpo/{train,validation,test}.jsonl   conversational preference pairs: chosen = direct answer, rejected = chatty answer,
                                     both correct, + `meta`.
+prompts/{train,validation,test}.jsonl  the same questions as dpo/, prompts alone + `meta` (the expected answer the
+                                    embedded checker reads): on-policy rounds without pairs (configs/iterative_prompts.yaml).
 The validation and test questions are the same for both stages and never appear in either training split.
 """
 
@@ -65,6 +67,10 @@ def dpo_row(problem: dict) -> dict:
     }
 
 
+def prompt_row(problem: dict) -> dict:
+    return {"prompt": [{"role": "user", "content": problem["question"]}], "meta": _meta(problem)}
+
+
 def build() -> dict[str, list[dict]]:
     rng = random.Random(SEED)
     seen: set[str] = set()
@@ -76,6 +82,9 @@ def build() -> dict[str, list[dict]]:
     for split, problems in held_out.items():
         files[f"sft/{split}"] = [sft_row(p, rng.random() < CHATTY_FRACTION) for p in problems]
         files[f"dpo/{split}"] = [dpo_row(p) for p in problems]
+    # drawn from no random stream: the files above are unchanged
+    files |= {f"prompts/{split}": [prompt_row(p) for p in problems]
+              for split, problems in (("train", dpo_train), *held_out.items())}
     return files
 
 

@@ -43,9 +43,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("PREFKIT_CACHE", Path.home() / ".cache" / "prefkit"))
 
 
+def _model_data_files() -> list[Path]:
+    """The files the tokenizer is trained on and the model's cache key reads: dpo/ and sft/ (prompts/ repeats dpo/'s
+    questions, so the tokenizer and the cached model stay the ones those two have always built)."""
+    return [path for stage in ("dpo", "sft") for path in sorted((DATA_DIR / stage).glob("*.jsonl"))]
+
+
 def _corpus() -> list[str]:
     texts = []
-    for path in sorted(DATA_DIR.glob("*/*.jsonl")):
+    for path in _model_data_files():
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             for key in ("messages", "prompt", "chosen", "rejected"):
@@ -94,7 +100,7 @@ def build_model(tokenizer, seed: int = 0):
 def embedded_model_dir() -> Path:
     digest = hashlib.sha256(
         (VERSION + json.dumps(MODEL_SHAPE, sort_keys=True) + CHAT_TEMPLATE).encode()
-        + b"".join(path.read_bytes() for path in sorted(DATA_DIR.glob("*/*.jsonl")))
+        + b"".join(path.read_bytes() for path in _model_data_files())
     ).hexdigest()[:12]
     return cache_root() / f"{VERSION}-{digest}"
 

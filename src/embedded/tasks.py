@@ -77,3 +77,9 @@ def check(row: dict, text: str) -> dict:
     preferred = rest == "" and value != ""
     return {"score": float(correct and preferred), "correct": correct, "preferred": preferred,
             "reward": 2.0 * (correct and preferred) + correct}
+
+
+def correct(row: dict, text: str) -> bool:
+    """A binary verifier (`--judge src.embedded.tasks:correct`): the answer is right, whatever its style; the kind of
+    check a math answer checker is, used in docs/rounds.md where rounds are measured against best-of-K headroom."""
+    return check(row, text)["correct"]

@@ -60,7 +60,10 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
                       format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
                       _tokens(item.get("sequence_tokens")), format_percent(item.get("truncated_share"))]
         rows.append(column)
-    lines = table_lines(["", *kinds], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
+    # A run from prompts alone: its held-out splits are prompts, audited as such (count, repeats, overlap with train)
+    headers = [f"{kind} (prompts)" if preference and "prompt_tokens" in audit[kind] and "chosen_tokens" not in
+               audit[kind] else kind for kind in kinds]
+    lines = table_lines(["", *headers], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
     train = audit.get("train") or {}
     if preference:
         lines += [""]

@@ -286,7 +286,8 @@ def rounds_rows(runs: list[Run]) -> list[str]:
     """The judged result after the DPO stage and after every round, one row per DPO run: offline runs (no rounds)
     show their one result beside the rounds of iterative ones."""
     dpo_runs = [run for run in runs if run.stage == "dpo"]
-    most = max(len(run.info.get("rounds") or []) for run in dpo_runs)
+    most = max(len(run.info.get("rounds") or []) + ((run.info.get("rounds") or [{}])[0].get("round") == 1)
+               for run in dpo_runs)
     header = ["run", "split", "metric", "before DPO", "after DPO"] + [f"round {index}" for index in range(1, most)]
     rows = []
     for run in dpo_runs:
@@ -297,11 +298,12 @@ def rounds_rows(runs: list[Run]) -> list[str]:
             continue
         if rounds:
             judged = [(entry.get("judged") or {}).get(split) or {} for entry in rounds]
-            values = [judged[0].get("before")] + [result.get("after") for result in judged]
+            values = [judged[0].get("before")] + ["—"] * (rounds[0]["round"] == 1) + [  # from prompts: no DPO stage
+                result.get("after") for result in judged]
         else:
             values = [results[split].get("before"), results[split].get("after")]
         metric = str(results[split].get("metric", "")).replace("_", " ")
-        rows.append([run.name, split, metric, *[format_percent(value) for value in values]]
+        rows.append([run.name, split, metric, *[value if value == "—" else format_percent(value) for value in values]]
                     + [""] * (len(header) - 3 - len(values)))
     return table_lines(header, rows)
 

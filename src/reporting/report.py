@@ -221,9 +221,13 @@ def _rounds_sentence(info: dict) -> str | None:
     rounds = info.get("rounds") or []
     judged = [(entry.get("judged") or {}) for entry in rounds]
     split = "test" if judged and all("test" in entry for entry in judged) else "val"
-    if len(rounds) < 2 or not all(split in entry for entry in judged):
+    if not rounds or (len(rounds) < 2 and rounds[0]["round"] == 0) or not all(split in entry for entry in judged):
         return None
     first, last = judged[0][split], judged[-1][split]
+    if rounds[0]["round"] == 1:  # from prompts alone: no offline DPO stage
+        return (f"On {last['n']} held-out {split} prompts, {metric_name(last['metric']).replace(' ', '-')} went from "
+                f"{format_percent(first['before'])} (the starting model) to {format_percent(last['after'])} after "
+                f"{len(rounds)} on-policy round{'s' if len(rounds) > 1 else ''} from prompts alone.")
     return (f"On {last['n']} held-out {split} prompts, {metric_name(last['metric']).replace(' ', '-')} went from "
             f"{format_percent(first['before'])} before DPO to {format_percent(first['after'])} after DPO on the offline "
             f"pairs and {format_percent(last['after'])} after {len(rounds) - 1} on-policy round"

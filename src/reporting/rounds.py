@@ -14,6 +14,11 @@ from src.run_files import atomic_path
 ROUNDS_PLOT = "rounds.png"
 
 
+def from_prompts(rounds: list[dict]) -> bool:
+    """Whether the rounds started from prompts alone (no offline DPO stage: the first entry is round 1)."""
+    return bool(rounds) and rounds[0]["round"] == 1
+
+
 def _label(entry: dict) -> str:
     return "DPO (offline pairs)" if entry["round"] == 0 else f"round {entry['round']}"
 
@@ -30,9 +35,11 @@ def rounds_section(rounds: list[dict], plot: Path | None, run_dir: Path) -> list
     split, first = _split(rounds[0]) if rounds else (None, {})
     metric = (first.get("metric") or "score").replace("_", " ")
     start = first.get("before")
+    before = "the model the rounds started from (prompts alone: no offline pairs)" if from_prompts(rounds) else \
+        "the model before the DPO stage"
     lines = [f"Each round the model answered the train prompts, the judge scored every answer, and DPO trained on each "
              f"prompt's best answer against its worst. Judged on the {first.get('n', '?')} held-out {split or ''} "
-             f"prompts ({metric}); the model before the DPO stage: {format_percent(start)}.", ""]
+             f"prompts ({metric}); {before}: {format_percent(start)}.", ""]
     header = ["round", "pairs", "skipped (all equal)", "mean score", "best of K", f"{metric} after", "change",
               "correct", "sample + judge", "train + judge"]
     rows, previous = [], start
@@ -60,7 +67,8 @@ def plot_rounds(rounds: list[dict], path: Path) -> bool:
     file when no round was judged."""
     from matplotlib.figure import Figure  # drawn at the end of a run only (~1 s import)
 
-    labels = ["before DPO"] + [_label(entry).replace(" (offline pairs)", "") for entry in rounds]
+    labels = ["start" if from_prompts(rounds) else "before DPO"] + [
+        _label(entry).replace(" (offline pairs)", "") for entry in rounds]
     figure = Figure(figsize=(8.5, 4.2), dpi=110)
     figure.subplots_adjust(left=0.09, right=0.98, top=0.9, bottom=0.14)
     ax = figure.add_subplot()
