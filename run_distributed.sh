@@ -137,7 +137,8 @@ if [[ ${PRINT_LAUNCH:-0} == 1 ]]; then
   echo
   exit 0
 fi
-"${launch[@]}" <&0 &
+# Bound to this script (src/run_safety/parent_watch.py): a kill -9 of it alone still stops the launch (SIGTERM).
+"$PYTHON" -m src.run_safety.parent_watch "${launch[@]}" <&0 &
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM HUP  # a scheduler's stop: torchrun stops its workers
 trap ':' INT  # Ctrl-C reaches torchrun and its workers themselves; wait for them to save and exit

@@ -45,3 +45,50 @@ def test_a_helper_whose_parent_is_killed_exits_at_once_with_what_it_started(tmp_
     finally:
         parent.kill()
         kill_tagged(tag)
+
+
+def test_a_kill_9_of_the_launcher_script_alone_stops_its_torchrun(tmp_path):
+    """`kill -9` of run_distributed.sh's own process (not its group): torchrun, which it started, gets SIGTERM (and
+    stops its workers as on a scheduler's stop) instead of training on, orphaned. torchrun is played by a process that
+    waits: the launcher's own lines run, through the real `python -m src.run_safety.parent_watch` it launches with."""
+    started = tmp_path / "torchrun.pid"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  "-m src.main_distributed --dry_run"*) exit 0 ;;  # the preflight: nothing to check here
+  "-m torch.distributed.run"*) echo $$ > {started}; exec sleep 120 ;;
+  *) exec {sys.executable} "$@" ;;
+esac
+""")
+    fake.chmod(0o755)
+    launcher = subprocess.Popen([str(PROJECT_ROOT / "run_distributed.sh"), "2"], cwd=PROJECT_ROOT,
+                                env=os.environ | {"PYTHON": str(fake)}, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    torchrun = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (started.exists() and started.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        torchrun = int(started.read_text())
+        os.kill(launcher.pid, signal.SIGKILL)  # the script alone: its group (torchrun's too) is left
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while _alive(torchrun) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(torchrun), "torchrun outlived the launcher that started it"
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL) if _alive(launcher.pid) else None
+        if torchrun and _alive(torchrun):
+            os.kill(torchrun, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its new parent) is gone for this purpose
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

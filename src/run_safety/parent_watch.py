@@ -138,3 +138,25 @@ def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = N
         os.killpg(group, signal.SIGKILL)
     if not stops.clean_stop_possible():  # the work stops here, at the moment named, not POLL_S later: the watch ends it
         time.sleep(GRACE_S + 60)
+
+
+def exec_bound_to_parent(command: list[str]) -> None:
+    """Become `command` (os.execvp), which gets SIGTERM once this process's parent is gone: run_distributed.sh starts
+    torchrun (or accelerate launch) through it, so a `kill -9` of the script alone (a terminal's, an OOM kill) stops
+    the launch as a scheduler's SIGTERM does (torchrun passes SIGTERM to its workers: a complete checkpoint, the run
+    marked stopped), where torchrun would otherwise train on, orphaned, holding the run directory and the devices.
+    PR_SET_PDEATHSIG survives exec; its caveat above (the parent *thread*) does not apply to bash, which has one
+    thread. Elsewhere than Linux the command just runs."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent went before the signal was armed
+            sys.exit(128 + signal.SIGTERM)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":  # python -m src.run_safety.parent_watch COMMAND...: run_distributed.sh's launch
+    exec_bound_to_parent(sys.argv[1:])
