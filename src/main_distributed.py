@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help, format_plan,
-    parse_config, sagemaker_process_hint, stage_plans,
+    EMBEDDED, PIPELINES, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help,
+    format_plan, parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import (DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       source_location, source_names)
@@ -392,7 +392,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
     # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
     merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)
+        (stage.name == "sft" and config.training.stage in PIPELINES) or (reward and not config.model.load_in_4bit)
         or (stage.name == "dpo" and stage.round < config.dpo.rounds)))  # a round starts from this model
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
