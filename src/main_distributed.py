@@ -29,7 +29,7 @@ from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
     EMBEDDED, PIPELINES, PROJECT_ROOT, Config, ConfigError, Devices, HelpRequested, Plan, World, format_help,
-    format_plan, parse_config, sagemaker_process_hint, stage_plans,
+    format_plan, kto_loss_type, parse_config, sagemaker_process_hint, stage_plans,
 )
 from src.data import (DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       source_location, source_names)
@@ -39,6 +39,7 @@ from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_model_inputs
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, score_pairs
+from src.kto_weights import resolve_kto_weights
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
@@ -135,10 +136,15 @@ def plan_stages(config: Config, world: World, devices: Devices) -> list[Stage]:
         output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
         if len(labels) > 1 and label != labels[-1] and staged.training.output_dir:
             output_dir = output_dir / label
-        if name == "dpo" and world.world_size > 1 and staged.trl_overrides.get("train_sampling_strategy") == \
-                "batch_rebalance":
+        if name in ("dpo", "kto") and world.world_size > 1 and staged.trl_overrides.get(
+                "train_sampling_strategy") == "batch_rebalance":
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
-                              "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
+                              f"sizes, which TRL's {name.upper()} metrics cannot gather across processes: use "
+                              "group_by_length")
+        if name == "kto" and plan.per_device_batch_size < 2 and staged.dpo.loss_type != ["apo_zero_unpaired"]:
+            raise ConfigError(f"KTO needs at least 2 rows per device micro-batch (TRL's KTOTrainer refuses 1), and "
+                              f"this plan gives {plan.per_device_batch_size}: raise --micro_batch_size or "
+                              "--per_device_batch_size, or use fewer processes")
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir), index))
     return stages
@@ -242,6 +248,9 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
     }
     if stage.name == "dpo":
         info.update(beta=config.dpo.beta, loss_type=config.dpo.loss_type)
+    if stage.name == "kto":
+        info.update(beta=config.dpo.beta, loss_type=kto_loss_type(config),
+                    kto_weights=resolve_kto_weights(config, prepared.summary["splits"]["train"])[0])
     if stage.round:
         info["round"] = {"round": stage.round, "of": config.dpo.rounds, "reference": config.dpo.round_reference,
                          **(stage.round_record or {})}
@@ -249,11 +258,17 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
 
 
 def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
+    """The first `count` rows of a held-out split that have a prompt to answer (a KTO split made from pairs holds each
+    pair's prompt once, on its desirable row: the same prompts as the DPO stage's split)."""
     dataset = prepared.splits[split] if split in prepared.splits else None
     if dataset is None or count == 0:
         return []
-    rows = dataset.select(range(min(count, len(dataset)))).to_list()
-    return [row for row in rows if row["sample_prompt_ids"]]
+    rows, start = [], 0
+    while len(rows) < count and start < len(dataset):
+        chunk = dataset.select(range(start, min(start + 2 * count, len(dataset)))).to_list()
+        rows += [row for row in chunk if row["sample_prompt_ids"]]
+        start += 2 * count
+    return rows[:count]
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
@@ -336,6 +351,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
     warnings = silent_no_op_warnings(stage.name, config, plan)
+    kto_weights, kto_line = None, None
+    if stage.name == "kto":  # desirable / undesirable weights: the flags', or set from the data's counts
+        kto_weights, kto_line, warning = resolve_kto_weights(config, prepared.summary["splits"]["train"])
+        warnings += [warning] if warning else []
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
             open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
@@ -347,6 +366,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     audit_lines = data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name)
     if audit_lines:
         print0(audit_lines)
+    if kto_line:
+        print0(kto_line)
     for warning in warnings:
         print0(f"  warning: {warning}")
     barrier()
@@ -372,7 +393,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, prepared.validation is not None,
-                                  total_steps, sft_forward)
+                                  total_steps, sft_forward, kto_weights)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
                             else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),

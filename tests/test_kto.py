@@ -1,0 +1,168 @@
+"""KTO (issue 29): world-size invariance of the loss, KL and rewards, in process.
+
+One optimizer step on the same global batch of 8 rows, split as P processes x A accumulation steps (micro-batches of
+8 / (P A) rows): DDP averages the P processes' gradients of a micro-step and accumulation adds the A micro-steps' (each
+loss divided by A), so with equal micro-batches a micro-step's loss over P processes is the loss on the union of their
+rows, with every gather TRL makes the gather over that union. That is what each split computes here, through the
+trainer's own code (src/trainers/kto.py); the one thing not run is the cross-process sum, a plain all-reduce.
+
+TRL 1.16 as shipped (its KL completions cycled inside each device batch, its KL per micro-step) gives another loss
+and KL on each split: the same check fails on it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import preference_rows, write_jsonl
+
+GLOBAL_BATCH = 8
+SPLITS = [(1, 1), (1, 4), (2, 2), (4, 1)]  # (processes, accumulation steps)
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kto_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig
+
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+    from src.trainers.kto import PreparedKTOTrainer
+
+    work = tmp_path_factory.mktemp("kto")
+    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
+    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, kto_from_pairs=True, val_size=2,
+                                          test_size=2), SFTArguments(), "kto", 7, tiny_tokenizer, work / "cache")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model)
+    policy = copy.deepcopy(reference)
+    _raise_answer_likelihood(policy, prepared.train, tiny_tokenizer)  # a policy whose KL to the reference is not 0
+    args = KTOConfig(output_dir=str(work / "out"), per_device_train_batch_size=2, precompute_ref_log_probs=False,
+                     use_cpu=True, report_to=[], bf16=False, max_length=64, beta=0.5, disable_tqdm=True,
+                     desirable_weight=1.0, undesirable_weight=1.5)
+    trainer = PreparedKTOTrainer(model=policy, ref_model=reference, args=args, train_dataset=prepared.train,
+                                 processing_class=tiny_tokenizer)
+    rows = [prepared.train[index] for index in range(GLOBAL_BATCH)]
+    assert 0 < sum(row["label"] for row in rows) < GLOBAL_BATCH
+    return trainer, rows
+
+
+def _raise_answer_likelihood(model, dataset, tokenizer, steps: int = 5) -> None:
+    """A few steps of plain likelihood on the split's completions: the policy then puts more mass on answers of this
+    kind, matched or not, than the reference (KTO's KL estimate is clamped at 0 from below)."""
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rows = [dataset[index] for index in range(16)]
+    ids = [row["prompt_ids"] + row["completion_ids"] for row in rows]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+    labels = torch.tensor([[-100] * len(row["prompt_ids"]) + row["completion_ids"] + [-100] * (width - len(seq))
+                           for row, seq in zip(rows, ids)])
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id),
+              labels=labels).loss.backward()
+        optimizer.step()
+    model.zero_grad()
+
+
+def _trl_kl_completions(rows: list[dict], device_batch: int) -> list[dict]:
+    """TRL 1.16's KL completions (kto_trainer.py `add_kl_completion_ids`, a batched map of per_device_train_batch_size
+    rows): row i's is row i-1's inside its device batch."""
+    shipped = []
+    for start in range(0, len(rows), device_batch):
+        chunk = rows[start:start + device_batch]
+        completions = [row["completion_ids"] for row in chunk]
+        for row, kl in zip(chunk, completions[-1:] + completions[:-1]):
+            shipped.append(dict(row, KL_completion_ids=kl))
+    return shipped
+
+
+def _collate(trainer, rows: list[dict]) -> dict:
+    keys = ("prompt_ids", "completion_ids", "KL_completion_ids", "label")
+    return trainer.data_collator([{key: row[key] for key in keys} for row in rows])
+
+
+def _one_step(trainer, rows: list[dict], processes: int, accumulation: int, shipped: bool) -> dict:
+    """Loss, KL, rewards and gradient of one optimizer step on `rows` split as processes x accumulation."""
+    from trl import KTOTrainer
+
+    from src.trainers.kto import window_means
+
+    model = trainer.model
+    model.train()
+    model.zero_grad()
+    micro = len(rows) // (processes * accumulation)
+    if shipped:
+        rows = _trl_kl_completions(rows, micro)
+    batches = [_collate(trainer, rows[index * micro:(index + 1) * micro]) for index in range(processes * accumulation)]
+    trainer._metrics["train"].clear()
+    trainer._weights["train"].clear()
+    trainer._step_kl = None if shipped else trainer.kl_estimate(model, batches)  # every rank's batches: the all-reduce
+    losses = []
+    for step in range(accumulation):
+        # The P processes' micro-batches of this micro-step: TRL gathers its KL and metrics over them.
+        union = [batches[step * processes + rank] for rank in range(processes)]
+        joined = {key: _concat([batch[key] for batch in union]) for key in union[0]}
+        if shipped:
+            loss = KTOTrainer._compute_loss(trainer, model, joined, False)
+        else:
+            loss = trainer._compute_loss(model, joined, False)
+        (loss / accumulation).backward()
+        losses.append(float(loss.detach()))
+    metrics = trainer._metrics["train"]
+    result = ({key: sum(values) / len(values) for key, values in metrics.items() if key != "num_tokens"} if shipped
+              else window_means(metrics, trainer._weights["train"]))
+    result["loss"] = sum(losses) / len(losses)
+    result["grad"] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
+    model.zero_grad()
+    return result
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if tensors[0].dim() < 2:
+        return torch.cat(tensors)
+    width = max(tensor.shape[1] for tensor in tensors)
+    return torch.cat([torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])) for tensor in tensors])
+
+
+def _largest_difference(results: list[dict], key: str) -> float:
+    first = results[0][key]
+    if torch.is_tensor(first):
+        return max(float((result[key] - first).abs().max()) for result in results[1:])
+    return max(abs(result[key] - first) for result in results[1:])
+
+
+KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+        "grad")
+
+
+def test_kto_step_is_the_same_on_any_split_of_the_global_batch(kto_setup):
+    trainer, rows = kto_setup
+    ours = [_one_step(trainer, rows, processes, accumulation, shipped=False) for processes, accumulation in SPLITS]
+    assert ours[0]["kl"] > 1e-3  # the KL term is in play
+    for key in KEYS:
+        assert _largest_difference(ours, key) < TOLERANCE, key
+    # TRL as shipped: measured 3.4e-4 apart in loss and 2.2e-3 in a gradient entry between 1x1 and the other splits.
+    shipped = [_one_step(trainer, rows, processes, accumulation, shipped=True) for processes, accumulation in SPLITS]
+    differences = {key: _largest_difference(shipped, key) for key in ("loss", "kl", "grad")}
+    assert differences["kl"] > 100 * TOLERANCE and differences["loss"] > 10 * TOLERANCE, differences
+
+
+def test_per_row_eval_values_are_trls_loss(kto_setup):
+    """The eval's per-row losses (kto_row_values, TRL's formula) average to TRL's own _compute_loss with that KL."""
+    from trl import KTOTrainer
+
+    trainer, rows = kto_setup
+    batch = _collate(trainer, rows)
+    kl = torch.tensor(0.3)
+    trainer.model.eval()
+    with torch.no_grad():
+        with trainer.fixed_kl(kl):
+            loss = KTOTrainer._compute_loss(trainer, trainer.model, dict(batch), False)
+        values = trainer.row_values(trainer.model, batch, kl)
+    trainer._metrics["eval"].clear()
+    assert abs(float(values["loss"].mean()) - float(loss)) < 1e-6
