@@ -1160,6 +1160,8 @@ def kl_partners(rows: int, seed: int):
     1.16 cycles completions inside each device batch: not world-size invariant)."""
     import numpy as np
 
+    if rows < 2:  # a held-out split of one row: its own completion (the eval's KL then measures the matched pair)
+        return np.zeros(rows, dtype=np.int64)
     order = np.random.default_rng([seed, rows]).permutation(rows)
     partners = np.empty(rows, dtype=np.int64)
     partners[order] = np.roll(order, -1)
@@ -1174,7 +1176,7 @@ def add_kl_completions(path: Path, seed: int, kind: str, location: str) -> None:
     from datasets.arrow_writer import ArrowWriter
 
     dataset = Dataset.from_file(str(path))
-    if len(dataset) < 2:
+    if len(dataset) < 2 and kind == "train":
         raise DataError(f"{location} ({kind}): KTO needs at least 2 rows (each row's KL term pairs its prompt with "
                         f"another row's completion); this split has {len(dataset)}")
     partners = pa.array(kl_partners(len(dataset), seed))

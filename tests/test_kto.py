@@ -166,3 +166,58 @@ def test_per_row_eval_values_are_trls_loss(kto_setup):
         values = trainer.row_values(trainer.model, batch, kl)
     trainer._metrics["eval"].clear()
     assert abs(float(values["loss"].mean()) - float(loss)) < 1e-6
+
+
+def test_kl_partners_are_a_seeded_derangement():
+    import numpy as np
+
+    from src.data import kl_partners
+
+    partners = kl_partners(101, seed=3)
+    assert sorted(partners.tolist()) == list(range(101))  # every completion used once
+    assert not (partners == np.arange(101)).any()  # no row is its own partner
+    assert (partners == kl_partners(101, seed=3)).all() and not (partners == kl_partners(101, seed=4)).all()
+
+
+@pytest.mark.parametrize("value, label", [(True, True), (0, False), ("👍", True), (" Thumbs_Down ", False),
+                                          ("bad", False), ("1", True)])
+def test_thumbs_labels(value, label):
+    from src.data import parse_label
+
+    assert parse_label(value) is label
+
+
+@pytest.mark.parametrize("value", ["maybe", 3, 0.5, None, "4 stars"])
+def test_a_label_that_is_not_a_thumb_is_refused(value):
+    from src.data import DataError, parse_label
+
+    with pytest.raises(DataError, match="not a thumbs up / down"):
+        parse_label(value)
+
+
+def test_kto_weights_from_the_data_and_the_flags():
+    from src.config import parse_config
+    from src.kto_weights import resolve_kto_weights
+
+    base = ["--stage", "kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl"]
+    weights, line, warning = resolve_kto_weights(parse_config(base), {"desirable": 900, "undesirable": 100})
+    assert weights == {"desirable_weight": 1.0, "undesirable_weight": 9.0} and warning is None
+    assert "set from the data's counts" in line and "weighted ratio 1.00, inside" in line
+    weights, line, warning = resolve_kto_weights(parse_config(base), {"desirable": 100, "undesirable": 120})
+    assert weights == {"desirable_weight": 1.2, "undesirable_weight": 1.0}
+    weights, line, warning = resolve_kto_weights(parse_config(base), {"desirable": 110, "undesirable": 100})
+    assert weights == {"desirable_weight": 1.0, "undesirable_weight": 1.0} and "TRL's defaults" in line
+    config = parse_config(base + ["--desirable_weight", "3"])
+    weights, line, warning = resolve_kto_weights(config, {"desirable": 100, "undesirable": 100})
+    assert weights["desirable_weight"] == 3.0 and "from --desirable_weight" in line
+    assert "ratio of 3.00" in warning and "outside the KTO paper's recommended [1, 4/3]" in warning
+    assert "--undesirable_weight 3 gives 1.00" in warning
+
+
+def test_ktoconfig_fields_are_flags():
+    from src.config import parse_config
+
+    config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
+                           "--undesirable_weight", "1.2", "--ref_model_sync_steps", "8", "--sft.packing", "true"])
+    assert config.trl_overrides["undesirable_weight"] == 1.2 and config.trl_overrides["ref_model_sync_steps"] == 8
+    assert config.sft_stage_overrides == {"packing": "true"}

@@ -26,6 +26,7 @@ micro-batches) is the mean over the global batch's rows: the same on any split o
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -284,12 +285,18 @@ class PreparedKTOTrainer(ToolkitTrainerMixin, KTOTrainer):
         dataset._fingerprint = Hasher.hash((original, how))
         accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
         dataset.map = _map_noting_write_failures(dataset.map)
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"  # TRL's tqdm bar: carriage returns in a log file; the outcome is printed
         try:
             result = super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             del dataset.map
             dataset._fingerprint = original
             self.accelerator = accelerator
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
         created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
         self.reference_cache = (self.reference_cache or {}) | {name: {
             "cache": "computed" if created else "reused", "seconds": round(time.monotonic() - started, 2),
