@@ -724,6 +724,8 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     config = _build_config(requested, stage)
     config.recipe = recipe
     config.sources = sources
+    if final_stage(stage) == "kto":
+        kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
     if require_sources:
         for problem in missing_sources(config):
             raise ConfigError(problem)
@@ -898,7 +900,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
     validate_rounds(config)
     if final_stage(training.stage) == "kto":
-        kto_loss_type(config)
         for name in ("desirable_weight", "undesirable_weight"):
             if name in config.trl_overrides and not config.trl_overrides[name] > 0:
                 raise ConfigError(f"--{name} weighs the KTO loss of its rows: a positive number, got "
@@ -945,14 +946,16 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type 
 
 
 def kto_loss_type(config: Config) -> str:
-    """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for."""
+    """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
+    recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
+    refused."""
     asked = config.dpo.loss_type
-    if asked == ["sigmoid"]:  # the DPO default, i.e. not asked
+    if len(asked) == 1 and asked[0] in KTO_LOSS_TYPES:
+        return asked[0]
+    if asked == ["sigmoid"] or not config.sources.get("loss_type", "").startswith("--"):
         return "kto"
-    if len(asked) != 1 or asked[0] not in KTO_LOSS_TYPES:
-        raise ConfigError(f"--loss_type {' '.join(asked)}: KTO takes one of {', '.join(KTO_LOSS_TYPES)} (the DPO "
-                          "loss types apply to pairs)")
-    return asked[0]
+    raise ConfigError(f"--loss_type {' '.join(asked)}: KTO takes one of {', '.join(KTO_LOSS_TYPES)} (the DPO "
+                      "loss types apply to pairs)")
 
 
 def validate_rounds(config: Config) -> None:

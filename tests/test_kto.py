@@ -249,3 +249,15 @@ def test_kto_with_lora_on_two_processes_matches_one(tiny_model, tmp_path):
                                                   "eval_steps", "total_flos"))} for record in records]
     assert any(record.get("kl", 0) > 0 for record in metrics[1]) and any("eval_kl" in r for r in metrics[1])
     assert _same(metrics[1], metrics[2])
+
+
+def test_kto_alerts():
+    from src.reporting.alerts import detect_alerts
+
+    def history(kl, margin):
+        return [{"step": step, "loss": 0.5, "kl": kl(step), "rewards/margins": margin(step)} for step in range(1, 21)]
+
+    codes = lambda metrics: {alert.code for alert in detect_alerts(metrics, "kto")}  # noqa: E731
+    assert codes(history(lambda step: 0.2 * step, lambda step: 0.1 * step)) == {"kto_kl_runaway"}
+    assert codes(history(lambda step: 0.01, lambda step: 0.0)) == {"kto_not_separating"}
+    assert codes(history(lambda step: 0.3, lambda step: 0.05 * step)) == set()

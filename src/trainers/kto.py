@@ -39,7 +39,7 @@ from trl import KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from src.trainers.base import ToolkitTrainerMixin
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 
 # The metric each weight of a micro-batch applies to (gathered counts; kl and aux_loss weigh 1 per micro-batch).
 METRIC_WEIGHTS = {"rewards/chosen": "chosen", "logps/chosen": "chosen", "rewards/rejected": "rejected",
@@ -78,7 +78,7 @@ def window_means(metrics: dict, weights: dict) -> dict:
     return means
 
 
-class PreparedKTOTrainer(ToolkitTrainerMixin, KTOTrainer):
+class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     """KTOTrainer on data tokenized by src/data.py (same ids as its own preparation, plus the fixed KL completions),
     with the step's KL over its global batch, weighted train metrics and per-row eval metrics."""
 
