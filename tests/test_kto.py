@@ -13,6 +13,8 @@ and KL on each split: the same check fails on it.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 
 import pytest
 import torch
@@ -224,29 +226,42 @@ def test_ktoconfig_fields_are_flags():
     assert config.sft_stage_overrides == {"packing": "true"}
 
 
-def test_kto_with_lora_on_two_processes_matches_one(tiny_model, tmp_path):
+def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(tiny_model, tmp_path):
     """The one launch of this file: a real 2-process KTO run with LoRA (reference: the adapters off, computed in the
-    run) against one process on the same global batch (1 x 2 accumulation vs 2 x 1): every logged train and eval
-    metric agrees, which covers the cross-process sums the in-process test leaves out, and the eval's rows gathered
-    without accelerate's duplicates (7 validation rows on 2 ranks)."""
-    from test_training import _same, common_args, launch, run_single
+    run), whose rank 1 is killed right after checkpoint-2 (a seam, src/run_safety/checkpoints.py) and restarted by
+    the launcher, against one uninterrupted process on the same global batch (1 x 2 accumulation vs 2 x 1): every
+    logged train and eval metric agrees. That covers the cross-process sums the in-process test leaves out, the eval's
+    rows gathered without accelerate's duplicates (7 validation pairs, 14 rows, on 2 ranks) and resume."""
+    from test_resilience import start_launcher
+    from test_training import _same, common_args, run_single
 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
     metrics = {}
     for nproc in (1, 2):
         args = common_args(tiny_model, data, tmp_path / "results", f"kto{nproc}", "kto") + [
             "--kto_from_pairs", "true", "--use_lora", "true", "--batch_size", "4", "--micro_batch_size", "2",
-            "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.5", "--eval_steps", "2", "--val_size", "7",
-            "--precompute_ref_log_probs", "false", "--num_samples", "0"]
+            "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.5", "--eval_steps", "2", "--save_steps", "2",
+            "--val_size", "7", "--precompute_ref_log_probs", "false", "--num_samples", "0"]
         if nproc == 1:
             result = run_single(args)
             assert result.returncode == 0, result.stderr[-4000:]
         else:
-            launch(nproc, args, tmp_path / "probe")
+            killed = tmp_path / "killed"
+            process = start_launcher(args, tmp_path / "log.txt",
+                                     PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
+            try:
+                assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+            finally:
+                os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+            assert killed.exists(), "the seam never fired: the test proves nothing"
+            info = run_files.read_json(tmp_path / "results" / "kto2" / run_files.TRAINING_INFO)
+            assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
         records = run_files.read_jsonl(tmp_path / "results" / f"kto{nproc}" / run_files.METRICS)
         metrics[nproc] = [{key: value for key, value in record.items()
                            if not key.startswith(("perf/", "time", "train_", "eval_runtime", "eval_samples", "epoch",
-                                                  "eval_steps", "total_flos"))} for record in records]
+                                                  "eval_steps", "total_flos"))
+                           and key not in ("num_tokens", "eval_num_tokens")}  # TRL's token count restarts on resume
+                          for record in records]
     assert any(record.get("kl", 0) > 0 for record in metrics[1]) and any("eval_kl" in r for r in metrics[1])
     assert _same(metrics[1], metrics[2])
 
