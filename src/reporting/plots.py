@@ -86,7 +86,7 @@ CHARTS = {
             Panel("KTO loss (weighted 1 − σ(β·(log-ratio − KL)) per row)", "KTO loss", (Curve("loss", "loss"),),
                   reference_lines=((0.5, "0.5 = policy = reference (weights 1)"),), min_y_span=0.2),)),
         Chart("rewards.png", "Implicit rewards of desirable and undesirable answers", (
-            Panel("Implicit rewards: desirable (👍) vs undesirable (👎)", "reward (β·log-ratio, nats)",
+            Panel("Implicit rewards: desirable (thumbs up) vs undesirable (thumbs down)", "reward (β·log-ratio, nats)",
                   (Curve("rewards/chosen", "desirable", "#2ca02c"), Curve("rewards/rejected", "undesirable", "#d62728")),
                   reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
         Chart("margins.png", "Reward margin", (
