@@ -50,7 +50,7 @@ def kto_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
                                  processing_class=tiny_tokenizer)
     rows = [prepared.train[index] for index in range(GLOBAL_BATCH)]
     assert 0 < sum(row["label"] for row in rows) < GLOBAL_BATCH
-    return trainer, rows
+    return trainer, rows, prepared, reference
 
 
 def _raise_answer_likelihood(model, dataset, tokenizer, steps: int = 5) -> None:
@@ -144,7 +144,7 @@ KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "
 
 
 def test_kto_step_is_the_same_on_any_split_of_the_global_batch(kto_setup):
-    trainer, rows = kto_setup
+    trainer, rows, *_ = kto_setup
     ours = [_one_step(trainer, rows, processes, accumulation, shipped=False) for processes, accumulation in SPLITS]
     assert ours[0]["kl"] > 1e-3  # the KL term is in play
     for key in KEYS:
@@ -159,7 +159,7 @@ def test_per_row_eval_values_are_trls_loss(kto_setup):
     """The eval's per-row losses (kto_row_values, TRL's formula) average to TRL's own _compute_loss with that KL."""
     from trl import KTOTrainer
 
-    trainer, rows = kto_setup
+    trainer, rows, *_ = kto_setup
     batch = _collate(trainer, rows)
     kl = torch.tensor(0.3)
     trainer.model.eval()
@@ -276,3 +276,23 @@ def test_kto_alerts():
     assert codes(history(lambda step: 0.2 * step, lambda step: 0.1 * step)) == {"kto_kl_runaway"}
     assert codes(history(lambda step: 0.01, lambda step: 0.0)) == {"kto_not_separating"}
     assert codes(history(lambda step: 0.3, lambda step: 0.05 * step)) == set()
+
+
+def test_reference_log_probs_of_both_completions_are_cached_and_reused(kto_setup, tiny_tokenizer, tmp_path):
+    """The reference's log-probs of each row's completion and KL completion are computed once and reused by a run
+    with another beta or weights; another max_length (part of the key) computes them anew."""
+    from trl import KTOConfig
+
+    from src.trainers.kto import PreparedKTOTrainer
+
+    _, _, prepared, reference = kto_setup
+    outcomes = []
+    for beta, max_length in ((0.1, 64), (0.3, 64), (0.1, 48)):
+        args = KTOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                         bf16=False, max_length=max_length, beta=beta, disable_tqdm=True,
+                         precompute_ref_log_probs=True)
+        trainer = PreparedKTOTrainer(model=copy.deepcopy(reference), args=args, train_dataset=prepared.train,
+                                     processing_class=tiny_tokenizer)
+        outcomes.append(trainer.reference_cache["train"]["cache"])
+        assert {"ref_logps", "ref_KL_logps"} <= set(trainer.train_dataset.column_names)
+    assert outcomes == ["computed", "reused", "computed"]
