@@ -726,6 +726,9 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     config.sources = sources
     if final_stage(stage) == "kto":
         kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
+    elif config.data.kto_from_pairs or config.data.label_column:
+        flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
+        raise ConfigError(f"{flag} applies to --stage kto or sft_then_kto, not {stage}")
     if require_sources:
         for problem in missing_sources(config):
             raise ConfigError(problem)
@@ -904,9 +907,6 @@ def validate(config: Config) -> None:
             if name in config.trl_overrides and not config.trl_overrides[name] > 0:
                 raise ConfigError(f"--{name} weighs the KTO loss of its rows: a positive number, got "
                                   f"{config.trl_overrides[name]}")
-    elif config.data.kto_from_pairs or config.data.label_column:
-        flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
-        raise ConfigError(f"{flag} applies to --stage kto or sft_then_kto, not {training.stage}")
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")

@@ -296,3 +296,28 @@ def test_reference_log_probs_of_both_completions_are_cached_and_reused(kto_setup
         outcomes.append(trainer.reference_cache["train"]["cache"])
         assert {"ref_logps", "ref_KL_logps"} <= set(trainer.train_dataset.column_names)
     assert outcomes == ["computed", "reused", "computed"]
+
+
+def test_thumbs_rows_prepare_for_kto_and_for_the_sft_stage_before_it(tiny_tokenizer, tmp_path):
+    """A feedback export with its own column names (chat prompts, 👍/👎): KTO gets both classes, each row a KL
+    completion from another row; the SFT stage of sft_then_kto trains on the thumbs-up rows only."""
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+
+    rows = [{"question": row["prompt"], "answer": row[("chosen", "rejected")[index % 3 == 0]],
+             "thumbs": "👎" if index % 3 == 0 else "👍"} for index, row in enumerate(preference_rows(30, seed=1))]
+    data = DataArguments(dataset_name=str(write_jsonl(tmp_path / "feedback.jsonl", rows)), max_length=64,
+                         prompt_column="question", completion_column="answer", label_column="thumbs", val_size=2,
+                         test_size=2)
+    kto = prepare_data(data, SFTArguments(), "kto", 3, tiny_tokenizer, tmp_path / "cache")
+    train = kto.summary["splits"]["train"]
+    assert train["desirable"] + train["undesirable"] == train["kept"] == 26 and train["undesirable"] > 0
+    assert kto.train.features["label"].dtype == "bool"
+    completions = kto.train["completion_ids"]
+    partners = [completions.index(kl) for kl in kto.train["KL_completion_ids"]]  # each a completion of the split
+    assert len(partners) == 26
+    audit = kto.summary["audit"]["train"]
+    assert audit["desirable"] == train["desirable"] and audit["prompts_only_desirable"] == train["desirable"]
+    sft = prepare_data(data, SFTArguments(), "sft", 3, tiny_tokenizer, tmp_path / "cache")
+    assert sft.summary["splits"]["train"]["kept"] == train["desirable"]
+    assert sft.summary["splits"]["train"]["undesirable_dropped"] == train["undesirable"]
