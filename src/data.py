@@ -118,7 +118,7 @@ def source_names(data: DataArguments) -> list[str]:
 def source_location(data: DataArguments, stage: str) -> str:
     """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
     model learns from the DPO stage's preference pairs)."""
-    if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (src/data.py _kto_shape)
+    if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (_prepare_source)
         return str(EMBEDDED_DATA / ("dpo" if stage in PREFERENCE_STAGES + (KTO_STAGE,) else stage))
     return data.dataset_name
 
@@ -271,7 +271,7 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
         if {"prompt", "completion", "label"} <= names:
             return "unpaired"
         if {"chosen", "rejected"} <= names:
-            return "kto_pairs"  # preference pairs; converted to unpaired rows only when asked (_kto_shape)
+            return "kto_pairs"  # preference pairs; converted to unpaired rows only when asked (_prepare_source)
         missing = [name for name in ("prompt", "completion", "label") if name not in names]
         raise DataError(
             f"KTO data needs prompt, completion and label (thumbs up / down) columns: missing {', '.join(missing)}; "

@@ -321,3 +321,27 @@ def test_thumbs_rows_prepare_for_kto_and_for_the_sft_stage_before_it(tiny_tokeni
     sft = prepare_data(data, SFTArguments(), "sft", 3, tiny_tokenizer, tmp_path / "cache")
     assert sft.summary["splits"]["train"]["kept"] == train["desirable"]
     assert sft.summary["splits"]["train"]["undesirable_dropped"] == train["undesirable"]
+
+
+def test_unpaired_rows_tokenize_as_trls_ktotrainer(tiny_tokenizer):
+    """src/data.py's KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    from src.data import tokenize_unpaired
+
+    pairs = preference_rows(4, seed=9)
+    chat = [{"prompt": row["prompt"], "completion": row["chosen"], "label": True} for row in pairs]
+    text = [{"prompt": row["prompt"][0]["content"], "completion": " " + row["rejected"][0]["content"],
+             "label": False} for row in pairs]
+    fake = SimpleNamespace(_tokenizer=tiny_tokenizer, calculate_KL=False, desirable_weight=1.0,
+                           undesirable_weight=1.0)
+    for rows in (chat, text):
+        theirs = KTOTrainer._prepare_dataset(fake, Dataset.from_list(rows), tiny_tokenizer,
+                                             KTOConfig(output_dir="unused", max_length=None, use_cpu=True, bf16=False),
+                                             "eval")
+        for row, their in zip(rows, theirs):
+            ours = tokenize_unpaired(row, tiny_tokenizer)
+            assert (ours["prompt_ids"], ours["completion_ids"]) == (their["prompt_ids"], their["completion_ids"])
