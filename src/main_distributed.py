@@ -263,12 +263,8 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
     dataset = prepared.splits[split] if split in prepared.splits else None
     if dataset is None or count == 0:
         return []
-    rows, start = [], 0
-    while len(rows) < count and start < len(dataset):
-        chunk = dataset.select(range(start, min(start + 2 * count, len(dataset)))).to_list()
-        rows += [row for row in chunk if row["sample_prompt_ids"]]
-        start += 2 * count
-    return rows[:count]
+    rows = dataset.select(range(min(2 * count, len(dataset)))).to_list()  # a KTO pair's rows: one with a sample
+    return [row for row in rows if row["sample_prompt_ids"]][:count]
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
