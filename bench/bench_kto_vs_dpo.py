@@ -9,8 +9,8 @@ precomputed and cached as in a normal run; their one-off pass is reported apart 
   kto     --stage kto, global batch 32 rows (configs/kto.yaml's setting: 16 pairs' worth of answers)
   kto64   --stage kto, global batch 64 rows (the answers of 32 pairs: the same data per step as dpo)
 Each KTO step also runs the KL completions of its rows through the policy without gradients (src/trainers/kto.py).
-The arms run interleaved, repeat after repeat; the table gives the median step time (perf/step_time_s of
-metrics.jsonl, the first step left out) and its ratio to dpo's.
+The arms run interleaved, repeat after repeat; the table gives the median step time (the time between two logged
+steps in metrics.jsonl, the first step left out) and its ratio to dpo's.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def run_arm(name: str, steps: int, results: Path, repeat: int) -> dict:
         raise SystemExit(f"{name}: exit {result.returncode}\n{result.stderr[-3000:]}")
     run_dir = results / f"{name}-{repeat}"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [record["perf/step_time_s"] for record in records if "perf/step_time_s" in record][1:]
+    # Between two logged steps (logging_steps 1): everything a step costs, KTO's KL pass before it included (the
+    # throughput meter's perf/step_time_s starts at on_step_begin, after transformers fetched the step's batches).
+    stamps = [record["time_s"] for record in records if "loss" in record and "time_s" in record]
+    times = [later - earlier for earlier, later in zip(stamps, stamps[1:])]
     info = json.loads((run_dir / "training_info.json").read_text())
     reference = sum(item["seconds"] for item in (info.get("reference_log_probs") or {}).values())
     return {"step_times": times, "reference_seconds": reference}
