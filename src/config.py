@@ -34,7 +34,9 @@ from trl import ModelConfig
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
 EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
-STAGES = ("dpo", "sft", "sft_then_dpo", "reward")
+STAGES = ("dpo", "sft", "sft_then_dpo", "reward", "kto", "sft_then_kto")
+# A pipeline's stages, in order: SFT (with the recipe's `sft:` overrides), then the preference stage from its model.
+PIPELINES = {"sft_then_dpo": ("sft", "dpo"), "sft_then_kto": ("sft", "kto")}
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report_to values, each the name of the package it needs
 
 
@@ -208,6 +210,17 @@ class DataArguments:
     messages_column: str | None = field(default=None, metadata={"help": "SFT: column holding a chat (list of messages)."})
     completion_column: str | None = field(default=None, metadata={"help": "SFT: column holding the target completion."})
     text_column: str | None = field(default=None, metadata={"help": "SFT: column holding plain text to model."})
+    label_column: str | None = field(
+        default=None,
+        metadata={"help": "KTO: column holding each completion's thumbs up / down (mapped to 'label'): true/false, "
+                  "1/0, or words like up/down, 👍/👎, good/bad, desirable/undesirable."},
+    )
+    kto_from_pairs: bool = field(
+        default=False,
+        metadata={"help": "KTO: train on preference pairs (prompt/chosen/rejected) as unpaired rows: each chosen "
+                  "answer a desirable row, each rejected one an undesirable row. Off, a pair file given to --stage "
+                  "kto is refused (pairs are usually better used by DPO). The embedded default converts its pairs."},
+    )
     system_prompt: str | None = field(
         default=None, metadata={"help": "System message prepended to every conversational prompt that has none."}
     )
@@ -242,8 +255,9 @@ class TrainingArguments:
     stage: str = field(
         default="dpo",
         metadata={"help": "dpo, sft, sft_then_dpo (SFT, then DPO from the SFT model; `sft:` in the recipe holds "
-                  "the SFT stage's overrides), or reward (a reward model: a sequence classifier trained with TRL's "
-                  "RewardTrainer on the preference pairs).", "choices": list(STAGES)},
+                  "the SFT stage's overrides), reward (a reward model: a sequence classifier trained with TRL's "
+                  "RewardTrainer on the preference pairs), kto (TRL's KTOTrainer on thumbs-up / thumbs-down rows: "
+                  "prompt, completion, label; docs/kto.md) or sft_then_kto.", "choices": list(STAGES)},
     )
     run_name: str | None = field(
         default=None,
@@ -557,8 +571,10 @@ def trl_fields(stage: str) -> dict[str, Any]:
     """Fields (name → type) of the TRL config(s) a stage builds, which may pass through as overrides."""
     from trl import DPOConfig, RewardConfig, SFTConfig
 
+    from trl import KTOConfig
+
     configs = {"dpo": [DPOConfig], "sft": [SFTConfig], "sft_then_dpo": [DPOConfig, SFTConfig],
-               "reward": [RewardConfig]}[stage]
+               "reward": [RewardConfig], "kto": [KTOConfig], "sft_then_kto": [KTOConfig, SFTConfig]}[stage]
     return {name: kind for config in configs for name, kind in _field_types(config).items()}
 
 
@@ -713,8 +729,9 @@ def format_help() -> str:
     """Every flag, grouped by concern, with its default and help text (the dataclass fields are the source)."""
     lines = ["usage: python -m src.main_distributed [--config RECIPE.yaml] [--flag value ...]",
              "       ./run_distributed.sh [NUM_PROCS] [--config RECIPE.yaml] [--flag value ...]", "",
-             "Flags override the recipe; --sft.KEY VALUE overrides a key for the SFT stage of sft_then_dpo; any other",
-             "field of TRL's DPOConfig / SFTConfig / RewardConfig passes through by name.", ""]
+             "Flags override the recipe; --sft.KEY VALUE overrides a key for the SFT stage of sft_then_dpo (or",
+             "sft_then_kto); any other field of TRL's DPOConfig / SFTConfig / RewardConfig / KTOConfig passes through",
+             "by name.", ""]
     for concern in CONCERNS:
         lines.append(f"{concern.__name__}: {(concern.__doc__ or '').strip().splitlines()[0]}")
         for item in dataclasses.fields(concern):
@@ -777,14 +794,19 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     stage = requested.get("stage", ("dpo", ""))[0]
     if stage not in STAGES:
         raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
-    if "sft" in requested and stage != "sft_then_dpo":
+    if "sft" in requested and stage not in PIPELINES:
         if requested["sft"][1].startswith("--"):
-            raise ConfigError("--sft.* overrides apply only to --stage sft_then_dpo")
+            raise ConfigError("--sft.* overrides apply only to --stage sft_then_dpo or sft_then_kto")
         del requested["sft"]  # a pipeline recipe run as a single stage: its SFT block does not apply
         sources = {key: where for key, where in sources.items() if not key.startswith("sft.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
     config.sources = sources
+    if final_stage(stage) == "kto":
+        kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
+    elif config.data.kto_from_pairs or config.data.label_column:
+        flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
+        raise ConfigError(f"{flag} applies to --stage kto or sft_then_kto, not {stage}")
     if require_sources:
         for problem in missing_sources(config):
             raise ConfigError(problem)
@@ -881,8 +903,10 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
 
 
 def stage_config(config: Config, stage: str) -> Config:
-    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_dpo, the `sft:` overrides apply."""
-    if config.training.stage != "sft_then_dpo":
+    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_dpo / sft_then_kto, the `sft:`
+    overrides apply."""
+    pipeline = config.training.stage
+    if pipeline not in PIPELINES:
         return config
     requested = {key: (value, "sft") for key, value in config.values().items() if key != "sft"}
     requested = {key: value for key, value in requested.items() if key in toolkit_fields() or key in config.trl_overrides}
@@ -895,7 +919,7 @@ def stage_config(config: Config, stage: str) -> Config:
     if stage == "sft":
         requested.pop("rounds", None)  # on-policy rounds follow the DPO stage
     if "stage" in sources:
-        sources["stage"] = f"sft_then_dpo in {sources['stage']}"
+        sources["stage"] = f"{pipeline} in {sources['stage']}"
     staged = _build_config(requested, stage)
     staged.recipe = config.recipe
     staged.sources = sources
@@ -956,6 +980,11 @@ def validate(config: Config) -> None:
     if config.dpo.beta <= 0:
         raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
     validate_rounds(config)
+    if final_stage(training.stage) == "kto":
+        for name in ("desirable_weight", "undesirable_weight"):
+            if name in config.trl_overrides and not config.trl_overrides[name] > 0:
+                raise ConfigError(f"--{name} weighs the KTO loss of its rows: a positive number, got "
+                                  f"{config.trl_overrides[name]}")
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
@@ -989,6 +1018,22 @@ def validate(config: Config) -> None:
     if config.model.lora_r < 1:
         raise ConfigError(f"--lora_r must be a positive whole number, got {config.model.lora_r}")
     validate_mixture(config.data.dataset_mixture)
+
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
+
+
+def kto_loss_type(config: Config) -> str:
+    """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
+    recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
+    refused."""
+    asked = config.dpo.loss_type
+    if len(asked) == 1 and asked[0] in KTO_LOSS_TYPES:
+        return asked[0]
+    if asked == ["sigmoid"] or not config.sources.get("loss_type", "").startswith("--"):
+        return "kto"
+    raise ConfigError(f"--loss_type {' '.join(asked)}: KTO takes one of {', '.join(KTO_LOSS_TYPES)} (the DPO "
+                      "loss types apply to pairs)")
 
 
 def validate_rounds(config: Config) -> None:
@@ -1237,12 +1282,17 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
 # `src.config` import, and the preflight (and check_gpu.py) needs the class for nothing else.
 # tests/test_config.py compares this table with the installed TRL's classes, so a TRL upgrade that moves a default
 # fails that test instead of silently changing the plan.
-TRL_DEFAULT_LEARNING_RATES = {"dpo": 1e-6, "sft": 2e-5, "reward": 1e-4}
+TRL_DEFAULT_LEARNING_RATES = {"dpo": 1e-6, "sft": 2e-5, "reward": 1e-4, "kto": 1e-6}
+
+
+def final_stage(stage: str) -> str:
+    """The stage a run ends with: a pipeline's last (sft_then_dpo → dpo), else the stage itself."""
+    return PIPELINES[stage][-1] if stage in PIPELINES else stage
 
 
 def default_learning_rate(stage: str) -> float:
-    """TRL's default learning rate for the stage's trainer (sft_then_dpo: its final DPO stage)."""
-    return TRL_DEFAULT_LEARNING_RATES["dpo" if stage == "sft_then_dpo" else stage]
+    """TRL's default learning rate for the stage's trainer (a pipeline: its final stage)."""
+    return TRL_DEFAULT_LEARNING_RATES[final_stage(stage)]
 
 
 def resolve_plan(config: Config, world: World, devices: Devices, stage: str | None = None) -> Plan:
@@ -1282,7 +1332,7 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
 def stage_plans(config: Config, world: World, devices: Devices) -> list[tuple[str, Config, Plan]]:
     """(stage name, the stage's config, its plan) for every stage the run trains, in order: sft_then_dpo is an SFT
     stage (with the recipe's `sft:` overrides) and then DPO. The launcher and check_gpu.py both plan through this."""
-    names = ["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]
+    names = list(PIPELINES.get(config.training.stage, (config.training.stage,)))
     plans = []
     for name in names:
         staged = stage_config(config, name)

@@ -42,6 +42,17 @@ PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / 
 # Prompts alone (a `prompt` column, no answers), prepared for on-policy rounds that start from them (src/rounds.py):
 # the preparation's stage and the shape it recognises.
 PROMPTS = "prompts"
+KTO_STAGE = "kto"  # trains on unpaired rows: prompt / completion / label (thumbs up or down)
+# Words a thumbs-up / thumbs-down column holds in public feedback sets (compared lower-cased, stripped), beside
+# booleans and 1/0.
+LABEL_WORDS = {
+    True: ("true", "yes", "1", "up", "thumbs_up", "thumbsup", "thumbs up", "👍", "+1", "good", "positive", "desirable",
+           "like", "liked", "accept", "accepted", "pos"),
+    False: ("false", "no", "0", "down", "thumbs_down", "thumbsdown", "thumbs down", "👎", "-1", "bad", "negative",
+            "undesirable", "dislike", "disliked", "reject", "rejected", "neg"),
+}
+# How each row's KL completion is chosen (src/data.py add_kl_completions): part of the prepared-data key.
+KL_PARTNERS = "seeded-derangement-v1"
 CHAT_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion")  # columns that may hold messages
 SOURCE_ROW = "_source_row"  # a row's index in its source split, while preparing (_prepare_source)
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
@@ -112,8 +123,8 @@ def source_names(data: DataArguments) -> list[str]:
 def source_location(data: DataArguments, stage: str) -> str:
     """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
     model learns from the DPO stage's preference pairs)."""
-    if data.dataset_name == EMBEDDED:
-        return str(EMBEDDED_DATA / ("dpo" if stage in PREFERENCE_STAGES else stage))
+    if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (_prepare_source)
+        return str(EMBEDDED_DATA / ("dpo" if stage in PREFERENCE_STAGES + (KTO_STAGE,) else stage))
     return data.dataset_name
 
 
@@ -494,7 +505,8 @@ def apply_column_mapping(columns: list[str], data: DataArguments) -> dict[str, s
     mapping = {}
     for flag, canonical in (("prompt_column", "prompt"), ("chosen_column", "chosen"),
                             ("rejected_column", "rejected"), ("messages_column", "messages"),
-                            ("completion_column", "completion"), ("text_column", "text")):
+                            ("completion_column", "completion"), ("text_column", "text"),
+                            ("label_column", "label")):
         source = getattr(data, flag)
         if source is None or source == canonical:
             continue
@@ -512,6 +524,17 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
             return PROMPTS
         raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
                         f"{', '.join(columns)}; map yours with --prompt_column")
+    if stage == KTO_STAGE:
+        if {"prompt", "completion", "label"} <= names:
+            return "unpaired"
+        if {"chosen", "rejected"} <= names:
+            return "kto_pairs"  # preference pairs; converted to unpaired rows only when asked (_prepare_source)
+        missing = [name for name in ("prompt", "completion", "label") if name not in names]
+        raise DataError(
+            f"KTO data needs prompt, completion and label (thumbs up / down) columns: missing {', '.join(missing)}; "
+            f"the data has {', '.join(columns)}; map yours with --prompt_column / --completion_column / "
+            "--label_column (preference pairs: --kto_from_pairs)"
+        )
     if stage in PREFERENCE_STAGES:
         if stage == "dpo" and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
             raise DataError(
@@ -668,11 +691,17 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
         out = {"messages": messages}
     elif shape == "prompt_completion":
         out = {"prompt": row["prompt"], "completion": row["completion"]}
+        if "label" in row:  # thumbs-up / down rows (the SFT stage of sft_then_kto keeps the thumbs-up ones)
+            out["label"] = parse_label(row["label"])
     elif shape == "text":
         out = {"text": row["text"]}
     elif shape == "preference":
         pair = normalize_row(row, detect_shape(list(row), row, "dpo"), system_prompt, has_chat_template)
         out = {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    elif shape == "unpaired":
+        out = {"prompt": row["prompt"], "completion": row["completion"], "label": parse_label(row["label"])}
+    elif shape == "kto_pairs":  # the pair, normalised; _prepare_batch makes its two unpaired rows
+        out = normalize_row(row, detect_shape(list(row), row, "dpo"), None, has_chat_template)
     else:
         raise ValueError(f"unknown shape {shape}")
     if system_prompt:
@@ -687,6 +716,28 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def parse_label(value: Any) -> bool:
+    """A thumbs-up / thumbs-down value → True (desirable) / False; anything else is refused (the caller names the row)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        for label, words in LABEL_WORDS.items():
+            if word in words:
+                return label
+    raise DataError(f"'label' is {value!r}, not a thumbs up / down: use true/false, 1/0 or a word like up/down, "
+                    "👍/👎, good/bad (KTO learns from two classes only; a score or rating needs thresholding first)")
+
+
+def unpaired_rows(pair: dict) -> list[dict]:
+    """A normalised preference pair as KTO's two unpaired rows: the chosen answer desirable, the rejected one not."""
+    extra = {key: pair[key] for key in ("meta", "tools") if key in pair}
+    return [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen", **extra}
+            for side in ("chosen", "rejected")]
+
+
 def _text_of(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -695,7 +746,7 @@ def _text_of(value: Any) -> str:
     return ""
 
 
-KEPT, EMPTY, IDENTICAL, TOO_LONG = 0, 1, 2, 3  # a row's fate, stored per row while preparing (int8)
+KEPT, EMPTY, IDENTICAL, TOO_LONG, UNDESIRABLE = 0, 1, 2, 3, 4  # a row's fate, stored per row while preparing (int8)
 
 
 def _answer_columns(row: dict, stage: str = "") -> tuple[str, ...]:
@@ -765,6 +816,24 @@ def tokenize_preference(row: dict, tokenizer) -> dict:
     }
 
 
+def tokenize_unpaired(row: dict, tokenizer) -> dict:
+    """prompt_ids / completion_ids exactly as TRL's KTOTrainer builds them (EOS appended to text completions; the
+    completion starts where prompt and prompt+completion diverge)."""
+    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+
+    kwargs = _template_kwargs(row)
+    if is_conversational(row):
+        prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+        full = _tokenize(tokenizer, row["prompt"] + row["completion"], **kwargs)["input_ids"]
+    else:
+        eos = tokenizer.eos_token
+        completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
+        prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
+        full = _tokenize(tokenizer, row["prompt"] + completion)["input_ids"]
+    prompt_length = common_prefix_length(prompt_ids, full)
+    return {"prompt_ids": prompt_ids[:prompt_length], "completion_ids": full[prompt_length:]}
+
+
 def tokenize_reward(row: dict, tokenizer) -> dict:
     """chosen_ids / rejected_ids (whole sequences: prompt and answer) exactly as TRL's RewardTrainer builds them.
 
@@ -823,6 +892,8 @@ def sample_fields(row: dict, tokenizer) -> dict:
 
     if "chosen" in row:
         prompt, reference, rejected = row["prompt"], row["chosen"], row["rejected"]
+    elif "completion" in row and row.get("label") is False:  # a thumbs-down row: its answer is the one to avoid
+        prompt, reference, rejected = row["prompt"], "", row["completion"]
     elif "completion" in row:
         prompt, reference, rejected = row["prompt"], row["completion"], None
     elif "prompt" in row and "messages" not in row:  # prompts alone (rounds from prompts): no answer to show
@@ -945,7 +1016,9 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
         "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "system_prompt", "val_size",
-                                                   "test_size", "max_train_samples", "max_length")},
+                                                   "test_size", "max_train_samples", "max_length",
+                                                   "label_column", "kto_from_pairs")},
+        "kl_partners": KL_PARTNERS if stage == KTO_STAGE else None,
         "assistant_only_loss": sft.assistant_only_loss if stage == "sft" else None,
         "seed": seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -993,11 +1066,18 @@ def _normalized_features(features, shape: str, has_chat_template: bool, pair_sha
         out = {"messages": type(features["conversations"])(renamed)}
     elif shape == "prompt_completion":
         out = {"prompt": features["prompt"], "completion": features["completion"]}
+        if "label" in features:
+            out["label"] = Value("bool")
     elif shape == "text":
         out = {"text": features["text"]}
     elif shape == "preference":
         pair = _normalized_features(features, pair_shape, has_chat_template)
         out = {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    elif shape == "unpaired":
+        out = {"prompt": features["prompt"], "completion": features["completion"], "label": Value("bool")}
+    elif shape == "kto_pairs":
+        pair = _normalized_features(features, pair_shape, has_chat_template)
+        out = {"prompt": pair["prompt"], "completion": pair["chosen"], "label": Value("bool")}
     else:
         raise ValueError(f"unknown shape {shape}")
     if "meta" in features:
@@ -1039,49 +1119,75 @@ def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source
     for values, source_row in zip(zip(*(batch[column] for column in columns)), source_rows):
         where, number = row_origin(origins, rows_in, source_row + 1)
         try:
-            row = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
+            normalized = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
         except DataError as error:
             raise DataError(f"{where} row {number}: {error}") from None
-        status = check_row(row, number, stage, where)
-        if not has_chat_template and any(_is_chat(value) for value in row.values()):
-            raise DataError(
-                f"{location}: the data is a chat but the model's tokenizer has no chat template to "
-                "render it; use a chat/instruct model, text data (prompt/chosen/rejected as strings), or give the "
-                "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
-            )
-        item, ids, length = {}, {}, 0
-        with _template_refusals(where, number):
-            if status == KEPT:
-                if stage == "dpo":
-                    item = ids = tokenize_preference(row, tokenizer)
-                    length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                    # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
-                    kept = len(item["prompt_ids"]) < data.max_length
-                elif stage == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
-                    item = ids = {"prompt_ids": sample_fields(row, tokenizer)["sample_prompt_ids"]}
-                    length = len(item["prompt_ids"])
-                    kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
-                elif stage == "reward":
-                    ids = tokenize_preference(row, tokenizer)
-                    item = reward_ids(ids)
-                    length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                    # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
-                    # cut the answer whose last token the score is read from).
-                    kept = length <= data.max_length
-                else:
-                    item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
-                    length = len(item["input_ids"])
-                    kept = _has_trainable_token(item, data.max_length, sft)
-                status = KEPT if kept else TOO_LONG
-            record = {**_serializable(row), **item, "length": length, "_status": status,
-                      **row_fields(row, ids, source_row)}
-            if held_out:
-                record.update(sample_fields(row, tokenizer) if status == KEPT else
-                              {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
-                               "sample_rejected": None, "judge_prompt": None})
-        for column in output_columns:
-            out[column].append(record.get(column, [] if column.endswith(("_ids", "_mask", "_masks")) else None))
+        if shape == "kto_pairs":  # one source pair → its desirable and its undesirable row
+            identical = normalized["chosen"] == normalized["rejected"]
+            check_row(normalized, number, "dpo", where)
+            for row in unpaired_rows(normalized):
+                _prepare_row(row, IDENTICAL if identical else None, out, number, source_row, stage=stage,
+                             location=location, where=where, tokenizer=tokenizer, data=data, sft=sft,
+                             chat_template=chat_template, has_chat_template=has_chat_template,
+                             held_out=held_out and row["label"], output_columns=output_columns)
+        else:
+            _prepare_row(normalized, None, out, number, source_row, stage=stage, location=location, where=where,
+                         tokenizer=tokenizer, data=data, sft=sft, chat_template=chat_template,
+                         has_chat_template=has_chat_template, held_out=held_out, output_columns=output_columns)
     return out
+
+
+def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_row: int, *, stage: str,
+                 location: str, where: str, tokenizer, data: DataArguments, sft: SFTArguments,
+                 chat_template: str | None, has_chat_template: bool, held_out: bool, output_columns: list[str]) -> None:
+    """One normalised row checked, tokenized and appended to `out` (a held-out row with its sample fields; a KTO pair's
+    undesirable row is held out without them: each pair's prompt is answered once)."""
+    row_status = check_row(row, number, stage, where)
+    status = row_status if status is None or row_status != KEPT else status
+    if stage == "sft" and row.pop("label", True) is False:
+        status = UNDESIRABLE  # SFT before KTO learns from the thumbs-up rows only
+    if not has_chat_template and any(_is_chat(value) for value in row.values()):
+        raise DataError(
+            f"{location}: the data is a chat but the model's tokenizer has no chat template to "
+            "render it; use a chat/instruct model, text data (prompt/chosen/rejected as strings), or give the "
+            "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
+        )
+    item, ids, length = {}, {}, 0
+    with _template_refusals(where, number):
+        if status == KEPT:
+            if stage == KTO_STAGE:
+                item = ids = tokenize_unpaired(row, tokenizer)
+                length = len(item["prompt_ids"]) + len(item["completion_ids"])
+                kept = len(item["prompt_ids"]) < data.max_length  # TRL's KTO rule, as for DPO
+            elif stage == "dpo":
+                item = ids = tokenize_preference(row, tokenizer)
+                length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+                kept = len(item["prompt_ids"]) < data.max_length
+            elif stage == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
+                item = ids = {"prompt_ids": sample_fields(row, tokenizer)["sample_prompt_ids"]}
+                length = len(item["prompt_ids"])
+                kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
+            elif stage == "reward":
+                ids = tokenize_preference(row, tokenizer)
+                item = reward_ids(ids)
+                length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+                # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
+                # cut the answer whose last token the score is read from).
+                kept = length <= data.max_length
+            else:
+                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                length = len(item["input_ids"])
+                kept = _has_trainable_token(item, data.max_length, sft)
+            status = KEPT if kept else TOO_LONG
+        record = {**_serializable(row), **item, "length": length, "_status": status,
+                  **row_fields(row, ids, source_row)}
+        if "sample_prompt" in output_columns:
+            record.update(sample_fields(row, tokenizer) if status == KEPT and held_out else
+                          {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
+                           "sample_rejected": None, "judge_prompt": None})
+    for column in output_columns:
+        out[column].append(record.get(column, [] if column.endswith(("_ids", "_mask", "_masks")) else None))
 
 
 @contextmanager
@@ -1146,6 +1252,7 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
     status = prepared.data.column("_status").to_numpy()
     lengths = prepared.data.column("length").to_numpy()
     empty, identical = np.flatnonzero(status == EMPTY), np.flatnonzero(status == IDENTICAL)
+    label = prepared.data.column("label").to_numpy(zero_copy_only=False) if stage == KTO_STAGE else None
     checked, kept = (status == KEPT) | (status == TOO_LONG), status == KEPT
     if not checked.any():
         reason = "chosen identical to rejected" if len(identical) and not len(empty) else "an empty answer"
@@ -1153,7 +1260,13 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
     if not kept.any():
         what = "pair is over" if stage == "reward" else "prompt is at least"
         raise DataError(f"{source}: every {what} --max_length {max_length} tokens long; raise --max_length")
-    return {"rows": len(status), "empty_answers": len(empty), "identical_pairs": len(identical),
+    kto = {}
+    if label is not None:
+        desirable = int((kept & (label == True)).sum())  # noqa: E712 - an array of booleans (None where dropped)
+        kto = {"desirable": desirable, "undesirable": int(kept.sum()) - desirable}
+    elif (status == UNDESIRABLE).any():
+        kto = {"undesirable_dropped": int((status == UNDESIRABLE).sum())}
+    return kto | {"rows": len(status), "empty_answers": len(empty), "identical_pairs": len(identical),
             "kept": int(kept.sum()), "first_empty_rows": [int(i) + 1 for i in empty[:5]],
             "first_identical_rows": [int(i) + 1 for i in identical[:5]],
             "dropped_too_long" if stage == "reward" else "dropped_prompt_too_long": int((status == TOO_LONG).sum()),
@@ -1175,6 +1288,8 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         for kind, dataset in tokenized.items():
             _write_kept([dataset], _prepared_columns(dataset), _split_file(target, kind))
             _write_source_rows(dataset, target, kind)
+            if stage == KTO_STAGE:
+                add_kl_completions(_split_file(target, kind), seed, kind, location)
         summary |= {"source": location, "shape": shape, "splits": counts,
                     "audit": _audit({kind: [dataset] for kind, dataset in tokenized.items()}, counts, stage,
                                     data.max_length)}
@@ -1185,11 +1300,16 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                                                                  work / str(number), fraction)
             parts.append((location, shape, fraction, tokenized, counts))
         summary |= _mix(parts, seed, target)
+        if stage == KTO_STAGE:
+            for kind in summary["splits"]:
+                add_kl_completions(_split_file(target, kind), seed, kind, summary["source"])
         pieces = {}
         for _, _, _, tokenized, _ in parts:
             for kind, dataset in tokenized.items():
                 pieces.setdefault(kind, []).append(dataset)
         summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length)
+    if stage == KTO_STAGE:
+        check_kto_classes(summary["splits"]["train"], summary["source"])
     shutil.rmtree(work)
     (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -1218,6 +1338,9 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
         shape = detect_shape(columns, first_row, stage)
     except DataError as error:
         raise DataError(f"{location}: {error}") from None
+    if shape == "kto_pairs" and not (data.kto_from_pairs or data.dataset_name == EMBEDDED):
+        raise DataError(f"{location}: preference pairs (chosen / rejected), not thumbs up / down rows: add "
+                        "--kto_from_pairs to train KTO on them as unpaired rows, or use --stage dpo")
     named = {canonical: source for source, canonical in mapping.items()}
     check_chat_messages(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
                         tokenizer, location, origins)
@@ -1227,7 +1350,7 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
                                 for name, split in raw.items()})
     chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    pair_shape = detect_shape(columns, first_row, "dpo") if shape == "preference" else None
+    pair_shape = detect_shape(columns, first_row, "dpo") if shape in ("preference", "kto_pairs") else None
     normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
     try:
         first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
@@ -1323,6 +1446,53 @@ def _write_kept(pieces: list, columns: list[str], path: Path) -> None:
         writer.finalize()
 
 
+def check_kto_classes(train: dict, location: str) -> None:
+    """KTO learns from thumbs up against thumbs down: a training split with one class only is refused."""
+    for present, missing in (("desirable", "undesirable"), ("undesirable", "desirable")):
+        if not train[missing]:
+            raise DataError(f"{location}: every training row is {present} ({train[present]} rows, none "
+                            f"{missing}); KTO needs both thumbs up and thumbs down (check --label_column and its "
+                            "values)")
+
+
+def kl_partners(rows: int, seed: int):
+    """Row i's KL partner for KTO's KL estimate (an index array): a seeded derangement with one cycle, so no row is its
+    own partner and the pairing depends on the data and the seed alone, not on which rows share a device's batch (TRL
+    1.16 cycles completions inside each device batch: not world-size invariant)."""
+    import numpy as np
+
+    if rows < 2:  # a held-out split of one row: its own completion (the eval's KL then measures the matched pair)
+        return np.zeros(rows, dtype=np.int64)
+    order = np.random.default_rng([seed, rows]).permutation(rows)
+    partners = np.empty(rows, dtype=np.int64)
+    partners[order] = np.roll(order, -1)
+    return partners
+
+
+def add_kl_completions(path: Path, seed: int, kind: str, location: str) -> None:
+    """KTO's mismatched completion of every row, written as the split's `KL_completion_ids` column: row i's is the
+    completion of row kl_partners(...)[i] (a prompt paired with another row's answer estimates the KL term)."""
+    import pyarrow as pa
+    from datasets import Dataset, Features
+    from datasets.arrow_writer import ArrowWriter
+
+    dataset = Dataset.from_file(str(path))
+    if len(dataset) < 2 and kind == "train":
+        raise DataError(f"{location} ({kind}): KTO needs at least 2 rows (each row's KL term pairs its prompt with "
+                        f"another row's completion); this split has {len(dataset)}")
+    partners = pa.array(kl_partners(len(dataset), seed))
+    features = Features({**dataset.features, "KL_completion_ids": dataset.features["completion_ids"]})
+    temporary = path.with_suffix(".kl.arrow")
+    with ArrowWriter(features=features, path=str(temporary)) as writer:
+        for start in range(0, len(dataset), MAP_BATCH_ROWS * 16):
+            table = dataset.data.slice(start, MAP_BATCH_ROWS * 16).table
+            kl = dataset.data.table.column("completion_ids").take(partners[start:start + table.num_rows])
+            writer.write_table(table.append_column("KL_completion_ids", kl))
+        writer.finalize()
+    del dataset
+    os.replace(temporary, path)
+
+
 def _take_fraction(split, fraction: float, seed: int):
     """`fraction` of a source's training rows, drawn with the seed (the rows keep their order in the source)."""
     import numpy as np
@@ -1386,6 +1556,8 @@ def _token_columns(first_row: dict, stage: str, tokenizer, sft: SFTArguments, ch
         return ("prompt_ids", "chosen_ids", "rejected_ids")
     if stage == PROMPTS:
         return ("prompt_ids",)
+    if stage == KTO_STAGE:
+        return ("prompt_ids", "completion_ids")
     if stage == "reward":
         return ("chosen_ids", "rejected_ids")
     if "prompt" in first_row:

@@ -28,8 +28,9 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan, World,
-    batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint, stage_plans,
+    EMBEDDED, PIPELINES, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
+    World, batch_split_command, format_help, format_plan, kto_loss_type, parse_config, sagemaker_process_hint,
+    stage_plans,
 )
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
@@ -39,6 +40,7 @@ from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_model_inputs
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, score_pairs
+from src.kto_weights import resolve_kto_weights
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
@@ -145,10 +147,15 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
         output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
         if len(labels) > 1 and label != labels[-1] and staged.training.output_dir:
             output_dir = output_dir / label
-        if name == "dpo" and world.world_size > 1 and staged.trl_overrides.get("train_sampling_strategy") == \
-                "batch_rebalance":
+        if name in ("dpo", "kto") and world.world_size > 1 and staged.trl_overrides.get(
+                "train_sampling_strategy") == "batch_rebalance":
             raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
-                              "sizes, which TRL's DPO metrics cannot gather across processes: use group_by_length")
+                              f"sizes, which TRL's {name.upper()} metrics cannot gather across processes: use "
+                              "group_by_length")
+        if name == "kto" and plan.per_device_batch_size < 2 and staged.dpo.loss_type != ["apo_zero_unpaired"]:
+            raise ConfigError(f"KTO needs at least 2 rows per device micro-batch (TRL's KTOTrainer refuses 1), and "
+                              f"this plan gives {plan.per_device_batch_size}: raise --micro_batch_size or "
+                              "--per_device_batch_size, or use fewer processes")
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir), index,
                             from_prompts=from_prompts and index > 0))
@@ -253,6 +260,9 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
     }
     if stage.name == "dpo":
         info.update(beta=config.dpo.beta, loss_type=config.dpo.loss_type)
+    if stage.name == "kto":
+        info.update(beta=config.dpo.beta, loss_type=kto_loss_type(config),
+                    kto_weights=resolve_kto_weights(config, prepared.summary["splits"]["train"])[0])
     if stage.round:
         info["round"] = {"round": stage.round, "of": config.dpo.rounds, "reference": config.dpo.round_reference,
                          "from_prompts": stage.from_prompts, **(stage.round_record or {})}
@@ -260,11 +270,13 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
 
 
 def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
+    """The first `count` rows of a held-out split that have a prompt to answer (a KTO split made from pairs holds each
+    pair's prompt once, on its desirable row: the same prompts as the DPO stage's split)."""
     dataset = prepared.splits[split] if split in prepared.splits else None
     if dataset is None or count == 0:
         return []
-    rows = dataset.select(range(min(count, len(dataset)))).to_list()
-    return [row for row in rows if row["sample_prompt_ids"]]
+    rows = dataset.select(range(min(2 * count, len(dataset)))).to_list()  # a KTO pair's rows: one with a sample
+    return [row for row in rows if row["sample_prompt_ids"]][:count]
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
@@ -347,6 +359,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
     warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings
+    kto_weights, kto_line = None, None
+    if stage.name == "kto":  # desirable / undesirable weights: the flags', or set from the data's counts
+        kto_weights, kto_line, warning = resolve_kto_weights(config, prepared.summary["splits"]["train"])
+        warnings += [warning] if warning else []
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
             open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
@@ -358,6 +374,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     audit_lines = data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name)
     if audit_lines:
         print0(audit_lines)
+    if kto_line:
+        print0(kto_line)
     for warning in warnings:
         print0(f"  warning: {warning}")
     barrier()
@@ -383,9 +401,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on.
-    evaluated = prepared.validation is not None and not {"chosen_ids", "input_ids"}.isdisjoint(
+    evaluated = prepared.validation is not None and not {"chosen_ids", "completion_ids", "input_ids"}.isdisjoint(
         prepared.validation.column_names)
-    trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward)
+    trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
+                                  kto_weights)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
                             else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
@@ -405,7 +424,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
     # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
     merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == "sft" and config.training.stage == "sft_then_dpo") or (reward and not config.model.load_in_4bit)
+        (stage.name == "sft" and config.training.stage in PIPELINES) or (reward and not config.model.load_in_4bit)
         or (stage.name == "dpo" and stage.round < config.dpo.rounds)))  # a round starts from this model
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)

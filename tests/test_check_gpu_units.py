@@ -92,13 +92,13 @@ def test_reference_log_probs_are_precomputed_unless_the_recipe_moves_the_referen
 
 
 def test_every_stage_of_the_launcher_is_taken():
-    """One list of stages (src/config.py): reward included; a pipeline is planned by its DPO stage."""
-    assert [setup_for("--stage", stage).stage for stage in STAGES] == ["dpo", "sft", "dpo", "reward"]
+    """One list of stages (src/config.py): reward and KTO included; a pipeline is planned by its final stage."""
+    assert [setup_for("--stage", stage).stage for stage in STAGES] == ["dpo", "sft", "dpo", "reward", "kto", "kto"]
 
 
 @pytest.mark.parametrize(
     "content, message",
-    [("stage: ppo\n", "stage must be one of dpo, sft, sft_then_dpo, reward, got 'ppo'"),
+    [("stage: ppo\n", "stage must be one of dpo, sft, sft_then_dpo, reward, kto, sft_then_kto, got 'ppo'"),
      ("- a\n- b\n", "a recipe is a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "--lora_r")],
 )
 def test_bad_recipes_say_what_is_wrong(tmp_path, content, message):

@@ -175,7 +175,7 @@ def test_stage_default_learning_rates_are_trls():
 
     assert plan_for(["--stage", "dpo"], 1).learning_rate == pytest.approx(1e-6)
     assert plan_for(["--stage", "sft"], 1).learning_rate == pytest.approx(2e-5)
-    classes = {"dpo": trl.DPOConfig, "sft": trl.SFTConfig, "reward": trl.RewardConfig}
+    classes = {"dpo": trl.DPOConfig, "sft": trl.SFTConfig, "reward": trl.RewardConfig, "kto": trl.KTOConfig}
     trl_defaults = {stage: next(item.default for item in dataclasses.fields(config_class)
                                 if item.name == "learning_rate") for stage, config_class in classes.items()}
     assert TRL_DEFAULT_LEARNING_RATES == trl_defaults

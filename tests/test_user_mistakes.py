@@ -400,6 +400,25 @@ MISTAKES = [
             lambda ws: ws.args(audit_judge_pairs="-1")),
     Mistake("rounds_one_sample", "`--round_samples 1`: no pair can be formed", "--round_samples must be at least 2",
             lambda ws: ws.args(rounds="1", round_samples="1", judge="json:loads")),
+    # KTO (thumbs up / down): docs/kto.md
+    Mistake("kto_label_not_thumbs", "A KTO label column that is not a thumbs up / down (`\"thumbs\": \"maybe\"` in row "
+            "3)", "row 3: 'label' is 'maybe', not a thumbs up / down", lambda ws: ws.args(
+                stage="kto", label_column="thumbs", dataset_name=ws.rows_file("thumbs.jsonl", [
+                    {"prompt": "a", "completion": "b", "thumbs": ["up", "down"][i % 2] if i != 2 else "maybe"}
+                    for i in range(24)]))),
+    Mistake("kto_one_class", "KTO data whose labels are all thumbs up", "every training row is desirable (",
+            lambda ws: ws.args(stage="kto", dataset_name=ws.rows_file(
+                "all_up.jsonl", [{"prompt": f"q{i}", "completion": "b", "label": True} for i in range(24)]))),
+    Mistake("kto_pairs_without_conversion", "A preference pair file given to `--stage kto`", "preference pairs "
+            "(chosen / rejected), not thumbs up / down rows: add --kto_from_pairs",
+            lambda ws: ws.args(stage="kto")),
+    Mistake("kto_micro_batch_of_one", "KTO with one row per device micro-batch", "KTO needs at least 2 rows per "
+            "device micro-batch", lambda ws: ws.args(stage="kto", kto_from_pairs="true", batch_size="4",
+                                                     micro_batch_size="1")),
+    Mistake("kto_dpo_loss_type", "A DPO loss type for `--stage kto`", "--loss_type ipo: KTO takes one of kto, "
+            "apo_zero_unpaired", lambda ws: ws.args(stage="kto", kto_from_pairs="true", loss_type="ipo")),
+    Mistake("kto_flag_on_dpo", "`--kto_from_pairs` on a DPO run", "--kto_from_pairs applies to --stage kto or "
+            "sft_then_kto", lambda ws: ws.args(kto_from_pairs="true")),
     Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",
             lambda ws: ws.args(stage="sft", rounds="1", judge="json:loads")),
     Mistake("prompts_without_rounds", "A file of prompts alone (no chosen/rejected) for DPO without `--rounds`",

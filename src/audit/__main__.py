@@ -23,7 +23,8 @@ from src.audit.findings import data_alerts
 from src.audit.judged import INVERTED_FILE, drawn_rows, judge_pairs
 from src.audit.run import opening
 from src.audit.reference import agreement, answer_tokens, sample_logps
-from src.config import EMBEDDED, ConfigError, HelpRequested, World, format_help, parse_config, stage_config
+from src.config import (EMBEDDED, PIPELINES, ConfigError, HelpRequested, World, format_help, parse_config,
+                        stage_config)
 from src.data import DataError, check_source, prepare_data, source_rows
 from src.embedded.model import cache_root
 from src.hub_access import needs_hub, use_local_files_only
@@ -81,7 +82,7 @@ def run(argv: list[str]) -> int:
     import datasets  # its progress bars drown the audit's tables
 
     datasets.disable_progress_bars()
-    names = ["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]
+    names = list(PIPELINES.get(config.training.stage, (config.training.stage,)))
     for name in names:  # a missing file or a mistyped split: said before any model is built or loaded
         check_source(stage_config(config, name).data, name)
     if not needs_hub([config.model.model_name_or_path, config.data.dataset_name]):

@@ -18,7 +18,8 @@ import math
 
 # column → Arrow type, in the tokenizing map's output (src/data.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
-                 "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64"}
+                 "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8"}
+NO_LABEL = -1  # the _label of a row that is not a KTO row (1: thumbs up, 0: thumbs down)
 # A pair whose answers share more than this fraction of the shorter answer's tokens from the start is near-identical:
 # the gradient pushes almost the same tokens up and down, and the chosen log-prob tends to fall (Pal et al. 2024,
 # "Smaug: Fixing Failure Modes of Preference Optimisation with DPO-Positive", arXiv 2402.13228).
@@ -60,8 +61,10 @@ def row_fields(row: dict, ids: dict, source_row: int) -> dict:
     fields = {"_row_hash": _hash([row.get("prompt"), answers]), "_prompt_hash": NO_PROMPT if prompt is None else
               _hash(prompt),
               "_prompt_tokens": 0, "_chosen_tokens": 0, "_rejected_tokens": 0, "_shared_tokens": 0,
-              "_source_row": source_row}
-    if "chosen_ids" in ids:
+              "_source_row": source_row, "_label": NO_LABEL if row.get("label") is None else int(bool(row["label"]))}
+    if "completion_ids" in ids:  # a KTO row: its completion's tokens count as "chosen"
+        fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["completion_ids"]))
+    elif "chosen_ids" in ids:
         fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["chosen_ids"]),
                       _rejected_tokens=len(ids["rejected_ids"]),
                       _shared_tokens=_common_prefix(ids["chosen_ids"], ids["rejected_ids"]))
@@ -133,6 +136,8 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     if stage == "prompts":  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
         audit.update(prompt_tokens=_stats(prompt), length_histogram=histogram({"prompt": prompt}))
         return audit
+    if stage == "kto":
+        return audit | kto_audit(prompts[kept], _column(pieces, "_label")[kept], prompt, chosen, max_length)
     if stage == "sft":
         audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
                      suggested_max_length=_suggested_max_length(chosen),
@@ -157,6 +162,32 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
         near_identical_share=_share((overlap > NEAR_IDENTICAL).sum(), pairs),
         length_histogram=histogram({"chosen": chosen, "rejected": rejected}),
     )
+    return audit
+
+
+def kto_audit(prompts, labels, prompt_tokens, completion_tokens, max_length: int) -> dict:
+    """A KTO split's balance: desirable / undesirable rows, and per prompt: how many prompts have both kinds of answer,
+    only thumbs up, only thumbs down, and the answers per prompt (the KTO paper's weights follow the row counts;
+    a prompt with both kinds is what pair data would give)."""
+    import numpy as np
+
+    desirable = labels == 1
+    rows = len(labels)
+    audit = {"desirable": int(desirable.sum()), "undesirable": int(rows - desirable.sum()),
+             "desirable_share": _share(desirable.sum(), rows),
+             "completion_tokens": _stats(completion_tokens), "prompt_tokens": _stats(prompt_tokens),
+             "truncated_share": _share((prompt_tokens + completion_tokens > max_length).sum(), rows),
+             "suggested_max_length": _suggested_max_length(prompt_tokens + completion_tokens),
+             "length_histogram": histogram({"desirable": completion_tokens[desirable],
+                                            "undesirable": completion_tokens[~desirable]})}
+    asked = prompts != NO_PROMPT
+    if asked.any():
+        unique, inverse = np.unique(prompts[asked], return_inverse=True)
+        up = np.bincount(inverse, weights=desirable[asked], minlength=len(unique))
+        down = np.bincount(inverse, weights=~desirable[asked], minlength=len(unique))
+        audit.update(prompts_both=int(((up > 0) & (down > 0)).sum()), prompts_only_desirable=int((down == 0).sum()),
+                     prompts_only_undesirable=int((up == 0).sum()),
+                     answers_per_prompt=round(float(asked.sum() / len(unique)), 3))
     return audit
 
 

@@ -122,9 +122,18 @@ def format_data_audit(audit: dict, stage: str) -> str:
     train = audit.get("train")
     if not train:
         return ""
-    line = (f"  data audit (train): {train['pairs']:,} {'rows' if stage == 'sft' else 'pairs'}, "
+    line = (f"  data audit (train): {train['pairs']:,} {'pairs' if stage in ('dpo', 'reward') else 'rows'}, "
             f"{format_number(train['distinct_prompts'])} distinct prompts, {format_percent(train['duplicate_share'])} "
             "duplicate rows")
+    if stage == "kto":
+        per_prompt = (f"; per prompt: {format_number(train['prompts_both'])} with both, "
+                      f"{format_number(train['prompts_only_desirable'])} thumbs up only, "
+                      f"{format_number(train['prompts_only_undesirable'])} thumbs down only"
+                      if train.get("prompts_both") is not None else "")
+        return (f"{line}\n  data audit (train): {format_number(train['desirable'])} desirable, "
+                f"{format_number(train['undesirable'])} undesirable{per_prompt}; completions "
+                f"{train['completion_tokens']['mean']} tokens on average, {format_percent(train['truncated_share'])} "
+                "truncated")
     if stage == "sft":
         return (f"{line}; {train['sequence_tokens']['mean']} tokens on average (p95 {train['sequence_tokens']['p95']}),"
                 f" {format_percent(train['truncated_share'])} truncated")

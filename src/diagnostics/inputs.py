@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from src.config import EMBEDDED, Config, ConfigError, Plan, parse_config
+from src.config import EMBEDDED, Config, ConfigError, Plan, final_stage, parse_config
 
 ALL_LINEAR = "all-linear"
 
@@ -71,7 +71,7 @@ class CheckOptions:
 
 def training_setup(config: Config, param_count: int | None = None) -> TrainingSetup:
     """The memory-relevant settings of the run's final stage (a pipeline's peak is its DPO stage)."""
-    stage = "dpo" if config.training.stage == "sft_then_dpo" else config.training.stage
+    stage = final_stage(config.training.stage)
     model, training = config.model, config.training
     precompute = config.dpo.precompute_ref_log_probs
     if precompute is None:  # the launcher's default: on, unless TR-DPO's sync_ref_model moves the reference

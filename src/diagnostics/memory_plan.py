@@ -114,7 +114,8 @@ def model_state_bytes(method: str, shape: ModelShape, trainable: int, num_device
 
 
 def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_devices: int, weight_bytes: int) -> int:
-    if setup.stage != "dpo" or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
+    # DPO and KTO keep a reference model (KTO: TRL's KTOTrainer, the same rule): none with adapters or cached log-probs
+    if setup.stage not in ("dpo", "kto") or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
         return 0
     if method == "zero3":
         return shape.total_params * weight_bytes // num_devices
@@ -122,8 +123,8 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 
 
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
-    """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward); see the module
-    doc."""
+    """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward; one completion for
+    KTO, whose KL sequence runs without gradients before the step: src/trainers/kto.py); see the module doc."""
     tokens = setup.max_length * (2 if setup.stage in ("dpo", "reward") else 1)
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)

@@ -288,7 +288,7 @@ def _memory_plan(report: dict) -> list[str]:
     lines += _table(rows, right_aligned={1, 2, 3, 4, 5, 7})
     lines += _wrapped(
         "Activations are an estimate (Llama-style blocks, fused attention, logits in fp32); margin = 10% for "
-        "fragmentation + 1 GiB per process for the CUDA context. The DPO reference is none with LoRA or "
+        "fragmentation + 1 GiB per process for the CUDA context. The DPO (and KTO) reference is none with LoRA or "
         "precomputed log-probs, sharded only under ZeRO-3.",
         INDENT,
         INDENT,

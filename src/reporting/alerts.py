@@ -56,6 +56,9 @@ SFT_MIN_RELATIVE_DROP = 0.05
 
 # Overfitting: the final eval loss is more than 5% and more than 0.01 nats above the best one (needs 3 eval points).
 # The absolute floor matters when the loss is near zero (a fit DPO run), where 5% is within evaluation noise.
+# KTO: a KL estimate (nats, on mismatched answers) this large at the end, grown by half of it since the start and
+# still rising, is running away.
+KTO_KL_LARGE = 2.0
 EVAL_RISE = 0.05
 EVAL_RISE_MIN = 0.01
 MIN_EVAL_POINTS = 3
@@ -105,6 +108,18 @@ ALERTS = {
         "means over-optimisation (degenerate, repetitive or very long outputs). Stop earlier (use the checkpoint "
         "at the best eval loss), raise beta, lower the learning rate, or use a bounded loss such as "
         "loss_type=[\"ipo\"].",
+    ),
+    "kto_kl_runaway": (
+        "warning", "KTO's KL estimate running away",
+        "The policy moves ever further from the reference on answers to other prompts: KTO's KL term, meant as the "
+        "reference point, no longer holds it. Lower the learning rate or train fewer steps, raise beta, or check that "
+        "the undesirable rows are not pushed down so hard that probability floods elsewhere (undesirable_weight).",
+    ),
+    "kto_not_separating": (
+        "warning", "KTO rewards of desirable and undesirable answers not separating",
+        "The desirable and undesirable rows get the same implicit reward: nothing is learned from the labels. Raise "
+        "the learning rate (check the scaled rate in the setup table), check the labels (--label_column and its "
+        "values: a column that is mostly one class, or labels unrelated to the answers), and the weights line.",
     ),
     "sft_not_decreasing": (
         "warning", "SFT loss not decreasing",
@@ -252,6 +267,29 @@ def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
                   f"of training (steps {xs[0]}..{xs[-1]})")
 
 
+def _kto_kl_runaway(metrics: list[dict]) -> Alert | None:
+    _, kl = _trend_series(metrics, "kl")
+    if not kl:
+        return None
+    start, end = _windows(kl)
+    if end < KTO_KL_LARGE or end < start + KTO_KL_LARGE / 2 or kl[-1] < end:
+        return None
+    return _alert("kto_kl_runaway", f"KL estimate {start:.3g} at the start, {end:.3g} at the end and still rising "
+                  f"(last {kl[-1]:.3g} nats)")
+
+
+def _kto_not_separating(metrics: list[dict]) -> Alert | None:
+    steps, margins = _trend_series(metrics, "rewards/margins")
+    if not margins:
+        return None
+    half = steps[-1] - (steps[-1] - steps[0]) / 2
+    late = [value for step, value in zip(steps, margins) if step >= half]
+    if max(late) >= STUCK_TOLERANCE:
+        return None
+    return _alert("kto_not_separating", f"from step {int(half)} to {steps[-1]}: rewards/margins (desirable − "
+                  f"undesirable) at most {max(late):.2g}")
+
+
 def _sft_not_decreasing(metrics: list[dict]) -> Alert | None:
     _, losses = _trend_series(metrics, "loss")
     if not losses:
@@ -285,6 +323,8 @@ def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:
     checks = [_non_finite, _eval_loss_rising]
     if stage == "dpo":
         checks += [_dpo_stuck, _dpo_displacement, _dpo_saturated, _dpo_unbounded_margins]
+    elif stage == "kto":
+        checks += [_kto_kl_runaway, _kto_not_separating]
     elif stage == "sft":
         checks += [_sft_not_decreasing]
     alerts = [alert for check in checks if (alert := check(metrics)) is not None]

@@ -31,6 +31,8 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     kinds = [kind for kind in KINDS if audit.get(kind)]
     if not kinds:
         return ["No data audit in this run (a run from before the audit, or no prepared data)."]
+    if stage == "kto":
+        return _kto_data_table(audit, kinds)
     rows = []
     preference = stage != "sft"
     names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
@@ -88,6 +90,29 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     if plot is not None:
         lines += ["", f"![chosen vs rejected length, reference margin]({plot.relative_to(run_dir).as_posix()})"]
     return lines
+
+
+def _kto_data_table(audit: dict, kinds: list[str]) -> list[str]:
+    """KTO's rows per split: the two classes, and per prompt which of them its answers have."""
+    names = ["rows", "desirable / undesirable", "distinct prompts", "prompts with both / thumbs up only / thumbs down "
+             "only", "answers per prompt", "duplicate rows", "empty answers (dropped)", "prompts over --max_length "
+             "(dropped)", "completion tokens: mean / median / p95", "cut by --max_length", "prompts also in train"]
+    columns = []
+    for kind in kinds:
+        item = audit[kind]
+        columns.append([
+            format_number(item.get("pairs")),
+            f"{format_number(item.get('desirable'))} / {format_number(item.get('undesirable'))}",
+            format_number(item.get("distinct_prompts")),
+            " / ".join(format_number(item.get(key)) for key in
+                       ("prompts_both", "prompts_only_desirable", "prompts_only_undesirable")),
+            format_number(item.get("answers_per_prompt")),
+            _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
+            format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
+            _tokens(item.get("completion_tokens")), format_percent(item.get("truncated_share")),
+            "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))])
+    return table_lines(["", *kinds], [[name, *(column[index] for column in columns)]
+                                      for index, name in enumerate(names)])
 
 
 def answers_section(answers: dict) -> list[str]:

@@ -62,7 +62,7 @@ def key_settings(info: dict) -> str:
         parts.append(f"batch {info['global_batch_size']}")
     if info.get("learning_rate") is not None:
         parts.append(f"lr {format_number(info['learning_rate'], 3)}")
-    if info.get("stage") == "dpo":
+    if info.get("stage") in ("dpo", "kto"):
         loss = info.get("loss_type") or config.get("loss_type")
         parts.append(f"β {format_number(info.get('beta', config.get('beta')), 3)}"
                      + (f" {'+'.join(loss) if isinstance(loss, list) else loss}" if loss else ""))

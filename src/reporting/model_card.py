@@ -58,6 +58,11 @@ def _method_table(info: dict, merged: bool) -> list[str]:
         rows += [["loss type", loss], ["beta", format_number(info.get("beta", config.get("beta")))]]
         if config.get("label_smoothing"):
             rows.append(["label smoothing", format_number(config["label_smoothing"])])
+    if stage == "kto":
+        weights = info.get("kto_weights") or {}
+        rows += [["loss type", str(info.get("loss_type"))], ["beta", format_number(info.get("beta"))],
+                 ["desirable / undesirable weight", f"{format_number(weights.get('desirable_weight'))} / "
+                                                    f"{format_number(weights.get('undesirable_weight'))}"]]
     if info.get("use_lora"):
         targets = config.get("lora_target_modules")
         targets = ", ".join(targets) if isinstance(targets, list) else str(targets)

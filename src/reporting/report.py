@@ -292,6 +292,12 @@ def final_numbers_table(summary: dict, info: dict, running: bool = False) -> lis
                                                           f"{format_percent(summary.get('final_reward_accuracy_eval'))}"],
                  ["final reward margin (train / eval)", f"{format_number(summary.get('final_reward_margin_train'))} / "
                                                         f"{format_number(summary.get('final_reward_margin_eval'))}"]]
+    elif stage == "kto":
+        rows += [["final reward margin, desirable − undesirable (train / eval)",
+                  f"{format_number(summary.get('final_reward_margin_train'))} / "
+                  f"{format_number(summary.get('final_reward_margin_eval'))}"],
+                 ["final KL estimate (train / eval)", f"{format_number(summary.get('final_kl_train'))} / "
+                                                      f"{format_number(summary.get('final_kl_eval'))}"]]
     else:
         rows += [["final token accuracy (train / eval)", f"{format_percent(summary.get('final_token_accuracy_train'))} / "
                                                          f"{format_percent(summary.get('final_token_accuracy_eval'))}"]]
@@ -316,7 +322,7 @@ def setup_table(info: dict) -> list[str]:
     rows = [["model", f"`{get('model_name_or_path', 'n/a')}`"], ["dataset", dataset],
             ["processes", f"{get('world_size', '?')} ({get('num_nodes', '?')} node(s)), backend {get('backend', '?')}, "
                           f"device {get('device', '?')}"]]
-    unit = "pairs" if get("stage") in ("dpo", "reward") else "sequences"
+    unit = "pairs" if get("stage") in ("dpo", "reward") else "rows" if get("stage") == "kto" else "sequences"
     rows.append(["batch", f"{get('per_device_batch_size')} per device × {get('gradient_accumulation_steps')} "
                           f"accumulation × {get('world_size')} processes = {get('global_batch_size')} {unit} per "
                           f"optimizer step"])
@@ -327,6 +333,11 @@ def setup_table(info: dict) -> list[str]:
     else:
         learning_rate = f"{format_number(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
+    if get("stage") == "kto":
+        weights = get("kto_weights") or {}
+        rows.append(["KTO", f"beta {format_number(get('beta'))}, loss {get('loss_type')}, desirable weight "
+                            f"{format_number(weights.get('desirable_weight'))}, undesirable weight "
+                            f"{format_number(weights.get('undesirable_weight'))}"])
     if get("stage") == "dpo":
         rows.append(["DPO", f"beta {format_number(get('beta'))}, loss {describe_dpo_loss(*dpo_loss_config(info))}"])
         if get("dpo_forward"):
@@ -401,6 +412,10 @@ def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: li
     parts = []
     if judged_sentence:
         parts.append(judged_sentence)
+    elif stage == "KTO":
+        parts.append(f"KTO ran {format_number(summary.get('last_step'))} steps; {final} reward margin (desirable − "
+                     f"undesirable) {format_number(_eval_else_train(summary, 'final_reward_margin'), 3)}, KL "
+                     f"{format_number(_eval_else_train(summary, 'final_kl'), 3)} (no held-out judge).")
     elif stage in ("DPO", "REWARD"):
         accuracy = _eval_else_train(summary, "final_reward_accuracy")
         margin = _eval_else_train(summary, "final_reward_margin")

@@ -116,6 +116,13 @@ def summarize(metrics: list[dict], stage: str) -> dict:
             "final_reward_margin_train": _last(metrics, margin),
             "final_reward_margin_eval": _last(metrics, f"eval_{margin}"),
         })
+    elif stage == "kto":  # unpaired rows: no accuracy; the margin between the two classes' mean rewards, and the KL
+        summary.update({
+            "final_reward_margin_train": _last(metrics, "rewards/margins"),
+            "final_reward_margin_eval": _last(metrics, "eval_rewards/margins"),
+            "final_kl_train": _last(metrics, "kl"),
+            "final_kl_eval": _last(metrics, "eval_kl"),
+        })
     else:
         summary.update({
             "final_token_accuracy_train": _last(metrics, "mean_token_accuracy"),

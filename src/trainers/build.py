@@ -15,6 +15,7 @@ from src.reporting.live import LiveReport
 from src.throughput import ThroughputMeter
 from src.trainers.callbacks import GradientCompression, OneJobCheck, StopConditions
 from src.trainers.dpo import PreparedDPOTrainer, packed_dpo_forward
+from src.trainers.kto import PreparedKTOTrainer
 from src.trainers.metrics_log import ConsoleLog, MetricsRecorder
 from src.trainers.reward import ToolkitRewardTrainer
 from src.trainers.sft import ToolkitSFTTrainer
@@ -25,15 +26,16 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
     (`--padding_free false`, src/packed_dpo_support.padding_free_requested), and `ref_model` as the reference when given
     (otherwise TRL's: the starting model)."""
-    trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer}[stage]
+    trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer,
+                     "kto": PreparedKTOTrainer}[stage]
     extra = {"truncate_to": truncate_to} if stage == "sft" else {"ref_model": ref_model} if ref_model is not None else {}
-    reference_forward = stage == "dpo" and not trl_config.precompute_ref_log_probs and peft_config is None
+    reference_forward = stage in ("dpo", "kto") and not trl_config.precompute_ref_log_probs and peft_config is None
     dpo_forward = {}
     if stage == "dpo":
         dpo_forward = packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed_dpo)
     # DPO and reward batches hold a chosen and a rejected sequence per pair.
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
-                            _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)
+                            _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)  # KTO: + KL
     trainer = trainer_class(
         model=model,
         args=trl_config,

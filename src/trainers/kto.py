@@ -1,0 +1,304 @@
+"""The KTO trainer: TRL's KTOTrainer on data src/data.py prepared, made world-size invariant. Everything that reaches
+into KTOTrainer's internals lives in this file (a TRL upgrade is this file's work).
+
+Why: TRL 1.16 forms the KL term of KTO's loss from completions cycled inside each device's micro-batch (row i's KL
+completion is row i-1's) and estimates the KL per micro-batch (`gather_for_metrics(kl).mean()`), and logs each metric
+as a mean of per-micro-batch means. The same global batch on 1, 2 or 4 processes (or with 4, 2 or 1 accumulation
+steps) then pairs other completions, gives another KL, another loss and other rewards.
+
+How, keeping TRL's loss code (both loss types, the weights, the metrics):
+1. each row's KL completion is fixed at preparation by a seeded derangement over the split (src/data.py
+   `kl_partners`: the `KL_completion_ids` column), so it depends on the data and the seed only;
+2. the KL estimate of an optimizer step is taken over the step's whole global batch, before its micro-steps: the
+   step's micro-batches are fetched up front by transformers' loop (`get_batch_samples`), their KL log-ratios computed
+   without gradients (as TRL does, the term is detached), summed across processes and divided by the rows; that one
+   value is handed to TRL's `_compute_loss` for every micro-batch of the step (through `_compute_kl_logps`, the one
+   place TRL reads the KL sequences from);
+3. the train metrics are kept with their weights (rows of each class, completion tokens) and logged as weighted means
+   over the logging window, not as means of micro-batch means;
+4. evaluation takes the KL over the whole validation split first, then each row's loss, reward and log-prob
+   (`kto_row_values`, TRL's formula, checked against TRL's `_compute_loss` in tests/test_kto.py), gathered without
+   accelerate's duplicated rows.
+The loss of a micro-batch stays TRL's mean over its rows, so the gradient (mean over micro-steps and processes of equal
+micro-batches) is the mean over the global batch's rows: the same on any split of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import is_peft_model
+from datasets.fingerprint import Hasher
+from trl import KTOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import use_adapter
+
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+
+# The metric each weight of a micro-batch applies to (gathered counts; kl and aux_loss weigh 1 per micro-batch).
+METRIC_WEIGHTS = {"rewards/chosen": "chosen", "logps/chosen": "chosen", "rewards/rejected": "rejected",
+                  "logps/rejected": "rejected", "entropy": "tokens", "logits/chosen": "chosen_tokens",
+                  "logits/rejected": "rejected_tokens"}
+
+
+def kto_row_values(policy_logps, reference_logps, labels, kl, beta: float, loss_type: str,
+                   desirable_weight: float, undesirable_weight: float) -> dict:
+    """Each row's KTO loss and reward, TRL 1.16's formula (KTOTrainer._compute_loss): a desirable row's loss is
+    1 - sigmoid(beta (logratio - KL)), an undesirable row's 1 - sigmoid(beta (KL - logratio)), weighted by its class's
+    weight (apo_zero_unpaired: without the KL)."""
+    logratios = policy_logps - reference_logps
+    labels = labels.bool()
+    if loss_type == "kto":
+        desirable = 1 - F.sigmoid(beta * (logratios - kl))
+        undesirable = 1 - F.sigmoid(beta * (kl - logratios))
+    elif loss_type == "apo_zero_unpaired":
+        desirable = 1 - F.sigmoid(beta * logratios)
+        undesirable = F.sigmoid(beta * logratios)
+    else:
+        raise ValueError(f"unknown KTO loss type {loss_type}")
+    losses = torch.where(labels, desirable_weight * desirable, undesirable_weight * undesirable)
+    return {"loss": losses, "reward": beta * logratios.detach(), "logps": policy_logps.detach()}
+
+
+def window_means(metrics: dict, weights: dict) -> dict:
+    """The logging window's metrics: each the weighted mean of its micro-step values (the weights _note_weights kept),
+    the margin the difference of the chosen and rejected means."""
+    means = {}
+    for key, values in metrics.items():
+        if key in weights and len(weights[key]) == len(values) and sum(weights[key]) > 0:
+            means[key] = sum(value * weight for value, weight in zip(values, weights[key])) / sum(weights[key])
+    if "rewards/chosen" in means and "rewards/rejected" in means:
+        means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+    return means
+
+
+class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
+    """KTOTrainer on data tokenized by src/data.py (same ids as its own preparation, plus the fixed KL completions),
+    with the step's KL over its global batch, weighted train metrics and per-row eval metrics."""
+
+    reference_cache: dict | None = None
+
+    def __init__(self, *args, **kwargs):
+        args_ = kwargs["args"]
+        # TRL refuses any sampling but sequential when it estimates the KL, because its KL pairs are neighbours in a
+        # fixed-order batch. Here they are fixed in the data, so the rows may be shuffled like any other stage's.
+        strategy, args_.train_sampling_strategy = args_.train_sampling_strategy, "sequential"
+        self._kl_values: list | None = None  # while _compute_loss runs with a fixed KL: policy's, then reference's
+        self._step_kl: torch.Tensor | None = None
+        self._weights = {"train": defaultdict(list), "eval": defaultdict(list)}
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            args_.train_sampling_strategy = strategy
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if "prompt_ids" in dataset.column_names:
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    # --- the step's KL, over its global batch -------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.calculate_KL and batch_samples:
+            self.model_wrapped.train()  # as in the micro-steps that follow (an evaluation may have left it in eval)
+            self._step_kl = self.kl_estimate(self.model_wrapped, batch_samples)
+        return batch_samples, num_items_in_batch
+
+    def kl_estimate(self, model, batches) -> torch.Tensor:
+        """The KL term of KTO for these batches (this rank's share of a global batch): the mean over every row of
+        every process of log π(y'|x) − log π_ref(y'|x) on the rows' KL completions, clamped at 0 (as TRL clamps)."""
+        device = self.accelerator.device
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in batches:
+            total += self._kl_sums(model, batch)
+        total = self.accelerator.reduce(total, reduction="sum")
+        return (total[0] / total[1]).float().clamp(min=0)
+
+    def _kl_sums(self, model, batch) -> torch.Tensor:
+        """(sum of the rows' KL log-ratios, rows) of one micro-batch."""
+        batch = {key: (value.to(self.accelerator.device) if torch.is_tensor(value) else value)
+                 for key, value in batch.items()}
+        with torch.no_grad():
+            policy = KTOTrainer._compute_kl_logps(self, model, batch)
+            reference = batch["ref_KL_logps"] if self.precompute_ref_logps else self._reference_kl_logps(batch)
+        return torch.stack([(policy - reference).double().sum(),
+                            torch.tensor(float(len(policy)), dtype=torch.float64, device=policy.device)])
+
+    def _reference_kl_logps(self, batch) -> torch.Tensor:
+        """The reference's log-probs of the KL completions, as TRL's `_compute_loss` computes them (adapters off, or
+        the `ref` adapter, with PEFT; the reference model otherwise)."""
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if is_peft_model(self.model) and self.ref_model is None:
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                    return KTOTrainer._compute_kl_logps(self, self.model, batch)
+            return KTOTrainer._compute_kl_logps(self, self.ref_model, batch)
+
+    def _compute_kl_logps(self, model, batch):
+        if self._kl_values is None:
+            return super()._compute_kl_logps(model, batch)
+        # TRL reads the policy's KL log-probs first, then (reference not cached) the reference's; their mean
+        # difference is the KL: the policy call gets the fixed value, the reference call zeros.
+        value = self._kl_values.pop(0) if self._kl_values else torch.zeros((), device=self.accelerator.device)
+        return value.to(self.accelerator.device).float().expand(batch["KL_input_ids"].shape[0]).clone()
+
+    @contextlib.contextmanager
+    def fixed_kl(self, kl: torch.Tensor):
+        """TRL's `_compute_loss` uses `kl` as its KL estimate (and runs no KL forward of its own)."""
+        self._kl_values = [kl.detach()]
+        try:
+            yield
+        finally:
+            self._kl_values = None
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if not self.calculate_KL:
+            return super()._compute_loss(model, inputs, return_outputs)
+        mode = "train" if self.model.training else "eval"
+        kl = self._step_kl if mode == "train" and self._step_kl is not None else self.kl_estimate(model, [inputs])
+        inputs = dict(inputs)
+        if "ref_KL_logps" in inputs:
+            inputs["ref_KL_logps"] = torch.zeros_like(inputs["ref_KL_logps"])
+        lengths = {key: len(values) for key, values in self._metrics[mode].items()}
+        with self.fixed_kl(kl):
+            result = super()._compute_loss(model, inputs, return_outputs)
+        self._note_weights(mode, inputs, lengths)
+        return result
+
+    # --- metrics: weighted over the logging window ----------------------------------------------------------------
+
+    def _note_weights(self, mode: str, inputs: dict, lengths: dict) -> None:
+        """The weight of each metric TRL just appended (this micro-step's gathered rows or tokens of its class)."""
+        labels = inputs["label"].to(self.accelerator.device).bool()
+        mask = inputs["completion_mask"][:, 1:].to(self.accelerator.device)
+        local = torch.stack([labels.sum(), (~labels).sum(), mask.sum(), mask[labels].sum(), mask[~labels].sum()])
+        counts = self.accelerator.reduce(local.double(), reduction="sum").tolist()
+        weights = dict(zip(("chosen", "rejected", "tokens", "chosen_tokens", "rejected_tokens"), counts))
+        for key, values in self._metrics[mode].items():
+            if len(values) > lengths.get(key, 0) and key != "num_tokens":
+                self._weights[mode][key].append(weights.get(METRIC_WEIGHTS.get(key), 1.0))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        for key, value in window_means(self._metrics[mode], self._weights[mode]).items():
+            self._metrics[mode][key] = [value]  # TRL's log averages each list: one weighted value each
+        self._weights[mode].clear()
+        super().log(logs, start_time)
+
+    # --- evaluation: the split's KL, then per-row values -----------------------------------------------------------
+
+    def evaluation_loop(self, dataloader, *args, metric_key_prefix: str = "eval", **kwargs):
+        """Eval metrics as per-row means with the KL over the whole split: the same on any number of processes and
+        any eval batch size."""
+        model = self.model
+        self._eval_kl = None
+        if self.calculate_KL:
+            total = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+            model.eval()
+            for batch in dataloader:
+                rows = self._kl_rows(model, batch)
+                gathered = self.accelerator.gather_for_metrics(rows)  # accelerate's duplicated last rows dropped
+                total += torch.stack([gathered.sum(), torch.tensor(float(len(gathered)), dtype=torch.float64,
+                                                                   device=gathered.device)])
+            self._eval_kl = (total[0] / total[1]).float().clamp(min=0)
+        self._row_sums = defaultdict(float)
+        output = super().evaluation_loop(dataloader, *args, metric_key_prefix=metric_key_prefix, **kwargs)
+        sums = self._row_sums
+        chosen, rejected, rows = sums["chosen"], sums["rejected"], sums["rows"]
+        metrics = {"loss": sums["loss"] / rows if rows else 0.0,
+                   "kl": float(self._eval_kl) if self._eval_kl is not None else 0.0}
+        if chosen:
+            metrics |= {"rewards/chosen": sums["reward_chosen"] / chosen, "logps/chosen": sums["logps_chosen"] / chosen}
+        if rejected:
+            metrics |= {"rewards/rejected": sums["reward_rejected"] / rejected,
+                        "logps/rejected": sums["logps_rejected"] / rejected}
+        if chosen and rejected:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in metrics.items()})
+        output.metrics[f"{metric_key_prefix}_num_tokens"] = self._total_train_tokens
+        self._metrics["eval"].clear()  # TRL's per-batch means, replaced by the above
+        self._weights["eval"].clear()
+        return output
+
+    def _kl_rows(self, model, batch) -> torch.Tensor:
+        batch = {key: (value.to(self.accelerator.device) if torch.is_tensor(value) else value)
+                 for key, value in batch.items()}
+        with torch.no_grad():
+            policy = KTOTrainer._compute_kl_logps(self, model, batch)
+            reference = batch["ref_KL_logps"] if self.precompute_ref_logps else self._reference_kl_logps(batch)
+        return (policy - reference).double()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            values = self.row_values(model, inputs, self._eval_kl if self._eval_kl is not None else
+                                     torch.zeros((), device=self.accelerator.device))
+        labels = inputs["label"].bool().double()
+        rows = torch.stack([values["loss"].double(), labels, values["reward"].double() * labels,
+                            values["reward"].double() * (1 - labels), values["logps"].double() * labels,
+                            values["logps"].double() * (1 - labels)], dim=1)
+        gathered = self.accelerator.gather_for_metrics(rows)
+        for column, name in enumerate(("loss", "chosen", "reward_chosen", "reward_rejected", "logps_chosen",
+                                       "logps_rejected")):
+            self._row_sums[name] += float(gathered[:, column].sum())
+        self._row_sums["rejected"] += float((1 - gathered[:, 1]).sum())
+        self._row_sums["rows"] += gathered.shape[0]
+        return values["loss"].mean().detach(), None, None
+
+    def row_values(self, model, inputs, kl) -> dict:
+        """Each row's loss, reward and log-prob with the given KL (TRL's forward: fused LM head, completion tokens)."""
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        seq_len = inputs["input_ids"].size(1) - 1
+        forward = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
+        policy = model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
+        if self.precompute_ref_logps:
+            reference = inputs["ref_logps"]
+        elif is_peft_model(self.model) and self.ref_model is None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                reference = self.model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
+        else:
+            reference = self.ref_model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
+        return kto_row_values(policy, reference, inputs["label"], kl, self.beta, self.loss_type,
+                              self.desirable_weight, self.undesirable_weight)
+
+    # --- the reference log-probs cache ------------------------------------------------------------------------------
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        """TRL's cache of the reference log-probs (completion and KL completion) next to the prepared split, keyed by
+        the split's fingerprint (src/data.py: source, tokenizer, lengths, seed, so the KL partners), the reference's
+        weights, and here also what else changes the numbers: precision, device kind, max_length."""
+        from src.trainers.dpo import _LocalMainAccelerator, _map_noting_write_failures
+
+        how = ("kto", self.args.bf16, self.args.fp16, self.accelerator.device.type, self.args.max_length)
+        original = dataset._fingerprint
+        cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
+        started = time.monotonic()
+        before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
+        dataset._fingerprint = Hasher.hash((original, how))
+        accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
+        dataset.map = _map_noting_write_failures(dataset.map)
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"  # TRL's tqdm bar: carriage returns in a log file; the outcome is printed
+        try:
+            result = super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            del dataset.map
+            dataset._fingerprint = original
+            self.accelerator = accelerator
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
+        created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
+        self.reference_cache = (self.reference_cache or {}) | {name: {
+            "cache": "computed" if created else "reused", "seconds": round(time.monotonic() - started, 2),
+            "rows": len(dataset), "file": str(created[0]) if created else None}}
+        return result
