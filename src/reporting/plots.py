@@ -83,18 +83,18 @@ CHARTS = {
     ),
     "kto": (
         Chart("loss.png", "KTO loss", (
-            Panel("KTO loss (weighted 1 − σ(β·(log-ratio − KL)) per row)", "KTO loss", (Curve("loss", "loss"),),
+            Panel("KTO loss (1 − σ(β·(log-ratio − KL)), weighted)", "KTO loss", (Curve("loss", "loss"),),
                   reference_lines=((0.5, "0.5 = policy = reference (weights 1)"),), min_y_span=0.2),)),
         Chart("rewards.png", "Implicit rewards of desirable and undesirable answers", (
-            Panel("Implicit rewards: desirable (thumbs up) vs undesirable (thumbs down)", "reward (β·log-ratio, nats)",
+            Panel("Implicit rewards: desirable vs undesirable", "reward (β·log-ratio, nats)",
                   (Curve("rewards/chosen", "desirable", "#2ca02c"), Curve("rewards/rejected", "undesirable", "#d62728")),
                   reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
         Chart("margins.png", "Reward margin", (
-            Panel("Reward margin (desirable − undesirable mean reward)", "margin (β·log-ratio, nats)",
+            Panel("Reward margin (desirable − undesirable)", "margin (β·log-ratio, nats)",
                   (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no separation"),),
                   min_y_span=0.5),)),
         Chart("kl.png", "KL estimate", (
-            Panel("KL estimate (policy vs reference on mismatched answers, per step's global batch)", "KL (nats)",
+            Panel("KL estimate (mismatched answers)", "KL (nats)",
                   (Curve("kl", "KL"),), reference_lines=((0.0, "0 = the reference"),), y_from_zero=True,
                   min_y_span=0.5),)),
         _LR_GRAD,
