@@ -153,7 +153,8 @@ def pytest_xdist_auto_num_workers(config):
 # starting last and running alone. Measured with --durations (serial, 2 cores): 90-290 s each.
 LONG_FILES = ("test_two_hosts.py", "test_resilience.py", "test_disk_space.py", "test_reference_cache.py",
               "test_finished_run.py", "test_training.py", "test_cli.py", "test_eval_metrics.py", "test_rounds.py",
-              "test_data_audit.py", "test_trackers.py", "test_run_lock.py", "test_ddp_comm_hook.py")
+              "test_data_audit.py", "test_trackers.py", "test_run_lock.py", "test_ddp_comm_hook.py", "test_kto.py",
+              "test_data.py")
 
 
 def pytest_collection_modifyitems(config, items):

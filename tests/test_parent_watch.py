@@ -21,7 +21,9 @@ helper = subprocess.Popen([sys.executable, "-c", '''
 import subprocess, sys, time
 from src.run_safety.parent_watch import exit_with_parent
 exit_with_parent()
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+child = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(120)"],
+                         stdout=subprocess.PIPE)
+child.stdout.readline()  # running its own code: Popen returns mid-exec, before /proc shows the child's environment
 print("ready", flush=True)
 time.sleep(120)
 '''], start_new_session=True, stdout=subprocess.PIPE, text=True)
