@@ -102,41 +102,16 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         # packing code's version) change the log-probs, not the weights.
         how = (self.args.bf16, self.args.fp16, self.accelerator.device.type, self.ld_alpha, self.args.max_length,
                self.args.truncation_mode, self.packed_forward.cache_tag() if self.packed_forward else "padded")
-        original = dataset._fingerprint
-        cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
-        started = time.monotonic()
-        dataset._fingerprint = Hasher.hash((original, how))
-        accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
         # TRL draws a tqdm bar (carriage returns in a log file); one Progress line instead, fed by compute_ref_log_probs
         self._reference_progress = Progress(f"  reference log-probs ({name})", total=len(dataset), unit="pairs",
-                                            enabled=accelerator.is_main_process)
-        quiet = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"
+                                            enabled=self.accelerator.is_main_process)
         try:
-            self._same_cache_on_every_machine(dataset)
-            before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
-            dataset.map = _map_noting_write_failures(dataset.map)  # TRL writes the cache with it (below)
-            try:
+            with reference_cache_pass(self, dataset, name, how, trl_key=()):
                 result = super()._precompute_ref_logps(dataset, name, batch_size)
-            finally:
-                del dataset.map
         finally:
-            dataset._fingerprint = original
-            self.accelerator = accelerator
-            if quiet is None:
-                del os.environ["TQDM_DISABLE"]
-            else:
-                os.environ["TQDM_DISABLE"] = quiet
             progress, self._reference_progress = self._reference_progress, None
         if progress.done:  # computed, not read from the cache
             progress.close()
-        created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
-        self.reference_cache = (self.reference_cache or {}) | {name: {
-            "cache": "computed" if created else "reused",
-            "seconds": round(time.monotonic() - started, 2),
-            "rows": len(dataset),
-            "file": str(created[0]) if created else None,
-        }}
         return result
 
     def compute_ref_log_probs(self, model, inputs):
@@ -149,23 +124,6 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             return super().compute_ref_log_probs(model, inputs)
         with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
             return super().compute_ref_log_probs(model, inputs)
-
-    def _same_cache_on_every_machine(self, dataset) -> None:
-        """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
-        machine has the file (a warm cache from an earlier run) and another does not (a new node), the ranks would
-        take different paths and hang. Any machine missing it → every machine drops its copy and all compute (the
-        same numbers are written back)."""
-        if self.accelerator.num_processes == 1:
-            return
-        fingerprint = [Hasher.hash((dataset._fingerprint, self._precompute_model_hash))]  # as TRL derives it
-        broadcast_object_list(fingerprint, from_process=0)
-        cache_file = Path(dataset._get_cache_file_path(fingerprint[0]))
-        (missing_somewhere,) = any_rank(not cache_file.exists())
-        if missing_somewhere:
-            self.accelerator.wait_for_everyone()  # every rank has looked before any copy goes
-            if self.accelerator.is_local_main_process:
-                cache_file.unlink(missing_ok=True)
-            self.accelerator.wait_for_everyone()
 
 
 def dropout_still_on(model, gradient_checkpointing_kwargs: dict | None = None) -> bool:
@@ -207,6 +165,62 @@ class _LocalMainAccelerator:
 
     def wait_for_everyone(self) -> None:
         barrier()  # after the cache is written: a failed write there stops every rank here, together
+
+
+@contextlib.contextmanager
+def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple):
+    """TRL's `_precompute_ref_logps` as the toolkit runs it, for DPO and KTO alike: TRL's cache next to the prepared
+    split, keyed also by `how` (what changes the numbers beyond TRL's key: precision, device kind, lengths, ...); one
+    copy per machine (_LocalMainAccelerator); the same path on every machine (_same_cache_on_every_machine); a failed
+    write noted; TRL's tqdm bar off; what happened (computed or reused, seconds) in `trainer.reference_cache`.
+    `trl_key`: what the TRL trainer adds to (fingerprint, model hash) in its cache key (KTO: whether the KL is on)."""
+    original = dataset._fingerprint
+    cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
+    started = time.monotonic()
+    dataset._fingerprint = Hasher.hash((original, how))
+    accelerator, trainer.accelerator = trainer.accelerator, _LocalMainAccelerator(trainer.accelerator)
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        _same_cache_on_every_machine(trainer, dataset, trl_key)
+        before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
+        dataset.map = _map_noting_write_failures(dataset.map)  # TRL writes the cache with it
+        try:
+            yield
+        finally:
+            del dataset.map
+    finally:
+        dataset._fingerprint = original
+        trainer.accelerator = accelerator
+        if quiet is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
+    created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
+    trainer.reference_cache = (getattr(trainer, "reference_cache", None) or {}) | {name: {
+        "cache": "computed" if created else "reused",
+        "seconds": round(time.monotonic() - started, 2),
+        "rows": len(dataset),
+        "file": str(created[0]) if created else None,
+    }}
+
+
+def _same_cache_on_every_machine(trainer, dataset, trl_key: tuple) -> None:
+    """TRL reuses the cache file where it exists and otherwise computes with collectives on every rank: if one
+    machine has the file (a warm cache from an earlier run) and another does not (a new node), the ranks would
+    take different paths and hang. Any machine missing it → every machine drops its copy and all compute (the
+    same numbers are written back)."""
+    if trainer.accelerator.num_processes == 1:
+        return
+    fingerprint = [Hasher.hash((dataset._fingerprint, trainer._precompute_model_hash, *trl_key))]  # as TRL derives it
+    broadcast_object_list(fingerprint, from_process=0)
+    cache_file = Path(dataset._get_cache_file_path(fingerprint[0]))
+    (missing_somewhere,) = any_rank(not cache_file.exists())
+    if missing_somewhere:
+        trainer.accelerator.wait_for_everyone()  # every rank has looked before any copy goes
+        if trainer.accelerator.is_local_main_process:
+            cache_file.unlink(missing_ok=True)
+        trainer.accelerator.wait_for_everyone()
 
 
 def _map_noting_write_failures(dataset_map):

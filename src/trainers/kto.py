@@ -26,20 +26,17 @@ micro-batches) is the mean over the global batch's rows: the same on any split o
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
-from datasets.fingerprint import Hasher
 from trl import KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.dpo import reference_cache_pass
 
 # The metric each weight of a micro-batch applies to (gathered counts; kl and aux_loss weigh 1 per micro-batch).
 METRIC_WEIGHTS = {"rewards/chosen": "chosen", "logps/chosen": "chosen", "rewards/rejected": "rejected",
@@ -275,30 +272,6 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         """TRL's cache of the reference log-probs (completion and KL completion) next to the prepared split, keyed by
         the split's fingerprint (src/data.py: source, tokenizer, lengths, seed, so the KL partners), the reference's
         weights, and here also what else changes the numbers: precision, device kind, max_length."""
-        from src.trainers.dpo import _LocalMainAccelerator, _map_noting_write_failures
-
         how = ("kto", self.args.bf16, self.args.fp16, self.accelerator.device.type, self.args.max_length)
-        original = dataset._fingerprint
-        cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
-        started = time.monotonic()
-        before = set(cache_dir.glob("cache-*.arrow")) if cache_dir else set()
-        dataset._fingerprint = Hasher.hash((original, how))
-        accelerator, self.accelerator = self.accelerator, _LocalMainAccelerator(self.accelerator)
-        dataset.map = _map_noting_write_failures(dataset.map)
-        quiet = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"  # TRL's tqdm bar: carriage returns in a log file; the outcome is printed
-        try:
-            result = super()._precompute_ref_logps(dataset, name, batch_size)
-        finally:
-            del dataset.map
-            dataset._fingerprint = original
-            self.accelerator = accelerator
-            if quiet is None:
-                del os.environ["TQDM_DISABLE"]
-            else:
-                os.environ["TQDM_DISABLE"] = quiet
-        created = sorted(set(cache_dir.glob("cache-*.arrow")) - before) if cache_dir else []
-        self.reference_cache = (self.reference_cache or {}) | {name: {
-            "cache": "computed" if created else "reused", "seconds": round(time.monotonic() - started, 2),
-            "rows": len(dataset), "file": str(created[0]) if created else None}}
-        return result
+        with reference_cache_pass(self, dataset, name, how, trl_key=(self.calculate_KL,)):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
