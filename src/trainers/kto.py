@@ -120,13 +120,8 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
 
     def _kl_sums(self, model, batch) -> torch.Tensor:
         """(sum of the rows' KL log-ratios, rows) of one micro-batch."""
-        batch = {key: (value.to(self.accelerator.device) if torch.is_tensor(value) else value)
-                 for key, value in batch.items()}
-        with torch.no_grad():
-            policy = KTOTrainer._compute_kl_logps(self, model, batch)
-            reference = batch["ref_KL_logps"] if self.precompute_ref_logps else self._reference_kl_logps(batch)
-        return torch.stack([(policy - reference).double().sum(),
-                            torch.tensor(float(len(policy)), dtype=torch.float64, device=policy.device)])
+        rows = self._kl_rows(model, batch)
+        return torch.stack([rows.sum(), torch.tensor(float(len(rows)), dtype=torch.float64, device=rows.device)])
 
     def _reference_kl_logps(self, batch) -> torch.Tensor:
         """The reference's log-probs of the KL completions, as TRL's `_compute_loss` computes them (adapters off, or
@@ -225,6 +220,7 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         return output
 
     def _kl_rows(self, model, batch) -> torch.Tensor:
+        """Each row's KL log-ratio, log π(y'|x) − log π_ref(y'|x) on its KL completion (no gradients, float64)."""
         batch = {key: (value.to(self.accelerator.device) if torch.is_tensor(value) else value)
                  for key, value in batch.items()}
         with torch.no_grad():
