@@ -75,9 +75,26 @@ done
 # here by the workers, who then exit 0 so torchrun neither restarts them nor prints its failure report; this script
 # exits with the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
 if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
+  # A launch killed with -9 cannot remove its directory: the next launch removes those whose launcher is gone (its
+  # pid no longer runs, or runs another process since: /proc's start time differs). Linux; elsewhere they stay.
+  process_start() {  # the start time of a pid (field 22 of /proc/PID/stat, after the command name's parentheses)
+    local stat
+    { stat=$(<"/proc/$1/stat"); } 2>/dev/null || return 0
+    stat=${stat##*) }
+    read -r -a stat <<<"$stat"
+    echo "${stat[19]}"
+  }
+  for launch_dir in "${TMPDIR:-/tmp}"/prefkit-launch.*; do
+    [[ -O $launch_dir && -f $launch_dir/launcher ]] || continue
+    read -r owner owner_start <"$launch_dir/launcher" || continue
+    [[ -n $owner_start && $(process_start "$owner") != "$owner_start" ]] && rm -rf "$launch_dir"
+  done
   PREFKIT_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
   export PREFKIT_EXIT_DIR
   trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
+  if [[ -r /proc/$$/stat ]]; then
+    echo "$$ $(process_start $$)" >"$PREFKIT_EXIT_DIR/launcher"
+  fi
   # One process first checks the configuration and the data and tokenizes it into the cache, so a mistake is one
   # line (not one per rank under torchrun's failure report) and the workers start on prepared data. A run the same
   # command already finished is finished there (its report, index, model card, hold) and nothing else starts.

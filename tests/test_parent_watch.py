@@ -52,7 +52,13 @@ def test_a_helper_whose_parent_is_killed_exits_at_once_with_what_it_started(tmp_
 def test_a_kill_9_of_the_launcher_script_alone_stops_its_torchrun(tmp_path):
     """`kill -9` of run_distributed.sh's own process (not its group): torchrun, which it started, gets SIGTERM (and
     stops its workers as on a scheduler's stop) instead of training on, orphaned. torchrun is played by a process that
-    waits: the launcher's own lines run, through the real `python -m src.run_safety.parent_watch` it launches with."""
+    waits: the launcher's own lines run, through the real `python -m src.run_safety.parent_watch` it launches with.
+    The killed launch's directory under TMPDIR is removed by the next launch; a live launch's is kept."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    live = temporary / "prefkit-launch.live"  # a launch still running: this test's own process stands for it
+    live.mkdir()
+    (live / "launcher").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
     started = tmp_path / "torchrun.pid"
     fake = tmp_path / "python"
     fake.write_text(f"""#!/usr/bin/env bash
@@ -63,9 +69,9 @@ case "$*" in
 esac
 """)
     fake.chmod(0o755)
-    launcher = subprocess.Popen([str(PROJECT_ROOT / "run_distributed.sh"), "2"], cwd=PROJECT_ROOT,
-                                env=os.environ | {"PYTHON": str(fake)}, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    environment = os.environ | {"PYTHON": str(fake), "TMPDIR": str(temporary)}
+    launcher = subprocess.Popen([str(PROJECT_ROOT / "run_distributed.sh"), "2"], cwd=PROJECT_ROOT, env=environment,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     torchrun = None
     try:
         deadline = time.monotonic() + 60
@@ -82,6 +88,11 @@ esac
         os.killpg(launcher.pid, signal.SIGKILL) if _alive(launcher.pid) else None
         if torchrun and _alive(torchrun):
             os.kill(torchrun, signal.SIGKILL)
+    (killed,) = set(temporary.glob("prefkit-launch.*")) - {live}  # what a kill -9 leaves: no trap ran
+    assert (killed / "launcher").read_text().split()[0] == str(launcher.pid)
+    subprocess.run([str(PROJECT_ROOT / "run_distributed.sh"), "2", "--dry_run"], cwd=PROJECT_ROOT, env=environment,
+                   check=True, capture_output=True, timeout=60)
+    assert list(temporary.glob("prefkit-launch.*")) == [live], "the killed launch's directory is removed, the live kept"
 
 
 def _alive(pid: int) -> bool:
@@ -94,3 +105,9 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _start_time(pid: int) -> str:
+    """A process's start time as run_distributed.sh records it (field 22 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[19]
