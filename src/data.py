@@ -206,11 +206,16 @@ def _first_columns(path: Path) -> list[str] | None:
 
 
 def source_columns(data: DataArguments, stage: str) -> list[str] | None:
-    """The column names of a local source's training rows, after the --*_column mapping: read from the first row of
-    a file (or of a directory's train file), or a save_to_disk directory's memory-mapped table. None where that is
-    not known without loading the data: a Hub dataset, a JSON array, a missing path (check_source names it)."""
+    """The column names of a source's training rows, after the --*_column mapping: read from the first row of a file
+    (or of a directory's train file), a save_to_disk directory's memory-mapped table, or a Hub dataset's card
+    (`_hub_columns`). None where that is not known without loading the data (a JSON array) or the source cannot be
+    read (a missing path, an unreachable Hub: the preparation names why)."""
+    from src.hub_access import looks_like_hub_id
+
     location = Path(source_location(data, stage))
-    if location.is_dir():
+    if looks_like_hub_id(source_location(data, stage)):
+        columns = _hub_columns(data, stage)
+    elif location.is_dir():
         if (location / "dataset_dict.json").exists() or (location / "dataset_info.json").exists():
             loaded = load_source(data, stage)  # memory-mapped: no rows read
             columns = loaded[data.dataset_split].column_names if data.dataset_split in loaded else None
@@ -228,6 +233,30 @@ def source_columns(data: DataArguments, stage: str) -> list[str] | None:
     return [renamed.get(column, column) for column in columns]
 
 
+def _hub_columns(data: DataArguments, stage: str) -> list[str] | None:
+    """A Hub dataset's column names: from the features its card lists (datasets.load_dataset_builder reads metadata,
+    no rows), else from the dataset itself (the download the preparation then reuses from the Hugging Face cache).
+    None where it cannot be loaded: the preparation says why in one line."""
+    import datasets
+
+    try:
+        check_source(data, stage)  # a missing local data file is not looked for on the Hub
+    except DataError:
+        return None
+    try:
+        features = datasets.load_dataset_builder(source_location(data, stage), data.dataset_config).info.features
+    except Exception:  # the Hub client raises many types; the loading below gives the reason where there is one
+        features = None
+    if features is not None:
+        return list(features)
+    try:
+        loaded = load_source(data, stage)
+    except DataError:
+        return None
+    split = loaded[data.dataset_split] if data.dataset_split in loaded else next(iter(loaded.values()), None)
+    return split.column_names if split is not None else None
+
+
 def holds_prompts_only(columns: list[str] | None) -> bool:
     """Prompts without answers: a `prompt` column (text or chat) and neither `chosen` nor `rejected`."""
     return bool(columns) and "prompt" in columns and not {"chosen", "rejected"} & set(columns)
@@ -235,7 +264,7 @@ def holds_prompts_only(columns: list[str] | None) -> bool:
 
 def prompts_only(data: DataArguments) -> bool:
     """Whether the DPO stage's data is prompts alone (every source of a mixture: prompts, or none; a mix of the two is
-    refused). Local sources only: a Hub dataset is read as pairs (see source_columns)."""
+    refused). Asked only with --rounds (a Hub dataset's columns may need its download: see source_columns)."""
     sources = [source for source, _ in mixture_sources(data)] or [data]
     found = [holds_prompts_only(source_columns(source, "dpo")) for source in sources]
     if any(found) and not all(found):
@@ -539,8 +568,8 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
         if stage == "dpo" and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
             raise DataError(
                 "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
-                "(--rounds N with a --judge that scores answers, e.g. --judge module:function; the prompts in a local "
-                "file or directory), or give preference pairs (add chosen and rejected columns)")
+                "(--rounds N with a --judge that scores answers, e.g. --judge module:function), or give preference "
+                "pairs (add chosen and rejected columns)")
         if stage == "reward" and holds_prompts_only(columns):
             raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
                             "and rejected answers: give pairs, or train the policy from these prompts with --stage "

@@ -454,3 +454,45 @@ def test_prompts_alone_are_recognised_and_prepared_for_rounds(tiny_tokenizer, tm
     assert audit["duplicate_pairs"] == 1 and audit["prompt_tokens"]["median"] > 0 and "chosen_tokens" not in audit
     assert "prompts_in_train_share" in result.summary["audit"]["test"]
     assert "rows with an empty prompt dropped" in format_summary(result.summary)
+
+
+def test_a_hub_dataset_of_prompts_is_recognised_from_its_card_or_its_rows(monkeypatch, tiny_tokenizer, tmp_path):
+    """A Hub id (`org/math-prompts`): the features its card lists (no rows downloaded), else the rows themselves (the
+    download the preparation reuses); pairs stay pairs; an unreachable Hub leaves the preparation to say why. Its
+    prompts prepare for the rounds as a file's do."""
+    import datasets
+
+    from src.data import PROMPTS, prompts_only
+
+    cards, downloads = {}, []
+
+    class Builder:
+        def __init__(self, name):
+            self.info = datasets.DatasetInfo(features=cards[name])
+
+    def load_dataset_builder(name, config=None):
+        if name not in cards:
+            raise ConnectionError("the Hub is unreachable")
+        return Builder(name)
+
+    def load_dataset(name, config=None):
+        downloads.append(name)
+        if name == "org/prompts-no-card":
+            return datasets.DatasetDict({"train": datasets.Dataset.from_list(
+                [{"problem": f"{index} + 1?", "meta": str(index + 1)} for index in range(24)])})
+        raise ConnectionError("the Hub is unreachable")
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", load_dataset_builder)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    text = datasets.Value("string")
+    cards["org/math-prompts"] = datasets.Features({"prompt": text, "meta": {"answer": text}})
+    cards["org/pairs"] = datasets.Features({"prompt": text, "chosen": text, "rejected": text})
+    cards["org/prompts-no-card"] = None
+    assert prompts_only(DataArguments(dataset_name="org/math-prompts")) and downloads == []
+    assert not prompts_only(DataArguments(dataset_name="org/pairs")) and downloads == []
+    assert prompts_only(DataArguments(dataset_name="org/prompts-no-card", prompt_column="problem"))
+    assert downloads == ["org/prompts-no-card"]
+    assert not prompts_only(DataArguments(dataset_name="org/offline"))
+    result = prepared(tiny_tokenizer, tmp_path, stage=PROMPTS, dataset_name="org/prompts-no-card",
+                      prompt_column="problem", val_size=0, test_size=4)
+    assert result.summary["shape"] == PROMPTS and len(result.train) == 20 and result.train[0]["meta"]
