@@ -164,7 +164,8 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 # Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
 # channel lookup here recognises them): configuration owns the list so it depends on no other module.
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv",
-                      ".tsv": "tsv"}  # tsv: datasets' csv builder with sep="\t", as datasets reads a .tsv
+                      ".tsv": "tsv", ".arrow": "arrow"}  # tsv: datasets' csv builder with sep="\t", as datasets reads
+# a .tsv; .arrow: Arrow IPC files as datasets writes them (its cache files, Dataset.from_file)
 # The single-file compressions `datasets` undoes by a name's last suffix (datasets/filesystems/compression.py), and
 # the module each needs beyond the standard library. Text formats only: Parquet compresses inside the file.
 DATA_FILE_COMPRESSIONS = {".gz": None, ".gzip": None, ".bz2": None, ".xz": None, ".zst": "zstandard",

@@ -130,7 +130,7 @@ def source_location(data: DataArguments, stage: str) -> str:
 
 UTF8_BOM = b"\xef\xbb\xbf"  # what Windows tools and spreadsheet exports put before UTF-8 text; datasets skips it
 _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}.*$")  # train-00000-of-00004(-<hash>): one shard of a split (the Hub's names)
-SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv (or .ndjson, .tsv), the text ones also compressed (" +
+SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv (or .ndjson, .tsv, .arrow), the text ones also compressed (" +
                    ", ".join(DATA_FILE_COMPRESSIONS) + ")")
 
 
@@ -185,6 +185,11 @@ def _first_columns(path: Path) -> list[str] | None:
         import pyarrow.parquet as pq
 
         return list(pq.read_schema(path).names)
+    if form == ".arrow":
+        try:
+            return list(_arrow_reader(path).schema.names)
+        except Exception:  # not Arrow after all: datasets' reading of it says why (_load_files)
+            return None
     try:
         with _open_data_file(path) as handle:
             if form in (".csv", ".tsv"):
@@ -339,9 +344,25 @@ def _check_data_file(path: Path) -> int | None:
             return pq.ParquetFile(path).metadata.num_rows
         except Exception:  # not Parquet after all: datasets' reading of it says why (_load_files)
             return None
+    if form == ".arrow":
+        try:
+            return _arrow_reader(path).read_all().num_rows  # memory-mapped: no copy of the rows
+        except Exception:
+            return None
     json_lines = form in (".jsonl", ".ndjson") or (form == ".json" and not _is_json_array(path))
     rows = _check_text_lines(path, json_lines=json_lines)
     return rows if json_lines else None
+
+
+def _arrow_reader(path: Path):
+    """An Arrow IPC file, memory-mapped, as datasets' arrow builder reads it: the stream format (what datasets writes),
+    else the file format."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(pa.memory_map(str(path)))
 
 
 def _json_array_error(path: Path) -> DataError | None:

@@ -60,6 +60,17 @@ def _parquet(path: Path, rows) -> Path:
     return path
 
 
+def _arrow(path: Path, rows, stream: bool = True) -> Path:
+    """An Arrow IPC file: the stream format datasets writes (its cache files), or the file format."""
+    import pyarrow as pa
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows)
+    with (pa.ipc.new_stream if stream else pa.ipc.new_file)(str(path), table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
 # Each builds its variant under the directory given and returns what --dataset_name names.
 VARIANTS = {
     "jsonl with a byte-order mark": lambda d: _write(d / "pairs.jsonl", BOM + _lines(ROWS)),
@@ -85,6 +96,10 @@ VARIANTS = {
         _parquet(d / "hub" / "data" / "train-00000-of-00002.parquet", ROWS[:5]),
         _parquet(d / "hub" / "data" / "train-00001-of-00002.parquet", ROWS[5:]),
         _write(d / "hub" / "README.md", "---\nlicense: mit\n---\n"), d / "hub")[-1],
+    "an Arrow file (datasets' cache format)": lambda d: _arrow(d / "pairs.arrow", ROWS),
+    "Arrow shards, the IPC file format": lambda d: (_arrow(d / "a" / "train-00000-of-00002.arrow", ROWS[:6], False),
+                                                     _arrow(d / "a" / "train-00001-of-00002.arrow", ROWS[6:], False),
+                                                     d / "a")[-1],
     "split folders": lambda d: (_write(d / "splits" / "train" / "part-a.jsonl", _lines(ROWS[:7])),
                                 _write(d / "splits" / "train" / "part-b.json", json.dumps(ROWS[7:])), d / "splits")[-1],
     "data/train-*.csv": lambda d: (_write(d / "named" / "data" / "train-first.csv", _csv(ROWS[:8])),
@@ -146,6 +161,12 @@ BROKEN = {
                    _write(d / "t" / "train-00001-of-00002.tsv",
                           _csv(ROWS[4:6] + [ROWS[6] | {"chosen": ""}] + ROWS[7:]).replace(",", "\t")), d / "t")[-1],
         "train-00001-of-00002.tsv row 3: 'chosen' is missing"),
+    "an empty answer in the second .arrow shard": (
+        lambda d: (_arrow(d / "a" / "train-00000-of-00002.arrow", ROWS[:6]),
+                   _arrow(d / "a" / "train-00001-of-00002.arrow", ROWS[6:7] + [ROWS[7] | {"chosen": None}] + ROWS[8:]),
+                   d / "a")[-1],
+        "train-00001-of-00002.arrow row 2: 'chosen' is missing"),
+    "a text file under an .arrow name": (lambda d: _write(d / "pairs.arrow", _lines(ROWS)), "pairs.arrow"),
     "a truncated .gz": (lambda d: _truncated(d / "pairs.jsonl.gz"), "pairs.jsonl.gz: cannot decompress it"),
     "a plain file under a .gz name": (lambda d: _write(d / "pairs.jsonl.gz", _lines(ROWS)),
                                       "pairs.jsonl.gz: cannot decompress it (Not a gzipped file"),
