@@ -3,6 +3,7 @@ and peak memory against the number of UltraFeedback-shaped preference pairs, on 
 
     python bench/bench_prepare.py                               # 10k and 50k pairs, all four arms
     python bench/bench_prepare.py --sizes 10000 50000 200000 --arms toolkit-all
+    python bench/bench_prepare.py --arms toolkit-1 --file_kinds jsonl jsonl.gz arrow --repeats 3   # the file's kind
 
 Every (size, arm) runs in a fresh Python process that loads the same JSON Lines file (bench/ultrafeedback_like.py,
 generated once per size) and tokenizes it for DPO with the same tokenizer (a byte-level BPE trained here; the
@@ -10,6 +11,9 @@ tokenizer's speed matters, not its quality). Peak memory is the largest resident
 (the parent, or a `datasets` worker), from getrusage. Time is wall time of the preparation call alone, imports and
 the model build of the TRL arm excluded. The arms of one size run one after another, sizes in the order given; on a
 shared machine run the sizes you compare in one invocation and read the numbers as the load they ran under.
+`--file_kinds` gives the toolkit arms the same pairs as other files datasets reads (gzip-compressed JSON Lines, an
+Arrow IPC stream), made from the JSON Lines file once; TRL's arms read the JSON Lines file. `--repeats N` runs the
+kinds and arms of a size N times, interleaved.
 """
 
 from __future__ import annotations
@@ -83,6 +87,30 @@ def run_arm(arm: str, data_file: Path, workdir: Path, max_length: int) -> dict:
     return {"arm": arm, "num_proc": num_proc, "rows": rows, "seconds": seconds, "peak_mb": _peak_mb()}
 
 
+FILE_KINDS = ("jsonl", "jsonl.gz", "arrow")
+
+
+def as_file_kind(jsonl: Path, kind: str) -> Path:
+    """The pairs of `jsonl` as a file of `kind` beside it (made once)."""
+    target = jsonl.with_suffix("." + kind)
+    if kind == "jsonl" or target.exists():
+        return target
+    if kind == "jsonl.gz":
+        import gzip
+        import shutil
+
+        with open(jsonl, "rb") as source, gzip.open(target, "wb", compresslevel=6) as compressed:
+            shutil.copyfileobj(source, compressed)
+    else:  # an Arrow IPC stream, as datasets writes its cache files
+        import pyarrow as pa
+        import pyarrow.json
+
+        table = pyarrow.json.read_json(jsonl)
+        with pa.ipc.new_stream(str(target), table.schema) as writer:
+            writer.write_table(table)
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 50_000])
@@ -90,6 +118,9 @@ def main() -> None:
     parser.add_argument("--max_length", type=int, default=1024)
     parser.add_argument("--prompt_words", type=float, default=60, help="Median prompt length in words.")
     parser.add_argument("--answer_words", type=float, default=180, help="Median answer length in words.")
+    parser.add_argument("--file_kinds", nargs="+", default=["jsonl"], choices=FILE_KINDS,
+                        help="The toolkit arms' data file: the same pairs as JSON Lines, gzip-compressed, or Arrow.")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--results", type=Path, default=None, help="Append each result as a JSON line here.")
     parser.add_argument("--arm", help=argparse.SUPPRESS)
@@ -101,23 +132,27 @@ def main() -> None:
     from ultrafeedback_like import write
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_prepare_"))
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(root / "hf_home"),
-                        "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    print(f"{'pairs':>8} {'arm':<12} {'procs':>5} {'seconds':>8} {'pairs/s':>8} {'peak MB':>8}")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                        "PYTHONUNBUFFERED": "1"}
+    print(f"{'pairs':>8} {'file':<9} {'arm':<12} {'procs':>5} {'seconds':>8} {'pairs/s':>8} {'peak MB':>8}")
     for size in args.sizes:
-        data_file = root / f"pairs-{size}-{args.prompt_words:g}-{args.answer_words:g}.jsonl"
-        if not data_file.exists():
-            write(data_file, size, prompt_words=args.prompt_words, answer_words=args.answer_words)
-        for arm in args.arms:
-            workdir = root / f"{size}-{arm}"
+        jsonl = root / f"pairs-{size}-{args.prompt_words:g}-{args.answer_words:g}.jsonl"
+        if not jsonl.exists():
+            write(jsonl, size, prompt_words=args.prompt_words, answer_words=args.answer_words)
+        runs = [(kind, arm) for kind in args.file_kinds for arm in args.arms
+                if kind == "jsonl" or arm.startswith("toolkit")]
+        for kind, arm in runs * args.repeats:
+            data_file = as_file_kind(jsonl, kind)
+            workdir = root / f"{size}-{kind}-{arm}"
             output = subprocess.run([sys.executable, __file__, "--arm", arm, "--data_file", str(data_file),
                                      "--workdir", str(workdir), "--max_length", str(args.max_length)],
-                                    env=env, capture_output=True, text=True)
+                                    env=env | {"HF_HOME": str(workdir / "hf_home")},  # no run reads another's cache
+                                    capture_output=True, text=True)
             if output.returncode:
-                print(f"{size:>8} {arm:<12} failed: {output.stderr.strip().splitlines()[-1:]}")
+                print(f"{size:>8} {kind:<9} {arm:<12} failed: {output.stderr.strip().splitlines()[-1:]}")
                 continue
-            result = json.loads(output.stdout.strip().splitlines()[-1]) | {"pairs": size}
-            print(f"{size:>8} {arm:<12} {result['num_proc']:>5} {result['seconds']:>8.1f} "
+            result = json.loads(output.stdout.strip().splitlines()[-1]) | {"pairs": size, "file": kind}
+            print(f"{size:>8} {kind:<9} {arm:<12} {result['num_proc']:>5} {result['seconds']:>8.1f} "
                   f"{size / result['seconds']:>8.0f} {result['peak_mb']:>8.0f}", flush=True)
             if args.results:
                 with open(args.results, "a") as handle:
