@@ -65,8 +65,10 @@ def test_what_does_not_change_the_reference_reuses_it(setup, tiny_model):
     assert train(dpo_args(tiny_model, data, root / "results", "keep", *extra), cache)["cache"] == "reused"
 
 
-@pytest.mark.parametrize("change", ["weights", "tokenizer_or_chat_template", "data", "max_length", "precision",
-                                    "ld_alpha", "forward"])
+# A run per part of the key that is computed a different way: the weights (TRL's model hash), the tokenizer and the
+# data (the prepared split's fingerprint), and one of the settings the toolkit adds (reference_cache_how, whose every
+# part is checked below without a run: a run per setting cost a process start each).
+@pytest.mark.parametrize("change", ["weights", "tokenizer_or_chat_template", "data", "ld_alpha"])
 def test_what_changes_the_reference_recomputes_it(change, setup, tiny_model, corpus, tmp_path):
     root, data, cache, _ = setup
     model, extra = tiny_model, []
@@ -85,9 +87,27 @@ def test_what_changes_the_reference_recomputes_it(change, setup, tiny_model, cor
         rows[0]["chosen"][0]["content"] += " indeed"
         data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     else:
-        extra = {"max_length": ["--max_length", "48"], "precision": ["--mixed_precision", "bf16"],
-                 "ld_alpha": ["--ld_alpha", "0.5"], "forward": ["--padding_free", "false"]}[change]
+        extra = ["--ld_alpha", "0.5"]
     assert train(dpo_args(model, data, root / "results", f"change-{change}", *extra), cache)["cache"] == "computed"
+
+
+def test_every_setting_that_changes_the_log_probs_is_in_the_key():
+    """Precision, device, LD-DPO weighting, max_length, truncation and the forward each change the key's part
+    (the run above shows that part reaches the cache: ld_alpha recomputes)."""
+    from trl import DPOConfig
+
+    from src.trainers.dpo import reference_cache_how
+
+    def how(device="cpu", ld_alpha=None, forward="padded", **fields):
+        fields = {"bf16": False, "truncation_mode": "keep_start"} | fields
+        args = DPOConfig(output_dir="unused", use_cpu=True, report_to=[], **fields)
+        return reference_cache_how(args, device, ld_alpha, forward)
+
+    base = how()
+    changed = [how(bf16=True), how(fp16=True), how(device="cuda"), how(ld_alpha=0.5), how(max_length=48),
+               how(truncation_mode="keep_end"), how(forward="packed-v3")]
+    assert all(variant != base for variant in changed) and len(set(changed)) == len(changed)
+    assert how() == base  # and the same settings give the same key
 
 
 def test_a_cache_built_by_two_processes_serves_one_and_the_other_way_round(setup, tiny_model, tmp_path):

@@ -98,10 +98,8 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             return super()._compute_loss(model, inputs, return_outputs)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
-        # Autocast precision, device kind, LD-DPO weighting, truncation and the forward (packed or padded, and the
-        # packing code's version) change the log-probs, not the weights.
-        how = (self.args.bf16, self.args.fp16, self.accelerator.device.type, self.ld_alpha, self.args.max_length,
-               self.args.truncation_mode, self.packed_forward.cache_tag() if self.packed_forward else "padded")
+        how = reference_cache_how(self.args, self.accelerator.device.type, self.ld_alpha,
+                                  self.packed_forward.cache_tag() if self.packed_forward else "padded")
         # TRL draws a tqdm bar (carriage returns in a log file); one Progress line instead, fed by compute_ref_log_probs
         self._reference_progress = Progress(f"  reference log-probs ({name})", total=len(dataset), unit="pairs",
                                             enabled=self.accelerator.is_main_process)
@@ -165,6 +163,13 @@ class _LocalMainAccelerator:
 
     def wait_for_everyone(self) -> None:
         barrier()  # after the cache is written: a failed write there stops every rank here, together
+
+
+def reference_cache_how(args, device_type: str, ld_alpha, forward: str) -> tuple:
+    """What changes DPO's reference log-probs besides the prepared data (source, tokenizer, lengths: its fingerprint)
+    and the weights (TRL's model hash): autocast precision, device kind, LD-DPO weighting, truncation, and the forward
+    (packed or padded, and the packing code's version)."""
+    return args.bf16, args.fp16, device_type, ld_alpha, args.max_length, args.truncation_mode, forward
 
 
 @contextlib.contextmanager
