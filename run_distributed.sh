@@ -87,7 +87,9 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   for launch_dir in "${TMPDIR:-/tmp}"/prefkit-launch.*; do
     [[ -O $launch_dir && -f $launch_dir/launcher ]] || continue
     read -r owner owner_start <"$launch_dir/launcher" || continue
-    [[ -n $owner_start && $(process_start "$owner") != "$owner_start" ]] && rm -rf "$launch_dir"
+    if [[ -n $owner_start && $(process_start "$owner") != "$owner_start" ]]; then
+      rm -rf "$launch_dir"
+    fi
   done
   PREFKIT_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
   export PREFKIT_EXIT_DIR

@@ -217,8 +217,9 @@ def source_columns(data: DataArguments, stage: str) -> list[str] | None:
     read (a missing path, an unreachable Hub: the preparation names why)."""
     from src.hub_access import looks_like_hub_id
 
-    location = Path(source_location(data, stage))
-    if looks_like_hub_id(source_location(data, stage)):
+    name = source_location(data, stage)
+    location = Path(name)
+    if looks_like_hub_id(name):
         columns = _hub_columns(data, stage)
     elif location.is_dir():
         if (location / "dataset_dict.json").exists() or (location / "dataset_info.json").exists():
