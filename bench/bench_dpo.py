@@ -161,7 +161,9 @@ def trl_dpo(args, model: Path, data: Path, out: Path, log: Path, env: dict) -> d
                "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none", "--seed", "0",
                "--activation_checkpointing", "false", *device_flags(),
                "--dataloader_num_workers", "0", "--disable_tqdm", "true"]
-    wall, peak, output = timed([str(Path(sys.executable).parent / command[0]), *command[1:]], env, log)
+    beside = Path(sys.executable).parent / command[0]  # the interpreter's own script, else the one on PATH
+    executable = str(beside) if beside.exists() else shutil.which(command[0]) or command[0]
+    wall, peak, output = timed([executable, *command[1:]], env, log)
     logs = [json.loads(line.replace("'", '"')) for line in re.findall(r"^\{'loss'.*\}$", output, re.M)]
     final = json.loads(re.findall(r"^\{'train_runtime'.*\}$", output, re.M)[-1].replace("'", '"'))
     seconds = float(final["train_runtime"])

@@ -2,6 +2,7 @@
 transport rule, CUDA's device numbering, nccl.conf precedence, bus bandwidth."""
 
 import ctypes
+from dataclasses import replace
 import inspect
 
 import pynvml
@@ -13,11 +14,13 @@ from src.config import STAGES, Devices, World, stage_plans
 from src.diagnostics.inputs import (InputError, TrainingSetup, parse_launch_arguments, parse_param_count, training_setup,
                                    with_plan)
 from src.diagnostics.memory_plan import (
-    GIB,
     activation_bytes_per_sample,
+    adapter_activation_bytes_per_sample,
+    GIB,
     largest_batch,
     lora_trainable_params,
     model_state_bytes,
+    plan_memory,
     reference_bytes,
     with_margin,
 )
@@ -182,6 +185,22 @@ def test_activations_per_sample(tiny_shape):
     assert activation_bytes_per_sample(tiny_shape, reward, 2) == 6 * (2 * 128)  # a pair, a one-number score head
     sft_fp32 = TrainingSetup(stage="sft", max_length=3, gradient_checkpointing=False)
     assert activation_bytes_per_sample(tiny_shape, sft_fp32, 4) == 3 * (2 * 256 + 10 * 12)
+
+
+def test_lora_activations_per_sample(tiny_shape):
+    """Per token per layer, 16-bit, r=2, all seven linears adapted: inputs 4*4 (q, k, v, o) + 4*2 (gate, up) + 8 (down)
+    = 32 elements, each a dropped-out 2-byte copy plus a 1-byte mask = 96 bytes, and 7 adapters * r 2 * 2 bytes = 28:
+    124 bytes, two layers, 6 tokens of a pair. Without dropout only the 28; checkpointed, one layer's worth; adapting
+    q_proj alone: 4 * 3 + 2 * 2 = 16 bytes a layer."""
+    dpo = TrainingSetup(stage="dpo", max_length=3, lora_r=2, lora_dropout=0.05)
+    assert adapter_activation_bytes_per_sample(tiny_shape, dpo, 2) == 6 * 2 * 124
+    assert adapter_activation_bytes_per_sample(tiny_shape, replace(dpo, lora_dropout=0.0), 2) == 6 * 2 * 28
+    assert adapter_activation_bytes_per_sample(tiny_shape, replace(dpo, gradient_checkpointing=True), 2) == 6 * 124
+    assert adapter_activation_bytes_per_sample(tiny_shape, replace(dpo, lora_target_modules=["q_proj"]), 2) == 6 * 2 * 16
+    plan = plan_memory(tiny_shape, replace(dpo, per_device_batch_size=4, precision="bf16"), num_devices=1, device_kind="cuda",
+                       budget_bytes=80 * GIB, budget_source="test", deepspeed_installed=False)
+    by_method = {estimate.method: estimate.activation_bytes for estimate in plan.estimates}
+    assert by_method["lora"] - by_method["full"] == by_method["qlora"] - by_method["full"] == 4 * 6 * 2 * 124
 
 
 @pytest.mark.parametrize("static, per_sample, budget", [(0, 10 * 1024**2, 3 * GIB), (5 * GIB, 3 * 1024**2, 40 * GIB), (2 * GIB, 1, 4 * GIB)])

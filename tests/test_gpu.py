@@ -143,7 +143,7 @@ def test_check_gpu_reads_the_real_driver(cuda):
     report = json.loads(completed.stdout)
     assert completed.returncode == report["exit_code"] and report["exit_code"] in (0, 1), report["problems"]
     assert report["driver"]["status"] == "ok" and report["driver"]["driver_version"]
-    assert report["launch"]["device"] == "cuda"
+    assert report["launch"]["device"] == "gpu"  # check_gpu's word for the launch (src/diagnostics/check.py), "cpu" else
     reported = [(gpu["name"], tuple(gpu["compute_capability"]), gpu["memory_total_bytes"]) for gpu in report["gpus"]]
     assert len(reported) >= torch.cuda.device_count()
     for index in range(torch.cuda.device_count()):

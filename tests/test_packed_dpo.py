@@ -72,7 +72,9 @@ def reference_logps(trainer, rows):
     """Per-pair (chosen, rejected) log-probs through the trainer's reference path, with its collator."""
     import torch
 
-    batch = trainer.data_collator(rows)
+    # on the model's device, as the training loop hands it over (Trainer._prepare_inputs)
+    device = next(trainer.model.parameters()).device
+    batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in trainer.data_collator(rows).items()}
     with torch.no_grad():
         chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
     return torch.stack([chosen, rejected], dim=1)

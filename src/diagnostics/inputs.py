@@ -30,6 +30,7 @@ class TrainingSetup:
     param_count: int | None = None  # --params: a size instead of a model
     use_lora: bool = False
     lora_r: int = 16
+    lora_dropout: float = 0.05  # PEFT keeps each adapted layer's dropped-out input for backward when > 0
     lora_target_modules: list[str] | str = ALL_LINEAR
     load_in_4bit: bool = False
     per_device_batch_size: int = 1  # the plan's micro-batch on one device
@@ -82,6 +83,7 @@ def training_setup(config: Config, param_count: int | None = None) -> TrainingSe
         param_count=param_count,
         use_lora=model.use_peft,
         lora_r=model.lora_r,
+        lora_dropout=model.lora_dropout,
         lora_target_modules=_targets(model.lora_target_modules),
         load_in_4bit=model.load_in_4bit,
         max_length=config.data.max_length,
