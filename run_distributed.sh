@@ -11,7 +11,7 @@
 # port is picked on one node), MAX_RESTARTS (3: a lost worker restarts the job, which resumes from its newest complete
 # checkpoint), STRATEGY (torchrun: plain DDP; or ddp, zero1, zero2, zero3, fsdp: accelerate launch with
 # configs/accelerate/<STRATEGY>.yaml), PRINT_LAUNCH=1 (print the launch command instead of running it),
-# PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU), GLOO_SOCKET_IFNAME (with several nodes: the
+# PYTHON (python), OMP_NUM_THREADS (usable CPU cores / processes on CPU), GLOO_SOCKET_IFNAME (with several nodes: the
 # interface that reaches MASTER_ADDR).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -107,10 +107,11 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   export PREFKIT_PREFLIGHT_DONE=1  # the workers do not repeat its notices (an unreachable Hub)
 fi
 
-# On CPU, split the cores between the processes (torchrun would otherwise give each process one thread).
+# On CPU, split the cores between the processes (torchrun would otherwise give each process one thread): the cores
+# this process may use, a container's CPU quota counted (nproc counts the affinity alone: a 4-CPU pod's 128 cores).
 if [[ -z ${OMP_NUM_THREADS:-} ]]; then
-  cores=$(nproc 2>/dev/null || echo 1)
-  export OMP_NUM_THREADS=$(( cores / NUM_PROCS > 0 ? cores / NUM_PROCS : 1 ))
+  OMP_NUM_THREADS=$("$PYTHON" -m src.resource_limits "$NUM_PROCS" 2>/dev/null || echo 1)
+  export OMP_NUM_THREADS
 fi
 
 if [[ -z ${MASTER_PORT:-} ]]; then
