@@ -76,7 +76,9 @@ done
 # exits with the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
 if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   # A launch killed with -9 cannot remove its directory: the next launch removes those whose launcher is gone (its
-  # pid no longer runs, or runs another process since: /proc's start time differs). Linux; elsewhere they stay.
+  # pid no longer runs, or runs another process since: /proc's start time differs). Linux; elsewhere they stay. Only
+  # those of this machine (boot id) and PID namespace: a TMPDIR shared with another container or machine holds
+  # launches whose pids mean nothing here, left to their own.
   process_start() {  # the start time of a pid (field 22 of /proc/PID/stat, after the command name's parentheses)
     local stat
     { stat=$(<"/proc/$1/stat"); } 2>/dev/null || return 0
@@ -84,9 +86,11 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
     read -r -a stat <<<"$stat"
     echo "${stat[19]}"
   }
+  here="$(readlink /proc/$$/ns/pid 2>/dev/null || true)@$(cat /proc/sys/kernel/random/boot_id 2>/dev/null || true)"
   for launch_dir in "${TMPDIR:-/tmp}"/prefkit-launch.*; do
     [[ -O $launch_dir && -f $launch_dir/launcher ]] || continue
-    read -r owner owner_start <"$launch_dir/launcher" || continue
+    read -r owner owner_start owner_here <"$launch_dir/launcher" || continue
+    [[ -z $owner_here || $owner_here == "$here" ]] || continue
     if [[ -n $owner_start && $(process_start "$owner") != "$owner_start" ]]; then
       rm -rf "$launch_dir"
     fi
@@ -95,7 +99,7 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   export PREFKIT_EXIT_DIR
   trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
   if [[ -r /proc/$$/stat ]]; then
-    echo "$$ $(process_start $$)" >"$PREFKIT_EXIT_DIR/launcher"
+    echo "$$ $(process_start $$) $here" >"$PREFKIT_EXIT_DIR/launcher"
   fi
   # One process first checks the configuration and the data and tokenizes it into the cache, so a mistake is one
   # line (not one per rank under torchrun's failure report) and the workers start on prepared data. A run the same

@@ -244,3 +244,32 @@ esac
         assert launched.returncode == 0, launched.stderr[-2000:]
         threads[name] = launched.stdout.strip().splitlines()[-1]
     assert threads == {"free": f"OMP_NUM_THREADS={len(os.sched_getaffinity(0))}", "quota": "OMP_NUM_THREADS=1"}
+
+
+# --- the launcher's directory in a shared TMPDIR -------------------------------------------------------------------
+
+def test_a_live_launch_in_another_pid_namespace_keeps_its_directory(pid_namespaces, tmp_path):
+    """run_distributed.sh removes the directories that killed launches left in TMPDIR, judging each launcher by its
+    pid. A TMPDIR shared with another container (a shared /tmp, a TMPDIR on a shared volume) holds launches whose pids
+    that container cannot see: a launch there leaves them alone, as it leaves a live one here."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    here = f"{os.readlink('/proc/self/ns/pid')}@{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}"
+    start = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    live = temporary / "prefkit-launch.live"  # a launch of this namespace, still running: this test stands for it
+    live.mkdir()
+    (live / "launcher").write_text(f"{os.getpid()} {start} {here}\n")
+    killed = temporary / "prefkit-launch.killed"  # one an earlier launch in that container left: its launcher is gone
+    killed.mkdir()
+    (killed / "launcher").write_text("999999 1\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  "-m src.main_distributed --dry_run"*) exit 0 ;;
+  *) exec {sys.executable} "$@" ;;
+esac
+""")
+    fake.chmod(0o755)
+    subprocess.run([*pid_namespaces, "bash", "run_distributed.sh", "2", "--dry_run"], cwd=PROJECT_ROOT, check=True,
+                   capture_output=True, timeout=120, env=os.environ | {"PYTHON": str(fake), "TMPDIR": str(temporary)})
+    assert sorted(temporary.glob("prefkit-launch.*")) == [live], "the other namespace's live launch kept"
