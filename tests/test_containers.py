@@ -32,7 +32,7 @@ from src.diagnostics.system import collect_system
 from src.run_safety.run_lock import STALE_AFTER_S, RunDirectoryHeld, acquire, hold_path
 from test_resilience import job_args
 
-NEW_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc"]
+NEW_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]  # its end ends what runs in it
 
 
 def unavailable(reason: str):
@@ -273,3 +273,47 @@ esac
     subprocess.run([*pid_namespaces, "bash", "run_distributed.sh", "2", "--dry_run"], cwd=PROJECT_ROOT, check=True,
                    capture_output=True, timeout=120, env=os.environ | {"PYTHON": str(fake), "TMPDIR": str(temporary)})
     assert sorted(temporary.glob("prefkit-launch.*")) == [live], "the other namespace's live launch kept"
+
+
+# --- /dev/shm ------------------------------------------------------------------------------------------------------
+
+def test_check_gpu_reads_the_containers_own_dev_shm(tmp_path):
+    """NCCL's shared-memory transport and DataLoader workers use the /dev/shm the container mounts (Docker's default:
+    a 64 MiB tmpfs of its own; Kubernetes: the same unless an emptyDir of medium Memory), not the host's. check_gpu
+    reads it there: in a mount namespace with a 64 MiB tmpfs at /dev/shm, it says 64 MiB."""
+    if shutil.which("unshare") is None:
+        unavailable("unshare (util-linux) is not installed")
+    script = ("import json; from src.diagnostics.system import collect_system; "
+              "print(json.dumps(collect_system({}).shm_bytes))")
+    seen = subprocess.run(["unshare", "--mount", "sh", "-c",
+                           f"mount -t tmpfs -o size=64m shm /dev/shm && exec {sys.executable} -c '{script}'"],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    if seen.returncode != 0 and "mount" in seen.stderr:
+        unavailable(f"a tmpfs cannot be mounted in a mount namespace here: {seen.stderr.strip()[:200]}")
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    assert json.loads(seen.stdout) == 64 << 20
+    assert collect_system({}).shm_bytes != 64 << 20, "the host's /dev/shm is untouched"
+    # What check_gpu then says of 64 MiB in a container (the error, --shm-size): tests/test_check_gpu.py, with fakes.
+
+
+# --- build-once locks on a cache shared by containers of one machine ---------------------------------------------------
+
+def test_a_build_lock_held_in_another_pid_namespace_is_waited_for(pid_namespaces, tmp_path):
+    """The prepared-data and embedded-model caches are built once under a file lock (src/run_safety/build_once.py):
+    a kernel lock on the file, which containers of one machine sharing PREFKIT_CACHE see whatever their PID
+    namespaces, so a builder in another container is waited for (not judged by a pid)."""
+    from filelock import FileLock, Timeout
+
+    lock = tmp_path / ".prepared.lock"
+    builder = subprocess.Popen([*pid_namespaces, sys.executable, "-c",
+                                "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); "
+                                "lock.acquire(); print('locked', flush=True); time.sleep(300)", str(lock)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "locked"
+        with pytest.raises(Timeout):
+            FileLock(lock).acquire(timeout=0.5)
+    finally:
+        stop(builder)
+    with FileLock(lock).acquire(timeout=10):  # its end (a kill included) releases it
+        pass
