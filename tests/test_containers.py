@@ -246,6 +246,23 @@ esac
     assert threads == {"free": f"OMP_NUM_THREADS={len(os.sched_getaffinity(0))}", "quota": "OMP_NUM_THREADS=1"}
 
 
+def test_each_process_takes_its_share_of_the_quota_as_torch_threads(tmp_path):
+    """Started without a launcher that sets OMP_NUM_THREADS (`python -m src.main_distributed`, SageMaker), torch would
+    size its thread pool by the node's cores; the process group's start gives it the quota's share instead."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to tell the quota from the affinity")
+    script = ("import types, torch; from src.config import World; from src.distributed import init; "
+              "init(types.SimpleNamespace(device='cpu', backend='gloo'), World.from_environment()); "
+              "print(torch.get_num_threads())")
+    one_cpu = fake_cgroup(tmp_path / "cgroup", "0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})
+    environ = {key: value for key, value in os.environ.items()
+               if key not in ("OMP_NUM_THREADS", "PREFKIT_TEST_CGROUP", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK")}
+    threads = [subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                              timeout=120, env=environ | extra, check=True).stdout.split()[-1]
+               for extra in ({}, {"PREFKIT_TEST_CGROUP": str(one_cpu)})]
+    assert threads == [str(len(os.sched_getaffinity(0))), "1"]
+
+
 # --- the launcher's directory in a shared TMPDIR -------------------------------------------------------------------
 
 def test_a_live_launch_in_another_pid_namespace_keeps_its_directory(pid_namespaces, tmp_path):
