@@ -86,7 +86,7 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
     read -r -a stat <<<"$stat"
     echo "${stat[19]}"
   }
-  here="$(readlink /proc/$$/ns/pid 2>/dev/null || true)@$(cat /proc/sys/kernel/random/boot_id 2>/dev/null || true)"
+  here="$(readlink /proc/self/ns/pid 2>/dev/null || true)@$(cat /proc/sys/kernel/random/boot_id 2>/dev/null || true)"
   for launch_dir in "${TMPDIR:-/tmp}"/prefkit-launch.*; do
     [[ -O $launch_dir && -f $launch_dir/launcher ]] || continue
     read -r owner owner_start owner_here <"$launch_dir/launcher" || continue
