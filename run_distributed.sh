@@ -11,7 +11,7 @@
 # port is picked on one node), MAX_RESTARTS (3: a lost worker restarts the job, which resumes from its newest complete
 # checkpoint), STRATEGY (torchrun: plain DDP; or ddp, zero1, zero2, zero3, fsdp: accelerate launch with
 # configs/accelerate/<STRATEGY>.yaml), PRINT_LAUNCH=1 (print the launch command instead of running it),
-# PYTHON (python), OMP_NUM_THREADS (CPU cores / processes on CPU), GLOO_SOCKET_IFNAME (with several nodes: the
+# PYTHON (python), OMP_NUM_THREADS (usable CPU cores / processes on CPU), GLOO_SOCKET_IFNAME (with several nodes: the
 # interface that reaches MASTER_ADDR).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -76,7 +76,9 @@ done
 # exits with the recorded status (docs/reliability.md lists them). A crash keeps torchrun's restarts and report.
 if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   # A launch killed with -9 cannot remove its directory: the next launch removes those whose launcher is gone (its
-  # pid no longer runs, or runs another process since: /proc's start time differs). Linux; elsewhere they stay.
+  # pid no longer runs, or runs another process since: /proc's start time differs). Linux; elsewhere they stay. Only
+  # those of this machine (boot id) and PID namespace: a TMPDIR shared with another container or machine holds
+  # launches whose pids mean nothing here, left to their own.
   process_start() {  # the start time of a pid (field 22 of /proc/PID/stat, after the command name's parentheses)
     local stat
     { stat=$(<"/proc/$1/stat"); } 2>/dev/null || return 0
@@ -84,9 +86,11 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
     read -r -a stat <<<"$stat"
     echo "${stat[19]}"
   }
+  here="$(readlink /proc/self/ns/pid 2>/dev/null || true)@$(cat /proc/sys/kernel/random/boot_id 2>/dev/null || true)"
   for launch_dir in "${TMPDIR:-/tmp}"/prefkit-launch.*; do
     [[ -O $launch_dir && -f $launch_dir/launcher ]] || continue
-    read -r owner owner_start <"$launch_dir/launcher" || continue
+    read -r owner owner_start owner_here <"$launch_dir/launcher" || continue
+    [[ -z $owner_here || $owner_here == "$here" ]] || continue
     if [[ -n $owner_start && $(process_start "$owner") != "$owner_start" ]]; then
       rm -rf "$launch_dir"
     fi
@@ -95,7 +99,7 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   export PREFKIT_EXIT_DIR
   trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
   if [[ -r /proc/$$/stat ]]; then
-    echo "$$ $(process_start $$)" >"$PREFKIT_EXIT_DIR/launcher"
+    echo "$$ $(process_start $$) $here" >"$PREFKIT_EXIT_DIR/launcher"
   fi
   # One process first checks the configuration and the data and tokenizes it into the cache, so a mistake is one
   # line (not one per rank under torchrun's failure report) and the workers start on prepared data. A run the same
@@ -107,10 +111,11 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   export PREFKIT_PREFLIGHT_DONE=1  # the workers do not repeat its notices (an unreachable Hub)
 fi
 
-# On CPU, split the cores between the processes (torchrun would otherwise give each process one thread).
+# On CPU, split the cores between the processes (torchrun would otherwise give each process one thread): the cores
+# this process may use, a container's CPU quota counted (nproc counts the affinity alone: a 4-CPU pod's 128 cores).
 if [[ -z ${OMP_NUM_THREADS:-} ]]; then
-  cores=$(nproc 2>/dev/null || echo 1)
-  export OMP_NUM_THREADS=$(( cores / NUM_PROCS > 0 ? cores / NUM_PROCS : 1 ))
+  OMP_NUM_THREADS=$("$PYTHON" -m src.resource_limits "$NUM_PROCS" 2>/dev/null || echo 1)
+  export OMP_NUM_THREADS
 fi
 
 if [[ -z ${MASTER_PORT:-} ]]; then

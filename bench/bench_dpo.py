@@ -230,7 +230,10 @@ def main() -> None:
     # One-process arms get every core, the same for both: `accelerate launch` (under `trl dpo`) would otherwise pin
     # TRL to OMP_NUM_THREADS=1 while torch alone takes every core. run_distributed.sh splits the cores between its
     # processes itself, so the 2-process arm drops the variable.
-    cores = len(os.sched_getaffinity(0))
+    sys.path.insert(0, str(ROOT))
+    from src.resource_limits import usable_cores
+
+    cores = usable_cores()
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"} | {
         "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false"}

@@ -50,8 +50,9 @@ def run_arm(arm: str, data_file: Path, workdir: Path, max_length: int) -> dict:
     from ultrafeedback_like import WORDS
 
     datasets.disable_progress_bars()
-    cores = len(os.sched_getaffinity(0))
-    num_proc = 1 if arm.endswith("-1") else cores
+    from src.resource_limits import usable_cores
+
+    num_proc = 1 if arm.endswith("-1") else usable_cores()  # what the toolkit's default picks
     model_dir = build_tiny_model(workdir / "model", [" ".join(WORDS)] * 8)
     from transformers import AutoTokenizer
 

@@ -30,6 +30,7 @@ from typing import Any
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.progress import Progress
+from src.resource_limits import usable_cores
 from src.run_safety.build_once import build_once
 from src.run_safety.disk_space import fail_write_if_injected
 from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_with_this_process,
@@ -1086,14 +1087,6 @@ MIN_ROWS_PER_PROCESS = 1000  # below this a worker process costs more to start t
 MAP_BATCH_ROWS = 256  # rows per batch of the map function and per Arrow write: peak memory follows this
 
 
-def default_num_proc() -> int:
-    """The cores this process may run on (its CPU affinity: what a scheduler or `taskset` gave it)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return max(1, os.cpu_count() or 1)
-
-
 def _normalized_features(features, shape: str, has_chat_template: bool, pair_shape: str | None = None) -> dict:
     """Arrow types of normalize_row's columns, from the source's: batches written one after another must agree even
     where one batch holds only None in a field (a tool call no row of it has)."""
@@ -1327,7 +1320,7 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
 def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
     import shutil
 
-    num_proc = data.dataset_num_proc or default_num_proc()
+    num_proc = data.dataset_num_proc or usable_cores()  # a container's CPU quota too
     if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = target / ".work"

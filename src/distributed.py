@@ -1,7 +1,8 @@
 """The process group, and the one place that knows which rank does what.
 
     print0(...)        prints on rank 0 only, so logging code never branches on rank
-    init(plan, world)  starts the process group the way TRL's Trainer will find it (accelerate's PartialState)
+    init(plan, world)  starts the process group the way TRL's Trainer will find it (accelerate's PartialState), with
+                       each process's share of the cores this machine grants as torch's threads
     map_across_ranks   splits work over the ranks and gathers the results in order
 
 On CPU, accelerate runs every torchrun rank alone (distributed type NO, world size 1, no error) unless told to use the
@@ -15,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from src.config import ConfigError, Plan, World
+from src.resource_limits import threads_per_process
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
@@ -33,6 +35,10 @@ def init(plan: Plan, world: World):
     """Start (or join) the process group for this job and return accelerate's state."""
     from accelerate import PartialState
 
+    if "OMP_NUM_THREADS" not in os.environ:  # not set by a launcher: torch would size its pool by the machine's cores
+        import torch
+
+        torch.set_num_threads(threads_per_process(world.local_world_size))  # a container's quota counted
     if plan.device == "cpu":
         # ACCELERATE_USE_CPU is what TrainingArguments(use_cpu=True) sets too; set it before the first PartialState.
         os.environ["ACCELERATE_USE_CPU"] = "true"

@@ -12,13 +12,15 @@ import pytest
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
+from src.resource_limits import threads_per_process, usable_cores  # noqa: E402
+
 # The cores shared out between the xdist workers (pytest.ini: one per core), for each worker's own torch and, through
 # the environment, the processes its tests start: torch's OpenMP threads spin while they wait, so two workers of 2
 # threads each on 2 cores spent ~40% of their time waiting for each other (measured: test_packed_dpo.py beside
 # test_packed_support.py took 67.7 s with 2 threads each, 38.6 s with 1). A value you set yourself wins; the launcher
 # and the tests that pin OMP_NUM_THREADS for a job keep theirs.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(_WORKERS)))
 if "torch" in sys.modules:  # imported before this file by a plugin: its thread pool is sized already
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -155,7 +157,7 @@ def pytest_configure(config):
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini): one worker per core this process may use, at most 4 (tests start processes too)."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    return min(4, usable_cores())
 
 
 # The files that start the most training processes, longest first: the xdist workers (pytest.ini) take files in

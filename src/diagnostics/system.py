@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from src.resource_limits import memory_limit_bytes, usable_cores
+
 from .inputs import InputError
 
 DEFAULT_MASTER_PORT = 29500
@@ -69,24 +71,6 @@ def _cpuinfo_field(cpuinfo: str, name: str) -> str | None:
     return None
 
 
-def _cgroup_cpu_limit() -> float | None:
-    """CPUs granted by a cgroup quota (cgroup v2 cpu.max, or v1 cfs quota), None when unlimited."""
-    cpu_max = (_read("/sys/fs/cgroup/cpu.max") or "").split()
-    if cpu_max:
-        quota, period = cpu_max[0], (cpu_max[1] if len(cpu_max) > 1 else "100000")
-        return None if quota == "max" else int(quota) / int(period)
-    quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-    if quota and period and int(quota) > 0:
-        return int(quota) / int(period)
-    return None
-
-
-def usable_cpu_count() -> int:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = _cgroup_cpu_limit()
-    return max(1, min(usable, int(quota))) if quota else usable
-
-
 def _socket_count() -> int | None:
     packages = {
         text.strip()
@@ -103,14 +87,6 @@ def _numa_nodes() -> list[int]:
 def _meminfo_bytes(name: str) -> int | None:
     value = _cpuinfo_field(_read("/proc/meminfo") or "", name)
     return int(value.split()[0]) * 1024 if value else None
-
-
-def _cgroup_memory_limit() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        text = (_read(path) or "").strip()
-        if text.isdigit() and int(text) < 1 << 60:  # v1 reports 'unlimited' as a huge number
-            return int(text)
-    return None
 
 
 def _shm_bytes() -> int | None:
@@ -192,7 +168,7 @@ def rendezvous_port(environ: Mapping[str, str]) -> int:
 
 def collect_system(environ: Mapping[str, str]) -> SystemFacts:
     cpuinfo = _read("/proc/cpuinfo") or ""
-    memory_limit = _cgroup_memory_limit()
+    memory_limit = memory_limit_bytes()  # /proc/meminfo in a container is the host's
     memory_total = _meminfo_bytes("MemTotal")
     memory_available = _meminfo_bytes("MemAvailable")
     if memory_limit is not None:
@@ -206,7 +182,7 @@ def collect_system(environ: Mapping[str, str]) -> SystemFacts:
         cpu_model=_cpuinfo_field(cpuinfo, "model name") or platform.processor() or None,
         cpu_vendor=_cpuinfo_field(cpuinfo, "vendor_id"),
         logical_cpus=os.cpu_count() or 1,
-        usable_cpus=usable_cpu_count(),
+        usable_cpus=usable_cores(),
         sockets=_socket_count(),
         numa_nodes=_numa_nodes(),
         memory_total_bytes=memory_total,

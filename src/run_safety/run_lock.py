@@ -9,9 +9,12 @@ in one line that names the holder.
   JSON record (job, host, pid, since) created with `link()`, which is atomic on NFS too, unlike `O_EXCL` on old NFS
   clients and unlike `flock`, which many NFS setups do not honour across machines.
 - The holder touches it every HEARTBEAT_S seconds (rank 0, a daemon thread). A hold is stale, and taken over, when its
-  holder is gone: on the same machine (same host name and boot id) when neither the recorded process nor its torchrun
-  agent is alive; from another machine when its heartbeat is older than STALE_AFTER_S by the storage's own clock (a
-  file written now gives it, so machines with skewed clocks agree).
+  holder is gone: where its processes are visible (same host name, boot id and PID namespace) when neither the
+  recorded process nor its torchrun agent is alive; from anywhere else when its heartbeat is older than STALE_AFTER_S
+  by the storage's own clock (a file written now gives it, so machines with skewed clocks agree). Anywhere else
+  includes another container of the same machine: pods with host networking share the host name, every container
+  shares the boot id, but a PID namespace of its own (Docker's default, a Kubernetes pod, `unshare --pid`) hides the
+  holder's pid, so "its process is gone" would be a guess.
 - A job whose launcher was killed (its agent gone, its workers stopping: src/run_safety/parent_watch.py) is waited
   for, up to the workers' grace, so the same command relaunched right away resumes instead of being refused.
 - A torchrun restart of the job is the same job: the job is torchrun's agent (host, boot, agent pid; or an explicit
@@ -52,6 +55,20 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (the inode of /proc/self/ns/pid): the pids it records mean something only there."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def _process_tag() -> str:
+    """Names this process's temporary files apart from those of every other process sharing the directory: two
+    containers of one host name may run the same pid (a fresh PID namespace hands out the same small numbers)."""
+    return f"{socket.gethostname()}-{_pid_namespace()}-{os.getpid()}"
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot: with the pid, it names one process (pids are reused).
     None for a process that is gone, a zombie included: a killed process whose parent died too stays a zombie
@@ -68,17 +85,18 @@ def _start_time(pid: int) -> str | None:
 def identity(environ=None) -> dict:
     """Who this process is, as the hold records it."""
     environ = os.environ if environ is None else environ
-    pid, host = os.getpid(), socket.gethostname()
-    me = {"host": host, "boot_id": _boot_id(), "pid": pid, "pid_start": _start_time(pid),
+    pid, host, namespace = os.getpid(), socket.gethostname(), _pid_namespace()
+    me = {"host": host, "boot_id": _boot_id(), "pid_ns": namespace, "pid": pid, "pid_start": _start_time(pid),
           "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    where = f"{host} ({me['boot_id'][:8]}, pid namespace {namespace})"  # its pids: those of this PID namespace
     if "TORCHELASTIC_RUN_ID" in environ:  # a torchrun worker: the job is its agent, which outlives restarts
         agent = os.getppid()
         me.update(agent_pid=agent, agent_start=_start_time(agent))
         run_id = environ["TORCHELASTIC_RUN_ID"]
         me["job"] = (f"torchrun {run_id} at {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
-                     if run_id not in ("", "none") else f"torchrun pid {agent} on {host} ({me['boot_id'][:8]})")
+                     if run_id not in ("", "none") else f"torchrun pid {agent} on {where}")
     else:
-        me["job"] = f"pid {pid} on {host} ({me['boot_id'][:8]})"
+        me["job"] = f"pid {pid} on {where}"
     return me
 
 
@@ -95,7 +113,7 @@ def _alive(pid: int | None, start: str | None) -> bool:
 
 def storage_now(directory: Path) -> float:
     """The current time by the clock of the filesystem holding `directory` (the NFS server's, on NFS)."""
-    probe = directory / f".clock-{socket.gethostname()}-{os.getpid()}"
+    probe = directory / f".clock-{_process_tag()}"
     try:
         probe.write_text("")
         return probe.stat().st_mtime
@@ -112,9 +130,19 @@ def heartbeat_age(path: Path) -> float | None:
         return None
 
 
+def _same_machine(holder: dict) -> bool:
+    return holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id()
+
+
+def _processes_visible(holder: dict) -> bool:
+    """Whether the holder's pids are this process's to look up: the same machine, and the same PID namespace on it.
+    A hold written without a namespace (an older toolkit) is judged by its heartbeat."""
+    return _same_machine(holder) and holder.get("pid_ns") == _pid_namespace()
+
+
 def why_stale(holder: dict, path: Path) -> str | None:
     """Why `holder` no longer holds the run directory, or None while it may still be training."""
-    if holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id():
+    if _processes_visible(holder):
         if _alive(holder.get("pid"), holder.get("pid_start")) or _alive(holder.get("agent_pid"),
                                                                        holder.get("agent_start")):
             return None
@@ -128,8 +156,8 @@ def why_stale(holder: dict, path: Path) -> str | None:
 def _launcher_gone(holder: dict) -> bool:
     """A torchrun job on this machine whose agent is gone while its rank 0 still runs: its workers are stopping
     (src/run_safety/parent_watch.py: at once, or after a clean stop within its grace)."""
-    return (holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id()
-            and bool(holder.get("agent_pid")) and not _alive(holder.get("agent_pid"), holder.get("agent_start"))
+    return (_processes_visible(holder) and bool(holder.get("agent_pid"))
+            and not _alive(holder.get("agent_pid"), holder.get("agent_start"))
             and _alive(holder.get("pid"), holder.get("pid_start")))
 
 
@@ -148,8 +176,10 @@ def wait_for_stopping_holder(holder: dict | None) -> None:
 def describe(holder: dict, path: Path) -> str:
     age = heartbeat_age(path)
     beat = f", last heartbeat {age:.0f} s ago" if age is not None else ""
-    return (f"host {holder.get('host')}, pid {holder.get('pid')} ({holder.get('job')}), since {holder.get('since')}"
-            f"{beat}")
+    hidden = _same_machine(holder) and not _processes_visible(holder)
+    where = " in another PID namespace of this machine (another container)" if hidden else ""
+    return (f"host {holder.get('host')}, pid {holder.get('pid')}{where} ({holder.get('job')}), since "
+            f"{holder.get('since')}{beat}")
 
 
 def _refusal(run_dir: Path, holder: dict, path: Path) -> RunDirectoryHeld:
@@ -201,7 +231,7 @@ class Hold:
 
 def _create(path: Path, me: dict) -> bool:
     """Create the hold atomically (link of a complete temporary file); False if it exists."""
-    temporary = path.with_name(f"{path.name}.{me['host']}-{me['pid']}.tmp")
+    temporary = path.with_name(f"{path.name}.{_process_tag()}.tmp")
     temporary.write_text(json.dumps(me))
     try:
         os.link(temporary, path)
@@ -225,7 +255,7 @@ def acquire(run_dir: Path) -> Hold:
             time.sleep(0.1)
             continue
         if holder.get("job") == me["job"]:  # a torchrun restart of this job: the hold is already ours
-            temporary = path.with_name(f"{path.name}.{me['pid']}.tmp")
+            temporary = path.with_name(f"{path.name}.{_process_tag()}.tmp")
             temporary.write_text(json.dumps(me | {"since": holder.get("since", me["since"])}))
             os.replace(temporary, path)
             return Hold(path, me, None)
@@ -235,7 +265,7 @@ def acquire(run_dir: Path) -> Hold:
             raise _refusal(run_dir, holder, path)
         # Take the stale hold over: move it aside (one relaunch wins the rename), and put it back if what was moved
         # is not the hold judged stale (another relaunch replaced it meanwhile).
-        aside = path.with_name(f"{path.name}.stale-{me['pid']}")
+        aside = path.with_name(f"{path.name}.stale-{_process_tag()}")
         try:
             os.rename(path, aside)
         except FileNotFoundError:
