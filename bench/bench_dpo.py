@@ -200,8 +200,13 @@ def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes
 
 def shares(result: dict) -> str:
     """The policy forward's padding / repeated-prompt shares of computed tokens, from the run's training_info.json."""
-    tokens = result.get("dpo_forward", {}).get("tokens", {}).get("policy")
-    return f"{tokens['padding_share']:.0%} / {tokens['repeated_prompt_share']:.0%}" if tokens else "n/a"
+    forward = result.get("dpo_forward", {})
+    tokens = forward.get("tokens", {}).get("policy")
+    text = f"{tokens['padding_share']:.0%} / {tokens['repeated_prompt_share']:.0%}" if tokens else "n/a"
+    check = forward.get("first_batch_check") or {}
+    if forward.get("forward", "").startswith("padded") and forward.get("reason"):  # why it ran TRL's padded forward
+        text += f" (padded: {forward['reason']}; check {check.get('max_abs_difference')} vs {check.get('tolerance')})"
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

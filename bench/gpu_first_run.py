@@ -155,7 +155,8 @@ def bench_rows(output: str) -> list[tuple[str, str, str]]:
         if name.startswith("trl") or baseline is None:
             continue
         rows.append((f"DPO vs trl dpo: {name.removeprefix('toolkit ')}", f"{cells[2]} trl dpo's pairs/s",
-                     f"{cells[1]} vs {baseline[1]} pairs/s; peak {cells[3]} vs {baseline[3]} MB"))
+                     f"{cells[1]} vs {baseline[1]} pairs/s; peak {cells[3]} vs {baseline[3]} MB"
+                     + (f"; padding / repeated prompt {cells[4]}" if len(cells) > 4 else "")))
     limit = re.search(r"^limit vs plain trl dpo.*$", output, re.M)
     if limit and rows:
         rows.append(("DPO vs trl dpo: the limit if time ~ tokens", limit.group(0).split(": ", 1)[-1], ""))

@@ -260,8 +260,11 @@ class PackedDPOForward:
     """Decides whether the packed forward runs, redirects the fused forward while TRL's loss code runs, checks it
     once against the padded forward, and counts the tokens both ways."""
 
-    def __init__(self, reason_off: str | None, layout: str = "prefix_shared"):
+    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False):
         self.enabled = reason_off is None
+        # bf16/fp16 mixed precision asked of the trainer: inside a training step accelerate's autocast is entered by
+        # the model's own (wrapped) forward, below the check, so the ambient autocast state alone reads fp32 there
+        self.half_precision = half_precision
         self.reason = reason_off
         self.layout = layout
         self.checked = False
@@ -389,7 +392,8 @@ class PackedDPOForward:
         finally:
             module.train(was_training)
         device_type = padded_kwargs["input_ids"].device.type
-        half = torch.is_autocast_enabled(device_type) or next(module.parameters()).dtype != torch.float32
+        half = (self.half_precision or torch.is_autocast_enabled(device_type)
+                or next(module.parameters()).dtype != torch.float32)
         tolerance = HALF_TOLERANCE if half else FP32_TOLERANCE
         excess = (packed - padded).abs() - tolerance * padded.abs()
         worst = float((packed - padded).abs().max()) if packed.numel() else 0.0

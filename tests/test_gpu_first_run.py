@@ -67,7 +67,7 @@ BENCH = """
 |---|---|---|---|---|
 | trl dpo (TRL CLI) | 41.20 | 1.00x | 6120 | n/a |
 | toolkit packed, cold cache | 63.10 | 1.53x | 4410 | 0% / 0% |
-| toolkit packed, warm cache | 80.90 | 1.96x | 3930 | 0% / 0% |
+| toolkit packed, warm cache | 80.90 | 1.96x | 3930 | 56% / 11% (padded: its first batch's log-probs differ; check 0.9 vs 0.1) |
 
 padded forward: 38% padding, 21% repeated prompt; computed / useful tokens 1.94 (packed forward: 1.00)
 limit vs plain trl dpo if time ~ tokens: cold cache 1.94x (reached 1.53x, 79%), warm cache 2.59x (reached 1.96x, 76%)
@@ -88,7 +88,8 @@ def test_the_table_from_recorded_outputs():
 
     bench = gpu_first_run.bench_rows(BENCH)
     assert bench[0] == ("DPO vs trl dpo: packed, cold cache", "1.53x trl dpo's pairs/s",
-                        "63.10 vs 41.20 pairs/s; peak 4410 vs 6120 MB")
+                        "63.10 vs 41.20 pairs/s; peak 4410 vs 6120 MB; padding / repeated prompt 0% / 0%")
+    assert bench[1][2].endswith("(padded: its first batch's log-probs differ; check 0.9 vs 0.1)")  # why it ran padded
     assert len(bench) == 3 and bench[2][1].startswith("cold cache 1.94x")
 
     step = gpu_first_run.Step("bench", "DPO", 1, lambda work: [], rows=bench, seconds=301.4)

@@ -85,6 +85,19 @@ def assert_close(packed, padded, rel=1e-5):
     assert ((packed - padded).abs() <= rel * padded.abs() + 1e-6).all(), (packed - padded).abs().max()
 
 
+def test_the_first_batch_check_in_a_bf16_training_step_takes_the_half_precision_tolerance(tokenizer, tmp_path):
+    """With a warm reference cache (here: the reference computed inside each step) the first-batch check runs in the
+    first training step, outside the autocast that accelerate enters inside the model's own forward: read from the
+    ambient state alone it took the fp32 tolerance (1e-4) for bf16 log-probs (differences ~1e-2) and turned the packed
+    forward off. Seen on an H200 (bench_dpo.py's warm-cache arm ran padded) and reproduced here on CPU in bf16."""
+    trainer = trainer_for(tiny("qwen2", tokenizer), tokenizer, pairs(32, seed=7), tmp_path, True, bf16=True,
+                          precompute_ref_log_probs=False, max_steps=2, per_device_train_batch_size=8)
+    trainer.train()
+    check = trainer.packed_forward.check_result
+    assert trainer.packed_forward.enabled, trainer.packed_forward.reason
+    assert check["passed"] and check["tolerance"] == 0.1 and 0 < check["max_abs_difference"] < 0.1, check
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_per_pair_log_probs_equal_the_padded_forward(architecture, attention, tokenizer, tmp_path):

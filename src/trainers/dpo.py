@@ -248,7 +248,7 @@ def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool =
     if not packed:
         return {"packed_forward": PackedDPOForward("--padding_free false")}
     reason = unsupported_reason(model, trl_config, peft_config)
-    forward = PackedDPOForward(reason, attention_layout(model))
+    forward = PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16))
     if reason:
         announce_padded(reason)
         return {"packed_forward": forward}
