@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from src.chat_templates import TemplateCannotExpress, conversation_ids, template_label, tools_argument
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.progress import Progress
@@ -37,7 +38,9 @@ from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 7  # bump when the prepared layout changes, so old caches are not reused
+# Bump when the prepared layout or ids change, so old caches are not reused (8: chat answers as generation writes them,
+# src/chat_templates.py).
+PREPARED_FORMAT = 8
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 # Prompts alone (a `prompt` column, no answers), prepared for on-policy rounds that start from them (src/rounds.py):
 # the preparation's stage and the shape it recognises.
@@ -837,28 +840,28 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
 
 
 def _template_kwargs(row: dict) -> dict:
-    tools = row.get("tools")
-    return {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+    return tools_argument(row)
 
 
-def tokenize_preference(row: dict, tokenizer) -> dict:
-    """prompt_ids / chosen_ids / rejected_ids exactly as TRL's DPOTrainer builds them."""
+def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+    """prompt_ids / chosen_ids / rejected_ids: for chats, the prompt as generation starts from it and each answer as
+    the model writes it from there (src/chat_templates.py; TRL's ids wherever the template does not rewrite the
+    answer); for text, as TRL's DPOTrainer builds them (EOS appended, the completion where the two diverge)."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
-    kwargs = _template_kwargs(row)
     if is_conversational(row):
-        prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-        chosen_full = _tokenize(tokenizer, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
-        rejected_full = _tokenize(tokenizer, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
-    else:
-        eos = tokenizer.eos_token
-        chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
-        rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
-        prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        chosen_full = _tokenize(tokenizer, row["prompt"] + chosen)["input_ids"]
-        rejected_full = _tokenize(tokenizer, row["prompt"] + rejected)["input_ids"]
-    # The completion starts where prompt and prompt+completion diverge (TRL's rule for templates that render the
-    # prompt alone differently).
+        kwargs = _template_kwargs(row)
+        prompt_ids, chosen_ids = conversation_ids(tokenizer, row["prompt"], row["chosen"], keep_reasoning, **kwargs)
+        _, rejected_ids = conversation_ids(tokenizer, row["prompt"], row["rejected"], keep_reasoning, **kwargs)
+        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+    eos = tokenizer.eos_token
+    chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
+    rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
+    prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
+    chosen_full = _tokenize(tokenizer, row["prompt"] + chosen)["input_ids"]
+    rejected_full = _tokenize(tokenizer, row["prompt"] + rejected)["input_ids"]
+    # The completion starts where prompt and prompt+completion diverge (a text prompt's last word may merge with the
+    # answer's first).
     prompt_length = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
     return {
         "prompt_ids": prompt_ids[:prompt_length],
@@ -867,30 +870,27 @@ def tokenize_preference(row: dict, tokenizer) -> dict:
     }
 
 
-def tokenize_unpaired(row: dict, tokenizer) -> dict:
-    """prompt_ids / completion_ids exactly as TRL's KTOTrainer builds them (EOS appended to text completions; the
-    completion starts where prompt and prompt+completion diverge)."""
+def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+    """prompt_ids / completion_ids: a chat's as generation sees them (src/chat_templates.py); text as TRL's
+    KTOTrainer builds them (EOS appended, the completion where prompt and prompt+completion diverge)."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
-    kwargs = _template_kwargs(row)
     if is_conversational(row):
-        prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-        full = _tokenize(tokenizer, row["prompt"] + row["completion"], **kwargs)["input_ids"]
-    else:
-        eos = tokenizer.eos_token
-        completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
-        prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        full = _tokenize(tokenizer, row["prompt"] + completion)["input_ids"]
+        prompt_ids, completion_ids = conversation_ids(tokenizer, row["prompt"], row["completion"], keep_reasoning,
+                                                      **_template_kwargs(row))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+    eos = tokenizer.eos_token
+    completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
+    prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
+    full = _tokenize(tokenizer, row["prompt"] + completion)["input_ids"]
     prompt_length = common_prefix_length(prompt_ids, full)
     return {"prompt_ids": prompt_ids[:prompt_length], "completion_ids": full[prompt_length:]}
 
 
-def tokenize_reward(row: dict, tokenizer) -> dict:
-    """chosen_ids / rejected_ids (whole sequences: prompt and answer) exactly as TRL's RewardTrainer builds them.
-
-    RewardTrainer tokenizes prompt + answer in one piece (through the chat template for chats, with EOS appended to
-    text); DPO's prompt and completion ids are split from those very sequences, so joined they are the same ids."""
-    return reward_ids(tokenize_preference(row, tokenizer))
+def tokenize_reward(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+    """chosen_ids / rejected_ids (whole sequences: prompt and answer), the DPO pair's ids joined: what the reward
+    model scores is the prompt as generation starts from it followed by the answer as generated."""
+    return reward_ids(tokenize_preference(row, tokenizer, keep_reasoning))
 
 
 def reward_ids(pair: dict) -> dict:
@@ -909,30 +909,45 @@ def sft_chat_template(tokenizer, sft: SFTArguments) -> str | None:
     return None
 
 
-def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None) -> dict:
-    """input_ids (+ completion_mask / assistant_masks) exactly as TRL's SFTTrainer builds them."""
+def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None,
+                 keep_reasoning: bool = True) -> dict:
+    """input_ids (+ completion_mask / assistant_masks). A chat's answer is the one generation writes
+    (src/chat_templates.py): TRL's SFTTrainer ids (and its assistant masks) where the template renders the answer
+    as written; where it rewrites the last assistant turn, the prompt as generation starts from it and that turn as
+    generated (earlier turns stay as the prompt renders them, as generation sees them)."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
     kwargs = {"chat_template": chat_template, **_template_kwargs(row)}
     eos = tokenizer.eos_token
-    if "prompt" in row:
-        if is_conversational(row):
-            prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-            full = _tokenize(tokenizer, row["prompt"] + row["completion"],
-                             return_assistant_tokens_mask=assistant_only_loss, **kwargs)
-        else:
-            completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
-            prompt_ids = _tokenize(tokenizer, row["prompt"], chat_template=chat_template)["input_ids"]
-            full = _tokenize(tokenizer, row["prompt"] + completion, chat_template=chat_template)
-        prompt_length = common_prefix_length(prompt_ids, full["input_ids"])
-        output = {"input_ids": full["input_ids"],
-                  "completion_mask": [0] * prompt_length + [1] * (len(full["input_ids"]) - prompt_length)}
-        if "assistant_masks" in full:
-            output["assistant_masks"] = full["assistant_masks"]
-        return output
     if is_conversational(row):
-        full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
-        return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
+        if "prompt" in row:
+            prompt, answer = row["prompt"], row["completion"]
+        else:
+            assistant = [i for i, message in enumerate(row["messages"]) if message["role"] == "assistant"]
+            if not assistant:  # nothing the model answers: the chat trains as the template renders it
+                full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+                return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
+            prompt, answer = row["messages"][:assistant[-1]], row["messages"][assistant[-1]:]
+        prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, keep_reasoning, **kwargs)
+        input_ids = prompt_ids + answer_ids
+        # TRL's rendering of the whole chat, for its assistant masks where it is this very sequence; where the template
+        # rewrote the answer, the answer's tokens are the assistant's.
+        full = _tokenize(tokenizer, prompt + answer, return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+        output = {"input_ids": input_ids}
+        if "prompt" in row:
+            output["completion_mask"] = [0] * len(prompt_ids) + [1] * len(answer_ids)
+        if assistant_only_loss:
+            output["assistant_masks"] = (full["assistant_masks"] if full["input_ids"] == input_ids
+                                         and "assistant_masks" in full else
+                                         [0] * len(prompt_ids) + [1] * len(answer_ids))
+        return output
+    if "prompt" in row:
+        completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
+        prompt_ids = _tokenize(tokenizer, row["prompt"], chat_template=chat_template)["input_ids"]
+        full = _tokenize(tokenizer, row["prompt"] + completion, chat_template=chat_template)
+        prompt_length = common_prefix_length(prompt_ids, full["input_ids"])
+        return {"input_ids": full["input_ids"],
+                "completion_mask": [0] * prompt_length + [1] * (len(full["input_ids"]) - prompt_length)}
     text = row["text"] if row["text"].endswith(eos) else row["text"] + eos
     return {"input_ids": _tokenize(tokenizer, text, chat_template=chat_template)["input_ids"]}
 
@@ -1068,7 +1083,7 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "system_prompt", "val_size",
                                                    "test_size", "max_train_samples", "max_length",
-                                                   "label_column", "kto_from_pairs")},
+                                                   "label_column", "kto_from_pairs", "reasoning")},
         "kl_partners": KL_PARTNERS if stage == KTO_STAGE else None,
         "assistant_only_loss": sft.assistant_only_loss if stage == "sft" else None,
         "seed": seed,
@@ -1204,14 +1219,15 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
             "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
         )
     item, ids, length = {}, {}, 0
-    with _template_refusals(where, number):
+    keep = data.reasoning != "drop"
+    with _template_refusals(where, number, tokenizer):
         if status == KEPT:
             if stage == KTO_STAGE:
-                item = ids = tokenize_unpaired(row, tokenizer)
+                item = ids = tokenize_unpaired(row, tokenizer, keep)
                 length = len(item["prompt_ids"]) + len(item["completion_ids"])
                 kept = len(item["prompt_ids"]) < data.max_length  # TRL's KTO rule, as for DPO
             elif stage == "dpo":
-                item = ids = tokenize_preference(row, tokenizer)
+                item = ids = tokenize_preference(row, tokenizer, keep)
                 length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
                 kept = len(item["prompt_ids"]) < data.max_length
@@ -1220,14 +1236,14 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
                 length = len(item["prompt_ids"])
                 kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
             elif stage == "reward":
-                ids = tokenize_preference(row, tokenizer)
+                ids = tokenize_preference(row, tokenizer, keep)
                 item = reward_ids(ids)
                 length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
                 # cut the answer whose last token the score is read from).
                 kept = length <= data.max_length
             else:
-                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template, keep)
                 length = len(item["input_ids"])
                 kept = _has_trainable_token(item, data.max_length, sft)
             status = KEPT if kept else TOO_LONG
@@ -1242,13 +1258,15 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
 
 
 @contextmanager
-def _template_refusals(source: str, number: int):
+def _template_refusals(source: str, number: int, tokenizer=None):
     """A chat template that raises on a row (raise_exception("Conversation roles must alternate ..."), an undefined
     field): one line naming the row, not a Jinja traceback from inside the tokenizing map."""
     from jinja2 import TemplateError
 
     try:
         yield
+    except TemplateCannotExpress as error:
+        raise DataError(f"{source} row {number}: {template_label(tokenizer)}: {error}") from None
     except TemplateError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(f"{source} row {number}: the chat template refused it ({reason}); fix the row or the "

@@ -1,0 +1,232 @@
+"""What is trained is what the model continues at generation: a table of real chat templates (tests/chat_templates/,
+copied from the models' tokenizer_config.json) where prompt + answer ids must equal the ids of generating that answer.
+
+Each row's expected continuation is written by hand from how that model writes an answer after its generation prompt
+(DeepSeek-R1's opens `<think>\\n`, so the model writes its reasoning, `</think>`, the answer, its end of sentence;
+gpt-oss writes an analysis channel then a final one; ...), never computed by the code under test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from src.chat_templates import TemplateCannotExpress, answer_text, conversation_ids
+from src.data import sample_fields, tokenize_preference, tokenize_sft, tokenize_unpaired
+
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>", "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+            "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|begin_of_text|>",
+            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+QUESTION = {"role": "user", "content": "What is 40 plus 2?"}
+REASONING = "Add 40 and 2."
+FINAL = "The sum is 42."
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+EARLIER = [QUESTION, {"role": "assistant", "content": "<think>\nfirst\n</think>\n\nIt is 42."},
+           {"role": "user", "content": "And 40 plus 3?"}]
+AFTER_TOOL = [QUESTION, {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "42"}]
+
+# case → (prompt, answer message): a plain answer; reasoning inside the content; reasoning in a field; a tool call with
+# and without reasoning; multi-turn (earlier reasoning in the prompt); the answer after a tool's result.
+CASES = {
+    "plain": ([QUESTION], {"role": "assistant", "content": FINAL}),
+    "reasoning_inline": ([QUESTION], {"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}),
+    "reasoning_field": ([QUESTION], {"role": "assistant", "content": FINAL, "reasoning_content": REASONING}),
+    "tool_call": ([QUESTION], {"role": "assistant", "content": "", "tool_calls": [CALL]}),
+    "tool_call_reasoning": ([QUESTION], {"role": "assistant", "content": "", "reasoning_content": REASONING,
+                                         "tool_calls": [CALL]}),
+    "multi_turn": (EARLIER, {"role": "assistant", "content": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43."}),
+    "after_tool": (AFTER_TOOL, {"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}),
+}
+
+R1_EOS = "<｜end▁of▁sentence｜>"
+R1_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": 40, \"b\": 2}\n```"
+           "<｜tool▁call▁end｜><｜tool▁calls▁end｜>" + R1_EOS)
+QWEN_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call><|im_end|>\n'
+GPT_OSS_ANALYSIS = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant"
+GPT_OSS_CALL = ' to=functions.add<|channel|>commentary json<|message|>{"a": 40, "b": 2}<|call|>'
+THINKING_OFF = "its generation prompt closes the reasoning block"
+NO_FIELD = "'reasoning_content' field, which this template ignores"
+NO_TOOLS = "drops the answer's tool calls"
+
+# template → {case: what the model writes after its generation prompt, or the start of the one-line refusal}
+EXPECTED = {
+    "deepseek-r1": {
+        "plain": f"\n</think>\n\n{FINAL}{R1_EOS}",  # no reasoning: the block the generation prompt opened, empty
+        "reasoning_inline": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_field": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "tool_call": f"\n</think>\n\n{R1_CALL}",
+        "tool_call_reasoning": f"{REASONING}\n</think>\n\n{R1_CALL}",
+        "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
+        # After a tool's output R1's generation prompt is "<｜tool▁outputs▁end｜>" alone: the model writes the block.
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+    },
+    "deepseek-r1-distill": {
+        "plain": f"\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_inline": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_field": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "tool_call": TemplateCannotExpress(NO_TOOLS),  # the distills' template drops tool_calls beside content
+        "tool_call_reasoning": TemplateCannotExpress(NO_TOOLS),
+        "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+    },
+    "qwen3": {
+        "plain": f"<think>\n\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_field": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "tool_call": f"<think>\n\n</think>\n\n{QWEN_CALL}",
+        "tool_call_reasoning": f"<think>\n{REASONING}\n</think>\n\n{QWEN_CALL}",
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+    },
+    "qwen3/thinking-off": {  # the generation prompt ends with an empty <think>\n\n</think>\n\n
+        "plain": f"{FINAL}<|im_end|>\n",
+        "reasoning_inline": TemplateCannotExpress(THINKING_OFF),
+        "reasoning_field": TemplateCannotExpress(THINKING_OFF),
+        "tool_call": QWEN_CALL,
+        "tool_call_reasoning": TemplateCannotExpress(THINKING_OFF),
+        "multi_turn": TemplateCannotExpress(THINKING_OFF),
+        "after_tool": TemplateCannotExpress(THINKING_OFF),
+    },
+    "qwen3-generation-markers": {
+        "plain": f"<think>\n\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_field": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "tool_call": f"<think>\n\n</think>\n\n{QWEN_CALL}",
+        "tool_call_reasoning": f"<think>\n{REASONING}\n</think>\n\n{QWEN_CALL}",
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+    },
+    "gpt-oss": {  # reasoning in any shape goes to the `thinking` field, which gpt-oss writes as its analysis channel
+        "plain": f"<|channel|>final<|message|>{FINAL}<|return|>",
+        "reasoning_inline": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+        "reasoning_field": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+        "tool_call": GPT_OSS_CALL,
+        "tool_call_reasoning": GPT_OSS_ANALYSIS + GPT_OSS_CALL,
+        "multi_turn": "<|channel|>analysis<|message|>Add 40 and 3.<|end|><|start|>assistant<|channel|>final<|message|>"
+                      "It is 43.<|return|>",
+        "after_tool": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+    },
+    "chatml-qwen2.5": {  # no reasoning syntax: reasoning inside the content is trained as the data writes it
+        "plain": f"{FINAL}<|im_end|>\n",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_field": TemplateCannotExpress(NO_FIELD),
+        "tool_call": QWEN_CALL,
+        "tool_call_reasoning": TemplateCannotExpress(NO_FIELD),
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+    },
+    "llama-3.1": {
+        "plain": f"{FINAL}<|eot_id|>",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|eot_id|>",
+        "reasoning_field": TemplateCannotExpress(NO_FIELD),
+        "tool_call": '{"name": "add", "parameters": {"a": 40, "b": 2}}<|eot_id|>',
+        "tool_call_reasoning": TemplateCannotExpress(NO_FIELD),
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|eot_id|>",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|eot_id|>",
+    },
+}
+TABLE = [(template, case) for template, cases in EXPECTED.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE tokenizer that knows every template's special tokens (the ids differ from the real models',
+    the boundary between prompt and answer does not)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [FINAL, REASONING, "What is 40 plus 2? And 40 plus 3? It is 43. first add the sum"]
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
+                                   eos_token="<｜end▁of▁sentence｜>")
+
+
+def _use(tokenizer, template: str) -> dict:
+    """The tokenizer with the template's Jinja; the template's keyword arguments (Qwen3's thinking switch)."""
+    name, _, variant = template.partition("/")
+    tokenizer.chat_template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    tokenizer.bos_token = "<|begin_of_text|>" if name.startswith("llama") else "<｜begin▁of▁sentence｜>"
+    return {"enable_thinking": False} if variant == "thinking-off" else {}
+
+
+def _case(template: str, case: str):
+    """The case's messages in the shape the template's family takes: DeepSeek's tool calls carry their arguments as
+    JSON text (its template concatenates them)."""
+    prompt, answer = json.loads(json.dumps(CASES[case]))
+    if template.startswith("deepseek"):
+        for message in prompt + [answer]:
+            for call in message.get("tool_calls") or []:
+                call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    return prompt, [answer], ({"tools": TOOLS} if "tool" in case else {})
+
+
+@pytest.mark.parametrize("template,case", TABLE, ids=[f"{t}:{c}" for t, c in TABLE])
+def test_prompt_and_answer_ids_are_the_ids_of_generating_the_answer(tokenizer, template, case):
+    kwargs = _use(tokenizer, template)
+    prompt, answer, tools = _case(template, case)
+    expected = EXPECTED[template][case]
+    if isinstance(expected, TemplateCannotExpress):
+        with pytest.raises(TemplateCannotExpress, match=str(expected)):
+            conversation_ids(tokenizer, prompt, answer, **tools, **kwargs)
+        return
+    prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, **tools, **kwargs)
+    # The prompt: exactly the ids generation starts from, as the held-out samples and the rounds build them.
+    generation_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                   **tools, **kwargs)["input_ids"]
+    assert prompt_ids == generation_ids
+    if not kwargs:  # the held-out samples and the rounds render with the template's defaults
+        assert prompt_ids == sample_fields({"prompt": prompt, "completion": answer, **tools}, tokenizer)[
+            "sample_prompt_ids"]
+    # The answer: what the model writes from there, as its own tokens (generation never re-tokenizes the prompt).
+    assert answer_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(prompt_ids + answer_ids) == tokenizer.decode(generation_ids) + expected
+
+
+R1_ROW = {"prompt": [QUESTION],
+          "chosen": [{"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}],
+          "rejected": [{"role": "assistant", "content": "<think>\nGuess.\n</think>\n\nThe sum is 41."}]}
+
+
+def test_r1_answers_keep_their_reasoning_where_trls_common_prefix_drops_it(tokenizer):
+    """The issue's case: TRL's boundary (common prefix of the prompt and prompt + answer) trains R1's answers without
+    their reasoning, on "<｜Assistant｜>The sum…" that generation never meets; ours trains what generation writes."""
+    from trl.data_utils import _tokenize, common_prefix_length
+
+    _use(tokenizer, "deepseek-r1-distill")
+    ours = tokenize_preference(R1_ROW, tokenizer)
+    prompt = _tokenize(tokenizer, R1_ROW["prompt"], add_generation_prompt=True)["input_ids"]
+    full = _tokenize(tokenizer, R1_ROW["prompt"] + R1_ROW["chosen"])["input_ids"]
+    trl_answer = tokenizer.decode(full[common_prefix_length(prompt, full):])
+    assert REASONING not in trl_answer and FINAL in trl_answer
+    assert tokenizer.decode(ours["chosen_ids"]) == f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}"
+    assert tokenizer.decode(ours["rejected_ids"]) == f"Guess.\n</think>\n\nThe sum is 41.{R1_EOS}"
+    assert tokenizer.decode(ours["prompt_ids"]).endswith("<｜Assistant｜><think>\n")
+    unpaired = tokenize_unpaired({"prompt": R1_ROW["prompt"], "completion": R1_ROW["chosen"]}, tokenizer)
+    assert unpaired == {"prompt_ids": ours["prompt_ids"], "completion_ids": ours["chosen_ids"]}
+    sft = tokenize_sft({"prompt": R1_ROW["prompt"], "completion": R1_ROW["chosen"]}, tokenizer, False, None)
+    assert sft["input_ids"] == ours["prompt_ids"] + ours["chosen_ids"]
+    assert sft["completion_mask"] == [0] * len(ours["prompt_ids"]) + [1] * len(ours["chosen_ids"])
+    chat = tokenize_sft({"messages": EARLIER + R1_ROW["chosen"]}, tokenizer, True, None)
+    earlier = conversation_ids(tokenizer, EARLIER, R1_ROW["chosen"])
+    assert chat["input_ids"] == earlier[0] + earlier[1]
+    assert chat["assistant_masks"] == [0] * len(earlier[0]) + [1] * len(earlier[1])
+
+
+@pytest.mark.parametrize("template", ["deepseek-r1-distill", "qwen3", "gpt-oss", "llama-3.1"])
+def test_dropping_the_reasoning_trains_the_final_answer_as_the_template_writes_it_without(tokenizer, template):
+    kwargs = _use(tokenizer, template)
+    _, answer = answer_text(tokenizer, [QUESTION], [CASES["reasoning_field"][1]], keep_reasoning=False, **kwargs)
+    plain = answer_text(tokenizer, [QUESTION], [CASES["plain"][1]], **kwargs)[1]
+    assert REASONING not in answer and answer == plain
