@@ -217,7 +217,7 @@ def _spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs) -> st
         raise TemplateCannotExpress(
             "its generation prompt closes the reasoning block before the answer (thinking off), but the answer "
             "reasons: train on the final answers alone (--reasoning drop) or turn thinking on")
-    if not opened or not block.startswith(opened):
+    if not block.startswith(opened):
         raise _Rewritten
     text = block[len(opened):] + turn[header:]
     if not _holds(opener[:header] + opened + text, [message | {"content": parts.content}]):

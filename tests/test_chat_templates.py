@@ -77,6 +77,15 @@ EXPECTED = {
         "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
     },
+    "deepseek-r1-distill-first-release": {  # the distills' template as first released: generation prompt without <think>
+        "plain": f"{FINAL}{R1_EOS}",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_field": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "tool_call": TemplateCannotExpress(NO_TOOLS),
+        "tool_call_reasoning": TemplateCannotExpress(NO_TOOLS),
+        "multi_turn": f"<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+    },
     "qwen3": {
         "plain": f"<think>\n\n</think>\n\n{FINAL}<|im_end|>\n",
         "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
