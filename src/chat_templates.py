@@ -184,7 +184,7 @@ def answer_text(tokenizer, prompt: list[dict], answer: list[dict], keep_reasonin
     try:
         return generation_prompt, _spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs)
     except _Rewritten:
-        raise TemplateCannotExpress(_rewrite_message(full, answer)) from None
+        raise TemplateCannotExpress(_rewrite_message(full[_common_prefix(full, generation_prompt):], answer)) from None
 
 
 class _Rewritten(Exception):
@@ -225,10 +225,10 @@ def _spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs) -> st
     return text
 
 
-def _rewrite_message(full: str, answer: list[dict]) -> str:
-    """What the template does to the answer, and the fix."""
+def _rewrite_message(rendered_answer: str, answer: list[dict]) -> str:
+    """What the template does to the answer (`rendered_answer`: its rendering past the prompt), and the fix."""
     calls = [call for message in answer for call in message.get("tool_calls") or []]
-    if calls and not _holds(full, [{"role": "assistant", "content": "", "tool_calls": calls}]):
+    if calls and not _holds(rendered_answer, [{"role": "assistant", "content": "", "tool_calls": calls}]):
         return ("it drops the answer's tool calls (it has no syntax for them, or none for this message's shape): use "
                 "a template with tool syntax (--chat_template_path)")
     return ("it renders the answer other than as the model continues its generation prompt (it drops or moves part "

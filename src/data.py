@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from src.chat_templates import TemplateCannotExpress, conversation_ids, template_label, tools_argument
+from src.chat_templates import (THINK_CLOSE, THINK_OPEN, TemplateCannotExpress, conversation_ids, split_reasoning,
+                                template_label, tools_argument)
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.progress import Progress
@@ -800,6 +801,14 @@ def _text_of(value: Any) -> str:
     return ""
 
 
+def _says_something(value: Any) -> bool:
+    """Text, or a chat with some content, reasoning or tool call (an answer that only calls a tool is not empty)."""
+    if _text_of(value).strip():
+        return True
+    return _is_chat(value) and any(message.get("tool_calls") or split_reasoning(message).reasoning
+                                   for message in value)
+
+
 KEPT, EMPTY, IDENTICAL, TOO_LONG, UNDESIRABLE = 0, 1, 2, 3, 4  # a row's fate, stored per row while preparing (int8)
 
 
@@ -827,7 +836,13 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
             )
     if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
         raise DataError(f"{source} row {number}: 'chosen' and 'rejected' must both be text or both messages")
-    if any(not _text_of(row[column]).strip() for column in answer_columns or ("prompt",)):
+    for column in answer_columns:
+        messages = row[column] if _is_chat(row[column]) else [{"role": "assistant", "content": row[column]}]
+        if any(message.get("role") == "assistant" and not split_reasoning(message).closed for message in messages):
+            raise DataError(f"{source} row {number}: '{column}' opens {THINK_OPEN} and never closes it (an answer cut "
+                            f"inside its reasoning: no final answer to train); close it with {THINK_CLOSE} and the "
+                            "answer, or remove the row")
+    if any(not _says_something(row[column]) for column in answer_columns or ("prompt",)):
         return EMPTY  # an empty answer, or (prompts alone) an empty prompt
     if stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
         return IDENTICAL
