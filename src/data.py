@@ -1262,8 +1262,10 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
                 length = len(item["input_ids"])
                 kept = _has_trainable_token(item, data.max_length, sft)
             status = KEPT if kept else TOO_LONG
+            if not keep and stage in PREFERENCE_STAGES and ids["chosen_ids"] == ids["rejected_ids"]:
+                status = IDENTICAL  # the answers differed only in their reasoning, which --reasoning drop removes
         record = {**_serializable(row), **item, "length": length, "_status": status,
-                  **row_fields(row, ids, source_row)}
+                  **row_fields(row, ids, source_row, tokenizer)}
         if "sample_prompt" in output_columns:
             record.update(sample_fields(row, tokenizer) if status == KEPT and held_out else
                           {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
@@ -1365,7 +1367,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = target / ".work"
     work.mkdir()
-    summary = {"stage": stage, "max_length": data.max_length}
+    summary = {"stage": stage, "max_length": data.max_length, "reasoning": data.reasoning}
     sources = mixture_sources(data)
     if not sources:
         location, shape, tokenized, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
@@ -1376,7 +1378,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                 add_kl_completions(_split_file(target, kind), seed, kind, location)
         summary |= {"source": location, "shape": shape, "splits": counts,
                     "audit": _audit({kind: [dataset] for kind, dataset in tokenized.items()}, counts, stage,
-                                    data.max_length)}
+                                    data.max_length, data.reasoning != "drop")}
     else:
         parts = []
         for number, (source, fraction) in enumerate(sources):
@@ -1391,7 +1393,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         for _, _, _, tokenized, _ in parts:
             for kind, dataset in tokenized.items():
                 pieces.setdefault(kind, []).append(dataset)
-        summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length)
+        summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length, data.reasoning != "drop")
     if stage == KTO_STAGE:
         check_kto_classes(summary["splits"]["train"], summary["source"])
     shutil.rmtree(work)
@@ -1487,7 +1489,7 @@ def source_rows(prepared: "PreparedData", kind: str):
     return np.load(path, mmap_mode="r") if path.exists() else None
 
 
-def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int) -> dict:
+def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int, reasoning_kept: bool = True) -> dict:
     """The data audit of every split (src/audit/pairs.py) from the tokenizing map's output, train first: a held-out
     split is also measured against the training prompts."""
     import numpy as np
@@ -1497,7 +1499,7 @@ def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int) -
     for kind in sorted(pieces, key=lambda kind: kind != "train"):
         statuses = np.concatenate([piece.data.column("_status").to_numpy() for piece in pieces[kind]])
         audits[kind] = split_audit(pieces[kind], stage, max_length, statuses, KEPT,
-                                   None if kind == "train" else train_prompts) | dropped[kind]
+                                   None if kind == "train" else train_prompts, reasoning_kept) | dropped[kind]
         if kind == "train":
             hashes = np.concatenate([piece.data.column("_prompt_hash").to_numpy() for piece in pieces[kind]])
             train_prompts = np.unique(hashes[(statuses == KEPT) & (hashes != NO_PROMPT)])
@@ -1721,4 +1723,21 @@ def format_summary(summary: dict) -> str:
             notes.append(f"{counts['truncated']} rows truncated to {summary['max_length']} tokens")
         suffix = f"; {'; '.join(notes)}" if notes else ""
         lines.append(f"  {kind:<10} {counts['kept']:>7} rows (longest {counts['longest_tokens']} tokens){suffix}")
-    return "\n".join(lines)
+    reasoning = reasoning_line(summary)
+    return "\n".join(lines + ([reasoning] if reasoning else []))
+
+
+def reasoning_line(summary: dict) -> str | None:
+    """Which reasoning is trained and why, when the training answers reason: the flag in force, how many answers
+    reason and how long."""
+    train = (summary.get("audit") or {}).get("train") or {}
+    side = next((side for side in ("chosen", "completion") if train.get(f"{side}_reasoning_share")), None)
+    if side is None:
+        return None
+    share, tokens = train[f"{side}_reasoning_share"], train[f"{side}_reasoning_tokens"]["mean"]
+    held = f"{share:.0%} of the {side} answers reason (mean {tokens:g} tokens)"
+    if summary.get("reasoning") == "drop":
+        return (f"  reasoning: dropped (--reasoning drop): {held}; the final answers alone are trained, after an empty "
+                "reasoning block where the template writes one")
+    return (f"  reasoning: kept (--reasoning keep, the default): {held}, trained as the model writes them after its "
+            "generation prompt; --reasoning drop trains the final answers alone")

@@ -239,3 +239,68 @@ def test_dropping_the_reasoning_trains_the_final_answer_as_the_template_writes_i
     _, answer = answer_text(tokenizer, [QUESTION], [CASES["reasoning_field"][1]], keep_reasoning=False, **kwargs)
     plain = answer_text(tokenizer, [QUESTION], [CASES["plain"][1]], **kwargs)[1]
     assert REASONING not in answer and answer == plain
+
+
+def _r1_pairs(count: int) -> list[dict]:
+    """Pairs whose answers reason first (the issue's shape); every third rejected answer reaches the chosen's final
+    answer by another reasoning."""
+    rows = []
+    for index in range(count):
+        total = index + 2 * index
+        rejected = (f"<think>\nAdd {index} and {2 * index} quickly.\n</think>\n\nThe sum is {total}." if index % 3 == 1
+                    else f"<think>\nGuess.\n</think>\n\nThe sum is {total + 1}.")
+        rows.append({"prompt": [{"role": "user", "content": f"What is {index} plus {2 * index}?"}],
+                     "chosen": [{"role": "assistant", "content": f"<think>\nAdd {index} and {2 * index}, then check "
+                                 f"it digit by digit.\n</think>\n\nThe sum is {total}."}],
+                     "rejected": [{"role": "assistant", "content": rejected}]})
+    return rows
+
+
+@pytest.mark.parametrize("stage", ["dpo", "reward", "kto", "sft"])
+def test_every_stage_prepares_r1_answers_with_their_reasoning_and_audits_it(tokenizer, stage, tmp_path):
+    """Prepared through src/data.py as a run prepares them: every stage trains the reasoning after the generation
+    prompt's <think>, and the data audit counts it."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import format_summary, prepare_data
+
+    _use(tokenizer, "deepseek-r1-distill")
+    path = write_jsonl(tmp_path / "r1.jsonl", _r1_pairs(40))
+    data = DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
+                         kto_from_pairs=stage == "kto")
+    prepared = prepare_data(data, SFTArguments(), stage, 0, tokenizer, tmp_path / "cache")
+    row = prepared.train[0]
+    sequence = {"dpo": lambda: row["prompt_ids"] + row["chosen_ids"], "reward": lambda: row["chosen_ids"],
+                "kto": lambda: row["prompt_ids"] + row["completion_ids"], "sft": lambda: row["input_ids"]}[stage]()
+    text = tokenizer.decode(sequence)
+    assert "<｜Assistant｜><think>\n" in text and "</think>\n\nThe sum is" in text and text.endswith(R1_EOS)
+    assert "then check it digit by digit" in text or stage == "kto"  # a KTO row may be a rejected answer
+    train = prepared.summary["audit"]["train"]
+    side = "completion" if stage in ("kto", "sft") else "chosen"
+    assert train[f"{side}_reasoning_share"] == 1.0 and train[f"{side}_reasoning_tokens"]["mean"] > 5
+    assert "reasoning: kept (--reasoning keep, the default)" in format_summary(prepared.summary)
+    if stage == "dpo":
+        assert train["only_reasoning_differs_share"] == pytest.approx(10 / 32, abs=0.1)
+
+
+def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit_names_the_flags(tokenizer, tmp_path):
+    from conftest import write_jsonl
+    from src.audit.findings import data_alerts
+    from src.config import DataArguments, SFTArguments
+    from src.data import format_summary, prepare_data
+
+    _use(tokenizer, "deepseek-r1-distill")
+    path = write_jsonl(tmp_path / "r1.jsonl", _r1_pairs(60))
+    short = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=24), SFTArguments(),
+                         "dpo", 0, tokenizer, tmp_path / "keep")
+    codes = {alert.code: alert for alert in data_alerts(short.summary["audit"], "dpo")}
+    assert "--max_length" in codes["data_reasoning_cut"].advice and "--reasoning drop" in codes[
+        "data_reasoning_cut"].advice
+    assert "--reasoning drop" in codes["data_only_reasoning_differs"].advice
+    dropped = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
+                                         reasoning="drop"), SFTArguments(), "dpo", 0, tokenizer, tmp_path / "drop")
+    assert dropped.summary["splits"]["train"]["identical_pairs"] > 0  # the pairs that differed only in reasoning
+    assert "reasoning: dropped (--reasoning drop)" in format_summary(dropped.summary)
+    for row in dropped.train:
+        assert tokenizer.decode(row["chosen_ids"]).startswith("\n</think>\n\nThe sum is")
+    assert "chosen_reasoning_cut_share" not in dropped.summary["audit"]["train"]

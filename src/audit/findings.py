@@ -12,6 +12,8 @@ Thresholds and where they come from (docs/data-audit.md has the table):
 - near-identical pairs: 20% or more share over 80% of the shorter answer's tokens from the start (DPO-Positive).
 - duplicates: 5% or more of the rows repeat an earlier row; a held-out split with 5% or more of its prompts in train.
 - chosen == rejected: 5% or more of the rows (dropped; usually a broken export upstream).
+- reasoning: --max_length cuts into the reasoning of 5% or more of the answers (the truncation threshold); 20% or more
+  of the pairs differ only in their reasoning, or only in their final answer (the near-identical threshold).
 - the reference already ranks 90% or more of the pairs the labels' way, by summed and by per-token log-probs: little
   left for DPO to teach
   (reference ranking accuracy is mostly below 60%, arXiv 2405.19534).
@@ -101,6 +103,7 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
              f"{_percent(truncated)} of sequences are longer than --max_length"),
             f"A cut answer teaches a cut answer (and its end is what a pair's preference is often about): "
             f"--max_length {train.get('suggested_max_length')} keeps 99% of them whole.", code="data_truncation"))
+    alerts += reasoning_alerts(train)
     duplicates = train.get("duplicate_share") or 0
     if duplicates >= DUPLICATES:
         alerts.append(Alert(
@@ -136,6 +139,40 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
             f"labels' way ({_percent(train.get('reference_agreement_per_token'))} per token)",
             "Little is left for DPO to teach: margins will saturate early. Use harder pairs (rejected answers the "
             "model itself gives: --rounds), or fewer steps.", code="data_reference_agrees"))
+    return alerts
+
+
+def reasoning_alerts(train: dict) -> list[Alert]:
+    """The data audit's reasoning numbers (src/audit/pairs.py reasoning_audit): reasoning cut by --max_length, and
+    pairs that differ only in their reasoning or only in their final answer."""
+    alerts = []
+    cut = {side: train.get(f"{side}_reasoning_cut_share") for side in ("chosen", "rejected", "completion")}
+    cut = {side: share for side, share in cut.items() if share is not None}
+    if cut and max(cut.values()) >= TRUNCATED:
+        which = ", ".join(f"{_percent(share)} of {side} answers" for side, share in cut.items())
+        alerts.append(Alert(
+            "warning", f"--max_length cuts into the reasoning of {_percent(max(cut.values()))} of the answers",
+            f"prompt + reasoning reach --max_length in {which}: those answers train without reaching their final "
+            "answer (or the end of their reasoning)",
+            f"--max_length {train.get('suggested_max_length')} keeps 99% of the pairs whole; or train on the final "
+            "answers alone (--reasoning drop).", code="data_reasoning_cut"))
+    only_reasoning = train.get("only_reasoning_differs_share") or 0
+    if only_reasoning >= NEAR_IDENTICAL:
+        alerts.append(Alert(
+            "warning", f"{_percent(only_reasoning)} of pairs differ only in their reasoning",
+            f"in {_percent(only_reasoning)} of training pairs chosen and rejected reach the same final answer by "
+            "different reasoning",
+            "Those pairs teach which reasoning to prefer, not which answer: intended for process preferences; with "
+            "--reasoning drop they are identical and dropped.", code="data_only_reasoning_differs"))
+    only_answer = train.get("only_answer_differs_share") or 0
+    if only_answer >= NEAR_IDENTICAL:
+        alerts.append(Alert(
+            "warning", f"{_percent(only_answer)} of pairs share their reasoning and differ only in the final answer",
+            f"in {_percent(only_answer)} of training pairs chosen and rejected reason the same way, then answer "
+            "differently",
+            "The preference rests on the few tokens after the reasoning, and the shared reasoning is pushed up and "
+            "down at once (as in near-identical pairs): add the SFT term (--loss_type sigmoid sft --loss_weights 1 "
+            "0.4), or train on the final answers alone (--reasoning drop).", code="data_only_answer_differs"))
     return alerts
 
 
