@@ -236,6 +236,25 @@ def _rewrite_message(rendered_answer: str, answer: list[dict]) -> str:
             "answers alone (--reasoning drop)")
 
 
+def final_answer(text: str) -> str:
+    """What a judge scores by default: the answer after its reasoning ("" when the reasoning never closed: an answer
+    cut before it reached one)."""
+    return split_reasoning({"content": text}).content
+
+
+def reasoning_of(text: str) -> str | None:
+    """A generated answer's reasoning (None: it has none)."""
+    return split_reasoning({"content": text}).reasoning
+
+
+def opened_reasoning(tokenizer, prompt_ids: list[int]) -> str:
+    """The reasoning block a generation prompt leaves open for the model to continue (DeepSeek-R1's "<think>\n"), or
+    "": prepended to a generated answer, it makes the answer say where its reasoning starts and whether it closed."""
+    tail = tokenizer.decode(prompt_ids[-16:])
+    start = tail.rfind(THINK_OPEN)
+    return tail[start:] if start >= 0 and tail.rfind(THINK_CLOSE) < start else ""
+
+
 def conversation_ids(tokenizer, prompt: list[dict], answer: list[dict], keep_reasoning: bool = True,
                      chat_template: str | None = None, **template_kwargs) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids): the ids generation starts from, and the answer's ids as the model generates them
