@@ -18,7 +18,8 @@ Thresholds and where they come from (docs/data-audit.md has the table):
   left for DPO to teach
   (reference ranking accuracy is mostly below 60%, arXiv 2405.19534).
 - answers: 1.5 times longer after the stage; 5% or more degenerate (repetition) and more than before; 10% or more cut
-  at --max_new_tokens and 5 points more than before.
+  at --max_new_tokens and 5 points more than before; 5% or more cut inside their reasoning (no final answer), or
+  ending without closing it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ ANSWERS_LONGER = 1.5
 REPETITION = 0.05
 CUT = 0.10
 CUT_RISE = 0.05
+REASONING_CUT = 0.05
 
 PREFERENCE = ("dpo", "reward")
 
@@ -206,6 +208,24 @@ def answer_alerts(answers: dict) -> list[Alert]:
             f"{split}: {_percent(before)} before → {_percent(after)} after did not end within --max_new_tokens",
             "The model stopped ending its answers (or writes longer ones): raise --max_new_tokens to see them whole; "
             "if they loop, see the repetition advice.", code="answers_cut"))
+    cut = audit.get("cut_in_reasoning_share_after") or 0
+    if cut >= REASONING_CUT:
+        alerts.append(Alert(
+            "warning", f"{_percent(cut)} of answers run out of --max_new_tokens inside their reasoning",
+            f"{split}: {_percent(cut)} of the trained model's answers were cut before their reasoning closed (no "
+            f"final answer to judge); reasoning runs {audit['reasoning_length_after']['median']} tokens (median)",
+            "Raise --max_new_tokens past the reasoning lengths (the judges score the final answer, so these count as "
+            "wrong), or shorten the reasoning the model learns (shorter reasoning in the SFT data, or --reasoning "
+            "drop).", code="answers_cut_in_reasoning"))
+    unclosed = (audit.get("unclosed_share_after") or 0) - cut  # ended without closing its reasoning
+    if unclosed >= REASONING_CUT:
+        alerts.append(Alert(
+            "warning", f"{_percent(unclosed)} of answers end without closing their reasoning",
+            f"{split}: {_percent(unclosed)} of the trained model's answers stop (end of sequence) inside their "
+            "reasoning, with no </think> and no final answer",
+            "The model learned to stop inside its reasoning: check that the training answers close it (the data "
+            "audit's reasoning line), and that the chat template renders it (--chat_template_path).",
+            code="answers_unclosed_reasoning"))
     return alerts
 
 
