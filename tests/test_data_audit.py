@@ -229,6 +229,11 @@ def test_reasoning_answers_are_measured_apart_and_cut_reasoning_names_max_new_to
     alerts = {alert.code: alert for alert in audit_alerts({"stage": "dpo", "answers": {"test": audit}})}
     assert "--max_new_tokens" in alerts["answers_cut_in_reasoning"].advice
     assert "answers_unclosed_reasoning" in alerts
+    from src.reporting.audit import answers_section
+
+    section = "\n".join(answers_section({"test": audit}))
+    assert "| cut inside the reasoning (no answer) | 0.0% → 30.0% |" in section
+    assert "| reasoning tokens: median before → after | 3 → 8 |" in section
 
 
 def test_a_judge_that_fails_on_the_datas_own_pairs_is_one_line(tmp_path, capsys, preference_file):
