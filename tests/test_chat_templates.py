@@ -19,7 +19,7 @@ TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
             "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
             "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
-            "<｜tool▁output▁end｜>", "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+            "<｜tool▁output▁end｜>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
             "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|begin_of_text|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 
@@ -148,7 +148,7 @@ TABLE = [(template, case) for template, cases in EXPECTED.items() for case in ca
 @pytest.fixture(scope="module")
 def tokenizer():
     """A byte-level BPE tokenizer that knows every template's special tokens (the ids differ from the real models',
-    the boundary between prompt and answer does not)."""
+    the boundary between prompt and answer does not); <think> and </think> are added tokens that decoding keeps."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -158,8 +158,10 @@ def tokenizer():
     model.decoder = decoders.ByteLevel()
     model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
-                                   eos_token="<｜end▁of▁sentence｜>")
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
+                                      eos_token="<｜end▁of▁sentence｜>")
+    wrapped.add_tokens(["<think>", "</think>"])  # added, not special, as in DeepSeek-R1's and Qwen3's tokenizers
+    return wrapped
 
 
 def _use(tokenizer, template: str) -> dict:
@@ -304,3 +306,20 @@ def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit
     for row in dropped.train:
         assert tokenizer.decode(row["chosen_ids"]).startswith("\n</think>\n\nThe sum is")
     assert "chosen_reasoning_cut_share" not in dropped.summary["audit"]["train"]
+
+
+def test_a_sampled_r1_answer_prepared_as_a_round_pair_trains_the_ids_the_model_generated(tokenizer):
+    """On-policy rounds: the answer generated after R1's "<think>\n" (decoded, prefixed with the block its prompt
+    opened: src/generation.py), written as a pair and prepared, trains exactly the ids that were generated."""
+    from src.chat_templates import opened_reasoning
+    from src.rounds import _as_answer
+
+    _use(tokenizer, "deepseek-r1-distill")
+    prompt_ids = tokenizer.apply_chat_template([QUESTION], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    generated = tokenizer(f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}", add_special_tokens=False)["input_ids"]
+    text = opened_reasoning(tokenizer, prompt_ids) + tokenizer.decode(generated, skip_special_tokens=True)
+    assert text == f"<think>\n{REASONING}\n</think>\n\n{FINAL}"
+    pair = {"prompt": [QUESTION], "chosen": _as_answer([QUESTION], text), "rejected": _as_answer([QUESTION], "x")}
+    ids = tokenize_preference(pair, tokenizer)
+    assert ids["prompt_ids"] == prompt_ids and ids["chosen_ids"] == generated
