@@ -28,6 +28,7 @@ generating the answer.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ def template_label(tokenizer) -> str:
     return f"the chat template of {name}" if name else "the model's chat template"
 
 
+@functools.lru_cache(maxsize=8)  # once per template, not once per row
 def reasoning_syntax(template: str) -> ReasoningSyntax:
     """The template's way with reasoning, read from its text: Qwen3 reads `reasoning_content`, gpt-oss `thinking`;
     DeepSeek-R1 and Qwen3 know `</think>`."""
@@ -169,22 +171,33 @@ def _common_prefix(first: str, second: str) -> int:
     return length
 
 
+def answer_texts(tokenizer, prompt: list[dict], answers: list[list[dict]], keep_reasoning: bool = True,
+                 chat_template: str | None = None, **template_kwargs) -> tuple[str, list[str]]:
+    """(the prompt as generation starts from it, each answer as the model writes it from there): see the module's
+    docstring for how an answer is placed. The answers share the prompt (a pair's chosen and rejected)."""
+    syntax = reasoning_syntax(template_source(tokenizer, chat_template))
+    kwargs = {"chat_template": chat_template, **template_kwargs}
+    generation_prompt = _render(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+    texts = []
+    for answer in answers:
+        answer = [placed(message, syntax, keep_reasoning) for message in answer]
+        full = _render(tokenizer, prompt + answer, **kwargs)
+        if full.startswith(generation_prompt) and _holds(full[len(generation_prompt):], answer):
+            texts.append(full[len(generation_prompt):])
+            continue
+        try:
+            texts.append(_spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs))
+        except _Rewritten:
+            raise TemplateCannotExpress(_rewrite_message(full[_common_prefix(full, generation_prompt):],
+                                                         answer)) from None
+    return generation_prompt, texts
+
+
 def answer_text(tokenizer, prompt: list[dict], answer: list[dict], keep_reasoning: bool = True,
                 chat_template: str | None = None, **template_kwargs) -> tuple[str, str]:
-    """(the prompt as generation starts from it, the answer as the model writes it from there): see the module's
-    docstring for how the answer is placed."""
-    template = template_source(tokenizer, chat_template)
-    syntax = reasoning_syntax(template)
-    kwargs = {"chat_template": chat_template, **template_kwargs}
-    answer = [placed(message, syntax, keep_reasoning) for message in answer]
-    generation_prompt = _render(tokenizer, prompt, add_generation_prompt=True, **kwargs)
-    full = _render(tokenizer, prompt + answer, **kwargs)
-    if full.startswith(generation_prompt) and _holds(full[len(generation_prompt):], answer):
-        return generation_prompt, full[len(generation_prompt):]
-    try:
-        return generation_prompt, _spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs)
-    except _Rewritten:
-        raise TemplateCannotExpress(_rewrite_message(full[_common_prefix(full, generation_prompt):], answer)) from None
+    """answer_texts for one answer."""
+    prompt_text, (text,) = answer_texts(tokenizer, prompt, [answer], keep_reasoning, chat_template, **template_kwargs)
+    return prompt_text, text
 
 
 class _Rewritten(Exception):
@@ -255,13 +268,14 @@ def opened_reasoning(tokenizer, prompt_ids: list[int]) -> str:
     return tail[start:] if start >= 0 and tail.rfind(THINK_CLOSE) < start else ""
 
 
-def conversation_ids(tokenizer, prompt: list[dict], answer: list[dict], keep_reasoning: bool = True,
-                     chat_template: str | None = None, **template_kwargs) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids): the ids generation starts from, and the answer's ids as the model generates them
-    (tokenized on their own: generation continues the prompt's ids, it never re-tokenizes across the boundary)."""
-    prompt_text, answer_part = answer_text(tokenizer, prompt, answer, keep_reasoning, chat_template, **template_kwargs)
-    return (tokenizer(prompt_text, add_special_tokens=False)["input_ids"],
-            tokenizer(answer_part, add_special_tokens=False)["input_ids"])
+def conversation_ids(tokenizer, prompt: list[dict], *answers: list[dict], keep_reasoning: bool = True,
+                     chat_template: str | None = None, **template_kwargs) -> tuple[list[int], ...]:
+    """(prompt ids, each answer's ids): the ids generation starts from, and each answer's ids as the model generates
+    them (tokenized on their own: generation continues the prompt's ids, it never re-tokenizes across the boundary)."""
+    prompt_text, texts = answer_texts(tokenizer, prompt, list(answers), keep_reasoning, chat_template,
+                                      **template_kwargs)
+    ids = tokenizer([prompt_text, *texts], add_special_tokens=False)["input_ids"]
+    return tuple(ids)
 
 
 def tools_argument(row: dict) -> dict:

@@ -865,9 +865,9 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> di
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
     if is_conversational(row):
-        kwargs = _template_kwargs(row)
-        prompt_ids, chosen_ids = conversation_ids(tokenizer, row["prompt"], row["chosen"], keep_reasoning, **kwargs)
-        _, rejected_ids = conversation_ids(tokenizer, row["prompt"], row["rejected"], keep_reasoning, **kwargs)
+        prompt_ids, chosen_ids, rejected_ids = conversation_ids(
+            tokenizer, row["prompt"], row["chosen"], row["rejected"], keep_reasoning=keep_reasoning,
+            **_template_kwargs(row))
         return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
     eos = tokenizer.eos_token
     chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
@@ -891,8 +891,8 @@ def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
     if is_conversational(row):
-        prompt_ids, completion_ids = conversation_ids(tokenizer, row["prompt"], row["completion"], keep_reasoning,
-                                                      **_template_kwargs(row))
+        prompt_ids, completion_ids = conversation_ids(tokenizer, row["prompt"], row["completion"],
+                                                      keep_reasoning=keep_reasoning, **_template_kwargs(row))
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
     eos = tokenizer.eos_token
     completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
@@ -943,15 +943,15 @@ def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template:
                 full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
                 return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
             prompt, answer = row["messages"][:assistant[-1]], row["messages"][assistant[-1]:]
-        prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, keep_reasoning, **kwargs)
+        prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, keep_reasoning=keep_reasoning, **kwargs)
         input_ids = prompt_ids + answer_ids
-        # TRL's rendering of the whole chat, for its assistant masks where it is this very sequence; where the template
-        # rewrote the answer, the answer's tokens are the assistant's.
-        full = _tokenize(tokenizer, prompt + answer, return_assistant_tokens_mask=assistant_only_loss, **kwargs)
         output = {"input_ids": input_ids}
         if "prompt" in row:
             output["completion_mask"] = [0] * len(prompt_ids) + [1] * len(answer_ids)
         if assistant_only_loss:
+            # TRL's masks (the template's generation blocks) where its rendering of the chat is this very sequence;
+            # where the template rewrote the answer, the answer's tokens are the assistant's.
+            full = _tokenize(tokenizer, prompt + answer, return_assistant_tokens_mask=True, **kwargs)
             output["assistant_masks"] = (full["assistant_masks"] if full["input_ids"] == input_ids
                                          and "assistant_masks" in full else
                                          [0] * len(prompt_ids) + [1] * len(answer_ids))

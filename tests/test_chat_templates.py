@@ -77,7 +77,8 @@ EXPECTED = {
         "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
     },
-    "deepseek-r1-distill-first-release": {  # the distills' template as first released: generation prompt without <think>
+    # The distills' template as first released: its generation prompt without <think>.
+    "deepseek-r1-distill-first-release": {
         "plain": f"{FINAL}{R1_EOS}",
         "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
         "reasoning_field": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
@@ -230,7 +231,7 @@ def test_r1_answers_keep_their_reasoning_where_trls_common_prefix_drops_it(token
     assert sft["input_ids"] == ours["prompt_ids"] + ours["chosen_ids"]
     assert sft["completion_mask"] == [0] * len(ours["prompt_ids"]) + [1] * len(ours["chosen_ids"])
     chat = tokenize_sft({"messages": EARLIER + R1_ROW["chosen"]}, tokenizer, True, None)
-    earlier = conversation_ids(tokenizer, EARLIER, R1_ROW["chosen"])
+    earlier = conversation_ids(tokenizer, EARLIER, R1_ROW["chosen"])  # (prompt ids, answer ids)
     assert chat["input_ids"] == earlier[0] + earlier[1]
     assert chat["assistant_masks"] == [0] * len(earlier[0]) + [1] * len(earlier[1])
 
