@@ -324,3 +324,23 @@ def test_a_sampled_r1_answer_prepared_as_a_round_pair_trains_the_ids_the_model_g
     pair = {"prompt": [QUESTION], "chosen": _as_answer([QUESTION], text), "rejected": _as_answer([QUESTION], "x")}
     ids = tokenize_preference(pair, tokenizer)
     assert ids["prompt_ids"] == prompt_ids and ids["chosen_ids"] == generated
+
+
+def test_tool_call_pairs_from_a_file_prepare_as_generated_with_r1s_template(tokenizer, tmp_path):
+    """Tool calls and plain answers in one column of a file, prepared with DeepSeek-R1's template: each trains as R1
+    writes it, after an empty reasoning block."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+
+    _use(tokenizer, "deepseek-r1")
+    call = {"type": "function", "function": {"name": "add", "arguments": json.dumps({"a": 40, "b": 2})}}
+    calls = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    rows = [{"prompt": [QUESTION], "chosen": calls if index % 2 else [{"role": "assistant", "content": FINAL}],
+             "rejected": [{"role": "assistant", "content": f"The sum is {41 + index}."}]} for index in range(12)]
+    data = DataArguments(dataset_name=str(write_jsonl(tmp_path / "calls.jsonl", rows)), val_size=2, test_size=2,
+                         max_length=256)
+    prepared = prepare_data(data, SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
+    chosen = {tokenizer.decode(row["chosen_ids"]) for row in prepared.train}
+    assert chosen == {f"\n</think>\n\n{R1_CALL}", f"\n</think>\n\n{FINAL}{R1_EOS}"}
+    assert all(tokenizer.decode(row["rejected_ids"]).startswith("\n</think>\n\nThe sum is ") for row in prepared.train)
