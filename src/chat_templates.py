@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # where data sets put an answer's reasoning
@@ -158,17 +159,12 @@ def _holds(text: str, messages: list[dict]) -> bool:
     return True
 
 
+def _common_prefix_length(first: str, second: str) -> int:
+    return len(os.path.commonprefix([first, second]))
+
+
 def _render(tokenizer, messages: list[dict], **kwargs) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-
-
-def _common_prefix(first: str, second: str) -> int:
-    length = 0
-    for a, b in zip(first, second):
-        if a != b:
-            break
-        length += 1
-    return length
 
 
 def answer_texts(tokenizer, prompt: list[dict], answers: list[list[dict]], keep_reasoning: bool = True,
@@ -188,7 +184,7 @@ def answer_texts(tokenizer, prompt: list[dict], answers: list[list[dict]], keep_
         try:
             texts.append(_spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs))
         except _Rewritten:
-            raise TemplateCannotExpress(_rewrite_message(full[_common_prefix(full, generation_prompt):],
+            raise TemplateCannotExpress(_rewrite_message(full[_common_prefix_length(full, generation_prompt):],
                                                          answer)) from None
     return generation_prompt, texts
 
@@ -222,7 +218,7 @@ def _spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs) -> st
     block = reasoning_block(parts.reasoning)
     # The turn's header (R1's "<｜Assistant｜>") is what the turn and the generation prompt share; past it the generation
     # prompt opens the reasoning block (R1's "<think>\n"). Backed off to where the block starts ("<" is shared too).
-    header = _common_prefix(opener, turn)
+    header = _common_prefix_length(opener, turn)
     while header and not block.startswith(opener[header:]):
         header -= 1
     opened = opener[header:]

@@ -158,23 +158,21 @@ def reasoning_alerts(train: dict) -> list[Alert]:
             "answer (or the end of their reasoning)",
             f"--max_length {train.get('suggested_max_length')} keeps 99% of the pairs whole; or train on the final "
             "answers alone (--reasoning drop).", code="data_reasoning_cut"))
-    only_reasoning = train.get("only_reasoning_differs_share") or 0
-    if only_reasoning >= NEAR_IDENTICAL:
-        alerts.append(Alert(
-            "warning", f"{_percent(only_reasoning)} of pairs differ only in their reasoning",
-            f"in {_percent(only_reasoning)} of training pairs chosen and rejected reach the same final answer by "
-            "different reasoning",
-            "Those pairs teach which reasoning to prefer, not which answer: intended for process preferences; with "
-            "--reasoning drop they are identical and dropped.", code="data_only_reasoning_differs"))
-    only_answer = train.get("only_answer_differs_share") or 0
-    if only_answer >= NEAR_IDENTICAL:
-        alerts.append(Alert(
-            "warning", f"{_percent(only_answer)} of pairs share their reasoning and differ only in the final answer",
-            f"in {_percent(only_answer)} of training pairs chosen and rejected reason the same way, then answer "
-            "differently",
-            "The preference rests on the few tokens after the reasoning, and the shared reasoning is pushed up and "
-            "down at once (as in near-identical pairs): add the SFT term (--loss_type sigmoid sft --loss_weights 1 "
-            "0.4), or train on the final answers alone (--reasoning drop).", code="data_only_answer_differs"))
+    differ_only = (
+        ("only_reasoning_differs_share", "differ only in their reasoning", "reach the same final answer by different "
+         "reasoning", "Those pairs teach which reasoning to prefer, not which answer: intended for process "
+         "preferences; with --reasoning drop they are identical and dropped.", "data_only_reasoning_differs"),
+        ("only_answer_differs_share", "share their reasoning and differ only in the final answer", "reason the same "
+         "way, then answer differently", "The preference rests on the few tokens after the reasoning, and the shared "
+         "reasoning is pushed up and down at once (as in near-identical pairs): add the SFT term (--loss_type sigmoid "
+         "sft --loss_weights 1 0.4), or train on the final answers alone (--reasoning drop).",
+         "data_only_answer_differs"))
+    for key, title, evidence, advice, code in differ_only:
+        share = train.get(key) or 0
+        if share >= NEAR_IDENTICAL:
+            alerts.append(Alert("warning", f"{_percent(share)} of pairs {title}",
+                                f"in {_percent(share)} of training pairs chosen and rejected {evidence}", advice,
+                                code=code))
     return alerts
 
 
