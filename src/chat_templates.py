@@ -9,7 +9,7 @@ template's end of turn. TRL 1.16 instead keeps the common prefix of the template
 its distills cut every assistant message to what follows its last `</think>` while their generation prompt opens
 `<think>\\n`, which trains the final answers without their reasoning, on a sequence the model never meets.
 
-How an answer is placed (`answer_text`):
+How an answer is placed (`answer_texts`):
 1. Its reasoning goes where the template reads it: a `reasoning_content` or `thinking` field when the template reads
    one, else inline as `<think>\\n…\\n</think>\\n\\n` when the template knows those tags (the data may hold it in either
    shape: a field beside the content, or the tags inside it).
@@ -49,13 +49,9 @@ class ReasoningSyntax:
     field: str | None
     tags: bool
 
-    @property
-    def expresses_reasoning(self) -> bool:
-        return self.field is not None or self.tags
-
 
 def template_source(tokenizer, chat_template: str | None = None) -> str:
-    """The Jinja text a row is rendered with (a named template of a dict of templates: all of them)."""
+    """The Jinja text a row is rendered with (a tokenizer with several named templates: all of them, joined)."""
     template = chat_template or getattr(tokenizer, "chat_template", None) or ""
     return " ".join(template.values()) if isinstance(template, dict) else template
 

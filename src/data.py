@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from src.chat_templates import (THINK_CLOSE, THINK_OPEN, TemplateCannotExpress, conversation_ids, split_reasoning,
-                                template_label, tools_argument)
+                                template_label, template_source, tools_argument)
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.progress import Progress
@@ -640,8 +640,7 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
 
 def chat_roles(tokenizer) -> list[str]:
     """The message roles a run accepts: TRL's, and any other role the tokenizer's chat template compares with."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = " ".join(template.values()) if isinstance(template, dict) else template
+    text = template_source(tokenizer)
     named = {first or second for first, second in _TEMPLATE_ROLE.findall(text)}
     for group in _TEMPLATE_ROLE_LIST.findall(text):
         named |= set(re.findall(r"""['"](\w+)['"]""", group))
@@ -651,9 +650,7 @@ def chat_roles(tokenizer) -> list[str]:
 def renders_content_parts(tokenizer) -> bool:
     """Whether the chat template reads message content given as a list of parts ([{"type": "text", "text": ...}]), as
     multimodal templates do; a text-only template prints such a list as its Python repr."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = " ".join(template.values()) if isinstance(template, dict) else template
-    return bool(_TEMPLATE_PARTS.search(text))
+    return bool(_TEMPLATE_PARTS.search(template_source(tokenizer)))
 
 
 def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str, origins: dict | None = None) -> None:
