@@ -225,6 +225,14 @@ class DataArguments:
     system_prompt: str | None = field(
         default=None, metadata={"help": "System message prepended to every conversational prompt that has none."}
     )
+    reasoning: str = field(
+        default="keep",
+        metadata={"help": "What a reasoning model trains on when the answers reason first (<think>…</think> in the "
+                  "content, or a reasoning_content / thinking field): keep = the reasoning and the final answer, as "
+                  "the model writes them after its generation prompt; drop = the final answers alone (the model "
+                  "learns to answer with an empty reasoning block where its template has one). The plan line says "
+                  "which is in force.", "choices": ["keep", "drop"]},
+    )
     val_size: float = field(
         default=0.05,
         metadata={"help": "Validation split carved from the training data when the source has none: a fraction (<1) "

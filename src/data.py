@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from src.chat_templates import (THINK_CLOSE, THINK_OPEN, TemplateCannotExpress, conversation_ids, split_reasoning,
+                                template_label, template_source, tools_argument)
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.progress import Progress
@@ -38,7 +40,9 @@ from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
-PREPARED_FORMAT = 7  # bump when the prepared layout changes, so old caches are not reused
+# Bump when the prepared layout or ids change, so old caches are not reused (8: chat answers as generation writes them,
+# src/chat_templates.py).
+PREPARED_FORMAT = 8
 PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
 # Prompts alone (a `prompt` column, no answers), prepared for on-policy rounds that start from them (src/rounds.py):
 # the preparation's stage and the shape it recognises.
@@ -637,8 +641,7 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
 
 def chat_roles(tokenizer) -> list[str]:
     """The message roles a run accepts: TRL's, and any other role the tokenizer's chat template compares with."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = " ".join(template.values()) if isinstance(template, dict) else template
+    text = template_source(tokenizer)
     named = {first or second for first, second in _TEMPLATE_ROLE.findall(text)}
     for group in _TEMPLATE_ROLE_LIST.findall(text):
         named |= set(re.findall(r"""['"](\w+)['"]""", group))
@@ -648,9 +651,7 @@ def chat_roles(tokenizer) -> list[str]:
 def renders_content_parts(tokenizer) -> bool:
     """Whether the chat template reads message content given as a list of parts ([{"type": "text", "text": ...}]), as
     multimodal templates do; a text-only template prints such a list as its Python repr."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = " ".join(template.values()) if isinstance(template, dict) else template
-    return bool(_TEMPLATE_PARTS.search(text))
+    return bool(_TEMPLATE_PARTS.search(template_source(tokenizer)))
 
 
 def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str, origins: dict | None = None) -> None:
@@ -798,6 +799,14 @@ def _text_of(value: Any) -> str:
     return ""
 
 
+def _says_something(value: Any) -> bool:
+    """Text, or a chat with some content, reasoning or tool call (an answer that only calls a tool is not empty)."""
+    if _text_of(value).strip():
+        return True
+    return _is_chat(value) and any(message.get("tool_calls") or split_reasoning(message).reasoning
+                                   for message in value)
+
+
 KEPT, EMPTY, IDENTICAL, TOO_LONG, UNDESIRABLE = 0, 1, 2, 3, 4  # a row's fate, stored per row while preparing (int8)
 
 
@@ -825,7 +834,13 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
             )
     if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
         raise DataError(f"{source} row {number}: 'chosen' and 'rejected' must both be text or both messages")
-    if any(not _text_of(row[column]).strip() for column in answer_columns or ("prompt",)):
+    for column in answer_columns:
+        messages = row[column] if _is_chat(row[column]) else [{"role": "assistant", "content": row[column]}]
+        if any(message.get("role") == "assistant" and not split_reasoning(message).closed for message in messages):
+            raise DataError(f"{source} row {number}: '{column}' opens {THINK_OPEN} and never closes it (an answer cut "
+                            f"inside its reasoning: no final answer to train); close it with {THINK_CLOSE} and the "
+                            "answer, or remove the row")
+    if any(not _says_something(row[column]) for column in answer_columns or ("prompt",)):
         return EMPTY  # an empty answer, or (prompts alone) an empty prompt
     if stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
         return IDENTICAL
@@ -838,28 +853,28 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
 
 
 def _template_kwargs(row: dict) -> dict:
-    tools = row.get("tools")
-    return {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+    return tools_argument(row)
 
 
-def tokenize_preference(row: dict, tokenizer) -> dict:
-    """prompt_ids / chosen_ids / rejected_ids exactly as TRL's DPOTrainer builds them."""
+def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+    """prompt_ids / chosen_ids / rejected_ids: for chats, the prompt as generation starts from it and each answer as
+    the model writes it from there (src/chat_templates.py; TRL's ids wherever the template does not rewrite the
+    answer); for text, as TRL's DPOTrainer builds them (EOS appended, the completion where the two diverge)."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
-    kwargs = _template_kwargs(row)
     if is_conversational(row):
-        prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-        chosen_full = _tokenize(tokenizer, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
-        rejected_full = _tokenize(tokenizer, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
-    else:
-        eos = tokenizer.eos_token
-        chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
-        rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
-        prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        chosen_full = _tokenize(tokenizer, row["prompt"] + chosen)["input_ids"]
-        rejected_full = _tokenize(tokenizer, row["prompt"] + rejected)["input_ids"]
-    # The completion starts where prompt and prompt+completion diverge (TRL's rule for templates that render the
-    # prompt alone differently).
+        prompt_ids, chosen_ids, rejected_ids = conversation_ids(
+            tokenizer, row["prompt"], row["chosen"], row["rejected"], keep_reasoning=keep_reasoning,
+            **_template_kwargs(row))
+        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+    eos = tokenizer.eos_token
+    chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
+    rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
+    prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
+    chosen_full = _tokenize(tokenizer, row["prompt"] + chosen)["input_ids"]
+    rejected_full = _tokenize(tokenizer, row["prompt"] + rejected)["input_ids"]
+    # The completion starts where prompt and prompt+completion diverge (a text prompt's last word may merge with the
+    # answer's first).
     prompt_length = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
     return {
         "prompt_ids": prompt_ids[:prompt_length],
@@ -868,30 +883,27 @@ def tokenize_preference(row: dict, tokenizer) -> dict:
     }
 
 
-def tokenize_unpaired(row: dict, tokenizer) -> dict:
-    """prompt_ids / completion_ids exactly as TRL's KTOTrainer builds them (EOS appended to text completions; the
-    completion starts where prompt and prompt+completion diverge)."""
+def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+    """prompt_ids / completion_ids: a chat's as generation sees them (src/chat_templates.py); text as TRL's
+    KTOTrainer builds them (EOS appended, the completion where prompt and prompt+completion diverge)."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
-    kwargs = _template_kwargs(row)
     if is_conversational(row):
-        prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-        full = _tokenize(tokenizer, row["prompt"] + row["completion"], **kwargs)["input_ids"]
-    else:
-        eos = tokenizer.eos_token
-        completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
-        prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        full = _tokenize(tokenizer, row["prompt"] + completion)["input_ids"]
+        prompt_ids, completion_ids = conversation_ids(tokenizer, row["prompt"], row["completion"],
+                                                      keep_reasoning=keep_reasoning, **_template_kwargs(row))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+    eos = tokenizer.eos_token
+    completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
+    prompt_ids = _tokenize(tokenizer, row["prompt"])["input_ids"]
+    full = _tokenize(tokenizer, row["prompt"] + completion)["input_ids"]
     prompt_length = common_prefix_length(prompt_ids, full)
     return {"prompt_ids": prompt_ids[:prompt_length], "completion_ids": full[prompt_length:]}
 
 
-def tokenize_reward(row: dict, tokenizer) -> dict:
-    """chosen_ids / rejected_ids (whole sequences: prompt and answer) exactly as TRL's RewardTrainer builds them.
-
-    RewardTrainer tokenizes prompt + answer in one piece (through the chat template for chats, with EOS appended to
-    text); DPO's prompt and completion ids are split from those very sequences, so joined they are the same ids."""
-    return reward_ids(tokenize_preference(row, tokenizer))
+def tokenize_reward(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+    """chosen_ids / rejected_ids (whole sequences: prompt and answer), the DPO pair's ids joined: what the reward
+    model scores is the prompt as generation starts from it followed by the answer as generated."""
+    return reward_ids(tokenize_preference(row, tokenizer, keep_reasoning))
 
 
 def reward_ids(pair: dict) -> dict:
@@ -910,30 +922,45 @@ def sft_chat_template(tokenizer, sft: SFTArguments) -> str | None:
     return None
 
 
-def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None) -> dict:
-    """input_ids (+ completion_mask / assistant_masks) exactly as TRL's SFTTrainer builds them."""
+def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None,
+                 keep_reasoning: bool = True) -> dict:
+    """input_ids (+ completion_mask / assistant_masks). A chat's answer is the one generation writes
+    (src/chat_templates.py): TRL's SFTTrainer ids (and its assistant masks) where the template renders the answer
+    as written; where it rewrites the last assistant turn, the prompt as generation starts from it and that turn as
+    generated (earlier turns stay as the prompt renders them, as generation sees them)."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
     kwargs = {"chat_template": chat_template, **_template_kwargs(row)}
     eos = tokenizer.eos_token
-    if "prompt" in row:
-        if is_conversational(row):
-            prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-            full = _tokenize(tokenizer, row["prompt"] + row["completion"],
-                             return_assistant_tokens_mask=assistant_only_loss, **kwargs)
-        else:
-            completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
-            prompt_ids = _tokenize(tokenizer, row["prompt"], chat_template=chat_template)["input_ids"]
-            full = _tokenize(tokenizer, row["prompt"] + completion, chat_template=chat_template)
-        prompt_length = common_prefix_length(prompt_ids, full["input_ids"])
-        output = {"input_ids": full["input_ids"],
-                  "completion_mask": [0] * prompt_length + [1] * (len(full["input_ids"]) - prompt_length)}
-        if "assistant_masks" in full:
-            output["assistant_masks"] = full["assistant_masks"]
-        return output
     if is_conversational(row):
-        full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
-        return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
+        if "prompt" in row:
+            prompt, answer = row["prompt"], row["completion"]
+        else:
+            assistant = [i for i, message in enumerate(row["messages"]) if message["role"] == "assistant"]
+            if not assistant:  # nothing the model answers: the chat trains as the template renders it
+                full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+                return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
+            prompt, answer = row["messages"][:assistant[-1]], row["messages"][assistant[-1]:]
+        prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, keep_reasoning=keep_reasoning, **kwargs)
+        input_ids = prompt_ids + answer_ids
+        output = {"input_ids": input_ids}
+        if "prompt" in row:
+            output["completion_mask"] = [0] * len(prompt_ids) + [1] * len(answer_ids)
+        if assistant_only_loss:
+            # TRL's masks (the template's generation blocks) where its rendering of the chat is this very sequence;
+            # where the template rewrote the answer, the answer's tokens are the assistant's.
+            full = _tokenize(tokenizer, prompt + answer, return_assistant_tokens_mask=True, **kwargs)
+            output["assistant_masks"] = (full["assistant_masks"] if full["input_ids"] == input_ids
+                                         and "assistant_masks" in full else
+                                         [0] * len(prompt_ids) + [1] * len(answer_ids))
+        return output
+    if "prompt" in row:
+        completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
+        prompt_ids = _tokenize(tokenizer, row["prompt"], chat_template=chat_template)["input_ids"]
+        full = _tokenize(tokenizer, row["prompt"] + completion, chat_template=chat_template)
+        prompt_length = common_prefix_length(prompt_ids, full["input_ids"])
+        return {"input_ids": full["input_ids"],
+                "completion_mask": [0] * prompt_length + [1] * (len(full["input_ids"]) - prompt_length)}
     text = row["text"] if row["text"].endswith(eos) else row["text"] + eos
     return {"input_ids": _tokenize(tokenizer, text, chat_template=chat_template)["input_ids"]}
 
@@ -1069,7 +1096,7 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "system_prompt", "val_size",
                                                    "test_size", "max_train_samples", "max_length",
-                                                   "label_column", "kto_from_pairs")},
+                                                   "label_column", "kto_from_pairs", "reasoning")},
         "kl_partners": KL_PARTNERS if stage == KTO_STAGE else None,
         "assistant_only_loss": sft.assistant_only_loss if stage == "sft" else None,
         "seed": seed,
@@ -1197,14 +1224,15 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
             "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
         )
     item, ids, length = {}, {}, 0
-    with _template_refusals(where, number):
+    keep = data.reasoning != "drop"
+    with _template_refusals(where, number, tokenizer):
         if status == KEPT:
             if stage == KTO_STAGE:
-                item = ids = tokenize_unpaired(row, tokenizer)
+                item = ids = tokenize_unpaired(row, tokenizer, keep)
                 length = len(item["prompt_ids"]) + len(item["completion_ids"])
                 kept = len(item["prompt_ids"]) < data.max_length  # TRL's KTO rule, as for DPO
             elif stage == "dpo":
-                item = ids = tokenize_preference(row, tokenizer)
+                item = ids = tokenize_preference(row, tokenizer, keep)
                 length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
                 kept = len(item["prompt_ids"]) < data.max_length
@@ -1213,19 +1241,21 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
                 length = len(item["prompt_ids"])
                 kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
             elif stage == "reward":
-                ids = tokenize_preference(row, tokenizer)
+                ids = tokenize_preference(row, tokenizer, keep)
                 item = reward_ids(ids)
                 length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
                 # cut the answer whose last token the score is read from).
                 kept = length <= data.max_length
             else:
-                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template)
+                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template, keep)
                 length = len(item["input_ids"])
                 kept = _has_trainable_token(item, data.max_length, sft)
             status = KEPT if kept else TOO_LONG
+            if not keep and stage in PREFERENCE_STAGES and ids["chosen_ids"] == ids["rejected_ids"]:
+                status = IDENTICAL  # the answers differed only in their reasoning, which --reasoning drop removes
         record = {**_serializable(row), **item, "length": length, "_status": status,
-                  **row_fields(row, ids, source_row)}
+                  **row_fields(row, ids, source_row, tokenizer)}
         if "sample_prompt" in output_columns:
             record.update(sample_fields(row, tokenizer) if status == KEPT and held_out else
                           {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
@@ -1235,13 +1265,15 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
 
 
 @contextmanager
-def _template_refusals(source: str, number: int):
+def _template_refusals(source: str, number: int, tokenizer=None):
     """A chat template that raises on a row (raise_exception("Conversation roles must alternate ..."), an undefined
     field): one line naming the row, not a Jinja traceback from inside the tokenizing map."""
     from jinja2 import TemplateError
 
     try:
         yield
+    except TemplateCannotExpress as error:
+        raise DataError(f"{source} row {number}: {template_label(tokenizer)}: {error}") from None
     except TemplateError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(f"{source} row {number}: the chat template refused it ({reason}); fix the row or the "
@@ -1325,7 +1357,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = target / ".work"
     work.mkdir()
-    summary = {"stage": stage, "max_length": data.max_length}
+    summary = {"stage": stage, "max_length": data.max_length, "reasoning": data.reasoning}
     sources = mixture_sources(data)
     if not sources:
         location, shape, tokenized, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
@@ -1336,7 +1368,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                 add_kl_completions(_split_file(target, kind), seed, kind, location)
         summary |= {"source": location, "shape": shape, "splits": counts,
                     "audit": _audit({kind: [dataset] for kind, dataset in tokenized.items()}, counts, stage,
-                                    data.max_length)}
+                                    data.max_length, data.reasoning != "drop")}
     else:
         parts = []
         for number, (source, fraction) in enumerate(sources):
@@ -1351,7 +1383,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         for _, _, _, tokenized, _ in parts:
             for kind, dataset in tokenized.items():
                 pieces.setdefault(kind, []).append(dataset)
-        summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length)
+        summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length, data.reasoning != "drop")
     if stage == KTO_STAGE:
         check_kto_classes(summary["splits"]["train"], summary["source"])
     shutil.rmtree(work)
@@ -1447,7 +1479,7 @@ def source_rows(prepared: "PreparedData", kind: str):
     return np.load(path, mmap_mode="r") if path.exists() else None
 
 
-def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int) -> dict:
+def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int, reasoning_kept: bool = True) -> dict:
     """The data audit of every split (src/audit/pairs.py) from the tokenizing map's output, train first: a held-out
     split is also measured against the training prompts."""
     import numpy as np
@@ -1457,7 +1489,7 @@ def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int) -
     for kind in sorted(pieces, key=lambda kind: kind != "train"):
         statuses = np.concatenate([piece.data.column("_status").to_numpy() for piece in pieces[kind]])
         audits[kind] = split_audit(pieces[kind], stage, max_length, statuses, KEPT,
-                                   None if kind == "train" else train_prompts) | dropped[kind]
+                                   None if kind == "train" else train_prompts, reasoning_kept) | dropped[kind]
         if kind == "train":
             hashes = np.concatenate([piece.data.column("_prompt_hash").to_numpy() for piece in pieces[kind]])
             train_prompts = np.unique(hashes[(statuses == KEPT) & (hashes != NO_PROMPT)])
@@ -1681,4 +1713,21 @@ def format_summary(summary: dict) -> str:
             notes.append(f"{counts['truncated']} rows truncated to {summary['max_length']} tokens")
         suffix = f"; {'; '.join(notes)}" if notes else ""
         lines.append(f"  {kind:<10} {counts['kept']:>7} rows (longest {counts['longest_tokens']} tokens){suffix}")
-    return "\n".join(lines)
+    reasoning = reasoning_line(summary)
+    return "\n".join(lines + ([reasoning] if reasoning else []))
+
+
+def reasoning_line(summary: dict) -> str | None:
+    """Which reasoning is trained and why, when the training answers reason: the flag in force, how many answers
+    reason and how long."""
+    train = (summary.get("audit") or {}).get("train") or {}
+    side = next((side for side in ("chosen", "completion") if train.get(f"{side}_reasoning_share")), None)
+    if side is None:
+        return None
+    share, tokens = train[f"{side}_reasoning_share"], train[f"{side}_reasoning_tokens"]["mean"]
+    held = f"{share:.0%} of the {side} answers reason (mean {tokens:g} tokens)"
+    if summary.get("reasoning") == "drop":
+        return (f"  reasoning: dropped (--reasoning drop): {held}; the final answers alone are trained, after an empty "
+                "reasoning block where the template writes one")
+    return (f"  reasoning: kept (--reasoning keep, the default): {held}, trained as the model writes them after its "
+            "generation prompt; --reasoning drop trains the final answers alone")

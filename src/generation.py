@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from src.audit.answers import answer_record
+from src.chat_templates import THINK_CLOSE, opened_reasoning
 from src.config import World
 from src.distributed import map_across_ranks
 
@@ -72,6 +73,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
         eos_token_id=sorted(i for i in eos_ids if i is not None), pad_token_id=tokenizer.pad_token_id,
     )
     answers: list = [""] * len(prompts)
+    close_ids = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]  # where an answer's reasoning ends
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -84,8 +86,12 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
                                     logits_processor=processors)
             width = input_ids.shape[1]
             texts = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+            # An answer continuing a reasoning block its prompt opened (DeepSeek-R1's "<think>\n") starts with it, so
+            # judges, audits and round pairs see where its reasoning starts and whether it closed.
+            texts = [opened_reasoning(tokenizer, prompts[index]) + text for index, text in zip(batch, texts)]
             for row, (index, text) in enumerate(zip(batch, texts)):
-                answers[index] = answer_record(text, output[row, width:].tolist(), eos_ids) if details else text
+                answers[index] = answer_record(text, output[row, width:].tolist(), eos_ids, close_ids) if details \
+                    else text
             if on_batch:
                 on_batch(len(batch))
     model.train(was_training)

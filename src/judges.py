@@ -6,10 +6,12 @@
     judge = judge_for(config.training.judge, config.data.dataset_name)   # what --judge names, or None
     scores = judge.scores(rows, answers)        # one number per (row, answer): on-policy rounds (src/rounds.py)
 
---judge module:function brings a user's own check (a math answer checker, unit tests): `function(row, answer)`
-returns a number, higher is better (a bool counts as 0/1), or a dict with a numeric "score" and boolean
-sub-criteria; it is called once per answer, on every process for its share. A judge that raises or returns anything
-else stops the run with one line naming the prompt and the value (JudgeError).
+Every judge scores an answer's final answer, after its reasoning (`<think>…</think>`; an answer whose reasoning never
+closed has none: ""). --judge module:function brings a user's own check (a math answer checker, unit tests):
+`function(row, answer)` (or `function(row, answer, reasoning)`, to read the reasoning too) returns a number, higher is
+better (a bool counts as 0/1), or a dict with a numeric "score" and boolean sub-criteria; it is called once per
+answer, on every process for its share. A judge that raises or returns anything else stops the run with one line
+naming the prompt and the value (JudgeError).
 
 `rows` are dicts with at least "prompt" (str, or a list of chat messages) and "meta" (dict), optionally "chosen".
 The per-sample verdicts go into `samples_<split>.jsonl`, the aggregates (`JudgeResult.to_dict()`) into
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 import math
 import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from src.chat_templates import final_answer, reasoning_of
 from src.config import EMBEDDED
 from src.distributed import map_across_ranks
 from src.embedded.tasks import check as check_embedded_answer
@@ -113,11 +117,19 @@ class ProgrammaticJudge(Judge):
         self.check = check
         self.metric = metric
         self.name = name
+        try:
+            self.wants_reasoning = "reasoning" in inspect.signature(check).parameters
+        except (TypeError, ValueError):  # a builtin or C function: no signature to read
+            self.wants_reasoning = False
 
     def _verdict(self, row: dict, answer: str) -> dict:
         where = f"judge {self.name}, prompt {prompt_text(row.get('prompt'))!r}"
         try:
-            verdict = self.check(row, answer)
+            # The final answer by default (its reasoning apart); a check with a `reasoning` parameter gets that too.
+            if self.wants_reasoning:
+                verdict = self.check(row, final_answer(answer), reasoning=reasoning_of(answer))
+            else:
+                verdict = self.check(row, final_answer(answer))
         except Exception as error:  # the user's code: whatever it raises is named, with the prompt
             raise JudgeError(f"{where}: raised {type(error).__name__}: {error}") from error
         if isinstance(verdict, (int, float)):  # a bare number (or bool) is the score
@@ -188,6 +200,7 @@ class RewardModelJudge(Judge):
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def _input_ids(self, prompt: str | list, answer: str) -> list[int]:
+        answer = final_answer(answer)  # a reward model scores the final answer, as it was trained on answers
         if isinstance(prompt, list) and self.tokenizer.chat_template:
             ids = self.tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}],
                                                      tokenize=True, return_dict=True)["input_ids"]

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from src import run_files
+from src.chat_templates import split_reasoning
 from src.config import ConfigError, World
 from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
@@ -112,16 +113,22 @@ def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundS
 
 
 def form_pairs(rows: list[dict], judged: list[dict]) -> tuple[list[dict], dict]:
-    """Each prompt's best-scored answer (chosen) against its worst (rejected), the first of each in sampling order;
-    a prompt whose answers all score the same teaches nothing and is skipped. Returns the pairs and the counts."""
-    pairs, skipped = [], 0
+    """Each prompt's best-scored answer (chosen) against its worst (rejected), the first of each in sampling order,
+    among its answers whose reasoning (if any) closed; a prompt whose answers all score the same teaches nothing and is
+    skipped. Returns the pairs and the counts."""
+    pairs, skipped, unclosed = [], 0, 0
     for row, result in zip(rows, judged):
-        scores = result["scores"]
-        best, worst = max(scores), min(scores)
-        if best == worst:
+        # An answer cut inside its reasoning (no closing tag: no final answer) is judged but never paired: its text is
+        # not an answer the model finished, and preparation refuses a reasoning block that never closes.
+        whole = [index for index, answer in enumerate(result["answers"])
+                 if split_reasoning({"content": answer}).closed]
+        unclosed += len(result["answers"]) - len(whole)
+        scores = [result["scores"][index] for index in whole]
+        if not scores or max(scores) == min(scores):
             skipped += 1
             continue
-        chosen, rejected = scores.index(best), scores.index(worst)
+        best, worst = max(scores), min(scores)
+        chosen, rejected = whole[scores.index(best)], whole[scores.index(worst)]
         pairs.append({"prompt": row["prompt"],
                       "chosen": _as_answer(row["prompt"], result["answers"][chosen]),
                       "rejected": _as_answer(row["prompt"], result["answers"][rejected]),
@@ -129,6 +136,7 @@ def form_pairs(rows: list[dict], judged: list[dict]) -> tuple[list[dict], dict]:
                       "mean_score": sum(scores) / len(scores), "source_row": row["index"]})
     all_scores = [score for result in judged for score in result["scores"]]
     counts = {"prompts": len(rows), "answers": len(all_scores), "pairs": len(pairs), "skipped_all_equal": skipped,
+              "unclosed_answers": unclosed,
               "mean_score": sum(all_scores) / len(all_scores) if all_scores else None,
               "best_of_k_score": (sum(max(result["scores"]) for result in judged) / len(judged)) if judged else None}
     return pairs, counts
@@ -195,7 +203,9 @@ def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings,
                     record)
         best = counts["best_of_k_score"]
         print0(f"  round {round_index}: {counts['pairs']:,} pairs from {counts['prompts']:,} prompts "
-              f"({counts['skipped_all_equal']:,} skipped: all answers scored the same); mean score "
+              f"({counts['skipped_all_equal']:,} skipped: all answers scored the same"
+              + (f"; {counts['unclosed_answers']:,} answers cut inside their reasoning left out"
+                 if counts["unclosed_answers"] else "") + "); mean score "
               f"{counts['mean_score']:.3f}, best of {settings.samples} {best:.3f}; "
               f"{record['pairs_dir']}")
     barrier()

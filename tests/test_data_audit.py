@@ -203,6 +203,39 @@ def test_answers_that_grew_looped_and_were_cut_are_alerted_and_steady_ones_are_n
     assert answers_audit([{"reference_answer": "a", "trained_answer": "b"}]) is None  # a run from before the audit
 
 
+def test_reasoning_answers_are_measured_apart_and_cut_reasoning_names_max_new_tokens():
+    """An answer that reasons (its text starts with <think>): its reasoning tokens up to and with </think> (ids 9),
+    whether it closed; the audit's reasoning and final-answer lengths, the unclosed and cut-inside-reasoning shares."""
+    closed = answer_record("<think>\nhm\n</think>\n\n42", [5, 6, 9, 7, 0], eos_ids={0}, close_ids=[9])
+    assert (closed["tokens"], closed["reasoning_tokens"], closed["closed"]) == (4, 3, True)
+    cut = answer_record("<think>\nhm hm hm", [5, 6, 6, 6], eos_ids={0}, close_ids=[9])
+    assert (cut["reasoning_tokens"], cut["closed"], cut["ended"]) == (4, False, False)
+    assert "reasoning_tokens" not in answer_record("42", [7, 0], eos_ids={0}, close_ids=[9])
+
+    def sample(trained: dict) -> dict:
+        return {"reference_answer": "a", "trained_answer": "b",
+                "answer_stats": {"reference": {"tokens": 4, "ended": True, "repetition": 0.0,
+                                               "reasoning_tokens": 3, "closed": True},
+                                 "trained": {"repetition": 0.0, **trained}}}
+
+    samples = ([sample({"tokens": 10, "ended": True, "reasoning_tokens": 8, "closed": True})] * 6 +
+               [sample({"tokens": 16, "ended": False, "reasoning_tokens": 16, "closed": False})] * 3 +
+               [sample({"tokens": 5, "ended": True, "reasoning_tokens": 5, "closed": False})])
+    audit = answers_audit(samples)
+    assert audit["reasoning_share_after"] == 1.0 and audit["reasoning_length_after"]["median"] == 8.0
+    assert audit["final_answer_length_after"] == {"mean": 2.0, "median": 2.0}
+    assert audit["unclosed_share_after"] == pytest.approx(0.4) and audit["cut_in_reasoning_share_after"] == 0.3
+    assert audit["unclosed_share_before"] == 0.0
+    alerts = {alert.code: alert for alert in audit_alerts({"stage": "dpo", "answers": {"test": audit}})}
+    assert "--max_new_tokens" in alerts["answers_cut_in_reasoning"].advice
+    assert "answers_unclosed_reasoning" in alerts
+    from src.reporting.audit import answers_section
+
+    section = "\n".join(answers_section({"test": audit}))
+    assert "| cut inside the reasoning (no answer) | 0.0% → 30.0% |" in section
+    assert "| reasoning tokens: median before → after | 3 → 8 |" in section
+
+
 def test_a_judge_that_fails_on_the_datas_own_pairs_is_one_line(tmp_path, capsys, preference_file):
     status = audit_main(["--stage", "dpo", "--dataset_name", str(preference_file), "--results_dir",
                          str(tmp_path / "results"), "--judge", "tests.round_judges:not_a_number"])

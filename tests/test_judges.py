@@ -199,3 +199,50 @@ def test_a_reward_model_trained_with_trls_reward_trainer_judges_the_style_it_lea
                          ["good", "ok good", "the answer is good", "very fine"])
     assert result.details["outcomes"] == {"wins": 3, "ties": 1, "losses": 0}
     assert result.after == pytest.approx(3.5 / 4)
+
+
+# --------------------------------------------------------------------------------------------- reasoning answers
+
+
+THOUGHT = "<think>\nThe answer is 7? No, it is good.\n</think>\n\n"
+
+
+def test_every_judge_scores_the_final_answer_and_a_function_can_ask_for_the_reasoning(reward_model_path):
+    """A reasoning answer is judged on what follows its reasoning; an answer whose reasoning never closed has no final
+    answer (""). The checks see exactly that."""
+    rows = arithmetic_rows("test", 2)
+    expected = [str(row["meta"]["answer"]) for row in rows]
+    reasoning_first = [f"<think>\nIt is {expected[0]} plus nothing.\n</think>\n\nThe answer is 0.",
+                       f"{expected[1]}? check\n</think>\n\n{expected[1]}"]  # R1: the prompt opened the <think>
+    seen = []
+    result = ProgrammaticJudge(lambda row, answer: seen.append(answer) or arithmetic_check(row, answer)).judge(
+        rows, reasoning_first, [f"<think>\n{expected[0]}", expected[1]])
+    assert seen == ["The answer is 0.", "", expected[1], expected[1]]  # reference 1, trained 1, reference 2, trained 2
+    # The cut answer names the right number inside its reasoning, but has no final answer: it scores nothing.
+    assert [verdict["trained"]["correct"] for verdict in result.verdicts] == [False, True]
+    asked = []
+    ProgrammaticJudge(lambda row, answer, reasoning: asked.append((answer, reasoning)) or 1.0).scores(
+        rows[:1], [reasoning_first[0]])
+    assert asked == [("The answer is 0.", f"It is {expected[0]} plus nothing.")]
+    judge = RewardModelJudge(reward_model_path, device="cpu")
+    assert judge.score(["what ? "] * 2, [THOUGHT + "bad", "bad"]) == pytest.approx(judge.score(["what ? "] * 2,
+                                                                                                ["bad", "bad"]))
+
+
+def test_a_generated_answer_starts_with_the_reasoning_block_its_prompt_opened(tiny_model):
+    """DeepSeek-R1's generation prompt ends with "<think>\\n": the generated text is prefixed with it, so a judge and
+    the audit know where the reasoning starts and whether it closed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.chat_templates import opened_reasoning
+    from src.generation import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    plain = tokenizer("<|user|>what is the answer<|assistant|>", add_special_tokens=False)["input_ids"]
+    opened = tokenizer("<|user|>what is the answer<|assistant|><think>\n", add_special_tokens=False)["input_ids"]
+    assert opened_reasoning(tokenizer, plain) == "" and opened_reasoning(tokenizer, opened) == "<think>\n"
+    closed = tokenizer("<|assistant|><think>\nhm\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert opened_reasoning(tokenizer, closed) == ""
+    first, second = generate(model, tokenizer, [plain, opened], max_new_tokens=4, batch_size=2)
+    assert not first.startswith("<think>") and second.startswith("<think>\n")

@@ -55,9 +55,17 @@ def test_each_prompt_pairs_its_best_answer_against_its_worst_and_ties_are_skippe
     assert [p["source_row"] for p in pairs] == [0, 2, 3] and pairs[0]["meta"] == {"i": 0}
     assert (pairs[0]["chosen_score"], pairs[0]["rejected_score"]) == (3.0, 0.0)
     assert counts | {"mean_score": None} == {"prompts": 4, "answers": 12, "pairs": 3, "skipped_all_equal": 1,
-                                             "mean_score": None, "best_of_k_score": (3 + 2 + 1 + 5) / 4}
+                                             "unclosed_answers": 0, "mean_score": None,
+                                             "best_of_k_score": (3 + 2 + 1 + 5) / 4}
     text_pairs, _ = form_pairs([{"index": 0, "prompt": "q", "meta": {}}], [{"answers": ["a", "b"], "scores": [0, 1]}])
     assert (text_pairs[0]["chosen"], text_pairs[0]["rejected"]) == ("b", "a")  # a text prompt gets text answers
+    # An answer cut inside its reasoning (R1: the prompt opened <think>, no </think>) is never paired.
+    thinking = [{"answers": ["<think>\nhm</think>\n\n4", "<think>\nhm hm", "<think>\nx</think>\n\n5"],
+                 "scores": [1.0, 0.0, 0.5]}]
+    reasoning_pairs, reasoning_counts = form_pairs(rows[:1], thinking)
+    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in reasoning_pairs] == [
+        ("<think>\nhm</think>\n\n4", "<think>\nx</think>\n\n5")]
+    assert reasoning_counts["unclosed_answers"] == 1
 
 
 def test_a_sampled_answer_depends_on_its_seed_not_on_its_batch(tiny_model, tiny_tokenizer):

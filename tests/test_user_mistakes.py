@@ -346,6 +346,17 @@ MISTAKES = [
     Mistake("template_refuses_row", "A row the chat template refuses (its `raise_exception`, row 6)", "row 6: the chat "
             "template refused it (Conversations must start with a user turn)",
             _assistant_first),
+    Mistake("reasoning_field_ignored", "Answers with a `reasoning_content` field for a template that reads none",
+            "row 1: the chat template of", lambda ws: ws.args(dataset_name=ws.rows_file(
+                "reasoning.jsonl", _edit_rows(lambda rows: [row["chosen"][0].update(reasoning_content="I recall it")
+                                                            for row in rows])))),
+    Mistake("reasoning_never_closes", "An answer whose `<think>` never closes (row 3)", "row 3: 'rejected' opens "
+            "<think> and never closes it", lambda ws: ws.args(dataset_name=ws.rows_file(
+                "unclosed.jsonl", _edit_rows(lambda rows: rows[2]["rejected"][0].update(content="<think>\nhmm"))))),
+    Mistake("tool_calls_without_tool_syntax", "Answers that call tools, for a template with no tool syntax",
+            "drops the answer's tool calls", lambda ws: ws.args(dataset_name=ws.rows_file(
+                "tools.jsonl", _edit_rows(lambda rows: [row["chosen"][0].update(content="", tool_calls=[
+                    {"type": "function", "function": {"name": "sky", "arguments": {}}}]) for row in rows])))),
     # Models, tokenizers, adapters, chat templates
     Mistake("missing_model_dir", "A model directory that does not exist", "no such directory",
             lambda ws: ws.args(model_name_or_path=str(ws.root / "no_model"))),

@@ -28,12 +28,27 @@ def repetition(tokens: list[int], n: int = REPETITION_N) -> float:
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
-def answer_record(text: str, generated_ids: list[int], eos_ids: set) -> dict:
+def answer_record(text: str, generated_ids: list[int], eos_ids: set, close_ids: list[int] | None = None) -> dict:
     """One generated answer: its text, the tokens before its end, whether it ended (an end-of-sequence token before
-    --max_new_tokens ran out), and its repetition."""
+    --max_new_tokens ran out), and its repetition. An answer that reasons (its text starts with <think>: the model's or
+    its generation prompt's, src/generation.py) adds its reasoning tokens (up to and with `close_ids`, the tokens of
+    </think>) and whether its reasoning closed."""
+    from src.chat_templates import THINK_CLOSE, split_reasoning
+
     end = next((position for position, token in enumerate(generated_ids) if token in eos_ids), None)
     tokens = generated_ids if end is None else generated_ids[:end]
-    return {"text": text, "tokens": len(tokens), "ended": end is not None, "repetition": round(repetition(tokens), 4)}
+    record = {"text": text, "tokens": len(tokens), "ended": end is not None, "repetition": round(repetition(tokens), 4)}
+    parts = split_reasoning({"content": text})
+    if parts.reasoning is not None:
+        closed = THINK_CLOSE in text
+        width = len(close_ids or [])
+        at = next((i for i in range(len(tokens) - width + 1) if tokens[i:i + width] == close_ids), None) if width \
+            else None
+        record.update(reasoning_tokens=len(tokens) if not closed else (at + width if at is not None else
+                                                                        round(len(tokens) * text.find(THINK_CLOSE)
+                                                                              / max(len(text), 1))),
+                      closed=closed)
+    return record
 
 
 def is_degenerate(stats: dict) -> bool:
@@ -70,11 +85,27 @@ def answers_audit(samples: list[dict]) -> dict | None:
              "length_ratio": round(sum(after) / sum(before), 4) if sum(before) else None}
     for side, name in zip(SIDES, ("before", "after")):
         audit[f"cut_share_{name}"] = _share([not item["ended"] for item in stats[side]])
+        audit.update(_reasoning(stats[side], name))
         audit[f"repetition_share_{name}"] = _share([is_degenerate(item) for item in stats[side]])
         audit[f"empty_share_{name}"] = _share([not str(sample.get(f"{side}_answer") or "").strip()
                                                 for sample in measured])
     audit["judged_by_length"] = _judged_by_length(measured)
     return audit
+
+
+def _reasoning(stats: list[dict], name: str) -> dict:
+    """A side's reasoning apart from its answers: how many reason, their reasoning and final-answer lengths, the share
+    with no closing tag, and the share cut before their reasoning closed (no answer at all). Empty when none reasons."""
+    reasoning = [item for item in stats if "reasoning_tokens" in item]
+    if not reasoning:
+        return {}
+    return {f"reasoning_share_{name}": _share([True] * len(reasoning) + [False] * (len(stats) - len(reasoning))),
+            f"reasoning_length_{name}": _lengths([item["reasoning_tokens"] for item in reasoning]),
+            f"final_answer_length_{name}": _lengths([item["tokens"] - item["reasoning_tokens"] for item in reasoning
+                                                      if item["closed"]]),
+            f"unclosed_share_{name}": _share([not item.get("closed", True) for item in stats]),
+            f"cut_in_reasoning_share_{name}": _share([not item.get("closed", True) and not item["ended"]
+                                                      for item in stats])}
 
 
 def _judged_by_length(samples: list[dict]) -> dict | None:

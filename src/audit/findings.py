@@ -12,11 +12,14 @@ Thresholds and where they come from (docs/data-audit.md has the table):
 - near-identical pairs: 20% or more share over 80% of the shorter answer's tokens from the start (DPO-Positive).
 - duplicates: 5% or more of the rows repeat an earlier row; a held-out split with 5% or more of its prompts in train.
 - chosen == rejected: 5% or more of the rows (dropped; usually a broken export upstream).
+- reasoning: --max_length cuts into the reasoning of 5% or more of the answers (the truncation threshold); 20% or more
+  of the pairs differ only in their reasoning, or only in their final answer (the near-identical threshold).
 - the reference already ranks 90% or more of the pairs the labels' way, by summed and by per-token log-probs: little
   left for DPO to teach
   (reference ranking accuracy is mostly below 60%, arXiv 2405.19534).
 - answers: 1.5 times longer after the stage; 5% or more degenerate (repetition) and more than before; 10% or more cut
-  at --max_new_tokens and 5 points more than before.
+  at --max_new_tokens and 5 points more than before; 5% or more cut inside their reasoning (no final answer), or
+  ending without closing it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ANSWERS_LONGER = 1.5
 REPETITION = 0.05
 CUT = 0.10
 CUT_RISE = 0.05
+REASONING_CUT = 0.05
 
 PREFERENCE = ("dpo", "reward")
 
@@ -101,6 +105,7 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
              f"{_percent(truncated)} of sequences are longer than --max_length"),
             f"A cut answer teaches a cut answer (and its end is what a pair's preference is often about): "
             f"--max_length {train.get('suggested_max_length')} keeps 99% of them whole.", code="data_truncation"))
+    alerts += reasoning_alerts(train)
     duplicates = train.get("duplicate_share") or 0
     if duplicates >= DUPLICATES:
         alerts.append(Alert(
@@ -139,6 +144,38 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
     return alerts
 
 
+def reasoning_alerts(train: dict) -> list[Alert]:
+    """The data audit's reasoning numbers (src/audit/pairs.py reasoning_audit): reasoning cut by --max_length, and
+    pairs that differ only in their reasoning or only in their final answer."""
+    alerts = []
+    cut = {side: train.get(f"{side}_reasoning_cut_share") for side in ("chosen", "rejected", "completion")}
+    cut = {side: share for side, share in cut.items() if share is not None}
+    if cut and max(cut.values()) >= TRUNCATED:
+        which = ", ".join(f"{_percent(share)} of {side} answers" for side, share in cut.items())
+        alerts.append(Alert(
+            "warning", f"--max_length cuts into the reasoning of {_percent(max(cut.values()))} of the answers",
+            f"prompt + reasoning reach --max_length in {which}: those answers train without reaching their final "
+            "answer (or the end of their reasoning)",
+            f"--max_length {train.get('suggested_max_length')} keeps 99% of the pairs whole; or train on the final "
+            "answers alone (--reasoning drop).", code="data_reasoning_cut"))
+    differ_only = (
+        ("only_reasoning_differs_share", "differ only in their reasoning", "reach the same final answer by different "
+         "reasoning", "Those pairs teach which reasoning to prefer, not which answer: intended for process "
+         "preferences; with --reasoning drop they are identical and dropped.", "data_only_reasoning_differs"),
+        ("only_answer_differs_share", "share their reasoning and differ only in the final answer", "reason the same "
+         "way, then answer differently", "The preference rests on the few tokens after the reasoning, and the shared "
+         "reasoning is pushed up and down at once (as in near-identical pairs): add the SFT term (--loss_type sigmoid "
+         "sft --loss_weights 1 0.4), or train on the final answers alone (--reasoning drop).",
+         "data_only_answer_differs"))
+    for key, title, evidence, advice, code in differ_only:
+        share = train.get(key) or 0
+        if share >= NEAR_IDENTICAL:
+            alerts.append(Alert("warning", f"{_percent(share)} of pairs {title}",
+                                f"in {_percent(share)} of training pairs chosen and rejected {evidence}", advice,
+                                code=code))
+    return alerts
+
+
 def answer_alerts(answers: dict) -> list[Alert]:
     """Alerts from the held-out answers before → after (the test split where there is one)."""
     split = "test" if (answers or {}).get("test") else next(iter(answers or {}), None)
@@ -169,6 +206,24 @@ def answer_alerts(answers: dict) -> list[Alert]:
             f"{split}: {_percent(before)} before → {_percent(after)} after did not end within --max_new_tokens",
             "The model stopped ending its answers (or writes longer ones): raise --max_new_tokens to see them whole; "
             "if they loop, see the repetition advice.", code="answers_cut"))
+    cut = audit.get("cut_in_reasoning_share_after") or 0
+    if cut >= REASONING_CUT:
+        alerts.append(Alert(
+            "warning", f"{_percent(cut)} of answers run out of --max_new_tokens inside their reasoning",
+            f"{split}: {_percent(cut)} of the trained model's answers were cut before their reasoning closed (no "
+            f"final answer to judge); reasoning runs {audit['reasoning_length_after']['median']} tokens (median)",
+            "Raise --max_new_tokens past the reasoning lengths (the judges score the final answer, so these count as "
+            "wrong), or shorten the reasoning the model learns (shorter reasoning in the SFT data, or --reasoning "
+            "drop).", code="answers_cut_in_reasoning"))
+    unclosed = (audit.get("unclosed_share_after") or 0) - cut  # ended without closing its reasoning
+    if unclosed >= REASONING_CUT:
+        alerts.append(Alert(
+            "warning", f"{_percent(unclosed)} of answers end without closing their reasoning",
+            f"{split}: {_percent(unclosed)} of the trained model's answers stop (end of sequence) inside their "
+            "reasoning, with no </think> and no final answer",
+            "The model learned to stop inside its reasoning: check that the training answers close it (the data "
+            "audit's reasoning line), and that the chat template renders it (--chat_template_path).",
+            code="answers_unclosed_reasoning"))
     return alerts
 
 

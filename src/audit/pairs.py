@@ -18,7 +18,12 @@ import math
 
 # column → Arrow type, in the tokenizing map's output (src/data.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
-                 "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8"}
+                 "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8",
+                 "_chosen_reasoning_tokens": "int32", "_rejected_reasoning_tokens": "int32", "_pair_difference": "int8"}
+# How a pair's answers differ when either reasons (_pair_difference): a pair that differs only in its reasoning
+# teaches which reasoning, not which answer (and --reasoning drop leaves it identical); one that differs only in its
+# final answer rests on the last tokens after a shared reasoning.
+NO_REASONING, BOTH_DIFFER, ONLY_REASONING_DIFFERS, ONLY_ANSWER_DIFFERS = -1, 0, 1, 2
 NO_LABEL = -1  # the _label of a row that is not a KTO row (1: thumbs up, 0: thumbs down)
 # A pair whose answers share more than this fraction of the shorter answer's tokens from the start is near-identical:
 # the gradient pushes almost the same tokens up and down, and the chosen log-prob tends to fall (Pal et al. 2024,
@@ -53,15 +58,43 @@ def prompt_of(row: dict):
     return messages[:answers[-1]] if answers else None
 
 
-def row_fields(row: dict, ids: dict, source_row: int) -> dict:
+def _parts(value) -> tuple[str, str]:
+    """An answer's reasoning and final answer (text, or the assistant messages of a chat)."""
+    from src.chat_templates import split_reasoning
+
+    messages = value if isinstance(value, list) else [{"role": "assistant", "content": value}]
+    parts = [split_reasoning(message) for message in messages
+             if isinstance(message, dict) and message.get("role") == "assistant"]
+    return "".join(part.reasoning or "" for part in parts), "".join(part.content for part in parts)
+
+
+def reasoning_fields(row: dict, tokenizer) -> dict:
+    """The reasoning columns of a row: each answer's reasoning tokens (0: none), and how a pair's answers differ."""
+    answers = {"chosen": row.get("chosen", row.get("completion", row.get("messages"))), "rejected": row.get("rejected")}
+    fields = {"_chosen_reasoning_tokens": 0, "_rejected_reasoning_tokens": 0, "_pair_difference": NO_REASONING}
+    parts = {side: _parts(value) for side, value in answers.items() if value is not None}
+    for side, (reasoning, _) in parts.items():
+        if reasoning and tokenizer is not None:
+            fields[f"_{side}_reasoning_tokens"] = len(tokenizer(reasoning, add_special_tokens=False)["input_ids"])
+    if len(parts) == 2 and (parts["chosen"][0] or parts["rejected"][0]):
+        same_reasoning = parts["chosen"][0].strip() == parts["rejected"][0].strip()
+        same_answer = parts["chosen"][1].strip() == parts["rejected"][1].strip()
+        fields["_pair_difference"] = (ONLY_REASONING_DIFFERS if same_answer and not same_reasoning else
+                                      ONLY_ANSWER_DIFFERS if same_reasoning and not same_answer else BOTH_DIFFER)
+    return fields
+
+
+def row_fields(row: dict, ids: dict, source_row: int, tokenizer=None) -> dict:
     """The audit columns of one normalised row and its token ids (`ids`: a pair's prompt_ids / chosen_ids /
-    rejected_ids, an SFT row's input_ids and completion_mask, or nothing for a row dropped before tokenizing)."""
+    rejected_ids, an SFT row's input_ids and completion_mask, or nothing for a row dropped before tokenizing);
+    `tokenizer` counts the answers' reasoning tokens."""
     answers = {key: row[key] for key in ("chosen", "rejected", "completion", "messages", "text") if key in row}
     prompt = prompt_of(row)
     fields = {"_row_hash": _hash([row.get("prompt"), answers]), "_prompt_hash": NO_PROMPT if prompt is None else
               _hash(prompt),
               "_prompt_tokens": 0, "_chosen_tokens": 0, "_rejected_tokens": 0, "_shared_tokens": 0,
-              "_source_row": source_row, "_label": NO_LABEL if row.get("label") is None else int(bool(row["label"]))}
+              "_source_row": source_row, "_label": NO_LABEL if row.get("label") is None else int(bool(row["label"])),
+              **reasoning_fields(row, tokenizer)}
     if "completion_ids" in ids:  # a KTO row: its completion's tokens count as "chosen"
         fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["completion_ids"]))
     elif "chosen_ids" in ids:
@@ -110,7 +143,7 @@ def histogram(values_by_name: dict, bins: int = HISTOGRAM_BINS, low: float = 0.0
 
 
 def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status: int,
-                train_prompts=None) -> dict:
+                train_prompts=None, reasoning_kept: bool = True) -> dict:
     """A split's statistics from the tokenizing map's output (`pieces`: its datasets, in order; `statuses`: their
     `_status` values). `train_prompts`: the training split's prompt hashes, for a held-out split (how many of its
     prompts the model trains on)."""
@@ -136,12 +169,15 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     if stage == "prompts":  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
         audit.update(prompt_tokens=_stats(prompt), length_histogram=histogram({"prompt": prompt}))
         return audit
+    chosen_reasoning = _column(pieces, "_chosen_reasoning_tokens")[kept].astype(np.int64)
     if stage == "kto":
-        return audit | kto_audit(prompts[kept], _column(pieces, "_label")[kept], prompt, chosen, max_length)
+        return audit | kto_audit(prompts[kept], _column(pieces, "_label")[kept], prompt, chosen, max_length) | \
+            reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept)
     if stage == "sft":
         audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
                      suggested_max_length=_suggested_max_length(chosen),
-                     length_histogram=histogram({"sequence": chosen}))
+                     length_histogram=histogram({"sequence": chosen}),
+                     **reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept))
         return audit
     rejected = _column(pieces, "_rejected_tokens")[kept].astype(np.int64)
     shared = _column(pieces, "_shared_tokens")[kept].astype(np.int64)
@@ -161,7 +197,35 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
         overlap_median=round(float(np.median(overlap)), 4) if pairs else None,
         near_identical_share=_share((overlap > NEAR_IDENTICAL).sum(), pairs),
         length_histogram=histogram({"chosen": chosen, "rejected": rejected}),
+        **reasoning_audit(prompt, {"chosen": chosen_reasoning,
+                                   "rejected": _column(pieces, "_rejected_reasoning_tokens")[kept].astype(np.int64)},
+                          limit, _column(pieces, "_pair_difference")[kept], reasoning_kept),
     )
+    return audit
+
+
+def reasoning_audit(prompt_tokens, reasoning_by_side: dict, max_length: float, differences,
+                    kept: bool = True) -> dict:
+    """How much the answers reason and what --max_length leaves of it: per side (chosen / rejected, or a completion)
+    the share of answers that reason, their reasoning tokens, and the share whose reasoning --max_length cuts (the
+    trained answer stops before its final answer); for pairs, the shares that differ only in their reasoning or only
+    in their final answer. Empty when no answer reasons; no cut shares when the reasoning is dropped (`kept` False)."""
+    import numpy as np
+
+    rows = len(prompt_tokens)
+    if not rows or not any((tokens > 0).any() for tokens in reasoning_by_side.values()):
+        return {}
+    audit = {}
+    for side, tokens in reasoning_by_side.items():
+        reasons = tokens > 0
+        audit[f"{side}_reasoning_share"] = _share(reasons.sum(), rows)
+        audit[f"{side}_reasoning_tokens"] = _stats(tokens[reasons])
+        if kept:
+            audit[f"{side}_reasoning_cut_share"] = _share((reasons & (prompt_tokens + tokens >= max_length)).sum(),
+                                                          rows)
+    if differences is not None:
+        audit["only_reasoning_differs_share"] = _share((differences == ONLY_REASONING_DIFFERS).sum(), rows)
+        audit["only_answer_differs_share"] = _share((differences == ONLY_ANSWER_DIFFERS).sum(), rows)
     return audit
 
 

@@ -32,7 +32,7 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     if not kinds:
         return ["No data audit in this run (a run from before the audit, or no prepared data)."]
     if stage == "kto":
-        return _kto_data_table(audit, kinds)
+        return _kto_data_table(audit, kinds) + _reasoning_lines(audit.get("train") or {})
     rows = []
     preference = stage != "sft"
     names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
@@ -67,6 +67,7 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
                audit[kind] else kind for kind in kinds]
     lines = table_lines(["", *headers], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
     train = audit.get("train") or {}
+    lines += _reasoning_lines(train)
     if preference:
         lines += [""]
         if train.get("reference_agreement") is not None:
@@ -90,6 +91,25 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     if plot is not None:
         lines += ["", f"![chosen vs rejected length, reference margin]({plot.relative_to(run_dir).as_posix()})"]
     return lines
+
+
+def _reasoning_lines(train: dict) -> list[str]:
+    """The training answers' reasoning (src/audit/pairs.py reasoning_audit), when they reason."""
+    sides = [side for side in ("chosen", "rejected", "completion") if train.get(f"{side}_reasoning_share")]
+    if not sides:
+        return []
+    parts = []
+    for side in sides:
+        tokens = train.get(f"{side}_reasoning_tokens") or {}
+        cut = train.get(f"{side}_reasoning_cut_share")
+        parts.append(f"{format_percent(train[f'{side}_reasoning_share'])} of {side} answers reason (median "
+                     f"{format_number(tokens.get('median'))}, p95 {format_number(tokens.get('p95'))} tokens"
+                     + (f"; --max_length cuts into {format_percent(cut)})" if cut is not None else "; dropped by "
+                        "--reasoning drop)"))
+    if train.get("only_reasoning_differs_share") is not None:
+        parts.append(f"pairs differing only in their reasoning {format_percent(train['only_reasoning_differs_share'])}"
+                     f", only in their final answer {format_percent(train.get('only_answer_differs_share'))}")
+    return ["", f"**Reasoning:** {'; '.join(parts)}."]
 
 
 def _kto_data_table(audit: dict, kinds: list[str]) -> list[str]:
@@ -132,6 +152,18 @@ def answers_section(answers: dict) -> list[str]:
             _fixed(item.get("length_ratio"), 2),
             *(f"{format_percent(item.get(f'{name}_before'))} → {format_percent(item.get(f'{name}_after'))}"
               for name in ("cut_share", "repetition_share", "empty_share"))])
+    if any(answers[split].get(f"reasoning_share_{name}") for split in splits for name in ("before", "after")):
+        names += ["answers that reason", "reasoning tokens: median before → after",
+                  "final answer tokens: median before → after", "no closing tag", "cut inside the reasoning (no answer)"]
+        for split, column in zip(splits, columns):
+            item = answers[split]
+            column += [f"{format_percent(item.get('reasoning_share_before'))} → "
+                       f"{format_percent(item.get('reasoning_share_after'))}",
+                       *(f"{_fixed((item.get(f'{name}_before') or {}).get('median'), 0)} → "
+                         f"{_fixed((item.get(f'{name}_after') or {}).get('median'), 0)}"
+                         for name in ("reasoning_length", "final_answer_length")),
+                       *(f"{format_percent(item.get(f'{name}_before'))} → {format_percent(item.get(f'{name}_after'))}"
+                         for name in ("unclosed_share", "cut_in_reasoning_share"))]
     lines = table_lines(["", *splits], [[name, *(column[index] for column in columns)]
                                         for index, name in enumerate(names)])
     judged = (answers.get("test") or answers[splits[0]]).get("judged_by_length")

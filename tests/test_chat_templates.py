@@ -1,0 +1,338 @@
+"""What is trained is what the model continues at generation: a table of real chat templates (tests/chat_templates/,
+copied from the models' tokenizer_config.json) where prompt + answer ids must equal the ids of generating that answer.
+
+Each row's expected continuation is written by hand from how that model writes an answer after its generation prompt
+(DeepSeek-R1's opens `<think>\\n`, so the model writes its reasoning, `</think>`, the answer, its end of sentence;
+gpt-oss writes an analysis channel then a final one; ...), never computed by the code under test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from src.chat_templates import TemplateCannotExpress, answer_text, conversation_ids
+from src.data import sample_fields, tokenize_preference, tokenize_sft, tokenize_unpaired
+
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+            "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|begin_of_text|>",
+            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+QUESTION = {"role": "user", "content": "What is 40 plus 2?"}
+REASONING = "Add 40 and 2."
+FINAL = "The sum is 42."
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+EARLIER = [QUESTION, {"role": "assistant", "content": "<think>\nfirst\n</think>\n\nIt is 42."},
+           {"role": "user", "content": "And 40 plus 3?"}]
+AFTER_TOOL = [QUESTION, {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "42"}]
+
+# case → (prompt, answer message): a plain answer; reasoning inside the content; reasoning in a field; a tool call with
+# and without reasoning; multi-turn (earlier reasoning in the prompt); the answer after a tool's result.
+CASES = {
+    "plain": ([QUESTION], {"role": "assistant", "content": FINAL}),
+    "reasoning_inline": ([QUESTION], {"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}),
+    "reasoning_field": ([QUESTION], {"role": "assistant", "content": FINAL, "reasoning_content": REASONING}),
+    "tool_call": ([QUESTION], {"role": "assistant", "content": "", "tool_calls": [CALL]}),
+    "tool_call_reasoning": ([QUESTION], {"role": "assistant", "content": "", "reasoning_content": REASONING,
+                                         "tool_calls": [CALL]}),
+    "multi_turn": (EARLIER, {"role": "assistant", "content": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43."}),
+    "after_tool": (AFTER_TOOL, {"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}),
+}
+
+R1_EOS = "<｜end▁of▁sentence｜>"
+R1_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": 40, \"b\": 2}\n```"
+           "<｜tool▁call▁end｜><｜tool▁calls▁end｜>" + R1_EOS)
+QWEN_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call><|im_end|>\n'
+GPT_OSS_ANALYSIS = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant"
+GPT_OSS_CALL = ' to=functions.add<|channel|>commentary json<|message|>{"a": 40, "b": 2}<|call|>'
+THINKING_OFF = "its generation prompt closes the reasoning block"
+NO_FIELD = "'reasoning_content' field, which this template ignores"
+NO_TOOLS = "drops the answer's tool calls"
+
+# template → {case: what the model writes after its generation prompt, or the start of the one-line refusal}
+EXPECTED = {
+    "deepseek-r1": {
+        "plain": f"\n</think>\n\n{FINAL}{R1_EOS}",  # no reasoning: the block the generation prompt opened, empty
+        "reasoning_inline": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_field": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "tool_call": f"\n</think>\n\n{R1_CALL}",
+        "tool_call_reasoning": f"{REASONING}\n</think>\n\n{R1_CALL}",
+        "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
+        # After a tool's output R1's generation prompt is "<｜tool▁outputs▁end｜>" alone: the model writes the block.
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+    },
+    "deepseek-r1-distill": {
+        "plain": f"\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_inline": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_field": f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "tool_call": TemplateCannotExpress(NO_TOOLS),  # the distills' template drops tool_calls beside content
+        "tool_call_reasoning": TemplateCannotExpress(NO_TOOLS),
+        "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+    },
+    # The distills' template as first released: its generation prompt without <think>.
+    "deepseek-r1-distill-first-release": {
+        "plain": f"{FINAL}{R1_EOS}",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "reasoning_field": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "tool_call": TemplateCannotExpress(NO_TOOLS),
+        "tool_call_reasoning": TemplateCannotExpress(NO_TOOLS),
+        "multi_turn": f"<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+    },
+    "qwen3": {
+        "plain": f"<think>\n\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_field": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "tool_call": f"<think>\n\n</think>\n\n{QWEN_CALL}",
+        "tool_call_reasoning": f"<think>\n{REASONING}\n</think>\n\n{QWEN_CALL}",
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+    },
+    "qwen3/thinking-off": {  # the generation prompt ends with an empty <think>\n\n</think>\n\n
+        "plain": f"{FINAL}<|im_end|>\n",
+        "reasoning_inline": TemplateCannotExpress(THINKING_OFF),
+        "reasoning_field": TemplateCannotExpress(THINKING_OFF),
+        "tool_call": QWEN_CALL,
+        "tool_call_reasoning": TemplateCannotExpress(THINKING_OFF),
+        "multi_turn": TemplateCannotExpress(THINKING_OFF),
+        "after_tool": TemplateCannotExpress(THINKING_OFF),
+    },
+    "gpt-oss": {  # reasoning in any shape goes to the `thinking` field, which gpt-oss writes as its analysis channel
+        "plain": f"<|channel|>final<|message|>{FINAL}<|return|>",
+        "reasoning_inline": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+        "reasoning_field": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+        "tool_call": GPT_OSS_CALL,
+        "tool_call_reasoning": GPT_OSS_ANALYSIS + GPT_OSS_CALL,
+        "multi_turn": "<|channel|>analysis<|message|>Add 40 and 3.<|end|><|start|>assistant<|channel|>final<|message|>"
+                      "It is 43.<|return|>",
+        "after_tool": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+    },
+    "chatml-qwen2.5": {  # no reasoning syntax: reasoning inside the content is trained as the data writes it
+        "plain": f"{FINAL}<|im_end|>\n",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "reasoning_field": TemplateCannotExpress(NO_FIELD),
+        "tool_call": QWEN_CALL,
+        "tool_call_reasoning": TemplateCannotExpress(NO_FIELD),
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+    },
+    "llama-3.1": {
+        "plain": f"{FINAL}<|eot_id|>",
+        "reasoning_inline": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|eot_id|>",
+        "reasoning_field": TemplateCannotExpress(NO_FIELD),
+        "tool_call": '{"name": "add", "parameters": {"a": 40, "b": 2}}<|eot_id|>',
+        "tool_call_reasoning": TemplateCannotExpress(NO_FIELD),
+        "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|eot_id|>",
+        "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|eot_id|>",
+    },
+}
+EXPECTED["qwen3-generation-markers"] = EXPECTED["qwen3"]  # the markers change no text: the same answers
+TABLE = [(template, case) for template, cases in EXPECTED.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE tokenizer that knows every template's special tokens (the ids differ from the real models',
+    the boundary between prompt and answer does not); <think> and </think> are added tokens that decoding keeps."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [FINAL, REASONING, "What is 40 plus 2? And 40 plus 3? It is 43. first add the sum"]
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
+                                      eos_token="<｜end▁of▁sentence｜>")
+    wrapped.add_tokens(["<think>", "</think>"])  # added, not special, as in DeepSeek-R1's and Qwen3's tokenizers
+    return wrapped
+
+
+def _use(tokenizer, template: str) -> dict:
+    """The tokenizer with the template's Jinja; the template's keyword arguments (Qwen3's thinking switch)."""
+    name, _, variant = template.partition("/")
+    tokenizer.chat_template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    tokenizer.bos_token = "<|begin_of_text|>" if name.startswith("llama") else "<｜begin▁of▁sentence｜>"
+    return {"enable_thinking": False} if variant == "thinking-off" else {}
+
+
+def _case(template: str, case: str):
+    """The case's messages in the shape the template's family takes: DeepSeek's tool calls carry their arguments as
+    JSON text (its template concatenates them)."""
+    prompt, answer = json.loads(json.dumps(CASES[case]))
+    if template.startswith("deepseek"):
+        for message in prompt + [answer]:
+            for call in message.get("tool_calls") or []:
+                call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    return prompt, [answer], ({"tools": TOOLS} if "tool" in case else {})
+
+
+@pytest.mark.parametrize("template,case", TABLE, ids=[f"{t}:{c}" for t, c in TABLE])
+def test_prompt_and_answer_ids_are_the_ids_of_generating_the_answer(tokenizer, template, case):
+    kwargs = _use(tokenizer, template)
+    prompt, answer, tools = _case(template, case)
+    expected = EXPECTED[template][case]
+    if isinstance(expected, TemplateCannotExpress):
+        with pytest.raises(TemplateCannotExpress, match=str(expected)):
+            conversation_ids(tokenizer, prompt, answer, **tools, **kwargs)
+        return
+    prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, **tools, **kwargs)
+    # The prompt: exactly the ids generation starts from, as the held-out samples and the rounds build them.
+    generation_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                   **tools, **kwargs)["input_ids"]
+    assert prompt_ids == generation_ids
+    if not kwargs:  # the held-out samples and the rounds render with the template's defaults
+        assert prompt_ids == sample_fields({"prompt": prompt, "completion": answer, **tools}, tokenizer)[
+            "sample_prompt_ids"]
+    # The answer: what the model writes from there, as its own tokens (generation never re-tokenizes the prompt).
+    assert answer_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(prompt_ids + answer_ids) == tokenizer.decode(generation_ids) + expected
+
+
+R1_ROW = {"prompt": [QUESTION],
+          "chosen": [{"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}],
+          "rejected": [{"role": "assistant", "content": "<think>\nGuess.\n</think>\n\nThe sum is 41."}]}
+
+
+def test_r1_answers_keep_their_reasoning_where_trls_common_prefix_drops_it(tokenizer):
+    """The issue's case: TRL's boundary (common prefix of the prompt and prompt + answer) trains R1's answers without
+    their reasoning, on "<｜Assistant｜>The sum…" that generation never meets; ours trains what generation writes."""
+    from trl.data_utils import _tokenize, common_prefix_length
+
+    _use(tokenizer, "deepseek-r1-distill")
+    ours = tokenize_preference(R1_ROW, tokenizer)
+    prompt = _tokenize(tokenizer, R1_ROW["prompt"], add_generation_prompt=True)["input_ids"]
+    full = _tokenize(tokenizer, R1_ROW["prompt"] + R1_ROW["chosen"])["input_ids"]
+    trl_answer = tokenizer.decode(full[common_prefix_length(prompt, full):])
+    assert REASONING not in trl_answer and FINAL in trl_answer
+    assert tokenizer.decode(ours["chosen_ids"]) == f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}"
+    assert tokenizer.decode(ours["rejected_ids"]) == f"Guess.\n</think>\n\nThe sum is 41.{R1_EOS}"
+    assert tokenizer.decode(ours["prompt_ids"]).endswith("<｜Assistant｜><think>\n")
+    unpaired = tokenize_unpaired({"prompt": R1_ROW["prompt"], "completion": R1_ROW["chosen"]}, tokenizer)
+    assert unpaired == {"prompt_ids": ours["prompt_ids"], "completion_ids": ours["chosen_ids"]}
+    sft = tokenize_sft({"prompt": R1_ROW["prompt"], "completion": R1_ROW["chosen"]}, tokenizer, False, None)
+    assert sft["input_ids"] == ours["prompt_ids"] + ours["chosen_ids"]
+    assert sft["completion_mask"] == [0] * len(ours["prompt_ids"]) + [1] * len(ours["chosen_ids"])
+    chat = tokenize_sft({"messages": EARLIER + R1_ROW["chosen"]}, tokenizer, True, None)
+    earlier = conversation_ids(tokenizer, EARLIER, R1_ROW["chosen"])  # (prompt ids, answer ids)
+    assert chat["input_ids"] == earlier[0] + earlier[1]
+    assert chat["assistant_masks"] == [0] * len(earlier[0]) + [1] * len(earlier[1])
+
+
+@pytest.mark.parametrize("template", ["deepseek-r1-distill", "qwen3", "gpt-oss", "llama-3.1"])
+def test_dropping_the_reasoning_trains_the_final_answer_as_the_template_writes_it_without(tokenizer, template):
+    kwargs = _use(tokenizer, template)
+    _, answer = answer_text(tokenizer, [QUESTION], [CASES["reasoning_field"][1]], keep_reasoning=False, **kwargs)
+    plain = answer_text(tokenizer, [QUESTION], [CASES["plain"][1]], **kwargs)[1]
+    assert REASONING not in answer and answer == plain
+
+
+def _r1_pairs(count: int) -> list[dict]:
+    """Pairs whose answers reason first (the issue's shape); every third rejected answer reaches the chosen's final
+    answer by another reasoning."""
+    rows = []
+    for index in range(count):
+        total = index + 2 * index
+        rejected = (f"<think>\nAdd {index} and {2 * index} quickly.\n</think>\n\nThe sum is {total}." if index % 3 == 1
+                    else f"<think>\nGuess.\n</think>\n\nThe sum is {total + 1}.")
+        rows.append({"prompt": [{"role": "user", "content": f"What is {index} plus {2 * index}?"}],
+                     "chosen": [{"role": "assistant", "content": f"<think>\nAdd {index} and {2 * index}, then check "
+                                 f"it digit by digit.\n</think>\n\nThe sum is {total}."}],
+                     "rejected": [{"role": "assistant", "content": rejected}]})
+    return rows
+
+
+@pytest.mark.parametrize("stage", ["dpo", "reward", "kto", "sft"])
+def test_every_stage_prepares_r1_answers_with_their_reasoning_and_audits_it(tokenizer, stage, tmp_path):
+    """Prepared through src/data.py as a run prepares them: every stage trains the reasoning after the generation
+    prompt's <think>, and the data audit counts it."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import format_summary, prepare_data
+
+    _use(tokenizer, "deepseek-r1-distill")
+    path = write_jsonl(tmp_path / "r1.jsonl", _r1_pairs(40))
+    data = DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
+                         kto_from_pairs=stage == "kto")
+    prepared = prepare_data(data, SFTArguments(), stage, 0, tokenizer, tmp_path / "cache")
+    row = prepared.train[0]
+    sequence = {"dpo": lambda: row["prompt_ids"] + row["chosen_ids"], "reward": lambda: row["chosen_ids"],
+                "kto": lambda: row["prompt_ids"] + row["completion_ids"], "sft": lambda: row["input_ids"]}[stage]()
+    text = tokenizer.decode(sequence)
+    assert "<｜Assistant｜><think>\n" in text and "</think>\n\nThe sum is" in text and text.endswith(R1_EOS)
+    assert "then check it digit by digit" in text or stage == "kto"  # a KTO row may be a rejected answer
+    train = prepared.summary["audit"]["train"]
+    side = "completion" if stage in ("kto", "sft") else "chosen"
+    assert train[f"{side}_reasoning_share"] == 1.0 and train[f"{side}_reasoning_tokens"]["mean"] > 5
+    assert "reasoning: kept (--reasoning keep, the default)" in format_summary(prepared.summary)
+    if stage == "dpo":
+        assert train["only_reasoning_differs_share"] == pytest.approx(10 / 32, abs=0.1)
+
+
+def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit_names_the_flags(tokenizer, tmp_path):
+    from conftest import write_jsonl
+    from src.audit.findings import data_alerts
+    from src.config import DataArguments, SFTArguments
+    from src.data import format_summary, prepare_data
+
+    _use(tokenizer, "deepseek-r1-distill")
+    path = write_jsonl(tmp_path / "r1.jsonl", _r1_pairs(60))
+    short = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=24), SFTArguments(),
+                         "dpo", 0, tokenizer, tmp_path / "keep")
+    codes = {alert.code: alert for alert in data_alerts(short.summary["audit"], "dpo")}
+    assert "--max_length" in codes["data_reasoning_cut"].advice and "--reasoning drop" in codes[
+        "data_reasoning_cut"].advice
+    assert "--reasoning drop" in codes["data_only_reasoning_differs"].advice
+    dropped = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
+                                         reasoning="drop"), SFTArguments(), "dpo", 0, tokenizer, tmp_path / "drop")
+    assert dropped.summary["splits"]["train"]["identical_pairs"] > 0  # the pairs that differed only in reasoning
+    assert "reasoning: dropped (--reasoning drop)" in format_summary(dropped.summary)
+    for row in dropped.train:
+        assert tokenizer.decode(row["chosen_ids"]).startswith("\n</think>\n\nThe sum is")
+    assert "chosen_reasoning_cut_share" not in dropped.summary["audit"]["train"]
+
+
+def test_a_sampled_r1_answer_prepared_as_a_round_pair_trains_the_ids_the_model_generated(tokenizer):
+    """On-policy rounds: the answer generated after R1's "<think>\n" (decoded, prefixed with the block its prompt
+    opened: src/generation.py), written as a pair and prepared, trains exactly the ids that were generated."""
+    from src.chat_templates import opened_reasoning
+    from src.rounds import _as_answer
+
+    _use(tokenizer, "deepseek-r1-distill")
+    prompt_ids = tokenizer.apply_chat_template([QUESTION], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    generated = tokenizer(f"{REASONING}\n</think>\n\n{FINAL}{R1_EOS}", add_special_tokens=False)["input_ids"]
+    text = opened_reasoning(tokenizer, prompt_ids) + tokenizer.decode(generated, skip_special_tokens=True)
+    assert text == f"<think>\n{REASONING}\n</think>\n\n{FINAL}"
+    pair = {"prompt": [QUESTION], "chosen": _as_answer([QUESTION], text), "rejected": _as_answer([QUESTION], "x")}
+    ids = tokenize_preference(pair, tokenizer)
+    assert ids["prompt_ids"] == prompt_ids and ids["chosen_ids"] == generated
+
+
+def test_tool_call_pairs_from_a_file_prepare_as_generated_with_r1s_template(tokenizer, tmp_path):
+    """Tool calls and plain answers in one column of a file, prepared with DeepSeek-R1's template: each trains as R1
+    writes it, after an empty reasoning block."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+
+    _use(tokenizer, "deepseek-r1")
+    call = {"type": "function", "function": {"name": "add", "arguments": json.dumps({"a": 40, "b": 2})}}
+    calls = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    rows = [{"prompt": [QUESTION], "chosen": calls if index % 2 else [{"role": "assistant", "content": FINAL}],
+             "rejected": [{"role": "assistant", "content": f"The sum is {41 + index}."}]} for index in range(12)]
+    data = DataArguments(dataset_name=str(write_jsonl(tmp_path / "calls.jsonl", rows)), val_size=2, test_size=2,
+                         max_length=256)
+    prepared = prepare_data(data, SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
+    chosen = {tokenizer.decode(row["chosen_ids"]) for row in prepared.train}
+    assert chosen == {f"\n</think>\n\n{R1_CALL}", f"\n</think>\n\n{FINAL}{R1_EOS}"}
+    assert all(tokenizer.decode(row["rejected_ids"]).startswith("\n</think>\n\nThe sum is ") for row in prepared.train)
