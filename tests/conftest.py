@@ -121,13 +121,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def corpus() -> list[str]:
-    rows = preference_rows(64)
+def tiny_corpus() -> list[str]:
+    """The tiny tokenizer's training text: the toy vocabulary and every text of 64 preference pairs."""
     texts = [" ".join(WORDS)]
-    for row in rows:
+    for row in preference_rows(64):
         texts += [row["prompt"][0]["content"], row["chosen"][0]["content"], row["rejected"][0]["content"]]
     return texts
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[str]:
+    return tiny_corpus()
 
 
 @pytest.fixture(scope="session")
