@@ -39,7 +39,7 @@ from src.reporting.status import Live
 
 REFRESH_EVERY_S = 300.0
 MAX_SHARE = 0.01  # of the training time, at most spent refreshing
-# A refresh of a DPO run (six charts) costs about 1 s of CPU for a short history, 4 s for 8,000 logged steps
+# A refresh of a DPO run (six charts) costs about 0.9-1.3 s of CPU at 900 and at 9,000 logged steps alike
 # (bench/bench_live_report.py), more wall time on a loaded machine. The first is budgeted at this until one is timed.
 FIRST_ESTIMATE_S = 2.0
 # A refresh's child that has not finished by then is stopped, and the report is built at the end: a stuck child must
