@@ -68,11 +68,11 @@ if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RUN_ID"):
 
 
 def worker_processes(launcher) -> dict[int, object]:
-    """The training workers under `launcher` (torchrun), by rank."""
+    """The training workers started by `launcher` (torchrun), by rank."""
     import psutil
 
     workers = {}
-    for child in launcher.children(recursive=True):
+    for child in launcher.children():  # the workers only: a refresh's forked child has their command line too
         try:
             if "src.main_distributed" in " ".join(child.cmdline()):
                 workers[int(child.environ().get("RANK", -1))] = child
