@@ -123,13 +123,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def corpus() -> list[str]:
-    rows = preference_rows(64)
+def tiny_corpus() -> list[str]:
+    """The tiny tokenizer's training text: the toy vocabulary and every text of 64 preference pairs."""
     texts = [" ".join(WORDS)]
-    for row in rows:
+    for row in preference_rows(64):
         texts += [row["prompt"][0]["content"], row["chosen"][0]["content"], row["rejected"][0]["content"]]
     return texts
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[str]:
+    return tiny_corpus()
 
 
 @pytest.fixture(scope="session")
@@ -153,6 +157,8 @@ def pytest_configure(config):
     # torch.jit's own deprecation of script_method fires on every import of transformers' models: noise, not ours.
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; deselected unless asked for (python -m pytest -m gpu)")
+    config.addinivalue_line("markers", "soak: a long run (15+ minutes) watched for growth; deselected unless asked "
+                                       "for (python -m pytest -n 0 -m soak)")
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -169,14 +175,18 @@ LONG_FILES = ("test_two_hosts.py", "test_resilience.py", "test_disk_space.py", "
               "test_data.py")
 
 
+# Tests that run only when a -m expression names their marker: a plain `pytest` (and CI) deselects them.
+OPT_IN_MARKERS = ("gpu", "soak")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Long files first (LONG_FILES); GPU tests run only when a -m expression names them (`-m gpu`), a plain `pytest`
-    deselects them."""
+    """Long files first (LONG_FILES); GPU and soak tests run only when a -m expression names them (`-m gpu`,
+    `-m soak`), a plain `pytest` deselects them."""
     rank = {name: number for number, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file keeps its own order
-    if "gpu" in (config.option.markexpr or ""):
-        return
-    deselected = [item for item in items if item.get_closest_marker("gpu")]
+    wanted = config.option.markexpr or ""
+    opted_out = [marker for marker in OPT_IN_MARKERS if marker not in wanted]
+    deselected = [item for item in items if any(item.get_closest_marker(marker) for marker in opted_out)]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        items[:] = [item for item in items if item not in deselected]

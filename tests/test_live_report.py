@@ -3,6 +3,7 @@ report says running after its first evaluation and finished at the end."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from conftest import PROJECT_ROOT
 from report_fixtures import dpo_history, judged_run_dir, training_info, write_run_dir
 from src import run_files
 from src.reporting.compare import compare
-from src.reporting.live import LiveReport
-from src.reporting.report import build_report
+from src.reporting.live import LiveReport, build_report_apart
+from src.reporting.report import ReportError, build_report
+from src.run_safety.disk_space import write_failure_errno
 from src.reporting.status import Live, run_state, status_line
 
 NOW = datetime(2026, 11, 23, 17, 40, tzinfo=timezone.utc)
@@ -79,7 +81,7 @@ class FakeClock:
         return self.now
 
 
-def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_percent(tmp_path, monkeypatch):
+def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_percent(tmp_path):
     """A 10,000 s run, evaluated every 500 s, whose refresh takes 3 s: a refresh after each evaluation and every
     300 s between, as long as refreshing stays within 1% of the time so far."""
     clock, refreshed = FakeClock(), []
@@ -88,9 +90,8 @@ def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_per
         refreshed.append((clock.now, live))
         clock.now += 3.0
 
-    monkeypatch.setattr("src.reporting.live.build_report", fake_build)
     paused = []
-    report = LiveReport(tmp_path, on_pause=paused.append, clock=clock, max_share=0.01)
+    report = LiveReport(tmp_path, on_pause=paused.append, clock=clock, max_share=0.01, build=fake_build)
     state = SimpleNamespace(global_step=0, max_steps=1000, is_world_process_zero=True)
     report.on_train_begin(None, state, None)
     for step in range(1, 1001):
@@ -115,11 +116,10 @@ def test_live_refreshes_follow_evaluations_and_the_timer_and_stay_within_one_per
         summary["share_of_training"] <= 0.01
 
 
-def test_evaluations_refresh_at_once_when_the_budget_allows(tmp_path, monkeypatch):
+def test_evaluations_refresh_at_once_when_the_budget_allows(tmp_path):
     clock, refreshed = FakeClock(), []
-    monkeypatch.setattr("src.reporting.live.build_report",
-                        lambda run_dir, live: refreshed.append(live.step) or setattr(clock, "now", clock.now + 0.5))
-    report = LiveReport(tmp_path, clock=clock, max_share=1.0)
+    report = LiveReport(tmp_path, clock=clock, max_share=1.0,
+                        build=lambda run_dir, live: refreshed.append(live.step) or setattr(clock, "now", clock.now + 0.5))
     state = SimpleNamespace(global_step=0, max_steps=100, is_world_process_zero=True)
     report.on_train_begin(None, state, None)
     for step in range(1, 101):
@@ -132,13 +132,12 @@ def test_evaluations_refresh_at_once_when_the_budget_allows(tmp_path, monkeypatc
     assert refreshed == [20, 40, 60, 80, 100]
 
 
-def test_a_failing_refresh_warns_once_and_training_goes_on(tmp_path, monkeypatch, capsys):
+def test_a_failing_refresh_warns_once_and_training_goes_on(tmp_path, capsys):
     def broken(run_dir, live):
         raise OSError("disk full")
 
-    monkeypatch.setattr("src.reporting.live.build_report", broken)
     clock = FakeClock()
-    report = LiveReport(tmp_path, clock=clock, max_share=1.0)
+    report = LiveReport(tmp_path, clock=clock, max_share=1.0, build=broken)
     state = SimpleNamespace(global_step=5, max_steps=10, is_world_process_zero=True)
     report.on_train_begin(None, state, None)
     for _ in range(3):
@@ -148,12 +147,53 @@ def test_a_failing_refresh_warns_once_and_training_goes_on(tmp_path, monkeypatch
     assert capsys.readouterr().out.count("warning: the live report could not be refreshed (OSError: disk full)") == 1
 
 
-def test_other_ranks_never_refresh(tmp_path, monkeypatch):
-    monkeypatch.setattr("src.reporting.live.build_report", lambda *args: pytest.fail("rank 1 refreshed"))
-    report = LiveReport(tmp_path, clock=FakeClock(), max_share=1e9)
+def test_other_ranks_never_refresh(tmp_path):
+    report = LiveReport(tmp_path, clock=FakeClock(), max_share=1e9, build=lambda *args: pytest.fail("rank 1 refreshed"))
     state = SimpleNamespace(global_step=5, max_steps=10, is_world_process_zero=False)
     report.on_evaluate(None, state, None)
     report.on_step_begin(None, state, None)
+
+
+# ------------------------------------------------------------------------------------------- a process per refresh
+
+
+def test_a_refresh_is_drawn_in_a_child_process_and_its_files_are_there_after(tmp_path, monkeypatch):
+    """The memory a refresh takes is a child's, given back when it exits (issue 41): the drawing runs in another pid,
+    and the parent finds the report it wrote."""
+    run_dir = write_run_dir(tmp_path / "run", dpo_history(steps=60, finished=False),
+                            training_info("dpo", status="running", planned_steps=120))
+    drawn_by = tmp_path / "drawn_by"
+
+    def recording_build(path, live):
+        drawn_by.write_text(str(os.getpid()))
+        return build_report(path, live)
+
+    monkeypatch.setattr("src.reporting.live.build_report", recording_build)
+    build_report_apart(run_dir, Live(step=60, total=120, elapsed_s=60.0, eta_s=60.0))
+    assert int(drawn_by.read_text()) != os.getpid()
+    assert (run_dir / "report.md").read_text(encoding="utf-8").startswith("**running** · step 60 of 120")
+    assert (run_dir / "plots" / "loss.png").stat().st_size > 0
+
+
+def test_what_a_refresh_raises_in_its_child_is_raised_in_rank_0(tmp_path, monkeypatch):
+    with pytest.raises(ReportError, match="has no metrics.jsonl"):  # nothing logged yet: the next refresh tries again
+        build_report_apart(tmp_path, Live(step=1, total=2, elapsed_s=1.0, eta_s=1.0))
+    # A full disk in the child is the parent's OSError, errno and all (the run then stops on every rank), and the
+    # test seam counts writes across children as in one process: the second refresh's report.md is the one to fail.
+    run_dir = write_run_dir(tmp_path / "run", dpo_history(steps=20, finished=False), training_info("dpo"))
+    monkeypatch.setenv("PREFKIT_TEST_FAIL_WRITE", "report.md#2")
+    build_report_apart(run_dir, Live(step=20, total=40, elapsed_s=1.0, eta_s=1.0))
+    with pytest.raises(OSError) as raised:
+        build_report_apart(run_dir, Live(step=20, total=40, elapsed_s=1.0, eta_s=1.0))
+    assert raised.value.errno == errno.ENOSPC and write_failure_errno(raised.value, run_dir) == errno.ENOSPC
+
+
+def test_a_child_that_does_not_finish_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr("src.reporting.live.build_report", lambda *args: time.sleep(60))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish in 1 s"):
+        build_report_apart(tmp_path, Live(step=1, total=2, elapsed_s=1.0, eta_s=1.0), timeout_s=1.0)
+    assert time.monotonic() - started < 30
 
 
 # --------------------------------------------------------------------------------------------------- atomic writes

@@ -1,6 +1,7 @@
 """The report: summary numbers, plots, sample text files, report.md, and `python -m src.report RUN_DIR`."""
 
 import math
+import random
 import shutil
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from src.reporting.plots import CHARTS, dpo_loss_chart, plot_history, smooth
+from src.reporting.plots import (CHARTS, MAX_DRAWN_POINTS, dpo_loss_chart, plot_history, smooth, smoothing_span,
+                                  thinned)
 from src.reporting.report import ReportError, build_report, main, pick_examples, render_samples_text
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_json
 from src.reporting.summary import summarize
@@ -140,6 +142,36 @@ def test_smoothing_does_not_lag_a_steep_fall():
     assert smooth([1.0, math.nan, 3.0], span=3) == [1.0, pytest.approx(math.nan, nan_ok=True), 3.0]
     noisy = [1.0 + (0.5 if index % 2 else -0.5) for index in range(40)]
     assert max(abs(value - 1.0) for value in smooth(noisy, span=8)[4:-4]) < 0.1  # per-batch noise ironed out
+
+
+def test_smoothing_is_the_centred_window_mean_at_any_length():
+    """The running-sum smoothing gives each point the mean of the finite values in its centred window, worked out
+    here point by point, NaN left out (a long curve: the window is a twelfth of it)."""
+    rng = random.Random(0)
+    values = [rng.gauss(1.0, 0.3) for _ in range(600)]
+    values[100:103] = [math.nan, math.inf, math.nan]
+    span = smoothing_span(len(values))
+    for index, value in enumerate(smooth(values, span)):
+        reach = min(span // 2, index, len(values) - 1 - index)
+        window = [item for item in values[index - reach:index + reach + 1] if math.isfinite(item)]
+        assert math.isnan(value) if not math.isfinite(values[index]) else value == pytest.approx(
+            sum(window) / len(window), rel=1e-9)
+
+
+def test_a_long_curve_is_drawn_with_as_many_points_as_the_chart_is_wide():
+    """27,000 steps logged every step: at most MAX_DRAWN_POINTS points drawn, the curve's lowest and highest values
+    and its NaN among them, in step order; a curve that fits is drawn whole."""
+    rng = random.Random(1)
+    steps = list(range(1, 27001))
+    values = [rng.gauss(0.0, 1.0) for _ in steps]
+    values[5000], values[20000] = -9.0, math.nan
+    drawn_steps, drawn_values = thinned(steps, values)
+    assert len(drawn_steps) <= MAX_DRAWN_POINTS + MAX_DRAWN_POINTS // 2 and drawn_steps == sorted(drawn_steps)
+    assert min(value for value in drawn_values if math.isfinite(value)) == -9.0
+    assert max(drawn_values, key=lambda value: value if math.isfinite(value) else -math.inf) == max(
+        value for value in values if math.isfinite(value))
+    assert 20001 in drawn_steps and math.isnan(drawn_values[drawn_steps.index(20001)])
+    assert thinned(steps[:900], values[:900]) == (steps[:900], values[:900])
 
 
 # ------------------------------------------------------------------------------------------------------ samples

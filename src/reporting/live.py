@@ -11,6 +11,10 @@ every evaluation; a short one (the 4-minute CPU default) refreshes less often or
 that come too fast fold into the next refresh. PREFKIT_LIVE_REPORT_SHARE overrides the 1%. The refresh time is
 reported to the throughput meter as a pause (it is not training) and the totals go to training_info.json
 (`live_report`).
+Memory: each refresh is drawn in a child process forked for it (`build_report_apart`), so what drawing took (the
+parsed history, matplotlib's renderer, the allocator's high-water mark) goes back to the system when the child exits;
+drawn in rank 0 itself, a refresh left the heap at the largest history drawn so far, and rank 0 grew with the run
+(issue 41: ~240 MB over 27,000 steps). The child starts warm: matplotlib is imported once, here in rank 0, before it.
 Safety: every file is replaced atomically (src/run_files.py), so a reader, or a run that crashes mid-refresh, keeps
 the previous complete report; a refresh that fails prints one warning and training goes on, unless a write failed
 (a full disk, a quota, an I/O error): then the run stops on every rank in one line (src/run_safety/disk_space.py).
@@ -19,6 +23,8 @@ the previous complete report; a refresh that fails prints one warning and traini
 from __future__ import annotations
 
 import os
+import pickle
+import select
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,23 +32,82 @@ from typing import Callable
 from transformers import TrainerCallback
 
 from src.progress import eta_seconds
+from src.run_safety import disk_space
 from src.run_safety.disk_space import write_failure_errno
 from src.reporting.report import ReportError, build_report
 from src.reporting.status import Live
 
 REFRESH_EVERY_S = 300.0
 MAX_SHARE = 0.01  # of the training time, at most spent refreshing
-# A refresh of a DPO run (six charts) costs about 1 s of CPU for a short history, 4 s for 8,000 logged steps
+# A refresh of a DPO run (six charts) costs about 0.9-1.3 s of CPU at 900 and at 9,000 logged steps alike
 # (bench/bench_live_report.py), more wall time on a loaded machine. The first is budgeted at this until one is timed.
 FIRST_ESTIMATE_S = 2.0
+# A refresh's child that has not finished by then is stopped, and the report is built at the end: a stuck child must
+# not keep rank 0 (and so every rank, at the next collective) waiting.
+CHILD_TIMEOUT_S = 600.0
+
+
+def build_report_apart(run_dir: Path, live: Live, timeout_s: float = CHILD_TIMEOUT_S) -> None:
+    """`build_report(run_dir, live)` in a child process forked for it, raising here what it raised there. The child
+    only reads the run directory and writes the report's files (no torch, no collective), as a data loader's forked
+    workers only read data; it leaves by os._exit, so none of the trainer's exit handlers run in it. Where fork does
+    not exist, the report is built in this process."""
+    if not hasattr(os, "fork"):
+        build_report(run_dir, live)
+        return
+    import matplotlib.backends.backend_agg  # noqa: F401  imported once in the parent: each child starts warm
+    import matplotlib.figure  # noqa: F401
+
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: build, say how it went, leave
+        os.close(reader)
+        status = 1
+        try:
+            try:
+                build_report(run_dir, live)
+                outcome = None
+            except BaseException as error:  # noqa: BLE001  raised again in the parent
+                outcome = error
+            try:
+                message = pickle.dumps((outcome, disk_space._injected))
+            except Exception:  # an exception that does not pickle: its type and text
+                message = pickle.dumps((RuntimeError(f"{type(outcome).__name__}: {outcome}"), disk_space._injected))
+            with os.fdopen(writer, "wb") as pipe:
+                pipe.write(message)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(writer)
+    received, deadline = [], time.monotonic() + timeout_s
+    with os.fdopen(reader, "rb") as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(child, 9)
+                os.waitpid(child, 0)
+                raise TimeoutError(f"the report's process did not finish in {timeout_s:.0f} s")
+            chunk = os.read(pipe.fileno(), 1 << 16)
+            if not chunk:
+                break
+            received.append(chunk)
+    os.waitpid(child, 0)
+    if not received:
+        raise RuntimeError("the report's process ended without a word")
+    outcome, injected = pickle.loads(b"".join(received))
+    disk_space._injected.update(injected)  # the test seam counts writes across refreshes, as in one process
+    if outcome is not None:
+        raise outcome
 
 
 class LiveReport(TrainerCallback):
     """Refreshes `run_dir`'s report while training runs (rank 0 only; the other ranks never refresh)."""
 
     def __init__(self, run_dir: str | Path, on_pause: Callable[[float], None] | None = None,
-                 every: float = REFRESH_EVERY_S, max_share: float | None = None, clock=time.monotonic):
+                 every: float = REFRESH_EVERY_S, max_share: float | None = None, clock=time.monotonic,
+                 build: Callable[[Path, Live], None] = build_report_apart):
         self.run_dir = Path(run_dir)
+        self.build = build
         self.report_pause = on_pause  # not named on_pause: the trainer calls every callback's on_pause
         self.every, self.clock = every, clock
         self.max_share = max_share if max_share is not None else float(
@@ -89,7 +154,7 @@ class LiveReport(TrainerCallback):
         live = Live(step=state.global_step, total=state.max_steps, elapsed_s=elapsed,
                     eta_s=eta_seconds(state.global_step - self.start_step, state.max_steps - self.start_step, elapsed))
         try:
-            build_report(self.run_dir, live)
+            self.build(self.run_dir, live)
         except ReportError:
             pass  # nothing logged yet: the next evaluation or interval tries again
         except Exception as error:  # a report must never stop a run: say it once and carry on without

@@ -19,6 +19,9 @@ X_LABEL = "optimizer step"
 TRAIN_COLOR, EVAL_COLOR = "#1f77b4", "#ff7f0e"
 # Below this many finite points smoothing would hide the data: draw the raw points with markers instead.
 SMOOTH_MIN_POINTS = 10
+# A train curve is drawn with at most about this many points: a chart is 935 pixels wide (8.5 in at 110 dpi), so more
+# points are not seen, only paid for (drawing time, and the renderer's memory, which the allocator keeps afterwards).
+MAX_DRAWN_POINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -134,17 +137,47 @@ def smooth(values: list[float], span: int) -> list[float]:
     """Zero-lag smoothing for a finished curve: the mean of a window centred on each point, `span` points wide,
     narrowed symmetrically near the ends (the first and last points are the raw ones). A forward EMA trails a steep
     fall by about `span` points, so an early loss drop looks slower than it was; a centred window does not, and a
-    straight stretch keeps its values exactly. Non-finite values stay NaN and are left out of their neighbours'."""
+    straight stretch keeps its values exactly. Non-finite values stay NaN and are left out of their neighbours'.
+    Running sums make it one pass whatever the span (the span grows with the curve: a window per point would cost
+    points x span, quadratic in the run's length)."""
     half = span // 2
+    sums, counts = [0.0], [0]
+    for value in values:
+        finite_value = math.isfinite(value)
+        sums.append(sums[-1] + (value if finite_value else 0.0))
+        counts.append(counts[-1] + finite_value)
     smoothed = []
     for index, value in enumerate(values):
         if not math.isfinite(value):
             smoothed.append(math.nan)
             continue
         reach = min(half, index, len(values) - 1 - index)
-        window = [item for item in values[index - reach:index + reach + 1] if math.isfinite(item)]
-        smoothed.append(sum(window) / len(window))
+        if reach == 0:
+            smoothed.append(value)  # the ends stay exactly raw
+            continue
+        low, high = index - reach, index + reach + 1
+        smoothed.append((sums[high] - sums[low]) / (counts[high] - counts[low]))
     return smoothed
+
+
+def thinned(steps: list[int], values: list[float], limit: int | None = None) -> tuple[list[int], list[float]]:
+    """At most about `limit` points of a curve, as it looks at the chart's width: the curve cut into `limit` // 2
+    consecutive buckets, each kept as its lowest and highest point in step order (the faint raw line keeps its
+    spread), and its first non-finite value (a NaN still breaks the line there). A long run draws as many points as a
+    short one, so what a refresh draws, its time and the memory the drawing takes stay flat as the run grows."""
+    limit = limit or MAX_DRAWN_POINTS
+    if len(values) <= limit:
+        return steps, values
+    buckets = limit // 2
+    kept: list[int] = []
+    for bucket in range(buckets):
+        start, stop = bucket * len(values) // buckets, (bucket + 1) * len(values) // buckets
+        finite_indices = [index for index in range(start, stop) if math.isfinite(values[index])]
+        chosen = {min(finite_indices, key=values.__getitem__),
+                  max(finite_indices, key=values.__getitem__)} if finite_indices else set()
+        first_non_finite = next((index for index in range(start, stop) if not math.isfinite(values[index])), None)
+        kept += sorted(chosen | ({first_non_finite} - {None}))
+    return [steps[index] for index in kept], [values[index] for index in kept]
 
 
 def _nan_for_non_finite(values: list[float]) -> list[float]:
@@ -190,13 +223,13 @@ def _draw_curve(ax, metrics: list[dict], curve: Curve, single_curve: bool) -> tu
     train_name = "train" if single_curve else f"{curve.label} (train)"
     if finite_count >= SMOOTH_MIN_POINTS and curve.smooth:
         span = smoothing_span(finite_count)
-        ax.plot(steps, _nan_for_non_finite(values), color=curve.color, alpha=0.25, linewidth=0.9)
-        ax.plot(steps, smooth(values, span), color=curve.color, linewidth=2.0, label=train_name)
+        ax.plot(*thinned(steps, _nan_for_non_finite(values)), color=curve.color, alpha=0.25, linewidth=0.9)
+        ax.plot(*thinned(steps, smooth(values, span)), color=curve.color, linewidth=2.0, label=train_name)
         drew = True
     elif finite_count:
         few = finite_count < SMOOTH_MIN_POINTS
-        ax.plot(steps, _nan_for_non_finite(values), color=curve.color, linewidth=1.8, marker="o" if few else None,
-                markersize=5, label=train_name)
+        ax.plot(*thinned(steps, _nan_for_non_finite(values)), color=curve.color, linewidth=1.8,
+                marker="o" if few else None, markersize=5, label=train_name)
         drew = True
     drew |= _mark_non_finite(ax, steps, values, train_name, spans=True)
 
