@@ -77,6 +77,38 @@ def build_tiny_tokenizer(corpus: list[str]):
     return wrapped
 
 
+# Real chat templates (tests/chat_templates/, copied from the models' tokenizer_config.json) and the special tokens of
+# them all, for a tokenizer that renders any of them.
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+TEMPLATE_SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                     "<｜tool▁output▁end｜>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|begin_of_text|>",
+                     "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+
+def build_template_tokenizer(corpus: list[str], template: str | None = None):
+    """A byte-level BPE tokenizer that knows every template's special tokens (the ids differ from the real models',
+    the boundary between prompt and answer does not); <think> and </think> are added tokens that decoding keeps.
+    `template`: a file of TEMPLATES (without .jinja) to set as its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=TEMPLATE_SPECIALS,
+                                                          show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
+                                      eos_token="<｜end▁of▁sentence｜>")
+    wrapped.add_tokens(["<think>", "</think>"])  # added, not special, as in DeepSeek-R1's and Qwen3's tokenizers
+    if template:
+        wrapped.chat_template = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    return wrapped
+
+
 def build_tiny_model(path: Path, corpus: list[str], seed: int = 0) -> Path:
     """A 2-layer, 32-wide Llama with a BPE tokenizer trained on `corpus`, saved (and reloadable) at `path`."""
     import torch
