@@ -84,8 +84,8 @@ TEMPLATE_SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of�
                      "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
                      "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                      "<｜tool▁output▁end｜>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|begin_of_text|>",
-                     "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+                     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+                     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 
 
 def build_template_tokenizer(corpus: list[str], template: str | None = None):

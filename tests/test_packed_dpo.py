@@ -119,13 +119,13 @@ def thinking_pairs(count: int, seed: int = 0):
     tokenizer = build_template_tokenizer([" ".join(WORDS)] * 4, "deepseek-r1-distill")
     rng = random.Random(seed)
     text = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
+    answer = lambda thought: [  # noqa: E731
+        {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{text(1, 6)}"}]
     rows = []
     for _ in range(count):
-        reasoning, answer = text(3, 14), text(1, 6)
-        rejected_reasoning = reasoning if rng.random() < 0.4 else text(2, 12)
-        row = {"prompt": [{"role": "user", "content": text(2, 10) + "?"}],
-               "chosen": [{"role": "assistant", "content": f"<think>\n{reasoning}\n</think>\n\n{answer}"}],
-               "rejected": [{"role": "assistant", "content": f"<think>\n{rejected_reasoning}\n</think>\n\n{text(1, 6)}"}]}
+        reasoning = text(3, 14)
+        row = {"prompt": [{"role": "user", "content": text(2, 10) + "?"}], "chosen": answer(reasoning),
+               "rejected": answer(reasoning if rng.random() < 0.4 else text(2, 12))}
         rows.append(tokenize_preference(row, tokenizer))
     return tokenizer, rows
 
