@@ -135,7 +135,8 @@ def test_reasoning_pairs_cached_by_one_process_serve_two_and_train_the_same(thin
     two = train(dpo_args(thinking_model, data, tmp_path / "results", "two"), cache, processes=2)
     assert (one["cache"], two["cache"]) == ("computed", "reused")
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6) and len(one["losses"]) == 4
-    assert one["info"]["data"]["reasoning"] == "keep"
+    assert one["info"]["data"]["reasoning"] == "keep"  # and the answers trained hold it:
+    assert one["info"]["data_audit"]["train"]["chosen_reasoning_share"] == 1.0
 
 
 def test_lora_runs_cache_their_reference_too(setup, tiny_model, tmp_path):
