@@ -8,8 +8,10 @@ gpt-oss writes an analysis channel then a final one; ...), never computed by the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import TEMPLATES, build_template_tokenizer
@@ -273,6 +275,14 @@ def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit
     assert "--max_length" in codes["data_reasoning_cut"].advice and "--reasoning drop" in codes[
         "data_reasoning_cut"].advice
     assert "--reasoning drop" in codes["data_only_reasoning_differs"].advice
+    # The --max_length the launcher suggests keeps 99% of the pairs whole with their reasoning, as trained
+    kept_lengths = [len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+                    for row in short.train]
+    suggested = short.summary["audit"]["train"]["suggested_max_length"]
+    assert short.summary["audit"]["train"]["chosen_tokens"]["median"] == np.median(  # the answers as trained
+        [len(row["chosen_ids"]) for row in short.train])
+    assert suggested == math.ceil(float(np.percentile(kept_lengths, 99)) / 64) * 64 and suggested > 24
+    assert f"--max_length {suggested} keeps 99%" in codes["data_reasoning_cut"].advice
     dropped = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
                                          reasoning="drop"), SFTArguments(), "dpo", 0, tokenizer, tmp_path / "drop")
     assert dropped.summary["splits"]["train"]["identical_pairs"] > 0  # the pairs that differed only in reasoning
