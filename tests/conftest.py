@@ -79,12 +79,45 @@ def build_tiny_tokenizer(corpus: list[str]):
     return wrapped
 
 
-def build_tiny_model(path: Path, corpus: list[str], seed: int = 0) -> Path:
-    """A 2-layer, 32-wide Llama with a BPE tokenizer trained on `corpus`, saved (and reloadable) at `path`."""
+# Real chat templates (tests/chat_templates/, copied from the models' tokenizer_config.json) and the special tokens of
+# them all, for a tokenizer that renders any of them.
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+TEMPLATE_SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                     "<｜tool▁output▁end｜>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+                     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+
+def build_template_tokenizer(corpus: list[str], template: str | None = None):
+    """A byte-level BPE tokenizer that knows every template's special tokens (the ids differ from the real models',
+    the boundary between prompt and answer does not); <think> and </think> are added tokens that decoding keeps.
+    `template`: a file of TEMPLATES (without .jinja) to set as its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=TEMPLATE_SPECIALS,
+                                                          show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
+                                      eos_token="<｜end▁of▁sentence｜>")
+    wrapped.add_tokens(["<think>", "</think>"])  # added, not special, as in DeepSeek-R1's and Qwen3's tokenizers
+    if template:
+        wrapped.chat_template = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    return wrapped
+
+
+def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, template: str | None = None) -> Path:
+    """A 2-layer, 32-wide Llama with a BPE tokenizer trained on `corpus`, saved (and reloadable) at `path`;
+    `template`: a real chat template of TEMPLATES (and its special tokens) instead of the toolkit's tiny one."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tiny_tokenizer(corpus)
+    tokenizer = build_template_tokenizer(corpus, template) if template else build_tiny_tokenizer(corpus)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
@@ -117,6 +150,17 @@ def preference_rows(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def thinking_rows(count: int, seed: int = 0) -> list[dict]:
+    """preference_rows as a reasoning model writes them (DeepSeek-R1's shape): each answer reasons inside
+    <think>…</think> first, then gives the final answer."""
+    rows = preference_rows(count, seed)
+    for row in rows:
+        thing = row["prompt"][0]["content"].split()[-2]
+        for side, thought in (("chosen", f"look at the {thing} it is happy"), ("rejected", "a fast guess")):
+            row[side][0]["content"] = f"<think>\n{thought}\n</think>\n\n{row[side][0]['content']}"
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
@@ -139,6 +183,12 @@ def corpus() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, corpus) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), corpus)
+
+
+@pytest.fixture(scope="session")
+def thinking_model(tmp_path_factory, corpus) -> Path:
+    """tiny_model's shape with DeepSeek-R1-Distill's chat template: its generation prompt opens <think>."""
+    return build_tiny_model(tmp_path_factory.mktemp("thinking_model"), corpus, template="deepseek-r1-distill")
 
 
 @pytest.fixture(scope="session")

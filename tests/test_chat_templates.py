@@ -8,20 +8,17 @@ gpt-oss writes an analysis channel then a final one; ...), never computed by the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from conftest import TEMPLATES, build_template_tokenizer
 from src.chat_templates import TemplateCannotExpress, answer_text, conversation_ids
 from src.data import sample_fields, tokenize_preference, tokenize_sft, tokenize_unpaired
 
-TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
-SPECIALS = ["<|pad|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-            "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
-            "<｜tool▁output▁end｜>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-            "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|begin_of_text|>",
-            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
 
 QUESTION = {"role": "user", "content": "What is 40 plus 2?"}
 REASONING = "Add 40 and 2."
@@ -140,21 +137,7 @@ TABLE = [(template, case) for template, cases in EXPECTED.items() for case in ca
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE tokenizer that knows every template's special tokens (the ids differ from the real models',
-    the boundary between prompt and answer does not); <think> and </think> are added tokens that decoding keeps."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = [FINAL, REASONING, "What is 40 plus 2? And 40 plus 3? It is 43. first add the sum"]
-    model = Tokenizer(models.BPE())
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = decoders.ByteLevel()
-    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<|pad|>", bos_token="<｜begin▁of▁sentence｜>",
-                                      eos_token="<｜end▁of▁sentence｜>")
-    wrapped.add_tokens(["<think>", "</think>"])  # added, not special, as in DeepSeek-R1's and Qwen3's tokenizers
-    return wrapped
+    return build_template_tokenizer([FINAL, REASONING, "What is 40 plus 2? And 40 plus 3? It is 43. first add the sum"])
 
 
 def _use(tokenizer, template: str) -> dict:
@@ -292,6 +275,14 @@ def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit
     assert "--max_length" in codes["data_reasoning_cut"].advice and "--reasoning drop" in codes[
         "data_reasoning_cut"].advice
     assert "--reasoning drop" in codes["data_only_reasoning_differs"].advice
+    # The --max_length the launcher suggests keeps 99% of the pairs whole with their reasoning, as trained
+    kept_lengths = [len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+                    for row in short.train]
+    suggested = short.summary["audit"]["train"]["suggested_max_length"]
+    assert short.summary["audit"]["train"]["chosen_tokens"]["median"] == np.median(  # the answers as trained
+        [len(row["chosen_ids"]) for row in short.train])
+    assert suggested == math.ceil(float(np.percentile(kept_lengths, 99)) / 64) * 64 and suggested > 24
+    assert f"--max_length {suggested} keeps 99%" in codes["data_reasoning_cut"].advice
     dropped = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
                                          reasoning="drop"), SFTArguments(), "dpo", 0, tokenizer, tmp_path / "drop")
     assert dropped.summary["splits"]["train"]["identical_pairs"] > 0  # the pairs that differed only in reasoning

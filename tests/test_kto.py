@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 
-from conftest import preference_rows, write_jsonl
+from conftest import preference_rows, thinking_rows, write_jsonl
 from src import run_files
 
 GLOBAL_BATCH = 8
@@ -226,19 +226,21 @@ def test_ktoconfig_fields_are_flags():
     assert config.sft_stage_overrides == {"packing": "true"}
 
 
-def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(tiny_model, tmp_path):
+def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(thinking_model, tmp_path):
     """The one launch of this file: a real 2-process KTO run with LoRA (reference: the adapters off, computed in the
     run), whose rank 1 is killed right after checkpoint-2 (a seam, src/run_safety/checkpoints.py) and restarted by
     the launcher, against one uninterrupted process on the same global batch (1 x 2 accumulation vs 2 x 1): every
     logged train and eval metric agrees. That covers the cross-process sums the in-process test leaves out, the eval's
-    rows gathered without accelerate's duplicates (7 validation pairs, 14 rows, on 2 ranks) and resume."""
+    rows gathered without accelerate's duplicates (7 validation pairs, 14 rows, on 2 ranks) and resume. Its answers
+    reason first and the model has DeepSeek-R1-Distill's template (issue 38: the guarantees hold with the reasoning
+    trained; the same code prepares plain answers, which every other launch here uses)."""
     from test_resilience import start_launcher
     from test_training import _same, common_args, run_single
 
-    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    data = write_jsonl(tmp_path / "pairs.jsonl", thinking_rows(40, seed=2))
     metrics = {}
     for nproc in (1, 2):
-        args = common_args(tiny_model, data, tmp_path / "results", f"kto{nproc}", "kto") + [
+        args = common_args(thinking_model, data, tmp_path / "results", f"kto{nproc}", "kto") + [
             "--kto_from_pairs", "true", "--use_lora", "true", "--batch_size", "4", "--micro_batch_size", "2",
             "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.5", "--eval_steps", "2", "--save_steps", "2",
             "--val_size", "7", "--precompute_ref_log_probs", "false", "--num_samples", "0"]
@@ -256,6 +258,8 @@ def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(tiny_mode
             assert killed.exists(), "the seam never fired: the test proves nothing"
             info = run_files.read_json(tmp_path / "results" / "kto2" / run_files.TRAINING_INFO)
             assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
+            assert info["data"]["reasoning"] == "keep"  # and the completions trained hold it:
+            assert info["data_audit"]["train"]["completion_reasoning_share"] == 1.0
         records = run_files.read_jsonl(tmp_path / "results" / f"kto{nproc}" / run_files.METRICS)
         metrics[nproc] = [{key: value for key, value in record.items()
                            if not key.startswith(("perf/", "time", "train_", "eval_runtime", "eval_samples", "epoch",

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import build_tiny_tokenizer
+from conftest import build_template_tokenizer, build_tiny_tokenizer
 
 WORDS = "the sky is blue green red sun moon sea river cat dog what color where yes no one two".split()
 
@@ -123,6 +123,44 @@ def test_truncation_at_max_length_matches_the_padded_forward(tokenizer, tmp_path
     packed = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, True, max_length=16), rows)
     padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False, max_length=16), rows)
     assert_close(packed, padded)
+
+
+def thinking_pairs(count: int, seed: int = 0):
+    """R1-style pairs (reasoning inside <think>…</think>, then the final answer) prepared as the toolkit prepares them
+    with DeepSeek-R1-Distill's template: the prompt ends with the opened `<think>\\n`, each answer is its reasoning,
+    `</think>`, the final answer and the end of sentence; some pairs share their reasoning and differ in the answer."""
+    from src.data import tokenize_preference
+
+    tokenizer = build_template_tokenizer([" ".join(WORDS)] * 4, "deepseek-r1-distill")
+    rng = random.Random(seed)
+    text = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
+    answer = lambda thought: [  # noqa: E731
+        {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{text(1, 6)}"}]
+    rows = []
+    for _ in range(count):
+        reasoning = text(3, 14)
+        row = {"prompt": [{"role": "user", "content": text(2, 10) + "?"}], "chosen": answer(reasoning),
+               "rejected": answer(reasoning if rng.random() < 0.4 else text(2, 12))}
+        rows.append(tokenize_preference(row, tokenizer))
+    return tokenizer, rows
+
+
+def test_pairs_prepared_through_a_thinking_template_match_the_padded_forward(tmp_path):
+    """Issue 38: the answers trained are the reasoning and the final answer after R1's opened <think>; the packed
+    forward shares the prompt (and a shared reasoning's tokens are each answer's own) exactly as the padded one."""
+    tokenizer, rows = thinking_pairs(10, seed=4)
+    close = tokenizer.convert_tokens_to_ids("</think>")
+    assert all(tokenizer.decode(row["prompt_ids"]).endswith("<｜Assistant｜><think>\n") for row in rows)
+    assert all(close in row["chosen_ids"] and close in row["rejected_ids"] for row in rows)  # the reasoning is trained
+    model = tiny("qwen2", tokenizer)
+    packed_trainer = trainer_for(model, tokenizer, rows, tmp_path, True, max_length=128)
+    packed = reference_logps(packed_trainer, rows)
+    assert packed_trainer.packed_forward.enabled, packed_trainer.packed_forward.reason
+    assert_close(packed, reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False, max_length=128), rows))
+    # and where --max_length cuts into the reasoning
+    cut = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, True, max_length=24), rows)
+    assert_close(cut, reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False, max_length=24), rows))
+    assert not (cut - packed).abs().max() < 1e-3  # the cut changed something: the check above had teeth
 
 
 def test_the_varlen_layout_for_flash_attention_matches_through_restarting_positions(tokenizer, tmp_path):

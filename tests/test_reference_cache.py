@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, build_tiny_model, preference_rows, write_jsonl
+from conftest import PROJECT_ROOT, build_tiny_model, preference_rows, thinking_rows, write_jsonl
 from src import run_files
 
 
@@ -124,6 +124,19 @@ def test_a_cache_built_by_two_processes_serves_one_and_the_other_way_round(setup
     # Same global batch on 1 or 2 processes, reference log-probs from either: the same training.
     assert by_two_warm["losses"] == pytest.approx(cold["losses"], rel=1e-4, abs=1e-6)
     assert by_two["losses"] == pytest.approx(cold["losses"], rel=1e-4, abs=1e-6)
+
+
+def test_reasoning_pairs_cached_by_one_process_serve_two_and_train_the_same(thinking_model, tmp_path):
+    """Issue 38: pairs whose answers reason, prepared through DeepSeek-R1-Distill's template (their reasoning trained):
+    the cache one process builds serves two, and the two train the same numbers as the one."""
+    data = write_jsonl(tmp_path / "thinking.jsonl", thinking_rows(40))
+    cache = tmp_path / "cache"
+    one = train(dpo_args(thinking_model, data, tmp_path / "results", "one"), cache)
+    two = train(dpo_args(thinking_model, data, tmp_path / "results", "two"), cache, processes=2)
+    assert (one["cache"], two["cache"]) == ("computed", "reused")
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6) and len(one["losses"]) == 4
+    assert one["info"]["data"]["reasoning"] == "keep"  # and the answers trained hold it:
+    assert one["info"]["data_audit"]["train"]["chosen_reasoning_share"] == 1.0
 
 
 def test_lora_runs_cache_their_reference_too(setup, tiny_model, tmp_path):
