@@ -29,8 +29,8 @@ from pathlib import Path
 from src.config import EMBEDDED, Config, ModelArguments
 from src.judges import FUNCTION_JUDGE, load_function
 from src.models import ModelError, first_line, is_jinja_file
-
-CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model is a sequence classifier
+from src.objectives import objective
+from src.private_api import compile_jinja_template
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 
@@ -41,7 +41,7 @@ def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -
     model = run_config.model
     check_judge(run_config.training.judge)
     config = load_config(path, model.trust_remote_code)
-    causal = any(stage.name in CAUSAL_STAGES for stage in stages)
+    causal = any(objective(stage.name).causal_lm for stage in stages)  # a reward model is a sequence classifier
     if causal:
         check_causal(path, config)
     check_vocabulary(path, config, tokenizer, model.chat_template_path)
@@ -181,7 +181,7 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
         return
     from jinja2 import TemplateError
     # transformers' own environment: its extensions ({% generation %}, loop controls) are part of the language.
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    _compile_jinja_template = compile_jinja_template()
 
     where = f"--chat_template_path {chat_template_path}" if chat_template_path else \
         f"--model_name_or_path {path}: its chat template"

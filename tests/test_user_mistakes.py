@@ -367,6 +367,11 @@ MISTAKES = [
     Mistake("encoder_only", "An encoder-only model (BERT) for SFT/DPO", "is encoder-only",
             _encoder("BertForMaskedLM", "BertConfig", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, max_position_embeddings=128)),
+    # Before the objectives' table (issue 37) the causal-LM check named sft and dpo only: KTO trained a BERT to exit 0.
+    Mistake("encoder_only_kto", "An encoder-only model (BERT) for KTO", "is encoder-only",
+            lambda ws: _encoder("BertForMaskedLM", "BertConfig", hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128)(ws)
+            + ["--stage", "kto", "--kto_from_pairs", "true"]),
     Mistake("encoder_decoder", "An encoder-decoder model (T5) for SFT/DPO", "is an encoder-decoder",
             _encoder("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=16, num_layers=1,
                      num_heads=2)),

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from src.objectives import objective
+
 from .inputs import ALL_LINEAR, TrainingSetup
 from .model_shape import ModelShape
 
@@ -46,6 +48,8 @@ class MethodEstimate:
     label: str
     model_state_bytes: int
     reference_bytes: int
+    # A reference-free objective: the reference copy a preference objective (DPO) would keep with this method
+    reference_saved_bytes: int
     activation_bytes: int  # at the configured per-device batch
     margin_bytes: int
     total_bytes: int
@@ -113,9 +117,12 @@ def model_state_bytes(method: str, shape: ModelShape, trainable: int, num_device
     raise ValueError(f"unknown method {method}")
 
 
-def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_devices: int, weight_bytes: int) -> int:
-    # DPO and KTO keep a reference model (KTO: TRL's KTOTrainer, the same rule): none with adapters or cached log-probs
-    if setup.stage not in ("dpo", "kto") or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
+def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_devices: int, weight_bytes: int,
+                    kept: bool | None = None) -> int:
+    """A reference model's copy per device, for an objective that keeps one (DPO, KTO; `kept` asks as if it did or
+    did not): none with adapters (the base with adapters off) or cached log-probs."""
+    kept = objective(setup.stage).needs_reference if kept is None else kept
+    if not kept or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
         return 0
     if method == "zero3":
         return shape.total_params * weight_bytes // num_devices
@@ -125,14 +132,14 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
     """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward; one completion for
     KTO, whose KL sequence runs without gradients before the step: src/trainers/kto.py); see the module doc."""
-    tokens = setup.max_length * (2 if setup.stage in ("dpo", "reward") else 1)
+    tokens = setup.max_length * objective(setup.stage).sequences_with_grad
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)
     if setup.gradient_checkpointing:
         layers = shape.num_layers * activation_bytes * shape.hidden_size + block
     else:
         layers = shape.num_layers * block
-    logits = 0 if setup.stage == "reward" else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
+    logits = 0 if not objective(setup.stage).scores_tokens else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
     return int(tokens * (layers + logits))
 
 
@@ -200,6 +207,8 @@ def plan_memory(
     for method in METHODS:
         state = model_state_bytes(method, shape, trainable if method in ("lora", "qlora") else 0, num_devices, weight_bytes)
         reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
+        saved = reference_bytes(method, setup, shape, num_devices, weight_bytes, kept=True) \
+            if objective(setup.stage).reference_free else 0
         activations = batch * per_sample
         total = with_margin(state + reference + activations)
         runs_here = not (device_kind == "cpu" and method in ("qlora", "zero2", "zero3"))
@@ -209,6 +218,7 @@ def plan_memory(
                 label=METHOD_LABELS[method] + (f" r={setup.lora_r}" if method in ("lora", "qlora") else ""),
                 model_state_bytes=state,
                 reference_bytes=reference,
+                reference_saved_bytes=saved,
                 activation_bytes=activations,
                 margin_bytes=total - (state + reference + activations),
                 total_bytes=total,

@@ -276,7 +276,8 @@ def _memory_plan(report: dict) -> list[str]:
             [
                 estimate["label"] + (" <- chosen" if estimate["chosen"] else ""),
                 f"{_gib(estimate['model_state_bytes'])} GiB",
-                f"{_gib(estimate['reference_bytes'])} GiB" if estimate["reference_bytes"] else "-",
+                f"{_gib(estimate['reference_bytes'])} GiB" if estimate["reference_bytes"] else
+                f"none (-{_gib(estimate['reference_saved_bytes'])} GiB)" if estimate.get("reference_saved_bytes") else "-",
                 f"{_gib(estimate['activation_bytes'])} GiB",
                 f"{_gib(estimate['margin_bytes'])} GiB",
                 f"{_gib(estimate['total_bytes'])} GiB",
