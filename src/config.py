@@ -900,13 +900,16 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
 
 
 def stage_config(config: Config, stage: str) -> Config:
-    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_dpo / sft_then_kto, the `sft:`
-    overrides apply."""
+    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_<name>, the `sft:` overrides apply,
+    and a TRL field of the final stage's config that SFT's has not (--undesirable_weight, --simpo_gamma) stays with
+    the final stage."""
     pipeline = config.training.stage
     if pipeline not in PIPELINES:
         return config
+    own_trl_fields = _LazyFields(stage)  # TRL's configs cost seconds to import: read only when there are overrides
     requested = {key: (value, PIPELINE_FIRST) for key, value in config.values().items() if key != PIPELINE_FIRST}
-    requested = {key: value for key, value in requested.items() if key in toolkit_fields() or key in config.trl_overrides}
+    requested = {key: value for key, value in requested.items()
+                 if key in toolkit_fields() or (key in config.trl_overrides and key in own_trl_fields)}
     sources = {key: where for key, where in config.sources.items() if not key.startswith("sft.")}
     if stage == PIPELINE_FIRST:
         for key, value in config.sft_stage_overrides.items():

@@ -23,6 +23,7 @@ Margin: 10% for allocator fragmentation, plus 1 GiB per process for the CUDA con
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from src.objectives import objective
@@ -207,8 +208,9 @@ def plan_memory(
     for method in METHODS:
         state = model_state_bytes(method, shape, trainable if method in ("lora", "qlora") else 0, num_devices, weight_bytes)
         reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
-        saved = reference_bytes(method, setup, shape, num_devices, weight_bytes, kept=True) \
-            if objective(setup.stage).reference_free else 0
+        # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
+        saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
+                                weight_bytes, kept=True) if objective(setup.stage).reference_free else 0
         activations = batch * per_sample
         total = with_margin(state + reference + activations)
         runs_here = not (device_kind == "cpu" and method in ("qlora", "zero2", "zero3"))
