@@ -405,6 +405,16 @@ MISTAKES = [
             lambda ws: ws.args(audit_judge_pairs="-1")),
     Mistake("rounds_one_sample", "`--round_samples 1`: no pair can be formed", "--round_samples must be at least 2",
             lambda ws: ws.args(rounds="1", round_samples="1", judge="json:loads")),
+    # SimPO (no reference model): docs/simpo.md
+    Mistake("simpo_reference_flag", "A reference-model flag with a reference-free objective (`--stage simpo "
+            "--precompute_ref_log_probs true`)", "--precompute_ref_log_probs: SimPO has no reference model",
+            lambda ws: ws.args(stage="simpo", precompute_ref_log_probs="true")),
+    Mistake("simpo_unpaired_rows", "Thumbs up / down rows given to a pair objective (`--stage simpo`)",
+            "preference data needs chosen and rejected answers", lambda ws: ws.args(
+                stage="simpo", dataset_name=ws.rows_file("thumbs_for_simpo.jsonl", [
+                    {"prompt": f"q{index}", "completion": "a", "label": index % 2 == 0} for index in range(12)]))),
+    Mistake("simpo_dpo_loss_type", "A DPO loss type asked of SimPO (`--stage simpo --loss_type ipo`)",
+            "--loss_type ipo: SimPO's loss is fixed", lambda ws: ws.args(stage="simpo", loss_type="ipo")),
     # KTO (thumbs up / down): docs/kto.md
     Mistake("kto_label_not_thumbs", "A KTO label column that is not a thumbs up / down (`\"thumbs\": \"maybe\"` in row "
             "3)", "row 3: 'label' is 'maybe', not a thumbs up / down", lambda ws: ws.args(

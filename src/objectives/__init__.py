@@ -13,13 +13,14 @@ audit read the row. `--stage sft_then_<name>` exists for every row with `ends_pi
 from __future__ import annotations
 
 import importlib
+import warnings
 
-from src.objectives import dpo, kto, reward, sft
+from src.objectives import dpo, kto, reward, sft, simpo
 from src.objectives.spec import (PAIRED_SHAPES, PAIRS, PROMPTS, SCORED_PAIRS, SEQUENCES, UNPAIRED, Chart, Curve, Metric,
                                  Objective, Panel, SummaryNumber)
 
 OBJECTIVES: dict[str, Objective] = {row.name: row for row in (dpo.OBJECTIVE, sft.OBJECTIVE, reward.OBJECTIVE,
-                                                              kto.OBJECTIVE)}
+                                                              kto.OBJECTIVE, simpo.OBJECTIVE)}
 DEFAULT_STAGE = next(iter(OBJECTIVES))  # the table's first row: --stage's default
 # The objective whose on-policy rounds --rounds runs (the row with on_policy_rounds: DPO)
 ROUNDS_STAGE = next(name for name, row in OBJECTIVES.items() if row.on_policy_rounds)
@@ -63,9 +64,12 @@ def shape_of(stage: str) -> str:
 
 
 def load(path: str):
-    """The class a row names as "module:Class" (imported on first use: TRL and the trainers cost seconds)."""
+    """The class a row names as "module:Class" (imported on first use: TRL and the trainers cost seconds). TRL's
+    warning that trl.experimental is experimental is left out: the objective's docs page says which rows use it."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental")
+        return getattr(importlib.import_module(module), name)
 
 
 def trl_config_classes(stage: str) -> list[type]:
