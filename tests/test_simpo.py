@@ -9,17 +9,13 @@ test checks the loss, rewards and gradient agree to 1e-5, padding included (each
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
 from conftest import preference_rows, write_jsonl
+from pair_steps import assert_the_same_on_every_split
 from src import run_files
 
 GLOBAL_BATCH = 8
-SPLITS = [(1, 1), (1, 4), (2, 2), (4, 1)]  # (processes, accumulation steps)
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -46,38 +42,12 @@ def simpo_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
     return trainer, rows, prepared
 
 
-def _one_step(trainer, rows: list[dict], processes: int, accumulation: int) -> dict:
-    model = trainer.model
-    model.train()
-    model.zero_grad()
-    micro = len(rows) // (processes * accumulation)
-    trainer._stored_metrics["train"].clear()
-    losses = []
-    for index in range(processes * accumulation):
-        batch = trainer.data_collator(rows[index * micro:(index + 1) * micro])
-        loss = trainer.compute_loss(model, batch)
-        (loss / (processes * accumulation)).backward()  # DDP's mean over ranks, accumulation's 1/A
-        losses.append(float(loss.detach()))
-    stored = trainer._stored_metrics["train"]
-    result = {key: sum(values) / len(values) for key, values in stored.items()}
-    result["loss"] = sum(losses) / len(losses)
-    result["grad"] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
-    model.zero_grad()
-    return result
-
-
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "grad")
 
 
 def test_simpo_step_is_the_same_on_any_split_of_the_global_batch(simpo_setup):
     trainer, rows, _ = simpo_setup
-    results = [_one_step(trainer, rows, processes, accumulation) for processes, accumulation in SPLITS]
-    for key in KEYS:
-        first = results[0][key]
-        for result in results[1:]:
-            difference = float((result[key] - first).abs().max()) if torch.is_tensor(first) else abs(result[key] - first)
-            assert difference < TOLERANCE, (key, difference)
-    assert float(results[0]["grad"].abs().max()) > 0
+    assert_the_same_on_every_split(trainer, rows, KEYS)
 
 
 def test_prepared_pairs_are_laid_out_as_cpo_tokenizes_them(simpo_setup, tiny_tokenizer):

@@ -415,6 +415,9 @@ MISTAKES = [
                     {"prompt": f"q{index}", "completion": "a", "label": index % 2 == 0} for index in range(12)]))),
     Mistake("simpo_dpo_loss_type", "A DPO loss type asked of SimPO (`--stage simpo --loss_type ipo`)",
             "--loss_type ipo: SimPO's loss is fixed", lambda ws: ws.args(stage="simpo", loss_type="ipo")),
+    Mistake("orpo_reference_flag", "A reference-model flag with ORPO (`--stage orpo --precompute_ref_log_probs true`)",
+            "--precompute_ref_log_probs: ORPO has no reference model",
+            lambda ws: ws.args(stage="orpo", precompute_ref_log_probs="true")),
     # KTO (thumbs up / down): docs/kto.md
     Mistake("kto_label_not_thumbs", "A KTO label column that is not a thumbs up / down (`\"thumbs\": \"maybe\"` in row "
             "3)", "row 3: 'label' is 'maybe', not a thumbs up / down", lambda ws: ws.args(

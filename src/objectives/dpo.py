@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from src.reporting.formatting import format_number
-from src.objectives.spec import PAIRS, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
+from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
+                                 SummaryNumber, refuse_batch_rebalance)
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
@@ -73,10 +74,7 @@ OBJECTIVE = Objective(
             Panel("Reward margin (chosen − rejected)", "margin (β·log-ratio, nats)",
                   (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
                   min_y_span=0.5),)),
-        Chart("reward_accuracy.png", "Reward accuracy", (
-            Panel("Reward accuracy (chosen > rejected)", "accuracy (fraction of pairs)",
-                  (Curve("rewards/accuracies", "reward accuracy"),), reference_lines=((0.5, "chance"),),
-                  ylim=(-0.02, 1.04)),)),
+        REWARD_ACCURACY_CHART,
     ),
     compare_metrics=(
         Metric("loss", "DPO loss", "loss", reference=(math.log(2), "ln 2 (policy = reference)")),

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
-from src.objectives.spec import PAIRS, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
+from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
+                                 SummaryNumber, refuse_batch_rebalance,
+                                 refuse_reference_flags)
 from src.reporting.formatting import format_number
 
 # The SimPO paper's searched ranges (its section 3 and appendix B): beta 2.0-10.0, gamma / beta 0.3-0.8 (it also
@@ -13,7 +15,6 @@ BETA_RANGE = (2.0, 10.0)
 GAMMA_RATIO_RANGE = (0.3, 0.8)
 DEFAULT_BETA = 2.0  # TRL's CPOConfig default (0.1) is CPO's; --beta's toolkit default (0.1) is DPO's
 DEFAULT_GAMMA_RATIO = 0.5  # gamma = beta / 2 unless --simpo_gamma is given (TRL's 0.5 with beta 2 is 0.25: outside)
-REFERENCE_FLAGS = ("precompute_ref_log_probs",)
 
 
 def beta_of(config) -> float:
@@ -33,9 +34,7 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
 def validate(config) -> None:
     from src.config import ConfigError  # src.config reads this table at import
 
-    for name in REFERENCE_FLAGS:
-        if config.sources.get(name, "").startswith("--"):
-            raise ConfigError(f"--{name}: SimPO has no reference model (it is reference-free): drop the flag")
+    refuse_reference_flags("SimPO", config)
     loss = config.dpo.loss_type
     if config.sources.get("loss_type", "").startswith("--") and loss != ["simpo"]:
         raise ConfigError(f"--loss_type {' '.join(loss)}: SimPO's loss is fixed (simpo); --beta and --simpo_gamma "
@@ -97,10 +96,7 @@ OBJECTIVE = Objective(
             Panel("Reward margin (chosen − rejected) and its target γ", "margin (β·nats/token)",
                   (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
                   info_lines=(("simpo_gamma", "γ = target margin"),), min_y_span=0.5),)),
-        Chart("reward_accuracy.png", "Reward accuracy", (
-            Panel("Reward accuracy (chosen > rejected)", "accuracy (fraction of pairs)",
-                  (Curve("rewards/accuracies", "reward accuracy"),), reference_lines=((0.5, "chance"),),
-                  ylim=(-0.02, 1.04)),)),
+        REWARD_ACCURACY_CHART,
     ),
     compare_metrics=(
         Metric("loss", "SimPO loss", "loss"),

@@ -21,6 +21,7 @@ PROMPTS = "prompts"  # prompts alone: no objective trains on them, on-policy rou
 PAIRED_SHAPES = (PAIRS, SCORED_PAIRS)  # the shapes read from prompt / chosen / rejected data
 
 TRAIN_COLOR = "#1f77b4"
+REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class Chart:
     panels: tuple[Panel, ...]
 
 
+# How often the chosen answer's reward beats the rejected one's: every pair objective's (DPO, SimPO, ORPO)
+REWARD_ACCURACY_CHART = Chart("reward_accuracy.png", "Reward accuracy", (
+    Panel("Reward accuracy (chosen > rejected)", "accuracy (fraction of pairs)",
+          (Curve("rewards/accuracies", "reward accuracy"),), reference_lines=((0.5, "chance"),), ylim=(-0.02, 1.04)),))
+
+
 @dataclass(frozen=True)
 class Metric:
     """A curve compare.md overlays across runs (src/reporting/compare.py)."""
@@ -73,6 +80,15 @@ class SummaryNumber:
     label: str
     percent: bool = False
     headline: str = ""  # its name in report.md's first sentence when no judge ran ("" = not there)
+
+
+def refuse_reference_flags(title: str, config) -> None:
+    """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
+    from src.config import ConfigError  # src.config reads the table at import
+
+    for name in REFERENCE_FLAGS:
+        if config.sources.get(name, "").startswith("--"):
+            raise ConfigError(f"--{name}: {title} has no reference model (it is reference-free): drop the flag")
 
 
 def refuse_batch_rebalance(name: str, staged, plan, world_size: int) -> str | None:
