@@ -800,7 +800,8 @@ def run(argv: list[str] | None = None) -> int:
         for stage in stages:
             print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
                    f"\n{format_summary(prepared[stage.data_stage].summary)}")
-            for warning in stage.model_warnings:
+            # the stage's own warnings too (a silent no-op, a setting outside its objective's paper's range)
+            for warning in silent_no_op_warnings(stage.name, stage.config, stage.plan) + stage.model_warnings:
                 print0(f"  warning: {warning}")
         return 0
 
