@@ -31,12 +31,13 @@ from typing import Any, get_args, get_origin
 import yaml
 from trl import ModelConfig
 
+# The table of objectives (src/objectives/): --stage's choices, the sft_then_<name> pipelines, each one's row.
+from src.objectives import DEFAULT_STAGE, OBJECTIVES, PIPELINE_FIRST, PIPELINES, STAGES, UNPAIRED, final_stage, objective
+from src.objectives import trl_config_classes
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
 EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
-STAGES = ("dpo", "sft", "sft_then_dpo", "reward", "kto", "sft_then_kto")
-# A pipeline's stages, in order: SFT (with the recipe's `sft:` overrides), then the preference stage from its model.
-PIPELINES = {"sft_then_dpo": ("sft", "dpo"), "sft_then_kto": ("sft", "kto")}
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report_to values, each the name of the package it needs
 
 
@@ -262,11 +263,10 @@ class TrainingArguments:
     """The run: stage, batch and learning-rate semantics, precision, schedule, checkpoints, outputs."""
 
     stage: str = field(
-        default="dpo",
-        metadata={"help": "dpo, sft, sft_then_dpo (SFT, then DPO from the SFT model; `sft:` in the recipe holds "
-                  "the SFT stage's overrides), reward (a reward model: a sequence classifier trained with TRL's "
-                  "RewardTrainer on the preference pairs), kto (TRL's KTOTrainer on thumbs-up / thumbs-down rows: "
-                  "prompt, completion, label; docs/kto.md) or sft_then_kto.", "choices": list(STAGES)},
+        default=DEFAULT_STAGE,
+        metadata={"help": "; ".join(f"{row.name}: {row.help}" for row in OBJECTIVES.values()) + "; "
+                  + ", ".join(PIPELINES) + ": SFT, then the objective from the SFT model (`sft:` in the recipe holds "
+                  "the SFT stage's overrides).", "choices": list(STAGES)},
     )
     run_name: str | None = field(
         default=None,
@@ -557,7 +557,7 @@ class Config:
             values.update(dataclasses.asdict(part))
         values.update(self.trl_overrides)
         if self.sft_stage_overrides:
-            values["sft"] = dict(self.sft_stage_overrides)
+            values[PIPELINE_FIRST] = dict(self.sft_stage_overrides)
         return values
 
 
@@ -578,13 +578,7 @@ def toolkit_fields() -> dict[str, tuple[type, Any]]:
 
 def trl_fields(stage: str) -> dict[str, Any]:
     """Fields (name → type) of the TRL config(s) a stage builds, which may pass through as overrides."""
-    from trl import DPOConfig, RewardConfig, SFTConfig
-
-    from trl import KTOConfig
-
-    configs = {"dpo": [DPOConfig], "sft": [SFTConfig], "sft_then_dpo": [DPOConfig, SFTConfig],
-               "reward": [RewardConfig], "kto": [KTOConfig], "sft_then_kto": [KTOConfig, SFTConfig]}[stage]
-    return {name: kind for config in configs for name, kind in _field_types(config).items()}
+    return {name: kind for config in trl_config_classes(stage) for name, kind in _field_types(config).items()}
 
 
 class _LazyFields:
@@ -785,37 +779,39 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
         label = recipe_label(recipe)
         for key, value in _load_recipe(recipe).items():
             requested[key] = (value, Path(recipe).name)
-            if key == "sft" and isinstance(value, dict):
-                sources.update({f"sft.{sft_key}": f"{label} (sft block)" for sft_key in value})
+            if key == PIPELINE_FIRST and isinstance(value, dict):
+                sources.update({f"{PIPELINE_FIRST}.{sft_key}": f"{label} (sft block)" for sft_key in value})
             else:
                 sources[key] = label
     requested.update(sagemaker)
     sources.update({key: f"SageMaker {variable}" for key, (_, variable) in sagemaker.items()})
     for key, raw, token in flags:
-        if key.startswith("sft."):
-            sft_overrides = dict(requested.get("sft", ({}, ""))[0] or {})
-            sft_overrides[key[4:]] = _parse_flag_value(raw)
-            requested["sft"] = (sft_overrides, token)
+        if key.startswith(f"{PIPELINE_FIRST}."):
+            sft_overrides = dict(requested.get(PIPELINE_FIRST, ({}, ""))[0] or {})
+            sft_overrides[key[len(PIPELINE_FIRST) + 1:]] = _parse_flag_value(raw)
+            requested[PIPELINE_FIRST] = (sft_overrides, token)
         else:
             requested[key] = (_parse_flag_value(raw), token)
         sources[key] = f"--{key}"
 
-    stage = requested.get("stage", ("dpo", ""))[0]
+    stage = requested.get("stage", (DEFAULT_STAGE, ""))[0]
     if stage not in STAGES:
         raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
-    if "sft" in requested and stage not in PIPELINES:
-        if requested["sft"][1].startswith("--"):
-            raise ConfigError("--sft.* overrides apply only to --stage sft_then_dpo or sft_then_kto")
-        del requested["sft"]  # a pipeline recipe run as a single stage: its SFT block does not apply
-        sources = {key: where for key, where in sources.items() if not key.startswith("sft.")}
+    if PIPELINE_FIRST in requested and stage not in PIPELINES:
+        if requested[PIPELINE_FIRST][1].startswith("--"):
+            raise ConfigError(f"--{PIPELINE_FIRST}.* overrides apply only to --stage {' or '.join(PIPELINES)}")
+        del requested[PIPELINE_FIRST]  # a pipeline recipe run as a single stage: its SFT block does not apply
+        sources = {key: where for key, where in sources.items() if not key.startswith(f"{PIPELINE_FIRST}.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
     config.sources = sources
-    if final_stage(stage) == "kto":
-        kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
-    elif config.data.kto_from_pairs or config.data.label_column:
+    row = objective(stage)
+    if row.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
+        row.validate(config)
+    if row.data_shape != UNPAIRED and (config.data.kto_from_pairs or config.data.label_column):
         flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
-        raise ConfigError(f"{flag} applies to --stage kto or sft_then_kto, not {stage}")
+        unpaired = [name for name in STAGES if objective(name).data_shape == UNPAIRED]
+        raise ConfigError(f"{flag} applies to --stage {' or '.join(unpaired)}, not {stage}")
     if require_sources:
         for problem in missing_sources(config):
             raise ConfigError(problem)
@@ -869,13 +865,13 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
     trl_overrides: dict[str, Any] = {}
     sft_stage_overrides: dict[str, Any] = {}
     for key, (value, where) in requested.items():
-        if key == "sft":
+        if key == PIPELINE_FIRST:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: 'sft' holds the SFT stage's overrides as a mapping, got {value!r}")
             for sft_key, sft_value in value.items():
-                if sft_key not in known and sft_key not in trl_fields("sft"):
+                if sft_key not in known and sft_key not in trl_fields(PIPELINE_FIRST):
                     raise ConfigError(f"{where}: unknown key 'sft.{sft_key}'{_closest(sft_key, known)}")
-                if sft_key in ("stage", "sft"):
+                if sft_key in ("stage", PIPELINE_FIRST):
                     raise ConfigError(f"{where}: 'sft.{sft_key}' cannot be overridden per stage")
             sft_stage_overrides = dict(value)
             continue
@@ -912,20 +908,23 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
 
 
 def stage_config(config: Config, stage: str) -> Config:
-    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_dpo / sft_then_kto, the `sft:`
-    overrides apply."""
+    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_<name>, the `sft:` overrides apply,
+    and a TRL field of the final stage's config that SFT's has not (--undesirable_weight, --simpo_gamma) stays with
+    the final stage."""
     pipeline = config.training.stage
     if pipeline not in PIPELINES:
         return config
-    requested = {key: (value, "sft") for key, value in config.values().items() if key != "sft"}
-    requested = {key: value for key, value in requested.items() if key in toolkit_fields() or key in config.trl_overrides}
+    own_trl_fields = _LazyFields(stage)  # TRL's configs cost seconds to import: read only when there are overrides
+    requested = {key: (value, PIPELINE_FIRST) for key, value in config.values().items() if key != PIPELINE_FIRST}
+    requested = {key: value for key, value in requested.items()
+                 if key in toolkit_fields() or (key in config.trl_overrides and key in own_trl_fields)}
     sources = {key: where for key, where in config.sources.items() if not key.startswith("sft.")}
-    if stage == "sft":
+    if stage == PIPELINE_FIRST:
         for key, value in config.sft_stage_overrides.items():
-            requested[key] = (value, "sft")
+            requested[key] = (value, PIPELINE_FIRST)
             sources[key] = config.sources.get(f"sft.{key}", "the sft block")
-    requested["stage"] = (stage, "sft")
-    if stage == "sft":
+    requested["stage"] = (stage, PIPELINE_FIRST)
+    if stage == PIPELINE_FIRST:
         requested.pop("rounds", None)  # on-policy rounds follow the DPO stage
     if "stage" in sources:
         sources["stage"] = f"{pipeline} in {sources['stage']}"
@@ -989,11 +988,6 @@ def validate(config: Config) -> None:
     if config.dpo.beta <= 0:
         raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
     validate_rounds(config)
-    if final_stage(training.stage) == "kto":
-        for name in ("desirable_weight", "undesirable_weight"):
-            if name in config.trl_overrides and not config.trl_overrides[name] > 0:
-                raise ConfigError(f"--{name} weighs the KTO loss of its rows: a positive number, got "
-                                  f"{config.trl_overrides[name]}")
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
@@ -1029,22 +1023,6 @@ def validate(config: Config) -> None:
     validate_mixture(config.data.dataset_mixture)
 
 
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
-
-
-def kto_loss_type(config: Config) -> str:
-    """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
-    recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
-    refused."""
-    asked = config.dpo.loss_type
-    if len(asked) == 1 and asked[0] in KTO_LOSS_TYPES:
-        return asked[0]
-    if asked == ["sigmoid"] or not config.sources.get("loss_type", "").startswith("--"):
-        return "kto"
-    raise ConfigError(f"--loss_type {' '.join(asked)}: KTO takes one of {', '.join(KTO_LOSS_TYPES)} (the DPO "
-                      "loss types apply to pairs)")
-
-
 def validate_rounds(config: Config) -> None:
     """--rounds and its round_* settings: each error names the flag."""
     dpo = config.dpo
@@ -1052,8 +1030,9 @@ def validate_rounds(config: Config) -> None:
         raise ConfigError(f"--rounds must be 0 (offline DPO) or more, got {dpo.rounds}")
     if not dpo.rounds:
         return
-    if config.training.stage not in ("dpo", "sft_then_dpo"):
-        raise ConfigError(f"--rounds runs DPO rounds after the DPO stage: use --stage dpo or sft_then_dpo, not "
+    if not objective(config.training.stage).on_policy_rounds:
+        with_rounds = [name for name in STAGES if objective(name).on_policy_rounds]
+        raise ConfigError(f"--rounds runs DPO rounds after the DPO stage: use --stage {' or '.join(with_rounds)}, not "
                           f"{config.training.stage}")
     judge = config.training.judge
     if judge == "none" or (judge == "auto" and config.data.dataset_name != EMBEDDED):
@@ -1285,18 +1264,13 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
     return requested if world_size > 1 else "none"
 
 
-# TRL 1.16's default learning rate per stage (DPOConfig, SFTConfig, RewardConfig). Kept here rather than read from
+# TRL 1.16's default learning rate per stage (each objective's row: src/objectives/). Kept in the table rather than read from
 # the classes because importing one of them imports transformers' trainer stack: measured on the 2-core development
 # machine, `trl.trainer.dpo_config` + `dataclasses.fields` took 4.5-4.9 s (3 runs) against 0.2 s for the whole
 # `src.config` import, and the preflight (and check_gpu.py) needs the class for nothing else.
 # tests/test_config.py compares this table with the installed TRL's classes, so a TRL upgrade that moves a default
 # fails that test instead of silently changing the plan.
-TRL_DEFAULT_LEARNING_RATES = {"dpo": 1e-6, "sft": 2e-5, "reward": 1e-4, "kto": 1e-6}
-
-
-def final_stage(stage: str) -> str:
-    """The stage a run ends with: a pipeline's last (sft_then_dpo → dpo), else the stage itself."""
-    return PIPELINES[stage][-1] if stage in PIPELINES else stage
+TRL_DEFAULT_LEARNING_RATES = {name: row.default_learning_rate for name, row in OBJECTIVES.items()}
 
 
 def default_learning_rate(stage: str) -> float:

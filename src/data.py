@@ -31,23 +31,24 @@ from src.chat_templates import (THINK_CLOSE, THINK_OPEN, TemplateCannotExpress, 
                                 template_label, template_source, tools_argument)
 from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, split_audit
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
+from src.private_api import trl_tokenize
 from src.progress import Progress
 from src.resource_limits import usable_cores
 from src.run_safety.build_once import build_once
 from src.run_safety.disk_space import fail_write_if_injected
 from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_with_this_process,
                                          kill_starter_if_injected)
+from src.objectives import (OBJECTIVES, PAIRED_SHAPES, PAIRS, PROMPTS, ROUNDS_STAGE, SCORED_PAIRS, SEQUENCES, UNPAIRED,
+                            objective, shape_of)
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 # Bump when the prepared layout or ids change, so old caches are not reused (8: chat answers as generation writes them,
 # src/chat_templates.py).
 PREPARED_FORMAT = 8
-PREFERENCE_STAGES = ("dpo", "reward")  # stages that train on prompt / chosen / rejected pairs
-# Prompts alone (a `prompt` column, no answers), prepared for on-policy rounds that start from them (src/rounds.py):
-# the preparation's stage and the shape it recognises.
-PROMPTS = "prompts"
-KTO_STAGE = "kto"  # trains on unpaired rows: prompt / completion / label (thumbs up or down)
+# Preparation reads an objective's row's `data_shape` (src/objectives/spec.py), never its name; PROMPTS (prompts alone,
+# for on-policy rounds that start from them: src/rounds.py) is a preparation of its own. A shape's name may stand for
+# a stage where only the shape matters (detecting a pair's layout).
 # Words a thumbs-up / thumbs-down column holds in public feedback sets (compared lower-cased, stripped), beside
 # booleans and 1/0.
 LABEL_WORDS = {
@@ -129,7 +130,7 @@ def source_location(data: DataArguments, stage: str) -> str:
     """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
     model learns from the DPO stage's preference pairs)."""
     if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (_prepare_source)
-        return str(EMBEDDED_DATA / ("dpo" if stage in PREFERENCE_STAGES + (KTO_STAGE,) else stage))
+        return str(EMBEDDED_DATA / (objective(stage).embedded_data if stage in OBJECTIVES else stage))
     return data.dataset_name
 
 
@@ -277,7 +278,7 @@ def prompts_only(data: DataArguments) -> bool:
     """Whether the DPO stage's data is prompts alone (every source of a mixture: prompts, or none; a mix of the two is
     refused). Asked only with --rounds (a Hub dataset's columns may need its download: see source_columns)."""
     sources = [source for source, _ in mixture_sources(data)] or [data]
-    found = [holds_prompts_only(source_columns(source, "dpo")) for source in sources]
+    found = [holds_prompts_only(source_columns(source, ROUNDS_STAGE)) for source in sources]
     if any(found) and not all(found):
         names = [source.dataset_name for source, prompts in zip(sources, found) if prompts]
         raise DataError(f"dataset_mixture: {', '.join(names)} hold prompts without answers and the other sources hold "
@@ -572,15 +573,22 @@ def apply_column_mapping(columns: list[str], data: DataArguments) -> dict[str, s
     return mapping
 
 
+def _shape(stage: str) -> str:
+    """The data shape a preparation for `stage` makes: its objective's row's, PROMPTS, or a shape's own name."""
+    return shape_of(stage) if stage in OBJECTIVES or stage == PROMPTS else stage
+
+
 def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
     """Name the layout of the (column-mapped) data, or explain what is missing."""
     names = set(columns)
-    if stage == PROMPTS:
+    kind = _shape(stage)
+    row = OBJECTIVES.get(stage)
+    if kind == PROMPTS:
         if "prompt" in names:
             return PROMPTS
         raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
                         f"{', '.join(columns)}; map yours with --prompt_column")
-    if stage == KTO_STAGE:
+    if kind == UNPAIRED:
         if {"prompt", "completion", "label"} <= names:
             return "unpaired"
         if {"chosen", "rejected"} <= names:
@@ -591,13 +599,13 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
             f"the data has {', '.join(columns)}; map yours with --prompt_column / --completion_column / "
             "--label_column (preference pairs: --kto_from_pairs)"
         )
-    if stage in PREFERENCE_STAGES:
-        if stage == "dpo" and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
+    if kind in PAIRED_SHAPES:
+        if row is not None and row.on_policy_rounds and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
             raise DataError(
                 "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
                 "(--rounds N with a --judge that scores answers, e.g. --judge module:function), or give preference "
                 "pairs (add chosen and rejected columns)")
-        if stage == "reward" and holds_prompts_only(columns):
+        if row is not None and not row.causal_lm and holds_prompts_only(columns):
             raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
                             "and rejected answers: give pairs, or train the policy from these prompts with --stage "
                             "dpo --rounds N and a --judge")
@@ -612,7 +620,8 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
                 return "anthropic_hh"
             return "implicit_prompt"
         missing = [name for name in ("prompt", "chosen", "rejected") if name not in names]
-        rounds = "; or, for prompts alone, on-policy rounds: --rounds N and a --judge" if stage == "dpo" and \
+        rounds = "; or, for prompts alone, on-policy rounds: --rounds N and a --judge" if row is not None and \
+            row.on_policy_rounds and \
             "prompt" in names else ""
         raise DataError(
             f"preference data needs chosen and rejected answers (and a prompt, explicit or shared): missing "
@@ -749,12 +758,12 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
     elif shape == "text":
         out = {"text": row["text"]}
     elif shape == "preference":
-        pair = normalize_row(row, detect_shape(list(row), row, "dpo"), system_prompt, has_chat_template)
+        pair = normalize_row(row, detect_shape(list(row), row, PAIRS), system_prompt, has_chat_template)
         out = {"prompt": pair["prompt"], "completion": pair["chosen"]}
     elif shape == "unpaired":
         out = {"prompt": row["prompt"], "completion": row["completion"], "label": parse_label(row["label"])}
     elif shape == "kto_pairs":  # the pair, normalised; _prepare_batch makes its two unpaired rows
-        out = normalize_row(row, detect_shape(list(row), row, "dpo"), None, has_chat_template)
+        out = normalize_row(row, detect_shape(list(row), row, PAIRS), None, has_chat_template)
     else:
         raise ValueError(f"unknown shape {shape}")
     if system_prompt:
@@ -832,7 +841,8 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
                 f"{source} row {number}: '{column}' must be text or a list of {{role, content}} messages, "
                 f"got {type(value).__name__}"
             )
-    if stage in PREFERENCE_STAGES and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+    paired = _shape(stage) in PAIRED_SHAPES
+    if paired and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
         raise DataError(f"{source} row {number}: 'chosen' and 'rejected' must both be text or both messages")
     for column in answer_columns:
         messages = row[column] if _is_chat(row[column]) else [{"role": "assistant", "content": row[column]}]
@@ -842,7 +852,7 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
                             "answer, or remove the row")
     if any(not _says_something(row[column]) for column in answer_columns or ("prompt",)):
         return EMPTY  # an empty answer, or (prompts alone) an empty prompt
-    if stage in PREFERENCE_STAGES and row["chosen"] == row["rejected"]:
+    if paired and row["chosen"] == row["rejected"]:
         return IDENTICAL
     return KEPT
 
@@ -860,7 +870,9 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> di
     """prompt_ids / chosen_ids / rejected_ids: for chats, the prompt as generation starts from it and each answer as
     the model writes it from there (src/chat_templates.py; TRL's ids wherever the template does not rewrite the
     answer); for text, as TRL's DPOTrainer builds them (EOS appended, the completion where the two diverge)."""
-    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+    from trl.data_utils import common_prefix_length, is_conversational
+
+    _tokenize = trl_tokenize()
 
     if is_conversational(row):
         prompt_ids, chosen_ids, rejected_ids = conversation_ids(
@@ -886,7 +898,9 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> di
 def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
     """prompt_ids / completion_ids: a chat's as generation sees them (src/chat_templates.py); text as TRL's
     KTOTrainer builds them (EOS appended, the completion where prompt and prompt+completion diverge)."""
-    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+    from trl.data_utils import common_prefix_length, is_conversational
+
+    _tokenize = trl_tokenize()
 
     if is_conversational(row):
         prompt_ids, completion_ids = conversation_ids(tokenizer, row["prompt"], row["completion"],
@@ -928,7 +942,9 @@ def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template:
     (src/chat_templates.py): TRL's SFTTrainer ids (and its assistant masks) where the template renders the answer
     as written; where it rewrites the last assistant turn, the prompt as generation starts from it and that turn as
     generated (earlier turns stay as the prompt renders them, as generation sees them)."""
-    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+    from trl.data_utils import common_prefix_length, is_conversational
+
+    _tokenize = trl_tokenize()
 
     kwargs = {"chat_template": chat_template, **_template_kwargs(row)}
     eos = tokenizer.eos_token
@@ -1097,8 +1113,8 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
                                                    "completion_column", "text_column", "system_prompt", "val_size",
                                                    "test_size", "max_train_samples", "max_length",
                                                    "label_column", "kto_from_pairs", "reasoning")},
-        "kl_partners": KL_PARTNERS if stage == KTO_STAGE else None,
-        "assistant_only_loss": sft.assistant_only_loss if stage == "sft" else None,
+        "kl_partners": KL_PARTNERS if _shape(stage) == UNPAIRED else None,
+        "assistant_only_loss": sft.assistant_only_loss if _shape(stage) == SEQUENCES else None,
         "seed": seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
@@ -1195,7 +1211,7 @@ def _prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source
             raise DataError(f"{where} row {number}: {error}") from None
         if shape == "kto_pairs":  # one source pair → its desirable and its undesirable row
             identical = normalized["chosen"] == normalized["rejected"]
-            check_row(normalized, number, "dpo", where)
+            check_row(normalized, number, PAIRS, where)
             for row in unpaired_rows(normalized):
                 _prepare_row(row, IDENTICAL if identical else None, out, number, source_row, stage=stage,
                              location=location, where=where, tokenizer=tokenizer, data=data, sft=sft,
@@ -1215,7 +1231,8 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
     undesirable row is held out without them: each pair's prompt is answered once)."""
     row_status = check_row(row, number, stage, where)
     status = row_status if status is None or row_status != KEPT else status
-    if stage == "sft" and row.pop("label", True) is False:
+    kind = _shape(stage)
+    if kind == SEQUENCES and row.pop("label", True) is False:
         status = UNDESIRABLE  # SFT before KTO learns from the thumbs-up rows only
     if not has_chat_template and any(_is_chat(value) for value in row.values()):
         raise DataError(
@@ -1227,20 +1244,20 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
     keep = data.reasoning != "drop"
     with _template_refusals(where, number, tokenizer):
         if status == KEPT:
-            if stage == KTO_STAGE:
+            if kind == UNPAIRED:
                 item = ids = tokenize_unpaired(row, tokenizer, keep)
                 length = len(item["prompt_ids"]) + len(item["completion_ids"])
                 kept = len(item["prompt_ids"]) < data.max_length  # TRL's KTO rule, as for DPO
-            elif stage == "dpo":
+            elif kind == PAIRS:
                 item = ids = tokenize_preference(row, tokenizer, keep)
                 length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
                 kept = len(item["prompt_ids"]) < data.max_length
-            elif stage == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
+            elif kind == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
                 item = ids = {"prompt_ids": sample_fields(row, tokenizer)["sample_prompt_ids"]}
                 length = len(item["prompt_ids"])
                 kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
-            elif stage == "reward":
+            elif kind == SCORED_PAIRS:
                 ids = tokenize_preference(row, tokenizer, keep)
                 item = reward_ids(ids)
                 length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
@@ -1252,7 +1269,7 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
                 length = len(item["input_ids"])
                 kept = _has_trainable_token(item, data.max_length, sft)
             status = KEPT if kept else TOO_LONG
-            if not keep and stage in PREFERENCE_STAGES and ids["chosen_ids"] == ids["rejected_ids"]:
+            if not keep and kind in PAIRED_SHAPES and ids["chosen_ids"] == ids["rejected_ids"]:
                 status = IDENTICAL  # the answers differed only in their reasoning, which --reasoning drop removes
         record = {**_serializable(row), **item, "length": length, "_status": status,
                   **row_fields(row, ids, source_row, tokenizer)}
@@ -1328,13 +1345,13 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
     status = prepared.data.column("_status").to_numpy()
     lengths = prepared.data.column("length").to_numpy()
     empty, identical = np.flatnonzero(status == EMPTY), np.flatnonzero(status == IDENTICAL)
-    label = prepared.data.column("label").to_numpy(zero_copy_only=False) if stage == KTO_STAGE else None
+    label = prepared.data.column("label").to_numpy(zero_copy_only=False) if _shape(stage) == UNPAIRED else None
     checked, kept = (status == KEPT) | (status == TOO_LONG), status == KEPT
     if not checked.any():
         reason = "chosen identical to rejected" if len(identical) and not len(empty) else "an empty answer"
         raise DataError(f"{source}: every one of its {len(status)} rows has {reason}: nothing to learn from")
     if not kept.any():
-        what = "pair is over" if stage == "reward" else "prompt is at least"
+        what = "pair is over" if _shape(stage) == SCORED_PAIRS else "prompt is at least"
         raise DataError(f"{source}: every {what} --max_length {max_length} tokens long; raise --max_length")
     kto = {}
     if label is not None:
@@ -1345,7 +1362,7 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
     return kto | {"rows": len(status), "empty_answers": len(empty), "identical_pairs": len(identical),
             "kept": int(kept.sum()), "first_empty_rows": [int(i) + 1 for i in empty[:5]],
             "first_identical_rows": [int(i) + 1 for i in identical[:5]],
-            "dropped_too_long" if stage == "reward" else "dropped_prompt_too_long": int((status == TOO_LONG).sum()),
+            "dropped_too_long" if _shape(stage) == SCORED_PAIRS else "dropped_prompt_too_long": int((status == TOO_LONG).sum()),
             "truncated": int((kept & (lengths > max_length)).sum()), "longest_tokens": int(lengths[checked].max())}
 
 
@@ -1364,7 +1381,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         for kind, dataset in tokenized.items():
             _write_kept([dataset], _prepared_columns(dataset), _split_file(target, kind))
             _write_source_rows(dataset, target, kind)
-            if stage == KTO_STAGE:
+            if _shape(stage) == UNPAIRED:
                 add_kl_completions(_split_file(target, kind), seed, kind, location)
         summary |= {"source": location, "shape": shape, "splits": counts,
                     "audit": _audit({kind: [dataset] for kind, dataset in tokenized.items()}, counts, stage,
@@ -1376,7 +1393,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
                                                                  work / str(number), fraction)
             parts.append((location, shape, fraction, tokenized, counts))
         summary |= _mix(parts, seed, target)
-        if stage == KTO_STAGE:
+        if _shape(stage) == UNPAIRED:
             for kind in summary["splits"]:
                 add_kl_completions(_split_file(target, kind), seed, kind, summary["source"])
         pieces = {}
@@ -1384,7 +1401,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
             for kind, dataset in tokenized.items():
                 pieces.setdefault(kind, []).append(dataset)
         summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length, data.reasoning != "drop")
-    if stage == KTO_STAGE:
+    if _shape(stage) == UNPAIRED:
         check_kto_classes(summary["splits"]["train"], summary["source"])
     shutil.rmtree(work)
     (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
@@ -1424,9 +1441,9 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     # place in the training split once the held-out rows are carved out.
     raw = datasets.DatasetDict({name: split.add_column(SOURCE_ROW, np.arange(len(split), dtype=np.int64))
                                 for name, split in raw.items()})
-    chat_template = sft_chat_template(tokenizer, sft) if stage == "sft" else None
+    chat_template = sft_chat_template(tokenizer, sft) if _shape(stage) == SEQUENCES else None
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    pair_shape = detect_shape(columns, first_row, "dpo") if shape in ("preference", "kto_pairs") else None
+    pair_shape = detect_shape(columns, first_row, PAIRS) if shape in ("preference", "kto_pairs") else None
     normalized = _normalized_features(features, shape, has_chat_template, pair_shape)
     try:
         first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
@@ -1628,13 +1645,14 @@ def _mix(parts: list, seed: int, target: Path) -> dict:
 
 def _token_columns(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
     """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
-    if stage == "dpo":
+    kind = _shape(stage)
+    if kind == PAIRS:
         return ("prompt_ids", "chosen_ids", "rejected_ids")
-    if stage == PROMPTS:
+    if kind == PROMPTS:
         return ("prompt_ids",)
-    if stage == KTO_STAGE:
+    if kind == UNPAIRED:
         return ("prompt_ids", "completion_ids")
-    if stage == "reward":
+    if kind == SCORED_PAIRS:
         return ("chosen_ids", "rejected_ids")
     if "prompt" in first_row:
         from trl.data_utils import is_conversational

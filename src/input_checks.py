@@ -2,9 +2,10 @@
 
 Owns the checks that need only the model's config.json, its module names and the tokenizer, never its weights:
 
-- a model that is not a causal LM for SFT/DPO: an encoder-only checkpoint (BERT, RoBERTa, ...) loads through its
-  LM-head class and trains to the end with meaningless log-probs (each position sees the token it predicts); an
-  encoder-decoder (T5, BART) or a type transformers has no causal-LM class for;
+- a model that is not a causal LM for a stage that trains one (its objective's `causal_lm`: SFT, DPO, KTO, ...): an
+  encoder-only checkpoint (BERT, RoBERTa, ...) loads through its LM-head class and trains to the end with meaningless
+  log-probs (each position sees the token it predicts); an encoder-decoder (T5, BART) or a type transformers has no
+  causal-LM class for;
 - a tokenizer with more token ids than the model's embeddings (tokens added without resizing the model, or a tokenizer
   from another model): an `IndexError` deep in the first forward otherwise;
 - LoRA target modules that match no module, or match modules LoRA cannot adapt: PEFT's traceback at trainer creation
@@ -29,8 +30,8 @@ from pathlib import Path
 from src.config import EMBEDDED, Config, ModelArguments
 from src.judges import FUNCTION_JUDGE, load_function
 from src.models import ModelError, first_line, is_jinja_file
-
-CAUSAL_STAGES = ("sft", "dpo")  # stages that train a causal LM; a reward model is a sequence classifier
+from src.objectives import OBJECTIVES, objective
+from src.private_api import compile_jinja_template
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 
@@ -41,9 +42,11 @@ def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -
     model = run_config.model
     check_judge(run_config.training.judge)
     config = load_config(path, model.trust_remote_code)
-    causal = any(stage.name in CAUSAL_STAGES for stage in stages)
+    # a reward model is a sequence classifier
+    causal_stages = list(dict.fromkeys(stage.name for stage in stages if objective(stage.name).causal_lm))
+    causal = bool(causal_stages)
     if causal:
-        check_causal(path, config)
+        check_causal(path, config, [f"--stage {name}" if len(stages) == 1 else name.upper() for name in causal_stages])
     check_vocabulary(path, config, tokenizer, model.chat_template_path)
     check_chat_template(path, tokenizer, model.chat_template_path)
     max_length = max(stage.config.data.max_length for stage in stages)
@@ -140,13 +143,16 @@ def load_config(path: str, trust_remote_code: bool):
                          ) from None
 
 
-def check_causal(path: str, config) -> None:
+def check_causal(path: str, config, causal_stages: list[str]) -> None:
+    """Refuse a model that is not a decoder-only causal LM for the stages that train one (`causal_stages`: their
+    names, as the message says them)."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
     model_type = getattr(config, "model_type", "?")
-    advice = ("SFT and DPO train decoder-only causal LMs (Llama, Qwen, Mistral, ...): pass one of those, or train "
-              "this one as a reward model with --stage reward")
+    classifiers = " or ".join(f"--stage {name}" for name, row in OBJECTIVES.items() if not row.causal_lm)
+    advice = (f"{' and '.join(causal_stages)} {'trains' if len(causal_stages) == 1 else 'train'} a decoder-only causal "
+              f"LM (Llama, Qwen, Mistral, ...): pass one, or train this model as a reward model with {classifiers}")
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"--model_name_or_path {path}: a {model_type} model is an encoder-decoder; {advice}")
     # BERT-like types have a causal-LM class too (BertLMHeadModel) that is only causal with is_decoder=True; a masked-LM
@@ -181,7 +187,7 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
         return
     from jinja2 import TemplateError
     # transformers' own environment: its extensions ({% generation %}, loop controls) are part of the language.
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    _compile_jinja_template = compile_jinja_template()
 
     where = f"--chat_template_path {chat_template_path}" if chat_template_path else \
         f"--model_name_or_path {path}: its chat template"

@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PIPELINES, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
-    World, batch_split_command, format_help, format_plan, kto_loss_type, parse_config, sagemaker_process_hint,
+    EMBEDDED, PIPELINE_FIRST, PIPELINES, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
+    World, batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint,
     stage_plans,
 )
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
@@ -40,7 +40,7 @@ from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_model_inputs
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, score_pairs
-from src.kto_weights import resolve_kto_weights
+from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
@@ -136,8 +136,8 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
     run_dir = Path(config.training.results_dir) / run_name_for(config)
     planned = [(name, staged, plan, 0) for name, staged, plan in stage_plans(config, world, devices)]
     if config.dpo.rounds:
-        _, staged, plan, _ = planned.pop() if from_prompts else planned[-1]
-        planned += [("dpo", round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]
+        name, staged, plan, _ = planned.pop() if from_prompts else planned[-1]
+        planned += [(name, round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]
     labels = [stage_label_of(name, index) for name, _staged, _plan, index in planned]
     stages = []
     for label, (name, staged, plan, index) in zip(labels, planned):
@@ -147,15 +147,10 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
         output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
         if len(labels) > 1 and label != labels[-1] and staged.training.output_dir:
             output_dir = output_dir / label
-        if name in ("dpo", "kto") and world.world_size > 1 and staged.trl_overrides.get(
-                "train_sampling_strategy") == "batch_rebalance":
-            raise ConfigError("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different "
-                              f"sizes, which TRL's {name.upper()} metrics cannot gather across processes: use "
-                              "group_by_length")
-        if name == "kto" and plan.per_device_batch_size < 2 and staged.dpo.loss_type != ["apo_zero_unpaired"]:
-            raise ConfigError(f"KTO needs at least 2 rows per device micro-batch (TRL's KTOTrainer refuses 1), and "
-                              f"this plan gives {plan.per_device_batch_size}: raise --micro_batch_size or "
-                              "--per_device_batch_size, or use fewer processes")
+        preflight = objective(name).preflight
+        refusal = preflight(name, staged, plan, world.world_size) if preflight else None
+        if refusal:
+            raise ConfigError(refusal)
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir), index,
                             from_prompts=from_prompts and index > 0))
@@ -165,7 +160,7 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
 def check_dpo_forward(stages: list[Stage], model_path: str) -> None:
     """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
     the packed forward is refused (src/packed_dpo_support.py); a model no DPO forward can run stops the launch."""
-    stage = next((stage for stage in stages if stage.name == "dpo"), None)  # the rounds train as it does
+    stage = next((stage for stage in stages if objective(stage.name).packed_forward), None)  # rounds train as it does
     if stage is not None:
         reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
         if reason:
@@ -258,11 +253,10 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
         "recipe": config.recipe,
         "config": config.flat(),
     }
-    if stage.name == "dpo":
-        info.update(beta=config.dpo.beta, loss_type=config.dpo.loss_type)
-    if stage.name == "kto":
-        info.update(beta=config.dpo.beta, loss_type=kto_loss_type(config),
-                    kto_weights=resolve_kto_weights(config, prepared.summary["splits"]["train"])[0])
+    row = objective(stage.name)
+    if row.run_info:
+        settings = row.data_settings(config, prepared.summary["splits"]["train"])[0] if row.data_settings else {}
+        info.update(row.run_info(config, settings))
     if stage.round:
         info["round"] = {"round": stage.round, "of": config.dpo.rounds, "reference": config.dpo.round_reference,
                          "from_prompts": stage.from_prompts, **(stage.round_record or {})}
@@ -359,9 +353,10 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
     warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings
-    kto_weights, kto_line = None, None
-    if stage.name == "kto":  # desirable / undesirable weights: the flags', or set from the data's counts
-        kto_weights, kto_line, warning = resolve_kto_weights(config, prepared.summary["splits"]["train"])
+    row = objective(stage.name)
+    data_settings, data_line = {}, None
+    if row.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
+        data_settings, data_line, warning = row.data_settings(config, prepared.summary["splits"]["train"])
         warnings += [warning] if warning else []
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
@@ -374,13 +369,13 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     audit_lines = data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name)
     if audit_lines:
         print0(audit_lines)
-    if kto_line:
-        print0(kto_line)
+    if data_line:
+        print0(data_line)
     for warning in warnings:
         print0(f"  warning: {warning}")
     barrier()
 
-    reward = stage.name == "reward"
+    reward = not row.causal_lm  # a sequence classifier: a reward model
     if reward:  # the score head starts random: one seed gives every rank the same head to score "before" with
         from transformers import set_seed
 
@@ -389,7 +384,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         model = load_model(model_path, config.model, plan, world,
                            reward_pad_token_id=tokenizer.pad_token_id if reward else None)
         model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
-    sft_forward = announce_sft_forward(config, model, info_path, warnings, world) if stage.name == "sft" else None
+    sft_forward = announce_sft_forward(config, model, info_path, warnings, world) \
+        if row.data_shape == SEQUENCES else None
     # A reward model answers no prompts: it is measured by how it ranks the held-out pairs instead.
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
@@ -404,7 +400,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     evaluated = prepared.validation is not None and not {"chosen_ids", "completion_ids", "input_ids"}.isdisjoint(
         prepared.validation.column_names)
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
-                                  kto_weights)
+                                  data_settings)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
                             metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
                             else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
@@ -413,7 +409,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
-    if world.is_main and stage.name == "dpo":
+    if world.is_main and row.needs_reference and "reference" in row.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
         with write_failures_noted(stage.run_dir):
@@ -424,8 +420,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
     # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
     merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == "sft" and config.training.stage in PIPELINES) or (reward and not config.model.load_in_4bit)
-        or (stage.name == "dpo" and stage.round < config.dpo.rounds)))  # a round starts from this model
+        (stage.name == PIPELINE_FIRST and config.training.stage in PIPELINES)
+        or (reward and not config.model.load_in_4bit)
+        or (row.on_policy_rounds and stage.round < config.dpo.rounds)))  # a round starts from this model
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
@@ -803,7 +800,8 @@ def run(argv: list[str] | None = None) -> int:
         for stage in stages:
             print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
                    f"\n{format_summary(prepared[stage.data_stage].summary)}")
-            for warning in stage.model_warnings:
+            # the stage's own warnings too (a silent no-op, a setting outside its objective's paper's range)
+            for warning in silent_no_op_warnings(stage.name, stage.config, stage.plan) + stage.model_warnings:
                 print0(f"  warning: {warning}")
         return 0
 
@@ -814,7 +812,7 @@ def run(argv: list[str] | None = None) -> int:
     previous, dpo_start = None, None
     for stage in stages:
         earlier = stage_status(stage.run_dir)
-        if stage.name == "dpo" and dpo_start is None:
+        if objective(stage.name).on_policy_rounds and dpo_start is None:
             dpo_start = model_path  # --round_reference start: every round's reference (the first DPO stage's start)
         if stage is not stages[-1] and earlier.get("status") == Status.COMPLETED:
             print0(f"\n== {stage_title(stage)} → {stage.run_dir}: finished in an earlier launch, reused")

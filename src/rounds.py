@@ -35,6 +35,7 @@ from src.embedded.model import cache_root
 from src.generation import Sampling, answer_seed, generate
 from src.judges import JudgeError, judge_for
 from src.models import apply_chat_template_to_model, load_model
+from src.objectives import ROUNDS_STAGE
 from src.progress import Progress
 from src.run_safety.parent_watch import kill_starter_if_injected
 
@@ -253,7 +254,7 @@ def round_data(config, pairs_dir: Path, tokenizer):
         config.data, dataset_name=str(pairs_dir), dataset_config=None, dataset_split="train", dataset_mixture=None,
         prompt_column=None, chosen_column=None, rejected_column=None, system_prompt=None, max_train_samples=None,
         **({} if held_out else {"val_size": 0, "test_size": 0}))
-    return prepare_data(data, config.sft, "dpo", config.training.seed, tokenizer, cache_root() / "datasets")
+    return prepare_data(data, config.sft, ROUNDS_STAGE, config.training.seed, tokenizer, cache_root() / "datasets")
 
 
 def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
@@ -304,7 +305,7 @@ def rounds_summary(run_dir: Path, rounds: int, last: dict | None = None, from_pr
     run_dir = Path(run_dir)
     entries = []
     for index in range(1 if from_prompts else 0, rounds + 1):
-        directory = run_dir / ("dpo" if index == 0 else "." if index == rounds else f"round{index}")
+        directory = run_dir / (ROUNDS_STAGE if index == 0 else "." if index == rounds else f"round{index}")
         info_path = directory / run_files.TRAINING_INFO
         info = run_files.read_json(info_path) if info_path.exists() else {}
         if index == rounds and last:
@@ -312,7 +313,7 @@ def rounds_summary(run_dir: Path, rounds: int, last: dict | None = None, from_pr
         record = (info.get("round") or {}) if index else {}
         counts = record.get("counts") or {}
         summary = info.get("summary") or {}
-        entry = {"round": index, "run_dir": "dpo" if index == 0 else "." if index == rounds else f"round{index}",
+        entry = {"round": index, "run_dir": ROUNDS_STAGE if index == 0 else "." if index == rounds else f"round{index}",
                  "status": info.get("status"),
                  "pairs": counts.get("pairs", (((info.get("data") or {}).get("splits") or {}).get("train") or {})
                                      .get("kept")),

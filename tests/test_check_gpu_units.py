@@ -10,7 +10,7 @@ import pytest
 
 from src.diagnostics.bandwidth import bus_bandwidth
 from src.diagnostics.devices import cuda_view
-from src.config import STAGES, Devices, World, stage_plans
+from src.config import STAGES, Devices, World, final_stage, stage_plans
 from src.diagnostics.inputs import (InputError, TrainingSetup, parse_launch_arguments, parse_param_count, training_setup,
                                    with_plan)
 from src.diagnostics.memory_plan import (
@@ -96,12 +96,13 @@ def test_reference_log_probs_are_precomputed_unless_the_recipe_moves_the_referen
 
 def test_every_stage_of_the_launcher_is_taken():
     """One list of stages (src/config.py): reward and KTO included; a pipeline is planned by its final stage."""
-    assert [setup_for("--stage", stage).stage for stage in STAGES] == ["dpo", "sft", "dpo", "reward", "kto", "kto"]
+    assert [setup_for("--stage", stage).stage for stage in STAGES][:6] == ["dpo", "sft", "dpo", "reward", "kto", "kto"]
+    assert [setup_for("--stage", stage).stage for stage in STAGES] == [final_stage(stage) for stage in STAGES]
 
 
 @pytest.mark.parametrize(
     "content, message",
-    [("stage: ppo\n", "stage must be one of dpo, sft, sft_then_dpo, reward, kto, sft_then_kto, got 'ppo'"),
+    [("stage: ppo\n", "stage must be one of dpo, sft, sft_then_dpo, reward, kto, sft_then_kto, simpo, sft_then_simpo, orpo, got 'ppo'"),
      ("- a\n- b\n", "a recipe is a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "--lora_r")],
 )
 def test_bad_recipes_say_what_is_wrong(tmp_path, content, message):

@@ -175,7 +175,10 @@ def test_stage_default_learning_rates_are_trls():
 
     assert plan_for(["--stage", "dpo"], 1).learning_rate == pytest.approx(1e-6)
     assert plan_for(["--stage", "sft"], 1).learning_rate == pytest.approx(2e-5)
-    classes = {"dpo": trl.DPOConfig, "sft": trl.SFTConfig, "reward": trl.RewardConfig, "kto": trl.KTOConfig}
+    from src.objectives import OBJECTIVES, load
+
+    classes = {name: load(row.trl_config) for name, row in OBJECTIVES.items()}  # every row's TRL config
+    assert classes["dpo"] is trl.DPOConfig and classes["kto"] is trl.KTOConfig
     trl_defaults = {stage: next(item.default for item in dataclasses.fields(config_class)
                                 if item.name == "learning_rate") for stage, config_class in classes.items()}
     assert TRL_DEFAULT_LEARNING_RATES == trl_defaults
@@ -343,3 +346,16 @@ def test_a_src_config_default_edit_reaches_the_default_run(tmp_path):
     assert "32 per device x 1 accumulation x 2 processes = 64 global" in result.stdout
     assert "[batch_size 64 from src/config.py]" in result.stdout
     assert "learning_rate 8e-05 from configs/default.yaml" in result.stdout  # the recipe wins, and says so
+
+
+def test_a_final_stage_trl_field_stays_with_the_final_stage_of_a_pipeline():
+    """--undesirable_weight is KTOConfig's, not SFTConfig's: sft_then_kto's SFT stage runs without it (it refused it
+    as an unknown key before)."""
+    from src.config import stage_config
+
+    config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
+                           "--undesirable_weight", "1.2", "--lr_scheduler_type", "cosine"])
+    sft, kto = stage_config(config, "sft"), stage_config(config, "kto")
+    assert "undesirable_weight" not in sft.trl_overrides and kto.trl_overrides["undesirable_weight"] == 1.2
+    assert sft.training.lr_scheduler_type == kto.training.lr_scheduler_type == "cosine"
+

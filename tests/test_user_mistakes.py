@@ -378,6 +378,11 @@ MISTAKES = [
     Mistake("encoder_only", "An encoder-only model (BERT) for SFT/DPO", "is encoder-only",
             _encoder("BertForMaskedLM", "BertConfig", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, max_position_embeddings=128)),
+    # Before the objectives' table (issue 37) the causal-LM check named sft and dpo only: KTO trained a BERT to exit 0.
+    Mistake("encoder_only_kto", "An encoder-only model (BERT) for KTO", "is encoder-only",
+            lambda ws: _encoder("BertForMaskedLM", "BertConfig", hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128)(ws)
+            + ["--stage", "kto", "--kto_from_pairs", "true"]),
     Mistake("encoder_decoder", "An encoder-decoder model (T5) for SFT/DPO", "is an encoder-decoder",
             _encoder("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=16, num_layers=1,
                      num_heads=2)),
@@ -411,6 +416,19 @@ MISTAKES = [
             lambda ws: ws.args(audit_judge_pairs="-1")),
     Mistake("rounds_one_sample", "`--round_samples 1`: no pair can be formed", "--round_samples must be at least 2",
             lambda ws: ws.args(rounds="1", round_samples="1", judge="json:loads")),
+    # SimPO (no reference model): docs/simpo.md
+    Mistake("simpo_reference_flag", "A reference-model flag with a reference-free objective (`--stage simpo "
+            "--precompute_ref_log_probs true`)", "--precompute_ref_log_probs: SimPO has no reference model",
+            lambda ws: ws.args(stage="simpo", precompute_ref_log_probs="true")),
+    Mistake("simpo_unpaired_rows", "Thumbs up / down rows given to a pair objective (`--stage simpo`)",
+            "preference data needs chosen and rejected answers", lambda ws: ws.args(
+                stage="simpo", dataset_name=ws.rows_file("thumbs_for_simpo.jsonl", [
+                    {"prompt": f"q{index}", "completion": "a", "label": index % 2 == 0} for index in range(12)]))),
+    Mistake("simpo_dpo_loss_type", "A DPO loss type asked of SimPO (`--stage simpo --loss_type ipo`)",
+            "--loss_type ipo: SimPO's loss is fixed", lambda ws: ws.args(stage="simpo", loss_type="ipo")),
+    Mistake("orpo_reference_flag", "A reference-model flag with ORPO (`--stage orpo --precompute_ref_log_probs true`)",
+            "--precompute_ref_log_probs: ORPO has no reference model",
+            lambda ws: ws.args(stage="orpo", precompute_ref_log_probs="true")),
     # KTO (thumbs up / down): docs/kto.md
     Mistake("kto_label_not_thumbs", "A KTO label column that is not a thumbs up / down (`\"thumbs\": \"maybe\"` in row "
             "3)", "row 3: 'label' is 'maybe', not a thumbs up / down", lambda ws: ws.args(

@@ -23,6 +23,7 @@ from src.audit.findings import data_alerts
 from src.audit.judged import INVERTED_FILE, drawn_rows, judge_pairs
 from src.audit.run import opening
 from src.audit.reference import agreement, answer_tokens, sample_logps
+from src.objectives import SEQUENCES, objective
 from src.config import (EMBEDDED, PIPELINES, ConfigError, HelpRequested, World, format_help, parse_config,
                         stage_config)
 from src.data import DataError, check_source, prepare_data, source_rows
@@ -41,7 +42,7 @@ def audit_stage(name: str, config, tokenizer, model_path: str, reference: bool, 
     """One stage's data: prepared (or read from the cache), then the reference and judge parts on a sample."""
     prepared = prepare_data(config.data, config.sft, name, config.training.seed, tokenizer, cache_root() / "datasets")
     audit = opening(prepared.summary, name)
-    if name == "sft":
+    if objective(name).data_shape == SEQUENCES:  # no pairs, no rows to rank
         return audit
     count, seed = config.training.audit_judge_pairs, config.training.seed
     if reference and count:
@@ -98,7 +99,8 @@ def run(argv: list[str]) -> int:
     audits, alerts = {}, []
     for name in names:
         staged = stage_config(config, name)
-        audits[name] = audit_stage(name, staged, tokenizer, model_path, reference and name != "sft", out_dir)
+        audits[name] = audit_stage(name, staged, tokenizer, model_path, reference and objective(name).data_shape != SEQUENCES,
+                                   out_dir)
         alerts += data_alerts(audits[name], name, staged.dpo.loss_type)
         print(f"\n== {name.upper()} data: {staged.data.dataset_name}\n")
         print("\n".join(data_section(audits[name], name, None, out_dir)))

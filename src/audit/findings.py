@@ -24,6 +24,7 @@ Thresholds and where they come from (docs/data-audit.md has the table):
 
 from __future__ import annotations
 
+from src.objectives import DEFAULT_STAGE, PAIRED_SHAPES, objective
 from src.reporting.alerts import Alert
 from src.reporting.formatting import format_percent
 
@@ -42,7 +43,6 @@ CUT = 0.10
 CUT_RISE = 0.05
 REASONING_CUT = 0.05
 
-PREFERENCE = ("dpo", "reward")
 
 
 def _percent(value) -> str:
@@ -54,9 +54,11 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
     train = (audit or {}).get("train") or {}
     if not train:
         return []
+    row = objective(stage)
+    paired = row.data_shape in PAIRED_SHAPES
     alerts = []
     pairs = train.get("pairs") or 0
-    if stage in PREFERENCE:
+    if paired:
         longer, shorter = train.get("chosen_longer_share") or 0, train.get("chosen_shorter_share") or 0
         if max(longer, shorter) >= LENGTH_BIAS:
             way = "longer" if longer >= shorter else "shorter"
@@ -87,7 +89,7 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
                 "Tied pairs teach the labeller's noise: drop them (cleaned preference sets do), or soften the loss "
                 "with --loss_type robust --label_smoothing 0.1.", code="data_judge_ties"))
         near = train.get("near_identical_share") or 0
-        if stage == "dpo" and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
+        if "data_near_identical" in row.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
             alerts.append(Alert(
                 "warning", f"{_percent(near)} of pairs are near-identical",
                 f"in {_percent(near)} of training pairs the answers share over 80% of the shorter one's tokens from "
@@ -98,10 +100,10 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
     truncated = train.get("truncated_share") or 0  # pairs with either answer cut; SFT: sequences
     if truncated >= TRUNCATED:
         alerts.append(Alert(
-            "warning", f"{_percent(truncated)} of training {'pairs' if stage in PREFERENCE else 'rows'} are cut by "
+            "warning", f"{_percent(truncated)} of training {'pairs' if paired else 'rows'} are cut by "
                        "--max_length",
             (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
-             f"{_percent(train.get('rejected_truncated_share'))} of pairs" if stage in PREFERENCE else
+             f"{_percent(train.get('rejected_truncated_share'))} of pairs" if paired else
              f"{_percent(truncated)} of sequences are longer than --max_length"),
             f"A cut answer teaches a cut answer (and its end is what a pair's preference is often about): "
             f"--max_length {train.get('suggested_max_length')} keeps 99% of them whole.", code="data_truncation"))
@@ -115,7 +117,7 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
             "Copies weigh those pairs more and may sit in the held-out splits too: drop the repeats from the file.",
             code="data_duplicates"))
     identical = train.get("identical_share") or 0
-    if stage in PREFERENCE and identical >= IDENTICAL:
+    if paired and identical >= IDENTICAL:
         alerts.append(Alert(
             "warning", f"{_percent(identical)} of rows have chosen == rejected (dropped)",
             f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: the same answer "
@@ -229,5 +231,5 @@ def answer_alerts(answers: dict) -> list[Alert]:
 
 def audit_alerts(info: dict) -> list[Alert]:
     """Every alert of the data and answer audits a run's training_info.json holds."""
-    return (data_alerts(info.get("data_audit") or {}, info.get("stage") or "dpo", info.get("loss_type"))
+    return (data_alerts(info.get("data_audit") or {}, info.get("stage") or DEFAULT_STAGE, info.get("loss_type"))
             + answer_alerts(info.get("answers") or {}))

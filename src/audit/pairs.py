@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 
+from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
+
 # column → Arrow type, in the tokenizing map's output (src/data.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
                  "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8",
@@ -166,14 +168,15 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
         audit["prompts_in_train_share"] = _share(np.isin(held_out, train_prompts).sum(), len(held_out))
     prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
     chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)
-    if stage == "prompts":  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
+    shape = shape_of(stage)
+    if shape == PROMPTS:  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
         audit.update(prompt_tokens=_stats(prompt), length_histogram=histogram({"prompt": prompt}))
         return audit
     chosen_reasoning = _column(pieces, "_chosen_reasoning_tokens")[kept].astype(np.int64)
-    if stage == "kto":
+    if shape == UNPAIRED:
         return audit | kto_audit(prompts[kept], _column(pieces, "_label")[kept], prompt, chosen, max_length) | \
             reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept)
-    if stage == "sft":
+    if shape == SEQUENCES:
         audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
                      suggested_max_length=_suggested_max_length(chosen),
                      length_histogram=histogram({"sequence": chosen}),
@@ -183,7 +186,7 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     shared = _column(pieces, "_shared_tokens")[kept].astype(np.int64)
     overlap = shared / np.maximum(np.minimum(chosen, rejected), 1)
     # DPO truncates prompt + answer to max_length (TRL keeps the start); a reward pair over it was dropped instead
-    limit = max_length if stage == "dpo" else math.inf
+    limit = max_length if objective(stage).truncates_to_max_length else math.inf
     audit.update(
         prompt_tokens=_stats(prompt), chosen_tokens=_stats(chosen), rejected_tokens=_stats(rejected),
         chosen_longer_share=_share((chosen > rejected).sum(), pairs),

@@ -21,6 +21,7 @@ from src.audit.reference import reference_audit
 from src.data import source_rows
 from src.distributed import print0
 from src.judges import judge_for
+from src.objectives import PAIRED_SHAPES, SEQUENCES, UNPAIRED, objective
 from src.run_safety.disk_space import write_failures_noted
 from src.reporting.formatting import format_number, format_percent
 
@@ -33,14 +34,15 @@ def opening(summary: dict, stage: str) -> dict:
     audit = {}
     for kind, numbers in (summary.get("audit") or {}).items():
         audit[kind] = dict(numbers)
-        if stage in ("dpo", "reward"):
+        if "reference" in objective(stage).audit_parts:
             audit[kind].update(dict.fromkeys(REFERENCE_FIELDS + JUDGE_FIELDS))
     return audit
 
 
 def judged(stage) -> bool:
-    """Whether a stage's training pairs are judged: DPO and reward stages (not a round: its pairs are the judge's)."""
-    return stage.name in ("dpo", "reward") and not stage.round and stage.config.training.audit_judge_pairs > 0
+    """Whether a stage's training pairs are judged: its objective's audit has the "judged" part (DPO and reward), and
+    it is not a round (a round's pairs are the judge's)."""
+    return "judged" in objective(stage.name).audit_parts and not stage.round and stage.config.training.audit_judge_pairs > 0
 
 
 def _update_train(info_path: Path, fields: dict) -> None:
@@ -122,10 +124,11 @@ def format_data_audit(audit: dict, stage: str) -> str:
     train = audit.get("train")
     if not train:
         return ""
-    line = (f"  data audit (train): {train['pairs']:,} {'pairs' if stage in ('dpo', 'reward') else 'rows'}, "
+    shape = objective(stage).data_shape
+    line = (f"  data audit (train): {train['pairs']:,} {'pairs' if shape in PAIRED_SHAPES else 'rows'}, "
             f"{format_number(train['distinct_prompts'])} distinct prompts, {format_percent(train['duplicate_share'])} "
             "duplicate rows")
-    if stage == "kto":
+    if shape == UNPAIRED:
         per_prompt = (f"; per prompt: {format_number(train['prompts_both'])} with both, "
                       f"{format_number(train['prompts_only_desirable'])} thumbs up only, "
                       f"{format_number(train['prompts_only_undesirable'])} thumbs down only"
@@ -134,7 +137,7 @@ def format_data_audit(audit: dict, stage: str) -> str:
                 f"{format_number(train['undesirable'])} undesirable{per_prompt}; completions "
                 f"{train['completion_tokens']['mean']} tokens on average, {format_percent(train['truncated_share'])} "
                 "truncated")
-    if stage == "sft":
+    if shape == SEQUENCES:
         return (f"{line}; {train['sequence_tokens']['mean']} tokens on average (p95 {train['sequence_tokens']['p95']}),"
                 f" {format_percent(train['truncated_share'])} truncated")
     return (f"{line}\n  data audit (train): chosen longer in {format_percent(train['chosen_longer_share'])}, shorter in "

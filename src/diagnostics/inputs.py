@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from src.config import EMBEDDED, Config, ConfigError, Plan, final_stage, parse_config
+from src.objectives import DEFAULT_STAGE
 
 ALL_LINEAR = "all-linear"
 
@@ -25,7 +26,7 @@ class TrainingSetup:
     """The settings that decide memory per device, from the launcher's config and resolved plan of the stage that
     peaks (a pipeline's DPO stage: pairs, and maybe a reference model)."""
 
-    stage: str = "dpo"  # dpo, sft or reward
+    stage: str = DEFAULT_STAGE  # an objective's name (src/objectives/)
     model_name_or_path: str | None = None
     param_count: int | None = None  # --params: a size instead of a model
     use_lora: bool = False

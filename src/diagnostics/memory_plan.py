@@ -27,7 +27,10 @@ Margin: 10% for allocator fragmentation, plus 1 GiB per process for the CUDA con
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from src.objectives import objective
 
 from .inputs import ALL_LINEAR, TrainingSetup
 from .model_shape import ModelShape
@@ -50,6 +53,8 @@ class MethodEstimate:
     label: str
     model_state_bytes: int
     reference_bytes: int
+    # A reference-free objective: the reference copy a preference objective (DPO) would keep with this method
+    reference_saved_bytes: int
     activation_bytes: int  # at the configured per-device batch
     margin_bytes: int
     total_bytes: int
@@ -117,9 +122,12 @@ def model_state_bytes(method: str, shape: ModelShape, trainable: int, num_device
     raise ValueError(f"unknown method {method}")
 
 
-def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_devices: int, weight_bytes: int) -> int:
-    # DPO and KTO keep a reference model (KTO: TRL's KTOTrainer, the same rule): none with adapters or cached log-probs
-    if setup.stage not in ("dpo", "kto") or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
+def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_devices: int, weight_bytes: int,
+                    kept: bool | None = None) -> int:
+    """A reference model's copy per device, for an objective that keeps one (DPO, KTO; `kept` asks as if it did or
+    did not): none with adapters (the base with adapters off) or cached log-probs."""
+    kept = objective(setup.stage).needs_reference if kept is None else kept
+    if not kept or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
         return 0
     if method == "zero3":
         return shape.total_params * weight_bytes // num_devices
@@ -129,14 +137,14 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
     """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward; one completion for
     KTO, whose KL sequence runs without gradients before the step: src/trainers/kto.py); see the module doc."""
-    tokens = setup.max_length * (2 if setup.stage in ("dpo", "reward") else 1)
+    tokens = setup.max_length * objective(setup.stage).sequences_with_grad
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)
     if setup.gradient_checkpointing:
         layers = shape.num_layers * activation_bytes * shape.hidden_size + block
     else:
         layers = shape.num_layers * block
-    logits = 0 if setup.stage == "reward" else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
+    logits = 0 if not objective(setup.stage).scores_tokens else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
     return int(tokens * (layers + logits))
 
 
@@ -144,7 +152,7 @@ def adapter_activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup,
     """What LoRA adds to one sample's activations (see the module doc): each adapted linear layer keeps its rank-r
     adapter output and, with dropout on, its dropped-out input and the dropout mask. Gradient checkpointing keeps one
     layer's worth."""
-    tokens = setup.max_length * (2 if setup.stage in ("dpo", "reward") else 1)
+    tokens = setup.max_length * objective(setup.stage).sequences_with_grad
     adapted = [(d_in, d_out) for name, d_in, d_out in shape.linear_layers if _adapted(name, setup.lora_target_modules)]
     dropout_copy = activation_bytes + 1 if setup.lora_dropout > 0 else 0
     per_token = sum(d_in * dropout_copy + setup.lora_r * activation_bytes for d_in, _d_out in adapted)
@@ -219,6 +227,9 @@ def plan_memory(
         adapters = method in ("lora", "qlora")
         state = model_state_bytes(method, shape, trainable if adapters else 0, num_devices, weight_bytes)
         reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
+        # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
+        saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
+                                weight_bytes, kept=True) if objective(setup.stage).reference_free else 0
         method_per_sample = per_sample + (adapter_per_sample if adapters else 0)
         activations = batch * method_per_sample
         total = with_margin(state + reference + activations)
@@ -229,6 +240,7 @@ def plan_memory(
                 label=METHOD_LABELS[method] + (f" r={setup.lora_r}" if method in ("lora", "qlora") else ""),
                 model_state_bytes=state,
                 reference_bytes=reference,
+                reference_saved_bytes=saved,
                 activation_bytes=activations,
                 margin_bytes=total - (state + reference + activations),
                 total_bytes=total,

@@ -276,7 +276,8 @@ def _memory_plan(report: dict) -> list[str]:
             [
                 estimate["label"] + (" <- chosen" if estimate["chosen"] else ""),
                 f"{_gib(estimate['model_state_bytes'])} GiB",
-                f"{_gib(estimate['reference_bytes'])} GiB" if estimate["reference_bytes"] else "-",
+                f"{_gib(estimate['reference_bytes'])} GiB" if estimate["reference_bytes"] else
+                f"none (-{_gib(estimate['reference_saved_bytes'])} GiB)" if estimate.get("reference_saved_bytes") else "-",
                 f"{_gib(estimate['activation_bytes'])} GiB",
                 f"{_gib(estimate['margin_bytes'])} GiB",
                 f"{_gib(estimate['total_bytes'])} GiB",
@@ -289,7 +290,8 @@ def _memory_plan(report: dict) -> list[str]:
     lines += _wrapped(
         "Activations are an estimate (Llama-style blocks, fused attention, logits in fp32); margin = 10% for "
         "fragmentation + 1 GiB per process for the CUDA context. The DPO (and KTO) reference is none with LoRA or "
-        "precomputed log-probs, sharded only under ZeRO-3.",
+        "precomputed log-probs, sharded only under ZeRO-3; a reference-free objective's none (-X) is the copy DPO "
+        "keeps when it does not cache reference log-probs.",
         INDENT,
         INDENT,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from src.objectives import objective
 from src.reporting.summary import finite, series
 
 LN2 = math.log(2)
@@ -317,16 +318,17 @@ def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
                   f"{steps[-1]}", best_step=best_step)
 
 
+# The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.
+CHECKS = {"dpo_stuck": _dpo_stuck, "dpo_displacement": _dpo_displacement, "dpo_saturated": _dpo_saturated,
+          "dpo_unbounded_margins": _dpo_unbounded_margins, "kto_kl_runaway": _kto_kl_runaway,
+          "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing}
+EVERY_STAGE = (_non_finite, _eval_loss_rising)
+
+
 def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:
-    """All health alerts for a metric history of `stage` ("dpo", "sft" or "reward": only the checks that apply to
-    every stage), errors first."""
-    checks = [_non_finite, _eval_loss_rising]
-    if stage == "dpo":
-        checks += [_dpo_stuck, _dpo_displacement, _dpo_saturated, _dpo_unbounded_margins]
-    elif stage == "kto":
-        checks += [_kto_kl_runaway, _kto_not_separating]
-    elif stage == "sft":
-        checks += [_sft_not_decreasing]
+    """All health alerts for a metric history of `stage`: every stage's checks and the ones its objective's row names
+    (src/objectives/), errors first."""
+    checks = list(EVERY_STAGE) + [CHECKS[name] for name in objective(stage).alerts if name in CHECKS]
     alerts = [alert for check in checks if (alert := check(metrics)) is not None]
     return sorted(alerts, key=lambda alert: alert.severity != "error")
 

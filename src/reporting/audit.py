@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from src.objectives import SEQUENCES, UNPAIRED, objective
 from src.reporting.formatting import format_number, format_percent, table_lines
 from src.run_files import atomic_path
 
@@ -31,10 +32,11 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     kinds = [kind for kind in KINDS if audit.get(kind)]
     if not kinds:
         return ["No data audit in this run (a run from before the audit, or no prepared data)."]
-    if stage == "kto":
+    shape = objective(stage).data_shape
+    if shape == UNPAIRED:
         return _kto_data_table(audit, kinds) + _reasoning_lines(audit.get("train") or {})
     rows = []
-    preference = stage != "sft"
+    preference = shape != SEQUENCES
     names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
               "prompts over --max_length (dropped)", "chosen tokens: mean / median / p95",
               "rejected tokens: mean / median / p95", "chosen longer / shorter / equal", "pairs cut by --max_length",

@@ -24,6 +24,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from src.objectives import Metric, infer_stage, objective
 from src.progress import format_duration
 from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
@@ -57,30 +58,6 @@ class Run:
     def global_batch(self) -> int | None:
         value = self.info.get("global_batch_size")
         return value if isinstance(value, int) and value > 0 else None
-
-
-@dataclass(frozen=True)
-class Metric:
-    key: str
-    title: str
-    ylabel: str
-    second: tuple[str, str] | None = None  # (key, label) drawn dashed on the same axes, e.g. rejected under chosen
-    first_label: str = ""
-    reference: tuple[float, str] | None = None
-
-
-METRICS_BY_STAGE = {
-    "dpo": (Metric("loss", "DPO loss", "loss", reference=(math.log(2), "ln 2 (policy = reference)")),
-            Metric("rewards/chosen", "Implicit rewards: chosen (solid) and rejected (dashed)", "reward (nats)",
-                   second=("rewards/rejected", "rejected"), first_label="chosen", reference=(0.0, "reference model")),
-            Metric("rewards/margins", "Reward margin (chosen − rejected)", "margin (nats)", reference=(0.0, "none")),
-            Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance"))),
-    "reward": (Metric("loss", "Reward-model loss", "loss", reference=(math.log(2), "ln 2 (no preference)")),
-               Metric("margin", "Reward margin", "margin", reference=(0.0, "none")),
-               Metric("accuracy", "Pair accuracy", "fraction of pairs", reference=(0.5, "chance"))),
-    "sft": (Metric("loss", "SFT loss", "loss (nats/token)"),
-            Metric("mean_token_accuracy", "Next-token accuracy", "fraction of tokens")),
-}
 
 
 # ---------------------------------------------------------------------------------------------------------- input
@@ -119,7 +96,7 @@ def load_runs(paths: list[Path]) -> list[Run]:
         while name in names:  # two runs of the same name copied from different places
             name = f"{name}'"
         names.add(name)
-        stage = info.get("stage") or ("dpo" if any("rewards/margins" in record for record in metrics) else "sft")
+        stage = info.get("stage") or infer_stage(metrics)
         runs.append(Run(name, path, info, metrics, stage))
     return runs
 
@@ -168,7 +145,7 @@ def axis(runs: list[Run]) -> tuple[str, dict[str, float]]:
     batches = {run.global_batch for run in runs}
     if len(batches) == 1 or None in batches:
         return "optimizer step", {run.name: 1.0 for run in runs}
-    unit = "pairs seen" if runs[0].stage in ("dpo", "reward") else "sequences seen"
+    unit = f"{objective(runs[0].stage).example_word} seen"
     return f"{unit} (step × global batch)", {run.name: float(run.global_batch) for run in runs}
 
 
@@ -204,8 +181,9 @@ def plot_metric(runs: list[Run], metric: Metric, x_label: str, scale: dict[str, 
     if not drew:
         return False
     # ln 2 is where sigmoid DPO starts; a run with another or a combined loss starts elsewhere.
-    plain = all(dpo_loss_terms(*dpo_loss_config(run.info)) == [("sigmoid", 1)] for run in runs if run.stage == "dpo")
-    if metric.reference and (plain or metric.key != "loss" or runs[0].stage != "dpo"):
+    combined = [run for run in runs if objective(run.stage).combined_loss]
+    plain = all(dpo_loss_terms(*dpo_loss_config(run.info)) == [("sigmoid", 1)] for run in combined)
+    if metric.reference and (plain or metric.key != "loss" or not objective(runs[0].stage).combined_loss):
         ax.axhline(metric.reference[0], color="gray", linestyle=":", linewidth=1.2, label=metric.reference[1])
     ax.set_title(metric.title, fontsize=12, fontweight="bold", loc="left")
     ax.set_title("lines: train (smoothed, raw faint)   " + ("◆ ▼: eval" if metric.second else "◆: eval"),
@@ -285,7 +263,7 @@ def judged_rows(runs: list[Run]) -> list[list]:
 def rounds_rows(runs: list[Run]) -> list[str]:
     """The judged result after the DPO stage and after every round, one row per DPO run: offline runs (no rounds)
     show their one result beside the rounds of iterative ones."""
-    dpo_runs = [run for run in runs if run.stage == "dpo"]
+    dpo_runs = [run for run in runs if objective(run.stage).on_policy_rounds]
     most = max(len(run.info.get("rounds") or []) + ((run.info.get("rounds") or [{}])[0].get("round") == 1)
                for run in dpo_runs)
     header = ["run", "split", "metric", "before DPO", "after DPO"] + [f"round {index}" for index in range(1, most)]
@@ -354,7 +332,7 @@ def _section(runs: list[Run], page_dir: Path, prefix: str) -> list[str]:
                 + (f", {runs[0].global_batch}" if runs[0].global_batch else "") + ")." if scale[runs[0].name] == 1.0
                 else f"**{x_label.split(' (')[0]}** (step × global batch), because the global batches differ ("
                 + ", ".join(f"{run.name}: {run.global_batch}" for run in runs) + ")."), ""]
-    for metric in METRICS_BY_STAGE.get(runs[0].stage, ()):
+    for metric in objective(runs[0].stage).compare_metrics:
         filename = f"{prefix}{re.sub(r'[^a-z0-9]+', '_', metric.key.lower())}.png"
         if plot_metric(runs, metric, x_label, scale, page_dir / filename):
             lines += [f"![{metric.title}]({filename})", ""]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from src.config import EMBEDDED
 from src.hub_access import looks_like_hub_id
+from src.objectives import DEFAULT_STAGE, OBJECTIVES, objective
 from src.reporting.plots import CHARTS
 from src.reporting.formatting import format_number
 from src.reporting.report import PLOTS_DIR, final_numbers_table, judged_section, setup_table
@@ -50,19 +51,9 @@ def _method_table(info: dict, merged: bool) -> list[str]:
     previous = (info.get("previous_stage") or {}).get("stage")
     rows = [["stage", f"{previous.upper()} then {stage.upper()} (this model is after {stage.upper()})" if previous
              else stage.upper()]]
-    if stage == "dpo":
-        loss_type = info.get("loss_type") or config.get("loss_type")
-        loss = " + ".join(loss_type) if isinstance(loss_type, list) else str(loss_type)
-        if config.get("loss_weights"):
-            loss += f" (weights {', '.join(format_number(weight) for weight in config['loss_weights'])})"
-        rows += [["loss type", loss], ["beta", format_number(info.get("beta", config.get("beta")))]]
-        if config.get("label_smoothing"):
-            rows.append(["label smoothing", format_number(config["label_smoothing"])])
-    if stage == "kto":
-        weights = info.get("kto_weights") or {}
-        rows += [["loss type", str(info.get("loss_type"))], ["beta", format_number(info.get("beta"))],
-                 ["desirable / undesirable weight", f"{format_number(weights.get('desirable_weight'))} / "
-                                                    f"{format_number(weights.get('undesirable_weight'))}"]]
+    loss_rows = objective(stage).loss_rows if stage in OBJECTIVES else None
+    if loss_rows:  # the objective's loss settings (beta, loss type, weights), as its row words them
+        rows += [list(row) for row in loss_rows(info)]
     if info.get("use_lora"):
         targets = config.get("lora_target_modules")
         targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
@@ -82,7 +73,8 @@ def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: 
     from huggingface_hub import ModelCardData
 
     config = info.get("config") or {}
-    stage = info.get("stage", "dpo")
+    stage = info.get("stage", DEFAULT_STAGE)
+    row = objective(stage)
     base = config.get("model_name_or_path") or info.get("model_name_or_path")
     dataset = info.get("dataset_name") or config.get("dataset_name")
     adapter = bool(info.get("use_lora")) and not merged
@@ -91,15 +83,15 @@ def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: 
         ["qlora"] if info.get("load_in_4bit") else [])
     metadata = ModelCardData(base_model=_hub_id(base), datasets=[_hub_id(dataset)] if _hub_id(dataset) else None,
                              library_name="peft" if adapter else "transformers", tags=tags,
-                             pipeline_tag="text-classification" if stage == "reward" else "text-generation")
+                             pipeline_tag=row.hub_pipeline_tag)
     title = repo_id or info.get("run_name") or run_dir.name
     what = ("a LoRA adapter: load it on top of the base model" if adapter else
             "the LoRA adapter merged into the base weights: a full model" if merged else "a full model")
     judged_lines, judged_sentence = judged_section(info, run_dir)
     # A reward model is a one-output sequence classifier; its adapter loads only onto a base built with num_labels=1.
-    head = "SequenceClassification" if stage == "reward" else "CausalLM"
+    head = row.auto_class
     load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
-    load_args = ", num_labels=1" if stage == "reward" and adapter else ""
+    load_args = ", num_labels=1" if not row.causal_lm and adapter else ""
     lines = [f"---\n{metadata.to_yaml()}\n---", "", f"# {title}", "",
              f"A {stage.upper()} fine-tune of `{base}` on `{dataset}`, trained with prefkit on TRL "
              f"{versions.get('trl', '?')}. This repository holds {what}.", ""]

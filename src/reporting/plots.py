@@ -8,48 +8,22 @@ eval points are markers; NaN/inf values are marked with red crosses along the to
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
+from src.objectives import OBJECTIVES, objective
+from src.objectives.spec import TRAIN_COLOR, Chart, Curve, Panel
 from src.reporting.summary import describe_dpo_loss, dpo_loss_terms, series
 from src.run_files import atomic_path
 
 X_LABEL = "optimizer step"
-TRAIN_COLOR, EVAL_COLOR = "#1f77b4", "#ff7f0e"
+EVAL_COLOR = "#ff7f0e"
 # Below this many finite points smoothing would hide the data: draw the raw points with markers instead.
 SMOOTH_MIN_POINTS = 10
 # A train curve is drawn with at most about this many points: a chart is 935 pixels wide (8.5 in at 110 dpi), so more
 # points are not seen, only paid for (drawing time, and the renderer's memory, which the allocator keeps afterwards).
 MAX_DRAWN_POINTS = 1000
-
-
-@dataclass(frozen=True)
-class Curve:
-    key: str  # train metric; its eval counterpart is "eval_" + key
-    label: str
-    color: str = TRAIN_COLOR
-    smooth: bool = True  # False for exact quantities such as the learning-rate schedule
-
-
-@dataclass(frozen=True)
-class Panel:
-    title: str
-    ylabel: str
-    curves: tuple[Curve, ...]
-    reference_lines: tuple[tuple[float, str], ...] = ()  # (y, legend label)
-    ylim: tuple[float, float] | None = None
-    log_when_wide: bool = False  # log y axis when the values span more than two decades
-    # Smallest y range shown: a flat curve (a stuck run) then looks flat instead of its noise being blown up.
-    min_y_span: float | None = None
-    y_from_zero: bool = False  # for quantities read as "how much" (throughput, memory)
-
-
-@dataclass(frozen=True)
-class Chart:
-    filename: str
-    caption: str
-    panels: tuple[Panel, ...]
 
 
 _LR_GRAD = Chart("lr_grad_norm.png", "Learning rate and gradient norm", (
@@ -64,73 +38,8 @@ _THROUGHPUT = Chart("throughput.png", "Throughput and memory", (
           y_from_zero=True),
 ))
 
-CHARTS = {
-    "dpo": (
-        Chart("loss.png", "DPO loss", (
-            Panel("DPO loss", "DPO loss", (Curve("loss", "loss"),),
-                  reference_lines=((math.log(2), "ln 2 = 0.693 (policy = reference)"),), min_y_span=0.2),)),
-        Chart("rewards.png", "Implicit rewards of chosen and rejected answers", (
-            Panel("Implicit rewards: chosen vs rejected", "reward (β·log-ratio, nats)",
-                  (Curve("rewards/chosen", "chosen", "#2ca02c"), Curve("rewards/rejected", "rejected", "#d62728")),
-                  reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
-        Chart("margins.png", "Reward margin", (
-            Panel("Reward margin (chosen − rejected)", "margin (β·log-ratio, nats)",
-                  (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
-                  min_y_span=0.5),)),
-        Chart("reward_accuracy.png", "Reward accuracy", (
-            Panel("Reward accuracy (chosen > rejected)", "accuracy (fraction of pairs)",
-                  (Curve("rewards/accuracies", "reward accuracy"),), reference_lines=((0.5, "chance"),),
-                  ylim=(-0.02, 1.04)),)),
-        _LR_GRAD,
-        _THROUGHPUT,
-    ),
-    "kto": (
-        Chart("loss.png", "KTO loss", (
-            Panel("KTO loss (1 − σ(β·(log-ratio − KL)), weighted)", "KTO loss", (Curve("loss", "loss"),),
-                  reference_lines=((0.5, "0.5 = policy = reference (weights 1)"),), min_y_span=0.2),)),
-        Chart("rewards.png", "Implicit rewards of desirable and undesirable answers", (
-            Panel("Implicit rewards: desirable vs undesirable", "reward (β·log-ratio, nats)",
-                  (Curve("rewards/chosen", "desirable", "#2ca02c"), Curve("rewards/rejected", "undesirable", "#d62728")),
-                  reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
-        Chart("margins.png", "Reward margin", (
-            Panel("Reward margin (desirable − undesirable)", "margin (β·log-ratio, nats)",
-                  (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no separation"),),
-                  min_y_span=0.5),)),
-        Chart("kl.png", "KL estimate", (
-            Panel("KL estimate (mismatched answers)", "KL (nats)",
-                  (Curve("kl", "KL"),), reference_lines=((0.0, "0 = the reference"),), y_from_zero=True,
-                  min_y_span=0.5),)),
-        _LR_GRAD,
-        _THROUGHPUT,
-    ),
-    "reward": (
-        Chart("loss.png", "Reward-model loss", (
-            Panel("Reward-model loss (−log σ(chosen − rejected))", "loss", (Curve("loss", "loss"),),
-                  reference_lines=((math.log(2), "ln 2 = 0.693 (no preference)"),), min_y_span=0.2),)),
-        Chart("reward_accuracy.png", "Pair accuracy", (
-            Panel("Pair accuracy (chosen scored above rejected)", "accuracy (fraction of pairs)",
-                  (Curve("accuracy", "pair accuracy"),), reference_lines=((0.5, "chance"),), ylim=(-0.02, 1.04)),)),
-        Chart("margins.png", "Reward margin", (
-            Panel("Reward margin (chosen − rejected score)", "margin", (Curve("margin", "margin", "#9467bd"),),
-                  reference_lines=((0.0, "no preference"),), min_y_span=0.5),)),
-        Chart("rewards.png", "Reward range", (
-            Panel("Rewards in the batch: min, mean, max", "reward",
-                  (Curve("min_reward", "min", "#d62728"), Curve("mean_reward", "mean", "#1f77b4"),
-                   Curve("max_reward", "max", "#2ca02c")), min_y_span=0.5),)),
-        _LR_GRAD,
-        _THROUGHPUT,
-    ),
-    "sft": (
-        Chart("loss.png", "SFT loss", (
-            Panel("SFT loss (cross-entropy on completion tokens)", "loss (nats/token)", (Curve("loss", "loss"),),
-                  min_y_span=0.2),)),
-        Chart("token_accuracy.png", "Next-token accuracy", (
-            Panel("Next-token accuracy on completion tokens", "accuracy (fraction of tokens)",
-                  (Curve("mean_token_accuracy", "token accuracy"),), ylim=(-0.02, 1.04)),)),
-        _LR_GRAD,
-        _THROUGHPUT,
-    ),
-}
+# Each objective's charts (its row: src/objectives/), then the learning-rate and throughput charts every stage has.
+CHARTS = {name: row.charts + (_LR_GRAD, _THROUGHPUT) for name, row in OBJECTIVES.items()}
 
 
 def smooth(values: list[float], span: int) -> list[float]:
@@ -288,6 +197,16 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
     return True
 
 
+def with_info_lines(chart: Chart, info: dict) -> Chart:
+    """The chart with each panel's `info_lines` drawn at the run's own values (training_info.json), where it has them."""
+    panels = []
+    for panel in chart.panels:
+        lines = tuple((float(info[key]), f"{label} = {info[key]:g}") for key, label in panel.info_lines
+                      if isinstance(info.get(key), (int, float)))
+        panels.append(dataclasses.replace(panel, reference_lines=panel.reference_lines + lines) if lines else panel)
+    return dataclasses.replace(chart, panels=tuple(panels))
+
+
 def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     """Draw one chart into `path`; False (and no file) when none of its metrics was logged."""
     from matplotlib.figure import Figure  # here, not at import: the preflight reads CHARTS and never draws (1 s)
@@ -307,27 +226,28 @@ def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     return True
 
 
-def dpo_loss_chart(loss_type, loss_weights=None) -> Chart:
+def dpo_loss_chart(loss_type, loss_weights=None, plain: Chart | None = None) -> Chart:
     """The DPO loss chart for the loss that ran. ln 2 is where TRL's sigmoid loss starts (policy = reference); a
     combined loss (e.g. sigmoid + 0.4 x sft, RPO) or another loss type starts elsewhere, so the line would read as a
     problem that is not there: the title names the terms instead."""
     if dpo_loss_terms(loss_type, loss_weights) == [("sigmoid", 1)]:
-        return CHARTS["dpo"][0]
+        return plain or next(row.charts[0] for row in OBJECTIVES.values() if row.combined_loss)
     terms = describe_dpo_loss(loss_type, loss_weights)
     return Chart("loss.png", f"DPO loss ({terms})", (
         Panel(f"DPO loss: {terms}", "loss", (Curve("loss", "loss"),), min_y_span=0.2),))
 
 
 def plot_history(metrics: list[dict], stage: str, out_dir: str | Path, loss_type=None,
-                 loss_weights=None) -> list[tuple[str, Path]]:
+                 loss_weights=None, info: dict | None = None) -> list[tuple[str, Path]]:
     """Write every chart of `stage` that has data into `out_dir`; returns (caption, path) per written file.
     `loss_type` / `loss_weights` (DPO, as configured) choose how the loss chart is labelled."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     charts = CHARTS[stage]
-    if stage == "dpo" and loss_type is not None:
-        charts = (dpo_loss_chart(loss_type, loss_weights),) + charts[1:]
+    if objective(stage).combined_loss and loss_type is not None:
+        charts = (dpo_loss_chart(loss_type, loss_weights, charts[0]),) + charts[1:]
+    charts = tuple(with_info_lines(chart, info or {}) for chart in charts)
     for chart in charts:
         path = out_dir / chart.filename
         if plot_chart(metrics, chart, path):

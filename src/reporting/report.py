@@ -21,13 +21,14 @@ from pathlib import Path
 
 from src.audit.answers import verdict_score
 from src.audit.findings import audit_alerts
+from src.objectives import infer_stage, objective
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
 from src.reporting.formatting import ci95, duration, format_number, format_percent, metric_name, metric_points, table_lines
 from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
-from src.reporting.summary import describe_dpo_loss, dpo_loss_config, summarize
+from src.reporting.summary import dpo_loss_config, summarize
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
 
 SPLITS = ("val", "test")
@@ -287,20 +288,10 @@ def final_numbers_table(summary: dict, info: dict, running: bool = False) -> lis
          "n/a (no eval)" if best is None else f"{format_number(best)} at step {summary.get('best_eval_step')}"],
         ["final eval loss", format_number(summary.get("final_eval_loss"))],
     ]
-    if stage in ("dpo", "reward"):
-        rows += [["final reward accuracy (train / eval)", f"{format_percent(summary.get('final_reward_accuracy_train'))} / "
-                                                          f"{format_percent(summary.get('final_reward_accuracy_eval'))}"],
-                 ["final reward margin (train / eval)", f"{format_number(summary.get('final_reward_margin_train'))} / "
-                                                        f"{format_number(summary.get('final_reward_margin_eval'))}"]]
-    elif stage == "kto":
-        rows += [["final reward margin, desirable − undesirable (train / eval)",
-                  f"{format_number(summary.get('final_reward_margin_train'))} / "
-                  f"{format_number(summary.get('final_reward_margin_eval'))}"],
-                 ["final KL estimate (train / eval)", f"{format_number(summary.get('final_kl_train'))} / "
-                                                      f"{format_number(summary.get('final_kl_eval'))}"]]
-    else:
-        rows += [["final token accuracy (train / eval)", f"{format_percent(summary.get('final_token_accuracy_train'))} / "
-                                                         f"{format_percent(summary.get('final_token_accuracy_eval'))}"]]
+    for number in objective(stage).summary_numbers:
+        write = format_percent if number.percent else format_number
+        rows.append([f"{number.label} (train / eval)", f"{write(summary.get(f'final_{number.name}_train'))} / "
+                                                       f"{write(summary.get(f'final_{number.name}_eval'))}"])
     tokens_per_second, samples_per_second = summary.get("tokens_per_second"), summary.get("samples_per_second")
     peak = summary.get("peak_memory_mb")
     rows += [["throughput", f"{format_number(tokens_per_second and round(tokens_per_second))} tokens/s, "
@@ -322,7 +313,8 @@ def setup_table(info: dict) -> list[str]:
     rows = [["model", f"`{get('model_name_or_path', 'n/a')}`"], ["dataset", dataset],
             ["processes", f"{get('world_size', '?')} ({get('num_nodes', '?')} node(s)), backend {get('backend', '?')}, "
                           f"device {get('device', '?')}"]]
-    unit = "pairs" if get("stage") in ("dpo", "reward") else "rows" if get("stage") == "kto" else "sequences"
+    row = objective(get("stage") or infer_stage([]))
+    unit = row.example_word
     rows.append(["batch", f"{get('per_device_batch_size')} per device × {get('gradient_accumulation_steps')} "
                           f"accumulation × {get('world_size')} processes = {get('global_batch_size')} {unit} per "
                           f"optimizer step"])
@@ -333,15 +325,10 @@ def setup_table(info: dict) -> list[str]:
     else:
         learning_rate = f"{format_number(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
-    if get("stage") == "kto":
-        weights = get("kto_weights") or {}
-        rows.append(["KTO", f"beta {format_number(get('beta'))}, loss {get('loss_type')}, desirable weight "
-                            f"{format_number(weights.get('desirable_weight'))}, undesirable weight "
-                            f"{format_number(weights.get('undesirable_weight'))}"])
-    if get("stage") == "dpo":
-        rows.append(["DPO", f"beta {format_number(get('beta'))}, loss {describe_dpo_loss(*dpo_loss_config(info))}"])
-        if get("dpo_forward"):
-            rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
+    if row.setup_line:  # the objective's loss settings (beta, loss, weights)
+        rows.append([row.name.upper(), row.setup_line(info)])
+    if get("dpo_forward"):
+        rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {format_number(get('gradient_checkpointing'))}"],
              ["LoRA / 4-bit", f"{format_number(get('use_lora'))} / {format_number(get('load_in_4bit'))}"],
              ["max steps, seed", f"{format_number(get('max_steps'))}, {format_number(get('seed'))}"],
@@ -408,19 +395,16 @@ def _eval_else_train(summary: dict, key: str) -> float | None:
 def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert],
               running: bool = False) -> str:
     stage = (info.get("stage") or summary.get("stage") or "").upper()
+    numbers = [number for number in objective(stage.lower() or infer_stage([])).summary_numbers if number.headline]
     final = "latest" if running else "final"
     parts = []
     if judged_sentence:
         parts.append(judged_sentence)
-    elif stage == "KTO":
-        parts.append(f"KTO ran {format_number(summary.get('last_step'))} steps; {final} reward margin (desirable − "
-                     f"undesirable) {format_number(_eval_else_train(summary, 'final_reward_margin'), 3)}, KL "
-                     f"{format_number(_eval_else_train(summary, 'final_kl'), 3)} (no held-out judge).")
-    elif stage in ("DPO", "REWARD"):
-        accuracy = _eval_else_train(summary, "final_reward_accuracy")
-        margin = _eval_else_train(summary, "final_reward_margin")
-        parts.append(f"{stage} ran {format_number(summary.get('last_step'))} steps; {final} reward accuracy {format_percent(accuracy)}, "
-                     f"margin {format_number(margin, 3)} (no held-out judge).")
+    elif numbers:
+        values = [(number, _eval_else_train(summary, f"final_{number.name}")) for number in numbers]
+        parts.append(f"{stage} ran {format_number(summary.get('last_step'))} steps; {final} " + ", ".join(
+            f"{number.headline} {format_percent(value) if number.percent else format_number(value, 3)}"
+            for number, value in values) + " (no held-out judge).")
     else:
         parts.append(f"SFT ran {format_number(summary.get('last_step'))} steps; {final} train loss "
                      f"{format_number(summary.get('final_train_loss'))}, best eval loss {format_number(summary.get('best_eval_loss'))} "
@@ -489,13 +473,6 @@ def health_alerts(metrics: list[dict], info: dict, stage: str) -> list[Alert]:
     return sorted(alerts, key=lambda alert: alert.severity != "error")
 
 
-def _infer_stage(metrics: list[dict]) -> str:
-    def logged(key: str) -> bool:
-        return any(key in record or f"eval_{key}" in record for record in metrics)
-
-    return "dpo" if logged("rewards/margins") else "reward" if logged("margin") else "sft"
-
-
 def build_report(run_dir: str | Path, live: Live | None = None) -> Path:
     """Write plots/, distributed_output_<split>.txt and report.md into `run_dir`; return report.md's path. `live`:
     where the training loop is, when it calls this while it runs.
@@ -520,7 +497,7 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
         info = read_json(run_dir / TRAINING_INFO) if (run_dir / TRAINING_INFO).exists() else {}
     except ValueError:
         info = {}
-    stage = info.get("stage") or _infer_stage(metrics)
+    stage = info.get("stage") or infer_stage(metrics)
 
     # Values measured by the job outside the metrics (e.g. wall time, peak memory) fill what the metrics lack.
     summary = summarize(metrics, stage)
@@ -528,7 +505,7 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
         if summary.get(key) is None:
             summary[key] = value
     alerts = health_alerts(metrics, info, stage)
-    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, *dpo_loss_config(info))
+    charts = plot_history(metrics, stage, run_dir / PLOTS_DIR, *dpo_loss_config(info), info=info)
     if info.get("rounds"):
         plot_rounds(info["rounds"], run_dir / PLOTS_DIR / ROUNDS_PLOT)
     if live is None or not (run_dir / PLOTS_DIR / DATA_PLOT).exists():  # it does not change while the run trains

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from numbers import Real
 
+from src.objectives import objective
+
 
 def dpo_loss_terms(loss_type, loss_weights=None) -> list[tuple[str, float]]:
     """(loss type, weight) of each term of a DPO loss as configured: TRL takes one type or a list, with weights."""
@@ -78,8 +80,9 @@ def summarize(metrics: list[dict], stage: str) -> dict:
     Keys are always present (None when the history cannot say), so a reader can rely on the schema:
     `finished` (TRL's end-of-training record was logged), `last_step`, `last_epoch`, `final_train_loss` (last
     logged value, NaN if it diverged), `train_loss` (TRL's mean over the run), `best_eval_loss`/`best_eval_step`,
-    `final_eval_loss`, `tokens_per_second`, `samples_per_second`, `wall_time_s`, `peak_memory_mb`; DPO and reward
-    add final reward accuracy and margin (train and eval), SFT adds final token accuracy (train and eval).
+    `final_eval_loss`, `tokens_per_second`, `samples_per_second`, `wall_time_s`, `peak_memory_mb`; then the
+    objective's own (`final_<name>_train` / `_eval` for each of its row's summary_numbers: DPO and reward the reward
+    accuracy and margin, KTO the margin and KL, SFT the token accuracy).
     """
     steps = [int(record["step"]) for record in metrics if isinstance(record.get("step"), Real)]
     epochs = finite(series(metrics, "epoch")[1])
@@ -106,26 +109,7 @@ def summarize(metrics: list[dict], stage: str) -> dict:
         "wall_time_s": wall_time if wall_time is not None else (times[-1] if times else None),
         "peak_memory_mb": max(peak_memory) if peak_memory else None,
     }
-    if stage in ("dpo", "reward"):
-        # Both log how often the chosen answer outscores the rejected one and by how much: DPO with its implicit
-        # rewards, a reward model with its scores (TRL's RewardTrainer names them accuracy and margin).
-        accuracy, margin = ("rewards/accuracies", "rewards/margins") if stage == "dpo" else ("accuracy", "margin")
-        summary.update({
-            "final_reward_accuracy_train": _last(metrics, accuracy),
-            "final_reward_accuracy_eval": _last(metrics, f"eval_{accuracy}"),
-            "final_reward_margin_train": _last(metrics, margin),
-            "final_reward_margin_eval": _last(metrics, f"eval_{margin}"),
-        })
-    elif stage == "kto":  # unpaired rows: no accuracy; the margin between the two classes' mean rewards, and the KL
-        summary.update({
-            "final_reward_margin_train": _last(metrics, "rewards/margins"),
-            "final_reward_margin_eval": _last(metrics, "eval_rewards/margins"),
-            "final_kl_train": _last(metrics, "kl"),
-            "final_kl_eval": _last(metrics, "eval_kl"),
-        })
-    else:
-        summary.update({
-            "final_token_accuracy_train": _last(metrics, "mean_token_accuracy"),
-            "final_token_accuracy_eval": _last(metrics, "eval_mean_token_accuracy"),
-        })
+    for number in objective(stage).summary_numbers:  # the objective's own final numbers (its row's summary_numbers)
+        summary[f"final_{number.name}_train"] = _last(metrics, number.metric)
+        summary[f"final_{number.name}_eval"] = _last(metrics, f"eval_{number.metric}")
     return summary

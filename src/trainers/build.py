@@ -11,14 +11,11 @@ import torch
 from transformers.trainer_callback import PrinterCallback
 
 from src.config import Plan
+from src.objectives import SEQUENCES, load, objective
 from src.reporting.live import LiveReport
 from src.throughput import ThroughputMeter
 from src.trainers.callbacks import GradientCompression, OneJobCheck, StopConditions
-from src.trainers.dpo import PreparedDPOTrainer, packed_dpo_forward
-from src.trainers.kto import PreparedKTOTrainer
 from src.trainers.metrics_log import ConsoleLog, MetricsRecorder
-from src.trainers.reward import ToolkitRewardTrainer
-from src.trainers.sft import ToolkitSFTTrainer
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
@@ -26,16 +23,16 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
     (`--padding_free false`, src/packed_dpo_support.padding_free_requested), and `ref_model` as the reference when given
     (otherwise TRL's: the starting model)."""
-    trainer_class = {"dpo": PreparedDPOTrainer, "sft": ToolkitSFTTrainer, "reward": ToolkitRewardTrainer,
-                     "kto": PreparedKTOTrainer}[stage]
-    extra = {"truncate_to": truncate_to} if stage == "sft" else {"ref_model": ref_model} if ref_model is not None else {}
-    reference_forward = stage in ("dpo", "kto") and not trl_config.precompute_ref_log_probs and peft_config is None
-    dpo_forward = {}
-    if stage == "dpo":
-        dpo_forward = packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed_dpo)
-    # DPO and reward batches hold a chosen and a rejected sequence per pair.
+    row = objective(stage)
+    trainer_class = load(row.trainer)
+    sequences = row.data_shape == SEQUENCES
+    extra = {"truncate_to": truncate_to} if sequences else {"ref_model": ref_model} if ref_model is not None else {}
+    reference_forward = row.needs_reference and not trl_config.precompute_ref_log_probs and peft_config is None
+    # A trainer with its own forward (DPO's packed one) says how it is built: `forward_for(model, ...)`.
+    forward_for = getattr(trainer_class, "forward_for", None)
+    dpo_forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo) if forward_for else {}
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
-                            _device_name(plan.device), sequences_per_example=1 if stage == "sft" else 2)  # KTO: + KL
+                            _device_name(plan.device), sequences_per_example=row.sequences_per_example)
     trainer = trainer_class(
         model=model,
         args=trl_config,
@@ -44,7 +41,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(), StopConditions(), OneJobCheck(),
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(row.console_keys), StopConditions(), OneJobCheck(),
                    LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
         **extra,

@@ -39,6 +39,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     reference_cache: dict | None = None
     _reference_progress: Progress | None = None  # while the reference pass runs
 
+    @staticmethod
+    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+        """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
+        return packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed)
+
     def __init__(self, *args, packed_forward=None, **kwargs):
         # Set before TRL's __init__, which already runs the reference precompute pass through it.
         self.packed_forward = packed_forward

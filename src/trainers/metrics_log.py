@@ -41,13 +41,14 @@ class MetricsRecorder(TrainerCallback):
 
 class ConsoleLog(TrainerCallback):
     """One compact line per logged event on rank 0 (replaces Trainer's dict printer), ending with the elapsed time and
-    the ETA (at the rate since this launch began training, evaluations included)."""
+    the ETA (at the rate since this launch began training, evaluations included). `keys`: the objective's own
+    (its row's console_keys, src/objectives/), shown between the loss and the learning rate."""
 
-    KEYS = ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "margin",
-            "accuracy", "eval_accuracy",
-            "mean_token_accuracy", "eval_mean_token_accuracy", "learning_rate", "grad_norm", "perf/tokens_per_second")
+    FIRST = ("loss", "eval_loss")
+    LAST = ("learning_rate", "grad_norm", "perf/tokens_per_second")
 
-    def __init__(self):
+    def __init__(self, keys: tuple[str, ...] = ()):
+        self.keys = self.FIRST + tuple(keys) + self.LAST
         self.started = time.monotonic()
         self.start_step = 0
 
@@ -61,7 +62,7 @@ class ConsoleLog(TrainerCallback):
             line = (f"done in {format_duration(logs['train_runtime'])}, "
                     f"{logs.get('train_samples_per_second', 0):.1f} samples/s")
         else:
-            parts = [f"{key} {logs[key]:.4g}" for key in self.KEYS if isinstance(logs.get(key), (int, float))]
+            parts = [f"{key} {logs[key]:.4g}" for key in self.keys if isinstance(logs.get(key), (int, float))]
             elapsed = time.monotonic() - self.started
             eta = eta_seconds(state.global_step - self.start_step, state.max_steps - self.start_step, elapsed)
             line = "  ".join(parts + [f"elapsed {format_duration(elapsed)}", f"ETA {format_duration(eta)}"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from src.config import Config, Plan
+from src.objectives import objective
 
 
 # TRL's padding-free SFT batch is one row: the micro-batch's sequences end to end, positions restarting at 0, no
@@ -74,8 +75,6 @@ def silent_no_op_warnings(stage: str, config: Config, plan: Plan) -> list[str]:
     if config.training.ddp_comm_hook != plan.ddp_comm_hook:
         warnings.append(f"--ddp_comm_hook {config.training.ddp_comm_hook} is ignored on one process: no gradients "
                         "are all-reduced")
-    if stage == "dpo":
-        if config.dpo.label_smoothing and set(config.dpo.loss_type) <= {"sigmoid", "ipo", "hinge"}:
-            warnings.append(f"label_smoothing {config.dpo.label_smoothing} has no effect with loss_type "
-                            f"{config.dpo.loss_type}: it applies to robust and exo_pair")
+    if objective(stage).warnings:  # the objective's own (DPO: a label_smoothing its loss type ignores)
+        warnings += objective(stage).warnings(config)
     return warnings

@@ -1,13 +1,13 @@
-"""DPOConfig / SFTConfig / RewardConfig / KTOConfig from the resolved plan (src/config.py): the batch, learning rate, precision
-and backend come from the plan and nothing else sets them; TRL pass-through fields go last."""
+"""The stage's TRL config (its objective's row names the class: src/objectives/) from the resolved plan
+(src/config.py): the batch, learning rate, precision and backend come from the plan and nothing else sets them; the
+objective's own fields (its row's trl_settings) next; TRL pass-through fields go last."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
-
-from src.config import Config, Plan, kto_loss_type
+from src.config import Config, Plan
+from src.objectives import load, objective
 
 # TrainingArguments fields the toolkit passes to TRL's config unchanged, under the same name.
 SAME_NAME_FIELDS = ("run_name", "seed", "max_steps", "warmup_steps", "lr_scheduler_type", "weight_decay",
@@ -21,10 +21,10 @@ def _eval_steps(config: Config, total_steps: int | None) -> int | None:
 
 
 def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, has_validation: bool,
-                     total_steps: int | None, sft_forward: dict | None = None, kto_weights: dict | None = None):
-    """DPOConfig / SFTConfig / RewardConfig from the plan; TRL pass-through fields go last and may set anything not
-    derived. For SFT, `sft_forward` (resolve_sft_forward) decides packing and padding-free, whatever was passed; for KTO,
-    `kto_weights` (src/kto_weights.py: desirable_weight / undesirable_weight, from the flags or the data)."""
+                     total_steps: int | None, sft_forward: dict | None = None, data_settings: dict | None = None):
+    """The stage's TRL config from the plan; TRL pass-through fields go last and may set anything not derived. For
+    SFT, `sft_forward` (resolve_sft_forward) decides packing and padding-free, whatever was passed; `data_settings`:
+    what the objective's row resolved from the data (KTO: its weights, src/kto_weights.py)."""
     training = config.training
     eval_strategy = training.eval_strategy if has_validation else "no"
     eval_steps = _eval_steps(config, total_steps)
@@ -64,33 +64,10 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     precompute = config.dpo.precompute_ref_log_probs
     if precompute is None:
         precompute = not config.trl_overrides.get("sync_ref_model", False)
-    if stage == "kto":
-        # The rows' KL completions are fixed in the data (src/data.py), so KTO samples like the other stages (TRL's
-        # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
-        specific = dict(beta=config.dpo.beta, loss_type=kto_loss_type(config), precompute_ref_log_probs=precompute,
-                        train_sampling_strategy="random", **(kto_weights or {}))
-        config_class = KTOConfig
-    elif stage == "dpo":
-        dpo = config.dpo
-        specific = dict(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
-                        label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=precompute)
-        config_class = DPOConfig
-    elif stage == "reward":
-        specific = {}
-        config_class = RewardConfig
-    else:
-        sft = config.sft
-        specific = dict(assistant_only_loss=sft.assistant_only_loss, completion_only_loss=sft.completion_only_loss,
-                        packing=sft.packing)
-        config_class = SFTConfig
+    row = objective(stage)
+    config_class = load(row.trl_config)
     overrides = {key: value for key, value in config.trl_overrides.items()
                  if key in {item for item in config_class.__dataclass_fields__}}
-    if stage == "sft" and sft_forward is not None:
-        overrides |= {"packing": sft_forward["forward"] == "packed", "padding_free": sft_forward["padding_free"]}
-        if sft_forward["forward"] == "padding_free":
-            overrides["max_length"] = None  # TRL's rule without packing: the trainer truncates (ToolkitSFTTrainer)
-    if stage == "kto":
-        overrides = {key: value for key, value in overrides.items() if key not in (kto_weights or {})}
-    if stage == "dpo":  # TRL 1.16's DPOTrainer ignores padding_free (it pads): build_trainer's packed_dpo answers to it
-        overrides.pop("padding_free", None)
+    extras = {"precompute": precompute, "sft_forward": sft_forward, **(data_settings or {})}
+    specific, overrides = row.trl_settings(config, overrides, extras)
     return config_class(**{**common, **specific, **overrides})

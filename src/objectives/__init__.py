@@ -1,0 +1,83 @@
+"""The table of objectives: one module per objective (sft, dpo, reward, kto), each one row (`OBJECTIVE`, an
+`Objective` from spec.py) declaring what the rest of the toolkit needs from it.
+
+    from src.objectives import objective
+    objective("kto").example_word        # "rows"
+    objective("sft_then_kto").name       # a pipeline reads as its final stage: "kto"
+
+Adding an objective is a module here (its row), its trainer module in src/trainers/ if TRL's needs the toolkit's
+additions, a recipe in configs/, tests and a docs page; the launcher, data preparation, check_gpu, reporting and the
+audit read the row. `--stage sft_then_<name>` exists for every row with `ends_pipeline`. Light: no torch, no TRL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+from src.objectives import dpo, kto, orpo, reward, sft, simpo
+from src.objectives.spec import (PAIRED_SHAPES, PAIRS, PROMPTS, SCORED_PAIRS, SEQUENCES, UNPAIRED, Chart, Curve, Metric,
+                                 Objective, Panel, SummaryNumber)
+
+OBJECTIVES: dict[str, Objective] = {row.name: row for row in (dpo.OBJECTIVE, sft.OBJECTIVE, reward.OBJECTIVE,
+                                                              kto.OBJECTIVE, simpo.OBJECTIVE,
+                                                              orpo.OBJECTIVE)}
+DEFAULT_STAGE = next(iter(OBJECTIVES))  # the table's first row: --stage's default
+# The objective whose on-policy rounds --rounds runs (the row with on_policy_rounds: DPO)
+ROUNDS_STAGE = next(name for name, row in OBJECTIVES.items() if row.on_policy_rounds)
+PIPELINE_FIRST = "sft"  # every pipeline starts with SFT, then the objective from the SFT model
+# A pipeline's stages, in order: SFT (with the recipe's `sft:` overrides), then the objective from its model.
+PIPELINES = {f"{PIPELINE_FIRST}_then_{name}": (PIPELINE_FIRST, name) for name, row in OBJECTIVES.items()
+             if row.ends_pipeline}
+# --stage's choices, in the order the help lists them: the objectives in the table's order, each pipeline once both
+# of its stages are listed (dpo, sft, sft_then_dpo, reward, kto, sft_then_kto).
+STAGES = tuple(name for index, row in enumerate(OBJECTIVES.values())
+               for name in (row.name, *(pipeline for pipeline, stages in PIPELINES.items()
+                                        if max(list(OBJECTIVES).index(stage) for stage in stages) == index)))
+
+
+def final_stage(stage: str) -> str:
+    """The stage a run ends with: a pipeline's last (sft_then_dpo → dpo), else the stage itself."""
+    return PIPELINES[stage][-1] if stage in PIPELINES else stage
+
+
+def objective(stage: str) -> Objective:
+    """The row of a stage (a pipeline: its final stage's)."""
+    return OBJECTIVES[final_stage(stage)]
+
+
+def infer_stage(metrics: list[dict]) -> str:
+    """The stage of a run whose training_info.json does not say (a run from before it did): the objective most of
+    whose own curves (its compare metrics but the loss) are logged, the table's order breaking ties; none logged:
+    the one that trains on sequences."""
+    def logged(key: str) -> bool:
+        return any(key in record or f"eval_{key}" in record for record in metrics)
+
+    scores = {name: sum(logged(metric.key) for metric in row.compare_metrics if metric.key != "loss")
+              for name, row in OBJECTIVES.items()}
+    best = max(scores, key=scores.get)  # the first of the highest
+    return best if scores[best] else next(name for name, row in OBJECTIVES.items() if row.data_shape == SEQUENCES)
+
+
+def shape_of(stage: str) -> str:
+    """The data shape a preparation makes: the objective's, or PROMPTS (prompts alone, for on-policy rounds)."""
+    return PROMPTS if stage == PROMPTS else objective(stage).data_shape
+
+
+def load(path: str):
+    """The class a row names as "module:Class" (imported on first use: TRL and the trainers cost seconds). TRL's
+    warning that trl.experimental is experimental is left out: the objective's docs page says which rows use it."""
+    module, _, name = path.partition(":")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental")
+        return getattr(importlib.import_module(module), name)
+
+
+def trl_config_classes(stage: str) -> list[type]:
+    """The TRL config class(es) a stage builds: a pipeline's final stage's and then SFT's."""
+    return [load(OBJECTIVES[name].trl_config) for name in reversed(PIPELINES.get(stage, (stage,)))]
+
+
+__all__ = ["DEFAULT_STAGE", "OBJECTIVES", "PIPELINE_FIRST", "ROUNDS_STAGE", "PIPELINES", "STAGES", "PAIRED_SHAPES", "PAIRS", "PROMPTS", "SCORED_PAIRS", "SEQUENCES", "UNPAIRED",
+           "Chart", "Curve", "Metric", "Objective", "Panel", "SummaryNumber", "final_stage", "infer_stage", "objective", "shape_of", "load",
+           "trl_config_classes"]

@@ -1,0 +1,159 @@
+"""What a row of the objectives' table holds (src/objectives/__init__.py reads the rows).
+
+An objective declares, as data, what the rest of the toolkit needs from it: the data it takes, its TRL config and
+trainer, whether it keeps a reference model, how many sequences it forwards per example, its curves, console keys,
+summary numbers, alerts and audit parts, its memory-plan terms and the word for its examples. The launcher, data
+preparation, check_gpu, the report, compare, the model card, the index and the audit read these fields; none of them
+decides by an objective's name (tests/test_objectives.py keeps it so). Light: no torch, no TRL, no matplotlib.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# The data an objective trains on, as preparation makes it (src/data.py): what its rows hold after tokenization.
+PAIRS = "pairs"  # prompt, chosen, rejected: prompt and answers tokenized apart (DPO's layout, TRL's)
+SCORED_PAIRS = "scored_pairs"  # prompt + chosen and prompt + rejected as two whole sequences (a reward model's)
+UNPAIRED = "unpaired"  # prompt, completion, thumbs up or down (KTO's)
+SEQUENCES = "sequences"  # one sequence to imitate (SFT's)
+PROMPTS = "prompts"  # prompts alone: no objective trains on them, on-policy rounds answer them (src/rounds.py)
+PAIRED_SHAPES = (PAIRS, SCORED_PAIRS)  # the shapes read from prompt / chosen / rejected data
+
+TRAIN_COLOR = "#1f77b4"
+REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
+
+
+@dataclass(frozen=True)
+class Curve:
+    key: str  # train metric; its eval counterpart is "eval_" + key
+    label: str
+    color: str = TRAIN_COLOR
+    smooth: bool = True  # False for exact quantities such as the learning-rate schedule
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    ylabel: str
+    curves: tuple[Curve, ...]
+    reference_lines: tuple[tuple[float, str], ...] = ()  # (y, legend label)
+    ylim: tuple[float, float] | None = None
+    log_when_wide: bool = False  # log y axis when the values span more than two decades
+    # Smallest y range shown: a flat curve (a stuck run) then looks flat instead of its noise being blown up.
+    min_y_span: float | None = None
+    y_from_zero: bool = False  # for quantities read as "how much" (throughput, memory)
+    # (training_info.json key, legend label): a reference line at the run's own setting (SimPO's target margin gamma)
+    info_lines: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Chart:
+    filename: str
+    caption: str
+    panels: tuple[Panel, ...]
+
+
+# How often the chosen answer's reward beats the rejected one's: every pair objective's (DPO, SimPO, ORPO)
+REWARD_ACCURACY_CHART = Chart("reward_accuracy.png", "Reward accuracy", (
+    Panel("Reward accuracy (chosen > rejected)", "accuracy (fraction of pairs)",
+          (Curve("rewards/accuracies", "reward accuracy"),), reference_lines=((0.5, "chance"),), ylim=(-0.02, 1.04)),))
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A curve compare.md overlays across runs (src/reporting/compare.py)."""
+    key: str
+    title: str
+    ylabel: str
+    second: tuple[str, str] | None = None  # (key, label) drawn dashed on the same axes, e.g. rejected under chosen
+    first_label: str = ""
+    reference: tuple[float, str] | None = None
+
+
+@dataclass(frozen=True)
+class SummaryNumber:
+    """A final number of a run: `final_<name>_train` / `final_<name>_eval` in the summary (src/reporting/summary.py),
+    read from the last logged `metric` / `eval_<metric>`; a row `<label> (train / eval)` in report.md."""
+    name: str
+    metric: str
+    label: str
+    percent: bool = False
+    headline: str = ""  # its name in report.md's first sentence when no judge ran ("" = not there)
+
+
+def refuse_reference_flags(title: str, config) -> None:
+    """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
+    from src.config import ConfigError  # src.config reads the table at import
+
+    for name in REFERENCE_FLAGS:
+        if config.sources.get(name, "").startswith("--"):
+            raise ConfigError(f"--{name}: {title} has no reference model (it is reference-free): drop the flag")
+
+
+def refuse_batch_rebalance(name: str, staged, plan, world_size: int) -> str | None:
+    """TRL's preference trainers gather their metrics across processes per micro-batch: equal sizes only."""
+    if world_size > 1 and staged.trl_overrides.get("train_sampling_strategy") == "batch_rebalance":
+        return ("--train_sampling_strategy batch_rebalance gives the ranks micro-batches of different sizes, which "
+                f"TRL's {name.upper()} metrics cannot gather across processes: use group_by_length")
+    return None
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One row of the table: an objective (a training stage) and everything the toolkit reads about it."""
+    name: str
+    help: str  # what `--stage <name>` trains, in a few words (the --stage help)
+    data_shape: str  # PAIRS, SCORED_PAIRS, UNPAIRED or SEQUENCES: what preparation makes of the rows
+    example_word: str  # what one example is called: pairs, rows, sequences
+    trl_config: str  # "module:Class" of its TRL config (imported when a run builds it: trl costs seconds)
+    trainer: str  # "module:Class" of the toolkit's trainer (src/trainers/)
+    default_learning_rate: float  # TRL's default for the config (tests/test_config.py checks it against TRL's)
+    needs_reference: bool  # keeps a reference model (none with adapters or cached reference log-probs)
+    sequences_per_example: int  # sequences forwarded per example (throughput: tokens a step computes)
+    sequences_with_grad: int  # of those, the ones whose activations are kept for backward (memory plan)
+    causal_lm: bool  # trains a causal LM (an encoder-only model is refused before launch)
+    ends_pipeline: bool  # sft_then_<name> exists: SFT first, then this objective from the SFT model
+    charts: tuple[Chart, ...]  # its curves in plots/ (the learning-rate and throughput charts are everyone's)
+    compare_metrics: tuple[Metric, ...]  # its curves in compare.md
+    console_keys: tuple[str, ...]  # logged keys on the console line, between the loss and the learning rate
+    summary_numbers: tuple[SummaryNumber, ...]
+    # The checks that apply beside every stage's: src/reporting/alerts.py's CHECKS on its curves, and the data audit's
+    # (src/audit/findings.py: "data_near_identical", pairs whose answers barely differ).
+    alerts: tuple[str, ...]
+    on_policy_rounds: bool = False  # --rounds: on-policy rounds of it follow its stage (src/rounds.py)
+    audit_parts: tuple[str, ...] = ()
+    # No reference model where a preference objective would keep one: check_gpu's memory plan says what that saves
+    reference_free: bool = False  # beyond the preparation's numbers: "reference" ranking, "judged" pairs
+    scores_tokens: bool = True  # logits over the vocabulary (memory plan); False for a sequence classifier
+    truncates_to_max_length: bool = False  # prompt + answer cut to --max_length (else a pair over it is dropped)
+    # Its loss can combine TRL loss terms (--loss_type a b, --loss_weights): the loss chart names them, and ln 2 is
+    # drawn only for the plain sigmoid loss (src/reporting/plots.py dpo_loss_chart)
+    combined_loss: bool = False
+    hub_pipeline_tag: str = "text-generation"
+    auto_class: str = "CausalLM"  # AutoModelFor<...> that loads the saved model (the model card's snippet)
+    embedded_data: str = "dpo"  # the embedded default's directory it trains on (src/embedded/data/<...>)
+    # (config, overrides, extras) → (its own TRL config fields, the pass-through overrides it leaves): beta, loss,
+    # weights from the toolkit's flags; `extras` holds what the run resolved (precompute, sft_forward, kto_weights).
+    trl_settings: Callable | None = field(default=None, compare=False)
+    # (config, the training split's counts) → (settings resolved from the data, the console line that says so, a
+    # warning or None): KTO's desirable / undesirable weights. The settings go to trl_settings' extras and
+    # training_info.json.
+    data_settings: Callable | None = field(default=None, compare=False)
+    # (config, its resolved data settings) → what training_info.json records of its loss (beta, loss type, ...)
+    run_info: Callable | None = field(default=None, compare=False)
+    # (name, staged config, plan, world size) → a refusal (one line) or None: what its trainer cannot run, said
+    # before any process group exists
+    preflight: Callable | None = field(default=None, compare=False)
+    # config → refusal or None, as the config is parsed (before any data or model): what only it cannot take
+    validate: Callable | None = field(default=None, compare=False)
+    # (config) → warnings printed as its stage opens (src/trainers/stage_plan.py): options its TRL trainer accepts and
+    # then ignores, settings outside the ranges its paper tried
+    warnings: Callable | None = field(default=None, compare=False)
+    # training_info.json → [(setting, value)]: its loss settings as the model card's method table lists them; also
+    # the index's key settings (beta and loss) for a row that has them
+    loss_rows: Callable | None = field(default=None, compare=False)
+    # training_info.json → its line in report.md's setup table (beta, loss, weights)
+    setup_line: Callable | None = field(default=None, compare=False)
+    packed_forward: bool = False  # the toolkit's packed, prefix-shared forward serves it (src/packed_dpo_support.py)
+

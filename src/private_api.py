@@ -1,0 +1,22 @@
+"""The private names of TRL and transformers that the toolkit reads outside its trainers' overrides: one file, so a TRL
+or transformers upgrade starts here (docs/development.md lists every other place: the objectives' trainer modules and
+the Trainer internals in src/trainers/base.py and checkpointing.py). Each is imported when first asked for: both
+libraries cost seconds to import, and the preflight needs neither."""
+
+from __future__ import annotations
+
+
+def trl_tokenize():
+    """`trl.data_utils._tokenize` (TRL 1.16): how TRL's trainers tokenize a prompt or a prompt + answer (chat template
+    or plain text), which src/data.py reproduces id for id (tests/prepared_digests.json)."""
+    from trl.data_utils import _tokenize
+
+    return _tokenize
+
+
+def compile_jinja_template():
+    """`transformers.utils.chat_template_utils._compile_jinja_template` (transformers 5.23): the Jinja environment
+    transformers renders chat templates in ({% generation %} and loop controls are part of it)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template

@@ -1,0 +1,19 @@
+"""ORPO's trainer: TRL's ORPOTrainer (trl.experimental.orpo) with the toolkit's additions, on the pairs src/data.py
+prepared (src/trainers/legacy_pairs.py). No reference model. Its loss is the chosen answers' NLL plus beta x the
+odds-ratio term, each a mean over the micro-batch's pairs, so equal micro-batches give the same update on any split of
+the global batch into processes x accumulation steps (tests/test_orpo.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.legacy_pairs import PreparedPairsMixin
+
+with warnings.catch_warnings():  # trl.experimental says it is experimental on import: docs/orpo.md says so
+    warnings.filterwarnings("ignore", message=".*trl.experimental")
+    from trl.experimental.orpo import ORPOTrainer
+
+
+class PreparedORPOTrainer(PreparedPairsMixin, PairLengthsMixin, ToolkitTrainerMixin, ORPOTrainer):
+    """ORPOTrainer on prepared pairs, with complete-only checkpoints and the callbacks' hooks."""

@@ -1,0 +1,19 @@
+"""SimPO's trainer: TRL's CPOTrainer (trl.experimental.cpo, loss_type "simpo", cpo_alpha 0) with the toolkit's
+additions, on the pairs src/data.py prepared (src/trainers/legacy_pairs.py). SimPO has no reference model: no
+reference pass, no reference cache. Its step is the mean over the micro-batch's pairs, so equal micro-batches give the
+same update on any split of the global batch into processes x accumulation steps (tests/test_simpo.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.legacy_pairs import PreparedPairsMixin
+
+with warnings.catch_warnings():  # trl.experimental says it is experimental on import: docs/simpo.md says so
+    warnings.filterwarnings("ignore", message=".*trl.experimental")
+    from trl.experimental.cpo import CPOTrainer
+
+
+class PreparedSimPOTrainer(PreparedPairsMixin, PairLengthsMixin, ToolkitTrainerMixin, CPOTrainer):
+    """CPOTrainer on prepared pairs, with complete-only checkpoints and the callbacks' hooks."""

@@ -1,0 +1,42 @@
+"""One optimizer step of a trl.experimental pair trainer (SimPO's CPOTrainer, ORPOTrainer) on a global batch split as
+P processes x A accumulation steps, each micro-batch collated and run on its own as a rank runs it: DDP averages the
+P ranks' gradients, accumulation adds the A micro-steps' (each loss divided by A). Used by tests/test_simpo.py and
+tests/test_orpo.py."""
+
+from __future__ import annotations
+
+import torch
+
+SPLITS = [(1, 1), (1, 4), (2, 2), (4, 1)]  # (processes, accumulation steps)
+TOLERANCE = 1e-5
+
+
+def one_step(trainer, rows: list[dict], processes: int, accumulation: int) -> dict:
+    """Loss, logged metrics (the window's mean, as TRL logs them) and gradient of one step on `rows`."""
+    model = trainer.model
+    model.train()
+    model.zero_grad()
+    micro = len(rows) // (processes * accumulation)
+    trainer._stored_metrics["train"].clear()
+    losses = []
+    for index in range(processes * accumulation):
+        batch = trainer.data_collator(rows[index * micro:(index + 1) * micro])
+        loss = trainer.compute_loss(model, batch)
+        (loss / (processes * accumulation)).backward()  # DDP's mean over ranks, accumulation's 1/A
+        losses.append(float(loss.detach()))
+    stored = trainer._stored_metrics["train"]
+    result = {key: sum(float(value) for value in values) / len(values) for key, values in stored.items()}
+    result["loss"] = sum(losses) / len(losses)
+    result["grad"] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
+    model.zero_grad()
+    return result
+
+
+def assert_the_same_on_every_split(trainer, rows: list[dict], keys: tuple[str, ...]) -> None:
+    results = [one_step(trainer, rows, processes, accumulation) for processes, accumulation in SPLITS]
+    for key in keys:
+        first = results[0][key]
+        for result in results[1:]:
+            difference = float((result[key] - first).abs().max()) if torch.is_tensor(first) else abs(result[key] - first)
+            assert difference < TOLERANCE, (key, difference)
+    assert float(results[0]["grad"].abs().max()) > 0

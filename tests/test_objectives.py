@@ -1,0 +1,175 @@
+"""The table of objectives (src/objectives/): every row complete and true to TRL, and no code outside the objectives'
+folder deciding by an objective's name. The three misses the table closes (issue 37), each failing before it:
+compare drew no KTO curve, the console never showed KTO's KL, and --stage kto trained an encoder-only model (that one
+is tests/test_user_mistakes.py's `encoder_only_kto`)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT
+from report_fixtures import training_info, write_run_dir
+from src.objectives import (OBJECTIVES, PAIRED_SHAPES, PIPELINES, PROMPTS, SEQUENCES, STAGES, UNPAIRED, infer_stage,
+                            load, objective)
+from src.objectives.spec import Objective
+from src.reporting.alerts import CHECKS
+
+SRC = PROJECT_ROOT / "src"
+SHAPES = PAIRED_SHAPES + (UNPAIRED, SEQUENCES)
+
+
+# ------------------------------------------------------------------------------------------------ the rows themselves
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_every_row_is_complete_and_names_what_exists(name):
+    row = OBJECTIVES[name]
+    assert row.name == name and row.data_shape in SHAPES and row.example_word
+    assert 1 <= row.sequences_with_grad <= row.sequences_per_example
+    assert row.trl_settings is not None
+    assert callable(load(row.trainer))
+    config_class = load(row.trl_config)
+    # TRL's own default learning rate (the plan's fallback): the row's must be it, or the plan silently changes
+    assert config_class.__dataclass_fields__["learning_rate"].default == row.default_learning_rate
+    assert set(row.alerts) <= set(CHECKS) | {"data_near_identical"}
+    assert set(row.audit_parts) <= {"reference", "judged"}
+    files = [chart.filename for chart in row.charts]
+    assert len(files) == len(set(files)) and row.charts[0].filename == "loss.png"
+    assert row.compare_metrics and row.compare_metrics[0].key == "loss"
+    for number in row.summary_numbers:
+        assert number.label.startswith("final ")
+
+
+def test_stages_and_pipelines_come_from_the_table():
+    assert STAGES[:6] == ("dpo", "sft", "sft_then_dpo", "reward", "kto", "sft_then_kto")  # as before the table
+    assert {name: PIPELINES[name] for name in ("sft_then_dpo", "sft_then_kto")} == {
+        "sft_then_dpo": ("sft", "dpo"), "sft_then_kto": ("sft", "kto")}
+    assert all(PIPELINES[f"sft_then_{name}"] == ("sft", name) for name, row in OBJECTIVES.items() if row.ends_pipeline)
+    assert objective("sft_then_kto") is OBJECTIVES["kto"]
+
+
+def test_the_stage_of_an_old_run_is_read_from_its_curves():
+    assert infer_stage([{"loss": 0.6, "rewards/margins": 0.1, "rewards/accuracies": 0.6}]) == "dpo"
+    assert infer_stage([{"loss": 0.5, "rewards/margins": 0.1, "rewards/chosen": 0.1, "kl": 0.2}]) == "kto"
+    assert infer_stage([{"loss": 0.6, "margin": 0.1}]) == "reward"
+    assert infer_stage([{"loss": 2.0}]) == "sft"
+
+
+# ------------------------------------------------------------------------------------------- the misses the table closes
+
+
+def kto_history(steps: int = 40, shift: float = 0.0) -> list[dict]:
+    """A KTO run's records as TRL's KTOTrainer logs them (the margin grows, the KL with it), eval every 10 steps."""
+    records = []
+    for step in range(1, steps + 1):
+        margin = (0.8 + shift) * (1 - math.exp(-step / 15))
+        record = {"step": step, "loss": 0.5 - 0.2 * margin, "kl": 0.3 * margin, "rewards/chosen": margin / 2,
+                  "rewards/rejected": -margin / 2, "rewards/margins": margin, "learning_rate": 1e-6,
+                  "grad_norm": 1.0}
+        records.append(record)
+        if step % 10 == 0:
+            records.append({"step": step, "eval_loss": record["loss"] + 0.01, "eval_kl": record["kl"],
+                            "eval_rewards/margins": margin})
+    return records
+
+
+def test_compare_draws_the_kto_curves(tmp_path):
+    """Before the table: compare's metric table had no `kto` row, so KTO runs got a heading and no curve."""
+    from src.reporting.compare import compare
+
+    for name, shift in (("kto_a", 0.0), ("kto_b", 0.3)):
+        write_run_dir(tmp_path / name, kto_history(shift=shift), training_info("kto", run_name=name, beta=0.1,
+                                                                              loss_type="kto"))
+    page = compare([str(tmp_path / "kto_a"), str(tmp_path / "kto_b")], str(tmp_path / "out"))
+    text = page.read_text(encoding="utf-8")
+    curves = [line for line in text.splitlines() if line.startswith("![")]
+    assert len(curves) == len(OBJECTIVES["kto"].compare_metrics), text
+    assert "](kl.png)" in text and (page.parent / "kl.png").stat().st_size > 10_000
+    assert "](rewards_margins.png)" in text
+
+
+def test_the_console_line_shows_kto_kl(capsys):
+    """Before the table: the console's keys were one list for every stage, without KTO's KL."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from src.trainers.metrics_log import ConsoleLog
+
+    state = TrainerState(max_steps=100, global_step=10)
+    console = ConsoleLog(OBJECTIVES["kto"].console_keys)
+    console.on_log(TrainingArguments(output_dir="unused", report_to=[]), state, TrainerControl(),
+                   logs={"loss": 0.41, "kl": 0.237, "rewards/margins": 0.5, "learning_rate": 1e-6})
+    line = capsys.readouterr().out
+    assert "kl 0.237" in line and "rewards/margins 0.5" in line and line.index("loss") < line.index("kl")
+
+
+# ------------------------------------------------------------------------------------------ no name-branch outside it
+
+OBJECTIVE_NAMES = set(OBJECTIVES) | set(PIPELINES)
+# String constants equal to an objective's name that are not a decision by it: (file, the line's text) → why.
+NOT_A_BRANCH = {
+    ("src/audit/findings.py", '"sft" not in (loss_type or [])'): "TRL's DPO loss type 'sft' (an added NLL term)",
+    ("src/audit/answers.py", 'for key in ("score", "reward"):'): "a judge verdict's fields",
+    ("src/judges.py", "reward"): "a judge verdict's field 'reward' (src/embedded/tasks.py ranks with it)",
+    ("src/data.py", '"sft": sft'): "a keyword argument named sft (the SFT settings)",
+    ("src/objectives", ""): "the table itself",
+    ("src/embedded", ""): "the embedded default's data folders (src/embedded/data/dpo, sft) and verdict fields",
+    ("src/trainers/kto.py", ""): "KTO's trainer module: its loss type 'kto' and its own key in the reference cache",
+}
+
+
+def _allowed(path: str, line: str) -> bool:
+    return any(path.startswith(where) and text in line for (where, text) in NOT_A_BRANCH)
+
+
+def name_literals(root: Path) -> list[str]:
+    """Every string constant in the project's Python code under `root` (src/ and check_gpu.py) that equals an
+    objective's or a pipeline's name, as "path:line: text", less the NOT_A_BRANCH ones."""
+    found = []
+    entry_points = [root.parent / "check_gpu.py"] if (root.parent / "check_gpu.py").exists() else []
+    for path in sorted(root.rglob("*.py")) + entry_points:
+        relative = path.relative_to(root.parent).as_posix()
+        source = path.read_text(encoding="utf-8")
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    node.value.lower() in OBJECTIVE_NAMES:  # "KTO" too: stage.upper() == "KTO"
+                line = lines[node.lineno - 1].strip()
+                if not _allowed(relative, line):
+                    found.append(f"{relative}:{node.lineno}: {line}")
+    return found
+
+
+def test_no_code_outside_the_objectives_decides_by_a_name():
+    """An objective's name as a string outside src/objectives/ is a branch on it (or a table keyed by it) that the next
+    objective would have to find and extend: the row lacks a field. Add the field and read it instead."""
+    found = name_literals(SRC)
+    assert not found, "decisions by an objective's name outside src/objectives/ (add a field to the row):\n" + \
+        "\n".join(found)
+
+
+def test_the_scan_finds_a_branch(tmp_path):
+    """The scan is not blind: a branch on a name in a module it reads is reported."""
+    module = tmp_path / "src" / "example.py"
+    module.parent.mkdir()
+    module.write_text('def unit(stage):\n    return "rows" if stage == "kto" else "pairs"\n')
+    assert [hit.split(": ", 1)[1] for hit in name_literals(tmp_path / "src") if "example.py" in hit] == [
+        'return "rows" if stage == "kto" else "pairs"']
+
+
+def test_the_objective_record_has_no_field_left_unread():
+    """Each field of a row is read somewhere outside the rows (a field nobody reads is a promise nobody keeps)."""
+    rows = {SRC / "objectives" / f"{name}.py" for name in OBJECTIVES} | {SRC / "objectives" / "spec.py"}
+    code = "\n".join(path.read_text(encoding="utf-8") for path in SRC.rglob("*.py") if path not in rows)
+    unread = [item.name for item in dataclasses.fields(Objective)
+              if item.name not in ("name", "help") and not re.search(rf"\.{item.name}\b", code)]
+    assert not unread, unread
+
+
+def test_prompts_alone_is_a_preparation_not_an_objective():
+    assert PROMPTS not in OBJECTIVES and PROMPTS not in SHAPES

@@ -1,0 +1,94 @@
+"""ORPO (issue 37): `--stage orpo` through TRL's ORPOTrainer on the toolkit's prepared pairs.
+
+One optimizer step on the same global batch of 8 pairs, split as 1x1, 1x4, 2x2 and 4x1 processes x accumulation
+steps, each micro-batch run on its own as a rank runs it (tests/pair_steps.py): ORPO's loss is the chosen answers' NLL
+plus beta x the odds-ratio term, each a mean over the micro-batch's pairs with nothing across pairs, so every split
+gives the global batch's step (loss, NLL, odds ratio, rewards and gradient to 1e-5, each micro-batch padded to its own
+longest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import preference_rows, write_jsonl
+from pair_steps import assert_the_same_on_every_split
+from src import run_files
+
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def orpo_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+    from src.objectives import load, objective
+
+    work = tmp_path_factory.mktemp("orpo")
+    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
+    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
+                            SFTArguments(), "orpo", 7, tiny_tokenizer, work / "cache")
+    row = objective("orpo")
+    args = load(row.trl_config)(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True,
+                                report_to=[], bf16=False, max_length=64, beta=0.1, disable_tqdm=True)
+    trainer = load(row.trainer)(model=AutoModelForCausalLM.from_pretrained(tiny_model), args=args,
+                                train_dataset=prepared.train, processing_class=tiny_tokenizer)
+    return trainer, [trainer.train_dataset[index] for index in range(GLOBAL_BATCH)]
+
+
+KEYS = ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/margins",
+        "rewards/accuracies", "grad")
+
+
+def test_orpo_step_is_the_same_on_any_split_of_the_global_batch(orpo_setup):
+    trainer, rows = orpo_setup
+    assert_the_same_on_every_split(trainer, rows, KEYS)
+
+
+def test_orpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
+    from trl.experimental.orpo import ORPOConfig
+
+    from src.config import parse_config, toolkit_fields, trl_fields
+
+    known = set(toolkit_fields()) | set(trl_fields("orpo"))
+    assert {name for name, item in ORPOConfig.__dataclass_fields__.items() if item.init} <= known
+    config = parse_config(["--stage", "orpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
+                           "--padding_value", "0", "--max_completion_length", "32", "--generate_during_eval", "false"])
+    assert config.trl_overrides == {"padding_value": 0, "max_completion_length": 32, "generate_during_eval": False}
+    recipe = tmp_path / "orpo.yaml"
+    recipe.write_text("stage: orpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\nbeta: 0.2\npadding_value: 0\n")
+    config = parse_config(["--config", str(recipe)])
+    assert config.dpo.beta == 0.2 and config.trl_overrides == {"padding_value": 0}
+
+
+def test_trl_config_is_orpo_without_a_reference(tmp_path):
+    from src.config import Devices, World, parse_config, resolve_plan
+    from src.trainers.trl_config import build_trl_config
+
+    for flags, beta in (([], 0.1), (["--beta", "0.25"], 0.25)):
+        config = parse_config(["--stage", "orpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", *flags])
+        args = build_trl_config("orpo", config, resolve_plan(config, World(), Devices("cpu", 0, [])), tmp_path, False,
+                                10)
+        assert args.beta == beta and not hasattr(args, "precompute_ref_log_probs")
+
+
+def test_orpo_runs_end_to_end_with_its_report(tiny_model, tmp_path):
+    """A real one-process run: no reference pass; NLL and odds-ratio curves in the report and on the console."""
+    from test_training import common_args, run_single
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    args = common_args(tiny_model, data, tmp_path / "results", "orpo", "orpo") + [
+        "--batch_size", "4", "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.2"]
+    result = run_single(args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "reference log-probs" not in result.stdout and "nll_loss" in result.stdout
+    run_dir = tmp_path / "results" / "orpo"
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert (info["stage"], info["loss_type"], info["beta"]) == ("orpo", "orpo", 0.2)
+    records = run_files.read_jsonl(run_dir / run_files.METRICS)
+    assert any("log_odds_chosen" in record for record in records) and any("eval_nll_loss" in r for r in records)
+    report = (run_dir / "report.md").read_text()
+    assert "nll.png" in report and "odds_ratio.png" in report and "| ORPO | beta (lambda) 0.2" in report
+    for name in ("nll.png", "odds_ratio.png"):
+        assert (run_dir / "plots" / name).stat().st_size > 10_000

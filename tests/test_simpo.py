@@ -1,0 +1,199 @@
+"""SimPO (issue 37): `--stage simpo` through TRL's CPOTrainer on the toolkit's prepared pairs.
+
+One optimizer step on the same global batch of 8 pairs, split as P processes x A accumulation steps (micro-batches of
+8 / (P A) pairs), each micro-batch collated and run on its own as a rank would run it: DDP averages the P ranks'
+gradients and accumulation adds the A micro-steps' (each loss divided by A). SimPO's loss is the mean over a
+micro-batch's pairs, with no reference and no cross-pair term, so every split must give the global batch's step: the
+test checks the loss, rewards and gradient agree to 1e-5, padding included (each micro-batch pads to its own longest).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import preference_rows, write_jsonl
+from pair_steps import assert_the_same_on_every_split
+from src import run_files
+
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def simpo_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+    from src.objectives import load, objective
+    from src.trainers.simpo import PreparedSimPOTrainer
+
+    work = tmp_path_factory.mktemp("simpo")
+    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
+    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
+                            SFTArguments(), "simpo", 7, tiny_tokenizer, work / "cache")
+    config_class = load(objective("simpo").trl_config)
+    args = config_class(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True, report_to=[],
+                        bf16=False, max_length=64, beta=2.5, simpo_gamma=1.25, loss_type="simpo", cpo_alpha=0.0,
+                        disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    trainer = PreparedSimPOTrainer(model=model, args=args, train_dataset=prepared.train,
+                                   processing_class=tiny_tokenizer)
+    rows = [trainer.train_dataset[index] for index in range(GLOBAL_BATCH)]
+    return trainer, rows, prepared
+
+
+KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "grad")
+
+
+def test_simpo_step_is_the_same_on_any_split_of_the_global_batch(simpo_setup):
+    trainer, rows, _ = simpo_setup
+    assert_the_same_on_every_split(trainer, rows, KEYS)
+
+
+def test_prepared_pairs_are_laid_out_as_cpo_tokenizes_them(simpo_setup, tiny_tokenizer):
+    """The ids are DPO's (src/data.py: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
+    -100, the answer cut at max_length."""
+    from src.trainers.legacy_pairs import LABEL_PAD, pair_row
+
+    trainer, rows, prepared = simpo_setup
+    source = prepared.train[0]
+    row = rows[0]
+    assert row["chosen_input_ids"] == source["prompt_ids"] + source["chosen_ids"]
+    assert row["chosen_labels"] == [LABEL_PAD] * len(source["prompt_ids"]) + source["chosen_ids"]
+    assert row["rejected_input_ids"][len(source["prompt_ids"]):] == source["rejected_ids"]
+    cut = pair_row([1, 2, 3], [4, 5, 6, 7], [8], max_length=5)
+    assert cut["chosen_input_ids"] == [1, 2, 3, 4, 5] and cut["rejected_input_ids"] == [1, 2, 3, 8]
+
+
+def test_cpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
+    """Every field of TRL's CPOConfig is a key of --stage simpo (a flag or a recipe key): the toolkit's own fields, or
+    passed through to TRL."""
+    from trl.experimental.cpo import CPOConfig
+
+    from src.config import parse_config, toolkit_fields, trl_fields
+
+    known = set(toolkit_fields()) | set(trl_fields("simpo"))
+    assert set(CPOConfig.__dataclass_fields__) - {"_n_gpu"} <= known | {name for name, item in
+                                                                       CPOConfig.__dataclass_fields__.items()
+                                                                       if not item.init}
+    config = parse_config(["--stage", "sft_then_simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
+                           "--simpo_gamma", "1.5", "--cpo_alpha", "0.05", "--alpha", "0.1",
+                           "--max_completion_length", "32"])
+    assert config.trl_overrides == {"simpo_gamma": 1.5, "cpo_alpha": 0.05, "alpha": 0.1, "max_completion_length": 32}
+    recipe = tmp_path / "simpo.yaml"
+    recipe.write_text("stage: simpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\nsimpo_gamma: 2.0\n"
+                      "generate_during_eval: false\n")
+    config = parse_config(["--config", str(recipe)])
+    assert config.trl_overrides == {"simpo_gamma": 2.0, "generate_during_eval": False}
+
+
+def test_trl_config_is_simpo_without_a_reference(tmp_path):
+    from src.config import Devices, World, parse_config, resolve_plan
+    from src.trainers.trl_config import build_trl_config
+
+    config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--beta",
+                           "2.5"])
+    plan = resolve_plan(config, World(), Devices("cpu", 0, []))
+    args = build_trl_config("simpo", config, plan, tmp_path, False, 10)
+    assert (args.loss_type, args.cpo_alpha, args.beta, args.simpo_gamma) == ("simpo", 0.0, 2.5, 1.25)
+    assert not hasattr(args, "precompute_ref_log_probs")
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--beta", "2.5", "--simpo_gamma", "1.25"], []),
+    (["--beta", "0.1"], ["--beta 0.1 is outside SimPO's range 2-10"]),
+    (["--beta", "2.0", "--simpo_gamma", "0.5"], ["--simpo_gamma 0.5 is 0.25 x beta, outside SimPO's range 0.3-0.8"]),
+    ([], []),  # the defaults: beta 2, gamma beta / 2
+])
+def test_beta_and_gamma_outside_the_papers_ranges_are_warned_with_why(flags, warned):
+    from src.config import parse_config
+    from src.objectives import objective
+
+    config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", *flags])
+    warnings = objective("simpo").warnings(config)
+    assert len(warnings) == len(warned)
+    for warning, start in zip(warnings, warned):
+        assert warning.startswith(start) and ":" in warning  # then why
+
+
+def test_simpo_runs_end_to_end_with_its_report(tiny_model, tmp_path):
+    """A real one-process run: no reference pass, the margin chart with gamma's line, the curves in report.md."""
+    from test_training import common_args, run_single
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    args = common_args(tiny_model, data, tmp_path / "results", "simpo", "simpo") + [
+        "--batch_size", "4", "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "2.5", "--simpo_gamma", "1.0"]
+    result = run_single(args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "reference log-probs" not in result.stdout
+    run_dir = tmp_path / "results" / "simpo"
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert (info["stage"], info["loss_type"], info["simpo_gamma"]) == ("simpo", "simpo", 1.0)
+    records = run_files.read_jsonl(run_dir / run_files.METRICS)
+    assert any("rewards/margins" in record for record in records) and any("eval_rewards/margins" in r for r in records)
+    report = (run_dir / "report.md").read_text()
+    assert "margins.png" in report and "| SIMPO | beta 2.5, gamma 1 (target margin)" in report
+    assert (run_dir / "plots" / "margins.png").stat().st_size > 10_000
+    assert "rewards/margins" in result.stdout  # the console line
+
+
+def test_memory_plan_keeps_no_reference_and_says_what_that_saves():
+    """check_gpu's plan for --stage simpo: no reference copy; its reference cell names the copy DPO would keep (full
+    fine-tuning without cached reference log-probs: a copy of the weights at the plan's precision)."""
+    from src.diagnostics.inputs import parse_launch_arguments, training_setup
+    from src.diagnostics.memory_plan import GIB, plan_memory
+    from src.diagnostics.model_shape import shape_from_param_count
+
+    shape = shape_from_param_count(7_000_000_000)
+    plans = {stage: plan_memory(shape, training_setup(parse_launch_arguments(["--stage", stage],
+                                                                              size_given=True)),
+                                num_devices=8, device_kind="gpu", budget_bytes=80 * GIB, budget_source="test",
+                                deepspeed_installed=True)
+             for stage in ("simpo", "dpo")}
+    simpo, dpo = ({estimate.method: estimate for estimate in plans[stage].estimates} for stage in ("simpo", "dpo"))
+    assert all(estimate.reference_bytes == 0 for estimate in simpo.values())
+    weight_bytes = 4 if plans["simpo"].precision == "fp32" else 2
+    assert simpo["full"].reference_saved_bytes == shape.total_params * weight_bytes
+    assert simpo["lora"].reference_saved_bytes == 0  # DPO with adapters keeps none either
+    assert all(estimate.reference_saved_bytes == 0 for estimate in dpo.values())
+
+
+def test_simpo_on_two_processes_killed_and_resumed_matches_one(tiny_model, tmp_path):
+    """A real 2-process SimPO run whose rank 1 is killed right after checkpoint-2 (the seam in
+    src/run_safety/checkpoints.py) and restarted by the launcher, against one uninterrupted process on the same global
+    batch (1 x 2 accumulation vs 2 x 1): every logged train and eval metric agrees (1e-5)."""
+    import os
+    import signal
+
+    from test_resilience import start_launcher
+    from test_training import _same, common_args, run_single
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    metrics = {}
+    for nproc in (1, 2):
+        args = common_args(tiny_model, data, tmp_path / "results", f"simpo{nproc}", "simpo") + [
+            "--batch_size", "4", "--micro_batch_size", "2", "--max_steps", "4", "--learning_rate", "5e-3", "--beta",
+            "2.5", "--eval_steps", "2", "--save_steps", "2", "--val_size", "8", "--num_samples", "0"]
+        if nproc == 1:
+            result = run_single(args)
+            assert result.returncode == 0, result.stderr[-4000:]
+        else:
+            killed = tmp_path / "killed"
+            process = start_launcher(args, tmp_path / "log.txt",
+                                     PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
+            try:
+                assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+            finally:
+                os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+            assert killed.exists(), "the seam never fired: the test proves nothing"
+            info = run_files.read_json(tmp_path / "results" / "simpo2" / run_files.TRAINING_INFO)
+            assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
+        records = run_files.read_jsonl(tmp_path / "results" / f"simpo{nproc}" / run_files.METRICS)
+        metrics[nproc] = [{key: value for key, value in record.items()
+                           if not key.startswith(("perf/", "time", "train_", "eval_runtime", "eval_samples", "epoch",
+                                                  "eval_steps", "total_flos"))
+                           and key not in ("num_tokens", "eval_num_tokens")}
+                          for record in records]
+    assert any("rewards/margins" in record for record in metrics[1]) and any("eval_loss" in r for r in metrics[1])
+    assert _same(metrics[1], metrics[2])
+
