@@ -62,6 +62,7 @@ from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
 from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
+from src.unneeded_libraries import skip_imports, unneeded_libraries
 
 USER_ERRORS = (ConfigError, DataError, ModelError, JudgeError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -694,9 +695,13 @@ def push_final_model(stage: Stage, config: Config) -> None:
 def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
     """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
     names = [config.model.model_name_or_path] + [name for stage in stages for name in source_names(stage.config.data)]
-    if config.training.judge not in ("auto", "none", EMBEDDED) and not FUNCTION_JUDGE.match(config.training.judge):
-        names.append(config.training.judge)  # a reward model as judge
-    return [name for name in names if name != EMBEDDED]
+    return [name for name in names + reward_model_judge(config) if name != EMBEDDED]
+
+
+def reward_model_judge(config: Config) -> list[str]:
+    """--judge when it names a reward model (a path or Hub id), else nothing."""
+    judge = config.training.judge
+    return [] if judge in ("auto", "none", EMBEDDED) or FUNCTION_JUDGE.match(judge) else [judge]
 
 
 def quiet_libraries() -> None:
@@ -792,6 +797,7 @@ def run(argv: list[str] | None = None) -> int:
     for stage in stages:
         stage.model_warnings = model_warnings.get(stage.name, [])
     check_dpo_forward(stages, model_path)
+    skip_imports(unneeded_libraries(config, [model_path] + reward_model_judge(config)))  # ~2.6 s of every start
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
         prepared = {stage.data_stage: prepare_data(stage.config.data, stage.config.sft, stage.data_stage,
