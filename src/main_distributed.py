@@ -43,6 +43,7 @@ from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, sco
 from src.kto_weights import resolve_kto_weights
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
+from src.preflight_record import record, record_key, recorded
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
@@ -163,14 +164,30 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
     return stages
 
 
-def check_dpo_forward(stages: list[Stage], model_path: str) -> None:
+def check_dpo_forward(stages: list[Stage], model_path: str) -> str | None:
     """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
-    the packed forward is refused (src/packed_dpo_support.py); a model no DPO forward can run stops the launch."""
+    the packed forward is refused (src/packed_dpo_support.py), and its reason returned; a model no DPO forward can run
+    stops the launch."""
     stage = next((stage for stage in stages if stage.name == "dpo"), None)  # the rounds train as it does
-    if stage is not None:
-        reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
-        if reason:
-            packed_dpo_support.announce_padded(reason)
+    if stage is None:
+        return None
+    reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
+    if reason:
+        packed_dpo_support.announce_padded(reason)
+    return reason
+
+
+def end_dry_run(stages: list[Stage], model_warnings: dict[str, list[str]], summaries: dict[str, dict]) -> int:
+    """A --dry_run's end: each stage's plan, data and model warnings (run_distributed.sh's preflight prints nothing
+    here: its workers print the plan)."""
+    if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
+        return 0
+    for stage in stages:
+        print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
+               f"\n{format_summary(summaries[stage.data_stage])}")
+        for warning in model_warnings.get(stage.name, []):
+            print0(f"  warning: {warning}")
+    return 0
 
 
 def stage_status(run_dir: Path) -> dict:
@@ -788,30 +805,30 @@ def run(argv: list[str] | None = None) -> int:
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:
         print0(f"  warning: --push_to_hub: {push_blocked}; training goes ahead and the model will be saved locally")
-    quiet_libraries()
-
     model_path = resolve_model_path(config.model)
+    # A preflight that passed with these very inputs is not redone (src/preflight_record.py): ~4 s of imports.
+    preflight_key = record_key(config, stages, model_path) if config.training.dry_run else None
+    passed = recorded(cache_root(), preflight_key)
+    if passed is not None:
+        if passed["padded_reason"]:
+            packed_dpo_support.announce_padded(passed["padded_reason"])
+        return end_dry_run(stages, passed["model_warnings"], passed["summaries"])
+    quiet_libraries()
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
     model_warnings = check_model_inputs(model_path, config, tokenizer, stages)
     for stage in stages:
         stage.model_warnings = model_warnings.get(stage.name, [])
-    check_dpo_forward(stages, model_path)
-    skip_imports(unneeded_libraries(config, [model_path] + reward_model_judge(config)))  # ~2.6 s of every start
+    padded_reason = check_dpo_forward(stages, model_path)
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
         prepared = {stage.data_stage: prepare_data(stage.config.data, stage.config.sft, stage.data_stage,
                                                    stage.config.training.seed, tokenizer, cache_root() / "datasets")
                     for stage in stages}
     if config.training.dry_run:
-        if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
-            return 0  # run_distributed.sh's preflight: the workers print the plan
-        for stage in stages:
-            print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
-                   f"\n{format_summary(prepared[stage.data_stage].summary)}")
-            for warning in stage.model_warnings:
-                print0(f"  warning: {warning}")
-        return 0
+        record(cache_root(), preflight_key, prepared, model_warnings, padded_reason)
+        return end_dry_run(stages, model_warnings, {name: data.summary for name, data in prepared.items()})
+    skip_imports(unneeded_libraries(config, [model_path] + reward_model_judge(config)))  # ~2.6 s of every start
 
     init(stages[0].plan, world)
     if world.is_main and overwrite and stages[-1].run_dir.exists():
