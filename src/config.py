@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import glob
 import math
 import os
 import re
@@ -1066,6 +1067,14 @@ def missing_sources(config: Config) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def gpu_device_files() -> list[str]:
+    """The device files a GPU driver makes on Linux (NVIDIA: /dev/nvidia*; ROCm: /dev/kfd; WSL 2: /dev/dxg), which
+    torch.cuda needs to see any GPU. Elsewhere (macOS, Windows) the answer is left to torch: ["unknown"]."""
+    if not sys.platform.startswith("linux"):
+        return ["unknown"]
+    return glob.glob("/dev/nvidia*") + [path for path in ("/dev/kfd", "/dev/dxg") if os.path.exists(path)]
+
+
 @dataclass(frozen=True)
 class Devices:
     """The accelerators one process can see (all processes of a job are assumed to see the same kind)."""
@@ -1076,6 +1085,8 @@ class Devices:
 
     @classmethod
     def detect(cls) -> Devices:
+        if not gpu_device_files():  # no GPU driver here: torch would say the same, after a ~2 s import
+            return cls(kind="cpu")
         import torch
 
         if not torch.cuda.is_available():

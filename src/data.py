@@ -1085,7 +1085,7 @@ def source_files(location: str) -> list[Path] | None:
     return None
 
 
-def _source_fingerprint(location: str) -> list:
+def source_fingerprint(location: str) -> list:
     """Identity of the source files (path, size, modification time) without reading them."""
     files = source_files(location)
     if files is None:
@@ -1105,8 +1105,8 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
     parts = {
         "format": PREPARED_FORMAT,
         "stage": stage,
-        "source": _source_fingerprint(source_location(data, stage)) if not data.dataset_mixture else
-        [_source_fingerprint(source_location(source, stage)) for source, _ in mixture_sources(data)],
+        "source": source_fingerprint(source_location(data, stage)) if not data.dataset_mixture else
+        [source_fingerprint(source_location(source, stage)) for source, _ in mixture_sources(data)],
         "mixture": data.dataset_mixture,
         "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
                                                    "chosen_column", "rejected_column", "messages_column",

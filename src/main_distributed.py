@@ -43,6 +43,7 @@ from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, sco
 from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
+from src.preflight_record import record, record_key, recorded
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
@@ -62,6 +63,7 @@ from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
 from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
+from src.unneeded_libraries import skip_imports, unneeded_libraries
 
 USER_ERRORS = (ConfigError, DataError, ModelError, JudgeError)
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes")
@@ -157,14 +159,31 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
     return stages
 
 
-def check_dpo_forward(stages: list[Stage], model_path: str) -> None:
+def check_dpo_forward(stages: list[Stage], model_path: str) -> str | None:
     """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
-    the packed forward is refused (src/packed_dpo_support.py); a model no DPO forward can run stops the launch."""
+    the packed forward is refused (src/packed_dpo_support.py), and its reason returned; a model no DPO forward can run
+    stops the launch."""
     stage = next((stage for stage in stages if objective(stage.name).packed_forward), None)  # rounds train as it does
-    if stage is not None:
-        reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
-        if reason:
-            packed_dpo_support.announce_padded(reason)
+    if stage is None:
+        return None
+    reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
+    if reason:
+        packed_dpo_support.announce_padded(reason)
+    return reason
+
+
+def end_dry_run(stages: list[Stage], model_warnings: dict[str, list[str]], summaries: dict[str, dict]) -> int:
+    """A --dry_run's end: each stage's plan, data and model warnings (run_distributed.sh's preflight prints nothing
+    here: its workers print the plan)."""
+    if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
+        return 0
+    for stage in stages:
+        print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
+               f"\n{format_summary(summaries[stage.data_stage])}")
+        # the stage's own warnings too (a silent no-op, a setting outside its objective's paper's range)
+        for warning in silent_no_op_warnings(stage.name, stage.config, stage.plan) + model_warnings.get(stage.name, []):
+            print0(f"  warning: {warning}")
+    return 0
 
 
 def stage_status(run_dir: Path) -> dict:
@@ -691,9 +710,13 @@ def push_final_model(stage: Stage, config: Config) -> None:
 def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
     """The model, data and judge names that may need the Hub: the embedded default and local paths never do."""
     names = [config.model.model_name_or_path] + [name for stage in stages for name in source_names(stage.config.data)]
-    if config.training.judge not in ("auto", "none", EMBEDDED) and not FUNCTION_JUDGE.match(config.training.judge):
-        names.append(config.training.judge)  # a reward model as judge
-    return [name for name in names if name != EMBEDDED]
+    return [name for name in names + reward_model_judge(config) if name != EMBEDDED]
+
+
+def reward_model_judge(config: Config) -> list[str]:
+    """--judge when it names a reward model (a path or Hub id), else nothing."""
+    judge = config.training.judge
+    return [] if judge in ("auto", "none", EMBEDDED) or FUNCTION_JUDGE.match(judge) else [judge]
 
 
 def quiet_libraries() -> None:
@@ -780,30 +803,30 @@ def run(argv: list[str] | None = None) -> int:
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:
         print0(f"  warning: --push_to_hub: {push_blocked}; training goes ahead and the model will be saved locally")
-    quiet_libraries()
-
     model_path = resolve_model_path(config.model)
+    # A preflight that passed with these very inputs is not redone (src/preflight_record.py): ~4 s of imports.
+    preflight_key = record_key(config, stages, model_path) if config.training.dry_run else None
+    passed = recorded(cache_root(), preflight_key)
+    if passed is not None:
+        if passed["padded_reason"]:
+            packed_dpo_support.announce_padded(passed["padded_reason"])
+        return end_dry_run(stages, passed["model_warnings"], passed["summaries"])
+    quiet_libraries()
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
     model_warnings = check_model_inputs(model_path, config, tokenizer, stages)
     for stage in stages:
         stage.model_warnings = model_warnings.get(stage.name, [])
-    check_dpo_forward(stages, model_path)
+    padded_reason = check_dpo_forward(stages, model_path)
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
         prepared = {stage.data_stage: prepare_data(stage.config.data, stage.config.sft, stage.data_stage,
                                                    stage.config.training.seed, tokenizer, cache_root() / "datasets")
                     for stage in stages}
     if config.training.dry_run:
-        if os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1":
-            return 0  # run_distributed.sh's preflight: the workers print the plan
-        for stage in stages:
-            print0(f"\n== {stage.name.upper()} → {stage.run_dir} (dry run: nothing trained)\n{format_plan(stage.plan)}"
-                   f"\n{format_summary(prepared[stage.data_stage].summary)}")
-            # the stage's own warnings too (a silent no-op, a setting outside its objective's paper's range)
-            for warning in silent_no_op_warnings(stage.name, stage.config, stage.plan) + stage.model_warnings:
-                print0(f"  warning: {warning}")
-        return 0
+        record(cache_root(), preflight_key, prepared, model_warnings, padded_reason)
+        return end_dry_run(stages, model_warnings, {name: data.summary for name, data in prepared.items()})
+    skip_imports(unneeded_libraries(config, [model_path] + reward_model_judge(config)))  # ~2.6 s of every start
 
     init(stages[0].plan, world)
     if world.is_main and overwrite and stages[-1].run_dir.exists():

@@ -1,0 +1,67 @@
+"""Libraries a training process will not use are not imported: bitsandbytes without 4/8-bit, trackers not asked for.
+
+peft imports bitsandbytes whenever it is installed (peft/helpers.py: `try: import bitsandbytes`), and transformers'
+Trainer imports peft; TRL imports wandb whenever it is installed (`if is_wandb_available(): import wandb`). Measured
+on the 2-core development machine: bitsandbytes ~1.6 s and wandb ~1.0 s of every training process's start
+(`python -X importtime -c "import src.trainers.build"`), for nothing unless the run quantizes or logs to W&B.
+
+A library this run does not need is marked absent for the process (`sys.modules[name] = None`, Python's own way to
+say "not importable"): every library asks `importlib.util.find_spec` or tries the import, gets "not installed", and
+takes its path without it, consistently, for the whole process. A library already imported is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# transformers' bitsandbytes optimizers (trainer_optimizer.py _BITSANDBYTES_OPTIMIZERS: adamw_bnb_8bit, adamw_8bit,
+# paged_adamw*, ademamix*, lion*, paged_lion*, rmsprop_bnb*): an --optim naming one of these needs bitsandbytes.
+BITSANDBYTES_OPTIMIZER_WORDS = ("bnb", "8bit", "paged", "ademamix", "lion")
+
+
+def unneeded_libraries(config, model_names: list[str]) -> list[str]:
+    """The installed-but-unused libraries of a run: bitsandbytes unless the run loads in 4 or 8 bits, names a
+    bitsandbytes optimizer or starts from a bitsandbytes-quantized checkpoint (any of `model_names`: the model, a
+    reward-model judge); wandb unless --report_to names it (the launch's or its SFT stage's)."""
+    unneeded = []
+    optimizers = [str(overrides.get("optim", "")) for overrides in (config.trl_overrides, config.sft_stage_overrides)]
+    quantized = config.model.load_in_4bit or config.model.load_in_8bit
+    if not quantized and not any(word in optim for optim in optimizers for word in BITSANDBYTES_OPTIMIZER_WORDS) \
+            and not any(bitsandbytes_checkpoint(name) for name in model_names):
+        unneeded.append("bitsandbytes")
+    asked = (config.training.report_to, config.sft_stage_overrides.get("report_to"))  # the SFT stage's: as written
+    if not any("wandb" in str(trackers) for trackers in asked):
+        unneeded.append("wandb")
+    return unneeded
+
+
+def bitsandbytes_checkpoint(name: str) -> bool:
+    """Whether the model at `name` (a directory, or a Hub id in the local cache) was saved quantized by bitsandbytes.
+    A Hub id not in the cache counts as quantized: keeping bitsandbytes costs a second, missing it fails the load."""
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.errors import HFValidationError
+
+        try:
+            cached = try_to_load_from_cache(name, "config.json")
+        except HFValidationError:  # not a Hub id either
+            cached = None
+        if not isinstance(cached, str):
+            return not Path(name).expanduser().is_dir()
+        path = Path(cached)
+    try:
+        quantization = json.loads(path.read_text(encoding="utf-8")).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return True
+    return quantization.get("quant_method") == "bitsandbytes"
+
+
+def skip_imports(names: list[str]) -> list[str]:
+    """Mark `names` absent for this process (those not imported yet); returns the ones marked."""
+    skipped = [name for name in names if name not in sys.modules]
+    for name in skipped:
+        sys.modules[name] = None
+    return skipped
