@@ -1,12 +1,13 @@
 """One optimizer step of a trl.experimental pair trainer (SimPO's CPOTrainer, ORPOTrainer) on a global batch split as
 P processes x A accumulation steps, each micro-batch collated and run on its own as a rank runs it: DDP averages the
 P ranks' gradients, accumulation adds the A micro-steps' (each loss divided by A). Used by tests/test_simpo.py and
-tests/test_orpo.py."""
+tests/test_orpo.py, with the trainer both build (`trainer_on_prepared_pairs`)."""
 
 from __future__ import annotations
 
 import torch
 
+GLOBAL_BATCH = 8
 SPLITS = [(1, 1), (1, 4), (2, 2), (4, 1)]  # (processes, accumulation steps)
 TOLERANCE = 1e-5
 
@@ -40,3 +41,24 @@ def assert_the_same_on_every_split(trainer, rows: list[dict], keys: tuple[str, .
             difference = float((result[key] - first).abs().max()) if torch.is_tensor(first) else abs(result[key] - first)
             assert difference < TOLERANCE, (key, difference)
     assert float(results[0]["grad"].abs().max()) > 0
+
+
+def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, **config) -> tuple:
+    """The objective's own trainer (its row in src/objectives/) on 24 pairs prepared by src/data.py for `stage`, its
+    TRL config on CPU with `config`: (trainer, the first GLOBAL_BATCH training rows, the prepared data)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import preference_rows, write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+    from src.objectives import load, objective
+
+    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
+    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
+                            SFTArguments(), stage, 7, tokenizer, work / "cache")
+    row = objective(stage)
+    args = load(row.trl_config)(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True, report_to=[],
+                                bf16=False, max_length=64, disable_tqdm=True, **config)
+    trainer = load(row.trainer)(model=AutoModelForCausalLM.from_pretrained(model_path), args=args,
+                                train_dataset=prepared.train, processing_class=tokenizer)
+    return trainer, [trainer.train_dataset[index] for index in range(GLOBAL_BATCH)], prepared

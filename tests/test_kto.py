@@ -13,8 +13,6 @@ and KL on each split: the same check fails on it.
 from __future__ import annotations
 
 import copy
-import os
-import signal
 
 import pytest
 import torch
@@ -234,38 +232,18 @@ def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(thinking_
     rows gathered without accelerate's duplicates (7 validation pairs, 14 rows, on 2 ranks) and resume. Its answers
     reason first and the model has DeepSeek-R1-Distill's template (issue 38: the guarantees hold with the reasoning
     trained; the same code prepares plain answers, which every other launch here uses)."""
-    from test_resilience import start_launcher
-    from test_training import _same, common_args, run_single
+    from test_resilience import one_process_against_two_killed_and_resumed
+    from test_training import _same, common_args
 
     data = write_jsonl(tmp_path / "pairs.jsonl", thinking_rows(40, seed=2))
-    metrics = {}
-    for nproc in (1, 2):
-        args = common_args(thinking_model, data, tmp_path / "results", f"kto{nproc}", "kto") + [
+    metrics, info = one_process_against_two_killed_and_resumed(
+        lambda name: common_args(thinking_model, data, tmp_path / "results", name, "kto") + [
             "--kto_from_pairs", "true", "--use_lora", "true", "--batch_size", "4", "--micro_batch_size", "2",
             "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.5", "--eval_steps", "2", "--save_steps", "2",
-            "--val_size", "7", "--precompute_ref_log_probs", "false", "--num_samples", "0"]
-        if nproc == 1:
-            result = run_single(args)
-            assert result.returncode == 0, result.stderr[-4000:]
-        else:
-            killed = tmp_path / "killed"
-            process = start_launcher(args, tmp_path / "log.txt",
-                                     PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
-            try:
-                assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
-            finally:
-                os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-            assert killed.exists(), "the seam never fired: the test proves nothing"
-            info = run_files.read_json(tmp_path / "results" / "kto2" / run_files.TRAINING_INFO)
-            assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
-            assert info["data"]["reasoning"] == "keep"  # and the completions trained hold it:
-            assert info["data_audit"]["train"]["completion_reasoning_share"] == 1.0
-        records = run_files.read_jsonl(tmp_path / "results" / f"kto{nproc}" / run_files.METRICS)
-        metrics[nproc] = [{key: value for key, value in record.items()
-                           if not key.startswith(("perf/", "time", "train_", "eval_runtime", "eval_samples", "epoch",
-                                                  "eval_steps", "total_flos"))
-                           and key not in ("num_tokens", "eval_num_tokens")}  # TRL's token count restarts on resume
-                          for record in records]
+            "--val_size", "7", "--precompute_ref_log_probs", "false", "--num_samples", "0"],
+        tmp_path / "results", tmp_path / "log.txt")
+    assert info["data"]["reasoning"] == "keep"  # and the completions trained hold it:
+    assert info["data_audit"]["train"]["completion_reasoning_share"] == 1.0
     assert any(record.get("kl", 0) > 0 for record in metrics[1]) and any("eval_kl" in r for r in metrics[1])
     assert _same(metrics[1], metrics[2])
 

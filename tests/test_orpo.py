@@ -11,30 +11,15 @@ from __future__ import annotations
 import pytest
 
 from conftest import preference_rows, write_jsonl
-from pair_steps import assert_the_same_on_every_split
+from pair_steps import assert_the_same_on_every_split, trainer_on_prepared_pairs
 from src import run_files
-
-GLOBAL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
 def orpo_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from src.config import DataArguments, SFTArguments
-    from src.data import prepare_data
-    from src.objectives import load, objective
-
-    work = tmp_path_factory.mktemp("orpo")
-    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
-    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
-                            SFTArguments(), "orpo", 7, tiny_tokenizer, work / "cache")
-    row = objective("orpo")
-    args = load(row.trl_config)(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True,
-                                report_to=[], bf16=False, max_length=64, beta=0.1, disable_tqdm=True)
-    trainer = load(row.trainer)(model=AutoModelForCausalLM.from_pretrained(tiny_model), args=args,
-                                train_dataset=prepared.train, processing_class=tiny_tokenizer)
-    return trainer, [trainer.train_dataset[index] for index in range(GLOBAL_BATCH)]
+    trainer, rows, _prepared = trainer_on_prepared_pairs("orpo", tiny_model, tiny_tokenizer,
+                                                         tmp_path_factory.mktemp("orpo"), beta=0.1)
+    return trainer, rows
 
 
 KEYS = ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/margins",

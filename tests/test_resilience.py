@@ -39,6 +39,37 @@ def start_launcher(args: list[str], log: Path, **env) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Path) -> tuple[dict, dict]:
+    """One uninterrupted process against a real 2-process run whose rank 1 is killed right after checkpoint-2 (the seam
+    in src/run_safety/checkpoints.py) and restarted by the launcher: each run's logged metrics (without the timings
+    and TRL's token count, which restarts on resume) by process count, and the 2-process run's training_info.json.
+    `args_for(run_name)`: the launcher's arguments of each run, writing under `results`."""
+    from test_training import run_single
+
+    metrics, info = {}, {}
+    for nproc in (1, 2):
+        name = f"{nproc}-process"
+        if nproc == 1:
+            result = run_single(args_for(name))
+            assert result.returncode == 0, result.stderr[-4000:]
+        else:
+            killed = log.with_name("killed")
+            process = start_launcher(args_for(name), log, PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
+            try:
+                assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
+            finally:
+                os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+            assert killed.exists(), "the seam never fired: the test proves nothing"
+            info = run_files.read_json(results / name / run_files.TRAINING_INFO)
+            assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
+        metrics[nproc] = [{key: value for key, value in record.items()
+                           if not key.startswith(("perf/", "time", "train_", "eval_runtime", "eval_samples", "epoch",
+                                                  "eval_steps", "total_flos"))
+                           and key not in ("num_tokens", "eval_num_tokens")}
+                          for record in run_files.read_jsonl(results / name / run_files.METRICS)]
+    return metrics, info
+
+
 def worker_pid(rank: int, launcher: subprocess.Popen) -> int | None:
     """The pid of this launch's training worker with this RANK: a child of its torchrun, itself a child of
     run_distributed.sh (the launcher's pid). Only those count: a stray process elsewhere on the machine with the same

@@ -12,34 +12,14 @@ from __future__ import annotations
 import pytest
 
 from conftest import preference_rows, write_jsonl
-from pair_steps import assert_the_same_on_every_split
+from pair_steps import assert_the_same_on_every_split, trainer_on_prepared_pairs
 from src import run_files
-
-GLOBAL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
 def simpo_setup(tiny_model, tiny_tokenizer, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from src.config import DataArguments, SFTArguments
-    from src.data import prepare_data
-    from src.objectives import load, objective
-    from src.trainers.simpo import PreparedSimPOTrainer
-
-    work = tmp_path_factory.mktemp("simpo")
-    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
-    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
-                            SFTArguments(), "simpo", 7, tiny_tokenizer, work / "cache")
-    config_class = load(objective("simpo").trl_config)
-    args = config_class(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True, report_to=[],
-                        bf16=False, max_length=64, beta=2.5, simpo_gamma=1.25, loss_type="simpo", cpo_alpha=0.0,
-                        disable_tqdm=True)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    trainer = PreparedSimPOTrainer(model=model, args=args, train_dataset=prepared.train,
-                                   processing_class=tiny_tokenizer)
-    rows = [trainer.train_dataset[index] for index in range(GLOBAL_BATCH)]
-    return trainer, rows, prepared
+    return trainer_on_prepared_pairs("simpo", tiny_model, tiny_tokenizer, tmp_path_factory.mktemp("simpo"), beta=2.5,
+                                     simpo_gamma=1.25, loss_type="simpo", cpo_alpha=0.0)
 
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "grad")
@@ -162,38 +142,15 @@ def test_simpo_on_two_processes_killed_and_resumed_matches_one(tiny_model, tmp_p
     """A real 2-process SimPO run whose rank 1 is killed right after checkpoint-2 (the seam in
     src/run_safety/checkpoints.py) and restarted by the launcher, against one uninterrupted process on the same global
     batch (1 x 2 accumulation vs 2 x 1): every logged train and eval metric agrees (1e-5)."""
-    import os
-    import signal
-
-    from test_resilience import start_launcher
-    from test_training import _same, common_args, run_single
+    from test_resilience import one_process_against_two_killed_and_resumed
+    from test_training import _same, common_args
 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
-    metrics = {}
-    for nproc in (1, 2):
-        args = common_args(tiny_model, data, tmp_path / "results", f"simpo{nproc}", "simpo") + [
+    metrics, _info = one_process_against_two_killed_and_resumed(
+        lambda name: common_args(tiny_model, data, tmp_path / "results", name, "simpo") + [
             "--batch_size", "4", "--micro_batch_size", "2", "--max_steps", "4", "--learning_rate", "5e-3", "--beta",
-            "2.5", "--eval_steps", "2", "--save_steps", "2", "--val_size", "8", "--num_samples", "0"]
-        if nproc == 1:
-            result = run_single(args)
-            assert result.returncode == 0, result.stderr[-4000:]
-        else:
-            killed = tmp_path / "killed"
-            process = start_launcher(args, tmp_path / "log.txt",
-                                     PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
-            try:
-                assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
-            finally:
-                os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-            assert killed.exists(), "the seam never fired: the test proves nothing"
-            info = run_files.read_json(tmp_path / "results" / "simpo2" / run_files.TRAINING_INFO)
-            assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
-        records = run_files.read_jsonl(tmp_path / "results" / f"simpo{nproc}" / run_files.METRICS)
-        metrics[nproc] = [{key: value for key, value in record.items()
-                           if not key.startswith(("perf/", "time", "train_", "eval_runtime", "eval_samples", "epoch",
-                                                  "eval_steps", "total_flos"))
-                           and key not in ("num_tokens", "eval_num_tokens")}
-                          for record in records]
+            "2.5", "--eval_steps", "2", "--save_steps", "2", "--val_size", "8", "--num_samples", "0"],
+        tmp_path / "results", tmp_path / "log.txt")
     assert any("rewards/margins" in record for record in metrics[1]) and any("eval_loss" in r for r in metrics[1])
     assert _same(metrics[1], metrics[2])
 

@@ -5,7 +5,7 @@ ORPOTrainer (trl.experimental.orpo; src/trainers/orpo.py). `--stage orpo`, from 
 
 from __future__ import annotations
 
-from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
+from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
                                  refuse_reference_flags)
 from src.reporting.formatting import format_number
@@ -46,15 +46,9 @@ def setup_line(info: dict) -> str:
 OBJECTIVE = Objective(
     name="orpo",
     help="ORPO on preference pairs: SFT and preference in one stage, no reference model (docs/orpo.md)",
-    data_shape=PAIRS,
-    example_word="pairs",
     trl_config="trl.experimental.orpo:ORPOConfig",
     trainer="src.trainers.orpo:PreparedORPOTrainer",
-    default_learning_rate=1e-6,
-    needs_reference=False,
-    sequences_per_example=2,
-    sequences_with_grad=2,
-    causal_lm=True,
+    **REFERENCE_FREE_PAIRS,
     ends_pipeline=False,  # it replaces SFT: it starts from the model SFT would start from
     charts=(
         Chart("loss.png", "ORPO loss", (
@@ -81,10 +75,6 @@ OBJECTIVE = Objective(
                      SummaryNumber("log_odds", "log_odds_chosen", "final log odds ratio", headline="log odds ratio"),
                      SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
                                    headline="reward accuracy")),
-    alerts=("dpo_saturated",),
-    audit_parts=("judged",),
-    truncates_to_max_length=True,
-    reference_free=True,
     trl_settings=trl_settings,
     run_info=run_info,
     validate=validate,

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
+from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
                                  refuse_reference_flags)
 from src.reporting.formatting import format_number
@@ -74,15 +74,9 @@ def setup_line(info: dict) -> str:
 OBJECTIVE = Objective(
     name="simpo",
     help="SimPO on preference pairs, no reference model (docs/simpo.md)",
-    data_shape=PAIRS,
-    example_word="pairs",
     trl_config="trl.experimental.cpo:CPOConfig",
     trainer="src.trainers.simpo:PreparedSimPOTrainer",
-    default_learning_rate=1e-6,
-    needs_reference=False,
-    sequences_per_example=2,
-    sequences_with_grad=2,
-    causal_lm=True,
+    **REFERENCE_FREE_PAIRS,
     ends_pipeline=True,
     charts=(
         Chart("loss.png", "SimPO loss", (
@@ -109,10 +103,6 @@ OBJECTIVE = Objective(
     summary_numbers=(SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
                                    headline="reward accuracy"),
                      SummaryNumber("reward_margin", "rewards/margins", "final reward margin", headline="margin")),
-    alerts=("dpo_saturated",),
-    audit_parts=("judged",),
-    truncates_to_max_length=True,
-    reference_free=True,
     trl_settings=trl_settings,
     run_info=run_info,
     validate=validate,

@@ -20,6 +20,12 @@ SEQUENCES = "sequences"  # one sequence to imitate (SFT's)
 PROMPTS = "prompts"  # prompts alone: no objective trains on them, on-policy rounds answer them (src/rounds.py)
 PAIRED_SHAPES = (PAIRS, SCORED_PAIRS)  # the shapes read from prompt / chosen / rejected data
 
+# The fields a reference-free objective on pairs shares (SimPO, ORPO: no reference model, a causal LM, chosen
+# and rejected forwarded with gradients, TRL's default learning rate for their configs).
+REFERENCE_FREE_PAIRS = dict(data_shape=PAIRS, example_word="pairs", default_learning_rate=1e-6, needs_reference=False,
+                            reference_free=True, sequences_per_example=2, sequences_with_grad=2, causal_lm=True,
+                            truncates_to_max_length=True, alerts=("dpo_saturated",), audit_parts=("judged",))
+
 TRAIN_COLOR = "#1f77b4"
 REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
 
