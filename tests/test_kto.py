@@ -236,7 +236,7 @@ def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(thinking_
     from test_training import _same, common_args
 
     data = write_jsonl(tmp_path / "pairs.jsonl", thinking_rows(40, seed=2))
-    metrics, info = one_process_against_two_killed_and_resumed(
+    metrics, info, _console = one_process_against_two_killed_and_resumed(
         lambda name: common_args(thinking_model, data, tmp_path / "results", name, "kto") + [
             "--kto_from_pairs", "true", "--use_lora", "true", "--batch_size", "4", "--micro_batch_size", "2",
             "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.5", "--eval_steps", "2", "--save_steps", "2",

@@ -39,19 +39,21 @@ def start_launcher(args: list[str], log: Path, **env) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Path) -> tuple[dict, dict]:
+def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Path) -> tuple[dict, dict, str]:
     """One uninterrupted process against a real 2-process run whose rank 1 is killed right after checkpoint-2 (the seam
     in src/run_safety/checkpoints.py) and restarted by the launcher: each run's logged metrics (without the timings
-    and TRL's token count, which restarts on resume) by process count, and the 2-process run's training_info.json.
+    and TRL's token count, which restarts on resume) by process count, the 2-process run's training_info.json and the
+    one-process run's console (its run directory, results/1-process, serves a test's other assertions).
     `args_for(run_name)`: the launcher's arguments of each run, writing under `results`."""
     from test_training import run_single
 
-    metrics, info = {}, {}
+    metrics, info, console = {}, {}, ""
     for nproc in (1, 2):
         name = f"{nproc}-process"
         if nproc == 1:
             result = run_single(args_for(name))
             assert result.returncode == 0, result.stderr[-4000:]
+            console = result.stdout
         else:
             killed = log.with_name("killed")
             process = start_launcher(args_for(name), log, PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
@@ -67,7 +69,7 @@ def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Pat
                                                   "eval_steps", "total_flos"))
                            and key not in ("num_tokens", "eval_num_tokens")}
                           for record in run_files.read_jsonl(results / name / run_files.METRICS)]
-    return metrics, info
+    return metrics, info, console
 
 
 def worker_pid(rank: int, launcher: subprocess.Popen) -> int | None:

@@ -96,27 +96,6 @@ def test_beta_and_gamma_outside_the_papers_ranges_are_warned_with_why(flags, war
         assert warning.startswith(start) and ":" in warning  # then why
 
 
-def test_simpo_runs_end_to_end_with_its_report(tiny_model, tmp_path):
-    """A real one-process run: no reference pass, the margin chart with gamma's line, the curves in report.md."""
-    from test_training import common_args, run_single
-
-    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
-    args = common_args(tiny_model, data, tmp_path / "results", "simpo", "simpo") + [
-        "--batch_size", "4", "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "2.5", "--simpo_gamma", "1.0"]
-    result = run_single(args)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "reference log-probs" not in result.stdout
-    run_dir = tmp_path / "results" / "simpo"
-    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
-    assert (info["stage"], info["loss_type"], info["simpo_gamma"]) == ("simpo", "simpo", 1.0)
-    records = run_files.read_jsonl(run_dir / run_files.METRICS)
-    assert any("rewards/margins" in record for record in records) and any("eval_rewards/margins" in r for r in records)
-    report = (run_dir / "report.md").read_text()
-    assert "margins.png" in report and "| SIMPO | beta 2.5, gamma 1 (target margin)" in report
-    assert (run_dir / "plots" / "margins.png").stat().st_size > 10_000
-    assert "rewards/margins" in result.stdout  # the console line
-
-
 def test_memory_plan_keeps_no_reference_and_says_what_that_saves():
     """check_gpu's plan for --stage simpo: no reference copy; its reference cell names the copy DPO would keep (full
     fine-tuning without cached reference log-probs: a copy of the weights at the plan's precision)."""
@@ -138,19 +117,30 @@ def test_memory_plan_keeps_no_reference_and_says_what_that_saves():
     assert all(estimate.reference_saved_bytes == 0 for estimate in dpo.values())
 
 
-def test_simpo_on_two_processes_killed_and_resumed_matches_one(tiny_model, tmp_path):
+def test_simpo_on_two_processes_killed_and_resumed_matches_one_and_reports(tiny_model, tmp_path):
     """A real 2-process SimPO run whose rank 1 is killed right after checkpoint-2 (the seam in
     src/run_safety/checkpoints.py) and restarted by the launcher, against one uninterrupted process on the same global
-    batch (1 x 2 accumulation vs 2 x 1): every logged train and eval metric agrees (1e-5)."""
+    batch (1 x 2 accumulation vs 2 x 1): every logged train and eval metric agrees (1e-5). The one-process run end to
+    end: no reference pass, the margin chart with gamma's line, the curves in report.md, the console line."""
     from test_resilience import one_process_against_two_killed_and_resumed
     from test_training import _same, common_args
 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
-    metrics, _info = one_process_against_two_killed_and_resumed(
+    metrics, _info, console = one_process_against_two_killed_and_resumed(
         lambda name: common_args(tiny_model, data, tmp_path / "results", name, "simpo") + [
             "--batch_size", "4", "--micro_batch_size", "2", "--max_steps", "4", "--learning_rate", "5e-3", "--beta",
-            "2.5", "--eval_steps", "2", "--save_steps", "2", "--val_size", "8", "--num_samples", "0"],
+            "2.5", "--simpo_gamma", "1.0", "--eval_steps", "2", "--save_steps", "2", "--val_size", "8",
+            "--num_samples", "0"],
         tmp_path / "results", tmp_path / "log.txt")
     assert any("rewards/margins" in record for record in metrics[1]) and any("eval_loss" in r for r in metrics[1])
     assert _same(metrics[1], metrics[2])
+
+    assert "reference log-probs" not in console and "rewards/margins" in console  # the console line
+    run_dir = tmp_path / "results" / "1-process"
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    assert (info["stage"], info["loss_type"], info["simpo_gamma"]) == ("simpo", "simpo", 1.0)
+    assert any("eval_rewards/margins" in record for record in run_files.read_jsonl(run_dir / run_files.METRICS))
+    report = (run_dir / "report.md").read_text()
+    assert "margins.png" in report and "| SIMPO | beta 2.5, gamma 1 (target margin)" in report
+    assert (run_dir / "plots" / "margins.png").stat().st_size > 10_000
 
