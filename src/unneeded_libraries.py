@@ -1,9 +1,10 @@
 """Libraries a training process will not use are not imported: bitsandbytes without 4/8-bit, trackers not asked for.
 
 peft imports bitsandbytes whenever it is installed (peft/helpers.py: `try: import bitsandbytes`), and transformers'
-Trainer imports peft; TRL imports wandb whenever it is installed (`if is_wandb_available(): import wandb`). Measured
-on the 2-core development machine: bitsandbytes ~1.6 s and wandb ~1.0 s of every training process's start
-(`python -X importtime -c "import src.trainers.build"`), for nothing unless the run quantizes or logs to W&B.
+Trainer imports peft; TRL imports wandb whenever it is installed (`if is_wandb_available(): import wandb`), and trackio
+at every checkpoint (its model card asks `get_trackio_space_url()`, which imports trackio and its web server). Measured
+on the 2-core development machine: bitsandbytes ~1.6 s, wandb ~1.0 s and trackio ~0.2 s of every training process
+(`python -X importtime`), for nothing unless the run quantizes or logs to that tracker.
 
 A library this run does not need is marked absent for the process (`sys.modules[name] = None`, Python's own way to
 say "not importable"): every library asks `importlib.util.find_spec` or tries the import, gets "not installed", and
@@ -19,12 +20,14 @@ from pathlib import Path
 # transformers' bitsandbytes optimizers (trainer_optimizer.py _BITSANDBYTES_OPTIMIZERS: adamw_bnb_8bit, adamw_8bit,
 # paged_adamw*, ademamix*, lion*, paged_lion*, rmsprop_bnb*): an --optim naming one of these needs bitsandbytes.
 BITSANDBYTES_OPTIMIZER_WORDS = ("bnb", "8bit", "paged", "ademamix", "lion")
+# The trackers TRL and accelerate import whenever they are installed (TensorBoard is imported only when asked for).
+TRACKERS_IMPORTED_UNASKED = ("wandb", "trackio")
 
 
 def unneeded_libraries(config, model_names: list[str]) -> list[str]:
     """The installed-but-unused libraries of a run: bitsandbytes unless the run loads in 4 or 8 bits, names a
     bitsandbytes optimizer or starts from a bitsandbytes-quantized checkpoint (any of `model_names`: the model, a
-    reward-model judge); wandb unless --report_to names it (the launch's or its SFT stage's)."""
+    reward-model judge); wandb and trackio unless --report_to names them (the launch's or its SFT stage's)."""
     unneeded = []
     optimizers = [str(overrides.get("optim", "")) for overrides in (config.trl_overrides, config.sft_stage_overrides)]
     quantized = config.model.load_in_4bit or config.model.load_in_8bit
@@ -32,8 +35,7 @@ def unneeded_libraries(config, model_names: list[str]) -> list[str]:
             and not any(bitsandbytes_checkpoint(name) for name in model_names):
         unneeded.append("bitsandbytes")
     asked = (config.training.report_to, config.sft_stage_overrides.get("report_to"))  # the SFT stage's: as written
-    if not any("wandb" in str(trackers) for trackers in asked):
-        unneeded.append("wandb")
+    unneeded += [tracker for tracker in TRACKERS_IMPORTED_UNASKED if not any(tracker in str(trackers) for trackers in asked)]
     return unneeded
 
 

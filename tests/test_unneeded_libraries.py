@@ -18,14 +18,15 @@ def config_of(*flags):
 
 
 @pytest.mark.parametrize("flags, unneeded", [
-    ([], ["bitsandbytes", "wandb"]),
-    (["--use_peft", "true", "--load_in_4bit", "true"], ["wandb"]),
-    (["--load_in_8bit", "true"], ["wandb"]),
-    (["--optim", "paged_adamw_8bit"], ["wandb"]),  # transformers' bitsandbytes optimizers
-    (["--optim", "adamw_torch"], ["bitsandbytes", "wandb"]),
-    (["--report_to", "wandb"], ["bitsandbytes"]),
-    (["--report_to", "tensorboard"], ["bitsandbytes", "wandb"]),
-    (["--stage", "sft_then_dpo", "--sft.report_to", "wandb"], ["bitsandbytes"]),
+    ([], ["bitsandbytes", "wandb", "trackio"]),
+    (["--use_peft", "true", "--load_in_4bit", "true"], ["wandb", "trackio"]),
+    (["--load_in_8bit", "true"], ["wandb", "trackio"]),
+    (["--optim", "paged_adamw_8bit"], ["wandb", "trackio"]),  # transformers' bitsandbytes optimizers
+    (["--optim", "adamw_torch"], ["bitsandbytes", "wandb", "trackio"]),
+    (["--report_to", "wandb"], ["bitsandbytes", "trackio"]),
+    (["--report_to", "trackio"], ["bitsandbytes", "wandb"]),
+    (["--report_to", "tensorboard"], ["bitsandbytes", "wandb", "trackio"]),
+    (["--stage", "sft_then_dpo", "--sft.report_to", "wandb"], ["bitsandbytes", "trackio"]),
 ])
 def test_what_a_run_does_not_need(flags, unneeded, tmp_path):
     assert unneeded_libraries(config_of(*flags), [str(tmp_path)]) == unneeded
@@ -33,23 +34,24 @@ def test_what_a_run_does_not_need(flags, unneeded, tmp_path):
 
 def test_a_checkpoint_saved_in_4_bits_keeps_bitsandbytes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "bitsandbytes"}}))
-    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["wandb"]
+    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["wandb", "trackio"]
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["bitsandbytes", "wandb"]
+    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["bitsandbytes", "wandb", "trackio"]
     # a Hub id that is not in the local cache: its config cannot be read, so bitsandbytes stays importable
-    assert unneeded_libraries(config_of(), ["someone/not-cached-model"]) == ["wandb"]
+    assert unneeded_libraries(config_of(), ["someone/not-cached-model"]) == ["wandb", "trackio"]
 
 
 def test_a_training_process_does_not_import_them(tiny_model, tmp_path):
-    # Each costs every training process's start (~1.6 s and ~1 s of CPU here); LoRA goes through peft without them.
+    # Each costs every training process (~1.6 s, ~1 s, ~0.2 s of CPU here); LoRA goes through peft without them, and
+    # a checkpoint (TRL's model card asks for trackio's space) without trackio.
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(16))
     flags = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--results_dir",
              str(tmp_path / "results"), "--stage", "dpo", "--use_peft", "true", "--max_steps", "1", "--batch_size",
-             "4", "--max_length", "64", "--eval_strategy", "no", "--save_strategy", "no", "--num_samples", "0",
+             "4", "--max_length", "64", "--eval_strategy", "no", "--save_steps", "1", "--num_samples", "0",
              "--judge", "none", "--val_size", "0", "--test_size", "0"]
     script = ("import json, sys\nfrom src.main_distributed import main\n"
               f"code = main({flags!r})\n"
-              "print(json.dumps([code, [name for name in ('bitsandbytes', 'wandb', 'peft') if sys.modules.get(name)]]))")
+              "print(json.dumps([code, [name for name in ('bitsandbytes', 'wandb', 'trackio', 'peft') if sys.modules.get(name)]]))")
     result = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
