@@ -1680,16 +1680,21 @@ def _serializable(row: dict) -> dict:
             for key, value in row.items()}
 
 
+def prepared_path(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> Path:
+    """Where the prepared data of these settings lives in the cache (complete once built: build_once's marker)."""
+    return Path(cache_dir) / f"{stage}-{prepared_key(data, sft, stage, seed, tokenizer)}"
+
+
 def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> PreparedData:
     """Build (once per machine) or reuse the tokenized splits, and open them file-backed in this process."""
     import datasets
 
-    key = prepared_key(data, sft, stage, seed, tokenizer)
+    path = prepared_path(data, sft, stage, seed, tokenizer, cache_dir)
     def build(temporary: Path) -> None:
-        fail_write_if_injected(Path(cache_dir) / f"{stage}-{key}")
+        fail_write_if_injected(path)
         _build(temporary, data, sft, stage, seed, tokenizer)
 
-    target = build_once(Path(cache_dir) / f"{stage}-{key}", build)
+    target = build_once(path, build)
     summary = json.loads((target / SUMMARY_FILE).read_text())
     splits = datasets.DatasetDict({kind: _open_split(target, kind) for kind in summary["splits"]})
     return PreparedData(path=target, splits=splits, summary=summary)

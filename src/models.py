@@ -107,11 +107,14 @@ def _safetensors_problem(file: Path) -> str | None:
     return None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, local_files_only: bool = False):
+    """The model's tokenizer as every stage uses it (`local_files_only`: from a directory or the Hub cache, no
+    download)."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                  local_files_only=local_files_only)
     except (OSError, ValueError) as error:  # ValueError: no tokenizer file it can build a fast tokenizer from
         if Path(path).is_dir() and not any((Path(path) / name).exists()
                                            for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
