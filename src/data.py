@@ -41,7 +41,6 @@ from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_
 from src.objectives import (OBJECTIVES, PAIRED_SHAPES, PAIRS, PROMPTS, ROUNDS_STAGE, SCORED_PAIRS, SEQUENCES, UNPAIRED,
                             objective, shape_of)
 
-EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 # Bump when the prepared layout or ids change, so old caches are not reused (8: chat answers as generation writes them,
 # src/chat_templates.py).
@@ -130,7 +129,10 @@ def source_location(data: DataArguments, stage: str) -> str:
     """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
     model learns from the DPO stage's preference pairs)."""
     if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (_prepare_source)
-        return str(EMBEDDED_DATA / (objective(stage).embedded_data if stage in OBJECTIVES else stage))
+        from src.embedded.generate import data_dir
+
+        return str(data_dir(data.embedded_reasoning) / (objective(stage).embedded_data if stage in OBJECTIVES
+                                                        else stage))
     return data.dataset_name
 
 

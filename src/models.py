@@ -25,11 +25,12 @@ class ModelError(ValueError):
     """A model that cannot be found, read or run as asked: one line, no traceback."""
 
 
-def resolve_model_path(model: ModelArguments) -> str:
-    """A local directory or Hub id to load from; the embedded default is built (once) on first use."""
+def resolve_model_path(model: ModelArguments, embedded_reasoning: bool = False) -> str:
+    """A local directory or Hub id to load from; the embedded default (its reasoning variant) is built (once) on
+    first use."""
     name = model.model_name_or_path
     if name == EMBEDDED:
-        return str(ensure_embedded_model())
+        return str(ensure_embedded_model(embedded_reasoning))
     path = Path(name).expanduser()
     if path.exists():
         if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
