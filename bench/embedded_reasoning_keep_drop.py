@@ -2,7 +2,8 @@
 prompts, and the time of each. docs/reasoning.md quotes its output.
 
     python bench/embedded_reasoning_keep_drop.py                                   # the recipe as shipped (long)
-    python bench/embedded_reasoning_keep_drop.py --sft_steps 300 --dpo_steps 30 --num_samples 200   # a short look
+    python bench/embedded_reasoning_keep_drop.py --sft_steps 40 --dpo_steps 10 --dpo_pairs 320 --num_samples 48
+                                                                                   # a short look (timings only)
 
 Each arm is one launch of `./run_distributed.sh P --config configs/embedded_reasoning.yaml --reasoning keep|drop`
 (the same seed, data, steps and held-out prompts; only what is trained differs: the answers with their reasoning, or
@@ -42,6 +43,8 @@ def launch(arm: str, repeat: int, args, results_dir: Path) -> dict:
     if args.dpo_steps:
         command += ["--max_steps", str(args.dpo_steps), "--eval_steps", str(args.dpo_steps),
                     "--save_steps", str(args.dpo_steps)]
+    if args.dpo_pairs:  # the reference log-probs are computed for every training pair, whatever the steps
+        command += ["--max_train_samples", str(args.dpo_pairs), "--sft.max_train_samples", "0"]
     started = time.monotonic()
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - started
@@ -95,6 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft_steps", type=int, default=0, help="SFT steps (0: the recipe's 1,000)")
     parser.add_argument("--dpo_steps", type=int, default=0, help="DPO steps (0: the recipe's 60)")
+    parser.add_argument("--dpo_pairs", type=int, default=0,
+                        help="DPO training pairs (0: all 2,400; fewer shortens the reference log-prob pass)")
     parser.add_argument("--num_samples", type=int, default=400, help="held-out test prompts judged (the recipe's 400)")
     parser.add_argument("--processes", type=int, default=1, help="processes per launch")
     parser.add_argument("--repeats", type=int, default=1, help="launches per arm, interleaved")

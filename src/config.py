@@ -235,6 +235,12 @@ class DataArguments:
                   "learns to answer with an empty reasoning block where its template has one). The plan line says "
                   "which is in force.", "choices": ["keep", "drop"]},
     )
+    chat_template_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata={"help": "Arguments the chat template is rendered with, for training and generation alike, e.g. "
+                  "'{\"enable_thinking\": false}' (Qwen3: answers without reasoning, after the empty <think></think> "
+                  "its generation prompt then writes). A JSON/YAML mapping; part of the prepared data's key."},
+    )
     embedded_reasoning: bool = field(
         default=False,
         metadata={"help": f"With --dataset_name {EMBEDDED}: its tasks answered with a short reasoning first "

@@ -285,8 +285,16 @@ def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit
     assert f"--max_length {suggested} keeps 99%" in codes["data_reasoning_cut"].advice
     dropped = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
                                          reasoning="drop"), SFTArguments(), "dpo", 0, tokenizer, tmp_path / "drop")
-    assert dropped.summary["splits"]["train"]["identical_pairs"] > 0  # the pairs that differed only in reasoning
+    identical = dropped.summary["splits"]["train"]["identical_pairs"]
+    assert identical > 0  # the pairs that differed only in reasoning
+    assert dropped.summary["audit"]["train"]["identical_by_reasoning_drop"] == identical
     assert "reasoning: dropped (--reasoning drop)" in format_summary(dropped.summary)
+    assert f"{identical} pairs with chosen == rejected dropped ({identical} differ only in their reasoning, which " \
+           "--reasoning drop removes)" in format_summary(dropped.summary)
+    # The alert names the drop, not a broken export (the rows are many enough here: IDENTICAL's 1%)
+    alert = {alert.code: alert for alert in data_alerts(dropped.summary["audit"], "dpo")}["data_identical"]
+    assert "once their reasoning is dropped" in alert.title and "--reasoning keep" in alert.advice
+    assert "broken export" not in alert.advice
     for row in dropped.train:
         assert tokenizer.decode(row["chosen_ids"]).startswith("\n</think>\n\nThe sum is")
     assert "chosen_reasoning_cut_share" not in dropped.summary["audit"]["train"]
@@ -327,3 +335,35 @@ def test_tool_call_pairs_from_a_file_prepare_as_generated_with_r1s_template(toke
     chosen = {tokenizer.decode(row["chosen_ids"]) for row in prepared.train}
     assert chosen == {f"\n</think>\n\n{R1_CALL}", f"\n</think>\n\n{FINAL}{R1_EOS}"}
     assert all(tokenizer.decode(row["rejected_ids"]).startswith("\n</think>\n\nThe sum is ") for row in prepared.train)
+
+
+def test_chat_template_kwargs_render_training_and_generation_alike(tokenizer, tmp_path):
+    """--chat_template_kwargs '{"enable_thinking": false}' with Qwen3's template: the prepared prompt (and the
+    held-out prompt generation starts from) ends with the empty reasoning block thinking-off writes, the answer trains
+    after it; reasoning answers under it are refused in one line before training."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments, parse_config
+    from src.data import DataError, prepare_data
+
+    assert parse_config(["--chat_template_kwargs", '{"enable_thinking": false}'],
+                        require_sources=False).data.chat_template_kwargs == {"enable_thinking": False}
+    _use(tokenizer, "qwen3")
+    plain = [{"prompt": [QUESTION], "chosen": [{"role": "assistant", "content": FINAL}],
+              "rejected": [{"role": "assistant", "content": "The sum is 41."}]}] * 12
+    path = write_jsonl(tmp_path / "plain.jsonl", plain)
+    off = {"enable_thinking": False}
+    prepared = prepare_data(DataArguments(dataset_name=str(path), val_size=2, test_size=2, chat_template_kwargs=off),
+                            SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
+    thinking_off = tokenizer.apply_chat_template([QUESTION], tokenize=False, add_generation_prompt=True, **off)
+    assert thinking_off.endswith("<think>\n\n</think>\n\n")
+    assert tokenizer.decode(prepared.train[0]["prompt_ids"]) == thinking_off
+    assert tokenizer.decode(prepared.test[0]["sample_prompt_ids"]) == thinking_off
+    assert tokenizer.decode(prepared.train[0]["chosen_ids"]).startswith(FINAL)
+    default = prepare_data(DataArguments(dataset_name=str(path), val_size=2, test_size=2), SFTArguments(), "dpo", 0,
+                           tokenizer, tmp_path / "cache")
+    assert default.path != prepared.path and not tokenizer.decode(default.train[0]["prompt_ids"]).endswith(
+        "</think>\n\n")
+    reasoning = write_jsonl(tmp_path / "reasoning.jsonl", [R1_ROW] * 12)
+    with pytest.raises(DataError, match="generation prompt closes the reasoning block.*--reasoning drop"):
+        prepare_data(DataArguments(dataset_name=str(reasoning), val_size=2, test_size=2, chat_template_kwargs=off),
+                     SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
