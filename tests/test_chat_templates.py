@@ -367,3 +367,31 @@ def test_chat_template_kwargs_render_training_and_generation_alike(tokenizer, tm
     with pytest.raises(DataError, match="generation prompt closes the reasoning block.*--reasoning drop"):
         prepare_data(DataArguments(dataset_name=str(reasoning), val_size=2, test_size=2, chat_template_kwargs=off),
                      SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
+
+
+def test_a_generated_gpt_oss_answer_keeps_its_channels_apart_and_trains_back_as_generated(tokenizer):
+    """skip_special_tokens would run gpt-oss's channels together ("Add 40 and 2.assistantThe sum is 42."): a generated
+    answer is read as its analysis (reasoning) then its final answer, judged on the final answer, and as a round pair
+    trains exactly the ids that were generated (its reasoning back in the `thinking` field gpt-oss renders)."""
+    from src.chat_templates import decoded_answer, final_answer
+    from src.rounds import _as_answer
+
+    _use(tokenizer, "gpt-oss")
+    prompt_ids = tokenizer.apply_chat_template([QUESTION], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    generated = tokenizer(f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+                          add_special_tokens=False)["input_ids"]
+    padding = [tokenizer.pad_token_id] * 3  # a batch's shorter answers end in padding
+    assert tokenizer.decode(generated, skip_special_tokens=True) != FINAL
+    text = decoded_answer(tokenizer, generated + padding)
+    assert text == f"<think>\n{REASONING}\n</think>\n\n{FINAL}" and final_answer(text) == FINAL
+    pair = {"prompt": [QUESTION], "chosen": _as_answer([QUESTION], text), "rejected": _as_answer([QUESTION], "x")}
+    ids = tokenize_preference(pair, tokenizer)
+    assert ids["prompt_ids"] == prompt_ids and ids["chosen_ids"] == generated
+    cut = tokenizer(f"<|channel|>analysis<|message|>{REASONING}", add_special_tokens=False)["input_ids"]
+    assert decoded_answer(tokenizer, cut) == f"<think>\n{REASONING}" and final_answer(decoded_answer(tokenizer, cut)) == ""
+    call = tokenizer(GPT_OSS_ANALYSIS + GPT_OSS_CALL, add_special_tokens=False)["input_ids"]
+    assert "<|channel|>commentary" in decoded_answer(tokenizer, call)  # a tool call keeps its markers
+    _use(tokenizer, "deepseek-r1-distill")  # any other template: as skip_special_tokens decodes it
+    plain = tokenizer(f"{FINAL}<｜end▁of▁sentence｜>", add_special_tokens=False)["input_ids"]
+    assert decoded_answer(tokenizer, plain) == FINAL
