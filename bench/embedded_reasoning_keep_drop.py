@@ -11,8 +11,8 @@ the final answers after an empty reasoning block), the arms interleaved (keep, d
 so the machine's load falls on both alike. From each launch's files: the judged test answers of the SFT stage
 (untrained → SFT) and of the DPO stage (SFT → DPO) — correct and preferred (the embedded default's score), correct,
 preferred, and the share of answers that reason (a non-empty <think> block that closed before the answer) — the
-prompts checked to be the same in both arms; each stage's training time (TRL's train_runtime) and the launch's wall
-time. Run directories: --results_dir (a temporary directory by default), the model and data caches: PREFKIT_CACHE.
+prompts checked to be the same in both arms; each stage's time to its last training step, its tokens per second and its
+train_runtime (evaluation included), and the launch's wall time (preparation, loading, judging and saving too). Run directories: --results_dir (a temporary directory by default), the model and data caches: PREFKIT_CACHE.
 """
 
 from __future__ import annotations
@@ -61,17 +61,21 @@ def stage_numbers(stage_dir: Path) -> dict:
 
     info = json.loads((stage_dir / "training_info.json").read_text())
     rows = [json.loads(line) for line in (stage_dir / "samples_test.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = info.get("summary") or {}
 
     def share(side: str, key: str) -> float:
         return sum(bool((row["verdict"] or {}).get(side, {}).get(key)) for row in rows) / len(rows)
 
     def reasons(side: str) -> float:
-        answers = [row.get("trained" if side == "trained" else "reference") or "" for row in rows]
+        answers = [row.get(f"{side}_answer") or "" for row in rows]
         parts = [split_reasoning({"content": answer}) for answer in answers]
         return sum(bool(part.reasoning) and part.closed for part in parts) / len(rows)
 
     return {"prompts": [row.get("prompt") for row in rows],
-            "train_s": (info.get("summary") or {}).get("train_runtime"),
+            "train_s": max(row["time_s"] for row in metrics if "loss" in row),  # the training steps
+            "stage_s": next(row["train_runtime"] for row in metrics if "train_runtime" in row),  # with evaluation
+            "tokens_per_s": (summary.get("throughput") or {}).get("tokens_per_second"),
             **{f"{side}_{key}": share(side, key) for side in ("reference", "trained")
                for key in ("score", "correct", "preferred")},
             "reference_reasons": reasons("reference"), "trained_reasons": reasons("trained")}
@@ -83,15 +87,23 @@ def _pct(value: float) -> str:
 
 def table(results: list[dict]) -> list[str]:
     lines = ["| arm | repeat | SFT: correct and preferred / correct / reasons | DPO: correct and preferred / correct / "
-             "preferred / reasons | SFT train s | DPO train s | launch wall s |", "|---|---|---|---|---|---|---|"]
+             "preferred / reasons | SFT steps s (tokens/s) | DPO steps s (tokens/s) | SFT / DPO with eval s | launch wall s |",
+             "|---|---|---|---|---|---|---|---|"]
     for result in results:
         sft, dpo = result["sft"], result["dpo"]
         lines.append(
             f"| {result['arm']} | {result['repeat']} | {_pct(sft['trained_score'])} / {_pct(sft['trained_correct'])} / "
             f"{_pct(sft['trained_reasons'])} | {_pct(dpo['trained_score'])} / {_pct(dpo['trained_correct'])} / "
-            f"{_pct(dpo['trained_preferred'])} / {_pct(dpo['trained_reasons'])} | {sft['train_s']:.0f} | "
-            f"{dpo['train_s']:.0f} | {result['wall_s']:.0f} |")
+            f"{_pct(dpo['trained_preferred'])} / {_pct(dpo['trained_reasons'])} | {sft['train_s']:.0f} "
+            f"({sft['tokens_per_s']:.0f}) | {dpo['train_s']:.0f} ({dpo['tokens_per_s']:.0f}) | {sft['stage_s']:.0f} / "
+            f"{dpo['stage_s']:.0f} | {result['wall_s']:.0f} |")
     return lines
+
+
+def report(results: list[dict], num_samples: int) -> None:
+    same = all(len({json.dumps(result[stage]["prompts"]) for result in results}) == 1 for stage in ("sft", "dpo"))
+    print(f"\njudged test prompts per stage: {num_samples}, the same in every arm: {same}")
+    print("\n".join(table(results)))
 
 
 def main() -> None:
@@ -104,7 +116,15 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="processes per launch")
     parser.add_argument("--repeats", type=int, default=1, help="launches per arm, interleaved")
     parser.add_argument("--results_dir", type=Path, default=None)
+    parser.add_argument("--read", action="store_true",
+                        help="read the finished launches under --results_dir again instead of launching")
     args = parser.parse_args()
+    if args.read:
+        results = [{"arm": arm, "repeat": repeat, "wall_s": float("nan"), "sft": stage_numbers(run_dir / "sft"),
+                    "dpo": stage_numbers(run_dir)}
+                   for repeat in range(1, args.repeats + 1) for arm in ARMS
+                   if (run_dir := args.results_dir / f"reasoning-{arm}-{repeat}").is_dir()]
+        return report(results, args.num_samples)
     results_dir = args.results_dir or Path(tempfile.mkdtemp(prefix="reasoning_keep_drop_"))
     print(f"load average before: {os.getloadavg()}; run directories under {results_dir}", flush=True)
     results = []
@@ -112,9 +132,7 @@ def main() -> None:
         for arm in ARMS:
             results.append(launch(arm, repeat, args, results_dir))
             print(f"{arm} #{repeat}: {results[-1]['wall_s']:.0f} s wall, load average {os.getloadavg()}", flush=True)
-    same = all(len({json.dumps(result[stage]["prompts"]) for result in results}) == 1 for stage in ("sft", "dpo"))
-    print(f"\njudged test prompts per stage: {args.num_samples}, the same in every arm: {same}")
-    print("\n".join(table(results)))
+    report(results, args.num_samples)
 
 
 if __name__ == "__main__":
