@@ -859,8 +859,9 @@ def _at_suggested(plan) -> str:
 
 
 def max_length_cuts_data(machine: Machine) -> list[Problem]:
-    """The data audit of the run's prepared data (src/diagnostics/data_lengths.py) says --max_length cuts more than
-    1% of the training sequences (reasoning answers are long): the length that keeps 99% whole, and its memory."""
+    """The data audit of the run's prepared data (src/diagnostics/data_lengths.py) says --max_length cuts the data
+    audit's share (5%) or more of the training sequences (reasoning answers are long): the length that keeps 99% whole,
+    and its memory."""
     plan = machine.memory_plan
     lengths = plan.data_lengths if plan else None
     if (lengths is None or lengths.packed or not lengths.truncated_share or lengths.truncated_share < TRUNCATED_SHARE
