@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # where data sets put an answer's reasoning
@@ -250,6 +251,33 @@ def final_answer(text: str) -> str:
 def reasoning_of(text: str) -> str | None:
     """A generated answer's reasoning (None: it has none)."""
     return split_reasoning({"content": text}).reasoning
+
+
+# gpt-oss (the harmony format) writes each part of an answer in a channel: analysis (its reasoning), final (the answer),
+# commentary (tool calls), each `<|channel|>NAME<|message|>TEXT` closed by <|end|>, <|return|> or <|call|>.
+_HARMONY = re.compile(r"<\|channel\|>(\w+)[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)"
+                      r"(?=<\|end\|>|<\|return\|>|<\|call\|>|$)", re.DOTALL)
+
+
+def decoded_answer(tokenizer, ids: list[int]) -> str:
+    """A generated answer's text, special tokens dropped (`skip_special_tokens`), except the ones that carry its
+    structure: gpt-oss's channels, which that decoding would run together ("analysis…assistantfinal…"), become its
+    reasoning in `<think>…</think>` then its final answer, the shape judges, audits and round pairs read (and a round
+    pair places back in gpt-oss's `thinking` field). An answer with a tool call (commentary) keeps its markers."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if "<|channel|>" not in (getattr(tokenizer, "added_tokens_encoder", None) or {}):
+        return text
+    raw = tokenizer.decode(ids, skip_special_tokens=False)
+    channels = _HARMONY.findall(raw)
+    if not channels:
+        return text
+    if any(name not in ("analysis", "final") for name, _ in channels):
+        return raw.replace(tokenizer.pad_token or "\0", "")
+    reasoning = "".join(body for name, body in channels if name == "analysis")
+    final = [body for name, body in channels if name == "final"]
+    if not final:  # cut (or stopped) inside its analysis: a reasoning that never closed
+        return f"{THINK_OPEN}\n{reasoning}"
+    return (reasoning_block(reasoning) if reasoning else "") + "".join(final)
 
 
 def opened_reasoning(tokenizer, prompt_ids: list[int]) -> str:

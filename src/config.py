@@ -235,6 +235,19 @@ class DataArguments:
                   "learns to answer with an empty reasoning block where its template has one). The plan line says "
                   "which is in force.", "choices": ["keep", "drop"]},
     )
+    chat_template_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata={"help": "Arguments the chat template is rendered with, for training and generation alike, e.g. "
+                  "'{\"enable_thinking\": false}' (Qwen3: answers without reasoning, after the empty <think></think> "
+                  "its generation prompt then writes). A JSON/YAML mapping; part of the prepared data's key."},
+    )
+    embedded_reasoning: bool = field(
+        default=False,
+        metadata={"help": f"With --dataset_name {EMBEDDED}: its tasks answered with a short reasoning first "
+                  "(<think>…</think>, then the answer), and with --model_name_or_path embedded a model whose chat "
+                  "template behaves as DeepSeek-R1-Distill's (its generation prompt opens <think>): the reasoning "
+                  "path offline (configs/embedded_reasoning.yaml)."},
+    )
     val_size: float = field(
         default=0.05,
         metadata={"help": "Validation split carved from the training data when the source has none: a fraction (<1) "
@@ -982,6 +995,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--num_samples must be 0 or more, got {training.num_samples}")
     if data.max_length < 8:
         raise ConfigError(f"--max_length must be at least 8 tokens, got {data.max_length}")
+    if data.embedded_reasoning and data.dataset_name not in (None, EMBEDDED):
+        raise ConfigError(f"--embedded_reasoning answers the embedded tasks with reasoning: it takes --dataset_name "
+                          f"{EMBEDDED}, not {data.dataset_name} (your own data's reasoning is in its answers)")
     for name in ("val_size", "test_size"):
         value = getattr(data, name)
         if value < 0 or (1 <= value and not float(value).is_integer()):

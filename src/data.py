@@ -41,7 +41,6 @@ from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_
 from src.objectives import (OBJECTIVES, PAIRED_SHAPES, PAIRS, PROMPTS, ROUNDS_STAGE, SCORED_PAIRS, SEQUENCES, UNPAIRED,
                             objective, shape_of)
 
-EMBEDDED_DATA = Path(__file__).resolve().parent / "embedded" / "data"
 SUMMARY_FILE = "summary.json"
 # Bump when the prepared layout or ids change, so old caches are not reused (8: chat answers as generation writes them,
 # src/chat_templates.py).
@@ -130,7 +129,10 @@ def source_location(data: DataArguments, stage: str) -> str:
     """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
     model learns from the DPO stage's preference pairs)."""
     if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (_prepare_source)
-        return str(EMBEDDED_DATA / (objective(stage).embedded_data if stage in OBJECTIVES else stage))
+        from src.embedded.generate import data_dir
+
+        return str(data_dir(data.embedded_reasoning) / (objective(stage).embedded_data if stage in OBJECTIVES
+                                                        else stage))
     return data.dataset_name
 
 
@@ -862,11 +864,13 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _template_kwargs(row: dict) -> dict:
-    return tools_argument(row)
+def _template_kwargs(row: dict, configured: dict | None = None) -> dict:
+    """What the chat template is called with for a row: --chat_template_kwargs (e.g. Qwen3's enable_thinking), and
+    the row's tool schemas."""
+    return {**(configured or {}), **tools_argument(row)}
 
 
-def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True, template_kwargs: dict | None = None) -> dict:
     """prompt_ids / chosen_ids / rejected_ids: for chats, the prompt as generation starts from it and each answer as
     the model writes it from there (src/chat_templates.py; TRL's ids wherever the template does not rewrite the
     answer); for text, as TRL's DPOTrainer builds them (EOS appended, the completion where the two diverge)."""
@@ -877,7 +881,7 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> di
     if is_conversational(row):
         prompt_ids, chosen_ids, rejected_ids = conversation_ids(
             tokenizer, row["prompt"], row["chosen"], row["rejected"], keep_reasoning=keep_reasoning,
-            **_template_kwargs(row))
+            **_template_kwargs(row, template_kwargs))
         return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
     eos = tokenizer.eos_token
     chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
@@ -895,7 +899,7 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True) -> di
     }
 
 
-def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True, template_kwargs: dict | None = None) -> dict:
     """prompt_ids / completion_ids: a chat's as generation sees them (src/chat_templates.py); text as TRL's
     KTOTrainer builds them (EOS appended, the completion where prompt and prompt+completion diverge)."""
     from trl.data_utils import common_prefix_length, is_conversational
@@ -904,7 +908,8 @@ def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict
 
     if is_conversational(row):
         prompt_ids, completion_ids = conversation_ids(tokenizer, row["prompt"], row["completion"],
-                                                      keep_reasoning=keep_reasoning, **_template_kwargs(row))
+                                                      keep_reasoning=keep_reasoning,
+                                                      **_template_kwargs(row, template_kwargs))
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
     eos = tokenizer.eos_token
     completion = row["completion"] if row["completion"].endswith(eos) else row["completion"] + eos
@@ -914,10 +919,10 @@ def tokenize_unpaired(row: dict, tokenizer, keep_reasoning: bool = True) -> dict
     return {"prompt_ids": prompt_ids[:prompt_length], "completion_ids": full[prompt_length:]}
 
 
-def tokenize_reward(row: dict, tokenizer, keep_reasoning: bool = True) -> dict:
+def tokenize_reward(row: dict, tokenizer, keep_reasoning: bool = True, template_kwargs: dict | None = None) -> dict:
     """chosen_ids / rejected_ids (whole sequences: prompt and answer), the DPO pair's ids joined: what the reward
     model scores is the prompt as generation starts from it followed by the answer as generated."""
-    return reward_ids(tokenize_preference(row, tokenizer, keep_reasoning))
+    return reward_ids(tokenize_preference(row, tokenizer, keep_reasoning, template_kwargs))
 
 
 def reward_ids(pair: dict) -> dict:
@@ -937,7 +942,7 @@ def sft_chat_template(tokenizer, sft: SFTArguments) -> str | None:
 
 
 def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None,
-                 keep_reasoning: bool = True) -> dict:
+                 keep_reasoning: bool = True, template_kwargs: dict | None = None) -> dict:
     """input_ids (+ completion_mask / assistant_masks). A chat's answer is the one generation writes
     (src/chat_templates.py): TRL's SFTTrainer ids (and its assistant masks) where the template renders the answer
     as written; where it rewrites the last assistant turn, the prompt as generation starts from it and that turn as
@@ -946,7 +951,7 @@ def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template:
 
     _tokenize = trl_tokenize()
 
-    kwargs = {"chat_template": chat_template, **_template_kwargs(row)}
+    kwargs = {"chat_template": chat_template, **_template_kwargs(row, template_kwargs)}
     eos = tokenizer.eos_token
     if is_conversational(row):
         if "prompt" in row:
@@ -981,7 +986,7 @@ def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template:
     return {"input_ids": _tokenize(tokenizer, text, chat_template=chat_template)["input_ids"]}
 
 
-def sample_fields(row: dict, tokenizer) -> dict:
+def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> dict:
     """What the sample outputs need for a held-out row: the prompt as the model sees it and the dataset's answer."""
     from trl.data_utils import is_conversational
 
@@ -1004,7 +1009,7 @@ def sample_fields(row: dict, tokenizer) -> dict:
                 "sample_rejected": None, "judge_prompt": ""}
     if is_conversational({"prompt": prompt}):
         rendered = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                 **_template_kwargs(row))
+                                                 **_template_kwargs(row, template_kwargs))
     else:
         rendered = prompt
     prompt_ids = tokenizer(rendered, add_special_tokens=not is_conversational({"prompt": prompt}))["input_ids"]
@@ -1112,7 +1117,8 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "system_prompt", "val_size",
                                                    "test_size", "max_train_samples", "max_length",
-                                                   "label_column", "kto_from_pairs", "reasoning")},
+                                                   "label_column", "kto_from_pairs", "reasoning",
+                                                   "chat_template_kwargs")},
         "kl_partners": KL_PARTNERS if _shape(stage) == UNPAIRED else None,
         "assistant_only_loss": sft.assistant_only_loss if _shape(stage) == SEQUENCES else None,
         "seed": seed,
@@ -1241,31 +1247,31 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
             "model a template with --chat_template_path (a Jinja file or a tokenizer directory)"
         )
     item, ids, length = {}, {}, 0
-    keep = data.reasoning != "drop"
+    keep, kwargs = data.reasoning != "drop", data.chat_template_kwargs
     with _template_refusals(where, number, tokenizer):
         if status == KEPT:
             if kind == UNPAIRED:
-                item = ids = tokenize_unpaired(row, tokenizer, keep)
+                item = ids = tokenize_unpaired(row, tokenizer, keep, kwargs)
                 length = len(item["prompt_ids"]) + len(item["completion_ids"])
                 kept = len(item["prompt_ids"]) < data.max_length  # TRL's KTO rule, as for DPO
             elif kind == PAIRS:
-                item = ids = tokenize_preference(row, tokenizer, keep)
+                item = ids = tokenize_preference(row, tokenizer, keep, kwargs)
                 length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
                 kept = len(item["prompt_ids"]) < data.max_length
             elif kind == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
-                item = ids = {"prompt_ids": sample_fields(row, tokenizer)["sample_prompt_ids"]}
+                item = ids = {"prompt_ids": sample_fields(row, tokenizer, kwargs)["sample_prompt_ids"]}
                 length = len(item["prompt_ids"])
                 kept = length < data.max_length  # room for an answer within max_length, as for a DPO prompt
             elif kind == SCORED_PAIRS:
-                ids = tokenize_preference(row, tokenizer, keep)
+                ids = tokenize_preference(row, tokenizer, keep, kwargs)
                 item = reward_ids(ids)
                 length = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
                 # TRL's rule for reward models: a pair over max_length is dropped, not truncated (truncating would
                 # cut the answer whose last token the score is read from).
                 kept = length <= data.max_length
             else:
-                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template, keep)
+                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template, keep, kwargs)
                 length = len(item["input_ids"])
                 kept = _has_trainable_token(item, data.max_length, sft)
             status = KEPT if kept else TOO_LONG
@@ -1274,7 +1280,7 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
         record = {**_serializable(row), **item, "length": length, "_status": status,
                   **row_fields(row, ids, source_row, tokenizer)}
         if "sample_prompt" in output_columns:
-            record.update(sample_fields(row, tokenizer) if status == KEPT and held_out else
+            record.update(sample_fields(row, tokenizer, kwargs) if status == KEPT and held_out else
                           {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
                            "sample_rejected": None, "judge_prompt": None})
     for column in output_columns:
@@ -1680,16 +1686,21 @@ def _serializable(row: dict) -> dict:
             for key, value in row.items()}
 
 
+def prepared_path(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> Path:
+    """Where the prepared data of these settings lives in the cache (complete once built: build_once's marker)."""
+    return Path(cache_dir) / f"{stage}-{prepared_key(data, sft, stage, seed, tokenizer)}"
+
+
 def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> PreparedData:
     """Build (once per machine) or reuse the tokenized splits, and open them file-backed in this process."""
     import datasets
 
-    key = prepared_key(data, sft, stage, seed, tokenizer)
+    path = prepared_path(data, sft, stage, seed, tokenizer, cache_dir)
     def build(temporary: Path) -> None:
-        fail_write_if_injected(Path(cache_dir) / f"{stage}-{key}")
+        fail_write_if_injected(path)
         _build(temporary, data, sft, stage, seed, tokenizer)
 
-    target = build_once(Path(cache_dir) / f"{stage}-{key}", build)
+    target = build_once(path, build)
     summary = json.loads((target / SUMMARY_FILE).read_text())
     splits = datasets.DatasetDict({kind: _open_split(target, kind) for kind in summary["splits"]})
     return PreparedData(path=target, splits=splits, summary=summary)
@@ -1720,8 +1731,10 @@ def format_summary(summary: dict) -> str:
             notes.append(f"{counts['empty_answers']} rows with an empty {empty} dropped (first: rows "
                          f"{counts['first_empty_rows']})")
         if counts["identical_pairs"]:
-            notes.append(f"{counts['identical_pairs']} pairs with chosen == rejected dropped (first: rows "
-                         f"{counts['first_identical_rows']})")
+            by_drop = ((summary.get("audit") or {}).get(kind) or {}).get("identical_by_reasoning_drop")
+            notes.append(f"{counts['identical_pairs']} pairs with chosen == rejected dropped"
+                         + (f" ({by_drop} differ only in their reasoning, which --reasoning drop removes)"
+                            if by_drop else "") + f" (first: rows {counts['first_identical_rows']})")
         if counts.get("dropped_prompt_too_long"):
             notes.append(f"{counts['dropped_prompt_too_long']} prompts of --max_length {summary['max_length']}+ "
                          "tokens dropped")

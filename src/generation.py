@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from src.audit.answers import answer_record
-from src.chat_templates import THINK_CLOSE, opened_reasoning
+from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning
 from src.config import World
 from src.distributed import map_across_ranks
 
@@ -85,7 +85,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
                                     logits_processor=processors)
             width = input_ids.shape[1]
-            texts = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+            texts = [decoded_answer(tokenizer, ids) for ids in output[:, width:].tolist()]
             # An answer continuing a reasoning block its prompt opened (DeepSeek-R1's "<think>\n") starts with it, so
             # judges, audits and round pairs see where its reasoning starts and whether it closed.
             texts = [opened_reasoning(tokenizer, prompts[index]) + text for index, text in zip(batch, texts)]

@@ -803,7 +803,7 @@ def run(argv: list[str] | None = None) -> int:
     push_blocked = push_problem() if config.hub.push_to_hub and world.is_main else None  # rank 0 pushes
     if push_blocked:
         print0(f"  warning: --push_to_hub: {push_blocked}; training goes ahead and the model will be saved locally")
-    model_path = resolve_model_path(config.model)
+    model_path = resolve_model_path(config.model, config.data.embedded_reasoning)
     # A preflight that passed with these very inputs is not redone (src/preflight_record.py): ~4 s of imports.
     preflight_key = record_key(config, stages, model_path) if config.training.dry_run else None
     passed = recorded(cache_root(), preflight_key)

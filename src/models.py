@@ -25,11 +25,12 @@ class ModelError(ValueError):
     """A model that cannot be found, read or run as asked: one line, no traceback."""
 
 
-def resolve_model_path(model: ModelArguments) -> str:
-    """A local directory or Hub id to load from; the embedded default is built (once) on first use."""
+def resolve_model_path(model: ModelArguments, embedded_reasoning: bool = False) -> str:
+    """A local directory or Hub id to load from; the embedded default (its reasoning variant) is built (once) on
+    first use."""
     name = model.model_name_or_path
     if name == EMBEDDED:
-        return str(ensure_embedded_model())
+        return str(ensure_embedded_model(embedded_reasoning))
     path = Path(name).expanduser()
     if path.exists():
         if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
@@ -107,11 +108,14 @@ def _safetensors_problem(file: Path) -> str | None:
     return None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, local_files_only: bool = False):
+    """The model's tokenizer as every stage uses it (`local_files_only`: from a directory or the Hub cache, no
+    download)."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                  local_files_only=local_files_only)
     except (OSError, ValueError) as error:  # ValueError: no tokenizer file it can build a fast tokenizer from
         if Path(path).is_dir() and not any((Path(path) / name).exists()
                                            for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):

@@ -57,9 +57,11 @@ class RoundSettings:
     max_new_tokens: int
     batch_size: int  # sequences generated at once per process
     seed: int
+    template_kwargs: dict | None = None  # --chat_template_kwargs: the prompts rendered as the training data's
 
 
-def train_prompts(train, tokenizer, count: int, seed: int, round_index: int) -> list[dict]:
+def train_prompts(train, tokenizer, count: int, seed: int, round_index: int,
+                  template_kwargs: dict | None = None) -> list[dict]:
     """The prompts a round asks: all train rows, or `count` of them drawn with the round's seed (another sample each
     round). Each: its row index, the prompt as the data has it, its meta and the prompt's token ids as generation
     sees them (chat template with the generation prompt, as the held-out answers use); a repeated prompt once."""
@@ -70,7 +72,7 @@ def train_prompts(train, tokenizer, count: int, seed: int, round_index: int) -> 
     for index in indices:
         row = train[index]
         fields = sample_fields({key: row[key] for key in ("prompt", "chosen", "rejected", "tools", "meta")
-                                if key in row}, tokenizer)
+                                if key in row}, tokenizer, template_kwargs)
         ids = tuple(fields["sample_prompt_ids"])
         if ids and ids not in seen:  # a prompt the data repeats is asked once: the same answers, the same pair
             seen.add(ids)
@@ -188,7 +190,8 @@ def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings,
     """One round's pairs, sampled, judged, paired and written (rank 0) before training. Returns the round's record
     (counts, seconds per phase, where the pairs are)."""
     started = time.monotonic()
-    rows = train_prompts(prepared.train, tokenizer, settings.prompts, settings.seed, round_index)
+    rows = train_prompts(prepared.train, tokenizer, settings.prompts, settings.seed, round_index,
+                         settings.template_kwargs)
     judged = sample_and_judge(model, tokenizer, rows, judge, settings, round_index, world)
     sampled = time.monotonic()
     pairs, counts = form_pairs(rows, judged)
@@ -235,7 +238,8 @@ def round_settings(config, plan) -> RoundSettings:
     return RoundSettings(samples=dpo.round_samples, prompts=dpo.round_prompts,
                          sampling=Sampling(dpo.round_temperature, dpo.round_top_p),
                          max_new_tokens=config.training.max_new_tokens,
-                         batch_size=max(8, plan.per_device_batch_size * 8), seed=config.training.seed)
+                         batch_size=max(8, plan.per_device_batch_size * 8), seed=config.training.seed,
+                         template_kwargs=config.data.chat_template_kwargs)
 
 
 def round_stage_config(config, round_index: int):

@@ -285,8 +285,16 @@ def test_dropping_the_reasoning_drops_pairs_that_differ_only_in_it_and_the_audit
     assert f"--max_length {suggested} keeps 99%" in codes["data_reasoning_cut"].advice
     dropped = prepare_data(DataArguments(dataset_name=str(path), val_size=4, test_size=4, max_length=256,
                                          reasoning="drop"), SFTArguments(), "dpo", 0, tokenizer, tmp_path / "drop")
-    assert dropped.summary["splits"]["train"]["identical_pairs"] > 0  # the pairs that differed only in reasoning
+    identical = dropped.summary["splits"]["train"]["identical_pairs"]
+    assert identical > 0  # the pairs that differed only in reasoning
+    assert dropped.summary["audit"]["train"]["identical_by_reasoning_drop"] == identical
     assert "reasoning: dropped (--reasoning drop)" in format_summary(dropped.summary)
+    assert f"{identical} pairs with chosen == rejected dropped ({identical} differ only in their reasoning, which " \
+           "--reasoning drop removes)" in format_summary(dropped.summary)
+    # The alert names the drop, not a broken export (the rows are many enough here: IDENTICAL's 1%)
+    alert = {alert.code: alert for alert in data_alerts(dropped.summary["audit"], "dpo")}["data_identical"]
+    assert "once their reasoning is dropped" in alert.title and "--reasoning keep" in alert.advice
+    assert "broken export" not in alert.advice
     for row in dropped.train:
         assert tokenizer.decode(row["chosen_ids"]).startswith("\n</think>\n\nThe sum is")
     assert "chosen_reasoning_cut_share" not in dropped.summary["audit"]["train"]
@@ -327,3 +335,63 @@ def test_tool_call_pairs_from_a_file_prepare_as_generated_with_r1s_template(toke
     chosen = {tokenizer.decode(row["chosen_ids"]) for row in prepared.train}
     assert chosen == {f"\n</think>\n\n{R1_CALL}", f"\n</think>\n\n{FINAL}{R1_EOS}"}
     assert all(tokenizer.decode(row["rejected_ids"]).startswith("\n</think>\n\nThe sum is ") for row in prepared.train)
+
+
+def test_chat_template_kwargs_render_training_and_generation_alike(tokenizer, tmp_path):
+    """--chat_template_kwargs '{"enable_thinking": false}' with Qwen3's template: the prepared prompt (and the
+    held-out prompt generation starts from) ends with the empty reasoning block thinking-off writes, the answer trains
+    after it; reasoning answers under it are refused in one line before training."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments, parse_config
+    from src.data import DataError, prepare_data
+
+    assert parse_config(["--chat_template_kwargs", '{"enable_thinking": false}'],
+                        require_sources=False).data.chat_template_kwargs == {"enable_thinking": False}
+    _use(tokenizer, "qwen3")
+    plain = [{"prompt": [QUESTION], "chosen": [{"role": "assistant", "content": FINAL}],
+              "rejected": [{"role": "assistant", "content": "The sum is 41."}]}] * 12
+    path = write_jsonl(tmp_path / "plain.jsonl", plain)
+    off = {"enable_thinking": False}
+    prepared = prepare_data(DataArguments(dataset_name=str(path), val_size=2, test_size=2, chat_template_kwargs=off),
+                            SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
+    thinking_off = tokenizer.apply_chat_template([QUESTION], tokenize=False, add_generation_prompt=True, **off)
+    assert thinking_off.endswith("<think>\n\n</think>\n\n")
+    assert tokenizer.decode(prepared.train[0]["prompt_ids"]) == thinking_off
+    assert tokenizer.decode(prepared.test[0]["sample_prompt_ids"]) == thinking_off
+    assert tokenizer.decode(prepared.train[0]["chosen_ids"]).startswith(FINAL)
+    default = prepare_data(DataArguments(dataset_name=str(path), val_size=2, test_size=2), SFTArguments(), "dpo", 0,
+                           tokenizer, tmp_path / "cache")
+    assert default.path != prepared.path and not tokenizer.decode(default.train[0]["prompt_ids"]).endswith(
+        "</think>\n\n")
+    reasoning = write_jsonl(tmp_path / "reasoning.jsonl", [R1_ROW] * 12)
+    with pytest.raises(DataError, match="generation prompt closes the reasoning block.*--reasoning drop"):
+        prepare_data(DataArguments(dataset_name=str(reasoning), val_size=2, test_size=2, chat_template_kwargs=off),
+                     SFTArguments(), "dpo", 0, tokenizer, tmp_path / "cache")
+
+
+def test_a_generated_gpt_oss_answer_keeps_its_channels_apart_and_trains_back_as_generated(tokenizer):
+    """skip_special_tokens would run gpt-oss's channels together ("Add 40 and 2.assistantThe sum is 42."): a generated
+    answer is read as its analysis (reasoning) then its final answer, judged on the final answer, and as a round pair
+    trains exactly the ids that were generated (its reasoning back in the `thinking` field gpt-oss renders)."""
+    from src.chat_templates import decoded_answer, final_answer
+    from src.rounds import _as_answer
+
+    _use(tokenizer, "gpt-oss")
+    prompt_ids = tokenizer.apply_chat_template([QUESTION], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    generated = tokenizer(f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+                          add_special_tokens=False)["input_ids"]
+    padding = [tokenizer.pad_token_id] * 3  # a batch's shorter answers end in padding
+    assert tokenizer.decode(generated, skip_special_tokens=True) != FINAL
+    text = decoded_answer(tokenizer, generated + padding)
+    assert text == f"<think>\n{REASONING}\n</think>\n\n{FINAL}" and final_answer(text) == FINAL
+    pair = {"prompt": [QUESTION], "chosen": _as_answer([QUESTION], text), "rejected": _as_answer([QUESTION], "x")}
+    ids = tokenize_preference(pair, tokenizer)
+    assert ids["prompt_ids"] == prompt_ids and ids["chosen_ids"] == generated
+    cut = tokenizer(f"<|channel|>analysis<|message|>{REASONING}", add_special_tokens=False)["input_ids"]
+    assert decoded_answer(tokenizer, cut) == f"<think>\n{REASONING}" and final_answer(decoded_answer(tokenizer, cut)) == ""
+    call = tokenizer(GPT_OSS_ANALYSIS + GPT_OSS_CALL, add_special_tokens=False)["input_ids"]
+    assert "<|channel|>commentary" in decoded_answer(tokenizer, call)  # a tool call keeps its markers
+    _use(tokenizer, "deepseek-r1-distill")  # any other template: as skip_special_tokens decodes it
+    plain = tokenizer(f"{FINAL}<｜end▁of▁sentence｜>", add_special_tokens=False)["input_ids"]
+    assert decoded_answer(tokenizer, plain) == FINAL

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from check_gpu import build_parser, options_from
+from src.diagnostics.inputs import parse_launch_arguments
 from src.diagnostics.model_shape import shape_from_param_count
 from src.diagnostics.render import render
 from src.diagnostics.check import check
@@ -31,8 +32,11 @@ MIB = 1024**2
 
 
 def run_check(spec, *flags):
-    options = options_from(build_parser().parse_args(list(flags)))
-    return check(options, fake_sources(spec))
+    return run_check_with(fake_sources(spec), flags)
+
+
+def run_check_with(sources, flags):
+    return check(options_from(build_parser().parse_args(list(flags))), sources)
 
 
 def codes(report):
@@ -561,3 +565,65 @@ def test_several_nodes_split_the_global_batch_over_every_process():
     spec.environ.update({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"})
     plan = run_check(spec, "--params", "1e9", "--batch_size", "64")["plan"]["dpo"]
     assert (plan["world_size"], plan["num_nodes"], plan["per_device_batch_size"]) == (16, 2, 4)
+
+
+# --- the memory plan from the data audit's lengths (issue 38: reasoning answers are long) --------------------------
+
+
+def test_the_memory_plan_takes_the_lengths_of_the_runs_prepared_data(tmp_path, thinking_model):
+    """With the run's data prepared in the cache (by a launch, its --dry_run or `python -m src.audit`), check_gpu
+    plans activations at the longest sequence as trained (prompt + reasoning + answer), cut to --max_length, and says
+    where that length came from; a --max_length that cuts the reasoning gets the audit's 99th percentile with its
+    memory. Without prepared data, the plan is at --max_length, as before."""
+    from conftest import thinking_rows, write_jsonl
+    from src.config import stage_config
+    from src.data import prepare_data
+    from src.diagnostics.data_lengths import find_data_lengths
+    from src.embedded.model import cache_root
+    from src.models import load_tokenizer
+
+    data = write_jsonl(tmp_path / "reasoning.jsonl", thinking_rows(40))
+    launch = ["--stage", "dpo", "--model_name_or_path", str(thinking_model), "--dataset_name", str(data),
+              "--use_lora"]
+    sources = replace(fake_sources(cpu_only()), data_lengths=find_data_lengths)
+
+    def checked(max_length):
+        arguments = [*launch, "--max_length", str(max_length)]
+        return run_check_with(sources, arguments), arguments
+
+    def prepare(arguments):
+        staged = stage_config(parse_launch_arguments(arguments), "dpo")
+        return prepare_data(staged.data, staged.sft, "dpo", staged.training.seed, load_tokenizer(str(thinking_model)),
+                            cache_root() / "datasets")
+
+    before, arguments = checked(512)
+    assert before["memory_plan"]["data_lengths"] is None and before["memory_plan"]["sequence_tokens"] == 512
+    assert "max_length 512 · per-device batch" in render(before)
+    prepared = prepare(arguments)
+    longest = prepared.summary["splits"]["train"]["longest_tokens"]
+    after, _ = checked(512)
+    plan = after["memory_plan"]
+    assert plan["data_lengths"]["source"] == f"the data audit of the prepared data in {prepared.path}"
+    assert plan["sequence_tokens"] == longest < 512 and plan["data_lengths"]["reasoning_share"] == 1.0
+    # activations are per token: the longest sequence instead of max_length scales them by longest / 512
+    assert plan["activation_bytes_per_sample"] == pytest.approx(
+        before["memory_plan"]["activation_bytes_per_sample"] * longest / 512, rel=1e-6)
+    assert (f"max_length 512 · planned at {longest} tokens per sequence: the data's longest, reasoning included; 99% "
+            f"within {plan['data_lengths']['suggested_max_length']} (the data audit of the prepared data in "
+            in " ".join(render(after).split()))
+    assert "max_length_cuts_data" not in codes(after)
+
+    cut_arguments = checked(24)[1]
+    cut_prepared = prepare(cut_arguments)  # another --max_length is another preparation
+    cut, _ = checked(24)
+    suggested = cut_prepared.summary["audit"]["train"]["suggested_max_length"]
+    assert cut["memory_plan"]["sequence_tokens"] == 24 and suggested > 24
+    assert "planned at 24 tokens per sequence: the data's longest, cut to max_length, reasoning included" in " ".join(
+        render(cut).split())
+    problem = next(problem for problem in cut["problems"] if problem["code"] == "max_length_cuts_data")
+    assert problem["severity"] == "warning" and str(cut_prepared.path) in problem["what"]
+    assert f"({cut['memory_plan']['data_lengths']['source']})" in problem["what"] and "into the reasoning" in problem[
+        "what"]
+    assert problem["fix"].startswith(f"--max_length {suggested} keeps 99% of them whole, reasoning included: LoRA r=16"
+                                     " needs about") and problem["fix"].endswith("(--reasoning drop)")
+    assert cut["memory_plan"]["at_suggested_max_length"]["method"] == "lora"

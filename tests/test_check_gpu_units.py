@@ -214,6 +214,40 @@ def test_largest_batch_is_zero_when_the_model_alone_does_not_fit():
     assert largest_batch(100 * GIB, 1024, 80 * GIB) == 0
 
 
+def test_the_data_audits_lengths_set_the_tokens_per_sequence_and_a_plan_that_fits_only_at_its_max_length_says_so():
+    """A LoRA 7B DPO (gradient checkpointing, batch 4) at max_length 16384 on 80 GiB: the data's longest (40,000
+    tokens) is cut to max_length, so the plan stays at 16384 and does not fit (activations grow linearly in the
+    tokens: 16384 / 2048 = 8x the suggested length's); at the audit's --max_length 2048 (99% of the data whole, 0.2%
+    cut: under the 5% warning) it fits, and the does_not_fit fix says so. With the longest under max_length, the plan
+    counts the longest."""
+    from types import SimpleNamespace
+
+    from src.diagnostics.data_lengths import DataLengths
+    from src.diagnostics.problems import max_length_cuts_data, memory_fit
+
+    lengths = DataLengths(longest_tokens=40000, suggested_max_length=2048, truncated_share=0.002,
+                          reasoning_share=1.0, reasoning_cut_share=0.001, reasoning="keep", packed=False,
+                          source="the data audit of the prepared data in /cache/dpo-x")
+    setup = TrainingSetup(stage="dpo", use_lora=True, method_chosen=True, max_length=16384, per_device_batch_size=4,
+                          gradient_checkpointing=True, precision="bf16", data_lengths=lengths)
+    shape = shape_from_param_count(7_000_000_000)
+    plan = plan_memory(shape, setup, num_devices=8, device_kind="gpu", budget_bytes=80 * GIB, budget_source="test",
+                       deepspeed_installed=False)
+    assert plan.sequence_tokens == 16384 and not plan.chosen().fits
+    at_suggested = plan.at_suggested_max_length
+    assert at_suggested.method == "lora" and at_suggested.fits
+    assert at_suggested.activation_bytes * 8 == pytest.approx(plan.chosen().activation_bytes, rel=1e-6)
+    machine = SimpleNamespace(memory_plan=plan, launch_gpus=[0])
+    (problem,) = memory_fit(machine)
+    assert "16384 tokens per sequence (the data audit's longest within max_length 16384)" in problem.what
+    assert problem.fix.startswith("--max_length 2048 keeps 99% of the data whole (the data audit of the prepared data "
+                                  "in /cache/dpo-x): LoRA r=16 needs about") and "(fits, max batch" in problem.fix
+    assert max_length_cuts_data(machine) == []
+    short = plan_memory(shape, replace(setup, data_lengths=replace(lengths, longest_tokens=3000)), num_devices=8,
+                        device_kind="gpu", budget_bytes=80 * GIB, budget_source="test", deepspeed_installed=False)
+    assert short.sequence_tokens == 3000 and short.chosen().fits
+
+
 def test_assumed_shape_has_the_requested_size():
     shape = shape_from_param_count(7_000_000_000)
     assert shape.total_params == 7_000_000_000 and not shape.exact

@@ -88,7 +88,7 @@ def run(argv: list[str]) -> int:
         check_source(stage_config(config, name).data, name)
     if not needs_hub([config.model.model_name_or_path, config.data.dataset_name]):
         use_local_files_only()
-    model_path = resolve_model_path(config.model)
+    model_path = resolve_model_path(config.model, config.data.embedded_reasoning)
     tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
                                          config.model.chat_template_path)
     reference = config.sources.get("model_name_or_path") == "--model_name_or_path"

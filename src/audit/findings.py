@@ -117,7 +117,16 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
             "Copies weigh those pairs more and may sit in the held-out splits too: drop the repeats from the file.",
             code="data_duplicates"))
     identical = train.get("identical_share") or 0
-    if paired and identical >= IDENTICAL:
+    by_drop = train.get("identical_by_reasoning_drop") or 0
+    if paired and identical >= IDENTICAL and by_drop * 2 >= (train.get("identical_pairs") or 0):
+        alerts.append(Alert(  # the user's --reasoning drop made them identical, not the export
+            "warning", f"{_percent(identical)} of rows have chosen == rejected once their reasoning is dropped "
+                       "(dropped)",
+            f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: {by_drop:,} of "
+            "them differ only in their reasoning, which --reasoning drop removes",
+            "Those pairs prefer one reasoning over another, not one answer: keep the reasoning (--reasoning keep) to "
+            "learn from them.", code="data_identical"))
+    elif paired and identical >= IDENTICAL:
         alerts.append(Alert(
             "warning", f"{_percent(identical)} of rows have chosen == rejected (dropped)",
             f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: the same answer "

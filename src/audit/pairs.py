@@ -182,6 +182,8 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
                      length_histogram=histogram({"sequence": chosen}),
                      **reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept))
         return audit
+    if not reasoning_kept:  # pairs --reasoning drop made identical (dropped as chosen == rejected): named apart
+        audit["identical_by_reasoning_drop"] = int((_column(pieces, "_pair_difference") == ONLY_REASONING_DIFFERS).sum())
     rejected = _column(pieces, "_rejected_tokens")[kept].astype(np.int64)
     shared = _column(pieces, "_shared_tokens")[kept].astype(np.int64)
     overlap = shared / np.maximum(np.minimum(chosen, rejected), 1)

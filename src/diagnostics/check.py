@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from src.config import BatchSplitError, ConfigError, Devices, Plan, World, stage_plans
+from src.config import BatchSplitError, Config, ConfigError, Devices, Plan, World, stage_plans
 
 from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
+from .data_lengths import DataLengths, find_data_lengths
 from .devices import CudaView, cuda_view, torch_cuda_uuids
 from .inputs import CheckOptions, with_plan
 from .memory_plan import MemoryPlan, plan_memory
@@ -41,6 +42,8 @@ class Sources:
     torch_cuda_uuids: Callable[[], list[str] | None]
     bench: Callable[[BenchRequest], BenchResult]
     model_shape: Callable[[str, str], ModelShape]  # (name or path, how messages name it)
+    # (the launcher's config, the stage planned) -> the lengths of that stage's prepared data, when it is cached
+    data_lengths: Callable[[Config, str], DataLengths | None] = lambda config, stage: None
 
     @classmethod
     def this_machine(cls) -> "Sources":
@@ -57,6 +60,7 @@ class Sources:
             torch_cuda_uuids=torch_cuda_uuids,
             bench=run_bench,
             model_shape=lambda name, subject: shape_from_model(name, environ, subject),
+            data_lengths=find_data_lengths,
         )
 
 
@@ -129,11 +133,11 @@ def launch_plans(machine: Machine) -> tuple[list[tuple[str, Plan]], str | None]:
         return [], str(error)
 
 
-def _memory_plan(machine: Machine, shape: ModelShape, plan: Plan) -> MemoryPlan:
+def _memory_plan(machine: Machine, shape: ModelShape, plan: Plan, lengths: DataLengths | None) -> MemoryPlan:
     budget, budget_source = _memory_budget(machine)
     return plan_memory(
         shape,
-        with_plan(machine.options.training, plan),
+        dataclasses.replace(with_plan(machine.options.training, plan), data_lengths=lengths),
         num_devices=max(1, machine.num_procs),
         device_kind="gpu" if machine.has_gpus else "cpu",
         budget_bytes=budget,
@@ -267,7 +271,8 @@ def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
     machine = assess(options, sources)
     plans, machine.plan_refused = launch_plans(machine)
     if shape is not None and plans:
-        machine.memory_plan = _memory_plan(machine, shape, plans[-1][1])  # the final stage: a pipeline's peak (DPO)
+        name, plan = plans[-1]  # the final stage: a pipeline's peak (DPO)
+        machine.memory_plan = _memory_plan(machine, shape, plan, sources.data_lengths(options.config, name))
     bench_skipped = None
     if options.bench:
         machine.bench, bench_skipped = _bench(machine, sources)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from src.config import EMBEDDED, Config, ConfigError, Plan, final_stage, parse_config
 from src.objectives import DEFAULT_STAGE
 
+from .data_lengths import DataLengths
+
 ALL_LINEAR = "all-linear"
 
 
@@ -43,6 +45,14 @@ class TrainingSetup:
     precision: str = "fp32"  # as the plan resolves it on the launch devices
     recipe_path: str | None = None
     method_chosen: bool = False  # the user picked full/LoRA/QLoRA (recipe or flag), so its fit is checked
+    # The data's audited lengths (src/diagnostics/data_lengths.py), when its prepared data is in the cache
+    data_lengths: DataLengths | None = None
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens per sequence the memory plan counts: the longest the data reaches within --max_length when its
+        audit is known, else --max_length (every batch may reach it)."""
+        return self.data_lengths.planned_tokens(self.max_length) if self.data_lengths else self.max_length
 
     @property
     def method(self) -> str:

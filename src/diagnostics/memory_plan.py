@@ -21,6 +21,9 @@ H200, a 12 x 1024 Llama at 8 pairs of 512 tokens peaked 1.40x the plan that left
 too, but scores each sequence with a one-number head: no vocabulary logits. The reference forward runs without
 gradients and its activations are freed at once, so it is left out.
 
+Tokens per sequence: --max_length, which every batch may reach; or, when the run's prepared data is in the cache
+(src/diagnostics/data_lengths.py), its audited longest sequence as trained (reasoning included), cut to --max_length.
+
 Margin: 10% for allocator fragmentation, plus 1 GiB per process for the CUDA context and cuBLAS/NCCL workspaces
 (on CPU, for the Python/torch runtime).
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 from src.objectives import objective
 
+from .data_lengths import DataLengths
 from .inputs import ALL_LINEAR, TrainingSetup
 from .model_shape import ModelShape
 
@@ -83,6 +87,12 @@ class MemoryPlan:
     lora_trainable_params: int
     activation_bytes_per_sample: int
     estimates: list[MethodEstimate] = field(default_factory=list)
+    # Tokens per sequence the activations are counted at, and why: --max_length, or the data audit's longest
+    # sequence within it (src/diagnostics/data_lengths.py)
+    sequence_tokens: int = 0
+    data_lengths: DataLengths | None = None
+    # The chosen method (else LoRA) at the --max_length the data audit suggests, when that differs from max_length
+    at_suggested_max_length: MethodEstimate | None = None
 
     def chosen(self) -> MethodEstimate | None:
         return next((estimate for estimate in self.estimates if estimate.chosen), None)
@@ -137,7 +147,7 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
     """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward; one completion for
     KTO, whose KL sequence runs without gradients before the step: src/trainers/kto.py); see the module doc."""
-    tokens = setup.max_length * objective(setup.stage).sequences_with_grad
+    tokens = setup.sequence_tokens * objective(setup.stage).sequences_with_grad
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)
     if setup.gradient_checkpointing:
@@ -152,7 +162,7 @@ def adapter_activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup,
     """What LoRA adds to one sample's activations (see the module doc): each adapted linear layer keeps its rank-r
     adapter output and, with dropout on, its dropped-out input and the dropout mask. Gradient checkpointing keeps one
     layer's worth."""
-    tokens = setup.max_length * objective(setup.stage).sequences_with_grad
+    tokens = setup.sequence_tokens * objective(setup.stage).sequences_with_grad
     adapted = [(d_in, d_out) for name, d_in, d_out in shape.linear_layers if _adapted(name, setup.lora_target_modules)]
     dropout_copy = activation_bytes + 1 if setup.lora_dropout > 0 else 0
     per_token = sum(d_in * dropout_copy + setup.lora_r * activation_bytes for d_in, _d_out in adapted)
@@ -221,6 +231,8 @@ def plan_memory(
         lora_target_modules=setup.lora_target_modules,
         lora_trainable_params=trainable,
         activation_bytes_per_sample=per_sample,
+        sequence_tokens=setup.sequence_tokens,
+        data_lengths=setup.data_lengths,
     )
     adapter_per_sample = adapter_activation_bytes_per_sample(shape, setup, weight_bytes)
     for method in METHODS:
@@ -251,4 +263,11 @@ def plan_memory(
                 note=_note(method, device_kind, num_devices, deepspeed_installed),
             )
         )
+    suggested = setup.data_lengths.suggested_max_length if setup.data_lengths else None
+    if suggested and suggested != setup.max_length and not setup.data_lengths.packed:
+        at_suggested = plan_memory(shape, dataclasses.replace(setup, max_length=suggested, data_lengths=None),
+                                   num_devices=num_devices, device_kind=device_kind, budget_bytes=budget_bytes,
+                                   budget_source=budget_source, deepspeed_installed=deepspeed_installed)
+        plan.at_suggested_max_length = at_suggested.chosen() or next(
+            estimate for estimate in at_suggested.estimates if estimate.method == "lora")
     return plan

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from src.audit.findings import TRUNCATED as TRUNCATED_SHARE  # the data audit's own threshold
+
 from .bandwidth import BenchResult
 from .devices import CudaView
 from .inputs import CheckOptions
@@ -840,16 +842,60 @@ def past_context(machine: Machine) -> list[Problem]:
                     f"--max_length {context} (or less), or a model (or rope scaling) made for longer context")]
 
 
+def _share(value: float) -> str:
+    return f"{value:.0%}" if value >= 0.01 else f"{value:.1%}"
+
+
+def _per_device(plan) -> str:
+    return "GPU" if plan.device_kind == "gpu" else "process"
+
+
+def _at_suggested(plan) -> str:
+    """What the data audit's --max_length costs with the chosen method (else LoRA)."""
+    estimate = plan.at_suggested_max_length
+    fits = (f"fits, max batch {estimate.max_per_device_batch}" if estimate.fits else
+            "does not fit" if estimate.runs_here else "cannot run here")
+    return f"{estimate.label} needs about {_gib(estimate.total_bytes)} per {_per_device(plan)} there ({fits})"
+
+
+def max_length_cuts_data(machine: Machine) -> list[Problem]:
+    """The data audit of the run's prepared data (src/diagnostics/data_lengths.py) says --max_length cuts the data
+    audit's share (5%) or more of the training sequences (reasoning answers are long): the length that keeps 99% whole,
+    and its memory."""
+    plan = machine.memory_plan
+    lengths = plan.data_lengths if plan else None
+    if (lengths is None or lengths.packed or not lengths.truncated_share or lengths.truncated_share < TRUNCATED_SHARE
+            or plan.at_suggested_max_length is None or lengths.suggested_max_length <= plan.max_length):
+        return []
+    reasoning = lengths.reasoning == "keep" and bool(lengths.reasoning_share)
+    into = (f", into the reasoning of {_share(lengths.reasoning_cut_share)} of the answers"
+            if reasoning and lengths.reasoning_cut_share else "")
+    return [Problem(WARNING, "max_length_cuts_data",
+                    f"max_length {plan.max_length} cuts {_share(lengths.truncated_share)} of the training sequences"
+                    f"{into} ({lengths.source})",
+                    f"--max_length {lengths.suggested_max_length} keeps 99% of them whole"
+                    f"{', reasoning included' if reasoning else ''}: {_at_suggested(plan)}"
+                    + ("; or train on the final answers alone (--reasoning drop)" if reasoning else ""))]
+
+
 def memory_fit(machine: Machine) -> list[Problem]:
     plan = machine.memory_plan
     chosen = plan.chosen() if plan else None
     if chosen is None or chosen.fits:
         return []
     where = f"{_gib(plan.budget_bytes)} ({plan.budget_source})"
+    length = (f"{plan.sequence_tokens} tokens per sequence (the data audit's longest within max_length "
+              f"{plan.max_length})" if plan.data_lengths else f"max_length {plan.max_length}")
     what = (
-        f"{chosen.label} needs about {_gib(chosen.total_bytes)} per {'GPU' if plan.device_kind == 'gpu' else 'process'} at per-device batch "
-        f"{plan.per_device_batch_size} and max_length {plan.max_length}, but {where} is available"
+        f"{chosen.label} needs about {_gib(chosen.total_bytes)} per {_per_device(plan)} at per-device batch "
+        f"{plan.per_device_batch_size} and {length}, but {where} is available"
     )
+    suggested = plan.at_suggested_max_length
+    if (suggested is not None and suggested.fits and suggested.method == chosen.method
+            and plan.data_lengths.suggested_max_length < plan.max_length):
+        return [Problem(ERROR, "does_not_fit", what,
+                        f"--max_length {plan.data_lengths.suggested_max_length} keeps 99% of the data whole "
+                        f"({plan.data_lengths.source}): {_at_suggested(plan)}", gpus=list(machine.launch_gpus))]
     if chosen.max_per_device_batch >= 1:
         # The launcher's cap: it keeps the batch per optimizer step through accumulation, in either batch mode
         # (a --per_device_batch_size beside a recipe's global batch_size would be refused as two batch modes).
@@ -919,6 +965,7 @@ RULES: tuple[Callable[[Machine], list[Problem]], ...] = (
     plan_refused,
     batch_does_not_split,
     memory_fit,
+    max_length_cuts_data,
     past_context,
     bench_outcome,
     shared_memory,

@@ -247,6 +247,19 @@ def _launch_plan(report: dict) -> list[str]:
     return lines
 
 
+def _lengths(plan: dict) -> str:
+    """max_length, and the tokens per sequence the plan counts when the data audit gave them (and where from)."""
+    lengths = plan.get("data_lengths")
+    if not lengths:
+        return f"max_length {plan['max_length']}"
+    if lengths["packed"]:
+        return f"max_length {plan['max_length']} (sequences packed to it)"
+    cut = ", cut to max_length" if lengths["longest_tokens"] > plan["max_length"] else ""
+    reasoning = ", reasoning included" if lengths["reasoning_share"] and lengths["reasoning"] == "keep" else ""
+    return (f"max_length {plan['max_length']} · planned at {plan['sequence_tokens']} tokens per sequence: the data's "
+            f"longest{cut}{reasoning}; 99% within {lengths['suggested_max_length']} ({lengths['source']})")
+
+
 def _memory_plan(report: dict) -> list[str]:
     plan = report["memory_plan"]
     if plan is None and report.get("plan") is None:
@@ -262,7 +275,7 @@ def _memory_plan(report: dict) -> list[str]:
     ]
     lines += _wrapped(f"source: {model['source']}", INDENT, INDENT + "  ")
     lines += _wrapped(
-        f"{plan['stage'].upper()} · max_length {plan['max_length']} · per-device batch {plan['per_device_batch_size']} ({plan['batch_source']}) · "
+        f"{plan['stage'].upper()} · {_lengths(plan)} · per-device batch {plan['per_device_batch_size']} ({plan['batch_source']}) · "
         f"gradient checkpointing {'on' if plan['gradient_checkpointing'] else 'off'} · {plan['precision']} · {devices} · "
         f"budget {_gib(plan['budget_bytes'])} GiB ({plan['budget_source']})",
         INDENT,

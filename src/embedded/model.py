@@ -2,6 +2,11 @@
 small Llama built from a config, randomly initialised, saved once into the cache and loaded from there after.
 
     python -m src.embedded.model            # builds it (if missing) and prints where it is
+
+The reasoning variant (`--embedded_reasoning`) is the same model with a tokenizer trained on the reasoning data and
+a chat template that behaves as DeepSeek-R1-Distill's: its generation prompt opens the reasoning (`<|assistant|><think>`
+and a newline), it cuts an assistant message to what follows its `</think>`, and `<think>` / `</think>` are added
+tokens that are not special (decoding keeps them, as R1's tokenizer does).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from src.embedded.generate import DATA_DIR
+from src.chat_templates import THINK_CLOSE, THINK_OPEN
+from src.embedded.generate import data_dir
 from src.run_safety.build_once import build_once
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|unk|>"]
@@ -26,6 +32,19 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+# The reasoning variant's: DeepSeek-R1-Distill's behaviour (tests/chat_templates/deepseek-r1-distill.jinja) in this
+# template's tokens.
+REASONING_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|system|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}<|user|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}{%- set content = message['content'] -%}"
+    "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip() -%}{%- endif -%}"
+    "<|assistant|>{% generation %}{{ content }}<|end|>{% endgeneration %}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|><think>{{ '\n' }}{%- endif -%}"
 )
 # 4 layers x 128 wide: big enough to learn the tasks in about a minute of CPU, small enough to stay there.
 MODEL_SHAPE = {
@@ -43,15 +62,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("PREFKIT_CACHE", Path.home() / ".cache" / "prefkit"))
 
 
-def _model_data_files() -> list[Path]:
+def _model_data_files(reasoning: bool = False) -> list[Path]:
     """The files the tokenizer is trained on and the model's cache key reads: dpo/ and sft/ (prompts/ repeats dpo/'s
     questions, so the tokenizer and the cached model stay the ones those two have always built)."""
-    return [path for stage in ("dpo", "sft") for path in sorted((DATA_DIR / stage).glob("*.jsonl"))]
+    return [path for stage in ("dpo", "sft") for path in sorted((data_dir(reasoning) / stage).glob("*.jsonl"))]
 
 
-def _corpus() -> list[str]:
+def _corpus(reasoning: bool = False) -> list[str]:
     texts = []
-    for path in _model_data_files():
+    for path in _model_data_files(reasoning):
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             for key in ("messages", "prompt", "chosen", "rejected"):
@@ -59,9 +78,10 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str]):
+def build_tokenizer(texts: list[str], reasoning: bool = False):
     """A character-level tokenizer: BPE trained with no room for merges, so every character is one token — digits
-    and letters stay separate, which is what arithmetic and string tasks need."""
+    and letters stay separate, which is what arithmetic and string tasks need. The reasoning variant's has the
+    reasoning tags as two added tokens and its own template (see the module doc)."""
     from tokenizers import Tokenizer, decoders, models, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,7 +97,9 @@ def build_tokenizer(texts: list[str]):
         tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>", unk_token="<|unk|>",
         additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
     )
-    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.chat_template = REASONING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE
+    if reasoning:
+        wrapped.add_tokens([THINK_OPEN, THINK_CLOSE])  # added, not special: decoding keeps them
     return wrapped
 
 
@@ -97,24 +119,25 @@ def build_model(tokenizer, seed: int = 0):
     return model
 
 
-def embedded_model_dir() -> Path:
+def embedded_model_dir(reasoning: bool = False) -> Path:
+    template = REASONING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE
     digest = hashlib.sha256(
-        (VERSION + json.dumps(MODEL_SHAPE, sort_keys=True) + CHAT_TEMPLATE).encode()
-        + b"".join(path.read_bytes() for path in _model_data_files())
+        (VERSION + json.dumps(MODEL_SHAPE, sort_keys=True) + template).encode()
+        + b"".join(path.read_bytes() for path in _model_data_files(reasoning))
     ).hexdigest()[:12]
-    return cache_root() / f"{VERSION}-{digest}"
+    return cache_root() / f"{VERSION}{'-reasoning' if reasoning else ''}-{digest}"
 
 
-def ensure_embedded_model() -> Path:
+def ensure_embedded_model(reasoning: bool = False) -> Path:
     """Build the model once per cache (concurrent processes wait for the one building it) and return its path."""
 
     def build(target: Path) -> None:
-        tokenizer = build_tokenizer(_corpus())
+        tokenizer = build_tokenizer(_corpus(reasoning), reasoning)
         model = build_model(tokenizer)
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
 
-    return build_once(embedded_model_dir(), build)
+    return build_once(embedded_model_dir(reasoning), build)
 
 
 if __name__ == "__main__":

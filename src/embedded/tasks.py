@@ -5,6 +5,10 @@ already has it prefers (the DPO paper's controlled-sentiment experiment). The SF
 style, as web data often does; the preference pairs prefer the direct answer over the chatty one, both correct. So
 SFT teaches the skill, DPO flips the style, and the judge counts held-out answers that are correct *and* direct.
 
+The reasoning variant (`--embedded_reasoning`, configs/embedded_reasoning.yaml) answers every task with a short
+worked step first, as a reasoning model writes it: `<think>\n47 + 5 = 52\n</think>\n\n52`; the judge reads the final
+answer after it (src/judges.py).
+
     python -m src.embedded.tasks   # prints a few examples of each task
 """
 
@@ -28,31 +32,38 @@ def _word(rng: random.Random, low: int, high: int) -> str:
 
 
 def make_problem(task: str, rng: random.Random) -> dict:
-    """One problem: the user's question, the exact answer, and the task name. Each task is one a 4-layer model
-    learns from a few thousand examples (reversing or copying words, or adding two 2-digit numbers, take it far
-    longer than the default's minute of SFT)."""
+    """One problem: the user's question, the exact answer, the task name, and the short reasoning the reasoning
+    variant writes before the answer (drawn from no random stream: the plain files are unchanged). Each task is one a
+    4-layer model learns from a few thousand examples (reversing or copying words, or adding two 2-digit numbers, take
+    it far longer than the default's minute of SFT)."""
     if task == "add":
         a, b = rng.randint(0, 99), rng.randint(0, 9)
         question, answer = f"What is {a} + {b}?", str(a + b)
+        reasoning = f"{a} + {b} = {a + b}"
     elif task == "larger":
         a, b = rng.sample(range(100), 2)
         question, answer = f"Which is larger: {a} or {b}?", str(max(a, b))
+        reasoning = f"{max(a, b)} > {min(a, b)}"
     elif task == "next":
         a = rng.randint(0, 9998)
         question, answer = f"What number comes after {a}?", str(a + 1)
+        reasoning = f"{a} + 1 = {a + 1}"
     elif task == "sort":
         word = _word(rng, 3, 5)
         question, answer = f"Sort the letters of {word}.", "".join(sorted(word))
+        reasoning = " ".join(sorted(word))
     elif task == "count":
         word = _word(rng, 4, 8)
         letter = rng.choice(word) if rng.random() < 0.8 else rng.choice(LETTERS)
         question, answer = f"How many times does {letter} appear in {word}?", str(word.count(letter))
+        reasoning = " ".join(character if character == letter else "." for character in word)
     elif task == "last":
         word = _word(rng, 3, 8)
         question, answer = f"What is the last letter of {word}?", word[-1]
+        reasoning = " ".join(word)
     else:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-    return {"task": task, "question": question, "answer": answer}
+    return {"task": task, "question": question, "answer": answer, "reasoning": reasoning}
 
 
 def direct_answer(answer: str) -> str:
@@ -61,6 +72,14 @@ def direct_answer(answer: str) -> str:
 
 def chatty_answer(answer: str) -> str:
     return answer + SIGN_OFF
+
+
+def reasoned(problem: dict, answer: str) -> str:
+    """An answer as the reasoning variant writes it: the problem's short reasoning in a <think> block, then the
+    answer (as DeepSeek-R1 writes its answers)."""
+    from src.chat_templates import reasoning_block
+
+    return reasoning_block(problem["reasoning"]) + answer
 
 
 def check(row: dict, text: str) -> dict:
