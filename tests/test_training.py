@@ -79,18 +79,6 @@ def assert_reloads_generates_and_changed(final_dir: Path, initial_dir: Path):
     assert output.shape[1] > ids["input_ids"].shape[1]
 
 
-def test_dpo_on_two_processes_trains_as_one_job(tiny_model, preference_file, tmp_path):
-    args = common_args(tiny_model, preference_file, tmp_path / "results", "dpo2", "dpo") + [
-        "--batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3"]
-    launch(2, args, tmp_path / "probe")
-    assert_trained_as_one_job(tmp_path / "probe", "dpo", 4)
-    run_dir = tmp_path / "results" / "dpo2"
-    info, metrics = assert_run_dir_complete(run_dir, 2, "dpo")
-    assert (info["per_device_batch_size"], info["gradient_accumulation_steps"], info["global_batch_size"]) == (4, 1, 8)
-    assert all(key in metrics[-2] or key in metrics[-3] for key in ("rewards/margins",))
-    assert_reloads_generates_and_changed(run_dir / "model" / "final", tiny_model)
-
-
 def test_sft_on_two_processes_trains_as_one_job(tiny_model, tmp_path):
     rows = [{"messages": row["prompt"] + row["chosen"]} for row in preference_rows(48)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
@@ -104,12 +92,14 @@ def test_sft_on_two_processes_trains_as_one_job(tiny_model, tmp_path):
 
 def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, preference_file, tmp_path):
     """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2. The data and
-    answer audits (src/audit/) come out the same too: the judge part and the answers are split across the ranks."""
+    answer audits (src/audit/) come out the same too: the judge part and the answers are split across the ranks.
+    The 2-process run trains as one job (each rank its own rows, the same weights at the end) and saves a model that
+    reloads, generates and has changed."""
     losses, audits = {}, {}
     for nproc in (1, 2):
         args = common_args(tiny_model, preference_file, tmp_path / "results", f"w{nproc}", "dpo") + [
             "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "5", "--learning_rate", "1e-3",
-            "--eval_strategy", "no", "--judge", "tests.round_judges:by_length", "--audit_judge_pairs", "30"]
+            "--judge", "tests.round_judges:by_length", "--audit_judge_pairs", "30"]
         launch(nproc, args, tmp_path / f"probe{nproc}")
         info = run_files.read_json(tmp_path / "results" / f"w{nproc}" / run_files.TRAINING_INFO)
         assert info["gradient_accumulation_steps"] == 4 // nproc and info["per_device_batch_size"] == 2
@@ -128,6 +118,12 @@ def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(ti
     for key in ("length_before", "length_after", "cut_share_after", "repetition_share_after"):
         assert key in audits[1]["answers"]["test"], key
     assert _same(audits[1], audits[2])
+    assert_trained_as_one_job(tmp_path / "probe2", "dpo", 5)
+    run_dir = tmp_path / "results" / "w2"
+    info, metrics = assert_run_dir_complete(run_dir, 2, "dpo")
+    assert (info["per_device_batch_size"], info["gradient_accumulation_steps"], info["global_batch_size"]) == (2, 2, 8)
+    assert all(key in metrics[-2] or key in metrics[-3] for key in ("rewards/margins",))
+    assert_reloads_generates_and_changed(run_dir / "model" / "final", tiny_model)
     report = (tmp_path / "results" / "w1" / "report.md").read_text()
     assert "## Data" in report and "## Answers" in report and "plots/data.png" in report
     assert (tmp_path / "results" / "w1" / "plots" / "data.png").stat().st_size > 0
