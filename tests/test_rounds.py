@@ -83,52 +83,10 @@ def test_a_sampled_answer_depends_on_its_seed_not_on_its_batch(tiny_model, tiny_
     assert generate(model, tiny_tokenizer, prompts, 8, 7) != alone  # greedy is not sampling
 
 
-def test_rounds_train_on_the_judged_pairs_and_report_every_round(tiny_model, tmp_path):
-    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
-    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "2"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    run_dir = tmp_path / "results" / "iter"
-    from tests.round_judges import by_length
-
-    for directory in (run_dir / "round1", run_dir):
-        pairs = read_pairs(directory)
-        record = run_files.read_json(directory / "round.json")
-        assert record["counts"]["prompts"] == 16 and record["counts"]["answers"] == 48
-        assert len(pairs) == record["counts"]["pairs"] == 16 - record["counts"]["skipped_all_equal"] > 0
-        for pair in pairs:  # the judge's own scores, best above worst
-            assert pair["chosen_score"] == by_length({}, pair["chosen"][0]["content"]) > \
-                   pair["rejected_score"] == by_length({}, pair["rejected"][0]["content"])
-        held_out = [json.loads(line) for line in (directory / "pairs" / "validation.jsonl").read_text().splitlines()]
-        assert len(held_out) == 4 and held_out[0]["chosen_score"] is None  # the run's own held-out pairs
-    assert read_pairs(run_dir) != read_pairs(run_dir / "round1")  # another model, another round's seeds
-    info = run_files.read_json(run_dir / "training_info.json")
-    assert info["round"]["round"] == 2 and info["status"] == "completed"
-    assert [entry["round"] for entry in info["rounds"]] == [0, 1, 2]
-    assert info["rounds"][1]["pairs"] == run_files.read_json(run_dir / "round1" / "round.json")["counts"]["pairs"]
-    assert all(entry["judged"]["val"]["metric"] == "score" for entry in info["rounds"])
-    previous = run_files.read_json(run_dir / "round1" / "training_info.json")
-    assert previous["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")  # round 1 starts from DPO
-    assert info["model_name_or_path"] == str(run_dir / "round1" / "model" / "final")
-    first = next(r for r in run_files.read_jsonl(run_dir / "round1" / "metrics.jsonl") if "rewards/chosen" in r)
-    assert first["rewards/chosen"] == first["rewards/rejected"] == 0  # reference = the round's starting model
-    report = (run_dir / "report.md").read_text()
-    assert "## Rounds" in report and "| round 2 |" in report and (run_dir / "plots" / "rounds.png").exists()
-    assert "DPO ROUND 1 of 2" in result.stdout and "pairs from 16 prompts" in result.stdout
-
-
-def test_round_reference_start_keeps_the_dpo_stages_starting_model_as_every_rounds_reference(tiny_model, tmp_path):
-    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
-    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--round_reference", "start"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    run_dir = tmp_path / "results" / "iter"
-    assert run_files.read_json(run_dir / "training_info.json")["round"]["reference"] == "start"
-    first = next(r for r in run_files.read_jsonl(run_dir / "metrics.jsonl") if "rewards/chosen" in r)
-    assert first["rewards/chosen"] != 0  # the policy left the reference (the tiny model) in the DPO stage
-
-
-def test_a_reward_model_judges_a_round(tiny_model, tmp_path):
+def test_a_reward_model_judges_a_round_whose_reference_is_the_dpo_stages_start(tiny_model, tmp_path):
     """--judge DIR: a sequence classifier (here the tiny model with a fresh one-output head, saved like a reward
-    stage's model) scores every answer; its own scores rank each pair."""
+    stage's model) scores every answer; its own scores rank each pair. The same launch: --round_reference start keeps
+    the DPO stage's starting model as the round's reference."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     from src.judges import RewardModelJudge
@@ -140,9 +98,13 @@ def test_a_reward_model_judges_a_round(tiny_model, tmp_path):
     model.save_pretrained(reward_dir)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(reward_dir)
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
-    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge", str(reward_dir)))
+    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge", str(reward_dir),
+                               "--round_reference", "start"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "results" / "iter"
+    assert run_files.read_json(run_dir / "training_info.json")["round"]["reference"] == "start"
+    first = next(r for r in run_files.read_jsonl(run_dir / "metrics.jsonl") if "rewards/chosen" in r)
+    assert first["rewards/chosen"] != 0  # the policy left the reference (the tiny model) in the DPO stage
     pairs = read_pairs(run_dir)
     assert pairs and run_files.read_json(run_dir / "round.json")["counts"]["skipped_all_equal"] == 16 - len(pairs)
     judge = RewardModelJudge(str(reward_dir), device="cpu")
@@ -187,6 +149,8 @@ def test_an_unimportable_judge_is_refused_before_any_data_is_prepared(tiny_model
 
 
 def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_before(tiny_model, tmp_path):
+    """Two rounds; the judge goes down in round 2, the relaunch resumes there, and the finished run trained on the
+    judged pairs of each round and reports every round (the judge scores as by_length while it is up)."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
     mark = tmp_path / "judge_down"
     args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "2", "--judge",
@@ -202,6 +166,7 @@ def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_befor
     mark.touch()
     out, err = first.communicate(timeout=600)
     assert first.returncode == 2 and "judge service unavailable" in err, out[-2000:] + err[-2000:]
+    assert "DPO ROUND 1 of 2" in out and "pairs from 16 prompts" in out
     pairs_before = (run_dir / "round1" / "pairs" / "train.jsonl").read_bytes()
     mark.unlink()
     second = launch(args, **env)
@@ -210,6 +175,36 @@ def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_befor
     assert "DPO ROUND 1 of 2 → " in second.stdout and "round 1: sampling" not in second.stdout
     assert "round 2: sampling" in second.stdout
     assert (run_dir / "round1" / "pairs" / "train.jsonl").read_bytes() == pairs_before
+    assert_trained_on_the_judged_pairs_and_reported_every_round(run_dir)
+
+
+def assert_trained_on_the_judged_pairs_and_reported_every_round(run_dir: Path) -> None:
+    """A finished --rounds 2 run judged by by_length's scores: each round's pairs, records, report and plot."""
+    from tests.round_judges import by_length
+
+    for directory in (run_dir / "round1", run_dir):
+        pairs = read_pairs(directory)
+        record = run_files.read_json(directory / "round.json")
+        assert record["counts"]["prompts"] == 16 and record["counts"]["answers"] == 48
+        assert len(pairs) == record["counts"]["pairs"] == 16 - record["counts"]["skipped_all_equal"] > 0
+        for pair in pairs:  # the judge's own scores, best above worst
+            assert pair["chosen_score"] == by_length({}, pair["chosen"][0]["content"]) > \
+                   pair["rejected_score"] == by_length({}, pair["rejected"][0]["content"])
+        held_out = [json.loads(line) for line in (directory / "pairs" / "validation.jsonl").read_text().splitlines()]
+        assert len(held_out) == 4 and held_out[0]["chosen_score"] is None  # the run's own held-out pairs
+    assert read_pairs(run_dir) != read_pairs(run_dir / "round1")  # another model, another round's seeds
+    info = run_files.read_json(run_dir / "training_info.json")
+    assert info["round"]["round"] == 2 and info["status"] == "completed"
+    assert [entry["round"] for entry in info["rounds"]] == [0, 1, 2]
+    assert info["rounds"][1]["pairs"] == run_files.read_json(run_dir / "round1" / "round.json")["counts"]["pairs"]
+    assert all(entry["judged"]["val"]["metric"] == "score" for entry in info["rounds"])
+    previous = run_files.read_json(run_dir / "round1" / "training_info.json")
+    assert previous["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")  # round 1 starts from DPO
+    assert info["model_name_or_path"] == str(run_dir / "round1" / "model" / "final")
+    first = next(r for r in run_files.read_jsonl(run_dir / "round1" / "metrics.jsonl") if "rewards/chosen" in r)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0  # reference = the round's starting model
+    report = (run_dir / "report.md").read_text()
+    assert "## Rounds" in report and "| round 2 |" in report and (run_dir / "plots" / "rounds.png").exists()
 
 
 def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_from_its_checkpoint(tiny_model,
