@@ -112,13 +112,11 @@ def test_every_setting_that_changes_the_log_probs_is_in_the_key():
 
 
 def test_a_cache_built_by_two_processes_serves_one_and_the_other_way_round(setup, tiny_model, tmp_path):
-    _, data, _, cold = setup
+    _, data, one_built, cold = setup  # the module's cache: built by one process (the cold run)
     two_built = tmp_path / "cache-2"
     by_two = train(dpo_args(tiny_model, data, tmp_path / "results", "two"), two_built, processes=2)
     assert by_two["cache"] == "computed"
     assert train(dpo_args(tiny_model, data, tmp_path / "results", "one"), two_built)["cache"] == "reused"
-    one_built = tmp_path / "cache-1"
-    train(dpo_args(tiny_model, data, tmp_path / "results", "one-cold"), one_built)
     by_two_warm = train(dpo_args(tiny_model, data, tmp_path / "results", "two-warm"), one_built, processes=2)
     assert by_two_warm["cache"] == "reused"
     # Same global batch on 1 or 2 processes, reference log-probs from either: the same training.
