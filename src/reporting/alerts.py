@@ -60,6 +60,12 @@ SFT_MIN_RELATIVE_DROP = 0.05
 # KTO: a KL estimate (nats, on mismatched answers) this large at the end, grown by half of it since the start and
 # still rising, is running away.
 KTO_KL_LARGE = 2.0
+# GRPO: the policy's entropy on its own answers fell below a fifth of where it started (end window against start
+# window): sampling has all but become greedy, every prompt's answers alike, and the groups stop teaching.
+ENTROPY_COLLAPSE_RATIO = 0.2
+# GRPO: over the end window, more than 80% of the prompts got answers that all scored the same (no advantage, no
+# gradient from them): a judge with more levels, more answers per prompt, or harder/easier prompts.
+TIED_GROUPS_SHARE = 0.8
 EVAL_RISE = 0.05
 EVAL_RISE_MIN = 0.01
 MIN_EVAL_POINTS = 3
@@ -121,6 +127,18 @@ ALERTS = {
         "The desirable and undesirable rows get the same implicit reward: nothing is learned from the labels. Raise "
         "the learning rate (check the scaled rate in the setup table), check the labels (--label_column and its "
         "values: a column that is mostly one class, or labels unrelated to the answers), and the weights line.",
+    ),
+    "grpo_entropy_collapse": (
+        "warning", "GRPO: the policy's entropy collapsed",
+        "The policy samples nearly the same answer every time, so a prompt's answers stop differing and GRPO's "
+        "groups stop teaching. Lower the learning rate, raise the sampling temperature, add the KL term (--beta, e.g. "
+        "0.04) or an entropy bonus (--entropy_coef), or clip higher (--epsilon_high, DAPO's clip-higher).",
+    ),
+    "grpo_groups_tied": (
+        "warning", "GRPO: most prompts' answers all score the same",
+        "A prompt whose answers all get the same reward has no advantage and teaches nothing. If they all fail, the "
+        "prompts are too hard for the model (SFT first, or easier prompts); if they all pass, too easy. A 0/1 judge "
+        "ties more than one with partial credit: give the judge more levels, or raise --num_generations.",
     ),
     "sft_not_decreasing": (
         "warning", "SFT loss not decreasing",
@@ -318,10 +336,33 @@ def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
                   f"{steps[-1]}", best_step=best_step)
 
 
+def _grpo_entropy_collapse(metrics: list[dict]) -> Alert | None:
+    _, entropy = _trend_series(metrics, "entropy")
+    if not entropy:
+        return None
+    start, end = _windows(entropy)
+    if start <= 0 or end >= ENTROPY_COLLAPSE_RATIO * start:
+        return None
+    return _alert("grpo_entropy_collapse", f"entropy {start:.3g} nats/token at the start, {end:.3g} at the end "
+                  f"({end / start:.0%} of it)")
+
+
+def _grpo_groups_tied(metrics: list[dict]) -> Alert | None:
+    steps, tied = _trend_series(metrics, "frac_reward_zero_std")
+    if not tied:
+        return None
+    _, end = _windows(tied)
+    if end <= TIED_GROUPS_SHARE:
+        return None
+    return _alert("grpo_groups_tied", f"{end:.0%} of the prompts had answers that all scored the same over the last "
+                  f"{END_FRACTION:.0%} of training (steps up to {steps[-1]})")
+
+
 # The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.
 CHECKS = {"dpo_stuck": _dpo_stuck, "dpo_displacement": _dpo_displacement, "dpo_saturated": _dpo_saturated,
           "dpo_unbounded_margins": _dpo_unbounded_margins, "kto_kl_runaway": _kto_kl_runaway,
-          "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing}
+          "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing,
+          "grpo_entropy_collapse": _grpo_entropy_collapse, "grpo_groups_tied": _grpo_groups_tied}
 EVERY_STAGE = (_non_finite, _eval_loss_rising)
 
 
