@@ -10,8 +10,11 @@ What it changes in TRL's step, and why:
 - A judge that raises or returns a non-number on any process stops every process, with one line naming the judge and
   the prompt (a JudgeError on one rank alone would leave the others waiting in the next collective).
 
+- The logged KL, entropy and clipped shares are means over the logging window's answer tokens (TRL's: a mean of
+  micro-batch means), so they too are the same on any split.
+
 The TRL internals it overrides (_prepare_inputs, _generate_and_score_completions, _tokenize_prompts,
-_generate_single_turn, _calculate_rewards) are listed in docs/development.md.
+_generate_single_turn, _calculate_rewards, _compute_loss, log, _metrics) are listed in docs/development.md.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.trainers.base import ToolkitTrainerMixin
 
 PROMPT_INDEX = "prompt_index"  # the train row a prompt came from: part of each answer's seed
+# TRL logs these as one mean per micro-batch (over every process's tokens), then averages the micro-batches of the
+# logging window: under accumulation that weighs a micro-batch of few answer tokens like one of many, so the logged KL
+# differs with the split of the global batch. Re-weighted here by each micro-batch's tokens (sequences for the clip
+# ratios at sequence level): the mean over the window's tokens, the same on any split.
+TOKEN_MEANS = ("kl", "entropy")
+CLIP_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 class JudgeReward:
@@ -92,6 +101,7 @@ class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
             train_dataset = train_dataset.add_column(PROMPT_INDEX, list(range(len(train_dataset))))
         self._generation_inputs: list[dict] = []
         self._micro_batch: dict = {}
+        self._micro_batch_weights: dict[str, list[list[float]]] = {}  # per mode: [global tokens, sequences] per micro-batch
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
 
     def get_train_dataloader(self):
@@ -150,6 +160,30 @@ class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
             end = next((index for index, token in enumerate(row) if token in self.eos_token_ids), len(row) - 1)
             answers.append(row[:end + 1])
         return answers, None
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        mask = inputs["completion_mask"]
+        counts = self.accelerator.reduce(torch.stack([mask.sum().float(), torch.tensor(float(mask.size(0)),
+                                                                                    device=mask.device)]), "sum")
+        self._micro_batch_weights.setdefault(mode, []).append(counts.tolist())
+        return super()._compute_loss(model, inputs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        weights = self._micro_batch_weights.pop(mode, [])
+        metrics = self._metrics[mode]
+        for key in TOKEN_MEANS + CLIP_MEANS:
+            values = metrics.get(key)
+            if not values or len(values) != len(weights):
+                continue
+            by_sequence = key in CLIP_MEANS and self.args.importance_sampling_level == "sequence"
+            counts = [sequences if by_sequence else tokens for tokens, sequences in weights]
+            pairs = [(value, count) for value, count in zip(values, counts) if not math.isnan(value)]
+            total = sum(count for _, count in pairs)
+            if total > 0:
+                metrics[key] = [sum(value * count for value, count in pairs) / total]
+        super().log(logs, start_time)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # gathered: all ranks
