@@ -5,6 +5,9 @@
 Each rank writes PROBE_DIR/rank<r>.json when training ends: per optimizer step, every answer it sampled (its prompt's
 train row, its token ids, its advantage), and (rank 0) the rewards of the whole generation batch as TRL gathered them,
 in the batch's order.
+
+PROBE_TRL_OWN=1 puts TRL's own sampling (each process's global generator) and metric averaging back, to measure whether
+TRL's GRPOTrainer as shipped gives the same numbers on any split (docs/grpo.md: it does not).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,6 +29,11 @@ from src.trainers import build  # noqa: E402
 def instrument(build_trainer, probe_dir: Path):
     def build(stage, *args, **kwargs):
         trainer = build_trainer(stage, *args, **kwargs)
+        if os.environ.get("PROBE_TRL_OWN") == "1":
+            from trl import GRPOTrainer
+
+            for name in ("_generate_single_turn", "_compute_loss", "log"):
+                setattr(trainer, name, types.MethodType(getattr(GRPOTrainer, name), trainer))
         answers, rewards = [], {}
         generate, calculate = trainer._generate_and_score_completions, trainer._calculate_rewards
 

@@ -30,6 +30,7 @@ from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.trainers.base import ToolkitTrainerMixin
 
 PROMPT_INDEX = "prompt_index"  # the train row a prompt came from: part of each answer's seed
+SEED_SALT = "grpo-answers"  # apart from the rounds' streams (seed, round, row, answer) for the same seed
 # TRL logs these as one mean per micro-batch (over every process's tokens), then averages the micro-batches of the
 # logging window: under accumulation that weighs a micro-batch of few answer tokens like one of many, so the logged KL
 # differs with the split of the global batch. Re-weighted here by each micro-batch's tokens (sequences for the clip
@@ -137,7 +138,7 @@ class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
         device = self.accelerator.device
         rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
         numbers = answer_numbers(rows, self.accelerator.process_index)
-        seeds = [answer_seed(self.args.seed, "grpo", self.state.global_step, row, number)
+        seeds = [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
                  for row, number in zip(rows, numbers)]
         sampling = Sampling(self.temperature, self.top_p, self.top_k or 0)
         generation = GenerationConfig(max_new_tokens=self.max_completion_length, do_sample=False, num_beams=1,
