@@ -4,7 +4,8 @@ The guarantee the rounds keep, kept here: every answer is sampled from its own s
 row, answer number), so one process x 4 accumulation steps, 2 x 2 and 4 x 1 sample the same answers, get the same
 rewards and advantages (each prompt's group is normalised over all its answers, wherever they were sampled) and the
 same loss, KL and entropy (TRL's dapo loss is normalised over the global batch's answer tokens; the toolkit logs the KL
-and entropy as means over the window's tokens): one launch per split, one test.
+and entropy as means over the window's tokens); and a worker killed after a checkpoint resumes to the same numbers,
+generation included: one launch per split, the 2 x 2 one killed and resumed, one test.
 """
 
 from __future__ import annotations
@@ -169,20 +170,24 @@ def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
 # ------------------------------------------------------------------------------- the same numbers on any split
 
 
-def test_the_same_answers_rewards_advantages_and_loss_on_1x4_2x2_4x1(tiny_model, tmp_path):
-    """16 answers per step (4 prompts x 4), 2 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
+def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker(tiny_model, tmp_path):
+    """16 answers per step (4 prompts x 4), 3 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
     sample the same answers to the same prompts, gather the same rewards, give each answer the same advantage, and
-    log the same loss, KL and entropy (1e-5)."""
+    log the same loss, KL and entropy (1e-5). The 2 x 2 run's rank 1 is killed right after checkpoint-2 and torchrun
+    restarts both: the resumed step 3 samples the same answers, and the curves go on as if nothing happened."""
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    killed = tmp_path / "killed"
     runs = {}
     for processes, accumulation in ((1, 4), (2, 2), (4, 1)):
         name = f"{processes}x{accumulation}"
         probe = tmp_path / "probe" / name
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-                   "tests/grpo_probe.py", str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name,
-                                                                  "--gradient_accumulation_steps", str(accumulation))]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+                   "--nproc_per_node", str(processes), "tests/grpo_probe.py", str(probe),
+                   *grpo_args(tiny_model, data, tmp_path / "results", name, "--gradient_accumulation_steps",
+                              str(accumulation), "--max_steps", "3", "--save_steps", "1")]
+        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:1:{killed}"} if processes == 2 else {}
         result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                                env=os.environ | {"OMP_NUM_THREADS": "1"})
+                                env=os.environ | {"OMP_NUM_THREADS": "1"} | seam)
         assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(processes)]
         assert {(rank["world_size"], rank["accumulation"]) for rank in ranks} == {(processes, accumulation)}
@@ -191,15 +196,23 @@ def test_the_same_answers_rewards_advantages_and_loss_on_1x4_2x2_4x1(tiny_model,
         metrics = [record for record in run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
                    if "loss" in record]
         runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics}
+    assert killed.exists(), "the seam never fired: the resume proves nothing"
+    info = run_files.read_json(tmp_path / "results" / "2x2" / run_files.TRAINING_INFO)
+    assert [resume["from_step"] for resume in info["resumes"]] == [2]
     reference = runs["1x4"]
-    assert len(reference["answers"]) == 2 * 16 and len({answer[1] for answer in reference["answers"]}) == 8
+    assert len(reference["answers"]) == 3 * 16 and len({answer[1] for answer in reference["answers"]}) == 12
     assert any(answer[3] != 0 for answer in reference["answers"]), "no advantage: the test would prove nothing"
     for name, run in runs.items():
-        assert [answer[:3] for answer in run["answers"]] == [answer[:3] for answer in reference["answers"]], name
-        assert [answer[3] for answer in run["answers"]] == pytest.approx(
-            [answer[3] for answer in reference["answers"]], abs=1e-5), name
-        assert run["rewards"] == reference["rewards"], name
+        # the resumed run's workers sampled step 3 alone (steps 1-2 were before the kill)
+        expected = [answer for answer in reference["answers"] if answer[0] == 2] if name == "2x2" else \
+            reference["answers"]
+        assert [answer[:3] for answer in run["answers"]] == [answer[:3] for answer in expected], name
+        assert [answer[3] for answer in run["answers"]] == pytest.approx([answer[3] for answer in expected],
+                                                                         abs=1e-5), name
+        assert run["rewards"] == {step: rewards for step, rewards in reference["rewards"].items()
+                                  if name != "2x2" or step == "2"}, name
+        assert [record["step"] for record in run["metrics"]] == [1, 2, 3], name
         for key in ("loss", "kl", "entropy", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
             assert [record[key] for record in run["metrics"]] == pytest.approx(
                 [record[key] for record in reference["metrics"]], abs=1e-5), (name, key)
-    assert reference["metrics"][-1]["kl"] > 0  # the policy moved from the reference in step 1
+    assert reference["metrics"][-1]["kl"] > 0  # the policy moved from the reference
