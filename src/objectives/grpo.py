@@ -141,9 +141,9 @@ OBJECTIVE = Objective(
             Panel("GRPO loss (clipped policy-gradient surrogate + β·KL)", "loss", (Curve("loss", "loss"),),
                   min_y_span=0.05),)),
         Chart("rewards.png", "Rewards per judge", (
-            Panel("Reward: mean over the batch's answers (the weighted sum of the judges)", "reward",
-                  (Curve("reward", "reward (weighted sum)", "#2ca02c"),
-                   Curve("reward_std", "spread (std over the batch)", "#9467bd")), min_y_span=0.2),
+            Panel("Reward (the judges' weighted sum)", "reward",
+                  (Curve("reward", "mean over the batch's answers", "#2ca02c"),
+                   Curve("reward_std", "spread (std)", "#9467bd")), min_y_span=0.2),
             Panel("Reward per judge: mean", "reward", (), per_logged_key=("rewards/*/mean", "mean"),
                   min_y_span=0.2),
             Panel("Reward per judge: spread (std)", "reward", (), per_logged_key=("rewards/*/std", "std"),
@@ -156,7 +156,8 @@ OBJECTIVE = Objective(
             Panel("KL to the reference (needs --beta > 0)", "nats / token", (Curve("kl", "KL"),), min_y_span=0.01),
             Panel("Entropy of the policy on its answers", "nats / token", (Curve("entropy", "entropy", "#ff7f0e"),),
                   min_y_span=0.1),
-            Panel("Clipped share of tokens (ratio outside 1 ± ε)", "fraction of tokens",
+            Panel("Clipped share of tokens (ratio outside 1 ± ε; 0 while each batch trains once: --num_iterations 1)",
+                  "fraction of tokens",
                   (Curve("clip_ratio/region_mean", "clipped"),), ylim=(-0.02, 1.04)),)),
         Chart("answers.png", "Answer length", (
             Panel("Answer length", "tokens", (Curve("completions/mean_length", "mean"),

@@ -172,8 +172,9 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
 
     drew, spans = False, set()
     curves = panel_curves(metrics, panel)
+    named = panel.per_logged_key is not None  # a curve per logged key: its legend names it, even alone
     for curve in curves:
-        drew_curve, span = _draw_curve(ax, metrics, curve, single_curve=len(curves) == 1)
+        drew_curve, span = _draw_curve(ax, metrics, curve, single_curve=len(curves) == 1 and not named)
         drew |= drew_curve
         spans |= {span} - {None}
     ax.set_title(panel.title, fontsize=12, fontweight="bold", loc="left")
@@ -207,7 +208,7 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     ax.set_xlim(left=0)
-    if len(ax.get_legend_handles_labels()[1]) > 1:
+    if len(ax.get_legend_handles_labels()[1]) > (0 if named else 1):
         ax.legend(fontsize=8.5, framealpha=0.85, loc="best")
     return True
 
