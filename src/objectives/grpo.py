@@ -156,8 +156,7 @@ OBJECTIVE = Objective(
             Panel("KL to the reference (needs --beta > 0)", "nats / token", (Curve("kl", "KL"),), min_y_span=0.01),
             Panel("Entropy of the policy on its answers", "nats / token", (Curve("entropy", "entropy", "#ff7f0e"),),
                   min_y_span=0.1),
-            Panel("Clipped share of tokens (ratio outside 1 ± ε; 0 while each batch trains once: --num_iterations 1)",
-                  "fraction of tokens",
+            Panel("Clipped tokens (0 if --num_iterations 1)", "fraction of tokens",
                   (Curve("clip_ratio/region_mean", "clipped"),), ylim=(-0.02, 1.04)),)),
         Chart("answers.png", "Answer length", (
             Panel("Answer length", "tokens", (Curve("completions/mean_length", "mean"),
