@@ -1041,7 +1041,8 @@ def has_judge(config: Config) -> bool:
 def validate_judges(config: Config) -> None:
     """An objective whose rewards are the judges' scores, on data no judge knows and with none named: one line."""
     row = objective(config.training.stage)
-    if row.rewards_from_judges and not has_judge(config):
+    has_data = config.data.dataset_name or config.data.dataset_mixture  # check_gpu plans without any
+    if row.rewards_from_judges and has_data and not has_judge(config):
         raise ConfigError(f"--stage {config.training.stage} learns from rewards, and {config.data.dataset_name or 'the data'} "
                           "has no judge to give them: name one with --judge (or several with --rewards): "
                           "module:function (your own check: function(row, answer) -> a number, row['meta'] holds the "

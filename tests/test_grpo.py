@@ -70,6 +70,9 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     args = build_trl_config("grpo", config, resolve_plan(config, World(), Devices("cpu", 0, [])), tmp_path, False, 10)
     # A DPO recipe's loss does not apply to GRPO; a flag asking for one is refused (test_mistakes_are_one_line)
     assert (args.num_generations, args.max_completion_length, args.loss_type, args.beta) == (4, 16, "dapo", 0.3)
+    # check_gpu plans from a size alone, with no data: no judge is asked for
+    assert parse_config(["--stage", "grpo", "--num_generations", "8"], require_sources=False,
+                        default_recipe=False).training.stage == "grpo"
 
 
 MISTAKES = [
