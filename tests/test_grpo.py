@@ -170,6 +170,31 @@ def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
                                                                          "tests.round_judges.always_one mean"]
 
 
+def grpo_history(steps: int = 40, entropy_end: float = 0.5, tied_end: float = 0.3, length_end: float = 20.0,
+                 cut_end: float = 0.0) -> list[dict]:
+    """A GRPO run's records as TRL logs them, each curve moving linearly from a healthy start to its given end."""
+    def at(step: int, start: float, end: float) -> float:
+        return start + (end - start) * (step - 1) / (steps - 1)
+
+    return [{"step": step, "loss": 0.1, "reward": 0.5, "entropy": at(step, 0.5, entropy_end),
+             "frac_reward_zero_std": at(step, 0.3, tied_end), "completions/mean_length": at(step, 20.0, length_end),
+             "completions/clipped_ratio": at(step, 0.0, cut_end)} for step in range(1, steps + 1)]
+
+
+@pytest.mark.parametrize("history, alerted", [
+    (grpo_history(), set()),
+    (grpo_history(entropy_end=0.01), {"grpo_entropy_collapse"}),
+    (grpo_history(entropy_end=0.2), set()),  # 40%: lower, not collapsed
+    (grpo_history(tied_end=0.95), {"grpo_groups_tied"}),
+    (grpo_history(length_end=60.0, cut_end=0.5), {"grpo_length_runaway"}),
+    (grpo_history(length_end=60.0), set()),  # longer within the limit: a habit forming, not a runaway
+])
+def test_health_alerts_for_entropy_collapse_tied_groups_and_runaway_length(history, alerted):
+    from src.reporting.alerts import detect_alerts
+
+    assert {alert.code for alert in detect_alerts(history, "grpo")} == alerted
+
+
 # ------------------------------------------------------------------------------- the same numbers on any split
 
 

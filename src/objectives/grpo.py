@@ -177,7 +177,7 @@ OBJECTIVE = Objective(
                      SummaryNumber("tied_groups", "frac_reward_zero_std", "final share of tied groups", percent=True),
                      SummaryNumber("entropy", "entropy", "final entropy"),
                      SummaryNumber("answer_length", "completions/mean_length", "final answer length")),
-    alerts=("grpo_entropy_collapse", "grpo_groups_tied"),
+    alerts=("grpo_entropy_collapse", "grpo_groups_tied", "grpo_length_runaway"),
     trl_settings=trl_settings,
     trainer_inputs=trainer_inputs,
     run_info=run_info,

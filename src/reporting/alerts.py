@@ -66,6 +66,11 @@ ENTROPY_COLLAPSE_RATIO = 0.2
 # GRPO: over the end window, more than 80% of the prompts got answers that all scored the same (no advantage, no
 # gradient from them): a judge with more levels, more answers per prompt, or harder/easier prompts.
 TIED_GROUPS_SHARE = 0.8
+# GRPO: the answers grew to half again their starting length and a fifth or more of them now hit the length limit:
+# length running away (a judge that rewards longer answers, or the loss's length bias), not a reasoning habit forming
+# within the limit.
+LENGTH_GROWTH = 1.5
+LENGTH_CUT_SHARE = 0.2
 EVAL_RISE = 0.05
 EVAL_RISE_MIN = 0.01
 MIN_EVAL_POINTS = 3
@@ -139,6 +144,12 @@ ALERTS = {
         "A prompt whose answers all get the same reward has no advantage and teaches nothing. If they all fail, the "
         "prompts are too hard for the model (SFT first, or easier prompts); if they all pass, too easy. A 0/1 judge "
         "ties more than one with partial credit: give the judge more levels, or raise --num_generations.",
+    ),
+    "grpo_length_runaway": (
+        "warning", "GRPO: answer length running away",
+        "The answers keep growing and more of them are cut at the length limit, where they end without a final "
+        "answer. Check that no judge rewards length itself; use a loss normalised per token (dapo, dr_grpo), mask the "
+        "cut answers (--mask_truncated_completions true), or raise --max_new_tokens if the task needs longer answers.",
     ),
     "sft_not_decreasing": (
         "warning", "SFT loss not decreasing",
@@ -358,11 +369,25 @@ def _grpo_groups_tied(metrics: list[dict]) -> Alert | None:
                   f"{END_FRACTION:.0%} of training (steps up to {steps[-1]})")
 
 
+def _grpo_length_runaway(metrics: list[dict]) -> Alert | None:
+    _, lengths = _trend_series(metrics, "completions/mean_length")
+    _, cut = _trend_series(metrics, "completions/clipped_ratio")
+    if not lengths or not cut:
+        return None
+    start, end = _windows(lengths)
+    cut_end = _windows(cut)[1]
+    if start <= 0 or end < LENGTH_GROWTH * start or cut_end < LENGTH_CUT_SHARE:
+        return None
+    return _alert("grpo_length_runaway", f"answers {start:.3g} tokens long at the start, {end:.3g} at the end "
+                  f"(x{end / start:.2f}); {cut_end:.0%} cut at the length limit at the end")
+
+
 # The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.
 CHECKS = {"dpo_stuck": _dpo_stuck, "dpo_displacement": _dpo_displacement, "dpo_saturated": _dpo_saturated,
           "dpo_unbounded_margins": _dpo_unbounded_margins, "kto_kl_runaway": _kto_kl_runaway,
           "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing,
-          "grpo_entropy_collapse": _grpo_entropy_collapse, "grpo_groups_tied": _grpo_groups_tied}
+          "grpo_entropy_collapse": _grpo_entropy_collapse, "grpo_groups_tied": _grpo_groups_tied,
+          "grpo_length_runaway": _grpo_length_runaway}
 EVERY_STAGE = (_non_finite, _eval_loss_rising)
 
 
