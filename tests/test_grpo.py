@@ -195,6 +195,26 @@ def test_health_alerts_for_entropy_collapse_tied_groups_and_runaway_length(histo
     assert {alert.code for alert in detect_alerts(history, "grpo")} == alerted
 
 
+def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
+    """report.md of a GRPO run: the charts of its row (a reward curve per judge, read from the logged keys), the data
+    table of prompts (no pair rows), its loss settings and final numbers."""
+    from report_fixtures import training_info, write_run_dir
+    from src.reporting.report import build_report
+
+    history = [record | {"rewards/embedded/mean": 0.5, "rewards/embedded/std": 0.4, "rewards/fmt.ok/mean": 1.0,
+                         "rewards/fmt.ok/std": 0.0, "reward_std": 0.4, "kl": 0.001 * record["step"]}
+               for record in grpo_history()]
+    prompts = {"pairs": 24, "distinct_prompts": 24, "duplicate_pairs": 0, "duplicate_share": 0.0, "empty_answers": 0,
+               "prompts_dropped": 0, "prompt_tokens": {"mean": 9.0, "median": 9, "p95": 10}}
+    info = training_info("grpo", beta=0.04, loss_type="dapo", num_generations=8, rewards=["embedded", "fmt:ok"],
+                         reward_weights=[1.0, 0.2], data_audit={"train": prompts, "test": prompts})
+    report = build_report(write_run_dir(tmp_path / "run", history, info)).read_text(encoding="utf-8")
+    assert "| prompts | 24 | 24 |" in report and "chosen tokens" not in report
+    assert "embedded x 1, fmt:ok x 0.2" in report and "final share of tied groups" in report
+    for chart in ("rewards.png", "groups.png", "policy.png", "answers.png"):
+        assert (tmp_path / "run" / "plots" / chart).stat().st_size > 10_000, chart
+
+
 # ------------------------------------------------------------------------------- the same numbers on any split
 
 
