@@ -22,9 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from src import main_distributed  # noqa: E402
-from src.trainers import build  # noqa: E402
-
 
 def instrument(build_trainer, probe_dir: Path):
     def build(stage, *args, **kwargs):
@@ -67,7 +64,6 @@ def instrument(build_trainer, probe_dir: Path):
 
 
 if __name__ == "__main__":
-    probe_dir = Path(sys.argv[1])
-    probe_dir.mkdir(parents=True, exist_ok=True)
-    build.build_trainer = instrument(build.build_trainer, probe_dir)
-    sys.exit(main_distributed.main(sys.argv[2:]))
+    from rank_probe import run  # tests/ is on the path: this script's folder
+
+    sys.exit(run(instrument))
