@@ -75,6 +75,41 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
                         default_recipe=False).training.stage == "grpo"
 
 
+def test_check_gpu_plans_the_kv_cache_of_sampling_and_a_reference_only_with_the_kl_term():
+    """check_gpu's memory plan for --stage grpo: a sequence is a prompt and its answer (max_length + max_new_tokens);
+    the KV cache of the sampled answers (per-device batch x accumulation sequences, each layers x 2 x kv_size per
+    token, plus one row of fp32 logits) is the peak when larger than the step's activations; a reference copy only
+    with --beta > 0 (full fine-tuning); --beta 0 is a setting."""
+    from src.config import Devices, World, resolve_plan
+    from src.diagnostics.inputs import parse_launch_arguments, training_setup, with_plan
+    from src.diagnostics.memory_plan import GIB, LOGITS_FP32_BYTES, plan_memory
+    from src.diagnostics.model_shape import shape_from_param_count
+
+    shape = shape_from_param_count(1_500_000_000)
+
+    def plan(*flags: str):
+        config = parse_launch_arguments(["--stage", "grpo", "--batch_size", "16", "--gradient_accumulation_steps", "2",
+                                         "--max_length", "256", "--max_new_tokens", "768", *flags], size_given=True)
+        setup = with_plan(training_setup(config), resolve_plan(config, World(), Devices("cpu", 0, [])))
+        return setup, plan_memory(shape, setup, num_devices=1, device_kind="gpu", budget_bytes=80 * GIB,
+                                  budget_source="test", deepspeed_installed=True)
+
+    setup, without_kl = plan("--beta", "0")
+    weight_bytes = 4 if without_kl.precision == "fp32" else 2
+    assert (setup.max_length, setup.generation_tokens, setup.per_device_batch_size, setup.generation_steps) == (
+        1024, 1024, 8, 2)
+    per_sequence = 2 * (1024 * shape.num_layers * 2 * shape.kv_size * weight_bytes
+                        + shape.vocab_size * LOGITS_FP32_BYTES)
+    assert without_kl.generation_bytes_per_sample == per_sequence
+    full = {estimate.method: estimate for estimate in without_kl.estimates}["full"]
+    assert full.reference_bytes == 0 and full.activation_bytes == 8 * max(per_sequence,
+                                                                         without_kl.activation_bytes_per_sample)
+    _, with_kl = plan("--beta", "0.04")
+    estimates = {estimate.method: estimate for estimate in with_kl.estimates}
+    assert estimates["full"].reference_bytes == shape.total_params * weight_bytes
+    assert estimates["lora"].reference_bytes == 0  # the base with its adapters off
+
+
 MISTAKES = [
     (["--num_generations", "3"], "--num_generations 3 does not divide the batch of 16 answers",
      "use --batch_size 15 or 18"),

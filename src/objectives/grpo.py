@@ -56,6 +56,15 @@ def trainer_inputs(config) -> dict:
     return {"reward_funcs": judge_rewards(judges_of(config), config.data.dataset_name)}
 
 
+def memory_setup(config) -> dict:
+    """check_gpu's view of a GRPO step: a sequence is a prompt (kept under --max_length) and its answer; sampling keeps
+    a KV cache for as many; a reference copy only with the KL term (--beta > 0)."""
+    answer = int(config.trl_overrides.get("max_completion_length", config.training.max_new_tokens))
+    tokens = config.data.max_length + answer
+    return {"max_length": tokens, "generation_tokens": tokens, "reference_kept": beta_of(config) > 0,
+            "precompute_ref_log_probs": False, "generation_steps": config.trl_overrides.get("steps_per_generation")}
+
+
 def validate(config) -> None:
     from src.config import ConfigError  # src.config reads this table at import
 
@@ -135,6 +144,7 @@ OBJECTIVE = Objective(
     causal_lm=True,
     ends_pipeline=True,
     rewards_from_judges=True,
+    beta_may_be_zero=True,
     embedded_data="prompts",
     charts=(
         Chart("loss.png", "GRPO loss", (
@@ -180,6 +190,7 @@ OBJECTIVE = Objective(
     alerts=("grpo_entropy_collapse", "grpo_groups_tied", "grpo_length_runaway"),
     trl_settings=trl_settings,
     trainer_inputs=trainer_inputs,
+    memory_setup=memory_setup,
     run_info=run_info,
     validate=validate,
     preflight=preflight,

@@ -170,6 +170,12 @@ class Objective:
     # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
     # parsed (src/config.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
     rewards_from_judges: bool = False
+    # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
+    beta_may_be_zero: bool = False
+    # (config) → check_gpu's view of its step where the table's sequences do not say it all, as TrainingSetup fields
+    # (src/diagnostics/inputs.py): GRPO's sequence is a prompt and its sampled answer, it samples with a KV cache
+    # before it trains, and it keeps a reference copy only with a KL term
+    memory_setup: Callable | None = field(default=None, compare=False)
     # (config) → keyword arguments its trainer takes beyond TRL's common ones (GRPO: the judges as reward functions),
     # built on every process when the trainer is (src/trainers/build.py)
     trainer_inputs: Callable | None = field(default=None, compare=False)
