@@ -200,6 +200,8 @@ def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
     for key in ("kl", "entropy", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
                 "clip_ratio/region_mean"):
         assert math.isfinite(record[key]), key
+    # where the step's time went: its sampling and judging inside TRL's whole step
+    assert 0 < record["time/generation_s"] + record["time/judging_s"] < record["step_time"]
     panel = objective("grpo").charts[1].panels[1]
     assert [curve.label for curve in panel_curves([record], panel)] == ["tests.round_judges.by_length mean",
                                                                          "tests.round_judges.always_one mean"]

@@ -10,6 +10,8 @@ What it changes in TRL's step, and why:
 - A judge that raises or returns a non-number on any process stops every process, with one line naming the judge and
   the prompt (a JudgeError on one rank alone would leave the others waiting in the next collective).
 
+- Each step logs the seconds its sampling and its judging took (time/generation_s, time/judging_s) beside TRL's
+  step_time.
 - The logged KL, entropy and clipped shares are means over the logging window's answer tokens (TRL's: a mean of
   micro-batch means), so they too are the same on any split.
 
@@ -20,6 +22,7 @@ _generate_single_turn, _calculate_rewards, _compute_loss, log, _metrics) are lis
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from trl import GRPOTrainer
@@ -135,6 +138,7 @@ class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
         from trl.models import unwrap_model_for_generation
         from trl.trainer.utils import pad
 
+        started = time.perf_counter()
         device = self.accelerator.device
         rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
         numbers = answer_numbers(rows, self.accelerator.process_index)
@@ -155,12 +159,19 @@ class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
             output = unwrapped_model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
                 logits_processor=LogitsProcessorList([SeededSampling(seeds, sampling, device)]))
+        self._note_seconds("time/generation_s", started)
         completions = output[:, input_ids.size(1):].cpu()
         answers = []
         for row in completions.tolist():  # up to and including the first end token, as TRL keeps them
             end = next((index for index, token in enumerate(row) if token in self.eos_token_ids), len(row) - 1)
             answers.append(row[:end + 1])
         return answers, None
+
+    def _note_seconds(self, key: str, started: float) -> None:
+        """Seconds of a phase of the step on this process (rank 0's are logged): where a step's time goes, beside
+        TRL's step_time (the whole step: sampling, judging and training)."""
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode][key].append(time.perf_counter() - started)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -187,7 +198,9 @@ class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
         super().log(logs, start_time)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        started = time.perf_counter()
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # gathered: all ranks
+        self._note_seconds("time/judging_s", started)
         local = next((reward.error for reward in self.reward_funcs if getattr(reward, "error", None)), None)
         failed = next((error for (error,) in gather_objects([local]) if error), None)
         if failed:
