@@ -70,6 +70,13 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     args = build_trl_config("grpo", config, resolve_plan(config, World(), Devices("cpu", 0, [])), tmp_path, False, 10)
     # A DPO recipe's loss does not apply to GRPO; a flag asking for one is refused (test_mistakes_are_one_line)
     assert (args.num_generations, args.max_completion_length, args.loss_type, args.beta) == (4, 16, "dapo", 0.3)
+    # the settings whose step depends on the split are warned of as the stage opens (docs/grpo.md)
+    from src.objectives import objective
+
+    warned = objective("grpo").warnings(parse_config(["--stage", "grpo", *base, "--loss_type", "bnpo",
+                                                      "--entropy_coef", "0.01"]))
+    assert [line.split(" ", 2)[:2] for line in warned] == [["--loss_type", "bnpo"], ["the", "entropy"]]
+    assert not objective("grpo").warnings(config)
     # check_gpu plans from a size alone, with no data: no judge is asked for
     assert parse_config(["--stage", "grpo", "--num_generations", "8"], require_sources=False,
                         default_recipe=False).training.stage == "grpo"

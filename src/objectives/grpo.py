@@ -110,6 +110,20 @@ def preflight(name: str, staged, plan, world_size: int) -> str | None:
     return None
 
 
+def warnings(config) -> list[str]:
+    """Settings whose step depends on how the global batch is split into processes x accumulation (TRL averages them
+    per micro-batch): the run trains, but not to the same numbers on another number of processes."""
+    found = []
+    if loss_type_of(config) == "bnpo":
+        found.append("--loss_type bnpo averages over each micro-batch's tokens, so its step differs with the number "
+                     "of processes and accumulation steps (dapo normalises over the global batch's tokens: the same "
+                     "step on any split)")
+    if float(config.trl_overrides.get("entropy_coef", 0.0)) or config.trl_overrides.get("use_adaptive_entropy"):
+        found.append("the entropy bonus (--entropy_coef, --use_adaptive_entropy) is TRL's mean over each "
+                     "micro-batch's tokens, so the step differs with the number of processes and accumulation steps")
+    return found
+
+
 def run_info(config, data_settings: dict) -> dict:
     overrides = config.trl_overrides
     return {"beta": beta_of(config), "loss_type": loss_type_of(config),
@@ -197,6 +211,7 @@ OBJECTIVE = Objective(
     memory_setup=memory_setup,
     run_info=run_info,
     validate=validate,
+    warnings=warnings,
     preflight=preflight,
     loss_rows=loss_rows,
     setup_line=setup_line,
