@@ -189,7 +189,7 @@ OBJECTIVE = Objective(
             Panel("Answers cut at --max_completion_length", "fraction of answers",
                   (Curve("completions/clipped_ratio", "cut"),), ylim=(-0.02, 1.04)),)),
         Chart("step_time.png", "Where a step's time goes", (
-            Panel("Seconds per step: the whole step, its sampling and its judging (rank 0)", "seconds",
+            Panel("Seconds per step (rank 0)", "seconds",
                   (Curve("step_time", "step"), Curve("time/generation_s", "sampling", "#ff7f0e"),
                    Curve("time/judging_s", "judging", "#2ca02c")), y_from_zero=True),)),
     ),
