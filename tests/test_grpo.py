@@ -239,6 +239,23 @@ def test_health_alerts_for_entropy_collapse_tied_groups_and_runaway_length(histo
     assert {alert.code for alert in detect_alerts(history, "grpo")} == alerted
 
 
+@pytest.mark.parametrize("reward_end, before, after, alerted", [
+    (0.9, 0.50, 0.40, True),   # reward up, judged held-out score down 10 points: hacking
+    (0.9, 0.50, 0.49, False),  # down 1 point: within the judge's noise
+    (0.3, 0.50, 0.40, False),  # the reward fell too: not a reward the policy learned to get
+    (0.9, 0.40, 0.50, False),
+])
+def test_reward_rising_while_the_judged_held_out_score_falls_is_reward_hacking(reward_end, before, after, alerted):
+    from src.reporting.alerts import detect_alerts
+
+    history = [record | {"reward": 0.5 + (reward_end - 0.5) * index / 39} for index, record in
+               enumerate(grpo_history())]
+    info = {"judge": {"metric": "correct_and_preferred", "split": "test", "n": 200, "before": before, "after": after}}
+    codes = {alert.code for alert in detect_alerts(history, "grpo", info)}
+    assert ("grpo_reward_hacking" in codes) == alerted
+    assert "grpo_reward_hacking" not in {alert.code for alert in detect_alerts(history, "grpo")}  # no info: not run
+
+
 def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
     """report.md of a GRPO run: the charts of its row (a reward curve per judge, read from the logged keys), the data
     table of prompts (no pair rows), its loss settings and final numbers."""

@@ -205,7 +205,7 @@ OBJECTIVE = Objective(
                      SummaryNumber("tied_groups", "frac_reward_zero_std", "final share of tied groups", percent=True),
                      SummaryNumber("entropy", "entropy", "final entropy"),
                      SummaryNumber("answer_length", "completions/mean_length", "final answer length")),
-    alerts=("grpo_entropy_collapse", "grpo_groups_tied", "grpo_length_runaway"),
+    alerts=("grpo_entropy_collapse", "grpo_groups_tied", "grpo_length_runaway", "grpo_reward_hacking"),
     trl_settings=trl_settings,
     trainer_inputs=trainer_inputs,
     memory_setup=memory_setup,

@@ -70,6 +70,10 @@ TIED_GROUPS_SHARE = 0.8
 # length running away (a judge that rewards longer answers, or the loss's length bias), not a reasoning habit forming
 # within the limit.
 LENGTH_GROWTH = 1.5
+# GRPO: the train reward's end window above its start window while the judge's held-out score fell by 3 points or more
+# from before training to after (200 judged prompts have a standard error of about 3 points near 50%): the policy
+# learned what the reward pays for, not what the held-out judge measures (reward hacking, or overfitting the prompts).
+HACKING_FALL = 0.03
 LENGTH_CUT_SHARE = 0.2
 EVAL_RISE = 0.05
 EVAL_RISE_MIN = 0.01
@@ -150,6 +154,13 @@ ALERTS = {
         "The answers keep growing and more of them are cut at the length limit, where they end without a final "
         "answer. Check that no judge rewards length itself; use a loss normalised per token (dapo, dr_grpo), mask the "
         "cut answers (--mask_truncated_completions true), or raise --max_new_tokens if the task needs longer answers.",
+    ),
+    "grpo_reward_hacking": (
+        "warning", "GRPO: the reward rose while the judged held-out score fell",
+        "The policy gets more reward on its training prompts and does worse on the held-out ones by --judge: it "
+        "learned something the rewards pay for that the judge does not (a loophole in a reward function, a reward "
+        "model's blind spot), or it overfits the train prompts. Read the samples' answers before and after; check "
+        "the rewards against --judge; lower the learning rate or stop earlier; add the KL term (--beta).",
     ),
     "sft_not_decreasing": (
         "warning", "SFT loss not decreasing",
@@ -382,20 +393,39 @@ def _grpo_length_runaway(metrics: list[dict]) -> Alert | None:
                   f"(x{end / start:.2f}); {cut_end:.0%} cut at the length limit at the end")
 
 
+def _grpo_reward_hacking(metrics: list[dict], info: dict) -> Alert | None:
+    _, rewards = _trend_series(metrics, "reward")
+    judged = info.get("judge") or {}
+    before, after = judged.get("before"), judged.get("after")
+    if not rewards or not isinstance(before, (int, float)) or not isinstance(after, (int, float)):
+        return None
+    start, end = _windows(rewards)
+    if end <= start or before - after < HACKING_FALL:
+        return None
+    return _alert("grpo_reward_hacking", f"train reward {start:.3g} at the start, {end:.3g} at the end; judged "
+                  f"{judged.get('metric')} on {judged.get('n')} held-out {judged.get('split')} prompts {before:.1%} "
+                  f"before, {after:.1%} after")
+
+
 # The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.
 CHECKS = {"dpo_stuck": _dpo_stuck, "dpo_displacement": _dpo_displacement, "dpo_saturated": _dpo_saturated,
           "dpo_unbounded_margins": _dpo_unbounded_margins, "kto_kl_runaway": _kto_kl_runaway,
           "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing,
           "grpo_entropy_collapse": _grpo_entropy_collapse, "grpo_groups_tied": _grpo_groups_tied,
-          "grpo_length_runaway": _grpo_length_runaway}
+          "grpo_length_runaway": _grpo_length_runaway, "grpo_reward_hacking": _grpo_reward_hacking}
+# The checks that read the run's training_info.json too (its judged results before and after), when it is given
+READS_INFO = {_grpo_reward_hacking}
 EVERY_STAGE = (_non_finite, _eval_loss_rising)
 
 
-def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:
+def detect_alerts(metrics: list[dict], stage: str, info: dict | None = None) -> list[Alert]:
     """All health alerts for a metric history of `stage`: every stage's checks and the ones its objective's row names
-    (src/objectives/), errors first."""
+    (src/objectives/), errors first. `info`: the run's training_info.json, for the checks that also read it (none run
+    without it)."""
     checks = list(EVERY_STAGE) + [CHECKS[name] for name in objective(stage).alerts if name in CHECKS]
-    alerts = [alert for check in checks if (alert := check(metrics)) is not None]
+    checks = [check for check in checks if check not in READS_INFO or info is not None]
+    alerts = [alert for check in checks
+              if (alert := check(metrics, info) if check in READS_INFO else check(metrics)) is not None]
     return sorted(alerts, key=lambda alert: alert.severity != "error")
 
 
