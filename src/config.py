@@ -396,6 +396,12 @@ class TrainingArguments:
                   f"is not judged), none, {EMBEDDED}, or the path/Hub id of a reward model (sequence classifier) "
                   "that scores the starting model's answers against the trained model's (win rate)."},
     )
+    rewards: list[str] = field(
+        default_factory=list,
+        metadata={"help": "GRPO's rewards: one or more judges as --judge names them (embedded, module:function, a "
+                  "reward model's path or Hub id), each a reward function logged apart (rewards/<judge>/mean), summed "
+                  "with --reward_weights (one per judge; default all 1). Empty: --judge. docs/grpo.md."},
+    )
     audit_judge_pairs: int = field(
         default=2000,
         metadata={"help": "Training pairs (drawn with the seed) whose own chosen and rejected answers --judge scores "
@@ -1002,9 +1008,10 @@ def validate(config: Config) -> None:
         value = getattr(data, name)
         if value < 0 or (1 <= value and not float(value).is_integer()):
             raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
-    if config.dpo.beta <= 0:
+    if config.dpo.beta < 0 or (config.dpo.beta == 0 and not objective(config.training.stage).beta_may_be_zero):
         raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
     validate_rounds(config)
+    validate_judges(config)
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
@@ -1040,6 +1047,24 @@ def validate(config: Config) -> None:
     validate_mixture(config.data.dataset_mixture)
 
 
+def has_judge(config: Config) -> bool:
+    """Whether the run has a judge to score answers: --rewards, or a --judge that names one (auto: the embedded data)."""
+    judge = config.training.judge
+    return bool(config.training.rewards) or not (judge == "none" or (judge == "auto" and
+                                                                     config.data.dataset_name != EMBEDDED))
+
+
+def validate_judges(config: Config) -> None:
+    """An objective whose rewards are the judges' scores, on data no judge knows and with none named: one line."""
+    row = objective(config.training.stage)
+    has_data = config.data.dataset_name or config.data.dataset_mixture  # check_gpu plans without any
+    if row.rewards_from_judges and has_data and not has_judge(config):
+        raise ConfigError(f"--stage {config.training.stage} learns from rewards, and {config.data.dataset_name or 'the data'} "
+                          "has no judge to give them: name one with --judge (or several with --rewards): "
+                          "module:function (your own check: function(row, answer) -> a number, row['meta'] holds the "
+                          "prompt's meta), or the path or Hub id of a reward model")
+
+
 def validate_rounds(config: Config) -> None:
     """--rounds and its round_* settings: each error names the flag."""
     dpo = config.dpo
@@ -1051,8 +1076,7 @@ def validate_rounds(config: Config) -> None:
         with_rounds = [name for name in STAGES if objective(name).on_policy_rounds]
         raise ConfigError(f"--rounds runs DPO rounds after the DPO stage: use --stage {' or '.join(with_rounds)}, not "
                           f"{config.training.stage}")
-    judge = config.training.judge
-    if judge == "none" or (judge == "auto" and config.data.dataset_name != EMBEDDED):
+    if not has_judge(config):
         raise ConfigError("--rounds needs a judge to rank each prompt's answers: --judge module:function (your own "
                           "check), or the path or Hub id of a reward model (e.g. a --stage reward run's model)")
     if dpo.round_samples < 2:

@@ -586,6 +586,11 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
     kind = _shape(stage)
     row = OBJECTIVES.get(stage)
     if kind == PROMPTS:
+        if row is not None and {"chosen", "rejected"} & names:  # an objective that trains on prompts (GRPO)
+            raise DataError(f"--stage {stage} trains on prompts alone and samples its own answers, and the data holds "
+                            f"{' and '.join(sorted({'chosen', 'rejected'} & names))} answers: give prompts (a 'prompt' "
+                            "column, text or chat, and an optional 'meta' the judge reads), or train on the pairs with "
+                            "a pair objective (--stage dpo)")
         if "prompt" in names:
             return PROMPTS
         raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
@@ -822,7 +827,7 @@ KEPT, EMPTY, IDENTICAL, TOO_LONG, UNDESIRABLE = 0, 1, 2, 3, 4  # a row's fate, s
 
 
 def _answer_columns(row: dict, stage: str = "") -> tuple[str, ...]:
-    if stage == PROMPTS:
+    if _shape(stage) == PROMPTS:
         return ()  # nothing answers yet: the rounds sample the answers
     return ("chosen", "rejected") if "chosen" in row else (
         ("completion",) if "completion" in row else ("messages",) if "messages" in row else ("text",))
@@ -834,7 +839,7 @@ def check_row(row: dict, number: int, stage: str, source: str) -> int:
     answer_columns = _answer_columns(row, stage)
     for column in ("prompt",) + answer_columns:
         if column not in row or row[column] is None:
-            if column == "prompt" and column not in row and stage != PROMPTS:
+            if column == "prompt" and column not in row and _shape(stage) != PROMPTS:
                 continue
             raise DataError(f"{source} row {number}: '{column}' is missing; fill it in or remove the row")
         value = row[column]
@@ -1727,7 +1732,7 @@ def format_summary(summary: dict) -> str:
     for kind, counts in summary["splits"].items():
         notes = []
         if counts["empty_answers"]:
-            empty = "prompt" if summary["stage"] == PROMPTS else "answer"
+            empty = "prompt" if _shape(summary["stage"]) == PROMPTS else "answer"
             notes.append(f"{counts['empty_answers']} rows with an empty {empty} dropped (first: rows "
                          f"{counts['first_empty_rows']})")
         if counts["identical_pairs"]:

@@ -19,10 +19,12 @@ from src.distributed import map_across_ranks
 
 @dataclass(frozen=True)
 class Sampling:
-    """How sampled answers are drawn: softmax(logits / temperature), restricted to the top_p nucleus."""
+    """How sampled answers are drawn: softmax(logits / temperature), restricted to the top_k most likely tokens (0:
+    all) and the top_p nucleus."""
 
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
 
 
 def answer_seed(*parts) -> int:
@@ -46,6 +48,9 @@ class SeededSampling:
         import torch
 
         scores = scores.float() / self.sampling.temperature
+        if 0 < self.sampling.top_k < scores.shape[-1]:
+            kth = scores.topk(self.sampling.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.sampling.top_p < 1.0:
             ordered, order = scores.sort(dim=-1, descending=True)
             probabilities = ordered.softmax(dim=-1)

@@ -421,9 +421,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
                                   data_settings)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
-                            metrics_path, plan, truncate_to=config.data.max_length if trl_config.max_length is None
-                            else None, packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
-                            ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None)
+                            metrics_path, plan, truncate_to=config.data.max_length
+                            if getattr(trl_config, "max_length", None) is None else None,
+                            packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
+                            ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None,
+                            trainer_inputs=row.trainer_inputs(config) if row.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))

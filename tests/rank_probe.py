@@ -69,8 +69,13 @@ def instrument(build_trainer, probe_dir: Path):
     return build
 
 
-if __name__ == "__main__":
+def run(instrumented) -> int:
+    """The entry point with every stage's trainer instrumented: `PROBE_DIR [main_distributed flags...]` from argv."""
     probe_dir = Path(sys.argv[1])
     probe_dir.mkdir(parents=True, exist_ok=True)
-    build.build_trainer = instrument(build.build_trainer, probe_dir)
-    sys.exit(main_distributed.main(sys.argv[2:]))
+    build.build_trainer = instrumented(build.build_trainer, probe_dir)
+    return main_distributed.main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(run(instrument))

@@ -102,7 +102,7 @@ def test_every_stage_of_the_launcher_is_taken():
 
 @pytest.mark.parametrize(
     "content, message",
-    [("stage: ppo\n", "stage must be one of dpo, sft, sft_then_dpo, reward, kto, sft_then_kto, simpo, sft_then_simpo, orpo, got 'ppo'"),
+    [("stage: ppo\n", f"stage must be one of {', '.join(STAGES)}, got 'ppo'"),  # every stage of the table
      ("- a\n- b\n", "a recipe is a mapping"), ("max_length: [\n", "not valid YAML"), ("lora_r: 0\n", "--lora_r")],
 )
 def test_bad_recipes_say_what_is_wrong(tmp_path, content, message):

@@ -21,7 +21,7 @@ from src.objectives.spec import Objective
 from src.reporting.alerts import CHECKS
 
 SRC = PROJECT_ROOT / "src"
-SHAPES = PAIRED_SHAPES + (UNPAIRED, SEQUENCES)
+SHAPES = PAIRED_SHAPES + (UNPAIRED, SEQUENCES, PROMPTS)
 
 
 # ------------------------------------------------------------------------------------------------ the rows themselves
@@ -171,5 +171,11 @@ def test_the_objective_record_has_no_field_left_unread():
     assert not unread, unread
 
 
-def test_prompts_alone_is_a_preparation_not_an_objective():
-    assert PROMPTS not in OBJECTIVES and PROMPTS not in SHAPES
+def test_prompts_alone_are_the_rounds_preparation_and_the_shape_grpo_trains_on():
+    """The rounds prepare prompts alone under the shape's own name (no objective of that name); an objective that
+    trains on prompts (GRPO) declares the same shape, and gets the same preparation."""
+    from src.data import _shape
+
+    assert PROMPTS not in OBJECTIVES and _shape(PROMPTS) == PROMPTS
+    on_prompts = [name for name, row in OBJECTIVES.items() if row.data_shape == PROMPTS]
+    assert on_prompts and all(_shape(name) == PROMPTS and OBJECTIVES[name].rewards_from_judges for name in on_prompts)

@@ -21,7 +21,7 @@ from src.audit.reference import reference_audit
 from src.data import source_rows
 from src.distributed import print0
 from src.judges import judge_for
-from src.objectives import PAIRED_SHAPES, SEQUENCES, UNPAIRED, objective
+from src.objectives import PAIRED_SHAPES, PROMPTS, SEQUENCES, UNPAIRED, objective
 from src.run_safety.disk_space import write_failures_noted
 from src.reporting.formatting import format_number, format_percent
 
@@ -137,6 +137,8 @@ def format_data_audit(audit: dict, stage: str) -> str:
                 f"{format_number(train['undesirable'])} undesirable{per_prompt}; completions "
                 f"{train['completion_tokens']['mean']} tokens on average, {format_percent(train['truncated_share'])} "
                 "truncated")
+    if shape == PROMPTS:  # prompts alone: the answers are sampled as it trains
+        return f"{line}; prompts {train['prompt_tokens']['mean']} tokens on average (p95 {train['prompt_tokens']['p95']})"
     if shape == SEQUENCES:
         return (f"{line}; {train['sequence_tokens']['mean']} tokens on average (p95 {train['sequence_tokens']['p95']}),"
                 f" {format_percent(train['truncated_share'])} truncated")

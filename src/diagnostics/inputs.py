@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from src.config import EMBEDDED, Config, ConfigError, Plan, final_stage, parse_config
-from src.objectives import DEFAULT_STAGE
+from src.objectives import DEFAULT_STAGE, objective
 
 from .data_lengths import DataLengths
 
@@ -45,6 +45,12 @@ class TrainingSetup:
     precision: str = "fp32"  # as the plan resolves it on the launch devices
     recipe_path: str | None = None
     method_chosen: bool = False  # the user picked full/LoRA/QLoRA (recipe or flag), so its fit is checked
+    reference_kept: bool | None = None  # a reference copy by the run's settings; None: as the objective's row says
+    # An objective that samples as it trains (its row's memory_setup): tokens of one sampled sequence (prompt +
+    # answer; 0: it samples none) and the micro-batches sampled at once (None: the plan's accumulation steps, TRL's
+    # steps_per_generation default)
+    generation_tokens: int = 0
+    generation_steps: int | None = None
     # The data's audited lengths (src/diagnostics/data_lengths.py), when its prepared data is in the cache
     data_lengths: DataLengths | None = None
 
@@ -88,7 +94,7 @@ def training_setup(config: Config, param_count: int | None = None) -> TrainingSe
     precompute = config.dpo.precompute_ref_log_probs
     if precompute is None:  # the launcher's default: on, unless TR-DPO's sync_ref_model moves the reference
         precompute = not config.trl_overrides.get("sync_ref_model", False)
-    return TrainingSetup(
+    setup = TrainingSetup(
         stage=stage,
         model_name_or_path=model.model_name_or_path,
         param_count=param_count,
@@ -104,6 +110,8 @@ def training_setup(config: Config, param_count: int | None = None) -> TrainingSe
         recipe_path=config.recipe,
         method_chosen=any(key in config.sources for key in ("use_lora", "use_peft", "load_in_4bit")),
     )
+    row = objective(stage)
+    return replace(setup, **row.memory_setup(config)) if row.memory_setup else setup
 
 
 def _targets(targets: list[str] | str | None) -> list[str] | str:
@@ -122,7 +130,7 @@ def with_plan(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
         source = "per_device_batch_size" + (f" / {plan.gradient_accumulation_steps} accumulation"
                                             if plan.gradient_accumulation_steps > 1 else "")
     return replace(setup, per_device_batch_size=plan.per_device_batch_size, batch_source=source,
-                   precision=plan.precision)
+                   precision=plan.precision, generation_steps=setup.generation_steps or plan.gradient_accumulation_steps)
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}

@@ -93,6 +93,8 @@ class MemoryPlan:
     data_lengths: DataLengths | None = None
     # The chosen method (else LoRA) at the --max_length the data audit suggests, when that differs from max_length
     at_suggested_max_length: MethodEstimate | None = None
+    generation_bytes_per_sample: int = 0  # the KV cache of sampling, per sequence (GRPO); 0 for the others
+    generation_tokens: int = 0
 
     def chosen(self) -> MethodEstimate | None:
         return next((estimate for estimate in self.estimates if estimate.chosen), None)
@@ -136,7 +138,8 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
                     kept: bool | None = None) -> int:
     """A reference model's copy per device, for an objective that keeps one (DPO, KTO; `kept` asks as if it did or
     did not): none with adapters (the base with adapters off) or cached log-probs."""
-    kept = objective(setup.stage).needs_reference if kept is None else kept
+    if kept is None:
+        kept = objective(setup.stage).needs_reference if setup.reference_kept is None else setup.reference_kept
     if not kept or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
         return 0
     if method == "zero3":
@@ -156,6 +159,17 @@ def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activat
         layers = shape.num_layers * block
     logits = 0 if not objective(setup.stage).scores_tokens else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
     return int(tokens * (layers + logits))
+
+
+def generation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, weight_bytes: int) -> int:
+    """The KV cache of an objective that samples as it trains (GRPO), per sequence of the training micro-batch: TRL
+    samples `generation_steps` micro-batches at once, each sequence keeping keys and values for every layer and token,
+    with the last position's logits in fp32. Sampling runs before the step (no gradients), so the peak is the larger of
+    this and the step's activations."""
+    if not setup.generation_tokens:
+        return 0
+    cache = setup.generation_tokens * shape.num_layers * 2 * shape.kv_size * weight_bytes
+    return int((setup.generation_steps or 1) * (cache + shape.vocab_size * LOGITS_FP32_BYTES))
 
 
 def adapter_activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
@@ -233,6 +247,8 @@ def plan_memory(
         activation_bytes_per_sample=per_sample,
         sequence_tokens=setup.sequence_tokens,
         data_lengths=setup.data_lengths,
+        generation_bytes_per_sample=generation_bytes_per_sample(shape, setup, weight_bytes),
+        generation_tokens=setup.generation_tokens,
     )
     adapter_per_sample = adapter_activation_bytes_per_sample(shape, setup, weight_bytes)
     for method in METHODS:
@@ -242,7 +258,8 @@ def plan_memory(
         # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
         saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
                                 weight_bytes, kept=True) if objective(setup.stage).reference_free else 0
-        method_per_sample = per_sample + (adapter_per_sample if adapters else 0)
+        # sampling (its KV cache) and training (its activations) come one after the other: the larger is the peak
+        method_per_sample = max(per_sample + (adapter_per_sample if adapters else 0), plan.generation_bytes_per_sample)
         activations = batch * method_per_sample
         total = with_margin(state + reference + activations)
         runs_here = not (device_kind == "cpu" and method in ("qlora", "zero2", "zero3"))

@@ -300,6 +300,12 @@ def _memory_plan(report: dict) -> list[str]:
             ]
         )
     lines += _table(rows, right_aligned={1, 2, 3, 4, 5, 7})
+    if plan.get("generation_bytes_per_sample"):
+        lines += _wrapped(
+            f"{plan['stage'].upper()} samples its answers before each step: a KV cache of "
+            f"{_gib(plan['generation_bytes_per_sample'] * plan['per_device_batch_size'])} GiB per process for "
+            f"sequences of {plan['generation_tokens']} tokens (prompt + answer); the activations column is the larger "
+            "of that and the step's activations.", INDENT, INDENT)
     lines += _wrapped(
         "Activations are an estimate (Llama-style blocks, fused attention, logits in fp32); margin = 10% for "
         "fragmentation + 1 GiB per process for the CUDA context. The DPO (and KTO) reference is none with LoRA or "

@@ -15,13 +15,13 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from src.objectives import dpo, kto, orpo, reward, sft, simpo
+from src.objectives import dpo, grpo, kto, orpo, reward, sft, simpo
 from src.objectives.spec import (PAIRED_SHAPES, PAIRS, PROMPTS, SCORED_PAIRS, SEQUENCES, UNPAIRED, Chart, Curve, Metric,
                                  Objective, Panel, SummaryNumber)
 
 OBJECTIVES: dict[str, Objective] = {row.name: row for row in (dpo.OBJECTIVE, sft.OBJECTIVE, reward.OBJECTIVE,
                                                               kto.OBJECTIVE, simpo.OBJECTIVE,
-                                                              orpo.OBJECTIVE)}
+                                                              orpo.OBJECTIVE, grpo.OBJECTIVE)}
 DEFAULT_STAGE = next(iter(OBJECTIVES))  # the table's first row: --stage's default
 # The objective whose on-policy rounds --rounds runs (the row with on_policy_rounds: DPO)
 ROUNDS_STAGE = next(name for name, row in OBJECTIVES.items() if row.on_policy_rounds)

@@ -17,7 +17,9 @@ PAIRS = "pairs"  # prompt, chosen, rejected: prompt and answers tokenized apart 
 SCORED_PAIRS = "scored_pairs"  # prompt + chosen and prompt + rejected as two whole sequences (a reward model's)
 UNPAIRED = "unpaired"  # prompt, completion, thumbs up or down (KTO's)
 SEQUENCES = "sequences"  # one sequence to imitate (SFT's)
-PROMPTS = "prompts"  # prompts alone: no objective trains on them, on-policy rounds answer them (src/rounds.py)
+# prompts alone (text or chat, an optional `meta` the judges read): GRPO trains on them, answering each every step;
+# on-policy rounds answer them to make pairs (src/rounds.py)
+PROMPTS = "prompts"
 PAIRED_SHAPES = (PAIRS, SCORED_PAIRS)  # the shapes read from prompt / chosen / rejected data
 
 # The fields a reference-free objective on pairs shares (SimPO, ORPO: no reference model, a causal LM, chosen
@@ -51,6 +53,9 @@ class Panel:
     y_from_zero: bool = False  # for quantities read as "how much" (throughput, memory)
     # (training_info.json key, legend label): a reference line at the run's own setting (SimPO's target margin gamma)
     info_lines: tuple[tuple[str, str], ...] = ()
+    # (pattern, label): one curve per logged key the fnmatch pattern matches, labelled by what its "*" stands for
+    # (GRPO's "rewards/*/mean": a curve per judge), after `curves`
+    per_logged_key: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,4 +167,16 @@ class Objective:
     # training_info.json → its line in report.md's setup table (beta, loss, weights)
     setup_line: Callable | None = field(default=None, compare=False)
     packed_forward: bool = False  # the toolkit's packed, prefix-shared forward serves it (src/packed_dpo_support.py)
+    # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
+    # parsed (src/config.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
+    rewards_from_judges: bool = False
+    # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
+    beta_may_be_zero: bool = False
+    # (config) → check_gpu's view of its step where the table's sequences do not say it all, as TrainingSetup fields
+    # (src/diagnostics/inputs.py): GRPO's sequence is a prompt and its sampled answer, it samples with a KV cache
+    # before it trains, and it keeps a reference copy only with a KL term
+    memory_setup: Callable | None = field(default=None, compare=False)
+    # (config) → keyword arguments its trainer takes beyond TRL's common ones (GRPO: the judges as reward functions),
+    # built on every process when the trainer is (src/trainers/build.py)
+    trainer_inputs: Callable | None = field(default=None, compare=False)
 

@@ -60,6 +60,21 @@ SFT_MIN_RELATIVE_DROP = 0.05
 # KTO: a KL estimate (nats, on mismatched answers) this large at the end, grown by half of it since the start and
 # still rising, is running away.
 KTO_KL_LARGE = 2.0
+# GRPO: the policy's entropy on its own answers fell below a fifth of where it started (end window against start
+# window): sampling has all but become greedy, every prompt's answers alike, and the groups stop teaching.
+ENTROPY_COLLAPSE_RATIO = 0.2
+# GRPO: over the end window, more than 80% of the prompts got answers that all scored the same (no advantage, no
+# gradient from them): a judge with more levels, more answers per prompt, or harder/easier prompts.
+TIED_GROUPS_SHARE = 0.8
+# GRPO: the answers grew to half again their starting length and a fifth or more of them now hit the length limit:
+# length running away (a judge that rewards longer answers, or the loss's length bias), not a reasoning habit forming
+# within the limit.
+LENGTH_GROWTH = 1.5
+# GRPO: the train reward's end window above its start window while the judge's held-out score fell by 3 points or more
+# from before training to after (200 judged prompts have a standard error of about 3 points near 50%): the policy
+# learned what the reward pays for, not what the held-out judge measures (reward hacking, or overfitting the prompts).
+HACKING_FALL = 0.03
+LENGTH_CUT_SHARE = 0.2
 EVAL_RISE = 0.05
 EVAL_RISE_MIN = 0.01
 MIN_EVAL_POINTS = 3
@@ -121,6 +136,31 @@ ALERTS = {
         "The desirable and undesirable rows get the same implicit reward: nothing is learned from the labels. Raise "
         "the learning rate (check the scaled rate in the setup table), check the labels (--label_column and its "
         "values: a column that is mostly one class, or labels unrelated to the answers), and the weights line.",
+    ),
+    "grpo_entropy_collapse": (
+        "warning", "GRPO: the policy's entropy collapsed",
+        "The policy samples nearly the same answer every time, so a prompt's answers stop differing and GRPO's "
+        "groups stop teaching. Lower the learning rate, raise the sampling temperature, add the KL term (--beta, e.g. "
+        "0.04) or an entropy bonus (--entropy_coef), or clip higher (--epsilon_high, DAPO's clip-higher).",
+    ),
+    "grpo_groups_tied": (
+        "warning", "GRPO: most prompts' answers all score the same",
+        "A prompt whose answers all get the same reward has no advantage and teaches nothing. If they all fail, the "
+        "prompts are too hard for the model (SFT first, or easier prompts); if they all pass, too easy. A 0/1 judge "
+        "ties more than one with partial credit: give the judge more levels, or raise --num_generations.",
+    ),
+    "grpo_length_runaway": (
+        "warning", "GRPO: answer length running away",
+        "The answers keep growing and more of them are cut at the length limit, where they end without a final "
+        "answer. Check that no judge rewards length itself; use a loss normalised per token (dapo, dr_grpo), mask the "
+        "cut answers (--mask_truncated_completions true), or raise --max_new_tokens if the task needs longer answers.",
+    ),
+    "grpo_reward_hacking": (
+        "warning", "GRPO: the reward rose while the judged held-out score fell",
+        "The policy gets more reward on its training prompts and does worse on the held-out ones by --judge: it "
+        "learned something the rewards pay for that the judge does not (a loophole in a reward function, a reward "
+        "model's blind spot), or it overfits the train prompts. Read the samples' answers before and after; check "
+        "the rewards against --judge; lower the learning rate or stop earlier; add the KL term (--beta).",
     ),
     "sft_not_decreasing": (
         "warning", "SFT loss not decreasing",
@@ -318,18 +358,74 @@ def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
                   f"{steps[-1]}", best_step=best_step)
 
 
+def _grpo_entropy_collapse(metrics: list[dict]) -> Alert | None:
+    _, entropy = _trend_series(metrics, "entropy")
+    if not entropy:
+        return None
+    start, end = _windows(entropy)
+    if start <= 0 or end >= ENTROPY_COLLAPSE_RATIO * start:
+        return None
+    return _alert("grpo_entropy_collapse", f"entropy {start:.3g} nats/token at the start, {end:.3g} at the end "
+                  f"({end / start:.0%} of it)")
+
+
+def _grpo_groups_tied(metrics: list[dict]) -> Alert | None:
+    steps, tied = _trend_series(metrics, "frac_reward_zero_std")
+    if not tied:
+        return None
+    _, end = _windows(tied)
+    if end <= TIED_GROUPS_SHARE:
+        return None
+    return _alert("grpo_groups_tied", f"{end:.0%} of the prompts had answers that all scored the same over the last "
+                  f"{END_FRACTION:.0%} of training (steps up to {steps[-1]})")
+
+
+def _grpo_length_runaway(metrics: list[dict]) -> Alert | None:
+    _, lengths = _trend_series(metrics, "completions/mean_length")
+    _, cut = _trend_series(metrics, "completions/clipped_ratio")
+    if not lengths or not cut:
+        return None
+    start, end = _windows(lengths)
+    cut_end = _windows(cut)[1]
+    if start <= 0 or end < LENGTH_GROWTH * start or cut_end < LENGTH_CUT_SHARE:
+        return None
+    return _alert("grpo_length_runaway", f"answers {start:.3g} tokens long at the start, {end:.3g} at the end "
+                  f"(x{end / start:.2f}); {cut_end:.0%} cut at the length limit at the end")
+
+
+def _grpo_reward_hacking(metrics: list[dict], info: dict) -> Alert | None:
+    _, rewards = _trend_series(metrics, "reward")
+    judged = info.get("judge") or {}
+    before, after = judged.get("before"), judged.get("after")
+    if not rewards or not isinstance(before, (int, float)) or not isinstance(after, (int, float)):
+        return None
+    start, end = _windows(rewards)
+    if end <= start or before - after < HACKING_FALL:
+        return None
+    return _alert("grpo_reward_hacking", f"train reward {start:.3g} at the start, {end:.3g} at the end; judged "
+                  f"{judged.get('metric')} on {judged.get('n')} held-out {judged.get('split')} prompts {before:.1%} "
+                  f"before, {after:.1%} after")
+
+
 # The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.
 CHECKS = {"dpo_stuck": _dpo_stuck, "dpo_displacement": _dpo_displacement, "dpo_saturated": _dpo_saturated,
           "dpo_unbounded_margins": _dpo_unbounded_margins, "kto_kl_runaway": _kto_kl_runaway,
-          "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing}
+          "kto_not_separating": _kto_not_separating, "sft_not_decreasing": _sft_not_decreasing,
+          "grpo_entropy_collapse": _grpo_entropy_collapse, "grpo_groups_tied": _grpo_groups_tied,
+          "grpo_length_runaway": _grpo_length_runaway, "grpo_reward_hacking": _grpo_reward_hacking}
+# The checks that read the run's training_info.json too (its judged results before and after), when it is given
+READS_INFO = {_grpo_reward_hacking}
 EVERY_STAGE = (_non_finite, _eval_loss_rising)
 
 
-def detect_alerts(metrics: list[dict], stage: str) -> list[Alert]:
+def detect_alerts(metrics: list[dict], stage: str, info: dict | None = None) -> list[Alert]:
     """All health alerts for a metric history of `stage`: every stage's checks and the ones its objective's row names
-    (src/objectives/), errors first."""
+    (src/objectives/), errors first. `info`: the run's training_info.json, for the checks that also read it (none run
+    without it)."""
     checks = list(EVERY_STAGE) + [CHECKS[name] for name in objective(stage).alerts if name in CHECKS]
-    alerts = [alert for check in checks if (alert := check(metrics)) is not None]
+    checks = [check for check in checks if check not in READS_INFO or info is not None]
+    alerts = [alert for check in checks
+              if (alert := check(metrics, info) if check in READS_INFO else check(metrics)) is not None]
     return sorted(alerts, key=lambda alert: alert.severity != "error")
 
 

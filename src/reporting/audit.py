@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from src.objectives import SEQUENCES, UNPAIRED, objective
+from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective
 from src.reporting.formatting import format_number, format_percent, table_lines
 from src.run_files import atomic_path
 
@@ -26,6 +26,19 @@ def _count_share(count, share) -> str:
     return f"{format_number(count)} ({format_percent(share)})" if count is not None else "n/a"
 
 
+def _prompts_data_table(audit: dict, kinds: list[str]) -> list[str]:
+    """Prompts alone (the answers are sampled as it trains): how many, repeats, lengths, held-out ones seen in train."""
+    names = ["prompts", "distinct prompts", "duplicate rows", "empty prompts (dropped)",
+             "prompts over --max_length (dropped)", "prompt tokens: mean / median / p95", "prompts also in train"]
+    rows = [[format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
+             _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
+             format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
+             _tokens(item.get("prompt_tokens")),
+             "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))]
+            for kind, item in ((kind, audit[kind]) for kind in kinds)]
+    return table_lines(["", *kinds], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
+
+
 def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> list[str]:
     """Markdown lines: per split, what the pairs can teach; the reference's and the judge's view of the training
     pairs; the picture."""
@@ -35,6 +48,8 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     shape = objective(stage).data_shape
     if shape == UNPAIRED:
         return _kto_data_table(audit, kinds) + _reasoning_lines(audit.get("train") or {})
+    if shape == PROMPTS:
+        return _prompts_data_table(audit, kinds)
     rows = []
     preference = shape != SEQUENCES
     names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",

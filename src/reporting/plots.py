@@ -9,6 +9,7 @@ eval points are markers; NaN/inf values are marked with red crosses along the to
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from pathlib import Path
 
@@ -153,12 +154,27 @@ def _draw_curve(ax, metrics: list[dict], curve: Curve, single_curve: bool) -> tu
     return drew, span
 
 
+def panel_curves(metrics: list[dict], panel: Panel) -> tuple[Curve, ...]:
+    """The panel's curves, and one per logged key its `per_logged_key` pattern matches (GRPO: one per judge),
+    labelled by what the pattern's "*" stands for, in order of first appearance, colours from matplotlib's cycle."""
+    if panel.per_logged_key is None:
+        return panel.curves
+    pattern, label = panel.per_logged_key
+    keys = list(dict.fromkeys(key for record in metrics for key in record if fnmatch.fnmatchcase(key, pattern)))
+    prefix, _, suffix = pattern.partition("*")
+    found = tuple(Curve(key, f"{key[len(prefix):len(key) - len(suffix)]} {label}".strip(), f"C{index}")
+                  for index, key in enumerate(keys))
+    return panel.curves + found
+
+
 def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
     from matplotlib.ticker import MaxNLocator
 
     drew, spans = False, set()
-    for curve in panel.curves:
-        drew_curve, span = _draw_curve(ax, metrics, curve, single_curve=len(panel.curves) == 1)
+    curves = panel_curves(metrics, panel)
+    named = panel.per_logged_key is not None  # a curve per logged key: its legend names it, even alone
+    for curve in curves:
+        drew_curve, span = _draw_curve(ax, metrics, curve, single_curve=len(curves) == 1 and not named)
         drew |= drew_curve
         spans |= {span} - {None}
     ax.set_title(panel.title, fontsize=12, fontweight="bold", loc="left")
@@ -185,14 +201,14 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
             middle = (low + high) / 2
             ax.set_ylim(middle - panel.min_y_span / 2, middle + panel.min_y_span / 2)
     if panel.log_when_wide:
-        positive = [value for curve in panel.curves for value in series(metrics, curve.key)[1]
+        positive = [value for curve in curves for value in series(metrics, curve.key)[1]
                     if math.isfinite(value) and value > 0]
         if positive and max(positive) > 100 * min(positive):
             ax.set_yscale("log")
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     ax.set_xlim(left=0)
-    if len(ax.get_legend_handles_labels()[1]) > 1:
+    if len(ax.get_legend_handles_labels()[1]) > (0 if named else 1):
         ax.legend(fontsize=8.5, framealpha=0.85, loc="best")
     return True
 

@@ -469,7 +469,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
 
 def health_alerts(metrics: list[dict], info: dict, stage: str) -> list[Alert]:
     """The training curves' alerts and the data and answer audits' (src/audit/findings.py), errors first."""
-    alerts = detect_alerts(metrics, stage) + audit_alerts({**info, "stage": stage})
+    alerts = detect_alerts(metrics, stage, info) + audit_alerts({**info, "stage": stage})
     return sorted(alerts, key=lambda alert: alert.severity != "error")
 
 

@@ -49,10 +49,16 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
+        seen = self.micro_batch_seen(inputs)
         for callback in self.callback_handler.callbacks:
             if hasattr(callback, "on_micro_batch"):
-                callback.on_micro_batch(loss, inputs)
+                callback.on_micro_batch(loss, seen)
         return loss
+
+    def micro_batch_seen(self, inputs):
+        """The micro-batch as the callbacks read it (input_ids, attention_mask): the collated one, unless the trainer
+        makes its sequences inside the step (GRPO: the sampled answers after their prompts)."""
+        return inputs
 
     def evaluate(self, *args, **kwargs):
         with self.pause():

@@ -19,10 +19,12 @@ from src.trainers.metrics_log import ConsoleLog, MetricsRecorder
 
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
-                  plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True, ref_model=None):
+                  plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True, ref_model=None,
+                  trainer_inputs: dict | None = None):
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
     (`--padding_free false`, src/packed_dpo_support.padding_free_requested), and `ref_model` as the reference when given
-    (otherwise TRL's: the starting model)."""
+    (otherwise TRL's: the starting model). `trainer_inputs`: what the row's `trainer_inputs` built for its trainer
+    (GRPO's reward functions)."""
     row = objective(stage)
     trainer_class = load(row.trainer)
     sequences = row.data_shape == SEQUENCES
@@ -46,6 +48,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
         **extra,
         **dpo_forward,
+        **(trainer_inputs or {}),
     )
     trainer.remove_callback(PrinterCallback)
     if dpo_forward and dpo_forward["packed_forward"].enabled:

@@ -70,4 +70,6 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
                  if key in {item for item in config_class.__dataclass_fields__}}
     extras = {"precompute": precompute, "sft_forward": sft_forward, **(data_settings or {})}
     specific, overrides = row.trl_settings(config, overrides, extras)
+    # A field TRL's config for this objective does not have (GRPOConfig: max_length, dataset_num_proc) is not passed
+    common = {key: value for key, value in common.items() if key in config_class.__dataclass_fields__}
     return config_class(**{**common, **specific, **overrides})

@@ -1,0 +1,208 @@
+"""GRPO's trainer: TRL's GRPOTrainer with the toolkit's additions, on the prompts src/data.py prepared (a `prompt`,
+its `meta` for the judges, `prompt_ids` as generation sees them), with the toolkit's judges as reward functions.
+
+What it changes in TRL's step, and why:
+- Every answer is sampled from its own random stream, seeded by (seed, step, prompt row, answer number in its group)
+  (src/generation.py's SeededSampling), not from each process's global generator: the answers, and so the rewards,
+  advantages and loss, are the same whether a prompt's group was sampled on one process or split across several,
+  and under any accumulation (TRL's own sampling differs with the number of processes: docs/grpo.md).
+- The prompt ids are the prepared ones (the chat template with the generation prompt, as the held-out answers use).
+- A judge that raises or returns a non-number on any process stops every process, with one line naming the judge and
+  the prompt (a JudgeError on one rank alone would leave the others waiting in the next collective).
+
+- Each step logs the seconds its sampling and its judging took (time/generation_s, time/judging_s) beside TRL's
+  step_time.
+- The logged KL, entropy and clipped shares are means over the logging window's answer tokens (TRL's: a mean of
+  micro-batch means), so they too are the same on any split.
+
+The TRL internals it overrides (_prepare_inputs, _generate_and_score_completions, _tokenize_prompts,
+_generate_single_turn, _calculate_rewards, _compute_loss, log, _metrics) are listed in docs/development.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from trl import GRPOTrainer
+
+from src.distributed import gather_objects
+from src.generation import Sampling, SeededSampling, answer_seed
+from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
+from src.trainers.base import ToolkitTrainerMixin
+
+PROMPT_INDEX = "prompt_index"  # the train row a prompt came from: part of each answer's seed
+SEED_SALT = "grpo-answers"  # apart from the rounds' streams (seed, round, row, answer) for the same seed
+# TRL logs these as one mean per micro-batch (over every process's tokens), then averages the micro-batches of the
+# logging window: under accumulation that weighs a micro-batch of few answer tokens like one of many, so the logged KL
+# differs with the split of the global batch. Re-weighted here by each micro-batch's tokens (sequences for the clip
+# ratios at sequence level): the mean over the window's tokens, the same on any split.
+TOKEN_MEANS = ("kl", "entropy")
+CLIP_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class JudgeReward:
+    """A toolkit judge as a TRL reward function: `reward(prompts, completions, meta=..., **columns)` → one number per
+    answer, higher is better (the judge's `scores`: its verdict's "reward" where it ranks more finely than its score).
+    TRL logs each reward function's mean and spread under `rewards/<name>/`. A judge that raises or returns a
+    non-number is recorded (`error`) and gives NaN; the trainer stops every process on it after the rewards' gather."""
+
+    def __init__(self, judge, name: str):
+        self.judge = judge
+        self.__name__ = name  # TRL's name for the reward function: its curves' key
+        self.error: str | None = None
+
+    def __call__(self, prompts, completions, meta=None, **columns) -> list[float]:
+        metas = meta if meta is not None else [None] * len(prompts)
+        rows = [{"prompt": prompt, "meta": row_meta or {}} for prompt, row_meta in zip(prompts, metas)]
+        answers = [answer[-1]["content"] if isinstance(answer, list) else answer for answer in completions]
+        try:
+            return [float(score) for score in self.judge.scores(rows, answers)]
+        except JudgeError as error:
+            self.error = self.error or str(error)
+            return [math.nan] * len(prompts)
+
+
+def reward_name(choice: str) -> str:
+    """A judge's name in the curves: the embedded checker's, a function's `module.function`, a reward model's folder."""
+    if FUNCTION_JUDGE.match(choice):
+        return choice.replace(":", ".")
+    return choice.rstrip("/").rsplit("/", 1)[-1] if choice not in ("auto",) else "embedded"
+
+
+def judge_rewards(choices: list[str], dataset_name: str | None) -> list[JudgeReward]:
+    """The judges --rewards (else --judge) names, each a reward function; built on every process."""
+    rewards = []
+    for choice in choices:
+        judge = judge_for(choice, dataset_name)
+        if judge is None:
+            raise JudgeError(f"--rewards {choice}: no judge for {dataset_name}; name one: embedded, module:function, "
+                             "or a reward model's path or Hub id")
+        rewards.append(JudgeReward(judge, reward_name(choice)))
+    return rewards
+
+
+def answer_numbers(prompt_rows: list[int], rank: int) -> list[int]:
+    """Each of this rank's answers' number within its prompt's group, counted over the whole generation batch in rank
+    order (the order TRL gathers the rewards in to form the groups): 0..num_generations-1 wherever it is sampled."""
+    everyone = [rows for (rows,) in gather_objects([prompt_rows])]
+    seen: dict[int, int] = {}
+    numbers = []
+    for rows in everyone:
+        for row in rows:
+            numbers.append(seen.get(row, 0))
+            seen[row] = numbers[-1] + 1
+    start = sum(len(rows) for rows in everyone[:rank])
+    return numbers[start:start + len(prompt_rows)]
+
+
+class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
+    """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards."""
+
+    def __init__(self, *args, train_dataset=None, **kwargs):
+        if train_dataset is not None and PROMPT_INDEX not in train_dataset.column_names:
+            train_dataset = train_dataset.add_column(PROMPT_INDEX, list(range(len(train_dataset))))
+        self._generation_inputs: list[dict] = []
+        self._micro_batch: dict = {}
+        self._micro_batch_weights: dict[str, list[list[float]]] = {}  # per mode: [global tokens, sequences] per micro-batch
+        super().__init__(*args, train_dataset=train_dataset, **kwargs)
+
+    def get_train_dataloader(self):
+        # GRPO gives a prompt to several processes by design (its answers may be sampled on each): the one-job check's
+        # "no row on two ranks in a step" does not apply, so its hook is not given this loader (the weights are still
+        # compared at the end).
+        return GRPOTrainer.get_train_dataloader(self)
+
+    def _prepare_inputs(self, generation_batch):
+        self._micro_batch = super()._prepare_inputs(generation_batch)
+        return self._micro_batch
+
+    def micro_batch_seen(self, inputs):
+        """The micro-batch trained: each prompt followed by its sampled answer (what the forward computed)."""
+        batch = self._micro_batch
+        return {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)}
+
+    def _generate_and_score_completions(self, inputs):
+        self._generation_inputs = inputs  # the prepared rows: their prompt ids and train row numbers
+        return super()._generate_and_score_completions(inputs)
+
+    def _tokenize_prompts(self, prompts: list):
+        return [list(row["prompt_ids"]) for row in self._generation_inputs], None, {}
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Each answer from its own stream seeded by (seed, step, prompt row, answer number): greedy decoding of the
+        logits plus per-row Gumbel noise (SeededSampling), as the on-policy rounds sample."""
+        from transformers import GenerationConfig, LogitsProcessorList
+        from trl.models import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        started = time.perf_counter()
+        device = self.accelerator.device
+        rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
+        numbers = answer_numbers(rows, self.accelerator.process_index)
+        seeds = [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
+                 for row, number in zip(rows, numbers)]
+        sampling = Sampling(self.temperature, self.top_p, self.top_k or 0)
+        generation = GenerationConfig(max_new_tokens=self.max_completion_length, do_sample=False, num_beams=1,
+                                      pad_token_id=self._tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
+                                      repetition_penalty=self.repetition_penalty,
+                                      cache_implementation=self.args.cache_implementation, disable_compile=True)
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
+        attention_mask = pad([torch.ones_like(ids) for ids in prompts], padding_value=0, padding_side="left").to(device)
+        with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                          gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+              as unwrapped_model, torch.no_grad()):
+            output = unwrapped_model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
+                logits_processor=LogitsProcessorList([SeededSampling(seeds, sampling, device)]))
+        self._note_seconds("time/generation_s", started)
+        completions = output[:, input_ids.size(1):].cpu()
+        answers = []
+        for row in completions.tolist():  # up to and including the first end token, as TRL keeps them
+            end = next((index for index, token in enumerate(row) if token in self.eos_token_ids), len(row) - 1)
+            answers.append(row[:end + 1])
+        return answers, None
+
+    def _note_seconds(self, key: str, started: float) -> None:
+        """Seconds of a phase of the step on this process (rank 0's are logged): where a step's time goes, beside
+        TRL's step_time (the whole step: sampling, judging and training)."""
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode][key].append(time.perf_counter() - started)
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        mask = inputs["completion_mask"]
+        counts = self.accelerator.reduce(torch.stack([mask.sum().float(), torch.tensor(float(mask.size(0)),
+                                                                                    device=mask.device)]), "sum")
+        self._micro_batch_weights.setdefault(mode, []).append(counts.tolist())
+        return super()._compute_loss(model, inputs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        weights = self._micro_batch_weights.pop(mode, [])
+        metrics = self._metrics[mode]
+        for key in TOKEN_MEANS + CLIP_MEANS:
+            values = metrics.get(key)
+            if not values or len(values) != len(weights):
+                continue
+            by_sequence = key in CLIP_MEANS and self.args.importance_sampling_level == "sequence"
+            counts = [sequences if by_sequence else tokens for tokens, sequences in weights]
+            pairs = [(value, count) for value, count in zip(values, counts) if not math.isnan(value)]
+            total = sum(count for _, count in pairs)
+            if total > 0:
+                metrics[key] = [sum(value * count for value, count in pairs) / total]
+        super().log(logs, start_time)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        started = time.perf_counter()
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # gathered: all ranks
+        self._note_seconds("time/judging_s", started)
+        local = next((reward.error for reward in self.reward_funcs if getattr(reward, "error", None)), None)
+        failed = next((error for (error,) in gather_objects([local]) if error), None)
+        if failed:
+            raise JudgeError(f"step {self.state.global_step + 1}: {failed}")
+        return rewards

@@ -1,0 +1,327 @@
+"""GRPO (issue 39): `--stage grpo` through TRL's GRPOTrainer on prepared prompts, the toolkit's judges as rewards.
+
+The guarantee the rounds keep, kept here: every answer is sampled from its own stream seeded by (seed, step, prompt
+row, answer number), so one process x 4 accumulation steps, 2 x 2 and 4 x 1 sample the same answers, get the same
+rewards and advantages (each prompt's group is normalised over all its answers, wherever they were sampled) and the
+same loss, KL and entropy (TRL's dapo loss is normalised over the global batch's answer tokens; the toolkit logs the KL
+and entropy as means over the window's tokens); and a worker killed after a checkpoint resumes to the same numbers,
+generation included: one launch per split, the 2 x 2 one killed and resumed, one test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+from src import run_files
+
+JUDGE = "tests.round_judges:by_length"
+
+
+def prompt_rows(count: int) -> list[dict]:
+    """preference_rows' prompts alone, each with a meta the judges may read."""
+    return [{"prompt": row["prompt"], "meta": {"thing": row["prompt"][0]["content"].split()[-2]}}
+            for row in preference_rows(count)]
+
+
+def grpo_args(model: Path, data: Path, results: Path, run_name: str, *extra: str) -> list[str]:
+    return ["--stage", "grpo", "--model_name_or_path", str(model), "--dataset_name", str(data), "--results_dir",
+            str(results), "--run_name", run_name, "--batch_size", "16", "--num_generations", "4", "--max_steps", "2",
+            "--max_new_tokens", "8", "--learning_rate", "1e-3", "--beta", "0.1", "--logging_steps", "1",
+            "--save_steps", "100", "--num_samples", "2", "--val_size", "2", "--test_size", "2", "--max_length", "64",
+            "--seed", "5", "--judge", JUDGE, "--audit_judge_pairs", "0", *extra]
+
+
+# ------------------------------------------------------------------------------------------------ flags and the row
+
+
+def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
+    """Every field of TRL's GRPOConfig is a key of --stage grpo (a flag or a recipe key): the toolkit's own fields, or
+    passed through to TRL; --beta and --loss_type are GRPO's when given (TRL's defaults 0 and dapo when not)."""
+    from trl import GRPOConfig
+
+    from src.config import Devices, World, parse_config, resolve_plan, toolkit_fields, trl_fields
+    from src.trainers.trl_config import build_trl_config
+
+    known = set(toolkit_fields()) | set(trl_fields("grpo"))
+    assert {name for name, item in GRPOConfig.__dataclass_fields__.items() if item.init} - {"_n_gpu"} <= known
+    base = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--judge", JUDGE]
+    config = parse_config(["--stage", "sft_then_grpo", *base, "--num_generations", "4", "--epsilon", "0.3",
+                           "--epsilon_high", "0.28", "--scale_rewards", "batch", "--mask_truncated_completions", "true",
+                           "--entropy_coef", "0.01", "--top_entropy_quantile", "0.2", "--temperature", "0.7",
+                           "--beta", "0.04", "--loss_type", "dr_grpo", "--reward_weights", "2.0"])
+    plan = resolve_plan(config, World(), Devices("cpu", 0, []))
+    args = build_trl_config("grpo", config, plan, tmp_path, False, 10)
+    assert (args.num_generations, args.epsilon, args.epsilon_high, args.scale_rewards, args.mask_truncated_completions,
+            args.entropy_coef, args.top_entropy_quantile, args.temperature, args.beta, args.loss_type,
+            args.reward_weights) == (4, 0.3, 0.28, "batch", True, 0.01, 0.2, 0.7, 0.04, "dr_grpo", [2.0])
+    assert args.max_completion_length == config.training.max_new_tokens and not args.remove_unused_columns
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"stage: grpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\njudge: {JUDGE}\n"
+                      "num_generations: 4\nmax_completion_length: 16\nloss_type: [sigmoid, sft]\nbeta: 0.3\n")
+    config = parse_config(["--config", str(recipe)])
+    args = build_trl_config("grpo", config, resolve_plan(config, World(), Devices("cpu", 0, [])), tmp_path, False, 10)
+    # A DPO recipe's loss does not apply to GRPO; a flag asking for one is refused (test_mistakes_are_one_line)
+    assert (args.num_generations, args.max_completion_length, args.loss_type, args.beta) == (4, 16, "dapo", 0.3)
+    # the settings whose step depends on the split are warned of as the stage opens (docs/grpo.md)
+    from src.objectives import objective
+
+    warned = objective("grpo").warnings(parse_config(["--stage", "grpo", *base, "--loss_type", "bnpo",
+                                                      "--entropy_coef", "0.01"]))
+    assert [line.split(" ", 2)[:2] for line in warned] == [["--loss_type", "bnpo"], ["the", "entropy"]]
+    assert not objective("grpo").warnings(config)
+    # check_gpu plans from a size alone, with no data: no judge is asked for
+    assert parse_config(["--stage", "grpo", "--num_generations", "8"], require_sources=False,
+                        default_recipe=False).training.stage == "grpo"
+
+
+def test_check_gpu_plans_the_kv_cache_of_sampling_and_a_reference_only_with_the_kl_term():
+    """check_gpu's memory plan for --stage grpo: a sequence is a prompt and its answer (max_length + max_new_tokens);
+    the KV cache of the sampled answers (per-device batch x accumulation sequences, each layers x 2 x kv_size per
+    token, plus one row of fp32 logits) is the peak when larger than the step's activations; a reference copy only
+    with --beta > 0 (full fine-tuning); --beta 0 is a setting."""
+    from src.config import Devices, World, resolve_plan
+    from src.diagnostics.inputs import parse_launch_arguments, training_setup, with_plan
+    from src.diagnostics.memory_plan import GIB, LOGITS_FP32_BYTES, plan_memory
+    from src.diagnostics.model_shape import shape_from_param_count
+
+    shape = shape_from_param_count(1_500_000_000)
+
+    def plan(*flags: str):
+        config = parse_launch_arguments(["--stage", "grpo", "--batch_size", "16", "--gradient_accumulation_steps", "2",
+                                         "--max_length", "256", "--max_new_tokens", "768", *flags], size_given=True)
+        setup = with_plan(training_setup(config), resolve_plan(config, World(), Devices("cpu", 0, [])))
+        return setup, plan_memory(shape, setup, num_devices=1, device_kind="gpu", budget_bytes=80 * GIB,
+                                  budget_source="test", deepspeed_installed=True)
+
+    setup, without_kl = plan("--beta", "0")
+    weight_bytes = 4 if without_kl.precision == "fp32" else 2
+    assert (setup.max_length, setup.generation_tokens, setup.per_device_batch_size, setup.generation_steps) == (
+        1024, 1024, 8, 2)
+    per_sequence = 2 * (1024 * shape.num_layers * 2 * shape.kv_size * weight_bytes
+                        + shape.vocab_size * LOGITS_FP32_BYTES)
+    assert without_kl.generation_bytes_per_sample == per_sequence
+    full = {estimate.method: estimate for estimate in without_kl.estimates}["full"]
+    assert full.reference_bytes == 0 and full.activation_bytes == 8 * max(per_sequence,
+                                                                         without_kl.activation_bytes_per_sample)
+    _, with_kl = plan("--beta", "0.04")
+    estimates = {estimate.method: estimate for estimate in with_kl.estimates}
+    assert estimates["full"].reference_bytes == shape.total_params * weight_bytes
+    assert estimates["lora"].reference_bytes == 0  # the base with its adapters off
+
+
+MISTAKES = [
+    (["--num_generations", "3"], "--num_generations 3 does not divide the batch of 16 answers",
+     "use --batch_size 15 or 18"),
+    (["--judge", "auto"], "--stage grpo learns from rewards, and", "has no judge to give them"),
+    (["--loss_type", "sigmoid"], "--loss_type sigmoid: GRPO takes one of", "dapo"),
+    (["--rewards", JUDGE, JUDGE, "--reward_weights", "1.0"], "--reward_weights has 1 weight(s) for 2 judge(s)", ""),
+    (["--use_vllm", "true"], "--use_vllm: the toolkit's GRPO generates through transformers", ""),
+]
+
+
+def test_mistakes_are_one_line_before_anything_runs(tiny_model, tmp_path):
+    """A batch that num_generations does not divide (with the nearest sizes that do), a prompts file and no judge,
+    a DPO loss, weights that do not match the judges, vLLM: one line each, exit 2, no traceback, nothing trained. And
+    pairs given to GRPO: refused when the data is read."""
+    from contextlib import redirect_stderr
+    from io import StringIO
+
+    from src.main_distributed import exit_status
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
+    cases = MISTAKES + [(["--dataset_name", str(pairs)], "--stage grpo trains on prompts alone and samples its own "
+                         "answers, and the data holds chosen and rejected answers", "--stage dpo")]
+    for extra, start, then in cases:
+        errors = StringIO()
+        with redirect_stderr(errors):
+            code = exit_status(grpo_args(tiny_model, data, tmp_path / "r", "m") + extra + ["--dry_run"])
+        stderr = errors.getvalue()
+        lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and start in lines[0] and then in lines[0], (extra, stderr[-2000:])
+        assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("judge, expected", [
+    ("raising", "judge tests.round_judges:raising, prompt 'what color is the sun 3': raised ValueError: cannot "
+                "parse the answer"),
+    ("not_a_number", "judge tests.round_judges:not_a_number, prompt 'what color is the sea 1': returned 'yes'"),
+])
+def test_a_judge_that_fails_stops_the_step_naming_the_judge_and_the_prompt(tiny_model, tmp_path, judge, expected):
+    """The judge's error is raised on every process after the rewards' gather (so none waits in a collective), with
+    the judge and the prompt; main_distributed prints it as one line (JudgeError is a user error)."""
+    from src.judges import JudgeError
+
+    # 32 answers per step: all 8 prompts are asked in step 1
+    trainer = toolkit_trainer(tiny_model, tmp_path, "--judge", f"tests.round_judges:{judge}", "--batch_size", "32")
+    with pytest.raises(JudgeError) as raised:
+        trainer.train()
+    assert str(raised.value).startswith("step 1: ") and expected in str(raised.value)
+
+
+def toolkit_trainer(tiny_model, tmp_path, *extra: str):
+    """The trainer main_distributed builds for --stage grpo on 8 prompts (one process), ready to train."""
+    from transformers import AutoTokenizer
+
+    from src.config import Devices, World, parse_config, resolve_plan
+    from src.data import prepare_data
+    from src.models import load_model
+    from src.objectives import objective
+    from src.trainers.build import build_trainer
+    from src.trainers.trl_config import build_trl_config
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(8))
+    config = parse_config(grpo_args(tiny_model, data, tmp_path / "results", "t", "--batch_size", "8", "--val_size",
+                                    "0", "--test_size", "0", *extra))
+    plan = resolve_plan(config, World(), Devices("cpu", 0, []))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prepared = prepare_data(config.data, config.sft, "grpo", 5, tokenizer, tmp_path / "cache")
+    trl_config = build_trl_config("grpo", config, plan, tmp_path / "out", False, 2)
+    model = load_model(str(tiny_model), config.model, plan, World())
+    return build_trainer("grpo", model, tokenizer, trl_config, prepared, None, tmp_path / "metrics.jsonl", plan,
+                         trainer_inputs=objective("grpo").trainer_inputs(config))
+
+
+def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
+    """Two judges with weights: each one's curves under rewards/<judge>/, the reward their weighted sum; the answers
+    are the same as one judge's (the sampling does not depend on the judges), and the plots draw a curve per judge."""
+    from src.reporting.plots import panel_curves
+    from src.objectives import objective
+
+    trainer = toolkit_trainer(tiny_model, tmp_path, "--rewards", JUDGE, "tests.round_judges:always_one",
+                              "--reward_weights", "1.0", "0.5", "--max_steps", "1")
+    trainer.train()
+    record = next(line for line in run_files.read_jsonl(tmp_path / "metrics.jsonl") if "reward" in line)
+    by_length = record["rewards/tests.round_judges.by_length/mean"]
+    assert record["rewards/tests.round_judges.always_one/mean"] == 1.0
+    assert record["rewards/tests.round_judges.always_one/std"] == 0.0
+    assert record["reward"] == pytest.approx(by_length + 0.5, abs=1e-5)
+    for key in ("kl", "entropy", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
+                "clip_ratio/region_mean"):
+        assert math.isfinite(record[key]), key
+    # where the step's time went: its sampling and judging inside TRL's whole step
+    assert 0 < record["time/generation_s"] + record["time/judging_s"] < record["step_time"]
+    panel = objective("grpo").charts[1].panels[1]
+    assert [curve.label for curve in panel_curves([record], panel)] == ["tests.round_judges.by_length mean",
+                                                                         "tests.round_judges.always_one mean"]
+
+
+def grpo_history(steps: int = 40, entropy_end: float = 0.5, tied_end: float = 0.3, length_end: float = 20.0,
+                 cut_end: float = 0.0) -> list[dict]:
+    """A GRPO run's records as TRL logs them, each curve moving linearly from a healthy start to its given end."""
+    def at(step: int, start: float, end: float) -> float:
+        return start + (end - start) * (step - 1) / (steps - 1)
+
+    return [{"step": step, "loss": 0.1, "reward": 0.5, "entropy": at(step, 0.5, entropy_end),
+             "frac_reward_zero_std": at(step, 0.3, tied_end), "completions/mean_length": at(step, 20.0, length_end),
+             "completions/clipped_ratio": at(step, 0.0, cut_end)} for step in range(1, steps + 1)]
+
+
+@pytest.mark.parametrize("history, alerted", [
+    (grpo_history(), set()),
+    (grpo_history(entropy_end=0.01), {"grpo_entropy_collapse"}),
+    (grpo_history(entropy_end=0.2), set()),  # 40%: lower, not collapsed
+    (grpo_history(tied_end=0.95), {"grpo_groups_tied"}),
+    (grpo_history(length_end=60.0, cut_end=0.5), {"grpo_length_runaway"}),
+    (grpo_history(length_end=60.0), set()),  # longer within the limit: a habit forming, not a runaway
+])
+def test_health_alerts_for_entropy_collapse_tied_groups_and_runaway_length(history, alerted):
+    from src.reporting.alerts import detect_alerts
+
+    assert {alert.code for alert in detect_alerts(history, "grpo")} == alerted
+
+
+@pytest.mark.parametrize("reward_end, before, after, alerted", [
+    (0.9, 0.50, 0.40, True),   # reward up, judged held-out score down 10 points: hacking
+    (0.9, 0.50, 0.49, False),  # down 1 point: within the judge's noise
+    (0.3, 0.50, 0.40, False),  # the reward fell too: not a reward the policy learned to get
+    (0.9, 0.40, 0.50, False),
+])
+def test_reward_rising_while_the_judged_held_out_score_falls_is_reward_hacking(reward_end, before, after, alerted):
+    from src.reporting.alerts import detect_alerts
+
+    history = [record | {"reward": 0.5 + (reward_end - 0.5) * index / 39} for index, record in
+               enumerate(grpo_history())]
+    info = {"judge": {"metric": "correct_and_preferred", "split": "test", "n": 200, "before": before, "after": after}}
+    codes = {alert.code for alert in detect_alerts(history, "grpo", info)}
+    assert ("grpo_reward_hacking" in codes) == alerted
+    assert "grpo_reward_hacking" not in {alert.code for alert in detect_alerts(history, "grpo")}  # no info: not run
+
+
+def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
+    """report.md of a GRPO run: the charts of its row (a reward curve per judge, read from the logged keys), the data
+    table of prompts (no pair rows), its loss settings and final numbers."""
+    from report_fixtures import training_info, write_run_dir
+    from src.reporting.report import build_report
+
+    history = [record | {"rewards/embedded/mean": 0.5, "rewards/embedded/std": 0.4, "rewards/fmt.ok/mean": 1.0,
+                         "rewards/fmt.ok/std": 0.0, "reward_std": 0.4, "kl": 0.001 * record["step"]}
+               for record in grpo_history()]
+    prompts = {"pairs": 24, "distinct_prompts": 24, "duplicate_pairs": 0, "duplicate_share": 0.0, "empty_answers": 0,
+               "prompts_dropped": 0, "prompt_tokens": {"mean": 9.0, "median": 9, "p95": 10}}
+    info = training_info("grpo", beta=0.04, loss_type="dapo", num_generations=8, rewards=["embedded", "fmt:ok"],
+                         reward_weights=[1.0, 0.2], data_audit={"train": prompts, "test": prompts})
+    report = build_report(write_run_dir(tmp_path / "run", history, info)).read_text(encoding="utf-8")
+    assert "| prompts | 24 | 24 |" in report and "chosen tokens" not in report
+    assert "embedded x 1, fmt:ok x 0.2" in report and "final share of tied groups" in report
+    for chart in ("rewards.png", "groups.png", "policy.png", "answers.png"):
+        assert (tmp_path / "run" / "plots" / chart).stat().st_size > 10_000, chart
+
+
+# ------------------------------------------------------------------------------- the same numbers on any split
+
+
+def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker(tiny_model, tmp_path):
+    """16 answers per step (4 prompts x 4), 3 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
+    sample the same answers to the same prompts, gather the same rewards, give each answer the same advantage, and
+    log the same loss, KL and entropy (1e-5). The 2 x 2 run's rank 1 is killed right after checkpoint-2 and torchrun
+    restarts both: the resumed step 3 samples the same answers, and the curves go on as if nothing happened."""
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    killed = tmp_path / "killed"
+    runs = {}
+    for processes, accumulation in ((1, 4), (2, 2), (4, 1)):
+        name = f"{processes}x{accumulation}"
+        probe = tmp_path / "probe" / name
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+                   "--nproc_per_node", str(processes), "tests/grpo_probe.py", str(probe),
+                   *grpo_args(tiny_model, data, tmp_path / "results", name, "--gradient_accumulation_steps",
+                              str(accumulation), "--max_steps", "3", "--save_steps", "1")]
+        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:1:{killed}"} if processes == 2 else {}
+        result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                                env=os.environ | {"OMP_NUM_THREADS": "1"} | seam)
+        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(processes)]
+        assert {(rank["world_size"], rank["accumulation"]) for rank in ranks} == {(processes, accumulation)}
+        answers = sorted((answer["step"], answer["prompt"], answer["answer"], answer["advantage"])
+                         for rank in ranks for answer in rank["answers"])
+        metrics = [record for record in run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
+                   if "loss" in record]
+        runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics}
+    assert killed.exists(), "the seam never fired: the resume proves nothing"
+    info = run_files.read_json(tmp_path / "results" / "2x2" / run_files.TRAINING_INFO)
+    assert [resume["from_step"] for resume in info["resumes"]] == [2]
+    reference = runs["1x4"]
+    assert len(reference["answers"]) == 3 * 16 and len({answer[1] for answer in reference["answers"]}) == 12
+    assert any(answer[3] != 0 for answer in reference["answers"]), "no advantage: the test would prove nothing"
+    for name, run in runs.items():
+        # the resumed run's workers sampled step 3 alone (steps 1-2 were before the kill)
+        expected = [answer for answer in reference["answers"] if answer[0] == 2] if name == "2x2" else \
+            reference["answers"]
+        assert [answer[:3] for answer in run["answers"]] == [answer[:3] for answer in expected], name
+        assert [answer[3] for answer in run["answers"]] == pytest.approx([answer[3] for answer in expected],
+                                                                         abs=1e-5), name
+        assert run["rewards"] == {step: rewards for step, rewards in reference["rewards"].items()
+                                  if name != "2x2" or step == "2"}, name
+        assert [record["step"] for record in run["metrics"]] == [1, 2, 3], name
+        for key in ("loss", "kl", "entropy", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
+            assert [record[key] for record in run["metrics"]] == pytest.approx(
+                [record[key] for record in reference["metrics"]], abs=1e-5), (name, key)
+    assert reference["metrics"][-1]["kl"] > 0  # the policy moved from the reference
