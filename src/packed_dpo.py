@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from src.distributed import any_rank
-from src.packed_dpo_support import FLASH_PREFIX, refusal
+from src.packed_dpo_support import FLASH_PREFIX, announce_padded, refusal
 
 PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels", "packed_segment_ids",
                "packed_branch_ids", "packed_source_index", "padded_target_index", "packed_counts")
@@ -69,7 +69,7 @@ def unsupported_reason(model, args, peft_config=None) -> str | None:
     of src/packed_dpo_support.py. What is not refused is still checked against the padded forward on the first batch."""
     return refusal(model.config, attn_implementation=getattr(model.config, "_attn_implementation", None),
                    router_aux_loss_coef=getattr(args, "router_aux_loss_coef", None),
-                   truncation_mode=args.truncation_mode,
+                   truncation_mode=getattr(args, "truncation_mode", "keep_start"),  # legacy pair configs: none
                    prompt_learning=peft_config is not None and getattr(peft_config, "is_prompt_learning", False))
 
 
@@ -97,6 +97,23 @@ class PackedPreferenceCollator:
         batch.update(pack_pairs(examples, self.padded_collator.max_length, self.padded_collator.pad_token_id,
                                 self.layout, batch["input_ids"].shape[1], self.attention_cost))
         return batch
+
+
+def attention_cost_of(model) -> float:
+    """Attention's work per key against the rest of a token's (projections and MLP, ~12 hidden² per layer, vs ~4
+    hidden): the packer's trade of padding against a wider dense mask (_rows)."""
+    return 1 / (3 * model.config.get_text_config().hidden_size)
+
+
+def forward_plan(model, trl_config, peft_config, packed: bool = True) -> PackedDPOForward:
+    """The packed forward of a trainer: on unless `--padding_free false` or the model cannot honour it (then the
+    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here."""
+    if not packed:
+        return PackedDPOForward("--padding_free false")
+    reason = unsupported_reason(model, trl_config, peft_config)
+    if reason:
+        announce_padded(reason)
+    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16))
 
 
 def _truncated(example: dict, max_length: int | None) -> tuple[list, list, list]:
@@ -138,11 +155,13 @@ def _rows(sizes: list[int], attention_cost: float) -> tuple[int, list[list[int]]
 
 
 def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, layout: str,
-               padded_length: int, attention_cost: float = 0.0) -> dict:
+               padded_length: int, attention_cost: float = 0.0, score_prompt: bool = False) -> dict:
     """The packed tensors for a micro-batch of pairs (see the module docstring for the layouts).
 
-    packed_source_index / padded_target_index: for every scored answer token, where its per-token outputs sit in the
-    flattened packed `(rows, width)` output and in TRL's flattened padded `(2 * pairs, padded_length - 1)` output."""
+    packed_source_index / padded_target_index: for every scored token, where its per-token outputs sit in the
+    flattened packed `(rows, width)` output and in TRL's flattened padded `(2 * pairs, padded_length - 1)` output.
+    Scored: the answers' tokens, and with `score_prompt` also the prompt's (from its second token) in the chosen row
+    (ORPO's NLL term covers prompt + chosen answer): the shared prompt's positions, computed once."""
     pairs = len(examples)
     segments = []  # per segment: tokens, positions, branch ids, labels, [(padded row, padded start, offset, count)]
     useful = repeated = 0
@@ -154,6 +173,9 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
             repeated += len(pivot)
             tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
                 [SHARED] * len(shared), [-100] * len(shared), []
+            if score_prompt and shared:  # shared[k] predicts prompt[k + 1], the chosen row's shifted position k
+                labels = list(prompt[1:])
+                targets.append((index, 0, 0, len(shared)))
             for branch, row, answer in ((CHOSEN, index, chosen), (REJECTED, pairs + index, rejected)):
                 sequence = pivot + answer
                 # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
@@ -167,8 +189,8 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
             repeated += len(prompt)
             for row, answer in ((index, chosen), (pairs + index, rejected)):
                 sequence = prompt + answer
-                labels = [-100] * max(0, len(prompt) - 1) + sequence[max(1, len(prompt)):] + [-100]
-                start = max(0, len(prompt) - 1)
+                start = 0 if score_prompt and row == index else max(0, len(prompt) - 1)
+                labels = [-100] * start + sequence[start + 1:] + [-100]
                 segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
                                  [(row, start, start, len(sequence) - 1 - start)]))
 
@@ -473,7 +495,7 @@ def install(modules) -> None:
 def fused_modules(trainer) -> list:
     """The modules carrying TRL's fused forward: the policy (inside DDP and PEFT wrappers) and the reference."""
     found = []
-    for model in (trainer.model, trainer.ref_model):
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):  # reference-free trainers have none
         if model is None:
             continue
         model = trainer.accelerator.unwrap_model(model)

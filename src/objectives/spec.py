@@ -21,10 +21,12 @@ PROMPTS = "prompts"  # prompts alone: no objective trains on them, on-policy rou
 PAIRED_SHAPES = (PAIRS, SCORED_PAIRS)  # the shapes read from prompt / chosen / rejected data
 
 # The fields a reference-free objective on pairs shares (SimPO, ORPO: no reference model, a causal LM, chosen
-# and rejected forwarded with gradients, TRL's default learning rate for their configs).
+# and rejected forwarded with gradients, TRL's default learning rate for their configs, the packed forward:
+# src/trainers/legacy_pairs.py, proven against their padded one in tests/test_packed_objectives.py).
 REFERENCE_FREE_PAIRS = dict(data_shape=PAIRS, example_word="pairs", default_learning_rate=1e-6, needs_reference=False,
                             reference_free=True, sequences_per_example=2, sequences_with_grad=2, causal_lm=True,
-                            truncates_to_max_length=True, alerts=("dpo_saturated",), audit_parts=("judged",))
+                            truncates_to_max_length=True, alerts=("dpo_saturated",), audit_parts=("judged",),
+                            packed_forward=True)
 
 TRAIN_COLOR = "#1f77b4"
 REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
@@ -161,5 +163,7 @@ class Objective:
     loss_rows: Callable | None = field(default=None, compare=False)
     # training_info.json → its line in report.md's setup table (beta, loss, weights)
     setup_line: Callable | None = field(default=None, compare=False)
-    packed_forward: bool = False  # the toolkit's packed, prefix-shared forward serves it (src/packed_dpo_support.py)
+    # The toolkit's packed, prefix-shared forward serves it (src/packed_dpo.py; the model allow-list of
+    # src/packed_dpo_support.py): its trainer builds it (`forward_for`), the launch checks the model before preparation
+    packed_forward: bool = False
 
