@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,18 +85,34 @@ def likely_cause(config) -> str:
 
 # --- the collator -----------------------------------------------------------------------------------------------
 
+def _examples_are_pairs(examples: list[dict]) -> list[dict]:
+    return examples
+
+
+def _input_ids_width(batch: dict) -> int:
+    return batch["input_ids"].shape[1]
+
+
 @dataclass
 class PackedPreferenceCollator:
-    """TRL's padded preference batch (TRL's own collator), plus the packed layout of the same pairs (PACKED_KEYS)."""
+    """The trainer's padded batch (its own collator: TRL's DataCollatorForPreference for DPO), plus the packed layout
+    of the same pairs (PACKED_KEYS). Another trainer's examples and batch are read as pairs through `as_pairs`
+    (examples → prompt_ids / chosen_ids / rejected_ids) and `padded_width` (the width of its padded `[chosen;
+    rejected]` rows): SimPO's and ORPO's (src/trainers/legacy_pairs.py), KTO's completion and KL completion
+    (src/trainers/kto.py)."""
 
-    padded_collator: object           # trl DataCollatorForPreference
+    padded_collator: object           # has pad_token_id, and max_length where it truncates
     layout: str = "prefix_shared"     # or "varlen"
     attention_cost: float = 0.0       # per key, relative to a token's other work: see _rows
+    as_pairs: Callable = _examples_are_pairs
+    padded_width: Callable = _input_ids_width
+    score_prompt: bool = False        # see pack_pairs
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.padded_collator(examples)
-        batch.update(pack_pairs(examples, self.padded_collator.max_length, self.padded_collator.pad_token_id,
-                                self.layout, batch["input_ids"].shape[1], self.attention_cost))
+        batch.update(pack_pairs(self.as_pairs(examples), getattr(self.padded_collator, "max_length", None),
+                                self.padded_collator.pad_token_id, self.layout, self.padded_width(batch),
+                                self.attention_cost, self.score_prompt))
         return batch
 
 

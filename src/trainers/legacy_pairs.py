@@ -15,12 +15,10 @@ coupling to CPOTrainer's and ORPOTrainer's `concatenated_inputs` / `concatenated
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from src.packed_dpo import PACKED_KEYS, attention_cost_of, forward_plan, fused_modules, pack_pairs
+from src.packed_dpo import PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 LABEL_PAD = -100
@@ -45,28 +43,19 @@ def pairs_only(dataset):
     return dataset.select_columns([name for name in (*PAIR_COLUMNS, "length") if name in dataset.column_names])
 
 
-@dataclass
-class PackedPairsCollator:
-    """The trainer's padded pair batch (its own collator), plus the packed layout of the same pairs (PACKED_KEYS),
-    from the rows as `pair_row` cut them."""
+def cut_pairs(examples: list[dict]) -> list[dict]:
+    """The rows as `pair_row` cut them, as prompt / chosen / rejected ids (the packed collator's pairs)."""
+    pairs = []
+    for example in examples:
+        prompt = list(example["prompt_input_ids"])
+        pairs.append({"prompt_ids": prompt, "chosen_ids": list(example["chosen_input_ids"])[len(prompt):],
+                      "rejected_ids": list(example["rejected_input_ids"])[len(prompt):]})
+    return pairs
 
-    padded_collator: object
-    pad_token_id: int
-    layout: str = "prefix_shared"
-    attention_cost: float = 0.0
-    score_prompt: bool = False  # the chosen row's prompt tokens are scored too (ORPO's NLL)
 
-    def __call__(self, examples: list[dict]) -> dict:
-        batch = self.padded_collator(examples)
-        pairs = []
-        for example in examples:
-            prompt = list(example["prompt_input_ids"])
-            pairs.append({"prompt_ids": prompt, "chosen_ids": list(example["chosen_input_ids"])[len(prompt):],
-                          "rejected_ids": list(example["rejected_input_ids"])[len(prompt):]})
-        width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])  # concatenated_inputs'
-        batch.update(pack_pairs(pairs, None, self.pad_token_id, self.layout, width, self.attention_cost,
-                                self.score_prompt))
-        return batch
+def concatenated_width(batch: dict) -> int:
+    """The width of `concatenated_inputs`' rows: chosen and rejected padded to the longer."""
+    return max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
 
 
 class PreparedPairsMixin:
@@ -90,8 +79,9 @@ class PreparedPairsMixin:
         super().__init__(*args, train_dataset=pairs_only(train_dataset), eval_dataset=pairs_only(eval_dataset),
                          **kwargs)
         if packed_forward is not None and packed_forward.enabled:
-            self.data_collator = PackedPairsCollator(self.data_collator, self.pad_value(), packed_forward.layout,
-                                                     attention_cost_of(self.model), self.nll_covers_prompt)
+            self.data_collator = PackedPreferenceCollator(self.data_collator, packed_forward.layout,
+                                                          attention_cost_of(self.model), cut_pairs, concatenated_width,
+                                                          self.nll_covers_prompt)
 
     def pad_value(self) -> int:
         """The token id that pads input ids (CPOTrainer's `pad_token_id`; ORPOTrainer calls it `padding_value`)."""
