@@ -122,15 +122,18 @@ def attention_cost_of(model) -> float:
     return 1 / (3 * model.config.get_text_config().hidden_size)
 
 
-def forward_plan(model, trl_config, peft_config, packed: bool = True) -> PackedDPOForward:
+def forward_plan(model, trl_config, peft_config, packed: bool = True,
+                 passes: tuple[str, ...] = ("policy", "reference")) -> PackedDPOForward:
     """The packed forward of a trainer: on unless `--padding_free false` or the model cannot honour it (then the
-    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here."""
+    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here;
+    `passes`: the ones it packs (KTO: its reference pass), the others run padded."""
     if not packed:
-        return PackedDPOForward("--padding_free false")
+        return PackedDPOForward("--padding_free false", passes=passes)
     reason = unsupported_reason(model, trl_config, peft_config)
     if reason:
         announce_padded(reason)
-    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16))
+    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16),
+                            passes=passes)
 
 
 def _truncated(example: dict, max_length: int | None) -> tuple[list, list, list]:
@@ -299,8 +302,10 @@ class PackedDPOForward:
     """Decides whether the packed forward runs, redirects the fused forward while TRL's loss code runs, checks it
     once against the padded forward, and counts the tokens both ways."""
 
-    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False):
+    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False,
+                 passes: tuple[str, ...] = ("policy", "reference")):
         self.enabled = reason_off is None
+        self.passes = passes  # the passes its trainer packs (what the summary says)
         # bf16/fp16 mixed precision asked of the trainer: inside a training step accelerate's autocast is entered by
         # the model's own (wrapped) forward, below the check, so the ambient autocast state alone reads fp32 there
         self.half_precision = half_precision
@@ -348,9 +353,12 @@ class PackedDPOForward:
         return (counts[0], counts[1]) if counts else None
 
     def summary(self) -> dict:
+        forward = ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
+                   "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)"
+        if self.enabled and set(self.passes) != set(self.counts):
+            forward += f" for the {' and '.join(self.passes)} pass, TRL's padded forward for the others"
         return {
-            "forward": ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
-                        "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)",
+            "forward": forward,
             "reason": self.reason,
             "first_batch_check": self.check_result,
             "tokens": {kind: counts.as_dict() for kind, counts in self.counts.items() if counts.batches},

@@ -73,3 +73,44 @@ def test_orpo_scores_the_shared_prompt_once_for_its_nll(tiny_model, tiny_tokeniz
                   for side in ("chosen", "rejected"))
     prompts = sum(len(row["prompt_input_ids"]) - 1 for row in rows[:2])
     assert scored == answers + prompts == len(batch["padded_target_index"])
+
+
+def kto_reference_pass(model_path, tokenizer, work, packed: bool):
+    """A KTO trainer's reference pass (precompute_ref_log_probs) on 24 prepared rows, packed or TRL's padded."""
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig
+
+    from conftest import preference_rows, write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+    from src.trainers.kto import PreparedKTOTrainer
+
+    work.mkdir(parents=True, exist_ok=True)
+    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
+    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=40, kto_from_pairs=True, val_size=2,
+                                          test_size=2), SFTArguments(), "kto", 7, tokenizer, work / "cache")
+    args = KTOConfig(output_dir=str(work / "out"), per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                     bf16=False, max_length=40, beta=0.1, disable_tqdm=True, precompute_ref_log_probs=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    forward = PreparedKTOTrainer.forward_for(model, tokenizer, args, None) if packed else {}
+    return PreparedKTOTrainer(model=model, args=args, train_dataset=prepared.train, processing_class=tokenizer,
+                              **forward)
+
+
+def test_kto_reference_pass_packed_equals_the_padded_one(tiny_model, tiny_tokenizer, tmp_path):
+    """KTO's reference pass: each row's completion and KL completion share its prompt, computed once in one packed
+    forward; the cached log-probs of both equal TRL's two padded forwards' (1e-5), fewer tokens computed, and the
+    packed cache is its own (the padded pass's key is unchanged)."""
+    import torch
+
+    padded = kto_reference_pass(tiny_model, tiny_tokenizer, tmp_path / "padded", packed=False)
+    packed = kto_reference_pass(tiny_model, tiny_tokenizer, tmp_path / "packed", packed=True)
+    for column in ("ref_logps", "ref_KL_logps"):
+        expected, got = (torch.tensor(trainer.train_dataset[column]) for trainer in (padded, packed))
+        assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5, column
+    summary = packed.packed_forward.summary()
+    assert summary["first_batch_check"]["passed"] and "for the reference pass" in summary["forward"]
+    assert set(summary["tokens"]) == {"reference"}
+    computed = summary["tokens"]["reference"]["computed_tokens"]
+    assert computed < summary["padded_forward_would_compute"]["reference"]["computed_tokens"]
+    assert packed.reference_cache["train"]["cache"] == "computed"

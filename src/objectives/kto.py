@@ -133,4 +133,5 @@ OBJECTIVE = Objective(
     data_settings=data_settings,
     run_info=run_info,
     preflight=preflight,
+    packed_forward=True,  # its reference pass: a row's completion and KL completion share the prompt (src/trainers/kto.py)
 )
