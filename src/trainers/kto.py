@@ -306,12 +306,10 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         the split's fingerprint (src/data.py: source, tokenizer, lengths, seed, so the KL partners), the reference's
         weights, and here also what else changes the numbers: precision, device kind, max_length."""
         how = ("kto", self.args.bf16, self.args.fp16, self.accelerator.device.type, self.args.max_length)
-        padded_collator, packed = self.data_collator, self._packs_reference()
-        if packed:  # the packed forward's cache is its own (the padded forward's key is as it was)
+        padded_collator = self.data_collator
+        if self._packs_reference():  # the packed forward's cache is its own (the padded forward's key is as it was)
             how += (self.packed_forward.cache_tag(),)
-            self.data_collator = PackedPreferenceCollator(padded_collator, self.packed_forward.layout,
-                                                          attention_cost_of(self.model), completion_pairs,
-                                                          completions_width)
+            self.data_collator = self.reference_collator()
         try:
             with reference_cache_pass(self, dataset, name, how, trl_key=(self.calculate_KL,)):
                 return super()._precompute_ref_logps(dataset, name, batch_size)
@@ -321,13 +319,20 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     def _packs_reference(self) -> bool:
         return self.packed_forward is not None and self.packed_forward.enabled and self.calculate_KL
 
+    def reference_collator(self):
+        """The reference pass's collator: TRL's, plus the packed layout of each row's two completions when packed."""
+        if not self._packs_reference():
+            return self.data_collator
+        return PackedPreferenceCollator(self.data_collator, self.packed_forward.layout, attention_cost_of(self.model),
+                                        completion_pairs, completions_width)
+
     def compute_ref_log_probs(self, model, inputs):
         """The reference's summed log-probs of each row's completion and KL completion: TRL's two padded forwards, or
         one packed forward (each prompt once) standing in for their stacked padded batch."""
         if "packed_input_ids" not in inputs:
             return super().compute_ref_log_probs(model, inputs)
         rows = inputs["input_ids"].shape[0]
-        stacked = stacked_completions(inputs, self.data_collator.padded_collator.pad_token_id)
+        stacked = stacked_completions(inputs, self._tokenizer.pad_token_id)  # as TRL's collator pads
         labels = stacked["input_ids"].masked_fill(stacked["completion_mask"] == 0, -100)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 self.reference_adapter(), self.accelerator.autocast(), \
