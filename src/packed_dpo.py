@@ -319,9 +319,11 @@ class PackedDPOForward:
 
     # Called by the trainer around TRL's loss / reference computation
     @contextlib.contextmanager
-    def running(self, inputs: dict, forwards: tuple[str, ...], modules):
+    def running(self, inputs: dict, forwards: tuple[str, ...], modules, padded: list[int] | None = None):
         """`inputs` without the packed keys (TRL would hand them to the model), with the fused forward of `modules`
-        redirected to the packed layout while the block runs."""
+        redirected to the packed layout while the block runs. `padded`: what the trainer's own padded forward computes
+        (computed, padding, repeated prompt, useful tokens) where that is not `inputs` as one padded batch (KTO's two
+        padded passes)."""
         packed = {key: inputs[key] for key in PACKED_KEYS if key in inputs}
         inputs = {key: value for key, value in inputs.items() if key not in PACKED_KEYS}
         plan = None
@@ -329,7 +331,7 @@ class PackedDPOForward:
             install(modules)
             plan = _Plan(packed, tuple(inputs["input_ids"].shape), verify=not self.checked)
         for kind in forwards:
-            self.padded_equivalent[kind].add(padded_counts(inputs))
+            self.padded_equivalent[kind].add(padded or padded_counts(inputs))
         token = _ACTIVE.set((self, plan))
         try:
             yield inputs
@@ -337,7 +339,7 @@ class PackedDPOForward:
             _ACTIVE.reset(token)
         for kind in forwards:  # after the block: a failed first check falls back within it
             counts = [int(value) for value in (packed["packed_counts"] if self.enabled and plan else
-                                               padded_counts(inputs))]
+                                               padded or padded_counts(inputs))]
             self.counts[kind].add(counts)
             if kind == "policy":
                 self.last_policy = counts

@@ -104,6 +104,15 @@ def stacked_completions(batch: dict, pad_token_id: int) -> dict:
             "completion_mask": stack("completion_mask", 0)}
 
 
+def two_pass_counts(batch: dict) -> list[int]:
+    """computed, padding, repeated prompt, useful tokens of TRL's two padded reference forwards (completions, then KL
+    completions, each padded to its own longest): the KL pass computes every prompt a second time."""
+    computed = batch["input_ids"].numel() + batch["KL_input_ids"].numel()
+    real = int(batch["attention_mask"].sum() + batch["KL_attention_mask"].sum())
+    repeated = int(batch["KL_attention_mask"].sum() - batch["KL_completion_mask"].sum())
+    return [computed, computed - real, repeated, real - repeated]
+
+
 class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     """KTOTrainer on data tokenized by src/data.py (same ids as its own preparation, plus the fixed KL completions),
     with the step's KL over its global batch, weighted train metrics and per-row eval metrics."""
@@ -337,7 +346,7 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 self.reference_adapter(), self.accelerator.autocast(), \
                 self.packed_forward.running({**stacked, **{key: inputs[key] for key in PACKED_KEYS}}, ("reference",),
-                                            fused_modules(self)) as padded:
+                                            fused_modules(self), two_pass_counts(inputs)) as padded:
             per_token = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=labels,
                               fused_lm_head=True).log_probs
         return per_token[:rows].sum(-1), per_token[rows:].sum(-1)
