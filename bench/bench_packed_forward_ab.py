@@ -6,7 +6,17 @@
 What a change to src/packed_dpo.py costs (or saves) per micro-batch, without the noise of whole runs: the same Llama
 (--hidden 256 --layers 4 by default, sdpa, fp32 on CPU), the same 6 micro-batches of 8 log-normal pairs (prompt median 31 tokens,
 answers 26, capped at 150), each version on its own copy of the model (each installs its own fused-forward wrapper).
-Prints the median seconds per 6 micro-batches of each and their ratio."""
+Prints the median seconds per 6 micro-batches of each and their ratio.
+
+    python bench/bench_packed_forward_ab.py --objectives dpo simpo orpo kto
+
+Per objective, the toolkit's packed forward against TRL's padded one, through the objectives' own trainers (their rows
+in src/objectives/, built as build_trainer builds them, `forward_for` packed or not), on the same model and micro-batches,
+arms interleaved: a training step (compute_loss + backward) for DPO (policy and reference forward inside the step, the
+reference not cached), SimPO and ORPO (TRL's padded arm: their own concatenated_forward, full logits); for KTO its
+reference pass (compute_ref_log_probs over completions and KL completions: the pass that packs; its training step runs
+padded in both arms). Each arm runs once untimed first (its first-batch check). Prints a markdown table: median seconds
+per 6 micro-batches of each arm, packed / padded, and the tokens each computed."""
 
 from __future__ import annotations
 
@@ -32,34 +42,56 @@ def load_version(path: str):
     return module
 
 
-def main() -> None:
+VOCAB = 2000
+
+
+def base_model(hidden: int, layers: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                        attn_implementation="sdpa", pad_token_id=0, eos_token_id=1, bos_token_id=None))
+
+
+def micro_batches() -> list[list[dict]]:
+    """6 micro-batches of 8 log-normal pairs (token ids: prompt median 31, answers 26, capped at 150)."""
+    rng = random.Random(0)
+    length = lambda median: min(150, max(1, int(rng.lognormvariate(math.log(median), 0.9) * 1.3)))  # noqa: E731
+    ids = lambda count: [rng.randrange(3, VOCAB) for _ in range(count)]  # noqa: E731
+    return [[{"prompt_ids": ids(length(24)), "chosen_ids": ids(length(20)), "rejected_ids": ids(length(20))}
+             for _ in range(8)] for _ in range(6)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="another version's src/packed_dpo.py")
+    parser.add_argument("--objectives", nargs="+", help="per objective: packed vs TRL's padded (dpo simpo orpo kto)")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    if args.objectives:
+        return objectives_ab(args)
+    if not args.before:
+        parser.error("--before or --objectives")
+    versions_ab(args)
+
+
+def versions_ab(args) -> None:
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from trl.trainer.utils import add_fused_lm_head
 
     import src.packed_dpo as after
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="another version's src/packed_dpo.py")
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    args = parser.parse_args()
     versions = {"before": load_version(args.before), "after": after}
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=2000, hidden_size=args.hidden,
-                                        intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                                        num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa"))
+    base = base_model(args.hidden, args.layers)
     models = {}
     for name in versions:
         models[name] = copy.deepcopy(base)
         add_fused_lm_head(models[name], outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    rng = random.Random(0)
-    length = lambda median: min(150, max(1, int(rng.lognormvariate(math.log(median), 0.9) * 1.3)))  # noqa: E731
-    ids = lambda count: [rng.randrange(3, 2000) for _ in range(count)]  # noqa: E731
-    batches = [[{"prompt_ids": ids(length(24)), "chosen_ids": ids(length(20)), "rejected_ids": ids(length(20))}
-                for _ in range(8)] for _ in range(6)]
+    batches = micro_batches()
 
     def step(module, model, rows):
         collator = module.PackedPreferenceCollator(DataCollatorForPreference(pad_token_id=0, max_length=400),
@@ -83,6 +115,98 @@ def main() -> None:
     for name, values in seconds.items():
         print(f"{name}: median {statistics.median(values):.3f} s per 6 micro-batches  {[round(v, 3) for v in values]}")
     print(f"after / before: {statistics.median(seconds['after']) / statistics.median(seconds['before']):.3f}")
+
+
+def tokenizer_for_ids():
+    """A tokenizer whose ids are the benchmark's token ids (t0 = padding, t1 = end): the trainers ask it for these."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t2")),
+                                   pad_token="t0", eos_token="t1", unk_token="t2")
+
+
+def unpaired(pairs: list[dict]) -> list[dict]:
+    """KTO's rows from pairs: chosen thumbs up, rejected down; each row's KL completion the next row's (a derangement,
+    as src/data.py fixes one per split)."""
+    rows = [{"prompt_ids": pair["prompt_ids"], "completion_ids": pair[side], "label": side == "chosen_ids"}
+            for pair in pairs for side in ("chosen_ids", "rejected_ids")]
+    return [dict(row, KL_completion_ids=rows[(index + 1) % len(rows)]["completion_ids"])
+            for index, row in enumerate(rows)]
+
+
+def objective_arm(name: str, packed: bool, base, tokenizer, batches, work: Path):
+    """(step function over one micro-batch, the trainer's packed forward) for an objective's trainer, packed or not."""
+    import torch
+    from datasets import Dataset
+
+    from src.objectives import load, objective
+
+    row = objective(name)
+    trainer_class, config_class = load(row.trainer), load(row.trl_config)
+    options = dict(output_dir=str(work / f"{name}-{packed}"), per_device_train_batch_size=8, use_cpu=True,
+                   report_to=[], bf16=False, max_length=400, disable_tqdm=True)
+    if row.needs_reference:
+        options["precompute_ref_log_probs"] = False
+    args = config_class(**options)
+    model = copy.deepcopy(base)
+    rows = [row_ for batch in batches for row_ in batch]
+    data = Dataset.from_list(unpaired(rows) if row.data_shape == "unpaired" else rows)
+    extra = {"ref_model": copy.deepcopy(base)} if row.needs_reference else {}
+    trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                            **trainer_class.forward_for(model, tokenizer, args, None, packed), **extra)
+    micro = [[trainer.train_dataset[i] for i in range(start, start + (16 if row.data_shape == "unpaired" else 8))]
+             for start in range(0, len(data), 16 if row.data_shape == "unpaired" else 8)]
+
+    if row.data_shape == "unpaired":  # KTO: its reference pass
+        collator = trainer.reference_collator()
+
+        def step(index: int):
+            with torch.no_grad():
+                trainer.compute_ref_log_probs(trainer.ref_model, trainer._prepare_inputs(collator(micro[index])))
+    else:
+        def step(index: int):
+            trainer.model.train()
+            loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(trainer.data_collator(micro[index])))
+            loss.backward()
+            trainer.model.zero_grad()
+    return step, trainer.packed_forward, len(micro)
+
+
+def objectives_ab(args) -> None:
+    import tempfile
+
+    base = base_model(args.hidden, args.layers)
+    tokenizer = tokenizer_for_ids()
+    batches = micro_batches()
+    arms, seconds, forwards = {}, {}, {}
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.objectives:
+            for packed in (False, True):
+                step, forward, count = objective_arm(name, packed, base, tokenizer, batches, Path(work))
+                for index in range(count):  # untimed: the first-batch check, allocator warm-up
+                    step(index)
+                arms[name, packed], seconds[name, packed], forwards[name, packed] = (step, count), [], forward
+        for _ in range(args.repeats):
+            for key, (step, count) in arms.items():
+                started = time.perf_counter()
+                for index in range(count):
+                    step(index)
+                seconds[key].append(time.perf_counter() - started)
+    print(f"Llama hidden {args.hidden}, {args.layers} layers, fp32 on CPU; 6 micro-batches of 8 pairs (KTO: 16 rows);"
+          f" median of {args.repeats} interleaved repeats\n")
+    print("| objective | what is timed | padded (TRL) s | packed s | packed / padded | tokens computed per 6 "
+          "micro-batches, padded → packed |\n|---|---|---|---|---|---|")
+    for name in args.objectives:
+        padded, packed = (statistics.median(seconds[name, flag]) for flag in (False, True))
+        tokens = forwards[name, True].summary()["tokens"]
+        would = forwards[name, True].summary()["padded_forward_would_compute"]
+        kind = next(iter(tokens))
+        timed = "reference pass" if kind == "reference" and len(tokens) == 1 else "training step"
+        per_pass = lambda counts: round(counts[kind]["computed_tokens"] / counts[kind]["batches"] * 6)  # noqa: E731
+        print(f"| {name} | {timed} | {padded:.3f} | {packed:.3f} | {packed / padded:.2f} | "
+              f"{per_pass(would):,} → {per_pass(tokens):,} ({kind}) |")
 
 
 if __name__ == "__main__":

@@ -39,12 +39,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from src.distributed import any_rank
-from src.packed_dpo_support import FLASH_PREFIX, refusal
+from src.packed_dpo_support import FLASH_PREFIX, announce_padded, refusal
 
 PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels", "packed_segment_ids",
                "packed_branch_ids", "packed_source_index", "padded_target_index", "packed_counts")
@@ -69,7 +70,7 @@ def unsupported_reason(model, args, peft_config=None) -> str | None:
     of src/packed_dpo_support.py. What is not refused is still checked against the padded forward on the first batch."""
     return refusal(model.config, attn_implementation=getattr(model.config, "_attn_implementation", None),
                    router_aux_loss_coef=getattr(args, "router_aux_loss_coef", None),
-                   truncation_mode=args.truncation_mode,
+                   truncation_mode=getattr(args, "truncation_mode", "keep_start"),  # legacy pair configs: none
                    prompt_learning=peft_config is not None and getattr(peft_config, "is_prompt_learning", False))
 
 
@@ -84,19 +85,55 @@ def likely_cause(config) -> str:
 
 # --- the collator -----------------------------------------------------------------------------------------------
 
+def _examples_are_pairs(examples: list[dict]) -> list[dict]:
+    return examples
+
+
+def _input_ids_width(batch: dict) -> int:
+    return batch["input_ids"].shape[1]
+
+
 @dataclass
 class PackedPreferenceCollator:
-    """TRL's padded preference batch (TRL's own collator), plus the packed layout of the same pairs (PACKED_KEYS)."""
+    """The trainer's padded batch (its own collator: TRL's DataCollatorForPreference for DPO), plus the packed layout
+    of the same pairs (PACKED_KEYS). Another trainer's examples and batch are read as pairs through `as_pairs`
+    (examples → prompt_ids / chosen_ids / rejected_ids) and `padded_width` (the width of its padded `[chosen;
+    rejected]` rows): SimPO's and ORPO's (src/trainers/legacy_pairs.py), KTO's completion and KL completion
+    (src/trainers/kto.py)."""
 
-    padded_collator: object           # trl DataCollatorForPreference
+    padded_collator: object           # has pad_token_id, and max_length where it truncates
     layout: str = "prefix_shared"     # or "varlen"
     attention_cost: float = 0.0       # per key, relative to a token's other work: see _rows
+    as_pairs: Callable = _examples_are_pairs
+    padded_width: Callable = _input_ids_width
+    score_prompt: bool = False        # see pack_pairs
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.padded_collator(examples)
-        batch.update(pack_pairs(examples, self.padded_collator.max_length, self.padded_collator.pad_token_id,
-                                self.layout, batch["input_ids"].shape[1], self.attention_cost))
+        batch.update(pack_pairs(self.as_pairs(examples), getattr(self.padded_collator, "max_length", None),
+                                self.padded_collator.pad_token_id, self.layout, self.padded_width(batch),
+                                self.attention_cost, self.score_prompt))
         return batch
+
+
+def attention_cost_of(model) -> float:
+    """Attention's work per key against the rest of a token's (projections and MLP, ~12 hidden² per layer, vs ~4
+    hidden): the packer's trade of padding against a wider dense mask (_rows)."""
+    return 1 / (3 * model.config.get_text_config().hidden_size)
+
+
+def forward_plan(model, trl_config, peft_config, packed: bool = True,
+                 passes: tuple[str, ...] = ("policy", "reference")) -> PackedDPOForward:
+    """The packed forward of a trainer: on unless `--padding_free false` or the model cannot honour it (then the
+    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here;
+    `passes`: the ones it packs (KTO: its reference pass), the others run padded."""
+    if not packed:
+        return PackedDPOForward("--padding_free false", passes=passes)
+    reason = unsupported_reason(model, trl_config, peft_config)
+    if reason:
+        announce_padded(reason)
+    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16),
+                            passes=passes)
 
 
 def _truncated(example: dict, max_length: int | None) -> tuple[list, list, list]:
@@ -138,11 +175,13 @@ def _rows(sizes: list[int], attention_cost: float) -> tuple[int, list[list[int]]
 
 
 def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, layout: str,
-               padded_length: int, attention_cost: float = 0.0) -> dict:
+               padded_length: int, attention_cost: float = 0.0, score_prompt: bool = False) -> dict:
     """The packed tensors for a micro-batch of pairs (see the module docstring for the layouts).
 
-    packed_source_index / padded_target_index: for every scored answer token, where its per-token outputs sit in the
-    flattened packed `(rows, width)` output and in TRL's flattened padded `(2 * pairs, padded_length - 1)` output."""
+    packed_source_index / padded_target_index: for every scored token, where its per-token outputs sit in the
+    flattened packed `(rows, width)` output and in TRL's flattened padded `(2 * pairs, padded_length - 1)` output.
+    Scored: the answers' tokens, and with `score_prompt` also the prompt's (from its second token) in the chosen row
+    (ORPO's NLL term covers prompt + chosen answer): the shared prompt's positions, computed once."""
     pairs = len(examples)
     segments = []  # per segment: tokens, positions, branch ids, labels, [(padded row, padded start, offset, count)]
     useful = repeated = 0
@@ -154,6 +193,9 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
             repeated += len(pivot)
             tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
                 [SHARED] * len(shared), [-100] * len(shared), []
+            if score_prompt and shared:  # shared[k] predicts prompt[k + 1], the chosen row's shifted position k
+                labels = list(prompt[1:])
+                targets.append((index, 0, 0, len(shared)))
             for branch, row, answer in ((CHOSEN, index, chosen), (REJECTED, pairs + index, rejected)):
                 sequence = pivot + answer
                 # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
@@ -167,8 +209,8 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
             repeated += len(prompt)
             for row, answer in ((index, chosen), (pairs + index, rejected)):
                 sequence = prompt + answer
-                labels = [-100] * max(0, len(prompt) - 1) + sequence[max(1, len(prompt)):] + [-100]
-                start = max(0, len(prompt) - 1)
+                start = 0 if score_prompt and row == index else max(0, len(prompt) - 1)
+                labels = [-100] * start + sequence[start + 1:] + [-100]
                 segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
                                  [(row, start, start, len(sequence) - 1 - start)]))
 
@@ -260,8 +302,10 @@ class PackedDPOForward:
     """Decides whether the packed forward runs, redirects the fused forward while TRL's loss code runs, checks it
     once against the padded forward, and counts the tokens both ways."""
 
-    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False):
+    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False,
+                 passes: tuple[str, ...] = ("policy", "reference")):
         self.enabled = reason_off is None
+        self.passes = passes  # the passes its trainer packs (what the summary says)
         # bf16/fp16 mixed precision asked of the trainer: inside a training step accelerate's autocast is entered by
         # the model's own (wrapped) forward, below the check, so the ambient autocast state alone reads fp32 there
         self.half_precision = half_precision
@@ -275,9 +319,11 @@ class PackedDPOForward:
 
     # Called by the trainer around TRL's loss / reference computation
     @contextlib.contextmanager
-    def running(self, inputs: dict, forwards: tuple[str, ...], modules):
+    def running(self, inputs: dict, forwards: tuple[str, ...], modules, padded: list[int] | None = None):
         """`inputs` without the packed keys (TRL would hand them to the model), with the fused forward of `modules`
-        redirected to the packed layout while the block runs."""
+        redirected to the packed layout while the block runs. `padded`: what the trainer's own padded forward computes
+        (computed, padding, repeated prompt, useful tokens) where that is not `inputs` as one padded batch (KTO's two
+        padded passes)."""
         packed = {key: inputs[key] for key in PACKED_KEYS if key in inputs}
         inputs = {key: value for key, value in inputs.items() if key not in PACKED_KEYS}
         plan = None
@@ -285,7 +331,7 @@ class PackedDPOForward:
             install(modules)
             plan = _Plan(packed, tuple(inputs["input_ids"].shape), verify=not self.checked)
         for kind in forwards:
-            self.padded_equivalent[kind].add(padded_counts(inputs))
+            self.padded_equivalent[kind].add(padded or padded_counts(inputs))
         token = _ACTIVE.set((self, plan))
         try:
             yield inputs
@@ -293,7 +339,7 @@ class PackedDPOForward:
             _ACTIVE.reset(token)
         for kind in forwards:  # after the block: a failed first check falls back within it
             counts = [int(value) for value in (packed["packed_counts"] if self.enabled and plan else
-                                               padded_counts(inputs))]
+                                               padded or padded_counts(inputs))]
             self.counts[kind].add(counts)
             if kind == "policy":
                 self.last_policy = counts
@@ -309,9 +355,12 @@ class PackedDPOForward:
         return (counts[0], counts[1]) if counts else None
 
     def summary(self) -> dict:
+        forward = ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
+                   "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)"
+        if self.enabled and set(self.passes) != set(self.counts):
+            forward += f" for the {' and '.join(self.passes)} pass, TRL's padded forward for the others"
         return {
-            "forward": ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
-                        "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)",
+            "forward": forward,
             "reason": self.reason,
             "first_batch_check": self.check_result,
             "tokens": {kind: counts.as_dict() for kind, counts in self.counts.items() if counts.batches},
@@ -473,7 +522,7 @@ def install(modules) -> None:
 def fused_modules(trainer) -> list:
     """The modules carrying TRL's fused forward: the policy (inside DDP and PEFT wrappers) and the reference."""
     found = []
-    for model in (trainer.model, trainer.ref_model):
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):  # reference-free trainers have none
         if model is None:
             continue
         model = trainer.accelerator.unwrap_model(model)

@@ -43,9 +43,10 @@ def assert_the_same_on_every_split(trainer, rows: list[dict], keys: tuple[str, .
     assert float(results[0]["grad"].abs().max()) > 0
 
 
-def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, **config) -> tuple:
+def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, packed: bool = False, **config) -> tuple:
     """The objective's own trainer (its row in src/objectives/) on 24 pairs prepared by src/data.py for `stage`, its
-    TRL config on CPU with `config`: (trainer, the first GLOBAL_BATCH training rows, the prepared data)."""
+    TRL config on CPU with `config`, with the packed forward as build_trainer gives it when `packed` (else TRL's padded
+    one): (trainer, the first GLOBAL_BATCH training rows, the prepared data)."""
     from transformers import AutoModelForCausalLM
 
     from conftest import preference_rows, write_jsonl
@@ -59,6 +60,8 @@ def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, **config)
     row = objective(stage)
     args = load(row.trl_config)(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True, report_to=[],
                                 bf16=False, max_length=64, disable_tqdm=True, **config)
-    trainer = load(row.trainer)(model=AutoModelForCausalLM.from_pretrained(model_path), args=args,
-                                train_dataset=prepared.train, processing_class=tokenizer)
+    model, trainer_class = AutoModelForCausalLM.from_pretrained(model_path), load(row.trainer)
+    forward = trainer_class.forward_for(model, tokenizer, args, None) if packed else {}
+    trainer = trainer_class(model=model, args=args, train_dataset=prepared.train, processing_class=tokenizer,
+                            **forward)
     return trainer, [trainer.train_dataset[index] for index in range(GLOBAL_BATCH)], prepared

@@ -114,3 +114,37 @@ def test_errors_come_first_and_format_for_the_console():
     assert text.splitlines()[0] == "Health checks: 2 alert(s)"
     assert "[ERROR] NaN/inf" in text and "[WARNING] Eval loss rising" in text and "what to do:" in text
     assert format_alerts([]) == "Health checks: no alerts."
+
+
+LENGTH_BIASED = {"train": {"pairs": 200, "chosen_longer_share": 0.9, "chosen_shorter_share": 0.1,
+                           "chosen_tokens": {"mean": 40.0}, "rejected_tokens": {"mean": 12.0}}}
+LONGER_ANSWERS = {"test": {"length_ratio": 2.0, "length_before": {"mean": 10.0}, "length_after": {"mean": 20.0}}}
+
+
+@pytest.mark.parametrize("stage", ["dpo", "simpo", "orpo", "reward"])
+def test_the_length_alerts_advise_the_objectives_own_remedies(stage):
+    """The length alerts' advice is the objective's (its row's length_remedy): DPO's flags (--ld_alpha,
+    sigmoid_norm) on DPO runs only; SimPO's and ORPO's say their reward is already length-normalised."""
+    from src.audit.findings import answer_alerts, data_alerts
+    from src.objectives import objective
+
+    (bias,) = [alert for alert in data_alerts(LENGTH_BIASED, stage) if alert.code == "data_length_bias"]
+    (longer,) = [alert for alert in answer_alerts(LONGER_ANSWERS, stage) if alert.code == "answers_longer"]
+    for alert in (bias, longer):
+        assert objective(stage).length_remedy in alert.advice
+        assert ("--ld_alpha" in alert.advice) == (stage == "dpo") and ("sigmoid_norm" in alert.advice) == (stage == "dpo")
+        assert "DPO learns" not in alert.advice  # the old wording on every objective
+    if stage in ("simpo", "orpo"):
+        assert "length-normalised" in bias.advice
+
+
+@pytest.mark.parametrize("stage", ["dpo", "simpo", "orpo"])
+def test_the_reference_line_of_the_data_section_is_the_objectives(stage, tmp_path):
+    """report.md's Data section on a run whose reference ranking was not measured: a DPO run says where it measures
+    it; a reference-free run says it has no reference (not 'a DPO run ...')."""
+    from src.reporting.audit import data_section
+
+    text = "\n".join(data_section(LENGTH_BIASED, stage, None, tmp_path))
+    (line,) = [line for line in text.splitlines() if line.startswith("**Reference model:**")]
+    assert ("a DPO run" in line) == (stage == "dpo")
+    assert ("reference-free" in line) == (stage != "dpo")

@@ -121,6 +121,7 @@ NOT_A_BRANCH = {
     ("src/objectives", ""): "the table itself",
     ("src/embedded", ""): "the embedded default's data folders (src/embedded/data/dpo, sft) and verdict fields",
     ("src/trainers/kto.py", ""): "KTO's trainer module: its loss type 'kto' and its own key in the reference cache",
+    ("src/trainers/simpo.py", "self.loss_type in"): "CPOTrainer's loss types that average the log-probs (its rule)",
 }
 
 

@@ -67,10 +67,10 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
                            "pairs",
                 f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} answer chosen (mean "
                 f"{train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
-                f"DPO learns length before quality: expect {way} answers whether or not they are better. If that is the "
-                "intent (the embedded default prefers the short, direct answer), nothing to do; otherwise --ld_alpha "
-                "0.5 (LD-DPO: the tokens past the shorter answer count half) or --loss_type sigmoid_norm "
-                "(length-normalised), and watch the Answers section's length ratio.", code="data_length_bias"))
+                f"Preference training learns length before quality: expect {way} answers whether or not they are "
+                "better. If that is the intent (the embedded default prefers the short, direct answer), nothing to do; "
+                f"otherwise {row.length_remedy}, and watch the Answers section's length ratio.",
+                code="data_length_bias"))
         inverted = train.get("judge_inverted_share")
         if inverted is not None and inverted >= INVERTED:
             alerts.append(Alert(
@@ -187,8 +187,8 @@ def reasoning_alerts(train: dict) -> list[Alert]:
     return alerts
 
 
-def answer_alerts(answers: dict) -> list[Alert]:
-    """Alerts from the held-out answers before → after (the test split where there is one)."""
+def answer_alerts(answers: dict, stage: str = DEFAULT_STAGE) -> list[Alert]:
+    """Alerts from the held-out answers before → after (the test split where there is one); the remedies `stage`'s."""
     split = "test" if (answers or {}).get("test") else next(iter(answers or {}), None)
     audit = (answers or {}).get(split) if split else None
     if not audit:
@@ -199,9 +199,8 @@ def answer_alerts(answers: dict) -> list[Alert]:
         alerts.append(Alert(
             "warning", f"Answers grew {ratio:.2f} times longer",
             f"{split} answers: mean {audit['length_before']['mean']} → {audit['length_after']['mean']} tokens",
-            "Check the Answers section: if the judge did not reward the longer answers, the pairs taught length — "
-            "--ld_alpha 0.5 or --loss_type sigmoid_norm, or a higher --beta (stay closer to the start).",
-            code="answers_longer"))
+            "Check the Answers section: if the judge did not reward the longer answers, the data taught length — "
+            f"{objective(stage).length_remedy}.", code="answers_longer"))
     before, after = audit.get("repetition_share_before") or 0, audit.get("repetition_share_after") or 0
     if after >= REPETITION and after > before:
         alerts.append(Alert(
@@ -241,4 +240,4 @@ def answer_alerts(answers: dict) -> list[Alert]:
 def audit_alerts(info: dict) -> list[Alert]:
     """Every alert of the data and answer audits a run's training_info.json holds."""
     return (data_alerts(info.get("data_audit") or {}, info.get("stage") or DEFAULT_STAGE, info.get("loss_type"))
-            + answer_alerts(info.get("answers") or {}))
+            + answer_alerts(info.get("answers") or {}, info.get("stage") or DEFAULT_STAGE))

@@ -99,4 +99,8 @@ OBJECTIVE = Objective(
     setup_line=setup_line,
     preflight=refuse_batch_rebalance,
     packed_forward=True,
+    length_remedy="--ld_alpha 0.5 (LD-DPO: the tokens past the shorter answer count half) or --loss_type sigmoid_norm "
+                  "(length-normalised), or a higher --beta (stay closer to the start)",
+    reference_unmeasured="not measured (a DPO run measures it from the reference log-probs it precomputes; "
+                         "`python -m src.audit` with --model_name_or_path, on a sample).",
 )

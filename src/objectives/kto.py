@@ -133,4 +133,7 @@ OBJECTIVE = Objective(
     data_settings=data_settings,
     run_info=run_info,
     preflight=preflight,
+    length_remedy="a higher --beta (stay closer to the reference), or balance the desirable and undesirable "
+                  "completions' lengths in the data",
+    packed_forward=True,  # its reference pass: a row's completion and KL completion share the prompt (src/trainers/kto.py)
 )

@@ -79,6 +79,9 @@ OBJECTIVE = Objective(
     run_info=run_info,
     validate=validate,
     preflight=refuse_batch_rebalance,
+    length_remedy="ORPO's odds ratio already compares average log-probabilities per token (length-normalised): if "
+                  "the answers still drift, balance the chosen and rejected answers' lengths in the data, or a lower "
+                  "--beta (a weaker odds-ratio term)",
     loss_rows=loss_rows,
     setup_line=setup_line,
 )

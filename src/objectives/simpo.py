@@ -108,6 +108,9 @@ OBJECTIVE = Objective(
     validate=validate,
     warnings=warnings,
     preflight=refuse_batch_rebalance,
+    length_remedy="SimPO's reward is already length-normalised (the average log-probability per token, which its "
+                  "paper found curbs length exploitation): if the answers still drift, balance the chosen and rejected "
+                  "answers' lengths in the data",
     loss_rows=loss_rows,
     setup_line=setup_line,
 )

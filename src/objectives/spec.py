@@ -23,10 +23,15 @@ PROMPTS = "prompts"
 PAIRED_SHAPES = (PAIRS, SCORED_PAIRS)  # the shapes read from prompt / chosen / rejected data
 
 # The fields a reference-free objective on pairs shares (SimPO, ORPO: no reference model, a causal LM, chosen
-# and rejected forwarded with gradients, TRL's default learning rate for their configs).
+# and rejected forwarded with gradients, TRL's default learning rate for their configs, the packed forward:
+# src/trainers/legacy_pairs.py, proven against their padded one in tests/test_packed_objectives.py).
 REFERENCE_FREE_PAIRS = dict(data_shape=PAIRS, example_word="pairs", default_learning_rate=1e-6, needs_reference=False,
                             reference_free=True, sequences_per_example=2, sequences_with_grad=2, causal_lm=True,
-                            truncates_to_max_length=True, alerts=("dpo_saturated",), audit_parts=("judged",))
+                            truncates_to_max_length=True, alerts=("dpo_saturated",), audit_parts=("judged",),
+                            packed_forward=True,
+                            reference_unmeasured="none: a reference-free objective trains without one (how the "
+                            "starting model ranks the training pairs: `python -m src.audit` with --model_name_or_path, "
+                            "on a sample).")
 
 TRAIN_COLOR = "#1f77b4"
 REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
@@ -166,7 +171,15 @@ class Objective:
     loss_rows: Callable | None = field(default=None, compare=False)
     # training_info.json → its line in report.md's setup table (beta, loss, weights)
     setup_line: Callable | None = field(default=None, compare=False)
-    packed_forward: bool = False  # the toolkit's packed, prefix-shared forward serves it (src/packed_dpo_support.py)
+    # The toolkit's packed, prefix-shared forward serves it (src/packed_dpo.py; the model allow-list of
+    # src/packed_dpo_support.py): its trainer builds it (`forward_for`), the launch checks the model before preparation
+    packed_forward: bool = False
+    # What the length alerts advise for it (src/audit/findings.py: the chosen answers are mostly the longer or the
+    # shorter ones; the trained answers grew): its own remedies, as a clause ("--ld_alpha 0.5 or ...")
+    length_remedy: str = "balance the chosen and rejected answers' lengths in the data"
+    # report.md's Data section when the reference's ranking of the training pairs was not measured: why, for it
+    reference_unmeasured: str = ("not measured (`python -m src.audit` with --model_name_or_path measures how a model "
+                                 "ranks the training pairs, on a sample).")
     # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
     # parsed (src/config.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
     rewards_from_judges: bool = False

@@ -328,7 +328,7 @@ def setup_table(info: dict) -> list[str]:
     if row.setup_line:  # the objective's loss settings (beta, loss, weights)
         rows.append([row.name.upper(), row.setup_line(info)])
     if get("dpo_forward"):
-        rows.append(["DPO forward", _dpo_forward(get("dpo_forward"))])
+        rows.append([f"{row.name.upper()} forward", _dpo_forward(get("dpo_forward"))])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {format_number(get('gradient_checkpointing'))}"],
              ["LoRA / 4-bit", f"{format_number(get('use_lora'))} / {format_number(get('load_in_4bit'))}"],
              ["max steps, seed", f"{format_number(get('max_steps'))}, {format_number(get('seed'))}"],

@@ -19,9 +19,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from src.distributed import any_rank, barrier, print0
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
-from src.packed_dpo import (PackedDPOForward, PackedPreferenceCollator, attention_layout, fused_modules,
-                            unsupported_reason)
-from src.packed_dpo_support import announce_padded
+from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
 from src.progress import Progress
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
 from src.run_safety.parent_watch import kill_starter_if_injected
@@ -250,18 +248,12 @@ def _map_noting_write_failures(dataset_map):
 def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
     """The trainer arguments of the DPO forward: packed (src/packed_dpo.py) unless `--padding_free false` or the
     model cannot honour it (then TRL's padded forward, with one warning line saying why)."""
-    if not packed:
-        return {"packed_forward": PackedDPOForward("--padding_free false")}
-    reason = unsupported_reason(model, trl_config, peft_config)
-    forward = PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16))
-    if reason:
-        announce_padded(reason)
+    forward = forward_plan(model, trl_config, peft_config, packed)
+    if not forward.enabled:
         return {"packed_forward": forward}
     pad_token = trl_config.pad_token or tokenizer.pad_token or tokenizer.eos_token
     padded = DataCollatorForPreference(pad_token_id=tokenizer.convert_tokens_to_ids(pad_token),
                                        max_length=trl_config.max_length, truncation_mode=trl_config.truncation_mode,
                                        pad_to_multiple_of=trl_config.pad_to_multiple_of)
-    # Attention's work per key against the rest of a token's (projections and MLP, ~12 hidden² per layer, vs ~4 hidden)
-    attention_cost = 1 / (3 * model.config.get_text_config().hidden_size)
     return {"packed_forward": forward,
-            "data_collator": PackedPreferenceCollator(padded, forward.layout, attention_cost)}
+            "data_collator": PackedPreferenceCollator(padded, forward.layout, attention_cost_of(model))}

@@ -21,6 +21,12 @@ How, keeping TRL's loss code (both loss types, the weights, the metrics):
    accelerate's duplicated rows.
 The loss of a micro-batch stays TRL's mean over its rows, so the gradient (mean over micro-steps and processes of equal
 micro-batches) is the mean over the global batch's rows: the same on any split of it.
+
+The reference pass (`precompute_ref_log_probs`, the default) takes the packed, prefix-shared forward
+(src/packed_dpo.py): a row's completion and its KL completion share the row's prompt, as a pair's two answers do, so
+the pass computes each prompt once in one forward instead of two padded forwards (completions, then KL completions),
+checked against the padded forward on its first batch. The training step's forwards stay TRL's padded ones: the KL
+pass (no gradients, the step's whole batch first) and the completion pass (with gradients) are separate calls.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from trl import KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
+from src.packed_dpo import PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.dpo import reference_cache_pass
 
@@ -75,13 +82,50 @@ def window_means(metrics: dict, weights: dict) -> dict:
     return means
 
 
+def completion_pairs(examples: list[dict]) -> list[dict]:
+    """Each row's completion and KL completion as a pair's two answers to its prompt (the packed layout's pairs)."""
+    return [{"prompt_ids": example["prompt_ids"], "chosen_ids": example["completion_ids"],
+             "rejected_ids": example["KL_completion_ids"]} for example in examples]
+
+
+def completions_width(batch: dict) -> int:
+    return max(batch["input_ids"].shape[1], batch["KL_input_ids"].shape[1])
+
+
+def stacked_completions(batch: dict, pad_token_id: int) -> dict:
+    """`[completions; KL completions]` as one right-padded batch: the padded layout the packed forward stands in for."""
+    width = completions_width(batch)
+
+    def stack(key: str, value: int):
+        return torch.cat([F.pad(batch[name], (0, width - batch[name].shape[1]), value=value)
+                          for name in (key, f"KL_{key}")])
+
+    return {"input_ids": stack("input_ids", pad_token_id), "attention_mask": stack("attention_mask", 0),
+            "completion_mask": stack("completion_mask", 0)}
+
+
+def two_pass_counts(batch: dict) -> list[int]:
+    """computed, padding, repeated prompt, useful tokens of TRL's two padded reference forwards (completions, then KL
+    completions, each padded to its own longest): the KL pass computes every prompt a second time."""
+    computed = batch["input_ids"].numel() + batch["KL_input_ids"].numel()
+    real = int(batch["attention_mask"].sum() + batch["KL_attention_mask"].sum())
+    repeated = int(batch["KL_attention_mask"].sum() - batch["KL_completion_mask"].sum())
+    return [computed, computed - real, repeated, real - repeated]
+
+
 class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     """KTOTrainer on data tokenized by src/data.py (same ids as its own preparation, plus the fixed KL completions),
     with the step's KL over its global batch, weighted train metrics and per-row eval metrics."""
 
     reference_cache: dict | None = None
 
-    def __init__(self, *args, **kwargs):
+    @staticmethod
+    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+        """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
+        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed, passes=("reference",))}
+
+    def __init__(self, *args, packed_forward=None, **kwargs):
+        self.packed_forward = packed_forward  # before TRL's __init__, which runs the reference pass
         args_ = kwargs["args"]
         # TRL refuses any sampling but sequential when it estimates the KL, because its KL pairs are neighbours in a
         # fixed-order batch. Here they are fixed in the data, so the rows may be shuffled like any other stage's.
@@ -123,15 +167,19 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         rows = self._kl_rows(model, batch)
         return torch.stack([rows.sum(), torch.tensor(float(len(rows)), dtype=torch.float64, device=rows.device)])
 
+    def reference_adapter(self):
+        """As TRL computes the reference with PEFT and no reference model: adapters off (or the `ref` adapter)."""
+        if is_peft_model(self.model) and self.ref_model is None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            return use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+        return contextlib.nullcontext()
+
     def _reference_kl_logps(self, batch) -> torch.Tensor:
         """The reference's log-probs of the KL completions, as TRL's `_compute_loss` computes them (adapters off, or
         the `ref` adapter, with PEFT; the reference model otherwise)."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            if is_peft_model(self.model) and self.ref_model is None:
-                unwrapped = self.accelerator.unwrap_model(self.model)
-                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                    return KTOTrainer._compute_kl_logps(self, self.model, batch)
-            return KTOTrainer._compute_kl_logps(self, self.ref_model, batch)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                self.reference_adapter():
+            return KTOTrainer._compute_kl_logps(self, self.ref_model or self.model, batch)
 
     def _compute_kl_logps(self, model, batch):
         if self._kl_values is None:
@@ -253,12 +301,10 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         policy = model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
         if self.precompute_ref_logps:
             reference = inputs["ref_logps"]
-        elif is_peft_model(self.model) and self.ref_model is None:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                reference = self.model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
         else:
-            reference = self.ref_model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
+            with self.reference_adapter():
+                reference = (self.ref_model or self.model)(**forward, labels=labels, fused_lm_head=True).log_probs
+            reference = reference[:, -seq_len:].sum(-1)
         return kto_row_values(policy, reference, inputs["label"], kl, self.beta, self.loss_type,
                               self.desirable_weight, self.undesirable_weight)
 
@@ -269,5 +315,38 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         the split's fingerprint (src/data.py: source, tokenizer, lengths, seed, so the KL partners), the reference's
         weights, and here also what else changes the numbers: precision, device kind, max_length."""
         how = ("kto", self.args.bf16, self.args.fp16, self.accelerator.device.type, self.args.max_length)
-        with reference_cache_pass(self, dataset, name, how, trl_key=(self.calculate_KL,)):
-            return super()._precompute_ref_logps(dataset, name, batch_size)
+        padded_collator = self.data_collator
+        if self._packs_reference():  # the packed forward's cache is its own (the padded forward's key is as it was)
+            how += (self.packed_forward.cache_tag(),)
+            self.data_collator = self.reference_collator()
+        try:
+            with reference_cache_pass(self, dataset, name, how, trl_key=(self.calculate_KL,)):
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            self.data_collator = padded_collator
+
+    def _packs_reference(self) -> bool:
+        return self.packed_forward is not None and self.packed_forward.enabled and self.calculate_KL
+
+    def reference_collator(self):
+        """The reference pass's collator: TRL's, plus the packed layout of each row's two completions when packed."""
+        if not self._packs_reference():
+            return self.data_collator
+        return PackedPreferenceCollator(self.data_collator, self.packed_forward.layout, attention_cost_of(self.model),
+                                        completion_pairs, completions_width)
+
+    def compute_ref_log_probs(self, model, inputs):
+        """The reference's summed log-probs of each row's completion and KL completion: TRL's two padded forwards, or
+        one packed forward (each prompt once) standing in for their stacked padded batch."""
+        if "packed_input_ids" not in inputs:
+            return super().compute_ref_log_probs(model, inputs)
+        rows = inputs["input_ids"].shape[0]
+        stacked = stacked_completions(inputs, self._tokenizer.pad_token_id)  # as TRL's collator pads
+        labels = stacked["input_ids"].masked_fill(stacked["completion_mask"] == 0, -100)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                self.reference_adapter(), self.accelerator.autocast(), \
+                self.packed_forward.running({**stacked, **{key: inputs[key] for key in PACKED_KEYS}}, ("reference",),
+                                            fused_modules(self), two_pass_counts(inputs)) as padded:
+            per_token = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=labels,
+                              fused_lm_head=True).log_probs
+        return per_token[:rows].sum(-1), per_token[rows:].sum(-1)

@@ -2,9 +2,23 @@
 ORPOTrainer), which tokenize the text themselves, padded, in their constructors. Here they take the ids src/data.py
 prepared (the same prompt / chosen / rejected ids as DPO's, TRL's DPOTrainer's tokenization) and lay them out as
 their `tokenize_row` does: prompt + answer, the prompt's labels -100, the answer cut where prompt + answer passes
-max_length (a prompt that fills max_length was already dropped in preparation, TRL's DPO rule)."""
+max_length (a prompt that fills max_length was already dropped in preparation, TRL's DPO rule).
+
+The packed, prefix-shared forward (src/packed_dpo.py, DPO's) serves them too: their `concatenated_forward` (TRL's
+padded `[chosen; rejected]` rows, full logits) is replaced by TRL's fused LM head on the same padded batch, which
+src/packed_dpo.py redirects to the packed layout (each prompt once), checked against the padded forward on the first
+batch. What the trainers read from it is the same: the answers' summed or averaged log-probs, the NLL term (ORPO's over
+prompt + chosen answer, CPO's over the chosen answer), so the loss, its gradient and every metric but two; the two
+`logits/*` metrics become the mean logit over the answers' tokens (TRL's padded forward averages every position of the
+padded rows, prompt and padding included, which depends on how the micro-batch is padded). This file owns that
+coupling to CPOTrainer's and ORPOTrainer's `concatenated_inputs` / `concatenated_forward` (the five values they return)."""
 
 from __future__ import annotations
+
+import torch
+from trl.trainer.utils import add_fused_lm_head
+
+from src.packed_dpo import PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 LABEL_PAD = -100
@@ -29,12 +43,91 @@ def pairs_only(dataset):
     return dataset.select_columns([name for name in (*PAIR_COLUMNS, "length") if name in dataset.column_names])
 
 
-class PreparedPairsMixin:
-    """For a trl.experimental pair trainer: prepared pairs in, its own tokenization skipped."""
+def cut_pairs(examples: list[dict]) -> list[dict]:
+    """The rows as `pair_row` cut them, as prompt / chosen / rejected ids (the packed collator's pairs)."""
+    pairs = []
+    for example in examples:
+        prompt = list(example["prompt_input_ids"])
+        pairs.append({"prompt_ids": prompt, "chosen_ids": list(example["chosen_input_ids"])[len(prompt):],
+                      "rejected_ids": list(example["rejected_input_ids"])[len(prompt):]})
+    return pairs
 
-    def __init__(self, *args, train_dataset=None, eval_dataset=None, **kwargs):
+
+def concatenated_width(batch: dict) -> int:
+    """The width of `concatenated_inputs`' rows: chosen and rejected padded to the longer."""
+    return max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+
+
+class PreparedPairsMixin:
+    """For a trl.experimental pair trainer: prepared pairs in, its own tokenization skipped, and the packed forward
+    when build_trainer hands it one (`forward_for`)."""
+
+    packed_forward = None
+    nll_covers_prompt = False  # ORPO: its NLL term is over prompt + chosen answer (CPO's over the chosen answer)
+
+    @staticmethod
+    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+        """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
+        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed)}
+
+    def __init__(self, *args, train_dataset=None, eval_dataset=None, packed_forward=None, **kwargs):
+        self.packed_forward = packed_forward
+        model = kwargs.get("model")
+        if packed_forward is not None and packed_forward.enabled and not isinstance(model, str):
+            # TRL's fused LM head, before PEFT wraps the model (as DPOTrainer adds it): per-token log-probs, no logits
+            add_fused_lm_head(model, outputs=("log_probs", "mean_logits"))
         super().__init__(*args, train_dataset=pairs_only(train_dataset), eval_dataset=pairs_only(eval_dataset),
                          **kwargs)
+        if packed_forward is not None and packed_forward.enabled:
+            self.data_collator = PackedPreferenceCollator(self.data_collator, packed_forward.layout,
+                                                          attention_cost_of(self.model), cut_pairs, concatenated_width,
+                                                          self.nll_covers_prompt)
+
+    def pad_value(self) -> int:
+        """The token id that pads input ids (CPOTrainer's `pad_token_id`; ORPOTrainer calls it `padding_value`)."""
+        return self.pad_token_id
+
+    def averages_log_probs(self) -> bool:
+        """The answers' log-probs averaged per token (SimPO, ORPO) or summed: the trainer's own rule."""
+        return True
+
+    def nll_weight(self) -> float:
+        """The NLL term's weight in the loss (0: the trainer returns a zero, as CPO with cpo_alpha 0 does)."""
+        return 1.0
+
+    def concatenated_forward(self, model, batch):
+        forward = self.packed_forward
+        if forward is None or not forward.enabled or "packed_input_ids" not in batch or self.aux_loss_enabled:
+            return super().concatenated_forward(model, batch)
+        return self.packed_concatenated_forward(model, batch)
+
+    def packed_concatenated_forward(self, model, batch):
+        """TRL's `concatenated_forward` values (chosen and rejected log-probs, their logits' summary, the NLL) from the
+        fused LM head on the padded `[chosen; rejected]` batch, which the packed forward computes packed."""
+        concatenated = self.concatenated_inputs(batch, padding_value=self.pad_value(), device=self.accelerator.device)
+        input_ids, attention_mask = concatenated["concatenated_input_ids"], concatenated["concatenated_attention_mask"]
+        labels = concatenated["concatenated_labels"]
+        pairs = batch["chosen_labels"].shape[0]
+        scored = labels.clone()
+        if self.nll_covers_prompt:  # as ORPOTrainer: every real token of the chosen row
+            scored[:pairs] = input_ids[:pairs].masked_fill(attention_mask[:pairs] == 0, -100)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": (labels != -100).long(),
+                  **{key: batch[key] for key in PACKED_KEYS}}
+        with self.packed_forward.running(inputs, ("policy",), fused_modules(self)) as inputs:
+            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=scored,
+                            use_cache=False, fused_lm_head=True)
+        answer = labels[:, 1:] != -100
+        per_token = outputs.log_probs
+        sums = (per_token * answer).sum(-1)
+        logps = sums / answer.sum(-1) if self.averages_log_probs() else sums
+        if self.nll_weight() == 0:
+            nll = torch.tensor(0.0, device=self.accelerator.device)
+        else:
+            nll_mask = scored[:pairs, 1:] != -100
+            nll = -(per_token[:pairs] * nll_mask).sum() / nll_mask.sum()
+        mean_logits = outputs.mean_logits
+        return (logps[:pairs], logps[pairs:], mean_logits[:pairs][answer[:pairs]], mean_logits[pairs:][answer[pairs:]],
+                nll)
 
     def tokenize_row(self, feature, model=None) -> dict:
         if "chosen_ids" not in feature:  # text the user handed the trainer directly: TRL's own tokenization

@@ -16,4 +16,9 @@ with warnings.catch_warnings():  # trl.experimental says it is experimental on i
 
 
 class PreparedORPOTrainer(PreparedPairsMixin, PairLengthsMixin, ToolkitTrainerMixin, ORPOTrainer):
-    """ORPOTrainer on prepared pairs, with complete-only checkpoints and the callbacks' hooks."""
+    """ORPOTrainer on prepared pairs, with complete-only checkpoints, the callbacks' hooks and the packed forward."""
+
+    nll_covers_prompt = True  # ORPOTrainer's NLL: every real token of prompt + chosen answer
+
+    def pad_value(self) -> int:
+        return self.padding_value

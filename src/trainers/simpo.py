@@ -16,4 +16,10 @@ with warnings.catch_warnings():  # trl.experimental says it is experimental on i
 
 
 class PreparedSimPOTrainer(PreparedPairsMixin, PairLengthsMixin, ToolkitTrainerMixin, CPOTrainer):
-    """CPOTrainer on prepared pairs, with complete-only checkpoints and the callbacks' hooks."""
+    """CPOTrainer on prepared pairs, with complete-only checkpoints, the callbacks' hooks and the packed forward."""
+
+    def averages_log_probs(self) -> bool:
+        return self.loss_type in ("ipo", "simpo")  # CPOTrainer.concatenated_forward's rule
+
+    def nll_weight(self) -> float:
+        return self.cpo_alpha  # CPO-SimPO (--cpo_alpha > 0) adds the chosen answers' NLL
