@@ -38,7 +38,7 @@ from src.distributed import barrier, check_shared_storage, check_world_size, fin
 from src.embedded.model import cache_root
 from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
-from src.input_checks import check_model_inputs
+from src.input_checks import check_judge, check_model_inputs
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, score_pairs
 from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
@@ -797,6 +797,7 @@ def run(argv: list[str] | None = None) -> int:
             newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
     for stage in stages:
         check_source(stage.config.data, stage.data_stage)
+    check_judge(config.training.judge)
     hub_names = hub_sources(config, stages)
     if not needs_hub(hub_names) and not config.hub.push_to_hub:
         use_local_files_only()  # nothing to fetch or push: no probe, no message, no network calls

@@ -140,12 +140,18 @@ def test_a_failing_judge_stops_the_run_with_one_line_and_keeps_what_finished(tin
 
 
 def test_an_unimportable_judge_is_refused_before_any_data_is_prepared(tiny_model, tmp_path):
+    """Before the tokenizer too: the process has imported neither torch nor transformers when it says so."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
-    result = launch(round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge",
-                               "tests.no_such_module:score", "--dry_run"))
+    args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "1", "--judge", "tests.no_such_module:score",
+                      "--dry_run")
+    script = ("import sys\nfrom src.main_distributed import main\ncode = main(sys.argv[1:])\n"
+              "print('imported:', [name for name in ('torch', 'transformers') if name in sys.modules])\nsys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", script, *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 2 and "error: --judge tests.no_such_module:score: cannot import tests.no_such_module" \
         in result.stderr
     assert "Traceback" not in result.stderr and "train " not in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "imported: []", result.stdout[-2000:]
 
 
 def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_before(tiny_model, tmp_path):
