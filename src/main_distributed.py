@@ -867,7 +867,11 @@ def main(argv: list[str] | None = None) -> int:
         # a peer gone from a collective: its launcher is gone too, and its watch ended it (run_safety/parent_watch.py)
         print(f"error: rank {World.from_environment().rank}: stopped, its launcher is gone", file=sys.stderr)
         code = ExitStatus.SIGTERM
-    if launcher_gone():  # its devices are freed now, not after the interpreter's teardown
+    # A worker under torchrun (or whose launcher is gone) exits once its exit handlers ran, without the interpreter's
+    # teardown: its devices are freed at once, and no daemon thread still inside a C++ call (a store or gloo wait, a
+    # library's own) is unwound mid-call by the teardown, which aborts the process ("terminate called without an
+    # active exception", exit -6) after a job that finished: seen once in a GRPO 2-process test in CI.
+    if launcher_gone() or "TORCHELASTIC_RUN_ID" in os.environ:
         exit_without_teardown(code)
     return code
 
