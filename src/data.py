@@ -616,6 +616,8 @@ def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
             raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
                             "and rejected answers: give pairs, or train the policy from these prompts with --stage "
                             "dpo --rounds N and a --judge")
+        if {"conversations", "chosen", "rejected"} <= names:
+            return "sharegpt_pairs"  # LLaMA-Factory's ShareGPT ranking data: the turns so far, then one answer each
         if {"prompt", "chosen", "rejected"} <= names:
             if _is_chat(first_row["chosen"]) and isinstance(first_row["prompt"], str):
                 return "ultrafeedback"  # the prompt column is a text copy of the user turn inside chosen/rejected
@@ -720,12 +722,27 @@ def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str, 
                 offset += len(chunk)
 
 
+def _sharegpt_messages(turns, column: str) -> list[dict]:
+    """ShareGPT turns ({from, value}; one turn alone as in LLaMA-Factory's ranking data's chosen / rejected) → chat
+    messages with the roles chat templates know (SHAREGPT_ROLES)."""
+    from trl.data_utils import maybe_convert_to_chatml
+
+    turns = [turns] if isinstance(turns, dict) else turns
+    messages = maybe_convert_to_chatml({"conversations": turns})["messages"]
+    for message in messages:
+        if message.get("role") not in SHAREGPT_ROLES:
+            raise DataError(f"'{column}' has a turn from {message.get('role')!r}: the known speakers are "
+                            f"{', '.join(SHAREGPT_ROLES)}; rename it in the data")
+        message["role"] = SHAREGPT_ROLES[message["role"]]
+    return messages
+
+
 def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_template: bool = True) -> dict:
     """One row of a recognised shape → TRL's standard or conversational columns (plus `meta`/`tools` if present).
 
     Transcript shapes (Anthropic HH, orca) become chats when the tokenizer has a chat template to render them, and
     stay text otherwise, so base models without a template can still train on them."""
-    from trl.data_utils import extract_prompt, maybe_convert_to_chatml
+    from trl.data_utils import extract_prompt
 
     extra = {key: row[key] for key in ("meta", "tools") if key in row}
     if shape == "explicit_prompt":
@@ -751,13 +768,11 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
     elif shape == "messages":
         out = {"messages": row["messages"]}
     elif shape == "sharegpt":
-        messages = maybe_convert_to_chatml({"conversations": row["conversations"]})["messages"]
-        for message in messages:
-            if message.get("role") not in SHAREGPT_ROLES:
-                raise DataError(f"'conversations' has a turn from {message.get('role')!r}: the known speakers are "
-                                f"{', '.join(SHAREGPT_ROLES)}; rename it in the data")
-            message["role"] = SHAREGPT_ROLES[message["role"]]
-        out = {"messages": messages}
+        out = {"messages": _sharegpt_messages(row["conversations"], "conversations")}
+    elif shape == "sharegpt_pairs":  # `chosen` / `rejected`: one {from, value} message each (or a list of them)
+        out = {"prompt": _sharegpt_messages(row["conversations"], "conversations"),
+               "chosen": _sharegpt_messages(row["chosen"], "chosen"),
+               "rejected": _sharegpt_messages(row["rejected"], "rejected")}
     elif shape == "prompt_completion":
         out = {"prompt": row["prompt"], "completion": row["completion"]}
         if "label" in row:  # thumbs-up / down rows (the SFT stage of sft_then_kto keeps the thumbs-up ones)
@@ -1159,9 +1174,10 @@ def _normalized_features(features, shape: str, has_chat_template: bool, pair_sha
     elif shape == "messages":
         out = {"messages": features["messages"]}
     elif shape == "sharegpt":
-        message = dict(features["conversations"].feature)
-        renamed = {{"from": "role", "value": "content"}.get(key, key): value for key, value in message.items()}
-        out = {"messages": type(features["conversations"])(renamed)}
+        out = {"messages": _sharegpt_features(features["conversations"])}
+    elif shape == "sharegpt_pairs":
+        out = {"prompt": _sharegpt_features(features["conversations"]),
+               "chosen": _sharegpt_features(features["chosen"]), "rejected": _sharegpt_features(features["rejected"])}
     elif shape == "prompt_completion":
         out = {"prompt": features["prompt"], "completion": features["completion"]}
         if "label" in features:
@@ -1183,6 +1199,16 @@ def _normalized_features(features, shape: str, has_chat_template: bool, pair_sha
     if "tools" in features:
         out["tools"] = text  # _serializable: JSON text
     return out
+
+
+def _sharegpt_features(feature):
+    """The Arrow type of _sharegpt_messages' output: the turns' struct with `from` / `value` renamed; a single turn
+    (a struct, not a list of them) becomes a list of one."""
+    from datasets import List
+
+    message = dict(feature.feature) if hasattr(feature, "feature") else dict(feature)
+    renamed = {{"from": "role", "value": "content"}.get(key, key): value for key, value in message.items()}
+    return type(feature)(renamed) if hasattr(feature, "feature") else List(renamed)
 
 
 def _output_features(normalized: dict, token_columns: list[str], held_out: bool):

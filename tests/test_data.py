@@ -173,6 +173,27 @@ def test_sharegpt_speakers_become_chat_roles(tiny_tokenizer, tmp_path):
                  dataset_name=str(write_jsonl(tmp_path / "narrator.jsonl", sharegpt)))
 
 
+def test_sharegpt_ranking_pairs_prepare_as_the_same_pairs_written_as_chats(tiny_tokenizer, tmp_path):
+    """LLaMA-Factory's ShareGPT ranking layout (Light-R1's DPO data, issue 38's recipe): `conversations` holds the
+    turns so far, `chosen` and `rejected` one {from, value} message each; the same tokens as those pairs as chats."""
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+
+    def turns(messages):
+        return [{"from": speakers[turn["role"]], "value": turn["content"]} for turn in messages]
+
+    ranking = [{"conversations": turns(row["prompt"]), "chosen": turns(row["chosen"])[0],
+                "rejected": turns(row["rejected"])[0]} for row in ROWS]
+    ours = prepared(tiny_tokenizer, tmp_path / "a", dataset_name=str(write_jsonl(tmp_path / "ranking.jsonl", ranking)))
+    theirs = prepared(tiny_tokenizer, tmp_path / "b", dataset_name=str(write_jsonl(tmp_path / "pairs.jsonl", ROWS)))
+    assert ours.summary["shape"] == "sharegpt_pairs" and len(ours.train) == len(theirs.train) > 0
+    for column in ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids"):
+        assert ours.train[column] == theirs.train[column], column
+
+    ranking[3]["rejected"]["from"] = "narrator"
+    with pytest.raises(DataError, match=r"row \d+: 'rejected' has a turn from 'narrator': the known speakers are"):
+        prepared(tiny_tokenizer, tmp_path / "c", dataset_name=str(write_jsonl(tmp_path / "narrator.jsonl", ranking)))
+
+
 def test_a_chat_without_an_assistant_turn_trains_as_text_and_has_no_sample_prompt(tiny_tokenizer, tmp_path):
     # Held-out rows become sample prompts up to the last assistant turn; a chat with none used to crash there.
     chats = [{"messages": row["prompt"] + ([] if index % 2 else row["chosen"])} for index, row in enumerate(ROWS)]
