@@ -17,20 +17,7 @@ import time
 
 from transformers import TrainerCallback
 
-# Dense bf16 tensor throughput per GPU, from the vendors' datasheets (FLOP/s, no sparsity). MFU is reported only
-# for GPUs named here: a wrong peak would give a confidently wrong number.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 756e12,
-    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 70e12, "A10": 125e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12, "T4": 65e12,
-}
-
-
-def peak_flops(device_name: str) -> float | None:
-    for name, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda item: -len(item[0])):  # most specific first
-        if name in device_name:
-            return flops
-    return None
+from src.gpu_specs import peak_flops  # the GPUs' datasheet peaks (MFU is reported only for those named there)
 
 
 def peak_memory_mb(device: str) -> float:

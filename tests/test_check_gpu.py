@@ -627,3 +627,25 @@ def test_the_memory_plan_takes_the_lengths_of_the_runs_prepared_data(tmp_path, t
     assert problem["fix"].startswith(f"--max_length {suggested} keeps 99% of them whole, reasoning included: LoRA r=16"
                                      " needs about") and problem["fix"].endswith("(--reasoning drop)")
     assert cut["memory_plan"]["at_suggested_max_length"]["method"] == "lora"
+
+
+def test_grpo_plan_prints_its_step_time_split(capsys):
+    """--stage grpo on a GPU: a line under the memory table estimates a step's time split into sampling, judging and
+    training (src/diagnostics/time_plan.py), labelled an estimate with its assumptions; a function judge is not
+    estimated; a reward-model judge is sized as a model is. On CPU: no estimate."""
+    flags = ["--num_procs", "1", "--stage", "grpo", "--model_name_or_path", "some/model", "--batch_size", "64",
+             "--num_generations", "8", "--max_length", "512", "--max_new_tokens", "1024"]
+    report, _ = check_json(capsys, h100_nvswitch(), [*flags, "--judge", "embedded"])
+    step = report["memory_plan"]["step_time"]
+    assert step["gpu"] == "NVIDIA H100 80GB HBM3" and step["answers"] == 64
+    assert step["generation_s"] > step["training_s"] > 0 and step["judges"] == [
+        {"judge": "embedded", "kind": "checker", "seconds": 0.0}]
+    text = " ".join(render(report).split())
+    assert "GRPO step time, an estimate for NVIDIA H100 80GB HBM3 (989 TFLOP/s bf16, 3.4 TB/s)" in text
+    assert "judging [embedded checker ~0 s]" in text and "assuming 40% of the bf16 peak in matmuls" in text
+    report, _ = check_json(capsys, h100_nvswitch(), [*flags, "--rewards", "my_checks:score", "org/rm"])
+    text = " ".join(render(report).split())
+    assert "my_checks:score: not estimated (a function: the run logs time/judging_s)" in text
+    assert "reward model org/rm " in text and "+ judging per optimizer step" in text
+    report, _ = check_json(capsys, cpu_only(), [*flags, "--judge", "embedded"])
+    assert report["memory_plan"]["step_time"] is None and "step time" not in render(report)

@@ -405,3 +405,65 @@ def test_fake_keeps_pynvml_constants_errors_and_the_p2p_index_quirk():
     fake.nvmlShutdown()
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         fake.nvmlDeviceGetCount()
+
+
+# --- a sampling objective's step time (GRPO) ----------------------------------------------------------------------
+
+
+def _grpo_setup(*flags: str) -> TrainingSetup:
+    config = parse_launch_arguments(["--stage", "grpo", "--batch_size", "16", "--gradient_accumulation_steps", "2",
+                                     "--max_length", "256", "--max_new_tokens", "768", "--judge", "embedded",
+                                     *flags], size_given=True)
+    setup = training_setup(config)
+    ((_name, _staged, plan),) = stage_plans(config, World(), Devices("cuda", ("NVIDIA H100 80GB HBM3",), ((9, 0),)))
+    return with_plan(setup, plan)
+
+
+def test_grpo_step_time_worked_out_by_hand():
+    """16 answers per step on one GPU, 8 per micro-batch x 2 accumulation, sampled in one generate call of 16
+    sequences (TRL's steps_per_generation = the accumulation); a sequence is 256 prompt + 768 answer tokens.
+    Sampling: the prompts' prefill at 40% of the bf16 peak, then 768 passes, each reading the weights and the average
+    KV cache at 70% of the bandwidth plus 0.5 ms per layer; training 6 x params per token (+2 with the KL term's
+    reference forward, +2 with gradient checkpointing, 4 with LoRA); the embedded checker ~0."""
+    from src.diagnostics.time_plan import BANDWIDTH_EFFICIENCY, DECODE_OVERHEAD_S, MFU, estimate_step_time
+
+    shape = shape_from_param_count(1_500_000_000)
+    params, layers, kv = shape.total_params, shape.num_layers, shape.kv_size
+    setup = _grpo_setup("--beta", "0")
+    assert (setup.per_device_batch_size, setup.accumulation_steps, setup.generation_steps, setup.answer_tokens,
+            setup.generation_tokens, setup.judges, setup.precision) == (8, 2, 2, 768, 1024, ("embedded",), "bf16")
+    step = estimate_step_time(shape, setup, "NVIDIA H100 80GB HBM3")
+    compute, bandwidth = 989e12 * MFU, 3.35e12 * BANDWIDTH_EFFICIENCY
+    cache = 16 * (256 + 768 / 2) * layers * 2 * kv * 2
+    per_token = max((2 * params + cache) / bandwidth, 2 * params * 16 / compute) + layers * DECODE_OVERHEAD_S
+    assert (step.answers, step.generate_calls) == (16, 1)
+    assert step.generation_s == pytest.approx(2 * params * 16 * 256 / compute + 768 * per_token)
+    assert step.training_s == pytest.approx(16 * 1024 * 6 * params / compute)
+    assert step.judging_s == 0 and step.total_s == pytest.approx(step.generation_s + step.training_s)
+    assert 10 < step.generation_s < 30 and step.training_s < 1  # sampling dominates at 768 new tokens
+    with_kl = estimate_step_time(shape, _grpo_setup("--beta", "0.04", "--gradient_checkpointing", "true"),
+                                 "NVIDIA H100 80GB HBM3")
+    assert with_kl.training_s == pytest.approx(16 * 1024 * 10 * params / compute)
+    lora = estimate_step_time(shape, _grpo_setup("--beta", "0", "--use_lora"), "NVIDIA H100 80GB HBM3")
+    assert lora.training_s == pytest.approx(16 * 1024 * 4 * params / compute)
+    # the PCIe card: the bare name takes its lower peaks; a GPU not in the table, or no sampling: no estimate
+    assert estimate_step_time(shape, setup, "NVIDIA H100 PCIe").generation_s > step.generation_s
+    assert estimate_step_time(shape, setup, "Some Future GPU") is None
+    assert estimate_step_time(shape, replace(setup, generation_tokens=0), "NVIDIA H100 80GB HBM3") is None
+
+
+def test_grpo_step_time_judges():
+    """A reward model: one forward per answer (2 x its params per token); a function: not estimated, so the step has
+    no judging total; 'none' is no judge."""
+    from src.diagnostics.time_plan import MFU, estimate_step_time
+
+    shape = shape_from_param_count(1_500_000_000)
+    setup = _grpo_setup("--rewards", "embedded", "my_checks:score", "org/reward-model", "--beta", "0")
+    step = estimate_step_time(shape, setup, "NVIDIA H200", {"org/reward-model": 500_000_000})
+    kinds = {judge.judge: (judge.kind, judge.seconds) for judge in step.judges}
+    assert kinds["embedded"] == ("checker", 0.0) and kinds["my_checks:score"] == ("function", None)
+    assert kinds["org/reward-model"] == ("reward model", pytest.approx(2 * 500_000_000 * 16 * 1024 / (989e12 * MFU)))
+    assert step.judging_s is None
+    assert step.total_s == pytest.approx(step.generation_s + step.training_s + kinds["org/reward-model"][1])
+    unknown = estimate_step_time(shape, setup, "NVIDIA H200", {"org/reward-model": None})
+    assert {judge.judge: judge.seconds for judge in unknown.judges}["org/reward-model"] is None

@@ -19,13 +19,14 @@ from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
 from .data_lengths import DataLengths, find_data_lengths
 from .devices import CudaView, cuda_view, torch_cuda_uuids
-from .inputs import CheckOptions, with_plan
+from .inputs import CheckOptions, InputError, with_plan
 from .memory_plan import MemoryPlan, plan_memory
 from .model_shape import ModelShape, shape_from_model, shape_from_param_count
 from .nvml_probe import NvmlFacts, probe_nvml
 from .problems import Machine, driver_supports_torch, exclusion_reason, find_problems, pci_positions
 from .software import SoftwareFacts, collect_software, effective_nccl_settings
 from .system import SystemFacts, collect_system
+from .time_plan import StepTime, estimate_step_time, judge_kind
 from .verdict import decide, needs_fp16
 
 CPU_DEFAULT_PROCESSES = 2
@@ -144,6 +145,23 @@ def _memory_plan(machine: Machine, shape: ModelShape, plan: Plan, lengths: DataL
         budget_source=budget_source,
         deepspeed_installed=machine.software.deepspeed_installed,
     )
+
+
+def _step_time(machine: Machine, shape: ModelShape, plan: Plan, sources: Sources) -> StepTime | None:
+    """A sampling objective's (GRPO's) step time on the launch's first GPU; none on CPU or a GPU not in the table. A
+    reward-model judge is sized as a model is (its config); one that cannot be read is left unestimated."""
+    setup = with_plan(machine.options.training, plan)
+    if not machine.has_gpus or not setup.generation_tokens:
+        return None
+    gpu = machine.gpu((machine.launch_gpus or machine.cuda.visible)[0])
+    sizes = {}
+    for judge in setup.judges:
+        if judge_kind(judge) == "reward model":
+            try:
+                sizes[judge] = sources.model_shape(judge, f"--judge {judge}").total_params
+            except InputError:
+                sizes[judge] = None
+    return estimate_step_time(shape, setup, gpu.name or "", sizes)
 
 
 def _bench(machine: Machine, sources: Sources) -> tuple[BenchResult | None, str | None]:
@@ -273,6 +291,7 @@ def check(options: CheckOptions, sources: Sources) -> dict[str, Any]:
     if shape is not None and plans:
         name, plan = plans[-1]  # the final stage: a pipeline's peak (DPO)
         machine.memory_plan = _memory_plan(machine, shape, plan, sources.data_lengths(options.config, name))
+        machine.memory_plan.step_time = _step_time(machine, shape, plan, sources)
     bench_skipped = None
     if options.bench:
         machine.bench, bench_skipped = _bench(machine, sources)

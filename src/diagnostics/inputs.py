@@ -51,6 +51,11 @@ class TrainingSetup:
     # steps_per_generation default)
     generation_tokens: int = 0
     generation_steps: int | None = None
+    # ... and for its step-time estimate (src/diagnostics/time_plan.py): the answer's tokens within generation_tokens,
+    # the judges that score the answers, and the plan's accumulation steps
+    answer_tokens: int = 0
+    judges: tuple[str, ...] = ()
+    accumulation_steps: int = 1
     # The data's audited lengths (src/diagnostics/data_lengths.py), when its prepared data is in the cache
     data_lengths: DataLengths | None = None
 
@@ -130,7 +135,8 @@ def with_plan(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
         source = "per_device_batch_size" + (f" / {plan.gradient_accumulation_steps} accumulation"
                                             if plan.gradient_accumulation_steps > 1 else "")
     return replace(setup, per_device_batch_size=plan.per_device_batch_size, batch_source=source,
-                   precision=plan.precision, generation_steps=setup.generation_steps or plan.gradient_accumulation_steps)
+                   precision=plan.precision, generation_steps=setup.generation_steps or plan.gradient_accumulation_steps,
+                   accumulation_steps=plan.gradient_accumulation_steps)
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}

@@ -38,6 +38,7 @@ from src.objectives import objective
 from .data_lengths import DataLengths
 from .inputs import ALL_LINEAR, TrainingSetup
 from .model_shape import ModelShape
+from .time_plan import StepTime
 
 GIB = 1024**3
 RUNTIME_OVERHEAD_BYTES = GIB
@@ -95,6 +96,7 @@ class MemoryPlan:
     at_suggested_max_length: MethodEstimate | None = None
     generation_bytes_per_sample: int = 0  # the KV cache of sampling, per sequence (GRPO); 0 for the others
     generation_tokens: int = 0
+    step_time: StepTime | None = None  # a sampling objective's step time on the launch GPU (src/diagnostics/time_plan.py)
 
     def chosen(self) -> MethodEstimate | None:
         return next((estimate for estimate in self.estimates if estimate.chosen), None)

@@ -306,6 +306,8 @@ def _memory_plan(report: dict) -> list[str]:
             f"{_gib(plan['generation_bytes_per_sample'] * plan['per_device_batch_size'])} GiB per process for "
             f"sequences of {plan['generation_tokens']} tokens (prompt + answer); the activations column is the larger "
             "of that and the step's activations.", INDENT, INDENT)
+    if plan.get("step_time"):
+        lines += _wrapped(_step_time(plan["stage"], plan["step_time"]), INDENT, INDENT)
     lines += _wrapped(
         "Activations are an estimate (Llama-style blocks, fused attention, logits in fp32); margin = 10% for "
         "fragmentation + 1 GiB per process for the CUDA context. The DPO (and KTO) reference is none with LoRA or "
@@ -315,6 +317,32 @@ def _memory_plan(report: dict) -> list[str]:
         INDENT,
     )
     return lines
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2g} s" if value < 10 else f"{value:.0f} s"
+
+
+def _step_time(stage: str, step: dict) -> str:
+    """One line: the estimated step time of a sampling objective and its split (src/diagnostics/time_plan.py)."""
+    judged = [judge["seconds"] for judge in step["judges"]]
+    total = step["generation_s"] + step["training_s"] + sum(seconds or 0.0 for seconds in judged)
+    share = lambda seconds: f"{seconds / total:.0%}" if total else "-"  # noqa: E731
+    parts = []
+    for judge in step["judges"]:
+        if judge["seconds"] is None:
+            parts.append(f"{judge['judge']}: not estimated (a {judge['kind']}: the run logs time/judging_s)")
+        elif judge["kind"] == "checker":
+            parts.append(f"{judge['judge']} checker ~0 s")
+        else:
+            parts.append(f"reward model {judge['judge']} {_seconds(judge['seconds'])} ({share(judge['seconds'])})")
+    unknown = any(seconds is None for seconds in judged)
+    return (f"{stage.upper()} step time, an estimate for {step['gpu']} ({step['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
+            f"{step['bandwidth'] / 1e12:.2g} TB/s): ~{_seconds(total)}{' + judging' if unknown else ''} per optimizer "
+            f"step ({step['answers']} answers per process) = sampling {_seconds(step['generation_s'])} "
+            f"({share(step['generation_s'])}) + judging [{'; '.join(parts) or 'none'}] + training "
+            f"{_seconds(step['training_s'])} ({share(step['training_s'])}); assuming {step['assumptions']} "
+            "(docs/grpo.md). The run logs the measured split: time/generation_s, time/judging_s, step_time.")
 
 
 def _bench(report: dict) -> list[str]:

@@ -58,11 +58,12 @@ def trainer_inputs(config) -> dict:
 
 def memory_setup(config) -> dict:
     """check_gpu's view of a GRPO step: a sequence is a prompt (kept under --max_length) and its answer; sampling keeps
-    a KV cache for as many; a reference copy only with the KL term (--beta > 0)."""
+    a KV cache for as many; a reference copy only with the KL term (--beta > 0); the judges (its time estimate)."""
     answer = int(config.trl_overrides.get("max_completion_length", config.training.max_new_tokens))
     tokens = config.data.max_length + answer
     return {"max_length": tokens, "generation_tokens": tokens, "reference_kept": beta_of(config) > 0,
-            "precompute_ref_log_probs": False, "generation_steps": config.trl_overrides.get("steps_per_generation")}
+            "precompute_ref_log_probs": False, "generation_steps": config.trl_overrides.get("steps_per_generation"),
+            "answer_tokens": answer, "judges": tuple(judges_of(config))}
 
 
 def validate(config) -> None:
