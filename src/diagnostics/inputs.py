@@ -135,8 +135,8 @@ def with_plan(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
         source = "per_device_batch_size" + (f" / {plan.gradient_accumulation_steps} accumulation"
                                             if plan.gradient_accumulation_steps > 1 else "")
     return replace(setup, per_device_batch_size=plan.per_device_batch_size, batch_source=source,
-                   precision=plan.precision, generation_steps=setup.generation_steps or plan.gradient_accumulation_steps,
-                   accumulation_steps=plan.gradient_accumulation_steps)
+                   precision=plan.precision, accumulation_steps=plan.gradient_accumulation_steps,
+                   generation_steps=setup.generation_steps or plan.gradient_accumulation_steps)
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}

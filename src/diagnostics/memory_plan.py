@@ -96,7 +96,7 @@ class MemoryPlan:
     at_suggested_max_length: MethodEstimate | None = None
     generation_bytes_per_sample: int = 0  # the KV cache of sampling, per sequence (GRPO); 0 for the others
     generation_tokens: int = 0
-    step_time: StepTime | None = None  # a sampling objective's step time on the launch GPU (src/diagnostics/time_plan.py)
+    step_time: StepTime | None = None  # a sampling objective's step time on the launch GPU (time_plan.py)
 
     def chosen(self) -> MethodEstimate | None:
         return next((estimate for estimate in self.estimates if estimate.chosen), None)

@@ -94,8 +94,8 @@ def estimate_step_time(shape: ModelShape, setup: TrainingSetup, gpu_name: str,
     prefill = 2 * params * per_call * prompt_tokens / compute
     # per new token: the weights once, and the KV cache as long as it is on average (the prompt and half the answer)
     cache = per_call * (prompt_tokens + answer_tokens / 2) * layers * 2 * shape.kv_size * weight_bytes
-    per_token = (max((weight_bytes * params + cache) / (bandwidth * BANDWIDTH_EFFICIENCY), 2 * params * per_call / compute)
-                 + layers * DECODE_OVERHEAD_S)
+    memory_s = (weight_bytes * params + cache) / (bandwidth * BANDWIDTH_EFFICIENCY)
+    per_token = max(memory_s, 2 * params * per_call / compute) + layers * DECODE_OVERHEAD_S
     generation = calls * (prefill + answer_tokens * per_token)
     tokens = answers * setup.generation_tokens
     per_token_flops = ((4 if setup.method in ("lora", "qlora") else 6) * params
