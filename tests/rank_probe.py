@@ -77,5 +77,10 @@ def run(instrumented) -> int:
     return main_distributed.main(sys.argv[2:])
 
 
+def entry(argv: list[str]) -> int:
+    """run() as a forked process's entry point (tests/forked.py): `argv` is also its sys.argv[1:]."""
+    return run(instrument)
+
+
 if __name__ == "__main__":
     sys.exit(run(instrument))

@@ -8,10 +8,15 @@ import sys
 
 import pytest
 
+import forked
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 
 
-def run_main(*args, timeout=120, env=None):
+def run_main(*args, timeout=120, env=None, fresh=False):
+    """`python -m src.main_distributed ARGS`: what the command prints and exits with. Forked (tests/forked.py) unless
+    `fresh`: a new interpreter, for what the libraries read from the environment when they are imported."""
+    if not fresh:
+        return forked.run_main(list(args), env=env, timeout=timeout)
     return subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=timeout, env=os.environ if env is None else env)
 
@@ -114,12 +119,12 @@ def test_no_hub_message_when_nothing_needs_the_hub(user_args):
     message = "the Hugging Face Hub is unreachable"
     model = user_args.index("--model_name_or_path") + 1
     for args in (user_args, user_args[:model] + ["embedded"] + user_args[model + 1:]):
-        result = run_main(*args, "--stage", "dpo", "--dry_run", env=env)
+        result = run_main(*args, "--stage", "dpo", "--dry_run", env=env, fresh=True)  # the Hub settings at import
         assert result.returncode == 0, result.stderr[-2000:]
         assert message not in result.stdout + result.stderr
     data = user_args.index("--dataset_name") + 1
     hub_data = run_main(*user_args[:data], "some-org/some-pairs", *user_args[data + 1:], "--stage", "dpo",
-                        "--dry_run", env=env)
+                        "--dry_run", env=env, fresh=True)
     assert (hub_data.stdout + hub_data.stderr).count(message) == 1
     assert_one_line_error(hub_data, "--dataset_name some-org/some-pairs")
 

@@ -10,12 +10,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+import forked
+from conftest import preference_rows, write_jsonl
 from src import run_files
 from src.run_safety.disk_space import is_write_failure, write_failure_errno
 from src.run_safety.exit_status import ExitStatus
@@ -51,8 +51,7 @@ def test_a_run_that_cannot_fit_is_refused_before_training(tiny_model, tmp_path, 
     small = small_filesystem("1m")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
     args = job_args(tiny_model, data, small / "results", steps=40, save_steps=5)  # --save_total_limit 2
-    result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = forked.run_main(args, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: --results_dir: this run will write about ") and "× 3 kept" in line, line
@@ -128,8 +127,9 @@ FAILING_WRITES = [
 
 
 def test_a_failed_write_at_any_site_stops_every_rank_in_one_line_and_the_relaunch_resumes(tiny_model, tmp_path):
-    """Deterministic: each site in turn, on 2 processes under the launcher; exit 5, the one line, no traceback from
-    any rank, no torchrun restart, no incomplete checkpoint, and the next launch resumes from the one the line names."""
+    """Deterministic: each site in turn, on 2 processes (the first under the launcher, whose preflight it is; the others
+    forked as one job, tests/forked.py); exit 5, the one line, no traceback from any rank, no incomplete checkpoint,
+    and the next launch resumes from the one the line names."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
     results, run_dir = tmp_path / "results", tmp_path / "results" / "job"
     args = job_args(tiny_model, data, results, steps=24, save_steps=4) + [
@@ -139,18 +139,23 @@ def test_a_failed_write_at_any_site_stops_every_rank_in_one_line_and_the_relaunc
         if spec == "cache-*.arrow":  # the cache the earlier launches wrote beside the prepared data: written again
             for cache in (Path(os.environ["PREFKIT_CACHE"]) / "datasets").glob("dpo-*/cache-*.arrow"):
                 cache.unlink()
-        log = tmp_path / f"launch-{index}.txt"
-        launch = start_launcher(args, log, PREFKIT_TEST_FAIL_WRITE=spec, **environment)
-        try:
-            status = launch.wait(timeout=300)
-        finally:
-            os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
-        output = log.read_text()
+        if index == 0:  # the launcher's own preflight: under the launcher, which ends with the line, no restart
+            log = tmp_path / f"launch-{index}.txt"
+            launch = start_launcher(args, log, PREFKIT_TEST_FAIL_WRITE=spec, **environment)
+            try:
+                status = launch.wait(timeout=300)
+            finally:
+                os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
+            output = log.read_text()
+        else:  # the workers' sites: 2 processes as one job, forked (how the launcher takes exit 5: the test above)
+            job = forked.run_job(2, args, env=os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_TEST_FAIL_WRITE": spec}
+                                 | environment, timeout=300)
+            status, output = job.returncode, job.stdout + job.stderr
         assert status == ExitStatus.WRITE_FAILED, f"{what}: exit {status}\n{output[-4000:]}"
         assert "Traceback" not in output and "ChildFailedError" not in output, f"{what}:\n{output[-4000:]}"
         errors = [line for line in output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "failed: no space left on device (" in errors[0], f"{what}:\n{output[-4000:]}"
-        assert "restart" not in output.lower() and output.rstrip().endswith(errors[0]), f"{what}:\n{output[-4000:]}"
+        assert index or ("restart" not in output.lower() and output.rstrip().endswith(errors[0])), output[-4000:]
         if named_step is not None:
             resumes = run_files.read_json(run_dir / run_files.TRAINING_INFO)["resumes"]
             assert resumes[-1]["from_step"] == named_step, f"{what}: resumed {resumes[-1]}, not {named_step}"
@@ -163,15 +168,35 @@ def test_a_failed_write_at_any_site_stops_every_rank_in_one_line_and_the_relaunc
         named_step = int(newest.name.split("-")[1]) if newest else None
     assert named_step == 24, "the last site fails after training, with the last checkpoint complete"
 
-    log = tmp_path / "finished.txt"
-    finished = start_launcher(args, log)
-    try:
-        assert finished.wait(timeout=300) == 0, log.read_text()[-4000:]
-    finally:
-        os.killpg(finished.pid, signal.SIGKILL) if finished.poll() is None else None
+    finished = forked.run_job(2, args, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert info["status"] == "completed" and info["resumes"][-1]["from_step"] == 24, info["resumes"]
     assert sorted(train_losses(run_dir)) == list(range(1, 25)), "every step logged once, none lost"
+
+
+def fill_after_checkpoint_10_then_run(argv: list[str]) -> int:
+    """The toolkit's main, in a forked process whose disk another writer fills once checkpoint-10 is complete:
+    deterministic, no race with the test."""
+    import src.run_safety.checkpoints as checkpoints
+    import src.trainers.checkpointing as checkpointing
+    from src.main_distributed import main
+
+    mark_complete = checkpoints.mark_complete
+
+    def mark_then_fill(path: Path) -> None:
+        mark_complete(path)
+        if path.name == "checkpoint-10":
+            with open(path.parent.parent.parent / "filler", "wb") as filler:
+                try:
+                    while True:
+                        filler.write(bytes(4096))
+                        filler.flush()
+                except OSError:
+                    pass
+
+    checkpoints.mark_complete = checkpointing.mark_complete = mark_then_fill
+    return main(argv)
 
 
 def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_model, tmp_path, small_filesystem):
@@ -179,26 +204,14 @@ def test_a_failed_write_in_one_process_is_one_line_with_its_exit_status(tiny_mod
     small = small_filesystem("4m")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48))
     args = job_args(tiny_model, data, small / "results", steps=30, save_steps=5)
-    # Fill the disk from inside the process once checkpoint-10 is complete: deterministic, no race with the test.
-    fill = ("import src.run_safety.checkpoints as r, os\n_mark = r.mark_complete\n"
-            "def mark(path):\n    _mark(path)\n    if path.name == 'checkpoint-10':\n"
-            "        with open(path.parent.parent.parent / 'filler', 'wb') as f:\n"
-            "            try:\n                while True: f.write(bytes(4096)); f.flush()\n"
-            "            except OSError: pass\n"
-            "r.mark_complete = mark\nimport src.trainers.checkpointing as t\nt.mark_complete = mark\n"
-            "import sys\nfrom src.main_distributed import main\nsys.exit(main())\n")
-    script = tmp_path / "fill_then_run.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + fill)
-    result = subprocess.run([sys.executable, str(script), *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = forked.run_main(args, timeout=300, entry=fill_after_checkpoint_10_then_run)
     assert result.returncode == ExitStatus.WRITE_FAILED, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert "no space left on device" in line and "resumes from" in line and "checkpoint-10 (step 10)" in line, line
 
     shutil.rmtree(small / "results")  # the filler with it
-    debug = subprocess.run([sys.executable, str(script), *args, "--debug"], cwd=PROJECT_ROOT, capture_output=True,
-                           text=True, timeout=300)
+    debug = forked.run_main([*args, "--debug"], timeout=300, entry=fill_after_checkpoint_10_then_run)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "WriteFailed" in debug.stderr
 
 

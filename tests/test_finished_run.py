@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import forked
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
 from src.run_safety.finished_run import END_STEPS, KILL_AFTER
@@ -45,10 +46,10 @@ def launch(args: list[str], kill_after: str | None = None, launcher: bool = Fals
     environ = {key: value for key, value in os.environ.items() if key != KILL_AFTER} | {"OMP_NUM_THREADS": "1"}
     if kill_after:
         environ[KILL_AFTER] = kill_after
-    command = (["bash", "run_distributed.sh", "1", *args] if launcher else
-               [sys.executable, "-m", "src.main_distributed", *args])
-    return subprocess.run(command, cwd=PROJECT_ROOT, env=environ | {"PYTHON": sys.executable}, capture_output=True,
-                          text=True, timeout=300)
+    if not launcher:
+        return forked.run_main(args, env=environ, timeout=300)
+    return subprocess.run(["bash", "run_distributed.sh", "1", *args], cwd=PROJECT_ROOT,
+                          env=environ | {"PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

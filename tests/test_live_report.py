@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -15,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import PROJECT_ROOT
+import forked
 from report_fixtures import dpo_history, judged_run_dir, training_info, write_run_dir
 from src import run_files
 from src.reporting.compare import compare
@@ -256,16 +254,14 @@ def test_a_two_process_run_reports_running_after_its_first_evaluation_then_finis
                                                                                     tmp_path):
     results = tmp_path / "results"
     report = results / "live" / "report.md"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "src.main_distributed", "--stage", "dpo", "--model_name_or_path", str(tiny_model),
+    command = ["--stage", "dpo", "--model_name_or_path", str(tiny_model),
                "--dataset_name", str(preference_file), "--results_dir", str(results), "--run_name", "live",
                "--max_length", "64", "--logging_steps", "1", "--eval_steps", "2", "--max_steps", "8",
                "--batch_size", "8", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3",
                "--val_size", "4", "--test_size", "4"]
     # No budget: this 8-step run would otherwise be too short to earn a refresh before its end.
     environment = os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_LIVE_REPORT_SHARE": "1e9"}
-    job = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=environment)
+    job = forked.Running(command, env=environment, nproc=2)  # 2 processes as one job (tests/forked.py)
     first_lines = []
     while job.poll() is None:  # every first line report.md shows while the job runs
         if report.exists():
@@ -273,7 +269,7 @@ def test_a_two_process_run_reports_running_after_its_first_evaluation_then_finis
             if not first_lines or first_lines[-1] != first:
                 first_lines.append(first)
         time.sleep(0.05)
-    output = job.stdout.read()
+    output = "".join(job.communicate())
     assert job.returncode == 0, output[-4000:]
 
     running = [text for text in first_lines if text.startswith("**running**")]

@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT
+import forked
 from report_fixtures import judged_run_dir
 from src import run_files
 from src.config import ConfigError, parse_config
@@ -68,8 +66,7 @@ def lora_run(tiny_model, tmp_path_factory) -> Path:
             "--val_size", "4", "--test_size", "4", "--batch_size", "4", "--max_steps", "3", "--learning_rate", "1e-3",
             "--use_lora", "--lora_r", "4", "--merge_adapter", "--push_to_hub", "--hub_model_id", "my-org/tiny-dpo"]
     env = {key: value for key, value in os.environ.items() if key != "HF_TOKEN"}
-    result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = forked.run_main(args, env=env)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "warning: --push_to_hub: no Hugging Face token" in result.stdout  # said before training
     assert "not pushed to the Hub: no Hugging Face token: set HF_TOKEN" in result.stdout

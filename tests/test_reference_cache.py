@@ -4,13 +4,12 @@ did, built by 2 processes and used by 1 and the other way round, and training lo
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, build_tiny_model, preference_rows, thinking_rows, write_jsonl
+import forked
+from conftest import build_tiny_model, preference_rows, thinking_rows, write_jsonl
 from src import run_files
 
 
@@ -24,10 +23,7 @@ def dpo_args(model: Path, data: Path, results: Path, run_name: str, *extra: str)
 def train(args: list[str], cache: Path, processes: int = 1) -> dict:
     """One DPO run on a given cache; its reference log-prob outcome and losses."""
     environ = os.environ | {"PREFKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-                 "-m", "src.main_distributed"] if processes > 1 else [sys.executable, "-m", "src.main_distributed"])
-    result = subprocess.run(launcher + args, cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True,
-                            timeout=600)
+    result = forked.run_job(processes, args, env=environ) if processes > 1 else forked.run_main(args, env=environ)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = Path(args[args.index("--results_dir") + 1]) / args[args.index("--run_name") + 1]
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)

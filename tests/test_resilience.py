@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import forked
 from conftest import PROJECT_ROOT
 from src import run_files
 from src.config import ConfigError, parse_config, redact_secrets
@@ -309,9 +310,7 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     assert status.startswith("**diverged** (loss nan (rank 1)") and f") at step 13 of {STEPS} ({100 * 13 / STEPS:.0f}%) · elapsed" in status
     assert "| [job](job/report.md) | diverged 13/" in (results / "index.md").read_text()
 
-    again = subprocess.run([sys.executable, "-m", "src.main_distributed",
-                            *job_args(tiny_model, data, results, save_steps=5)], cwd=PROJECT_ROOT, env=os.environ,
-                           capture_output=True, text=True, timeout=120)
+    again = forked.run_main(job_args(tiny_model, data, results, save_steps=5), timeout=120)
     assert again.returncode == 4 and "Traceback" not in again.stderr
     assert "training diverged at step 13" in again.stderr
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import forked
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
 from src.generation import Sampling, answer_seed, generate
@@ -32,11 +33,11 @@ def round_args(model: Path, data: Path, results: Path, *extra: str) -> list[str]
 
 
 def launch(args: list[str], processes: int = 0, **env) -> subprocess.CompletedProcess:
-    """One process (`python -m src.main_distributed`), or run_distributed.sh on `processes`."""
-    command = (["bash", "run_distributed.sh", str(processes), *args] if processes else
-               [sys.executable, "-m", "src.main_distributed", *args])
-    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                          env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"} | env)
+    """One process (`python -m src.main_distributed`), or `processes` as one job, forked (tests/forked.py)."""
+    environment = os.environ | {"OMP_NUM_THREADS": "1"} | env
+    if processes:
+        return forked.run_job(processes, args, env=environment)
+    return forked.run_main(args, env=environment)
 
 
 def read_pairs(directory: Path) -> list[dict]:
@@ -163,9 +164,7 @@ def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_befor
                       "tests.round_judges:fails_after_first_round")
     env = {"ROUND_JUDGE_MARK": str(mark)}
     # Round 1 finishes; the judge goes down in round 2 (the file appears once round 1's pairs are written).
-    first = subprocess.Popen([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
-                             env=os.environ | {"OMP_NUM_THREADS": "1"} | env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = forked.Running(args, env=os.environ | {"OMP_NUM_THREADS": "1"} | env)
     run_dir = tmp_path / "results" / "iter"
     round1 = run_dir / "round1" / "round.json"
     _wait_for(lambda: round1.exists() or first.poll() is not None)

@@ -3,12 +3,11 @@ the choice made from the attention implementation, and recorded."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from conftest import PROJECT_ROOT, write_jsonl
+import forked
+from conftest import write_jsonl
 from src import run_files
 from src.config import parse_config
 from src.trainers.stage_plan import resolve_sft_forward
@@ -124,8 +123,7 @@ def test_padding_free_sft_run_matches_the_padded_run(tiny_model, tmp_path):
                 "--batch_size", "8", "--max_steps", "2", "--logging_steps", "1", "--eval_strategy", "no",
                 "--num_samples", "2", "--max_new_tokens", "4", "--judge", "none", "--val_size", "4",
                 "--test_size", "4", "--assistant_only_loss", "true", *flags]
-        result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
-                                capture_output=True, text=True, timeout=600)
+        result = forked.run_main(args)
         assert result.returncode == 0, result.stderr[-3000:]
         run_dir = tmp_path / "results" / name
         infos[name] = run_files.read_json(run_dir / run_files.TRAINING_INFO)

@@ -6,21 +6,20 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, preference_rows, write_jsonl
+import forked
+import rank_probe
+from conftest import preference_rows, write_jsonl
 from src import run_files
 
 
 def launch(nproc: int, args: list[str], probe_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """torchrun on `nproc` CPU processes running the instrumented entry point; fails the test with its output."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "tests/rank_probe.py", str(probe_dir), *args]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+    result = forked.run_job(nproc, [str(probe_dir), *args], env=os.environ | {"OMP_NUM_THREADS": "1"},
+                            timeout=timeout, entry=rank_probe.entry)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 
@@ -146,8 +145,7 @@ def _same(first, second, path="") -> bool:
 
 
 def run_single(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=os.environ)
+    return forked.run_main(args, timeout=timeout)
 
 
 def test_lora_run_saves_an_adapter_that_reloads_and_a_merged_copy(tiny_model, preference_file, tmp_path):
