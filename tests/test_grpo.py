@@ -167,6 +167,30 @@ def test_a_judge_that_fails_stops_the_step_naming_the_judge_and_the_prompt(tiny_
     assert str(raised.value).startswith("step 1: ") and expected in str(raised.value)
 
 
+
+def test_a_judge_that_fails_on_one_process_stops_every_process_in_one_line(tiny_model, tmp_path):
+    """./run_distributed.sh 2, one GRPO step: the judge ends rank 1's process (sys.exit, not an exception) as it scores
+    that rank's answers, while rank 0 goes on to the rewards' gather. Every process stops with the one line naming the
+    judge and the prompt: exit 2, no traceback, no restart, nothing of the launch left running."""
+    from test_resilience import TAG, kill_tagged, seconds_until_gone
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    tag = f"{tmp_path}-judge"
+    args = grpo_args(tiny_model, data, tmp_path / "results", "judge", "--max_steps", "1", "--val_size", "0",
+                     "--test_size", "0", "--judge", "tests.round_judges:gives_up_on_rank_1")
+    try:
+        result = subprocess.run(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT, capture_output=True,
+                                text=True, timeout=300,
+                                env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", TAG: tag})
+        seconds_until_gone(tag)
+    finally:
+        kill_tagged(tag)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert errors[0].startswith("error: step 1: judge tests.round_judges:gives_up_on_rank_1, prompt '")
+    assert errors[0].endswith("': raised SystemExit: no checker on this host")
+    assert "Traceback" not in result.stderr + result.stdout
+
 def toolkit_trainer(tiny_model, tmp_path, *extra: str):
     """The trainer main_distributed builds for --stage grpo on 8 prompts (one process), ready to train."""
     from transformers import AutoTokenizer
