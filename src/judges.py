@@ -71,6 +71,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _reward(verdict: dict) -> float:
+    """A programmatic verdict's reward: its "reward" where the check ranks answers more finely than its score."""
+    return float(verdict["reward"] if isinstance(verdict.get("reward"), (int, float)) else verdict["score"])
+
+
 def _check_lengths(rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> None:
     if not len(rows) == len(reference_answers) == len(trained_answers):
         raise ValueError(f"judge: {len(rows)} rows but {len(reference_answers)} reference answers and "
@@ -178,9 +183,7 @@ class ProgrammaticJudge(Judge):
 
     def _scores(self, rows: list[dict], answers: list[str]) -> list[float]:
         """The verdict's "reward" where the check ranks answers more finely than its score, else the score."""
-        verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
-        return [float(verdict["reward"] if isinstance(verdict.get("reward"), (int, float)) else verdict["score"])
-                for verdict in verdicts]
+        return [_reward(self._verdict(row, answer)) for row, answer in zip(rows, answers)]
 
     def _judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
@@ -192,6 +195,11 @@ class ProgrammaticJudge(Judge):
                            if isinstance(value, bool)})
         details = {key: {"before": _mean([float(v["reference"].get(key, False)) for v in verdicts]),
                          "after": _mean([float(v["trained"].get(key, False)) for v in verdicts])} for key in criteria}
+        if any(isinstance(side.get("reward"), (int, float)) for verdict in verdicts for side in verdict.values()):
+            # a check that ranks answers more finely than its score (the embedded checker): the held-out mean of that
+            # reward, the number GRPO is trained to raise (its report leads with it)
+            details["mean_reward"] = {side_name: _mean([_reward(verdict[side]) for verdict in verdicts])
+                                      for side_name, side in (("before", "reference"), ("after", "trained"))}
         details["changes"] = _changes(before, after)
         return JudgeResult(self.metric, len(rows), _mean(before), _mean(after), verdicts, details, judge=self.name)
 

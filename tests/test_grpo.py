@@ -300,6 +300,54 @@ def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
         assert (tmp_path / "run" / "plots" / chart).stat().st_size > 10_000, chart
 
 
+
+def test_the_verdict_leads_with_the_judges_held_out_reward_not_a_dpo_measure(tmp_path):
+    """configs/grpo.yaml's run as measured: the SFT model answers in the chatty style, so the embedded checker's metric
+    (correct-and-preferred) is 0% before and after, while correctness, and so the reward GRPO is trained on (1 per
+    right answer, 3 if also direct), rose 16% -> 17.5%. GRPO's row leads with the judge's held-out mean reward
+    (`judged_headline`): report.md's verdict, training_info.json's `judge` (the index, the console, the alert) and the
+    pipeline's earlier stage in the same measure; DPO keeps the judge's own metric."""
+    from report_fixtures import training_info, write_run_dir
+    from src.embedded.tasks import check
+    from src.judges import ProgrammaticJudge
+    from src.reporting.index import judged_cell
+    from src.reporting.report import build_report, headline_judge, report_verdict
+
+    # the embedded checker records its reward's held-out mean beside its metric: 4 prompts, 1 -> 2 right, all chatty
+    rows = [{"prompt": f"what is {n} + 1?", "meta": {"answer": str(n + 1)}} for n in range(4)]
+    result = ProgrammaticJudge(check, metric="correct_and_preferred").judge(
+        rows, ["1 ok", "7 ok", "9 ok", "0 ok"], ["1 ok", "2 ok", "9 ok", "0 ok"]).to_dict()
+    assert (result["before"], result["after"], result["details"]["mean_reward"]) == (0.0, 0.0, {"before": 0.25,
+                                                                                                 "after": 0.5})
+
+    def judged(before: float, after: float) -> dict:
+        return {"metric": "correct_and_preferred", "n": 200, "before": 0.0, "after": 0.0, "judge": "programmatic",
+                "details": {"correct": {"before": before, "after": after}, "preferred": {"before": 0.0, "after": 0.0},
+                            "mean_reward": {"before": before, "after": after}}}
+
+    grpo = {"test": judged(0.16, 0.175), "val": judged(0.2, 0.2)}
+    assert headline_judge(grpo, "grpo") == {"metric": "mean_reward", "split": "test", "n": 200, "before": 0.16,
+                                            "after": 0.175}
+    assert headline_judge(grpo, "sft_then_dpo")["metric"] == "correct_and_preferred"
+    history = [{"step": step, "loss": 0.1, "reward": 0.5} for step in range(1, 11)]
+    info = training_info("grpo", judges=grpo, judge=headline_judge(grpo, "grpo"))
+    run = write_run_dir(tmp_path / "grpo", history, info)
+    build_report(run)
+    assert report_verdict(run).startswith("GRPO moved the judge's mean reward from 0.16 to 0.175 on 200 held-out test")
+    assert judged_cell(info) == "mean reward: 0.16 → 0.175 (n=200)"
+
+    # sft_then_grpo: the SFT stage's judged results read in GRPO's measure
+    sft = write_run_dir(tmp_path / "pipeline" / "sft", history, training_info(
+        "sft", judges={"test": judged(0.0, 0.16)}, judge=headline_judge({"test": judged(0.0, 0.16)}, "sft")))
+    info = training_info("grpo", judges=grpo, judge=headline_judge(grpo, "grpo"), previous_stage={
+        "stage": "sft", "run_dir": "sft", "judge": headline_judge({"test": judged(0.0, 0.16)}, "grpo")})
+    run = write_run_dir(tmp_path / "pipeline", history, info)
+    assert sft.parent == run
+    build_report(run)
+    assert report_verdict(run).startswith("On 200 held-out test prompts, the judge's mean reward went from 0 "
+                                          "(untrained) to 0.16 after SFT and 0.175 after GRPO.")
+    assert judged_cell(info) == "mean reward: 0 → 0.16 → 0.175 (n=200)"
+
 # ------------------------------------------------------------------------------- the same numbers on any split
 
 

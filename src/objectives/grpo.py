@@ -158,6 +158,7 @@ OBJECTIVE = Objective(
     causal_lm=True,
     ends_pipeline=True,
     rewards_from_judges=True,
+    judged_headline="mean_reward",
     beta_may_be_zero=True,
     embedded_data="prompts",
     charts=(

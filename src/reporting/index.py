@@ -19,7 +19,7 @@ from pathlib import Path
 
 from src.objectives import OBJECTIVES, objective
 from src.progress import format_duration
-from src.reporting.formatting import ci95, format_number, format_percent, table_lines
+from src.reporting.formatting import ci95, format_judged, format_number, table_lines
 from src.reporting.report import REPORT
 from src.reporting.status import run_state
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, write_text
@@ -79,10 +79,13 @@ def judged_cell(info: dict) -> str:
     judge = info.get("judge")
     if not judge:
         return "not judged"
-    after = format_percent(judge.get("after")) + ci95(judge.get("after"), judge.get("n") or 0)
+    metric = str(judge.get("metric", ""))
+    after = format_judged(metric, judge.get("after")) + ("" if metric.startswith("mean_") else
+                                                         ci95(judge.get("after"), judge.get("n") or 0))
     earlier = (info.get("previous_stage") or {}).get("judge")
-    chain = [format_percent(earlier.get("before")), format_percent(earlier.get("after"))] if earlier else [format_percent(judge.get("before"))]
-    metric = str(judge.get("metric", "")).replace("_", " ")
+    chain = ([format_judged(metric, earlier.get("before")), format_judged(metric, earlier.get("after"))]
+             if earlier and earlier.get("metric", metric) == metric else [format_judged(metric, judge.get("before"))])
+    metric = metric.replace("_", " ")
     return f"{metric}: {' → '.join(chain + [after])} (n={judge.get('n')})"
 
 

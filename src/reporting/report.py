@@ -24,7 +24,8 @@ from src.audit.findings import audit_alerts
 from src.objectives import infer_stage, objective
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
-from src.reporting.formatting import ci95, duration, format_number, format_percent, metric_name, metric_points, table_lines
+from src.reporting.formatting import (ci95, duration, format_judged, format_number, format_percent, metric_name,
+                                      metric_points, table_lines)
 from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
@@ -136,6 +137,24 @@ def judge_results(info: dict) -> dict[str, dict]:
     return {split: judges[split] for split in [*SPLITS, *judges] if split in judges}
 
 
+def headline_measure(result: dict, stage: str) -> tuple[str, float | None, float | None]:
+    """(measure, before, after) a judged split's result leads with for `stage`: its objective's `judged_headline`
+    detail where the judge recorded it (GRPO: the held-out mean of the reward it trains on), else the judge's metric."""
+    wanted = objective(stage).judged_headline
+    detail = (result.get("details") or {}).get(wanted) if wanted else None
+    if isinstance(detail, dict):
+        return wanted, detail.get("before"), detail.get("after")
+    return result.get("metric", ""), result.get("before"), result.get("after")
+
+
+def headline_judge(judged: dict[str, dict], stage: str) -> dict:
+    """training_info.json's `judge` (the index's cell, the console's verdict, the reward-hacking alert, what the next
+    stage of a pipeline carries): the measure `stage` leads with, on the test split (else the first judged)."""
+    split = "test" if "test" in judged else next(iter(judged))
+    metric, before, after = headline_measure(judged[split], stage)
+    return {"metric": metric, "split": split, "n": judged[split].get("n"), "before": before, "after": after}
+
+
 def _previous_judge_results(info: dict, run_dir: Path) -> dict[str, dict]:
     """The previous pipeline stage's judged results: its own run directory's (per split, with details) when it is
     there, else the `previous_stage.judge` summary copied into this run's training_info.json."""
@@ -186,7 +205,7 @@ def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
         models = _models(result, earlier, pipeline)
         for name in ["main", *_sub_metrics(result)]:
             values = [model.get(name) for model in models]
-            cells = [_detail(name, value) for value in values]
+            cells = [format_judged(name, value) for value in values]
             change = "" if name.startswith("mean_") else metric_points(values[-2], values[-1])
             if name == "main":
                 cells[-1] += ci95(values[-1], result.get("n") or 0)
@@ -214,7 +233,8 @@ def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
         if counts:
             lines.append(f"\n{split}: " + ", ".join(f"{value} {key}" for key, value in counts.items()) + ".")
     lines += [f"\n> {note}" for note in notes]
-    return lines, _rounds_sentence(info) or _judged_sentence(stage, judges, previous_judges, previous_stage)
+    return lines, _rounds_sentence(info) or _judged_sentence(stage, judges, previous_judges, previous_stage,
+                                                             info["stage"])
 
 
 def _rounds_sentence(info: dict) -> str | None:
@@ -240,10 +260,20 @@ def stage_label(label: str) -> str:
     return f"ROUND {label[5:]}" if label.startswith("round") and label[5:].isdigit() else label.upper()
 
 
-def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str) -> str:
+def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str, objective_name: str) -> str:
     split = "test" if "test" in judges else next(iter(judges))
     result, earlier = judges[split], previous_judges.get(split)
     metric, count = result.get("metric", "").replace("_", "-"), result.get("n")
+    measure, before, after = headline_measure(result, objective_name)
+    if measure != result.get("metric"):  # the objective's own measure (GRPO: the judge's mean reward)
+        name = f"the judge's {metric_name(measure)}"
+        earlier_measure = headline_measure(earlier, objective_name) if earlier else None
+        if earlier_measure and earlier_measure[0] == measure:
+            return (f"On {count} held-out {split} prompts, {name} went from {format_judged(measure, earlier_measure[1])} "
+                    f"(untrained) to {format_judged(measure, earlier_measure[2])} after {previous_stage} and "
+                    f"{format_judged(measure, after)} after {stage}.")
+        return (f"{stage} moved {name} from {format_judged(measure, before)} to {format_judged(measure, after)} on "
+                f"{count} held-out {split} prompts.")
     if result.get("metric") == "win_rate":
         return (f"{stage}'s answers beat the starting model's on {format_percent(result.get('after'))} of {count} held-out "
                 f"{split} prompts (reward-model win rate; 50% = no change).")
@@ -267,10 +297,6 @@ def _differs(first: float | None, second: float | None) -> bool:
 def _sub_metrics(result: dict) -> dict:
     return {name: values for name, values in (result.get("details") or {}).items()
             if isinstance(values, dict) and ("before" in values or "after" in values)}
-
-
-def _detail(name: str, value: float | None) -> str:
-    return format_number(value) if name.startswith("mean_") else format_percent(value)
 
 
 def final_numbers_table(summary: dict, info: dict, running: bool = False) -> list[str]:
