@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PIPELINE_FIRST, PIPELINES, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
+    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
     World, batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint,
     stage_plans,
 )
@@ -84,6 +84,7 @@ class Stage:
     # What the preflight's model checks found runs but silently worse (src/input_checks.py): said at the stage's start
     model_warnings: list[str] = field(default_factory=list)
     from_prompts: bool = False  # a round of a run from prompts alone: no offline DPO stage before it
+    feeds_next: bool = False  # a later stage (of a pipeline, or a round) starts from this stage's model
 
     @property
     def label(self) -> str:
@@ -155,7 +156,7 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
             raise ConfigError(refusal)
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir), index,
-                            from_prompts=from_prompts and index > 0))
+                            from_prompts=from_prompts and index > 0, feeds_next=label != labels[-1]))
     return stages
 
 
@@ -438,12 +439,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         for split, outcome in trainer.reference_cache.items():
             print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
                    f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
-    # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
-    # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
+    # Merged copies that are needed, not just asked for: the next stage of a pipeline (or the next round) starts from
+    # this stage's model, and a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing
+    # of the score head).
     merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == PIPELINE_FIRST and config.training.stage in PIPELINES)
-        or (reward and not config.model.load_in_4bit)
-        or (row.on_policy_rounds and stage.round < config.dpo.rounds)))  # a round starts from this model
+        stage.feeds_next or (reward and not config.model.load_in_4bit)))
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides

@@ -82,6 +82,47 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
                         default_recipe=False).training.stage == "grpo"
 
 
+
+def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_block(tmp_path):
+    """configs/sft_dpo_grpo.yaml: a pipeline from the table (GRPO's row names DPO in `pipeline_after`), its stages SFT,
+    DPO and GRPO, each one's config its block's (`sft:`, `dpo:`, flags --sft.KEY / --dpo.KEY) over the top level's,
+    the top level's loss settings GRPO's alone; each reads its own embedded data; every stage but the last hands its
+    model on (merged under LoRA), each in its own directory."""
+    from src.config import ConfigError, Devices, World, parse_config, stage_plans
+    from src.data import source_location
+    from src.main_distributed import plan_stages
+    from src.objectives import PIPELINES, STAGES
+    from src.trainers.trl_config import build_trl_config
+
+    assert PIPELINES["sft_then_dpo_then_grpo"] == ("sft", "dpo", "grpo") and STAGES[-1] == "sft_then_dpo_then_grpo"
+    config = parse_config(["--config", str(PROJECT_ROOT / "configs" / "sft_dpo_grpo.yaml"), "--dpo.max_steps", "7",
+                           "--results_dir", str(tmp_path)])
+    plans = stage_plans(config, World(), Devices("cpu", 0, []))
+    built = {name: build_trl_config(name, staged, plan, tmp_path / name, False, 10) for name, staged, plan in plans}
+    assert [(name, type(args).__name__) for name, args in built.items()] == [
+        ("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("grpo", "GRPOConfig")]
+    staged = {name: stage for name, stage, _ in plans}
+    assert (staged["sft"].training.max_steps, built["sft"].learning_rate) == (400, 2e-3)
+    assert (staged["dpo"].training.max_steps, built["dpo"].learning_rate, built["dpo"].beta, built["dpo"].loss_type,
+            built["dpo"].loss_weights) == (7, 8e-5, 0.3, ["sigmoid", "sft"], [1.0, 0.4])
+    assert (staged["grpo"].training.max_steps, built["grpo"].beta, built["grpo"].loss_type,
+            built["grpo"].num_generations) == (20, 0.04, "dapo", 8)
+    assert staged["sft"].sources["max_steps"] == "configs/sft_dpo_grpo.yaml (sft block)"
+    assert staged["dpo"].sources["max_steps"] == "--dpo.max_steps"
+    assert [Path(source_location(stage.data, name)).name for name, stage in staged.items()] == ["sft", "dpo",
+                                                                                              "prompts"]
+    stages = plan_stages(config, World(), Devices("cpu", 0, []))
+    assert [(stage.name, stage.run_dir.relative_to(tmp_path).as_posix(), stage.feeds_next) for stage in stages] == [
+        ("sft", "sft_dpo_grpo/sft", True), ("dpo", "sft_dpo_grpo/dpo", True), ("grpo", "sft_dpo_grpo", False)]
+
+    # GRPO's loss at the top level is not the DPO stage's: without a dpo block, DPO keeps its defaults
+    flags = ["--stage", "sft_then_dpo_then_grpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--judge",
+             JUDGE, "--beta", "0.04", "--loss_type", "dapo"]
+    dpo = dict((name, stage) for name, stage, _ in stage_plans(parse_config(flags), World(), Devices("cpu", 0, [])))
+    assert (dpo["dpo"].dpo.beta, dpo["dpo"].dpo.loss_type, dpo["grpo"].dpo.beta) == (0.1, ["sigmoid"], 0.04)
+    with pytest.raises(ConfigError, match=r"--dpo\.\* overrides apply only to --stage sft_then_dpo_then_grpo"):
+        parse_config(flags[:1] + ["sft_then_grpo"] + flags[2:] + ["--dpo.max_steps", "3"])
+
 def test_check_gpu_plans_the_kv_cache_of_sampling_and_a_reference_only_with_the_kl_term():
     """check_gpu's memory plan for --stage grpo: a sequence is a prompt and its answer (max_length + max_new_tokens);
     the KV cache of the sampled answers (per-device batch x accumulation sequences, each layers x 2 x kv_size per
