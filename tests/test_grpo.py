@@ -392,25 +392,33 @@ def test_the_verdict_leads_with_the_judges_held_out_reward_not_a_dpo_measure(tmp
 # ------------------------------------------------------------------------------- the same numbers on any split
 
 
-def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker(tiny_model, tmp_path):
+def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_model, tmp_path):
     """16 answers per step (4 prompts x 4), 3 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
     sample the same answers to the same prompts, gather the same rewards, give each answer the same advantage, and
     log the same loss, KL and entropy (1e-5). The 2 x 2 run's rank 1 is killed right after checkpoint-2 and torchrun
-    restarts both: the resumed step 3 samples the same answers, and the curves go on as if nothing happened."""
+    restarts both; the 1 x 4 job is killed whole right after checkpoint-2 (its one worker SIGKILLed, torchrun not
+    restarting it: nothing of the job runs on) and the same command launched again. Each resumed step 3 samples the
+    same answers as the uninterrupted 4 x 1 run, and the curves go on as if nothing happened."""
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
-    killed = tmp_path / "killed"
     runs = {}
     for processes, accumulation in ((1, 4), (2, 2), (4, 1)):
         name = f"{processes}x{accumulation}"
         probe = tmp_path / "probe" / name
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
-                   "--nproc_per_node", str(processes), "tests/grpo_probe.py", str(probe),
-                   *grpo_args(tiny_model, data, tmp_path / "results", name, "--gradient_accumulation_steps",
-                              str(accumulation), "--max_steps", "3", "--save_steps", "1")]
-        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:1:{killed}"} if processes == 2 else {}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
+                   "0" if processes == 1 else "1", "--nproc_per_node", str(processes), "tests/grpo_probe.py",
+                   str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name, "--gradient_accumulation_steps",
+                                          str(accumulation), "--max_steps", "3", "--save_steps", "1")]
+        killed = tmp_path / f"killed-{name}"
+        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:{processes - 1}:{killed}"} if processes < 4 else {}
         result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                                 env=os.environ | {"OMP_NUM_THREADS": "1"} | seam)
+        if processes == 1:  # the whole job killed: its launcher exits with the failure; the same command again
+            assert killed.exists() and result.returncode != 0, f"{name}: {result.stderr[-3000:]}"
+            result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                                    env=os.environ | {"OMP_NUM_THREADS": "1"})
+            assert "took over the hold of a job that is gone" in result.stdout, result.stdout[-3000:]
         assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert processes == 4 or killed.exists(), f"{name}: the seam never fired: the resume proves nothing"
         ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(processes)]
         assert {(rank["world_size"], rank["accumulation"]) for rank in ranks} == {(processes, accumulation)}
         answers = sorted((answer["step"], answer["prompt"], answer["answer"], answer["advantage"])
@@ -418,21 +426,21 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker(tiny_model, t
         metrics = [record for record in run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
                    if "loss" in record]
         runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics}
-    assert killed.exists(), "the seam never fired: the resume proves nothing"
-    info = run_files.read_json(tmp_path / "results" / "2x2" / run_files.TRAINING_INFO)
-    assert [resume["from_step"] for resume in info["resumes"]] == [2]
-    reference = runs["1x4"]
+    for name in ("1x4", "2x2"):
+        info = run_files.read_json(tmp_path / "results" / name / run_files.TRAINING_INFO)
+        assert [resume["from_step"] for resume in info["resumes"]] == [2], name
+    reference = runs["4x1"]
     assert len(reference["answers"]) == 3 * 16 and len({answer[1] for answer in reference["answers"]}) == 12
     assert any(answer[3] != 0 for answer in reference["answers"]), "no advantage: the test would prove nothing"
     for name, run in runs.items():
-        # the resumed run's workers sampled step 3 alone (steps 1-2 were before the kill)
-        expected = [answer for answer in reference["answers"] if answer[0] == 2] if name == "2x2" else \
-            reference["answers"]
+        # a resumed run's workers sampled step 3 alone (steps 1-2 were before the kill)
+        resumed = name != "4x1"
+        expected = [answer for answer in reference["answers"] if answer[0] == 2] if resumed else reference["answers"]
         assert [answer[:3] for answer in run["answers"]] == [answer[:3] for answer in expected], name
         assert [answer[3] for answer in run["answers"]] == pytest.approx([answer[3] for answer in expected],
                                                                          abs=1e-5), name
         assert run["rewards"] == {step: rewards for step, rewards in reference["rewards"].items()
-                                  if name != "2x2" or step == "2"}, name
+                                  if not resumed or step == "2"}, name
         assert [record["step"] for record in run["metrics"]] == [1, 2, 3], name
         for key in ("loss", "kl", "entropy", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
             assert [record[key] for record in run["metrics"]] == pytest.approx(
