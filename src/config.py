@@ -214,6 +214,12 @@ class DataArguments:
     messages_column: str | None = field(default=None, metadata={"help": "SFT: column holding a chat (list of messages)."})
     completion_column: str | None = field(default=None, metadata={"help": "SFT: column holding the target completion."})
     text_column: str | None = field(default=None, metadata={"help": "SFT: column holding plain text to model."})
+    meta_columns: list[str] | None = field(
+        default=None,
+        metadata={"help": "Columns gathered into each row's 'meta' (what a judge reads as row['meta'][name]), added to "
+                  "a 'meta' the data already has: GSM8K's reference solution with --meta_columns answer. A column "
+                  "that another --*_column maps (the prompt) stays where it is too."},
+    )
     label_column: str | None = field(
         default=None,
         metadata={"help": "KTO: column holding each completion's thumbs up / down (mapped to 'label'): true/false, "

@@ -232,6 +232,44 @@ def test_a_judge_that_fails_on_one_process_stops_every_process_in_one_line(tiny_
     assert errors[0].endswith("': raised SystemExit: no checker on this host")
     assert "Traceback" not in result.stderr + result.stdout
 
+
+def test_a_hub_math_set_maps_its_columns_into_meta_and_the_final_number_judge_reads_it(tiny_model, tmp_path):
+    """configs/grpo_qwen2.5-0.5b_gsm8k.yaml's data and judge on a local file shaped like openai/gsm8k (question, answer:
+    a worked solution ending "#### N"): --prompt_column question and --meta_columns answer prepare prompts whose meta
+    holds the solution; src.answer_checks:final_number scores an answer 1 when its last number (or \\boxed{}) is N. A
+    column the data lacks is one line naming the flag."""
+    from transformers import AutoTokenizer
+
+    from src.config import DataArguments, SFTArguments, parse_config
+    from src.data import DataError, prepare_data, source_columns
+    from src.judges import judge_for
+
+    rows = [{"question": f"Ann has {n} apples and buys 2 more. How many now?",
+             "answer": f"She has {n} + 2 = <<{n}+2={n + 2}>>{n + 2} apples.\n#### {n + 2:,}"} for n in range(1000, 1012)]
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    recipe = parse_config(["--config", str(PROJECT_ROOT / "configs" / "grpo_qwen2.5-0.5b_gsm8k.yaml")])
+    assert (recipe.data.prompt_column, recipe.data.meta_columns, recipe.training.judge) == (
+        "question", ["answer"], "src.answer_checks:final_number")
+    arguments = DataArguments(dataset_name=str(data), prompt_column="question", meta_columns=["answer"], val_size=2,
+                              test_size=2, max_length=64)
+    assert source_columns(arguments, "grpo") == ["prompt", "meta"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prepared = prepare_data(arguments, SFTArguments(), "grpo", 5, tokenizer, tmp_path / "cache")
+    train = prepared.train
+    assert {"prompt", "meta", "prompt_ids"} <= set(train.column_names) and "answer" not in train.column_names
+    row = train[0]
+    number = int(row["prompt"].split()[2])
+    assert row["meta"] == {"answer": rows[number - 1000]["answer"]}
+
+    judge = judge_for(recipe.training.judge, None)
+    answers = [f"So {number} + 2 = {number + 2:,}.", f"The answer is \\boxed{{{number + 2}}}, not 7.",
+               f"It is {number + 3}.", "I do not know."]
+    assert judge.scores([row] * 4, answers) == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(DataError, match=r"^--meta_columns solution: no such column in .*gsm8k.jsonl; the data has "
+                                         r"question, answer$"):
+        prepare_data(DataArguments(dataset_name=str(data), prompt_column="question", meta_columns=["solution"],
+                                   val_size=2, test_size=2), SFTArguments(), "grpo", 5, tokenizer, tmp_path / "cache")
+
 def toolkit_trainer(tiny_model, tmp_path, *extra: str):
     """The trainer main_distributed builds for --stage grpo on 8 prompts (one process), ready to train."""
     from transformers import AutoTokenizer
