@@ -234,6 +234,12 @@ class DataArguments:
     system_prompt: str | None = field(
         default=None, metadata={"help": "System message prepended to every conversational prompt that has none."}
     )
+    chat_prompts: bool = field(
+        default=False,
+        metadata={"help": "Prompts alone (GRPO, on-policy rounds): each text prompt becomes a chat of one user message, "
+                  "so the model's chat template renders it (an instruct model on GSM8K's text questions). Off: a text "
+                  "prompt is tokenized as text."},
+    )
     reasoning: str = field(
         default="keep",
         metadata={"help": "What a reasoning model trains on when the answers reason first (<think>…</think> in the "

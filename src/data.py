@@ -576,6 +576,21 @@ def columns_after_mapping(columns: list[str], data: DataArguments) -> list[str]:
     return [renamed.get(column, column) for column in columns]
 
 
+def prompts_as_chats(raw, location: str):
+    """--chat_prompts: each text prompt of prompts alone → a chat of one user message (the model's chat template then
+    renders it, as for data that comes as chats); chat prompts stay as they are. Batched over Arrow."""
+    columns = raw[next(iter(raw))].column_names
+    if not holds_prompts_only(columns):
+        raise DataError(f"--chat_prompts turns text prompts alone into chats, and {location} holds "
+                        f"{', '.join(columns)}: drop the flag (chat data already renders through the template)")
+
+    def as_chats(batch: dict) -> dict:
+        return {"prompt": [[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                           for prompt in batch["prompt"]]}
+
+    return raw.map(as_chats, batched=True, desc="prompts as chats")
+
+
 def gather_meta(raw, data: DataArguments, location: str):
     """Each row's --meta_columns values gathered into its `meta` (a dict; a `meta` the data has keeps its keys, a
     gathered column of the same name wins), the gathered columns dropped unless a --*_column flag maps them too. One
@@ -1170,7 +1185,7 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
         "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
                                                    "chosen_column", "rejected_column", "messages_column",
                                                    "completion_column", "text_column", "meta_columns",
-                                                   "system_prompt", "val_size",
+                                                   "system_prompt", "chat_prompts", "val_size",
                                                    "test_size", "max_train_samples", "max_length",
                                                    "label_column", "kto_from_pairs", "reasoning",
                                                    "chat_template_kwargs")},
@@ -1498,6 +1513,8 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     mapping = apply_column_mapping(first_split.column_names, data)
     if mapping:
         raw = raw.rename_columns(mapping)
+    if data.chat_prompts:
+        raw = prompts_as_chats(raw, location)
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]

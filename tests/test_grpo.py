@@ -236,7 +236,7 @@ def test_a_judge_that_fails_on_one_process_stops_every_process_in_one_line(tiny_
 def test_a_hub_math_set_maps_its_columns_into_meta_and_the_final_number_judge_reads_it(tiny_model, tmp_path):
     """configs/grpo_qwen2.5-0.5b_gsm8k.yaml's data and judge on a local file shaped like openai/gsm8k (question, answer:
     a worked solution ending "#### N"): --prompt_column question and --meta_columns answer prepare prompts whose meta
-    holds the solution; src.answer_checks:final_number scores an answer 1 when its last number (or \\boxed{}) is N. A
+    holds the solution (with --chat_prompts each question a user message); src.answer_checks:final_number scores an answer 1 when its last number (or \\boxed{}) is N. A
     column the data lacks is one line naming the flag."""
     from transformers import AutoTokenizer
 
@@ -260,6 +260,15 @@ def test_a_hub_math_set_maps_its_columns_into_meta_and_the_final_number_judge_re
     row = train[0]
     number = int(row["prompt"].split()[2])
     assert row["meta"] == {"answer": rows[number - 1000]["answer"]}
+
+    # --chat_prompts (the recipe's): each question a chat of one user message, rendered by the model's chat template
+    assert recipe.data.chat_prompts
+    chats = prepare_data(DataArguments(dataset_name=str(data), prompt_column="question", meta_columns=["answer"],
+                                       chat_prompts=True, val_size=2, test_size=2, max_length=64),
+                         SFTArguments(), "grpo", 5, tokenizer, tmp_path / "cache").train[0]
+    assert chats["prompt"] == [{"role": "user", "content": row["prompt"]}] and chats["meta"] == row["meta"]
+    assert list(chats["prompt_ids"]) == tokenizer.apply_chat_template(chats["prompt"], add_generation_prompt=True,
+                                                                      tokenize=True, return_dict=True)["input_ids"]
 
     judge = judge_for(recipe.training.judge, None)
     answers = [f"So {number} + 2 = {number + 2:,}.", f"The answer is \\boxed{{{number + 2}}}, not 7.",
