@@ -33,7 +33,8 @@ import yaml
 from trl import ModelConfig
 
 # The table of objectives (src/objectives/): --stage's choices, the sft_then_<name> pipelines, each one's row.
-from src.objectives import DEFAULT_STAGE, OBJECTIVES, PIPELINE_FIRST, PIPELINES, STAGES, UNPAIRED, final_stage, objective
+from src.objectives import (DEFAULT_STAGE, OBJECTIVES, PIPELINE_BLOCKS, PIPELINE_FIRST, PIPELINES, STAGES, UNPAIRED,
+                             final_stage, objective)
 from src.objectives import trl_config_classes
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -213,6 +214,12 @@ class DataArguments:
     messages_column: str | None = field(default=None, metadata={"help": "SFT: column holding a chat (list of messages)."})
     completion_column: str | None = field(default=None, metadata={"help": "SFT: column holding the target completion."})
     text_column: str | None = field(default=None, metadata={"help": "SFT: column holding plain text to model."})
+    meta_columns: list[str] | None = field(
+        default=None,
+        metadata={"help": "Columns gathered into each row's 'meta' (what a judge reads as row['meta'][name]), added to "
+                  "a 'meta' the data already has: GSM8K's reference solution with --meta_columns answer. A column "
+                  "that another --*_column maps (the prompt) stays where it is too."},
+    )
     label_column: str | None = field(
         default=None,
         metadata={"help": "KTO: column holding each completion's thumbs up / down (mapped to 'label'): true/false, "
@@ -226,6 +233,12 @@ class DataArguments:
     )
     system_prompt: str | None = field(
         default=None, metadata={"help": "System message prepended to every conversational prompt that has none."}
+    )
+    chat_prompts: bool = field(
+        default=False,
+        metadata={"help": "Prompts alone (GRPO, on-policy rounds): each text prompt becomes a chat of one user message, "
+                  "so the model's chat template renders it (an instruct model on GSM8K's text questions). Off: a text "
+                  "prompt is tokenized as text."},
     )
     reasoning: str = field(
         default="keep",
@@ -279,8 +292,8 @@ class TrainingArguments:
     stage: str = field(
         default=DEFAULT_STAGE,
         metadata={"help": "; ".join(f"{row.name}: {row.help}" for row in OBJECTIVES.values()) + "; "
-                  + ", ".join(PIPELINES) + ": SFT, then the objective from the SFT model (`sft:` in the recipe holds "
-                  "the SFT stage's overrides).", "choices": list(STAGES)},
+                  + ", ".join(PIPELINES) + ": SFT (then the middle objective), then the last objective, each from the "
+                  "model before (`sft:` and `dpo:` in the recipe hold those stages' overrides).", "choices": list(STAGES)},
     )
     run_name: str | None = field(
         default=None,
@@ -559,7 +572,9 @@ class Config:
     sft: SFTArguments
     hub: HubArguments
     trl_overrides: dict[str, Any] = field(default_factory=dict)
-    sft_stage_overrides: dict[str, Any] = field(default_factory=dict)
+    # A pipeline's earlier stages' own keys: {"sft": {...}, "dpo": {...}}, the recipe's `sft:` / `dpo:` blocks and the
+    # --sft.KEY / --dpo.KEY flags (every stage but the last: PIPELINE_BLOCKS)
+    stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     recipe: str | None = None
     # Where each value not at its src/config.py default was set: key -> the recipe file ("configs/default.yaml"; a
     # pipeline's SFT block under "sft.<key>": "configs/default.yaml (sft block)"), the flag ("--max_steps",
@@ -576,9 +591,13 @@ class Config:
         for part in (self.model, self.data, self.training, self.dpo, self.sft, self.hub):
             values.update(dataclasses.asdict(part))
         values.update(self.trl_overrides)
-        if self.sft_stage_overrides:
-            values[PIPELINE_FIRST] = dict(self.sft_stage_overrides)
+        values.update({stage: dict(overrides) for stage, overrides in self.stage_overrides.items() if overrides})
         return values
+
+    @property
+    def sft_stage_overrides(self) -> dict[str, Any]:
+        """The SFT stage's own keys (the recipe's `sft:` block, --sft.KEY)."""
+        return self.stage_overrides.get(PIPELINE_FIRST, {})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -752,9 +771,9 @@ def format_help() -> str:
     """Every flag, grouped by concern, with its default and help text (the dataclass fields are the source)."""
     lines = ["usage: python -m src.main_distributed [--config RECIPE.yaml] [--flag value ...]",
              "       ./run_distributed.sh [NUM_PROCS] [--config RECIPE.yaml] [--flag value ...]", "",
-             "Flags override the recipe; --sft.KEY VALUE overrides a key for the SFT stage of sft_then_dpo (or",
-             "sft_then_kto); any other field of TRL's DPOConfig / SFTConfig / RewardConfig / KTOConfig passes through",
-             "by name.", ""]
+             "Flags override the recipe; --sft.KEY VALUE overrides a key for the SFT stage of sft_then_<name> (and",
+             "--dpo.KEY for the DPO stage of sft_then_dpo_then_grpo); any other field of TRL's DPOConfig / SFTConfig /",
+             "RewardConfig / KTOConfig / GRPOConfig passes through by name.", ""]
     for concern in CONCERNS:
         lines.append(f"{concern.__name__}: {(concern.__doc__ or '').strip().splitlines()[0]}")
         for item in dataclasses.fields(concern):
@@ -799,17 +818,18 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
         label = recipe_label(recipe)
         for key, value in _load_recipe(recipe).items():
             requested[key] = (value, Path(recipe).name)
-            if key == PIPELINE_FIRST and isinstance(value, dict):
-                sources.update({f"{PIPELINE_FIRST}.{sft_key}": f"{label} (sft block)" for sft_key in value})
+            if key in PIPELINE_BLOCKS and isinstance(value, dict):
+                sources.update({f"{key}.{block_key}": f"{label} ({key} block)" for block_key in value})
             else:
                 sources[key] = label
     requested.update(sagemaker)
     sources.update({key: f"SageMaker {variable}" for key, (_, variable) in sagemaker.items()})
     for key, raw, token in flags:
-        if key.startswith(f"{PIPELINE_FIRST}."):
-            sft_overrides = dict(requested.get(PIPELINE_FIRST, ({}, ""))[0] or {})
-            sft_overrides[key[len(PIPELINE_FIRST) + 1:]] = _parse_flag_value(raw)
-            requested[PIPELINE_FIRST] = (sft_overrides, token)
+        block = key.partition(".")[0]
+        if "." in key and block in PIPELINE_BLOCKS:  # --sft.max_steps: a key of that stage of the pipeline
+            overrides = dict(requested.get(block, ({}, ""))[0] or {})
+            overrides[key.partition(".")[2]] = _parse_flag_value(raw)
+            requested[block] = (overrides, token)
         else:
             requested[key] = (_parse_flag_value(raw), token)
         sources[key] = f"--{key}"
@@ -817,11 +837,13 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     stage = requested.get("stage", (DEFAULT_STAGE, ""))[0]
     if stage not in STAGES:
         raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
-    if PIPELINE_FIRST in requested and stage not in PIPELINES:
-        if requested[PIPELINE_FIRST][1].startswith("--"):
-            raise ConfigError(f"--{PIPELINE_FIRST}.* overrides apply only to --stage {' or '.join(PIPELINES)}")
-        del requested[PIPELINE_FIRST]  # a pipeline recipe run as a single stage: its SFT block does not apply
-        sources = {key: where for key, where in sources.items() if not key.startswith(f"{PIPELINE_FIRST}.")}
+    for block in PIPELINE_BLOCKS:
+        if block in requested and block not in PIPELINES.get(stage, ())[:-1]:
+            if requested[block][1].startswith("--"):
+                within = [name for name, stages in PIPELINES.items() if block in stages[:-1]]
+                raise ConfigError(f"--{block}.* overrides apply only to --stage {' or '.join(within)}")
+            del requested[block]  # a pipeline recipe run as another stage: the block of a stage it lacks does not apply
+            sources = {key: where for key, where in sources.items() if not key.startswith(f"{block}.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
     config.sources = sources
@@ -883,17 +905,18 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
     passthrough = _LazyFields(stage)  # TRL's configs import transformers and torch: only read them when needed
     values: dict[type, dict[str, Any]] = {concern: {} for concern in CONCERNS}
     trl_overrides: dict[str, Any] = {}
-    sft_stage_overrides: dict[str, Any] = {}
+    stage_overrides: dict[str, dict[str, Any]] = {}
     for key, (value, where) in requested.items():
-        if key == PIPELINE_FIRST:
+        if key in PIPELINE_BLOCKS:
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: 'sft' holds the SFT stage's overrides as a mapping, got {value!r}")
-            for sft_key, sft_value in value.items():
-                if sft_key not in known and sft_key not in trl_fields(PIPELINE_FIRST):
-                    raise ConfigError(f"{where}: unknown key 'sft.{sft_key}'{_closest(sft_key, known)}")
-                if sft_key in ("stage", PIPELINE_FIRST):
-                    raise ConfigError(f"{where}: 'sft.{sft_key}' cannot be overridden per stage")
-            sft_stage_overrides = dict(value)
+                raise ConfigError(f"{where}: '{key}' holds the {key.upper()} stage's overrides as a mapping, got "
+                                  f"{value!r}")
+            for block_key in value:
+                if block_key not in known and block_key not in trl_fields(key):
+                    raise ConfigError(f"{where}: unknown key '{key}.{block_key}'{_closest(block_key, known)}")
+                if block_key in ("stage", *PIPELINE_BLOCKS):
+                    raise ConfigError(f"{where}: '{key}.{block_key}' cannot be overridden per stage")
+            stage_overrides[key] = dict(value)
             continue
         if key in known:
             concern, kind = known[key]
@@ -921,31 +944,35 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         sft=parts[SFTArguments],
         hub=parts[HubArguments],
         trl_overrides=trl_overrides,
-        sft_stage_overrides=sft_stage_overrides,
+        stage_overrides=stage_overrides,
     )
     validate(config)
     return config
 
 
 def stage_config(config: Config, stage: str) -> Config:
-    """The config one stage of a pipeline runs with: for the SFT stage of sft_then_<name>, the `sft:` overrides apply,
-    and a TRL field of the final stage's config that SFT's has not (--undesirable_weight, --simpo_gamma) stays with
+    """The config one stage of a pipeline runs with: for an earlier stage (the SFT stage of sft_then_<name>, the DPO
+    stage of sft_then_dpo_then_grpo) its block's overrides (`sft:`, `dpo:`) apply, and a TRL field of the final
+    stage's config that the stage's own has not (--undesirable_weight, --simpo_gamma, --num_generations) stays with
     the final stage."""
     pipeline = config.training.stage
     if pipeline not in PIPELINES:
         return config
     own_trl_fields = _LazyFields(stage)  # TRL's configs cost seconds to import: read only when there are overrides
-    requested = {key: (value, PIPELINE_FIRST) for key, value in config.values().items() if key != PIPELINE_FIRST}
+    final = stage == PIPELINES[pipeline][-1]
+    # The top level's loss settings (DPOArguments: beta, loss_type, ...) are the last stage's: an earlier stage's own
+    # come from its block (GRPO's beta 0.04 and loss dapo are not the DPO stage's of sft_then_dpo_then_grpo)
+    loss_keys = set() if final else {item.name for item in dataclasses.fields(DPOArguments)}
+    requested = {key: (value, stage) for key, value in config.values().items()
+                 if key not in PIPELINE_BLOCKS and key not in loss_keys}
     requested = {key: value for key, value in requested.items()
                  if key in toolkit_fields() or (key in config.trl_overrides and key in own_trl_fields)}
-    sources = {key: where for key, where in config.sources.items() if not key.startswith("sft.")}
-    if stage == PIPELINE_FIRST:
-        for key, value in config.sft_stage_overrides.items():
-            requested[key] = (value, PIPELINE_FIRST)
-            sources[key] = config.sources.get(f"sft.{key}", "the sft block")
-    requested["stage"] = (stage, PIPELINE_FIRST)
-    if stage == PIPELINE_FIRST:
-        requested.pop("rounds", None)  # on-policy rounds follow the DPO stage
+    sources = {key: where for key, where in config.sources.items()
+               if not key.startswith(_BLOCK_PREFIXES) and key not in loss_keys}
+    for key, value in config.stage_overrides.get(stage, {}).items():
+        requested[key] = (value, stage)
+        sources[key] = config.sources.get(f"{stage}.{key}", f"the {stage} block")
+    requested["stage"] = (stage, stage)
     if "stage" in sources:
         sources["stage"] = f"{pipeline} in {sources['stage']}"
     staged = _build_config(requested, stage)
@@ -954,6 +981,7 @@ def stage_config(config: Config, stage: str) -> Config:
     return staged
 
 
+_BLOCK_PREFIXES = tuple(f"{block}." for block in PIPELINE_BLOCKS)  # sources' keys of a pipeline stage's block
 MIXTURE_KEYS = ("name", "path", "weight", "fraction", "split", "config", "columns")
 MIXTURE_COLUMNS = ("prompt", "chosen", "rejected", "messages", "completion", "text")
 
@@ -1389,7 +1417,7 @@ def value_sources(config: Config, row_keys: Mapping[str, tuple[str, ...]], fallb
     settings, which otherwise come from src/config.py's default (or, where that is None, `fallbacks`)."""
     values = redact_secrets(config.values())
     found = {key: {"value": values.get(key), "from": where} for key, where in config.sources.items()
-             if not key.startswith("sft.") and key != "dry_run"}  # --dry_run is what this launch does, not a setting
+             if not key.startswith(_BLOCK_PREFIXES) and key != "dry_run"}  # --dry_run is what this launch does, not a setting
     for key in (key for keys in row_keys.values() for key in keys):
         if key in found:
             continue

@@ -239,12 +239,7 @@ def source_columns(data: DataArguments, stage: str) -> list[str] | None:
             columns = _first_columns(Path(shards[0])) if shards else None
     else:
         columns = _first_columns(location) if location.is_file() else None
-    if columns is None:
-        return None
-    renamed = {source: canonical for source, canonical in (
-        (data.prompt_column, "prompt"), (data.chosen_column, "chosen"), (data.rejected_column, "rejected"))
-        if source}
-    return [renamed.get(column, column) for column in columns]
+    return None if columns is None else columns_after_mapping(columns, data)
 
 
 def _hub_columns(data: DataArguments, stage: str) -> list[str] | None:
@@ -559,13 +554,67 @@ def _hh_to_messages(transcript: str) -> list[dict]:
     return messages
 
 
+# The --*_column flags: each maps a source column to its canonical name
+COLUMN_FLAGS = (("prompt_column", "prompt"), ("chosen_column", "chosen"), ("rejected_column", "rejected"),
+                ("messages_column", "messages"), ("completion_column", "completion"), ("text_column", "text"),
+                ("label_column", "label"))
+
+
+def _mapped_sources(data: DataArguments) -> set[str]:
+    """The source columns a --*_column flag maps."""
+    return {getattr(data, flag) for flag, _ in COLUMN_FLAGS if getattr(data, flag, None)}
+
+
+def columns_after_mapping(columns: list[str], data: DataArguments) -> list[str]:
+    """A source's column names as preparation sees them: the --meta_columns gathered into `meta`, the --*_column
+    flags' renamed to their canonical names."""
+    if data.meta_columns:
+        kept = _mapped_sources(data)
+        columns = [column for column in columns if column not in data.meta_columns or column in kept]
+        columns += [] if "meta" in columns else ["meta"]
+    renamed = {getattr(data, flag): canonical for flag, canonical in COLUMN_FLAGS if getattr(data, flag, None)}
+    return [renamed.get(column, column) for column in columns]
+
+
+def prompts_as_chats(raw, location: str):
+    """--chat_prompts: each text prompt of prompts alone → a chat of one user message (the model's chat template then
+    renders it, as for data that comes as chats); chat prompts stay as they are. Batched over Arrow."""
+    columns = raw[next(iter(raw))].column_names
+    if not holds_prompts_only(columns):
+        raise DataError(f"--chat_prompts turns text prompts alone into chats, and {location} holds "
+                        f"{', '.join(columns)}: drop the flag (chat data already renders through the template)")
+
+    def as_chats(batch: dict) -> dict:
+        return {"prompt": [[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                           for prompt in batch["prompt"]]}
+
+    return raw.map(as_chats, batched=True, desc="prompts as chats")
+
+
+def gather_meta(raw, data: DataArguments, location: str):
+    """Each row's --meta_columns values gathered into its `meta` (a dict; a `meta` the data has keeps its keys, a
+    gathered column of the same name wins), the gathered columns dropped unless a --*_column flag maps them too. One
+    line naming the flag for a column the data does not have. Batched over Arrow, as every preparation step."""
+    columns = raw[next(iter(raw))].column_names
+    missing = [column for column in data.meta_columns if column not in columns]
+    if missing:
+        raise DataError(f"--meta_columns {' '.join(missing)}: no such column in {location}; the data has "
+                        f"{', '.join(columns)}")
+    dropped = [column for column in data.meta_columns if column not in _mapped_sources(data) and column != "meta"]
+
+    def gather(batch: dict) -> dict:
+        existing = batch.get("meta") or [None] * len(batch[columns[0]])
+        return {"meta": [{**(meta if isinstance(meta, dict) else {}),
+                          **{column: batch[column][index] for column in data.meta_columns}}
+                         for index, meta in enumerate(existing)]}
+
+    return raw.map(gather, batched=True, remove_columns=dropped, desc="gathering meta")
+
+
 def apply_column_mapping(columns: list[str], data: DataArguments) -> dict[str, str]:
     """{source column: canonical name} from the --*_column flags, checked against what exists."""
     mapping = {}
-    for flag, canonical in (("prompt_column", "prompt"), ("chosen_column", "chosen"),
-                            ("rejected_column", "rejected"), ("messages_column", "messages"),
-                            ("completion_column", "completion"), ("text_column", "text"),
-                            ("label_column", "label")):
+    for flag, canonical in COLUMN_FLAGS:
         source = getattr(data, flag)
         if source is None or source == canonical:
             continue
@@ -1135,7 +1184,8 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
         "mixture": data.dataset_mixture,
         "data": {key: getattr(data, key) for key in ("dataset_config", "dataset_split", "prompt_column",
                                                    "chosen_column", "rejected_column", "messages_column",
-                                                   "completion_column", "text_column", "system_prompt", "val_size",
+                                                   "completion_column", "text_column", "meta_columns",
+                                                   "system_prompt", "chat_prompts", "val_size",
                                                    "test_size", "max_train_samples", "max_length",
                                                    "label_column", "kto_from_pairs", "reasoning",
                                                    "chat_template_kwargs")},
@@ -1458,9 +1508,13 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
         raise DataError(f"--dataset_name {location}: the data has no rows")
+    if data.meta_columns:  # before the renaming: the flag names the source's own columns
+        raw = gather_meta(raw, data, location)
     mapping = apply_column_mapping(first_split.column_names, data)
     if mapping:
         raw = raw.rename_columns(mapping)
+    if data.chat_prompts:
+        raw = prompts_as_chats(raw, location)
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]

@@ -71,6 +71,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _reward(verdict: dict) -> float:
+    """A programmatic verdict's reward: its "reward" where the check ranks answers more finely than its score."""
+    return float(verdict["reward"] if isinstance(verdict.get("reward"), (int, float)) else verdict["score"])
+
+
 def _check_lengths(rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> None:
     if not len(rows) == len(reference_answers) == len(trained_answers):
         raise ValueError(f"judge: {len(rows)} rows but {len(reference_answers)} reference answers and "
@@ -92,16 +97,52 @@ def prompt_text(prompt) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# What a judge's own code may raise: any error, and SystemExit (a user's check calling sys.exit or exit()), which would
+# otherwise end one process alone in the middle of a step while the others wait for it in a collective.
+JUDGE_FAILURES = (Exception, SystemExit)
+
+
 class Judge(abc.ABC):
+    """`judge` and `scores` raise nothing but JudgeError, whatever fails inside the judge (its code raising anything, a
+    count of scores that is not one per answer, a score that is not a finite number): every caller (GRPO's rewards,
+    a round's scores, the data audit, the held-out verdicts) stops every process on it in one line."""
+
     name: str = "judge"
 
-    @abc.abstractmethod
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         """Verdicts for the reference and the trained answer to every row, and their aggregates."""
+        try:
+            return self._judge(rows, reference_answers, trained_answers)
+        except JudgeError:
+            raise
+        except JUDGE_FAILURES as error:
+            raise JudgeError(f"judge {self.name}: raised {type(error).__name__}: {error}") from error
+
+    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+        """One number per (row, answer), higher is better: how GRPO rewards an answer and on-policy rounds rank a
+        prompt's answers."""
+        try:
+            scores = list(self._scores(rows, answers))
+        except JudgeError:
+            raise
+        except JUDGE_FAILURES as error:
+            raise JudgeError(f"judge {self.name}: raised {type(error).__name__}: {error}") from error
+        if len(scores) != len(answers):
+            raise JudgeError(f"judge {self.name}: returned {len(scores)} scores for {len(answers)} answers; a judge "
+                             "scores every answer once")
+        for row, score in zip(rows, scores):
+            if not isinstance(score, (int, float)) or not math.isfinite(score):
+                raise JudgeError(f"judge {self.name}, prompt {prompt_text(row.get('prompt'))!r}: returned {score!r}; "
+                                 "a judge returns a finite number (higher is better)")
+        return [float(score) for score in scores]
 
     @abc.abstractmethod
-    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
-        """One number per (row, answer), higher is better: how on-policy rounds rank a prompt's answers."""
+    def _judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
+        """`judge`, as the judge computes it."""
+
+    @abc.abstractmethod
+    def _scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+        """`scores`, as the judge computes them."""
 
 
 class ProgrammaticJudge(Judge):
@@ -130,7 +171,7 @@ class ProgrammaticJudge(Judge):
                 verdict = self.check(row, final_answer(answer), reasoning=reasoning_of(answer))
             else:
                 verdict = self.check(row, final_answer(answer))
-        except Exception as error:  # the user's code: whatever it raises is named, with the prompt
+        except JUDGE_FAILURES as error:  # the user's code: whatever it raises is named, with the prompt
             raise JudgeError(f"{where}: raised {type(error).__name__}: {error}") from error
         if isinstance(verdict, (int, float)):  # a bare number (or bool) is the score
             verdict = {"score": float(verdict)}
@@ -140,13 +181,11 @@ class ProgrammaticJudge(Judge):
                              "dict with a numeric 'score'")
         return dict(verdict)
 
-    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+    def _scores(self, rows: list[dict], answers: list[str]) -> list[float]:
         """The verdict's "reward" where the check ranks answers more finely than its score, else the score."""
-        verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
-        return [float(verdict["reward"] if isinstance(verdict.get("reward"), (int, float)) else verdict["score"])
-                for verdict in verdicts]
+        return [_reward(self._verdict(row, answer)) for row, answer in zip(rows, answers)]
 
-    def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
+    def _judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
         verdicts = [{"reference": self._verdict(row, reference), "trained": self._verdict(row, trained)}
                     for row, reference, trained in zip(rows, reference_answers, trained_answers)]
@@ -156,6 +195,11 @@ class ProgrammaticJudge(Judge):
                            if isinstance(value, bool)})
         details = {key: {"before": _mean([float(v["reference"].get(key, False)) for v in verdicts]),
                          "after": _mean([float(v["trained"].get(key, False)) for v in verdicts])} for key in criteria}
+        if any(isinstance(side.get("reward"), (int, float)) for verdict in verdicts for side in verdict.values()):
+            # a check that ranks answers more finely than its score (the embedded checker): the held-out mean of that
+            # reward, the number GRPO is trained to raise (its report leads with it)
+            details["mean_reward"] = {side_name: _mean([_reward(verdict[side]) for verdict in verdicts])
+                                      for side_name, side in (("before", "reference"), ("after", "trained"))}
         details["changes"] = _changes(before, after)
         return JudgeResult(self.metric, len(rows), _mean(before), _mean(after), verdicts, details, judge=self.name)
 
@@ -219,10 +263,10 @@ class RewardModelJudge(Judge):
         sequences = [self._input_ids(prompt, answer) for prompt, answer in zip(prompts, answers)]
         return reward_scores(self.model, sequences, self.tokenizer.pad_token_id, self.batch_size)
 
-    def scores(self, rows: list[dict], answers: list[str]) -> list[float]:
+    def _scores(self, rows: list[dict], answers: list[str]) -> list[float]:
         return self.score([row["prompt"] for row in rows], answers)
 
-    def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
+    def _judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
         prompts = [row["prompt"] for row in rows]
         reference_rewards = self.score(prompts, reference_answers)

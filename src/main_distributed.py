@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
 from src.config import (
-    EMBEDDED, PIPELINE_FIRST, PIPELINES, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
+    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
     World, batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint,
     stage_plans,
 )
@@ -47,7 +47,7 @@ from src.preflight_record import record, record_key, recorded
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
-from src.reporting.report import ReportError, build_report, health_alerts, report_verdict
+from src.reporting.report import ReportError, build_report, headline_judge, health_alerts, report_verdict
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
 from src.run_safety import launcher_exit
@@ -84,6 +84,7 @@ class Stage:
     # What the preflight's model checks found runs but silently worse (src/input_checks.py): said at the stage's start
     model_warnings: list[str] = field(default_factory=list)
     from_prompts: bool = False  # a round of a run from prompts alone: no offline DPO stage before it
+    feeds_next: bool = False  # a later stage (of a pipeline, or a round) starts from this stage's model
 
     @property
     def label(self) -> str:
@@ -155,7 +156,7 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
             raise ConfigError(refusal)
         stages.append(Stage(name, staged, plan, stage_dir, output_dir,
                             tracker_environment(staged.training.report_to, stage_dir), index,
-                            from_prompts=from_prompts and index > 0))
+                            from_prompts=from_prompts and index > 0, feeds_next=label != labels[-1]))
     return stages
 
 
@@ -438,12 +439,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         for split, outcome in trainer.reference_cache.items():
             print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
                    f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
-    # Merged copies that are needed, not just asked for: the next stage of a pipeline starts from the SFT model, and
-    # a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing of the score head).
+    # Merged copies that are needed, not just asked for: the next stage of a pipeline (or the next round) starts from
+    # this stage's model, and a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing
+    # of the score head).
     merge = config.model.merge_adapter or (config.model.use_peft and (
-        (stage.name == PIPELINE_FIRST and config.training.stage in PIPELINES)
-        or (reward and not config.model.load_in_4bit)
-        or (row.on_policy_rounds and stage.round < config.dpo.rounds)))  # a round starts from this model
+        stage.feeds_next or (reward and not config.model.load_in_4bit)))
     check_disk_space(trainer, total_steps, merge, stage, world)
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
@@ -483,8 +483,9 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
     stage.run_dir.mkdir(parents=True, exist_ok=True)
     info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps, "warnings": warnings,
                                                                   "status": Status.RUNNING}
-    if previous:
-        info["previous_stage"] = {"stage": previous["stage"], "judge": previous.get("judge"),
+    if previous:  # its judged result in the measure this stage leads with (GRPO after SFT: the mean reward)
+        judge = headline_judge(previous["judges"], stage.name) if previous.get("judges") else previous.get("judge")
+        info["previous_stage"] = {"stage": previous["stage"], "judge": judge,
                                   "run_dir": os.path.relpath(previous["run_dir"], stage.run_dir)}
     info["resumes"] = prepare_resume(stage, info_path, stage.run_dir / run_files.METRICS)
     run_files.write_json(info_path, info)
@@ -532,12 +533,9 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
         print0(f"  warning: the ranks did not train as one job: {one_job}")
     carried = {}
     if judged:
-        test = judged.get("test") or next(iter(judged.values()))
-        split = "test" if "test" in judged else next(iter(judged))
-        fields["judge"] = {"metric": test["metric"], "split": split, "n": test["n"], "before": test["before"],
-                           "after": test["after"]}
+        fields["judge"] = headline_judge(judged, stage.name)  # the measure the stage's objective leads with
         fields["judges"] = judged
-        carried["judge"] = fields["judge"]
+        carried.update(judge=fields["judge"], judges=judged)
     fields["answers"] = data_audit.answers_of(stage.run_dir)
     data_audit.print_answers(fields["answers"])
     if stage.round and stage.round == stage.config.dpo.rounds:  # the last round: every round, for the report (this
@@ -845,6 +843,7 @@ def run(argv: list[str] | None = None) -> int:
             if world.is_main:  # its pages, which a kill after it finished may have left unwritten
                 publish_end(stage, announce=False)
             previous = {"stage": stage.label, "run_dir": str(stage.run_dir), "judge": earlier.get("judge"),
+                        "judges": earlier.get("judges"),
                         "model_path": earlier.get("merged_model", earlier["final_model"])}
         else:
             with write_failures_reported(stage.output_dir):

@@ -27,14 +27,15 @@ TRACKERS_IMPORTED_UNASKED = ("wandb", "trackio")
 def unneeded_libraries(config, model_names: list[str]) -> list[str]:
     """The installed-but-unused libraries of a run: bitsandbytes unless the run loads in 4 or 8 bits, names a
     bitsandbytes optimizer or starts from a bitsandbytes-quantized checkpoint (any of `model_names`: the model, a
-    reward-model judge); wandb and trackio unless --report_to names them (the launch's or its SFT stage's)."""
+    reward-model judge); wandb and trackio unless --report_to names them (the launch's or a pipeline stage's block's)."""
     unneeded = []
-    optimizers = [str(overrides.get("optim", "")) for overrides in (config.trl_overrides, config.sft_stage_overrides)]
+    blocks = list(config.stage_overrides.values())  # a pipeline's earlier stages' own keys (`sft:`, `dpo:`)
+    optimizers = [str(overrides.get("optim", "")) for overrides in (config.trl_overrides, *blocks)]
     quantized = config.model.load_in_4bit or config.model.load_in_8bit
     if not quantized and not any(word in optim for optim in optimizers for word in BITSANDBYTES_OPTIMIZER_WORDS) \
             and not any(bitsandbytes_checkpoint(name) for name in model_names):
         unneeded.append("bitsandbytes")
-    asked = (config.training.report_to, config.sft_stage_overrides.get("report_to"))  # the SFT stage's: as written
+    asked = (config.training.report_to, *(block.get("report_to") for block in blocks))  # earlier stages': as written
     unneeded += [tracker for tracker in TRACKERS_IMPORTED_UNASKED if not any(tracker in str(trackers) for trackers in asked)]
     return unneeded
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 
 def by_length(row: dict, answer: str) -> float:
@@ -38,3 +39,11 @@ def sum_checker(row: dict, answer: str) -> float:
     a, b = (int(number) for number in re.findall(r"(\d+) \+ (\d+)", str(row["prompt"]))[-1])
     numbers = re.findall(r"\d+", answer)
     return float(bool(numbers) and int(numbers[-1]) == a + b)
+
+
+def gives_up_on_rank_1(row: dict, answer: str) -> float:
+    """Scores like by_length on every process but rank 1, where it ends its process (sys.exit, not an exception): a
+    check that fails on one process alone, in the middle of a step the others are in too."""
+    if os.environ.get("RANK") == "1":
+        sys.exit("no checker on this host")
+    return by_length(row, answer)

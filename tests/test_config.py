@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from src.config import (
-    PROJECT_ROOT, BatchSplitError, ConfigError, Devices, World, batch_split_command, format_plan, parse_config,
+    PIPELINES, PROJECT_ROOT, BatchSplitError, ConfigError, Devices, World, batch_split_command, format_plan, parse_config,
     resolve_batch, resolve_plan, resolve_precision, stage_config, with_batch_size,
 )
 
@@ -26,7 +26,7 @@ def plan_for(argv, world_size, devices=Devices("cpu")):
 @pytest.mark.parametrize("recipe", sorted((PROJECT_ROOT / "configs").glob("*.yaml")), ids=lambda path: path.name)
 def test_every_shipped_recipe_parses_and_resolves(recipe: Path):
     config = parse_config(["--config", str(recipe)])
-    for stage in (["sft", "dpo"] if config.training.stage == "sft_then_dpo" else [config.training.stage]):
+    for stage in PIPELINES.get(config.training.stage, (config.training.stage,)):  # every stage of a pipeline
         staged = stage_config(config, stage)
         for world_size in (1, 2, 4, 8):
             plan = resolve_plan(staged, World(world_size=world_size, local_world_size=world_size), H100S, stage)

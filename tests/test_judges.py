@@ -9,13 +9,14 @@ the share of "good" tokens in the text. Its answers are judged through the real 
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from src.judges import JudgeResult, ProgrammaticJudge, RewardModelJudge
+from src.judges import Judge, JudgeError, JudgeResult, ProgrammaticJudge, RewardModelJudge
 from tests.report_fixtures import answers, arithmetic_check, arithmetic_rows
 
 VOCAB = ["<pad>", "<eos>", "<unk>", "good", "bad", "the", "answer", "is", "what", "?", "please", "reply", "user:",
@@ -104,6 +105,42 @@ def test_programmatic_judge_on_nothing_reports_nan():
     result = ProgrammaticJudge(arithmetic_check).judge([], [], [])
     assert result.n == 0 and math.isnan(result.before) and math.isnan(result.after)
 
+
+
+class ScriptedJudge(Judge):
+    """A judge whose scoring returns or raises what it is given: what a reward model or a service can do."""
+    name = "scripted"
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def _scores(self, rows, answers):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def _judge(self, rows, reference_answers, trained_answers):
+        raise self.outcome
+
+
+@pytest.mark.parametrize("judge, message", [
+    (ScriptedJudge(RuntimeError("CUDA out of memory")), "judge scripted: raised RuntimeError: CUDA out of memory"),
+    (ScriptedJudge([1.0]), "judge scripted: returned 1 scores for 2 answers"),
+    (ScriptedJudge([1.0, math.nan]), "judge scripted, prompt 'what is 2 ?': returned nan; a judge returns a finite"),
+    (ScriptedJudge([1.0, "0.5"]), "judge scripted, prompt 'what is 2 ?': returned '0.5'"),
+    (ProgrammaticJudge(lambda row, answer: sys.exit("no checker here"), name="exits"),
+     "judge exits, prompt 'what is 1 ?': raised SystemExit: no checker here"),
+])
+def test_whatever_fails_inside_a_judge_is_one_judge_error(judge, message):
+    """Every caller (GRPO's rewards, a round, the data audit) stops every process on a JudgeError: so a judge's
+    scores raise nothing else, whatever its code raises (a SystemExit too), and no count or value TRL would take."""
+    rows = rows_for(["what is 1 ?", "what is 2 ?"])
+    with pytest.raises(JudgeError) as raised:
+        judge.scores(rows, ["1", "2"])
+    assert message in str(raised.value)
+    if isinstance(judge, ScriptedJudge) and isinstance(judge.outcome, BaseException):
+        with pytest.raises(JudgeError, match="raised RuntimeError"):
+            judge.judge(rows, ["1", "2"], ["1", "2"])
 
 # --------------------------------------------------------------------------------------------- reward model
 

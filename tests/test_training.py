@@ -212,10 +212,14 @@ def test_qlora_of_a_narrow_model_trains_or_gets_a_clear_message(tiny_model, pref
         assert "error: --load_in_4bit: bitsandbytes could not run" in result.stderr
 
 
-def test_sft_then_dpo_of_a_base_model_with_chat_template_path(tiny_model, preference_file, tmp_path):
+def test_sft_then_dpo_then_grpo_of_a_base_model_with_chat_template_path_resumes_in_its_middle_stage(
+        tiny_model, preference_file, tmp_path):
     """A base model (no chat template) on chat data: refused naming the flag; with --chat_template_path (a tokenizer
-    directory bringing a new special token) both stages train, and the SFT model is saved with the template and the
-    grown embeddings, which the DPO stage starts from."""
+    directory bringing a new special token) the three stages of sft_then_dpo_then_grpo train (SFT and DPO on the pairs,
+    GRPO on their prompts), each from the model before: the SFT model is saved with the template and the grown
+    embeddings, which DPO and then GRPO start from. The launch is killed in the DPO stage, right after its checkpoint-1
+    (a seam), and the same command relaunched reuses the SFT stage, resumes DPO from that checkpoint, and trains GRPO;
+    the final report judges the held-out prompts untrained, after SFT, after DPO and after GRPO."""
     import shutil
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -229,18 +233,38 @@ def test_sft_then_dpo_of_a_base_model_with_chat_template_path(tiny_model, prefer
     source = AutoTokenizer.from_pretrained(tiny_model)
     source.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
     source.save_pretrained(tmp_path / "instruct")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": row["prompt"]} for row in preference_rows(48)])
 
-    args = common_args(base, preference_file, tmp_path / "results", "base", "sft_then_dpo") + [
-        "--batch_size", "4", "--max_steps", "2", "--sft.max_steps", "2", "--learning_rate", "1e-3"]
+    args = common_args(base, prompts, tmp_path / "results", "base", "sft_then_dpo_then_grpo") + [
+        "--batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-3", "--judge", "tests.round_judges:by_length",
+        "--num_generations", "2", "--audit_judge_pairs", "0", "--sft.max_steps", "2", "--sft.dataset_name",
+        str(preference_file), "--dpo.max_steps", "2", "--dpo.save_steps", "1", "--dpo.dataset_name",
+        str(preference_file)]
     refused = run_single(args)
     assert refused.returncode == 2 and "--chat_template_path" in refused.stderr, refused.stderr[-2000:]
-    result = run_single(args + ["--chat_template_path", str(tmp_path / "instruct"), "--overwrite"])
+    args += ["--chat_template_path", str(tmp_path / "instruct")]
+    killed = tmp_path / "killed"
+    first = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                           capture_output=True, text=True, timeout=600,
+                           env=os.environ | {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:1:0:{killed}"})
+    assert killed.exists() and first.returncode == -9, first.stderr[-3000:]
+    result = run_single(args)
     assert result.returncode == 0, result.stderr[-3000:]
-    sft_final = next((tmp_path / "results" / "base").glob("sft*/model/final"))
+    run_dir = tmp_path / "results" / "base"
+    assert "SFT → " in result.stdout and "finished in an earlier launch, reused" in result.stdout
+    assert f"resuming from {run_dir / 'dpo' / 'model' / 'checkpoint-1'} (step 1 of 2)" in result.stdout
+    sft_final = run_dir / "sft" / "model" / "final"
     saved = AutoTokenizer.from_pretrained(sft_final)
     assert saved.chat_template and "<|tool|>" in saved.get_vocab()
     assert AutoModelForCausalLM.from_pretrained(sft_final).get_input_embeddings().weight.shape[0] >= len(saved)
-    assert (tmp_path / "results" / "base" / "model" / "final").exists()
+    infos = {name: run_files.read_json(directory / run_files.TRAINING_INFO)
+             for name, directory in (("sft", run_dir / "sft"), ("dpo", run_dir / "dpo"), ("grpo", run_dir))}
+    assert infos["dpo"]["model_name_or_path"] == str(sft_final)
+    assert infos["grpo"]["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")
+    assert [resume["from_step"] for resume in infos["dpo"]["resumes"]] == [1] and not infos["grpo"].get("resumes")
+    assert AutoTokenizer.from_pretrained(run_dir / "model" / "final").chat_template
+    report = (run_dir / "report.md").read_text()
+    assert "| untrained | after SFT | after DPO | after GRPO | GRPO change |" in report, report[:3000]
 
 
 def test_the_one_job_check_compares_the_rows_each_rank_was_given_not_their_content():

@@ -1,4 +1,4 @@
-"""The table of objectives: one module per objective (sft, dpo, reward, kto), each one row (`OBJECTIVE`, an
+"""The table of objectives: one module per objective (sft, dpo, reward, kto, ...), each one row (`OBJECTIVE`, an
 `Objective` from spec.py) declaring what the rest of the toolkit needs from it.
 
     from src.objectives import objective
@@ -7,7 +7,8 @@
 
 Adding an objective is a module here (its row), its trainer module in src/trainers/ if TRL's needs the toolkit's
 additions, a recipe in configs/, tests and a docs page; the launcher, data preparation, check_gpu, reporting and the
-audit read the row. `--stage sft_then_<name>` exists for every row with `ends_pipeline`. Light: no torch, no TRL.
+audit read the row. `--stage sft_then_<name>` exists for every row with `ends_pipeline`, and
+`sft_then_<before>_then_<name>` for each objective its `pipeline_after` names. Light: no torch, no TRL.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ DEFAULT_STAGE = next(iter(OBJECTIVES))  # the table's first row: --stage's defau
 # The objective whose on-policy rounds --rounds runs (the row with on_policy_rounds: DPO)
 ROUNDS_STAGE = next(name for name, row in OBJECTIVES.items() if row.on_policy_rounds)
 PIPELINE_FIRST = "sft"  # every pipeline starts with SFT, then the objective from the SFT model
-# A pipeline's stages, in order: SFT (with the recipe's `sft:` overrides), then the objective from its model.
-PIPELINES = {f"{PIPELINE_FIRST}_then_{name}": (PIPELINE_FIRST, name) for name, row in OBJECTIVES.items()
-             if row.ends_pipeline}
+# A pipeline's stages, in order, each from the model of the one before: SFT, then the objective (sft_then_dpo), or SFT,
+# an objective its row's `pipeline_after` names, then the objective (sft_then_dpo_then_grpo). Every stage but the last
+# reads the recipe's block of its name (`sft:`, `dpo:`) and --<stage>.KEY flags (src/config.py).
+PIPELINES = {"_then_".join(stages): stages for name, row in OBJECTIVES.items() if row.ends_pipeline
+             for stages in [(PIPELINE_FIRST, name)] + [(PIPELINE_FIRST, before, name) for before in row.pipeline_after]}
+# The stages whose recipe blocks (and --<stage>.KEY flags) exist: every pipeline stage but a final one
+PIPELINE_BLOCKS = tuple(dict.fromkeys(stage for stages in PIPELINES.values() for stage in stages[:-1]))
 # --stage's choices, in the order the help lists them: the objectives in the table's order, each pipeline once both
 # of its stages are listed (dpo, sft, sft_then_dpo, reward, kto, sft_then_kto).
 STAGES = tuple(name for index, row in enumerate(OBJECTIVES.values())
@@ -78,6 +83,6 @@ def trl_config_classes(stage: str) -> list[type]:
     return [load(OBJECTIVES[name].trl_config) for name in reversed(PIPELINES.get(stage, (stage,)))]
 
 
-__all__ = ["DEFAULT_STAGE", "OBJECTIVES", "PIPELINE_FIRST", "ROUNDS_STAGE", "PIPELINES", "STAGES", "PAIRED_SHAPES", "PAIRS", "PROMPTS", "SCORED_PAIRS", "SEQUENCES", "UNPAIRED",
+__all__ = ["DEFAULT_STAGE", "OBJECTIVES", "PIPELINE_BLOCKS", "PIPELINE_FIRST", "ROUNDS_STAGE", "PIPELINES", "STAGES", "PAIRED_SHAPES", "PAIRS", "PROMPTS", "SCORED_PAIRS", "SEQUENCES", "UNPAIRED",
            "Chart", "Curve", "Metric", "Objective", "Panel", "SummaryNumber", "final_stage", "infer_stage", "objective", "shape_of", "load",
            "trl_config_classes"]

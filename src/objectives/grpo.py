@@ -2,7 +2,8 @@
 through TRL's GRPOTrainer (src/trainers/grpo.py). Each step the policy answers every prompt of the batch
 `num_generations` times (transformers' generate, each answer from its own seeded stream), the judges (--rewards, else
 --judge: the embedded checker, `module:function`, a reward model) score every answer, and each answer's advantage is
-its reward against its prompt's group. `--stage grpo`, `--stage sft_then_grpo`; docs/grpo.md.
+its reward against its prompt's group. `--stage grpo`, `--stage sft_then_grpo`, `--stage sft_then_dpo_then_grpo`
+(SFT, DPO on the pairs, then GRPO on the prompts from the DPO model); docs/grpo.md.
 
 The batch counts answers: --batch_size 32 with --num_generations 8 is 4 prompts per step."""
 
@@ -159,6 +160,8 @@ OBJECTIVE = Objective(
     causal_lm=True,
     ends_pipeline=True,
     rewards_from_judges=True,
+    judged_headline="mean_reward",
+    pipeline_after=("dpo",),
     beta_may_be_zero=True,
     embedded_data="prompts",
     charts=(

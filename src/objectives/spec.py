@@ -183,6 +183,16 @@ class Objective:
     # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
     # parsed (src/config.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
     rewards_from_judges: bool = False
+    # Objectives a pipeline may train between SFT and this one, each from the model before it:
+    # `sft_then_<before>_then_<name>` (GRPO: dpo, Tulu 3's SFT → DPO → RL from verifiable rewards). Each must end a
+    # pipeline itself (start from a trained model); its stage reads the recipe's `<before>:` block (--<before>.KEY).
+    pipeline_after: tuple[str, ...] = ()
+    # The judged held-out measure its verdict leads with (report.md's headline, the index, the console, the measure a
+    # pipeline's earlier stages are shown in): a detail the judge records beside its own metric, where it did
+    # (src/judges.py), else the judge's metric. GRPO's: "mean_reward", the held-out mean of the reward it is trained
+    # to raise (the embedded checker's metric, correct-and-preferred, is a DPO measure: a chatty SFT model at 0% stays
+    # there while its correctness, and so its reward, rises).
+    judged_headline: str = ""
     # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
     beta_may_be_zero: bool = False
     # (config) → check_gpu's view of its step where the table's sequences do not say it all, as TrainingSetup fields

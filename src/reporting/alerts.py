@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from src.objectives import objective
+from src.reporting.formatting import format_judged, metric_name
 from src.reporting.summary import finite, series
 
 LN2 = math.log(2)
@@ -73,6 +74,8 @@ LENGTH_GROWTH = 1.5
 # GRPO: the train reward's end window above its start window while the judge's held-out score fell by 3 points or more
 # from before training to after (200 judged prompts have a standard error of about 3 points near 50%): the policy
 # learned what the reward pays for, not what the held-out judge measures (reward hacking, or overfitting the prompts).
+# The score is the measure GRPO's row leads with (training_info.json's `judge`): the judge's held-out mean reward where
+# it records one, where the same 0.03 is 3 points of correctness for the embedded checker's reward (1 per right answer).
 HACKING_FALL = 0.03
 LENGTH_CUT_SHARE = 0.2
 EVAL_RISE = 0.05
@@ -402,9 +405,10 @@ def _grpo_reward_hacking(metrics: list[dict], info: dict) -> Alert | None:
     start, end = _windows(rewards)
     if end <= start or before - after < HACKING_FALL:
         return None
+    measure = str(judged.get("metric"))
     return _alert("grpo_reward_hacking", f"train reward {start:.3g} at the start, {end:.3g} at the end; judged "
-                  f"{judged.get('metric')} on {judged.get('n')} held-out {judged.get('split')} prompts {before:.1%} "
-                  f"before, {after:.1%} after")
+                  f"{metric_name(measure)} on {judged.get('n')} held-out {judged.get('split')} prompts "
+                  f"{format_judged(measure, before)} before, {format_judged(measure, after)} after")
 
 
 # The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.

@@ -12,6 +12,11 @@ def format_percent(value: float | None) -> str:
     return f"{100 * value:.1f}%" if math.isfinite(value) else str(value)
 
 
+def format_judged(measure: str, value: float | None) -> str:
+    """A judged measure's value: a mean (`mean_reward`: a judge's raw scores) as a number, a fraction as a percent."""
+    return format_number(value) if measure.startswith("mean_") else format_percent(value)
+
+
 def format_number(value, digits: int = 4) -> str:
     if value is None:
         return "n/a"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from src.objectives import OBJECTIVES, objective
 from src.progress import format_duration
-from src.reporting.formatting import ci95, format_number, format_percent, table_lines
-from src.reporting.report import REPORT
+from src.reporting.formatting import ci95, format_judged, format_number, table_lines
+from src.reporting.report import REPORT, stage_label
 from src.reporting.status import run_state
 from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, write_text
 
@@ -79,10 +79,13 @@ def judged_cell(info: dict) -> str:
     judge = info.get("judge")
     if not judge:
         return "not judged"
-    after = format_percent(judge.get("after")) + ci95(judge.get("after"), judge.get("n") or 0)
+    metric = str(judge.get("metric", ""))
+    after = format_judged(metric, judge.get("after")) + ("" if metric.startswith("mean_") else
+                                                         ci95(judge.get("after"), judge.get("n") or 0))
     earlier = (info.get("previous_stage") or {}).get("judge")
-    chain = [format_percent(earlier.get("before")), format_percent(earlier.get("after"))] if earlier else [format_percent(judge.get("before"))]
-    metric = str(judge.get("metric", "")).replace("_", " ")
+    chain = ([format_judged(metric, earlier.get("before")), format_judged(metric, earlier.get("after"))]
+             if earlier and earlier.get("metric", metric) == metric else [format_judged(metric, judge.get("before"))])
+    metric = metric.replace("_", " ")
     return f"{metric}: {' → '.join(chain + [after])} (n={judge.get('n')})"
 
 
@@ -91,18 +94,31 @@ def _link(results_dir: Path, run_dir: Path) -> str:
     return f"[{name}]({name}/{REPORT})" if (run_dir / REPORT).is_file() else name
 
 
-def _stage(info: dict, metrics: list[dict]) -> str:
-    stage = (info.get("stage") or "?").upper()
+def _pipeline(info: dict, run_dir: Path) -> list[dict]:
+    """training_info.json of every stage of the run, the first stage's first: a pipeline's earlier stages are found
+    through each one's `previous_stage` (sft_then_dpo_then_grpo: SFT, DPO, GRPO); a stage not on disk ends the walk."""
+    stages = [info]
+    while (previous := (stages[0].get("previous_stage") or {}).get("run_dir")) and len(stages) < 10:
+        run_dir = run_dir / previous
+        if not (run_dir / TRAINING_INFO).is_file():
+            break
+        stages.insert(0, read_run(run_dir)[0])
+    return stages
+
+
+def _stage(info: dict, run_dir: Path) -> str:
+    """The run's stages: DPO, SFT → DPO, SFT → DPO → GRPO, SFT → DPO → ROUND 1."""
+    stages = [stage_label(f"round{stage['round']['round']}" if stage.get("round") else stage.get("stage") or "?")
+              for stage in _pipeline(info, run_dir)]
     previous = (info.get("previous_stage") or {}).get("stage")
-    return f"{previous.upper()} → {stage}" if previous else stage
+    if len(stages) == 1 and previous:  # the earlier stage's directory is gone: its name from this stage's record
+        stages.insert(0, previous.upper())
+    return " → ".join(stages)
 
 
 def _wall(info: dict, metrics: list[dict], run_dir: Path) -> str:
     """The run's training time: every stage's, for a pipeline."""
-    total, stages = 0.0, [info]
-    previous = (info.get("previous_stage") or {}).get("run_dir")
-    if previous and (run_dir / previous / TRAINING_INFO).is_file():
-        stages.append(read_run(run_dir / previous)[0])
+    total, stages = 0.0, _pipeline(info, run_dir)
     for stage in stages:
         seconds = (stage.get("summary") or {}).get("wall_time_s")
         if not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
@@ -124,7 +140,7 @@ def render_index(results_dir: Path) -> str:
         state = run_state_of(run_dir, info, metrics)
         step = f" {state.step:,}/{state.total:,}" if state.step is not None and state.total else ""
         status = state.state + (step if state.state != "finished" else "")
-        rows.append([_link(results_dir, run_dir), status, _stage(info, metrics),
+        rows.append([_link(results_dir, run_dir), status, _stage(info, run_dir),
                      f"`{info.get('model_name_or_path', 'n/a')}`", f"`{info.get('dataset_name', 'n/a')}`",
                      key_settings(info), judged_cell(info), _wall(info, metrics, run_dir),
                      (info.get("started_at") or "n/a")[:16].replace("T", " ")])

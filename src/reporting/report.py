@@ -24,7 +24,8 @@ from src.audit.findings import audit_alerts
 from src.objectives import infer_stage, objective
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
-from src.reporting.formatting import ci95, duration, format_number, format_percent, metric_name, metric_points, table_lines
+from src.reporting.formatting import (ci95, duration, format_judged, format_number, format_percent, metric_name,
+                                      metric_points, table_lines)
 from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
@@ -136,57 +137,85 @@ def judge_results(info: dict) -> dict[str, dict]:
     return {split: judges[split] for split in [*SPLITS, *judges] if split in judges}
 
 
-def _previous_judge_results(info: dict, run_dir: Path) -> dict[str, dict]:
-    """The previous pipeline stage's judged results: its own run directory's (per split, with details) when it is
-    there, else the `previous_stage.judge` summary copied into this run's training_info.json."""
-    previous = info.get("previous_stage") or {}
-    if not previous:
-        return {}
-    try:
-        results = judge_results(read_json(run_dir / previous.get("run_dir", "") / TRAINING_INFO))
-    except (OSError, ValueError):
-        results = {}
-    if previous.get("judge"):
-        results.setdefault(previous["judge"].get("split", "test"), previous["judge"])
-    return results
+def headline_measure(result: dict, stage: str) -> tuple[str, float | None, float | None]:
+    """(measure, before, after) a judged split's result leads with for `stage`: its objective's `judged_headline`
+    detail where the judge recorded it (GRPO: the held-out mean of the reward it trains on), else the judge's metric."""
+    wanted = objective(stage).judged_headline
+    detail = (result.get("details") or {}).get(wanted) if wanted else None
+    if isinstance(detail, dict):
+        return wanted, detail.get("before"), detail.get("after")
+    return result.get("metric", ""), result.get("before"), result.get("after")
 
 
-def _models(result: dict, earlier: dict | None, pipeline: bool) -> list[dict]:
+def headline_judge(judged: dict[str, dict], stage: str) -> dict:
+    """training_info.json's `judge` (the index's cell, the console's verdict, the reward-hacking alert, what the next
+    stage of a pipeline carries): the measure `stage` leads with, on the test split (else the first judged)."""
+    split = "test" if "test" in judged else next(iter(judged))
+    metric, before, after = headline_measure(judged[split], stage)
+    return {"metric": metric, "split": split, "n": judged[split].get("n"), "before": before, "after": after}
+
+
+def _earlier_stages(info: dict, run_dir: Path) -> list[tuple[str, dict[str, dict]]]:
+    """(label, judged results per split) of each earlier stage, oldest first: a pipeline's every stage before this one
+    (sft_then_dpo_then_grpo: SFT, DPO), each followed through its `previous_stage`; a round's previous stage only.
+    A stage's results are its own run directory's (per split, with details) when it is there, else the
+    `previous_stage.judge` summary copied into the next stage's training_info.json. Stages that judged nothing are
+    left out."""
+    stages = []
+    while (previous := info.get("previous_stage") or {}) and len(stages) < len(SPLITS) * 10:
+        directory = run_dir / previous.get("run_dir", "")
+        try:
+            earlier = read_json(directory / TRAINING_INFO)
+        except (OSError, ValueError):
+            earlier = {}
+        results = judge_results(earlier)
+        if previous.get("judge"):
+            results.setdefault(previous["judge"].get("split", "test"), previous["judge"])
+        stages.insert(0, (stage_label(previous.get("stage", "previous")), results))
+        if info.get("round"):
+            break
+        info, run_dir = earlier, directory
+    return [(label, results) for label, results in stages if results]
+
+
+def _models(result: dict, earlier: list[dict | None]) -> list[dict]:
     """Each judged model's numbers in training order, as {"main": metric, <detail name>: value}:
-    [starting model, trained] or, in a pipeline, [untrained, after the previous stage, after this stage]."""
-    def numbers(source: dict, side: str) -> dict:
+    [starting model, trained] or, in a pipeline, [untrained, after each earlier stage, after this stage]."""
+    def numbers(source: dict | None, side: str) -> dict:
+        if not source:
+            return {}
         values = {name: pair.get(side) for name, pair in _sub_metrics(source).items()}
         return {"main": source.get(side), **values}
 
     starting, trained = numbers(result, "before"), numbers(result, "after")
-    if not pipeline:
+    if not earlier:
         return [starting, trained]
-    if earlier is None:
-        return [{}, starting, trained]
+    afters = [numbers(stage, "after") for stage in earlier]
     # The previous stage's own measurement of its trained model is the canonical "after" for that stage.
-    after_previous = {**starting, **{k: v for k, v in numbers(earlier, "after").items() if v is not None}}
-    return [numbers(earlier, "before"), after_previous, trained]
+    afters[-1] = {**starting, **{k: v for k, v in afters[-1].items() if v is not None}}
+    return [numbers(earlier[0], "before"), *afters, trained]
 
 
 def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
     """Markdown for the judged results, and the one-sentence verdict they support."""
     stage = stage_label(f"round{info['round']['round']}" if info.get("round") else info["stage"])
-    judges, previous_judges = judge_results(info), _previous_judge_results(info, run_dir)
+    judges, earlier_stages = judge_results(info), _earlier_stages(info, run_dir)
     if not judges:
         return ["No held-out prompts were judged in this run."], None
-    pipeline = bool(previous_judges)
-    previous_stage = stage_label((info.get("previous_stage") or {}).get("stage", "previous"))
-    # Before the previous stage: the untrained model before a pipeline's SFT, the previous round's start in rounds.
+    pipeline = bool(earlier_stages)
+    previous_stage = earlier_stages[-1][0] if pipeline else "PREVIOUS"
+    # Before the first stage: the untrained model before a pipeline's SFT, the previous round's start in rounds.
     first = "untrained" if not info.get("round") else f"before {previous_stage}"
-    header = (["split", "metric", "n", first, f"after {previous_stage}", f"after {stage}", f"{stage} change"]
+    header = (["split", "metric", "n", first, *(f"after {label}" for label, _ in earlier_stages), f"after {stage}",
+               f"{stage} change"]
               if pipeline else ["split", "metric", "n", "before (starting model)", "after (trained)", "change"])
     rows, notes = [], []
     for split, result in judges.items():
-        earlier = previous_judges.get(split)
-        models = _models(result, earlier, pipeline)
+        earlier = earlier_stages[-1][1].get(split) if pipeline else None
+        models = _models(result, [results.get(split) for _, results in earlier_stages])
         for name in ["main", *_sub_metrics(result)]:
             values = [model.get(name) for model in models]
-            cells = [_detail(name, value) for value in values]
+            cells = [format_judged(name, value) for value in values]
             change = "" if name.startswith("mean_") else metric_points(values[-2], values[-1])
             if name == "main":
                 cells[-1] += ci95(values[-1], result.get("n") or 0)
@@ -214,7 +243,8 @@ def judged_section(info: dict, run_dir: Path) -> tuple[list[str], str | None]:
         if counts:
             lines.append(f"\n{split}: " + ", ".join(f"{value} {key}" for key, value in counts.items()) + ".")
     lines += [f"\n> {note}" for note in notes]
-    return lines, _rounds_sentence(info) or _judged_sentence(stage, judges, previous_judges, previous_stage)
+    return lines, _rounds_sentence(info) or _judged_sentence(stage, judges, earlier_stages, info["stage"],
+                                                             bool(info.get("round")))
 
 
 def _rounds_sentence(info: dict) -> str | None:
@@ -240,21 +270,32 @@ def stage_label(label: str) -> str:
     return f"ROUND {label[5:]}" if label.startswith("round") and label[5:].isdigit() else label.upper()
 
 
-def _judged_sentence(stage: str, judges: dict, previous_judges: dict, previous_stage: str) -> str:
+def _judged_sentence(stage: str, judges: dict, earlier_stages: list[tuple[str, dict]], objective_name: str,
+                     round_stage: bool) -> str:
     split = "test" if "test" in judges else next(iter(judges))
-    result, earlier = judges[split], previous_judges.get(split)
+    result = judges[split]
     metric, count = result.get("metric", "").replace("_", "-"), result.get("n")
-    if result.get("metric") == "win_rate":
+    measure, before, after = headline_measure(result, objective_name)
+    if measure == "win_rate":
         return (f"{stage}'s answers beat the starting model's on {format_percent(result.get('after'))} of {count} held-out "
                 f"{split} prompts (reward-model win rate; 50% = no change).")
-    if result.get("metric") == "pair_accuracy":
+    if measure == "pair_accuracy":
         return (f"The reward model ranks the chosen answer first on {format_percent(result.get('after'))} of {count} held-out "
                 f"{split} pairs ({format_percent(result.get('before'))} before training; 50% = chance).")
-    if earlier:
-        start = "(untrained)" if not stage.startswith("ROUND") else f"before {previous_stage}"
-        return (f"On {count} held-out {split} prompts, {metric} went from {format_percent(earlier.get('before'))} {start} "
-                f"to {format_percent(earlier.get('after'))} after {previous_stage} and {format_percent(result.get('after'))} "
-                f"after {stage}.")
+    # Each earlier stage's numbers on this split in the measure this stage leads with (a stage that lacks it: none)
+    chain = [(label, headline_measure(results[split], objective_name) if results.get(split) else None)
+             for label, results in earlier_stages]
+    chain = chain if chain and all(found and found[0] == measure for _, found in chain) else []
+    name = f"the judge's {metric_name(measure)}" if measure != result.get("metric") else metric
+    if chain:
+        start = "(untrained)" if not round_stage else f"before {chain[-1][0]}"
+        steps = [f"{format_judged(measure, found[2])} after {label}" for label, found in chain]
+        steps.append(f"{format_judged(measure, after)} after {stage}")
+        return (f"On {count} held-out {split} prompts, {name} went from {format_judged(measure, chain[0][1][1])} "
+                f"{start} to {', '.join(steps[:-1])} and {steps[-1]}.")
+    if measure != result.get("metric"):  # the objective's own measure (GRPO: the judge's mean reward)
+        return (f"{stage} moved {name} from {format_judged(measure, before)} to {format_judged(measure, after)} on "
+                f"{count} held-out {split} prompts.")
     return (f"{stage} moved {metric} from {format_percent(result.get('before'))} to {format_percent(result.get('after'))} on {count} "
             f"held-out {split} prompts.")
 
@@ -267,10 +308,6 @@ def _differs(first: float | None, second: float | None) -> bool:
 def _sub_metrics(result: dict) -> dict:
     return {name: values for name, values in (result.get("details") or {}).items()
             if isinstance(values, dict) and ("before" in values or "after" in values)}
-
-
-def _detail(name: str, value: float | None) -> str:
-    return format_number(value) if name.startswith("mean_") else format_percent(value)
 
 
 def final_numbers_table(summary: dict, info: dict, running: bool = False) -> list[str]:

@@ -7,8 +7,9 @@ What it changes in TRL's step, and why:
   advantages and loss, are the same whether a prompt's group was sampled on one process or split across several,
   and under any accumulation (TRL's own sampling differs with the number of processes: docs/grpo.md).
 - The prompt ids are the prepared ones (the chat template with the generation prompt, as the held-out answers use).
-- A judge that raises or returns a non-number on any process stops every process, with one line naming the judge and
-  the prompt (a JudgeError on one rank alone would leave the others waiting in the next collective).
+- A judge that fails on any process (whatever it raises, a sys.exit, a non-number: src/judges.py turns each into a
+  JudgeError) stops every process, with one line naming the judge and the prompt, after the rewards' gather (an error
+  on one rank alone would leave the others waiting in that collective).
 
 - Each step logs the seconds its sampling and its judging took (time/generation_s, time/judging_s) beside TRL's
   step_time.
@@ -45,8 +46,9 @@ CLIP_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_
 class JudgeReward:
     """A toolkit judge as a TRL reward function: `reward(prompts, completions, meta=..., **columns)` → one number per
     answer, higher is better (the judge's `scores`: its verdict's "reward" where it ranks more finely than its score).
-    TRL logs each reward function's mean and spread under `rewards/<name>/`. A judge that raises or returns a
-    non-number is recorded (`error`) and gives NaN; the trainer stops every process on it after the rewards' gather."""
+    TRL logs each reward function's mean and spread under `rewards/<name>/`. A judge that fails (a JudgeError: the judge
+    raises nothing else) is recorded (`error`) and gives NaN; the trainer stops every process on it after the rewards'
+    gather."""
 
     def __init__(self, judge, name: str):
         self.judge = judge
