@@ -229,6 +229,11 @@ class Running:
             self.returncode = next((self._codes[pid] for pid in self.pids if self._codes[pid]), 0)
         return self.returncode
 
+    def codes(self) -> list[int | None]:
+        """Each rank's exit status so far (None: still running)."""
+        self.poll()
+        return [self._codes.get(pid) for pid in self.pids]
+
     def communicate(self, timeout: float = 600) -> tuple[str, str]:
         if self.returncode is None:
             running = [pid for pid in self.pids if pid not in self._codes]

@@ -63,6 +63,13 @@ def instrument(build_trainer, probe_dir: Path):
     return build
 
 
+def entry(argv: list[str]) -> int:
+    """The instrumented main as a forked process's entry point (tests/forked.py): `argv` is also its sys.argv[1:]."""
+    from rank_probe import run
+
+    return run(instrument)
+
+
 if __name__ == "__main__":
     from rank_probe import run  # tests/ is on the path: this script's folder
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import forked
+import grpo_probe
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
 
@@ -210,22 +212,17 @@ def test_a_judge_that_fails_stops_the_step_naming_the_judge_and_the_prompt(tiny_
 
 
 def test_a_judge_that_fails_on_one_process_stops_every_process_in_one_line(tiny_model, tmp_path):
-    """./run_distributed.sh 2, one GRPO step: the judge ends rank 1's process (sys.exit, not an exception) as it scores
-    that rank's answers, while rank 0 goes on to the rewards' gather. Every process stops with the one line naming the
-    judge and the prompt: exit 2, no traceback, no restart, nothing of the launch left running."""
-    from test_resilience import TAG, kill_tagged, seconds_until_gone
-
+    """2 processes as one job (forked, tests/forked.py), one GRPO step: the judge ends rank 1's process (sys.exit, not
+    an exception) as it scores that rank's answers, while rank 0 goes on to the rewards' gather. Every process stops
+    with the one line naming the judge and the prompt: exit 2 from each, no traceback (without the agreement, rank 0
+    would wait in the gather until the job is stopped from outside)."""
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
-    tag = f"{tmp_path}-judge"
     args = grpo_args(tiny_model, data, tmp_path / "results", "judge", "--max_steps", "1", "--val_size", "0",
                      "--test_size", "0", "--judge", "tests.round_judges:gives_up_on_rank_1")
-    try:
-        result = subprocess.run(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT, capture_output=True,
-                                text=True, timeout=300,
-                                env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", TAG: tag})
-        seconds_until_gone(tag)
-    finally:
-        kill_tagged(tag)
+    job = forked.Running(args, env=os.environ | {"OMP_NUM_THREADS": "1"}, nproc=2)
+    stdout, stderr = job.communicate(timeout=300)
+    result = subprocess.CompletedProcess(args, job.returncode, stdout, stderr)
+    assert all(code == 2 for code in job.codes()), job.codes()
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stdout[-2000:] + result.stderr[-3000:]
     assert errors[0].startswith("error: step 1: judge tests.round_judges:gives_up_on_rank_1, prompt '")
@@ -443,26 +440,30 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
     """16 answers per step (4 prompts x 4), 3 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
     sample the same answers to the same prompts, gather the same rewards, give each answer the same advantage, and
     log the same loss, KL and entropy (1e-5). The 2 x 2 run's rank 1 is killed right after checkpoint-2 and torchrun
-    restarts both; the 1 x 4 job is killed whole right after checkpoint-2 (its one worker SIGKILLed, torchrun not
-    restarting it: nothing of the job runs on) and the same command launched again. Each resumed step 3 samples the
+    restarts both (torchrun); the 1 x 4 job is killed whole right after checkpoint-2 (its one process SIGKILLed:
+    nothing of the job runs on) and the same command launched again (1 x 4 and 4 x 1 forked: tests/forked.py). Each resumed step 3 samples the
     same answers as the uninterrupted 4 x 1 run, and the curves go on as if nothing happened."""
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
     runs = {}
     for processes, accumulation in ((1, 4), (2, 2), (4, 1)):
         name = f"{processes}x{accumulation}"
         probe = tmp_path / "probe" / name
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
-                   "0" if processes == 1 else "1", "--nproc_per_node", str(processes), "tests/grpo_probe.py",
-                   str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name, "--gradient_accumulation_steps",
-                                          str(accumulation), "--max_steps", "3", "--save_steps", "1")]
+        arguments = [str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name,
+                                            "--gradient_accumulation_steps", str(accumulation), "--max_steps", "3",
+                                            "--save_steps", "1")]
         killed = tmp_path / f"killed-{name}"
         seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:{processes - 1}:{killed}"} if processes < 4 else {}
-        result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                                env=os.environ | {"OMP_NUM_THREADS": "1"} | seam)
-        if processes == 1:  # the whole job killed: its launcher exits with the failure; the same command again
-            assert killed.exists() and result.returncode != 0, f"{name}: {result.stderr[-3000:]}"
-            result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                                    env=os.environ | {"OMP_NUM_THREADS": "1"})
+        environment = os.environ | {"OMP_NUM_THREADS": "1"}
+        if processes == 2:  # torchrun, which restarts both workers after rank 1 is killed
+            result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
+                                     "1", "--nproc_per_node", "2", "tests/grpo_probe.py", *arguments],
+                                    cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                                    env=environment | seam)
+        else:  # forked (tests/forked.py): 1 process, and 4 as one job
+            result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
+        if processes == 1:  # the whole job killed (its one process, SIGKILL): the same command again
+            assert killed.exists() and result.returncode == -9, f"{name}: {result.stderr[-3000:]}"
+            result = forked.run_job(1, arguments, env=environment, entry=grpo_probe.entry)
             assert "took over the hold of a job that is gone" in result.stdout, result.stdout[-3000:]
         assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         assert processes == 4 or killed.exists(), f"{name}: the seam never fired: the resume proves nothing"
