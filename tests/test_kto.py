@@ -226,8 +226,8 @@ def test_ktoconfig_fields_are_flags():
 
 def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(thinking_model, tmp_path):
     """The one launch of this file: a real 2-process KTO run with LoRA (reference: the adapters off, computed in the
-    run), whose rank 1 is killed right after checkpoint-2 (a seam, src/run_safety/checkpoints.py) and restarted by
-    the launcher, against one uninterrupted process on the same global batch (1 x 2 accumulation vs 2 x 1): every
+    run), whose rank 1 is killed right after checkpoint-2 (a seam, src/run_safety/checkpoints.py) and the job
+    relaunched, against one uninterrupted process on the same global batch (1 x 2 accumulation vs 2 x 1): every
     logged train and eval metric agrees. That covers the cross-process sums the in-process test leaves out, the eval's
     rows gathered without accelerate's duplicates (7 validation pairs, 14 rows, on 2 ranks) and resume. Its answers
     reason first and the model has DeepSeek-R1-Distill's template (issue 38: the guarantees hold with the reasoning

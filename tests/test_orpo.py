@@ -59,7 +59,7 @@ def test_trl_config_is_orpo_without_a_reference(tmp_path):
 
 
 def test_orpo_on_two_processes_killed_and_resumed_matches_one_and_reports(tiny_model, tmp_path):
-    """A real 2-process ORPO run whose rank 1 is killed right after checkpoint-2 and restarted by the launcher, against
+    """A real 2-process ORPO run whose rank 1 is killed right after checkpoint-2 and the job relaunched, against
     one uninterrupted process on the same global batch (1 x 2 accumulation vs 2 x 1): every logged train and eval
     metric agrees (1e-5). The one-process run end to end: no reference pass; NLL and odds-ratio curves in the report
     and on the console."""

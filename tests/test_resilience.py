@@ -41,11 +41,13 @@ def start_launcher(args: list[str], log: Path, **env) -> subprocess.Popen:
 
 
 def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Path) -> tuple[dict, dict, str]:
-    """One uninterrupted process against a real 2-process run whose rank 1 is killed right after checkpoint-2 (the seam
-    in src/run_safety/checkpoints.py) and restarted by the launcher: each run's logged metrics (without the timings
-    and TRL's token count, which restarts on resume) by process count, the 2-process run's training_info.json and the
-    one-process run's console (its run directory, results/1-process, serves a test's other assertions).
-    `args_for(run_name)`: the launcher's arguments of each run, writing under `results`."""
+    """One uninterrupted process against a real 2-process job (forked, tests/forked.py) whose rank 1 is killed right
+    after checkpoint-2 (the seam in src/run_safety/checkpoints.py), which stops the job, then the same command
+    launched again: each run's logged metrics (without the timings and TRL's token count, which restarts on resume)
+    by process count, the 2-process run's training_info.json and the one-process run's console (its run directory,
+    results/1-process, serves a test's other assertions); both 2-process launches' output goes to `log`. The
+    launcher's own restart of a killed worker is test_lost_worker_restarts_...'s. `args_for(run_name)`: the
+    arguments of each run, writing under `results`."""
     from test_training import run_single
 
     metrics, info, console = {}, {}, ""
@@ -57,12 +59,13 @@ def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Pat
             console = result.stdout
         else:
             killed = log.with_name("killed")
-            process = start_launcher(args_for(name), log, PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:2:1:{killed}")
-            try:
-                assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
-            finally:
-                os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-            assert killed.exists(), "the seam never fired: the test proves nothing"
+            environment = os.environ | {"OMP_NUM_THREADS": "1"}
+            first = forked.run_job(2, args_for(name), timeout=600,
+                                   env=environment | {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:1:{killed}"})
+            again = forked.run_job(2, args_for(name), env=environment, timeout=600)
+            log.write_text("".join((first.stdout, first.stderr, again.stdout, again.stderr)))
+            assert killed.exists() and first.returncode != 0, "the seam never fired: the test proves nothing"
+            assert again.returncode == 0, log.read_text()[-3000:]
             info = run_files.read_json(results / name / run_files.TRAINING_INFO)
             assert [resume["from_step"] for resume in info["resumes"]] == [2] and info["world_size"] == 2
         metrics[nproc] = [{key: value for key, value in record.items()

@@ -119,7 +119,7 @@ def test_memory_plan_keeps_no_reference_and_says_what_that_saves():
 
 def test_simpo_on_two_processes_killed_and_resumed_matches_one_and_reports(tiny_model, tmp_path):
     """A real 2-process SimPO run whose rank 1 is killed right after checkpoint-2 (the seam in
-    src/run_safety/checkpoints.py) and restarted by the launcher, against one uninterrupted process on the same global
+    src/run_safety/checkpoints.py) and the job relaunched, against one uninterrupted process on the same global
     batch (1 x 2 accumulation vs 2 x 1): every logged train and eval metric agrees (1e-5). The one-process run end to
     end: no reference pass, the margin chart with gamma's line, the curves in report.md, the console line."""
     from test_resilience import one_process_against_two_killed_and_resumed
