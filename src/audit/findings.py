@@ -77,17 +77,19 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
                 "warning", f"The judge ranks {_percent(inverted)} of the pairs the other way (swapped labels?)",
                 f"{train.get('judge')} scored the rejected answer above the chosen one in {_percent(inverted)} of "
                 f"{train.get('judged_pairs'):,} training pairs; they are listed in {train.get('inverted_pairs_file')}",
-                f"Read a few of them: if the labels are swapped, fix or drop those rows; or train through them with "
-                f"--loss_type robust --label_smoothing {min(0.4, round(inverted, 2))} (assumes that share of labels "
-                "is flipped).", code="data_inverted_labels"))
+                "Read a few of them: if the labels are swapped, fix or drop those rows"
+                + (f"; or train through them with {row.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))}"
+                   " (assumes that share of labels is flipped)." if row.label_noise_flags else "."),
+                code="data_inverted_labels"))
         ties = train.get("judge_tie_share")
         if ties is not None and ties >= TIES:
             alerts.append(Alert(
                 "warning", f"The judge cannot tell {_percent(ties)} of the pairs apart",
                 f"{train.get('judge')} gave the chosen and the rejected answer the same score in {_percent(ties)} of "
                 f"{train.get('judged_pairs'):,} training pairs",
-                "Tied pairs teach the labeller's noise: drop them (cleaned preference sets do), or soften the loss "
-                "with --loss_type robust --label_smoothing 0.1.", code="data_judge_ties"))
+                "Tied pairs teach the labeller's noise: drop them (cleaned preference sets do)"
+                + (f", or soften the loss with {row.label_noise_flags.format(smoothing=0.1)}." if row.label_noise_flags
+                   else "."), code="data_judge_ties"))
         near = train.get("near_identical_share") or 0
         if "data_near_identical" in row.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
             alerts.append(Alert(
@@ -107,7 +109,7 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
              f"{_percent(truncated)} of sequences are longer than --max_length"),
             f"A cut answer teaches a cut answer (and its end is what a pair's preference is often about): "
             f"--max_length {train.get('suggested_max_length')} keeps 99% of them whole.", code="data_truncation"))
-    alerts += reasoning_alerts(train)
+    alerts += reasoning_alerts(train, row)
     duplicates = train.get("duplicate_share") or 0
     if duplicates >= DUPLICATES:
         alerts.append(Alert(
@@ -150,14 +152,15 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
             "warning", f"The reference already prefers the chosen answer in {_percent(agreement)} of pairs",
             f"summed log-probs rank {_percent(agreement)} of {train.get('reference_pairs'):,} training pairs the "
             f"labels' way ({_percent(train.get('reference_agreement_per_token'))} per token)",
-            "Little is left for DPO to teach: margins will saturate early. Use harder pairs (rejected answers the "
+            f"Little is left for {row.display_name} to teach: margins will saturate early. Use harder pairs (rejected answers the "
             "model itself gives: --rounds), or fewer steps.", code="data_reference_agrees"))
     return alerts
 
 
-def reasoning_alerts(train: dict) -> list[Alert]:
+def reasoning_alerts(train: dict, row) -> list[Alert]:
     """The data audit's reasoning numbers (src/audit/pairs.py reasoning_audit): reasoning cut by --max_length, and
     pairs that differ only in their reasoning or only in their final answer."""
+    sft_term = row.sft_term  # the objective's (src/objectives/): "" where its loss has one already
     alerts = []
     cut = {side: train.get(f"{side}_reasoning_cut_share") for side in ("chosen", "rejected", "completion")}
     cut = {side: share for side, share in cut.items() if share is not None}
@@ -175,8 +178,8 @@ def reasoning_alerts(train: dict) -> list[Alert]:
          "preferences; with --reasoning drop they are identical and dropped.", "data_only_reasoning_differs"),
         ("only_answer_differs_share", "share their reasoning and differ only in the final answer", "reason the same "
          "way, then answer differently", "The preference rests on the few tokens after the reasoning, and the shared "
-         "reasoning is pushed up and down at once (as in near-identical pairs): add the SFT term (--loss_type sigmoid "
-         "sft --loss_weights 1 0.4), or train on the final answers alone (--reasoning drop).",
+         "reasoning is pushed up and down at once (as in near-identical pairs): "
+         + (f"{sft_term}, or train" if sft_term else "train") + " on the final answers alone (--reasoning drop).",
          "data_only_answer_differs"))
     for key, title, evidence, advice, code in differ_only:
         share = train.get(key) or 0
@@ -193,6 +196,7 @@ def answer_alerts(answers: dict, stage: str = DEFAULT_STAGE) -> list[Alert]:
     audit = (answers or {}).get(split) if split else None
     if not audit:
         return []
+    row = objective(stage)
     alerts = []
     ratio = audit.get("length_ratio")
     if ratio is not None and ratio >= ANSWERS_LONGER:
@@ -200,15 +204,16 @@ def answer_alerts(answers: dict, stage: str = DEFAULT_STAGE) -> list[Alert]:
             "warning", f"Answers grew {ratio:.2f} times longer",
             f"{split} answers: mean {audit['length_before']['mean']} → {audit['length_after']['mean']} tokens",
             "Check the Answers section: if the judge did not reward the longer answers, the data taught length — "
-            f"{objective(stage).length_remedy}.", code="answers_longer"))
+            f"{row.length_remedy}.", code="answers_longer"))
     before, after = audit.get("repetition_share_before") or 0, audit.get("repetition_share_after") or 0
     if after >= REPETITION and after > before:
         alerts.append(Alert(
             "warning", f"{_percent(after)} of answers repeat themselves",
             f"{split}: degenerate (a phrase repeated over and over) in {_percent(after)} after, {_percent(before)} "
             "before",
-            "The policy drifted too far from the reference: a higher --beta, a lower --learning_rate or fewer steps, "
-            "or the SFT term (--loss_type sigmoid sft --loss_weights 1 0.4).", code="answers_repetition"))
+            f"The policy drifted too far from {'the reference' if row.needs_reference else 'where it started'}: "
+            f"{row.drift_remedy}.",
+            code="answers_repetition"))
     before, after = audit.get("cut_share_before") or 0, audit.get("cut_share_after") or 0
     if after >= CUT and after >= before + CUT_RISE:
         alerts.append(Alert(
