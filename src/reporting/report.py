@@ -510,7 +510,7 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
     if info.get("rounds"):
         plot_rounds(info["rounds"], run_dir / PLOTS_DIR / ROUNDS_PLOT)
     if live is None or not (run_dir / PLOTS_DIR / DATA_PLOT).exists():  # it does not change while the run trains
-        plot_data(info.get("data_audit"), run_dir / PLOTS_DIR / DATA_PLOT)
+        plot_data(info.get("data_audit"), run_dir / PLOTS_DIR / DATA_PLOT, objective(stage).display_name)
 
     samples_by_split = {}
     for split in SPLITS:
