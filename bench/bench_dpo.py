@@ -195,12 +195,12 @@ def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes
     return {"samples/s": args.steps * args.batch_size / seconds, "tokens/s": train[-1]["num_tokens"] / seconds,
             "wall s": wall, "peak MB": peak, "losses": [record["loss"] for record in train],
             "reference": ",".join(part["cache"] for part in info.get("reference_log_probs", {}).values()),
-            "dpo_forward": info.get("dpo_forward", {})}
+            "forward": info.get("forward") or info.get("dpo_forward") or {}}
 
 
 def shares(result: dict) -> str:
     """The policy forward's padding / repeated-prompt shares of computed tokens, from the run's training_info.json."""
-    forward = result.get("dpo_forward", {})
+    forward = result.get("forward", {})
     tokens = forward.get("tokens", {}).get("policy")
     text = f"{tokens['padding_share']:.0%} / {tokens['repeated_prompt_share']:.0%}" if tokens else "n/a"
     check = forward.get("first_batch_check") or {}
@@ -297,8 +297,8 @@ def main() -> None:
         # Plain TRL computes every padded token in the policy pass (forward + backward, ~3 forward-equivalents) and the
         # reference pass (1); useful are each prompt once plus both answers. The same batches' padded and useful counts
         # come from the packed arm's training_info.json (TRL's collator, TRL's shuffle and batch size).
-        would = arms["toolkit packed, cold cache"][0]["dpo_forward"]["padded_forward_would_compute"]["policy"]
-        done = arms["toolkit packed, cold cache"][0]["dpo_forward"]["tokens"]["policy"]
+        would = arms["toolkit packed, cold cache"][0]["forward"]["padded_forward_would_compute"]["policy"]
+        done = arms["toolkit packed, cold cache"][0]["forward"]["tokens"]["policy"]
         padded_over_useful = 1 / would["useful_share"]
         packed_over_useful = 1 / done["useful_share"]
         cold_limit = padded_over_useful

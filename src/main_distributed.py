@@ -167,7 +167,8 @@ def check_dpo_forward(stages: list[Stage], model_path: str) -> str | None:
     stage = next((stage for stage in stages if objective(stage.name).packed_forward), None)  # rounds train as it does
     if stage is None:
         return None
-    reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides)
+    reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides,
+                                          objective(stage.name).display_name)
     if reason:
         packed_dpo_support.announce_padded(reason)
     return reason
@@ -522,8 +523,8 @@ def close_stage_record(stage: Stage, trainer, trackers, judged: dict, saved: dic
     fields = {"summary": summary, "status": Status.COMPLETED, "one_job": one_job, **saved,
               "live_report": callback(trainer, "LiveReport").summary(),
               "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    if getattr(trainer, "packed_forward", None) is not None:  # which DPO forward ran, and the tokens it computed
-        fields["dpo_forward"] = trainer.packed_forward.summary()
+    if getattr(trainer, "packed_forward", None) is not None:  # which forward ran, and the tokens it computed
+        fields[run_files.FORWARD] = trainer.packed_forward.summary()
     if compression:
         fields["gradient_all_reduce"] = compression
         print0(f"  gradient all-reduce in {compression['name']}: {compression['bytes_per_step']:,} bytes per step "

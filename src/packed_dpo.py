@@ -372,7 +372,7 @@ class PackedDPOForward:
         self.enabled = False
         self.reason = reason
         if _is_main_process():
-            print(f"  warning: packed DPO forward off, TRL's padded forward runs instead: {reason}", flush=True)
+            print(f"  warning: packed forward off, TRL's padded forward runs instead: {reason}", flush=True)
 
     def _forward(self, module, fused, plan: _Plan, kwargs: dict):
         input_ids = kwargs.pop("input_ids")

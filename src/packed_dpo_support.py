@@ -113,10 +113,10 @@ def padding_free_requested(trl_overrides: dict) -> bool:
     return bool(trl_overrides.get("padding_free", True))
 
 
-def preflight(model_path: str, model_args, trl_overrides: dict) -> str | None:
-    """The DPO forward this launch will use, decided from the model's config.json before data preparation: None
-    (packed), or why TRL's padded forward runs instead. A model neither forward can run stops the launch here (one
-    line), not on every rank after the data was prepared."""
+def preflight(model_path: str, model_args, trl_overrides: dict, title: str) -> str | None:
+    """The forward this launch of the objective `title` (its row's display name) will use, decided from the model's
+    config.json before data preparation: None (packed), or why TRL's padded forward runs instead. A model neither
+    forward can run stops the launch here (one line), not on every rank after the data was prepared."""
     from transformers import AutoConfig
 
     try:
@@ -125,7 +125,7 @@ def preflight(model_path: str, model_args, trl_overrides: dict) -> str | None:
         return None
     blocked = cannot_train(config)
     if blocked:
-        raise ModelError(f"--model_name_or_path {model_path}: {config.model_type} cannot be trained with DPO here: "
+        raise ModelError(f"--model_name_or_path {model_path}: {config.model_type} cannot be trained with {title} here: "
                          f"{blocked}")
     if not padding_free_requested(trl_overrides):
         return "--padding_free false"
@@ -142,7 +142,7 @@ def announce_padded(reason: str) -> None:
     """One warning line per reason and process: the launch's preflight and the trainer come to the same reason."""
     if reason not in _ANNOUNCED:
         _ANNOUNCED.add(reason)
-        print0(f"  warning: packed DPO forward off, TRL's padded forward runs instead: {reason}")
+        print0(f"  warning: packed forward off, TRL's padded forward runs instead: {reason}")
 
 
 def _text_config(config):

@@ -23,6 +23,10 @@ from typing import Any
 from src.run_safety.disk_space import fail_write_if_injected
 
 TRAINING_INFO = "training_info.json"
+# training_info.json's record of which forward trained the run (packed or TRL's padded, src/packed_dpo.py) and the
+# tokens it computed; runs before the objectives' table wrote it as "dpo_forward", which readers still take
+FORWARD = "forward"
+OLD_FORWARD = "dpo_forward"
 METRICS = "metrics.jsonl"
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

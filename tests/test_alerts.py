@@ -148,3 +148,52 @@ def test_the_reference_line_of_the_data_section_is_the_objectives(stage, tmp_pat
     (line,) = [line for line in text.splitlines() if line.startswith("**Reference model:**")]
     assert ("a DPO run" in line) == (stage == "dpo")
     assert ("reference-free" in line) == (stage != "dpo")
+
+
+NOISY_PAIRS = {"train": {"pairs": 200, "judge": "embedded", "judged_pairs": 200, "judge_inverted_share": 0.12,
+                         "judge_tie_share": 0.3, "inverted_pairs_file": "inverted.jsonl",
+                         "only_answer_differs_share": 0.5, "reference_agreement": 0.95,
+                         "reference_agreement_per_token": 0.95, "reference_pairs": 200}}
+REPEATING_ANSWERS = {"test": {"repetition_share_before": 0.0, "repetition_share_after": 0.2}}
+
+
+@pytest.mark.parametrize("stage", ["dpo", "simpo", "orpo", "kto"])
+def test_the_audit_advises_the_objectives_own_flags(stage):
+    """Noisy labels, pairs that share their reasoning, degenerate answers and an easy reference: each advice comes from
+    the objective's row (label_noise_flags, sft_term, drift_remedy, display_name). DPO's --loss_type robust and its
+    sft loss term on DPO runs only; SimPO's label smoothing and CPO's NLL term; ORPO, whose loss has neither knob,
+    gets none; no alert names DPO on another objective's run."""
+    from src.audit.findings import answer_alerts, data_alerts
+
+    alerts = {alert.code: alert for alert in data_alerts(NOISY_PAIRS, stage) + answer_alerts(REPEATING_ANSWERS, stage)}
+    advice = " ".join(alert.advice for alert in alerts.values())
+    assert ("--loss_type robust" in advice) == (stage == "dpo")
+    assert ("--loss_type sigmoid sft" in advice) == (stage == "dpo")
+    assert ("--cpo_alpha" in advice) == (stage == "simpo")
+    assert ("DPO" in advice) == (stage == "dpo")
+    repetition = alerts["answers_repetition"].advice
+    assert ("from the reference" in repetition) == (stage in ("dpo", "kto"))
+    assert ("--beta" in repetition) == (stage != "simpo")  # ORPO: a lower beta weighs its NLL term more
+    if stage == "kto":  # unpaired rows: the label checks of pairs do not apply
+        assert not {"data_inverted_labels", "data_judge_ties"} & set(alerts)
+    else:
+        inverted = alerts["data_inverted_labels"].advice
+        assert ("--label_smoothing 0.12" in inverted) == (stage in ("dpo", "simpo"))
+        assert inverted.endswith(".") and "with ." not in inverted
+        assert ("soften the loss" in alerts["data_judge_ties"].advice) == (stage != "orpo")
+    only_answer = alerts["data_only_answer_differs"].advice
+    assert only_answer.endswith("train on the final answers alone (--reasoning drop).")
+    assert f"Little is left for {'SimPO' if stage == 'simpo' else stage.upper()} to teach" in \
+        alerts["data_reference_agrees"].advice
+
+
+@pytest.mark.parametrize("key", ["forward", "dpo_forward"])
+def test_the_report_names_the_objectives_forward_from_either_key(key):
+    """report.md's setup table names the run's own objective's forward (its row's display name), from
+    training_info.json's `forward` or, for a run made before the objectives' table, `dpo_forward`."""
+    from src.reporting.report import setup_table
+
+    lines = "\n".join(setup_table({"stage": "simpo", "beta": 2.0, "simpo_gamma": 1.0, key: {
+        "forward": "packed (prefix-shared)", "tokens": {"policy": {"padding_share": 0.1, "repeated_prompt_share": 0.0}}}}))
+    assert "| SimPO forward | packed (prefix-shared); policy: 10.0% padding, 0.0% repeated prompt |" in lines
+    assert "| SimPO | beta 2" in lines and "DPO" not in lines

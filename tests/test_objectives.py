@@ -116,7 +116,7 @@ NOT_A_BRANCH = {
     ("src/audit/findings.py", '"sft" not in (loss_type or [])'): "TRL's DPO loss type 'sft' (an added NLL term)",
     ("src/audit/answers.py", 'for key in ("score", "reward"):'): "a judge verdict's fields",
     ("src/judges.py", "reward"): "a judge verdict's field 'reward' (src/embedded/tasks.py ranks with it)",
-    ("src/reporting/alerts.py", '_trend_series(metrics, "reward")'): "TRL's logged metric 'reward' (GRPO's mean reward)",
+    ("src/reporting/alerts.py", '_trend(metrics, "reward")'): "TRL's logged metric 'reward' (GRPO's mean reward)",
     ("src/data.py", '"sft": sft'): "a keyword argument named sft (the SFT settings)",
     ("src/objectives", ""): "the table itself",
     ("src/embedded", ""): "the embedded default's data folders (src/embedded/data/dpo, sft) and verdict fields",

@@ -79,7 +79,7 @@ def test_orpo_on_two_processes_killed_and_resumed_matches_one_and_reports(tiny_m
     run_dir = tmp_path / "results" / "1-process"
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert (info["stage"], info["loss_type"], info["beta"]) == ("orpo", "orpo", 0.2)
-    forward = info["dpo_forward"]  # the packed forward trained it, checked against the padded one on its first batch
+    forward = info["forward"]  # the packed forward trained it, checked against the padded one on its first batch
     assert forward["forward"].startswith("packed (prefix-shared") and forward["first_batch_check"]["passed"]
     report = (run_dir / "report.md").read_text()
     assert "nll.png" in report and "odds_ratio.png" in report and "| ORPO | beta (lambda) 0.2" in report

@@ -197,7 +197,7 @@ def test_a_mask_that_lets_the_rejected_answer_see_the_chosen_one_is_caught(token
     assert_close(reference_logps(trainer, rows), padded)
     assert not trainer.packed_forward.enabled
     assert "differ from the padded forward" in trainer.packed_forward.reason
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "packed DPO forward off" in line]
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "packed forward off" in line]
     assert len(warnings) == 1
 
 
@@ -219,7 +219,7 @@ def test_a_packed_forward_that_raises_falls_back_with_the_error(tokenizer, tmp_p
     assert not trainer.packed_forward.enabled
     assert "raised ValueError: too many values to unpack" in trainer.packed_forward.reason
     assert trainer.packed_forward.check_result["error"].startswith("ValueError")
-    assert len([line for line in capsys.readouterr().out.splitlines() if "packed DPO forward off" in line]) == 1
+    assert len([line for line in capsys.readouterr().out.splitlines() if "packed forward off" in line]) == 1
 
 
 def test_a_window_the_mask_does_not_reproduce_is_named_as_the_likely_cause(tokenizer, tmp_path, monkeypatch):
@@ -255,7 +255,7 @@ def test_an_attention_implementation_not_known_to_honour_the_mask_falls_back(tok
     trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
     assert not trainer.packed_forward.enabled
     assert "custom_test_attention" in trainer.packed_forward.reason
-    assert "packed DPO forward off" in capsys.readouterr().out
+    assert "packed forward off" in capsys.readouterr().out
     reference_logps(trainer, rows)
     assert trainer.packed_forward.summary()["forward"] == "padded (TRL)"
 
@@ -337,7 +337,7 @@ def test_the_toolkit_run_packs_by_default_on_two_processes_and_records_the_forwa
         runs[name] = {"info": run_files.read_json(run_dir / run_files.TRAINING_INFO),
                       "loss": [record["loss"] for record in metrics if "loss" in record],
                       "eval_loss": [record["eval_loss"] for record in metrics if "eval_loss" in record]}
-    padded, packed = runs["padded"]["info"]["dpo_forward"], runs["packed"]["info"]["dpo_forward"]
+    padded, packed = runs["padded"]["info"]["forward"], runs["packed"]["info"]["forward"]
     assert padded["forward"] == "padded (TRL)" and padded["reason"] == "--padding_free false"
     assert packed["forward"].startswith("packed (prefix-shared") and packed["first_batch_check"]["passed"]
     for forward in ("policy", "reference"):
@@ -349,7 +349,7 @@ def test_the_toolkit_run_packs_by_default_on_two_processes_and_records_the_forwa
     assert len(runs["padded"]["loss"]) == 4 and runs["padded"]["eval_loss"]
     assert runs["packed"]["info"]["world_size"] == 2
     # perf/padding_fraction is the share of what the forward computed, in the layout that ran (the training forwards;
-    # dpo_forward's policy counts also hold the evaluation batches, hence the tolerance).
+    # `forward`'s policy counts also hold the evaluation batches, hence the tolerance).
     fraction = {name: run["info"]["summary"]["throughput"]["padding_fraction"] for name, run in runs.items()}
     assert fraction["padded"] == pytest.approx(padded["tokens"]["policy"]["padding_share"], abs=0.05)
     assert fraction["packed"] == pytest.approx(packed["tokens"]["policy"]["padding_share"], abs=0.05)

@@ -129,7 +129,7 @@ def test_a_refused_model_is_named_before_data_preparation(model_type, overrides,
     data.write_text(data.read_text() + "{broken\n")
     result = run_main("--model_name_or_path", str(model), "--dataset_name", str(data), "--stage", "dpo",
                       "--results_dir", str(tmp_path / "results"), "--dry_run")
-    warnings = [line for line in result.stdout.splitlines() if "packed DPO forward off" in line]
+    warnings = [line for line in result.stdout.splitlines() if "packed forward off" in line]
     assert len(warnings) == 1 and model_type in warnings[0] and cause in warnings[0], result.stdout[-2000:]
     assert result.returncode == 2 and "pairs.jsonl line 9" in result.stderr  # data preparation came after
 

@@ -139,10 +139,11 @@ def test_simpo_on_two_processes_killed_and_resumed_matches_one_and_reports(tiny_
     run_dir = tmp_path / "results" / "1-process"
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert (info["stage"], info["loss_type"], info["simpo_gamma"]) == ("simpo", "simpo", 1.0)
-    forward = info["dpo_forward"]  # the packed forward trained it, checked against the padded one on its first batch
+    forward = info["forward"]  # the packed forward trained it, checked against the padded one on its first batch
     assert forward["forward"].startswith("packed (prefix-shared") and forward["first_batch_check"]["passed"]
     assert any("eval_rewards/margins" in record for record in run_files.read_jsonl(run_dir / run_files.METRICS))
     report = (run_dir / "report.md").read_text()
-    assert "margins.png" in report and "| SIMPO | beta 2.5, gamma 1 (target margin)" in report
+    assert "margins.png" in report and "| SimPO | beta 2.5, gamma 1 (target margin)" in report
+    assert "| SimPO forward | packed (prefix-shared" in report  # the row's display name, not "SIMPO" or "DPO"
     assert (run_dir / "plots" / "margins.png").stat().st_size > 10_000
 

@@ -101,6 +101,10 @@ OBJECTIVE = Objective(
     packed_forward=True,
     length_remedy="--ld_alpha 0.5 (LD-DPO: the tokens past the shorter answer count half) or --loss_type sigmoid_norm "
                   "(length-normalised), or a higher --beta (stay closer to the start)",
+    label_noise_flags="--loss_type robust --label_smoothing {smoothing}",
+    sft_term="add the SFT term (--loss_type sigmoid sft --loss_weights 1 0.4)",
+    drift_remedy="a higher --beta, a lower --learning_rate or fewer steps, or the SFT term (--loss_type sigmoid sft "
+                 "--loss_weights 1 0.4)",
     reference_unmeasured="not measured (a DPO run measures it from the reference log-probs it precomputes; "
                          "`python -m src.audit` with --model_name_or_path, on a sample).",
 )

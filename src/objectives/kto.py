@@ -135,5 +135,6 @@ OBJECTIVE = Objective(
     preflight=preflight,
     length_remedy="a higher --beta (stay closer to the reference), or balance the desirable and undesirable "
                   "completions' lengths in the data",
+    drift_remedy="a higher --beta, a lower --learning_rate or fewer steps",
     packed_forward=True,  # its reference pass: a row's completion and KL completion share the prompt (src/trainers/kto.py)
 )

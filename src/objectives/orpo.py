@@ -82,6 +82,9 @@ OBJECTIVE = Objective(
     length_remedy="ORPO's odds ratio already compares average log-probabilities per token (length-normalised): if "
                   "the answers still drift, balance the chosen and rejected answers' lengths in the data, or a lower "
                   "--beta (a weaker odds-ratio term)",
+    # its loss already holds the NLL term on the chosen answers: a lower --beta weighs it more against the odds ratio
+    drift_remedy="a lower --learning_rate or fewer steps, or a lower --beta (its NLL term on the chosen answers then "
+                 "weighs more against the odds-ratio term)",
     loss_rows=loss_rows,
     setup_line=setup_line,
 )

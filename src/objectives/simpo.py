@@ -111,6 +111,11 @@ OBJECTIVE = Objective(
     length_remedy="SimPO's reward is already length-normalised (the average log-probability per token, which its "
                   "paper found curbs length exploitation): if the answers still drift, balance the chosen and rejected "
                   "answers' lengths in the data",
+    # TRL's SimPO loss takes label smoothing (conservative, as cDPO's); CPO's NLL term is its SFT term (CPO-SimPO)
+    label_noise_flags="--label_smoothing {smoothing}",
+    sft_term="add CPO's NLL term on the chosen answers (--cpo_alpha > 0: CPO-SimPO)",
+    drift_remedy="a lower --learning_rate or fewer steps, or CPO's NLL term on the chosen answers (--cpo_alpha > 0)",
+    title="SimPO",
     loss_rows=loss_rows,
     setup_line=setup_line,
 )

@@ -177,6 +177,16 @@ class Objective:
     # What the length alerts advise for it (src/audit/findings.py: the chosen answers are mostly the longer or the
     # shorter ones; the trained answers grew): its own remedies, as a clause ("--ld_alpha 0.5 or ...")
     length_remedy: str = "balance the chosen and rejected answers' lengths in the data"
+    # The flags that train through noisy labels (the audit's inverted and tied pairs), "{smoothing}" the assumed share
+    # of flipped labels; "" = its loss has none (the advice is then to fix or drop those pairs)
+    label_noise_flags: str = ""
+    # How to add an NLL (SFT) term on the chosen answers, as a clause ("" = none to add: ORPO's loss has one); the
+    # audit's pairs that share their reasoning are answered with it
+    sft_term: str = ""
+    # What the answer audit advises when the trained answers degenerate (repeat themselves): its own knobs, as a clause
+    drift_remedy: str = "a lower --learning_rate or fewer steps"
+    # Its name in what a user reads (report.md's setup table, one-line refusals); "" = the stage name in capitals
+    title: str = ""
     # report.md's Data section when the reference's ranking of the training pairs was not measured: why, for it
     reference_unmeasured: str = ("not measured (`python -m src.audit` with --model_name_or_path measures how a model "
                                  "ranks the training pairs, on a sample).")
@@ -203,3 +213,6 @@ class Objective:
     # built on every process when the trainer is (src/trainers/build.py)
     trainer_inputs: Callable | None = field(default=None, compare=False)
 
+    @property
+    def display_name(self) -> str:
+        return self.title or self.name.upper()

@@ -117,7 +117,7 @@ ALERTS = {
     ),
     "dpo_saturated": (
         "warning", "Reward accuracy saturated at 1.0 early in training",
-        "The pairs are too easy to tell apart, so DPO has little to learn from them and mostly grows margins. "
+        "The pairs are too easy to tell apart, so training has little to learn from them and mostly grows margins. "
         "Check that chosen and rejected do not differ in a trivial way (length, a fixed phrase, formatting); use "
         "harder pairs (e.g. rejected answers sampled from the model itself); or raise beta if it is very small.",
     ),
@@ -179,9 +179,16 @@ ALERTS = {
 }
 
 
+def build_alert(table: dict, key: str, evidence: str, **fields) -> Alert:
+    """The alert `key` of a table of alerts (key → (severity, title, what to do[, code])): a {field} in its title or
+    advice filled in from `fields`; its code the entry's, else the key. ALERTS here; the audit's FINDINGS
+    (src/audit/findings.py)."""
+    severity, title, advice, *code = table[key]
+    return Alert(severity, title.format(**fields), evidence, advice.format(**fields), code=code[0] if code else key)
+
+
 def _alert(code: str, evidence: str, **fields) -> Alert:
-    severity, title, advice = ALERTS[code]
-    return Alert(severity, title, evidence, advice.format(**fields) if fields else advice, code=code)
+    return build_alert(ALERTS, code, evidence, **fields)
 
 
 def _windows(values: list[float]) -> tuple[float, float]:
@@ -204,6 +211,21 @@ def _trend_series(metrics: list[dict], key: str) -> tuple[list[int], list[float]
     """_finite_series, or nothing when it has fewer than MIN_RECORDS values: a trend over so few is noise."""
     steps, values = _finite_series(metrics, key)
     return (steps, values) if len(values) >= MIN_RECORDS else ([], [])
+
+
+@dataclass
+class _Trend:
+    """A logged key's trend: its finite values (and their steps), the start window's mean and the end window's."""
+    steps: list[int]
+    values: list[float]
+    start: float
+    end: float
+
+
+def _trend(metrics: list[dict], key: str) -> _Trend | None:
+    """`key`'s trend, or None when it has fewer than MIN_RECORDS finite values (a trend over so few is noise)."""
+    steps, values = _trend_series(metrics, key)
+    return _Trend(steps, values, *_windows(values)) if values else None
 
 
 def _non_finite(metrics: list[dict]) -> Alert | None:
@@ -256,18 +278,15 @@ def _dpo_stuck(metrics: list[dict]) -> Alert | None:
 
 
 def _dpo_displacement(metrics: list[dict]) -> Alert | None:
-    _, chosen = _trend_series(metrics, "rewards/chosen")
-    _, rejected = _trend_series(metrics, "rewards/rejected")
+    chosen, rejected = _trend(metrics, "rewards/chosen"), _trend(metrics, "rewards/rejected")
     if not (chosen and rejected):
         return None
-    chosen_start, chosen_end = _windows(chosen)
-    rejected_start, rejected_end = _windows(rejected)
-    chosen_fall, rejected_fall = chosen_start - chosen_end, rejected_start - rejected_end
-    displaced = chosen_end < 0 and chosen_fall >= DISPLACEMENT_RATIO * rejected_fall
+    chosen_fall, rejected_fall = chosen.start - chosen.end, rejected.start - rejected.end
+    displaced = chosen.end < 0 and chosen_fall >= DISPLACEMENT_RATIO * rejected_fall
     if not (rejected_fall > DISPLACEMENT_MIN_FALL and displaced):
         return None
-    return _alert("dpo_displacement", f"rewards/chosen {chosen_start:+.3f} → {chosen_end:+.3f}, rewards/rejected "
-                  f"{rejected_start:+.3f} → {rejected_end:+.3f} (start vs end of training): the chosen answers lost "
+    return _alert("dpo_displacement", f"rewards/chosen {chosen.start:+.3f} → {chosen.end:+.3f}, rewards/rejected "
+                  f"{rejected.start:+.3f} → {rejected.end:+.3f} (start vs end of training): the chosen answers lost "
                   f"{chosen_fall / rejected_fall:.0%} as much as the rejected ones")
 
 
@@ -291,10 +310,10 @@ def _dpo_saturated(metrics: list[dict]) -> Alert | None:
 
 
 def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
-    steps, margins = _trend_series(metrics, "rewards/margins")
-    if not margins:
+    trend = _trend(metrics, "rewards/margins")
+    if not trend:
         return None
-    _, margin_end = _windows(margins)
+    steps, margins, margin_end = trend.steps, trend.values, trend.end
     two_thirds = steps[0] + (steps[-1] - steps[0]) * 2 / 3
     last_third = [(step, value) for step, value in zip(steps, margins) if step >= two_thirds]
     if margin_end <= MARGIN_LARGE or len(last_third) < 3:
@@ -312,14 +331,11 @@ def _dpo_unbounded_margins(metrics: list[dict]) -> Alert | None:
 
 
 def _kto_kl_runaway(metrics: list[dict]) -> Alert | None:
-    _, kl = _trend_series(metrics, "kl")
-    if not kl:
+    kl = _trend(metrics, "kl")
+    if not kl or kl.end < KTO_KL_LARGE or kl.end < kl.start + KTO_KL_LARGE / 2 or kl.values[-1] < kl.end:
         return None
-    start, end = _windows(kl)
-    if end < KTO_KL_LARGE or end < start + KTO_KL_LARGE / 2 or kl[-1] < end:
-        return None
-    return _alert("kto_kl_runaway", f"KL estimate {start:.3g} at the start, {end:.3g} at the end and still rising "
-                  f"(last {kl[-1]:.3g} nats)")
+    return _alert("kto_kl_runaway", f"KL estimate {kl.start:.3g} at the start, {kl.end:.3g} at the end and still "
+                  f"rising (last {kl.values[-1]:.3g} nats)")
 
 
 def _kto_not_separating(metrics: list[dict]) -> Alert | None:
@@ -335,12 +351,10 @@ def _kto_not_separating(metrics: list[dict]) -> Alert | None:
 
 
 def _sft_not_decreasing(metrics: list[dict]) -> Alert | None:
-    _, losses = _trend_series(metrics, "loss")
-    if not losses:
+    loss = _trend(metrics, "loss")
+    if not loss or loss.end < loss.start * (1 - SFT_MIN_RELATIVE_DROP):
         return None
-    loss_start, loss_end = _windows(losses)
-    if loss_end < loss_start * (1 - SFT_MIN_RELATIVE_DROP):
-        return None
+    loss_start, loss_end = loss.start, loss.end
     rose = loss_end > loss_start
     alert = _alert("sft_not_decreasing", f"train loss {loss_start:.4f} at the start vs {loss_end:.4f} at the end "
                    f"({(loss_end - loss_start) / loss_start:+.1%})")
@@ -362,47 +376,37 @@ def _eval_loss_rising(metrics: list[dict]) -> Alert | None:
 
 
 def _grpo_entropy_collapse(metrics: list[dict]) -> Alert | None:
-    _, entropy = _trend_series(metrics, "entropy")
-    if not entropy:
+    entropy = _trend(metrics, "entropy")
+    if not entropy or entropy.start <= 0 or entropy.end >= ENTROPY_COLLAPSE_RATIO * entropy.start:
         return None
-    start, end = _windows(entropy)
-    if start <= 0 or end >= ENTROPY_COLLAPSE_RATIO * start:
-        return None
-    return _alert("grpo_entropy_collapse", f"entropy {start:.3g} nats/token at the start, {end:.3g} at the end "
-                  f"({end / start:.0%} of it)")
+    return _alert("grpo_entropy_collapse", f"entropy {entropy.start:.3g} nats/token at the start, {entropy.end:.3g} at "
+                  f"the end ({entropy.end / entropy.start:.0%} of it)")
 
 
 def _grpo_groups_tied(metrics: list[dict]) -> Alert | None:
-    steps, tied = _trend_series(metrics, "frac_reward_zero_std")
-    if not tied:
+    tied = _trend(metrics, "frac_reward_zero_std")
+    if not tied or tied.end <= TIED_GROUPS_SHARE:
         return None
-    _, end = _windows(tied)
-    if end <= TIED_GROUPS_SHARE:
-        return None
-    return _alert("grpo_groups_tied", f"{end:.0%} of the prompts had answers that all scored the same over the last "
-                  f"{END_FRACTION:.0%} of training (steps up to {steps[-1]})")
+    return _alert("grpo_groups_tied", f"{tied.end:.0%} of the prompts had answers that all scored the same over the "
+                  f"last {END_FRACTION:.0%} of training (steps up to {tied.steps[-1]})")
 
 
 def _grpo_length_runaway(metrics: list[dict]) -> Alert | None:
-    _, lengths = _trend_series(metrics, "completions/mean_length")
-    _, cut = _trend_series(metrics, "completions/clipped_ratio")
-    if not lengths or not cut:
+    length, cut = _trend(metrics, "completions/mean_length"), _trend(metrics, "completions/clipped_ratio")
+    if not (length and cut) or length.start <= 0 or length.end < LENGTH_GROWTH * length.start or \
+            cut.end < LENGTH_CUT_SHARE:
         return None
-    start, end = _windows(lengths)
-    cut_end = _windows(cut)[1]
-    if start <= 0 or end < LENGTH_GROWTH * start or cut_end < LENGTH_CUT_SHARE:
-        return None
-    return _alert("grpo_length_runaway", f"answers {start:.3g} tokens long at the start, {end:.3g} at the end "
-                  f"(x{end / start:.2f}); {cut_end:.0%} cut at the length limit at the end")
+    return _alert("grpo_length_runaway", f"answers {length.start:.3g} tokens long at the start, {length.end:.3g} at "
+                  f"the end (x{length.end / length.start:.2f}); {cut.end:.0%} cut at the length limit at the end")
 
 
 def _grpo_reward_hacking(metrics: list[dict], info: dict) -> Alert | None:
-    _, rewards = _trend_series(metrics, "reward")
+    reward = _trend(metrics, "reward")
     judged = info.get("judge") or {}
     before, after = judged.get("before"), judged.get("after")
-    if not rewards or not isinstance(before, (int, float)) or not isinstance(after, (int, float)):
+    if not reward or not isinstance(before, (int, float)) or not isinstance(after, (int, float)):
         return None
-    start, end = _windows(rewards)
+    start, end = reward.start, reward.end
     if end <= start or before - after < HACKING_FALL:
         return None
     measure = str(judged.get("metric"))

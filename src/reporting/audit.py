@@ -190,9 +190,10 @@ def answers_section(answers: dict) -> list[str]:
     return lines
 
 
-def plot_data(audit: dict, path: Path) -> bool:
+def plot_data(audit: dict, path: Path, title: str) -> bool:
     """Chosen vs rejected answer length (training pairs) and the reference margin; False and no file when the audit
-    has no length histogram (an SFT stage, a run from before the audit)."""
+    has no length histogram (an SFT stage, a run from before the audit). `title`: the objective's name (its row's
+    display_name)."""
     train = (audit or {}).get("train") or {}
     lengths = train.get("length_histogram") or {}
     if "chosen" not in lengths:
@@ -222,7 +223,7 @@ def plot_data(audit: dict, path: Path) -> bool:
         axes[1].set_xlabel("reference log-prob margin: chosen − rejected (summed)")
         axes[1].set_title(f"Reference ranks {format_percent(train.get('reference_agreement'))} of pairs the labels' "
                           f"way ({format_percent(train.get('reference_agreement_per_token'))} per token)", fontsize=10)
-    figure.suptitle("Training pairs: what DPO is given", fontsize=11)
+    figure.suptitle(f"Training pairs: what {title} is given", fontsize=11)
     for ax in axes:
         ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)

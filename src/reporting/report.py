@@ -30,7 +30,7 @@ from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
 from src.reporting.summary import dpo_loss_config, summarize
-from src.run_files import METRICS, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
+from src.run_files import FORWARD, METRICS, OLD_FORWARD, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
 
 SPLITS = ("val", "test")
 REPORT = "report.md"
@@ -363,9 +363,10 @@ def setup_table(info: dict) -> list[str]:
         learning_rate = f"{format_number(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
     if row.setup_line:  # the objective's loss settings (beta, loss, weights)
-        rows.append([row.name.upper(), row.setup_line(info)])
-    if get("dpo_forward"):
-        rows.append([f"{row.name.upper()} forward", _dpo_forward(get("dpo_forward"))])
+        rows.append([row.display_name, row.setup_line(info)])
+    forward = get(FORWARD) or get(OLD_FORWARD)  # an older run's name for it
+    if forward:
+        rows.append([f"{row.display_name} forward", _forward(forward)])
     rows += [["precision", f"{get('precision', '?')}, gradient checkpointing {format_number(get('gradient_checkpointing'))}"],
              ["LoRA / 4-bit", f"{format_number(get('use_lora'))} / {format_number(get('load_in_4bit'))}"],
              ["max steps, seed", f"{format_number(get('max_steps'))}, {format_number(get('seed'))}"],
@@ -376,8 +377,8 @@ def setup_table(info: dict) -> list[str]:
     return table_lines(["", "resolved value"], rows)
 
 
-def _dpo_forward(forward: dict) -> str:
-    """Which DPO forward ran (training_info.json's dpo_forward, src/packed_dpo.py) and the share of its computed tokens
+def _forward(forward: dict) -> str:
+    """Which forward ran (training_info.json's `forward`, src/packed_dpo.py) and the share of its computed tokens
     that was padding or a repeated prompt, per pass."""
     text = forward.get("forward", "?") + (f" ({forward['reason']})" if forward.get("reason") else "")
     for kind, tokens in (forward.get("tokens") or {}).items():
@@ -546,7 +547,7 @@ def _build(run_dir: Path, live: Live | None = None) -> tuple[Path, list[Alert]]:
     if info.get("rounds"):
         plot_rounds(info["rounds"], run_dir / PLOTS_DIR / ROUNDS_PLOT)
     if live is None or not (run_dir / PLOTS_DIR / DATA_PLOT).exists():  # it does not change while the run trains
-        plot_data(info.get("data_audit"), run_dir / PLOTS_DIR / DATA_PLOT)
+        plot_data(info.get("data_audit"), run_dir / PLOTS_DIR / DATA_PLOT, objective(stage).display_name)
 
     samples_by_split = {}
     for split in SPLITS:

@@ -30,9 +30,9 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     sequences = row.data_shape == SEQUENCES
     extra = {"truncate_to": truncate_to} if sequences else {"ref_model": ref_model} if ref_model is not None else {}
     reference_forward = row.needs_reference and not trl_config.precompute_ref_log_probs and peft_config is None
-    # A trainer with its own forward (DPO's packed one) says how it is built: `forward_for(model, ...)`.
+    # A trainer with its own forward (the packed one, src/packed_dpo.py) says how it is built: `forward_for(model, ...)`.
     forward_for = getattr(trainer_class, "forward_for", None)
-    dpo_forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo) if forward_for else {}
+    forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo) if forward_for else {}
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
                             _device_name(plan.device), sequences_per_example=row.sequences_per_example)
     trainer = trainer_class(
@@ -47,12 +47,12 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
                    LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
         **extra,
-        **dpo_forward,
+        **forward,
         **(trainer_inputs or {}),
     )
     trainer.remove_callback(PrinterCallback)
-    if dpo_forward and dpo_forward["packed_forward"].enabled:
-        meter.computed_tokens = dpo_forward["packed_forward"].computed_tokens
+    if forward and forward["packed_forward"].enabled:
+        meter.computed_tokens = forward["packed_forward"].computed_tokens
     return trainer
 
 
