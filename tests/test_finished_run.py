@@ -27,7 +27,7 @@ from src.run_safety.finished_run import END_STEPS, KILL_AFTER
 from src.run_safety.run_lock import hold_path
 
 # What two runs of one command measure differently (times, speeds, memory, the launch's own history): not compared.
-MEASURED_INFO = {"started_at", "finished_at", "resumes", "live_report", "dpo_forward", "reference_log_probs", "one_job",
+MEASURED_INFO = {"started_at", "finished_at", "resumes", "live_report", "forward", "reference_log_probs", "one_job",
                  "disk_estimate"}
 MEASURED_SUMMARY = {"wall_time_s", "peak_memory_mb", "throughput", "tokens_per_second", "samples_per_second"}
 MEASURED_METRICS = ("time_s", "train_runtime", "train_samples_per_second", "train_steps_per_second", "perf/")
