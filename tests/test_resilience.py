@@ -22,7 +22,7 @@ from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoints import checkpoint_step, checkpoints
 
 
-STEPS = 100  # kills land at steps 12-20, the moment their condition is seen: the job is still training
+STEPS = 30  # kills land at steps 10-20 (seams: the moment named, on every run): the job is still training
 
 
 def job_args(model: Path, data: Path, results: Path, steps: int = STEPS, save_steps: int = 10) -> list[str]:
@@ -233,11 +233,13 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_model, ref
     data, reference = reference_losses
     run_dir = tmp_path / "results" / "job"
     args = job_args(tiny_model, data, tmp_path / "results", save_steps=50)
-    process = start_launcher(args, tmp_path / "log1.txt")
+    # SIGTERM to the launcher's whole process group at the end of step 12 (a seam: rank 0 sends it, no polling race),
+    # what a scheduler does to the whole job before preempting it
+    signalled = tmp_path / "signalled"
+    process = start_launcher(args, tmp_path / "log1.txt", PREFKIT_TEST_KILL_STARTER=f"step:12:{signalled}:TERM")
     try:
-        wait_for(lambda: max(train_losses(run_dir), default=0) >= 12, what="step 12")
-        os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does to the whole job before preempting it
-        process.wait(timeout=120)
+        process.wait(timeout=600)
+        assert signalled.exists(), "the seam never fired: the test proves nothing"
     finally:
         os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)

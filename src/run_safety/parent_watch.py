@@ -120,6 +120,7 @@ def launcher_gone() -> bool:
 # optimizer step N), "sampling" (a round's first sampled batch), "reference" (the reference pass's first batch): rank 0
 # kills its launcher's whole process group (its torchrun agent's group), as a terminal's `kill -9` of the job does.
 # A kill at a known moment, not a race with a polling test (tests/test_resilience.py, test_rounds.py, test_data.py).
+# "<moment>:<flag file>:TERM" sends SIGTERM instead, as a scheduler does before it preempts the job.
 KILL_STARTER = "PREFKIT_TEST_KILL_STARTER"
 
 
@@ -127,17 +128,22 @@ def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = N
     wanted = os.environ.get(KILL_STARTER)
     if not wanted or rank != 0:
         return
+    number = signal.SIGKILL
+    if wanted.endswith(":TERM"):
+        wanted, number = wanted[: -len(":TERM")], signal.SIGTERM
     at_moment, flag = wanted.rsplit(":", 1)
     if at_moment != moment or os.path.exists(flag):
         return
     Path(flag).touch()
     if starter is not None:
-        os.kill(starter, signal.SIGKILL)
+        os.kill(starter, number)
     else:
         group = os.getpgid(os.getppid())
         if os.getsid(os.getppid()) != group:  # never a group that is not a launch's own session (a test runner's)
             raise RuntimeError(f"{KILL_STARTER}: the launcher was not started in a session of its own")
-        os.killpg(group, signal.SIGKILL)
+        os.killpg(group, number)
+    if number == signal.SIGTERM:  # the job stops as a preempted one does: at the step's end, with a checkpoint
+        return
     if not stops.clean_stop_possible():  # the work stops here, at the moment named, not POLL_S later: the watch ends it
         time.sleep(GRACE_S + 60)
 
