@@ -197,15 +197,20 @@ class Running:
     `returncode` (the first non-zero rank's, else 0), `pids` (each its own process group)."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, nproc: int | None = None,
-                 cwd: Path = PROJECT_ROOT, entry=_main_entry):
+                 cwd: Path = PROJECT_ROOT, entry=_main_entry, node_env: list[dict[str, str]] | None = None):
         environment = dict(os.environ if env is None else env)
         ranks = [environment]
         if nproc is not None:
+            # With `node_env` (one dict per node), the ranks are that many nodes' worth, each node's ranks with its own
+            # variables on top (its caches, say): LOCAL_WORLD_SIZE and LOCAL_RANK as each node's launcher sets them.
+            nodes = node_env or [{}]
+            local = nproc // len(nodes)
             environment.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"})
+                                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(local)})
             for variable in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
                 environment.pop(variable, None)
-            ranks = [environment | {"RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+            ranks = [environment | nodes[rank // local] | {"RANK": str(rank), "LOCAL_RANK": str(rank % local),
+                                                           "GROUP_RANK": str(rank // local)} for rank in range(nproc)]
         self._folder = tempfile.TemporaryDirectory(prefix="forked-")
         self._outputs = [(Path(self._folder.name) / f"stdout{rank}", Path(self._folder.name) / f"stderr{rank}")
                          for rank in range(len(ranks))]
@@ -252,9 +257,10 @@ def run_main(argv: list[str], env: dict[str, str] | None = None, timeout: float 
 
 
 def run_job(nproc: int, argv: list[str], env: dict[str, str] | None = None, timeout: float = 600,
-            cwd: Path = PROJECT_ROOT, entry=_main_entry) -> subprocess.CompletedProcess:
+            cwd: Path = PROJECT_ROOT, entry=_main_entry,
+            node_env: list[dict[str, str]] | None = None) -> subprocess.CompletedProcess:
     """`nproc` forked processes as one job (see Running), to the end: as `subprocess.run`."""
-    return _completed(Running(argv, env, nproc, cwd, entry), argv, timeout)
+    return _completed(Running(argv, env, nproc, cwd, entry, node_env), argv, timeout)
 
 
 def _completed(running: Running, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
