@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,13 +13,9 @@ import forked
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 
 
-def run_main(*args, timeout=120, env=None, fresh=False):
-    """`python -m src.main_distributed ARGS`: what the command prints and exits with. Forked (tests/forked.py) unless
-    `fresh`: a new interpreter, for what the libraries read from the environment when they are imported."""
-    if not fresh:
-        return forked.run_main(list(args), env=env, timeout=timeout)
-    return subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=os.environ if env is None else env)
+def run_main(*args, timeout=120, env=None):
+    """`python -m src.main_distributed ARGS`, forked (tests/forked.py): what the command prints and exits with."""
+    return forked.run_main(list(args), env=env, timeout=timeout)
 
 
 def assert_one_line_error(result, *fragments):
@@ -117,14 +114,21 @@ def test_no_hub_message_when_nothing_needs_the_hub(user_args):
            if key not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens there: the probe fails at once
     message = "the Hugging Face Hub is unreachable"
-    model = user_args.index("--model_name_or_path") + 1
-    for args in (user_args, user_args[:model] + ["embedded"] + user_args[model + 1:]):
-        result = run_main(*args, "--stage", "dpo", "--dry_run", env=env, fresh=True)  # the Hub settings at import
+    model, data = user_args.index("--model_name_or_path") + 1, user_args.index("--dataset_name") + 1
+    launches = [user_args, user_args[:model] + ["embedded"] + user_args[model + 1:],
+                user_args[:data] + ["some-org/some-pairs"] + user_args[data + 1:]]
+    # One fresh interpreter (the libraries read the Hub settings when they are imported) forks each command line:
+    # each its own process, as a new command would be, with those settings.
+    script = ("import json, sys\nsys.path[:0] = ['tests', '.']\nimport forked\n"
+              "print(json.dumps([vars(forked.run_main(argv)) for argv in json.loads(sys.argv[1])]))")
+    fresh = subprocess.run([sys.executable, "-c", script, json.dumps([[*args, "--stage", "dpo", "--dry_run"]
+                                                                      for args in launches])],
+                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    *local, hub_data = [subprocess.CompletedProcess(**result) for result in json.loads(fresh.stdout)]
+    for result in local:
         assert result.returncode == 0, result.stderr[-2000:]
         assert message not in result.stdout + result.stderr
-    data = user_args.index("--dataset_name") + 1
-    hub_data = run_main(*user_args[:data], "some-org/some-pairs", *user_args[data + 1:], "--stage", "dpo",
-                        "--dry_run", env=env, fresh=True)
     assert (hub_data.stdout + hub_data.stderr).count(message) == 1
     assert_one_line_error(hub_data, "--dataset_name some-org/some-pairs")
 
