@@ -9,7 +9,10 @@ What a forked run is: a real process of its own (own pid, memory, exit status, f
 toolkit's own `main()` with the command line, environment and working directory given, its output in files read back
 as a `subprocess.CompletedProcess`. What it is not: a fresh interpreter. Tests about what a process imports, about the
 shell launcher, torchrun's restarts or a kill from outside keep starting real commands (docs/development.md lists
-them); the ones that use this module check what a run computes and writes.
+them); the ones that use this module check what a run computes and writes. A variable a library reads when it is
+imported (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, WANDB_*, TRACKIO_DIR, ...) keeps, in a forked run, the value the test
+process imported it with, whichever test imported it first: a test that sets one starts a fresh interpreter
+(test_trackers, test_cli's no-Hub test).
 
 The child is made to look like a fresh process where that shows: standard streams and logging handlers on its own
 files, Python's default warning filters and display (pytest records warnings per test), no inherited exit handlers or

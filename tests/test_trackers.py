@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import forked
 from conftest import PROJECT_ROOT
 from src import run_files
 from src.config import ConfigError, parse_config
@@ -27,7 +26,10 @@ def tracked_run(tiny_model, preference_file, results: Path, run_name: str, track
             "--eval_steps", "2", "--num_samples", "2", "--max_new_tokens", "4", "--judge", "none", "--seed", "3",
             "--val_size", "4", "--test_size", "4", "--batch_size", "4", "--max_steps", "3", "--learning_rate",
             "1e-3", "--report_to", *trackers] + (["--sft.max_steps", "2"] if stage == "sft_then_dpo" else [])
-    result = forked.run_main(args, env=dict(env))
+    # A fresh interpreter, not a fork: the trackers read their settings (WANDB_*, TRACKIO_DIR, HOME) when imported,
+    # and a fork would keep those of the test process, whichever test imported them first.
+    result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result, run_files.read_json(results / run_name / run_files.TRAINING_INFO)
 

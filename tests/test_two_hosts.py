@@ -205,8 +205,7 @@ def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts
 
     second = forked.run_job(4, dpo_args(tiny_model, data, root / "results", "second"), timeout=NODE_TIMEOUT,
                             env=os.environ | {"OMP_NUM_THREADS": "1"},
-                            node_env=[{"PREFKIT_CACHE": str(node / "prefkit_cache"), "HF_HOME": str(node / "hf_home")}
-                                      for node in nodes])
+                            node_env=[{"PREFKIT_CACHE": str(node / "prefkit_cache")} for node in nodes])
     assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
     info = run_files.read_json(root / "results" / "second" / run_files.TRAINING_INFO)
     assert info["reference_log_probs"]["train"]["cache"] == "computed"
