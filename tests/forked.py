@@ -98,6 +98,40 @@ def _as_fresh_process(environment: dict[str, str], cwd: Path, stdout: Path, stde
     os.environ["OMP_NUM_THREADS"] = "1"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
+    _toolkit_as_in_a_new_process()
+
+
+# What the toolkit keeps per process from its modules' import (module, attribute, its value in a new process): a
+# forked run would otherwise start with what the test process's own in-process tests left there, or, for the rank
+# that decides who prints, with the test process's environment. A new per-process state goes here.
+def _new_process_state():
+    import threading
+
+    from src.config import World
+
+    return [("src.distributed", "_world", World.from_environment()),
+            ("src.run_safety.disk_space", "_noticed", []), ("src.run_safety.disk_space", "_output_dirs", []),
+            ("src.run_safety.disk_space", "_injected", {}),
+            ("src.run_safety.stops", "_stop_signal", []), ("src.run_safety.stops", "_clean_stop_point", [False]),
+            ("src.run_safety.parent_watch", "_watching", []), ("src.run_safety.parent_watch", "_fork_hook", []),
+            ("src.run_safety.parent_watch", "_launcher", []),
+            ("src.run_safety.node_watch", "_finished", threading.Event())]
+
+
+def _toolkit_as_in_a_new_process() -> None:
+    """The toolkit's per-process state (`_new_process_state`) as a new process has it, in the modules imported
+    already; the others start that way when imported. Lists are emptied in place: other modules hold them."""
+    for name, attribute, value in _new_process_state():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        current = getattr(module, attribute)
+        if isinstance(current, list):
+            current[:] = value
+        elif isinstance(current, dict):
+            current.clear()
+        else:
+            setattr(module, attribute, value)
 
 
 def _run_child(entry, argv: list[str]) -> int:
