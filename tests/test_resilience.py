@@ -137,14 +137,6 @@ def kill_tagged(tag: str) -> None:
             pass
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def wait_for(condition, timeout: float = 240, interval: float = 0.2, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -295,7 +287,7 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     data, _ = reference_losses
     results = tmp_path / "results"
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "--nproc_per_node", "2", "tests/rank_probe.py", str(tmp_path / "probe"),
+               "--master_port", str(forked.free_port()), "--nproc_per_node", "2", "tests/rank_probe.py", str(tmp_path / "probe"),
                *job_args(tiny_model, data, results, save_steps=5)]
     environ = os.environ | {"OMP_NUM_THREADS": "1", "PROBE_NAN_AT_STEP": "12", "PROBE_NAN_RANK": "1"}
     result = subprocess.run(command, cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True, timeout=600)
