@@ -97,7 +97,9 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
   done
   PREFKIT_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/prefkit-launch.XXXXXX")
   export PREFKIT_EXIT_DIR
-  trap 'rm -rf "$PREFKIT_EXIT_DIR"' EXIT
+  # Never fails: under `set -e` a failing command in the EXIT trap becomes the script's status (a lost node's 6 read
+  # as 1 when a second worker recorded its own stop while the directory was being removed). Once more after a second.
+  trap 'rm -rf "$PREFKIT_EXIT_DIR" 2>/dev/null || { sleep 1; rm -rf "$PREFKIT_EXIT_DIR" 2>/dev/null; } || true' EXIT
   if [[ -r /proc/$$/stat ]]; then
     echo "$$ $(process_start $$) $here" >"$PREFKIT_EXIT_DIR/launcher"
   fi

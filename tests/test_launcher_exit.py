@@ -48,3 +48,49 @@ def test_docs_reliability_has_a_row_for_every_exit_status():
     table = doc[doc.index("### Exit statuses"):]
     rows = {int(number) for row in re.findall(r"^\| ([0-9 /]+) \|", table, re.M) for number in row.split("/")}
     assert rows == {int(status) for status in ExitStatus}
+
+
+def test_a_record_into_a_removed_launch_directory_leaves_the_status_to_the_worker(under_launcher, monkeypatch):
+    """Two ranks of a node stop at once (a lost node): one's record ends the launch and the launcher removes its
+    directory while the other writes. That worker exits with its own status instead of a traceback."""
+    def gone(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(launcher_exit.os, "replace", gone)
+    assert launcher_exit.settle(ExitStatus.NODE_LOST) == ExitStatus.NODE_LOST
+
+
+def test_the_launcher_exits_with_the_recorded_status_when_removing_its_directory_fails(tmp_path):
+    """run_distributed.sh runs under `set -e`, where a failing command in the EXIT trap becomes the script's status:
+    a lost node's 6 came out as 1 when another worker wrote its record while `rm -rf` removed the launch directory
+    ("Directory not empty"). Fakes at the process boundary: `python` (the preflight passes; the launch records 6, as
+    a stopped worker does) and an `rm` that fails once, as that race makes it fail."""
+    import stat
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    fakes = tmp_path / "bin"
+    fakes.mkdir()
+    (fakes / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in\n'
+        '  *src.run_safety.parent_watch*) echo 6 >"$PREFKIT_EXIT_DIR/rank-0" ;;\n'
+        "  *socket*) echo 29999 ;;\n"
+        "  *src.resource_limits*) echo 1 ;;\n"
+        "esac\n")
+    (fakes / "rm").write_text(
+        "#!/usr/bin/env bash\n"
+        f'[[ -e {tmp_path}/rm-failed ]] && exec /bin/rm "$@"\n'
+        f"touch {tmp_path}/rm-failed\n"
+        "echo \"rm: cannot remove '${@: -1}': Directory not empty\" >&2\n"
+        "exit 1\n")
+    for fake in fakes.iterdir():
+        fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    launches = tmp_path / "tmp"
+    launches.mkdir()
+    env = {"PATH": f"{fakes}:/usr/bin:/bin", "PYTHON": str(fakes / "python"), "TMPDIR": str(launches)}
+    done = subprocess.run(["bash", str(root / "run_distributed.sh"), "2"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == ExitStatus.NODE_LOST, done.stderr
+    assert (tmp_path / "rm-failed").exists(), "the fake rm was used"
+    assert list(launches.iterdir()) == [], "removed on the second try"

@@ -35,8 +35,11 @@ def record(code: int) -> bool:
     if code not in FINAL or directory is None or not directory.is_dir():
         return False
     temporary = directory / f".rank-{os.environ.get('RANK', '0')}-{os.getpid()}"
-    temporary.write_text(f"{int(code)}\n")
-    os.replace(temporary, directory / f"rank-{os.environ.get('RANK', '0')}")
+    try:
+        temporary.write_text(f"{int(code)}\n")
+        os.replace(temporary, directory / f"rank-{os.environ.get('RANK', '0')}")
+    except OSError:  # the launcher is already gone (another rank's record ended it): the status is this worker's own
+        return False
     return True
 
 
