@@ -163,10 +163,36 @@ def _main_entry(argv: list[str]) -> int:
     return main(argv)
 
 
+_warmed: list[bool] = []
+
+
+def _warm() -> None:
+    """Once per test process, before its first fork: what a run imports that collecting the tests did not (TRL's
+    trainers and configs of every objective, and through them transformers' Trainer; datasets, pandas and pyarrow;
+    the report's matplotlib), so that each forked run finds them imported instead of importing them again. The
+    trackers TRL imports when installed (wandb: TRL's base trainer imports it) are then imported in the test process,
+    as after any in-process test that builds a trainer; no forked run asks for one (test_trackers starts fresh
+    interpreters)."""
+    if _warmed:
+        return
+    _warmed.append(True)
+    import datasets  # noqa: F401
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+    import matplotlib.ticker  # noqa: F401
+
+    from src.objectives import OBJECTIVES, load
+
+    for row in OBJECTIVES.values():
+        load(row.trl_config)
+        load(row.trainer)
+
+
 def start(argv: list[str], stdout: Path, stderr: Path, env: dict[str, str] | None = None, cwd: Path = PROJECT_ROOT,
           entry=_main_entry) -> int:
     """Forks a process running `entry(argv)` (the toolkit's main by default) with `env` as its whole environment
     (this process's when None); its pid. Output goes to the two files."""
+    _warm()
     environment = dict(os.environ if env is None else env)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -22,7 +22,7 @@ from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoints import checkpoint_step, checkpoints
 
 
-STEPS = 30  # kills land at steps 10-20 (seams: the moment named, on every run): the job is still training
+STEPS = 40  # kills land at steps 10-22 (seams: the moment named, on every run): the job is still training
 
 
 def job_args(model: Path, data: Path, results: Path, steps: int = STEPS, save_steps: int = 10) -> list[str]:
@@ -185,97 +185,110 @@ def assert_finished_like_the_reference(run_dir: Path, reference: dict[int, float
     return info
 
 
-def test_lost_worker_restarts_and_resumes_from_the_newest_complete_checkpoint(tiny_model, reference_losses,
-                                                                               tmp_path):
+@pytest.fixture(scope="module")
+def twice_killed_run(tiny_model, reference_losses, tmp_path_factory):
+    """One launch whose workers are killed twice, each at a named moment (seams, PREFKIT_TEST_KILL_AT_CHECKPOINT: the
+    same moment on every run, not a race with a polling test), and that torchrun restarts each time: rank 0 dies with
+    checkpoint-10's pieces written and its completion marker not yet; after that restart, rank 1 dies right after
+    checkpoint-20 is complete. Serves the two tests below. (the run directory, its training_info.json)"""
     data, reference = reference_losses
-    run_dir = tmp_path / "results" / "job"
-    killed = tmp_path / "killed"  # rank 1 dies right after checkpoint-20 is complete (a seam: no polling race)
-    process = start_launcher(job_args(tiny_model, data, tmp_path / "results"), tmp_path / "log.txt",
-                             PREFKIT_TEST_KILL_AT_CHECKPOINT=f"after_complete:20:1:{killed}")
+    root = tmp_path_factory.mktemp("twice_killed")
+    mid_save, after_save = root / "killed-mid-save", root / "killed-after-save"
+    process = start_launcher(job_args(tiny_model, data, root / "results", save_steps=5), root / "log.txt",
+                             PREFKIT_TEST_KILL_AT_CHECKPOINT=f"before_complete:10:0:{mid_save},"
+                                                            f"after_complete:20:1:{after_save}")
     try:
-        assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+        assert process.wait(timeout=600) == 0, (root / "log.txt").read_text()[-3000:]
     finally:
         os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-    assert killed.exists(), "the seam never fired: the test proves nothing"
+    assert mid_save.exists() and after_save.exists(), "a seam never fired: the test proves nothing"
+    run_dir = root / "results" / "job"
     info = assert_finished_like_the_reference(run_dir, reference)
-    (resume,) = info["resumes"]
-    assert resume["from_step"] == 20 and resume["previous_status"] == "running"
+    assert len(info["resumes"]) == 2, info["resumes"]
+    return run_dir, info
 
 
-def test_killed_while_saving_never_resumes_from_the_half_written_checkpoint(tiny_model, reference_losses, tmp_path):
-    """Rank 0 is killed with checkpoint-10's pieces written and its completion marker not yet (a seam in the save,
-    PREFKIT_TEST_KILL_AT_CHECKPOINT: the same moment on every run, not a race with a polling test)."""
+def test_killed_while_saving_never_resumes_from_the_half_written_checkpoint(twice_killed_run):
+    run_dir, info = twice_killed_run
+    first = info["resumes"][0]
+    assert first["from_step"] == 5 and first["previous_status"] == "running"
+    assert str(run_dir / "model" / "checkpoint-10") in first["removed_incomplete_checkpoints"]
+
+
+def test_lost_worker_restarts_and_resumes_from_the_newest_complete_checkpoint(twice_killed_run):
+    _, info = twice_killed_run
+    second = info["resumes"][1]
+    assert second["from_step"] == 20 and second["previous_status"] == "running"
+
+
+TERM_THEN_KILL_AT = 22  # launch 2's kill; its stop lands a few steps later, well before STEPS
+
+
+@pytest.fixture(scope="module")
+def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
+    """The same command launched three times into one run directory:
+    1. SIGTERM to the launcher's whole process group at the end of step 12 (a seam: rank 0 sends it, no polling race),
+       what a scheduler does to the whole job before preempting it;
+    2. relaunched, `kill -9` of its launcher's process group at the end of step TERM_THEN_KILL_AT (a seam: rank 0
+       kills it; a terminal's kill, an OOM kill of torchrun's agent): the workers, in sessions of their own, must see
+       their agent gone and stop as on SIGTERM;
+    3. relaunched right away: it takes the hold over and finishes.
+    Serves the two tests below. (the run directory; after launch 1, its training_info.json, the steps of its complete
+    checkpoints and report.md's first line; training_info.json at the end; the three consoles; how long launch 2's
+    processes took to end after its kill)"""
     data, reference = reference_losses
-    run_dir = tmp_path / "results" / "job"
-    killed = tmp_path / "killed"
-    process = start_launcher(job_args(tiny_model, data, tmp_path / "results", save_steps=5), tmp_path / "log.txt",
-                             PREFKIT_TEST_KILL_AT_CHECKPOINT=f"before_complete:10:0:{killed}")
+    root = tmp_path_factory.mktemp("stopped_twice")
+    run_dir = root / "results" / "job"
+    args = job_args(tiny_model, data, root / "results", save_steps=50)
+    signalled, killed = root / "signalled", root / "killed"
+    logs = [root / f"log{number}.txt" for number in (1, 2, 3)]
+    launches = []
     try:
-        assert process.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-3000:]
-    finally:
-        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-    assert killed.exists(), "the seam never fired: the test proves nothing"
-    info = assert_finished_like_the_reference(run_dir, reference)
-    (resume,) = info["resumes"]
-    assert resume["from_step"] == 5
-    assert str(run_dir / "model" / "checkpoint-10") in resume["removed_incomplete_checkpoints"]
-
-
-def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_model, reference_losses, tmp_path):
-    data, reference = reference_losses
-    run_dir = tmp_path / "results" / "job"
-    args = job_args(tiny_model, data, tmp_path / "results", save_steps=50)
-    # SIGTERM to the launcher's whole process group at the end of step 12 (a seam: rank 0 sends it, no polling race),
-    # what a scheduler does to the whole job before preempting it
-    signalled = tmp_path / "signalled"
-    process = start_launcher(args, tmp_path / "log1.txt", PREFKIT_TEST_KILL_STARTER=f"step:12:{signalled}:TERM")
-    try:
-        process.wait(timeout=600)
+        launches.append(start_launcher(args, logs[0], PREFKIT_TEST_KILL_STARTER=f"step:12:{signalled}:TERM"))
+        launches[0].wait(timeout=600)
         assert signalled.exists(), "the seam never fired: the test proves nothing"
-    finally:
-        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
-    assert info["status"] == "stopped" and "stopped by SIGTERM at step" in info["stop_reason"]
-    stopped_at = int(info["stop_reason"].split("at step ")[1].split(":")[0])
-    assert 12 <= stopped_at < STEPS
-    assert (run_dir / "model" / f"checkpoint-{stopped_at}" / COMPLETE_MARKER).exists()
-    assert "run the same command" in (tmp_path / "log1.txt").read_text()
-    assert (run_dir / "report.md").read_text().startswith(f"**stopped** (by SIGTERM) at step {stopped_at} of ")
+        after_sigterm = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+        report_line = (run_dir / "report.md").read_text().split("\n", 1)[0]
+        complete_after_sigterm = [checkpoint_step(path) for path in checkpoints(run_dir / "model")
+                                  if (path / COMPLETE_MARKER).exists()]
 
-    relaunched = start_launcher(args, tmp_path / "log2.txt")
-    assert relaunched.wait(timeout=600) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
-    info = assert_finished_like_the_reference(run_dir, reference)
-    assert info["resumes"][0]["from_step"] == stopped_at
-
-
-def test_a_killed_launcher_stops_its_workers_as_sigterm_does_and_the_same_command_resumes(tiny_model, reference_losses,
-                                                                                        tmp_path):
-    """`kill -9` of the launcher's process group (a terminal's kill, an OOM kill of torchrun's agent) at the end of
-    step 12 (a seam: rank 0 kills it): the workers, in sessions of their own, see their agent gone and stop as on
-    SIGTERM (a complete checkpoint, status stopped) within seconds; the same command relaunched right away takes the
-    hold over and finishes with the curve of the run left alone."""
-    data, reference = reference_losses
-    run_dir = tmp_path / "results" / "job"
-    args = job_args(tiny_model, data, tmp_path / "results", save_steps=50)
-    killed = tmp_path / "killed"
-    first = start_launcher(args, tmp_path / "log1.txt", PREFKIT_TEST_KILL_STARTER=f"step:12:{killed}",
-                           **{TAG: f"{tmp_path}-first"})
-    relaunched = None
-    try:
-        first.wait(timeout=600)
+        launches.append(start_launcher(args, logs[1], PREFKIT_TEST_KILL_STARTER=f"step:{TERM_THEN_KILL_AT}:{killed}",
+                                       **{TAG: f"{root}-second"}))
+        launches[1].wait(timeout=600)
         assert killed.exists(), "the seam never fired: the test proves nothing"
-        relaunched = start_launcher(args, tmp_path / "log2.txt", **{TAG: f"{tmp_path}-again"})  # right away
-        print(f"the killed launch's processes ended {seconds_until_gone(f'{tmp_path}-first'):.1f} s after the kill")
-        assert relaunched.wait(timeout=600) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
+        launches.append(start_launcher(args, logs[2], **{TAG: f"{root}-third"}))  # right away
+        gone_after = seconds_until_gone(f"{root}-second")
+        assert launches[2].wait(timeout=600) == 0, logs[2].read_text()[-3000:]
     finally:
-        for process in filter(None, (first, relaunched)):
+        for process in launches:
             os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-        kill_tagged(f"{tmp_path}-first")
+        kill_tagged(f"{root}-second")
     info = assert_finished_like_the_reference(run_dir, reference)
-    (resume,) = info["resumes"]
-    assert resume["previous_status"] == "stopped" and 12 < resume["from_step"] < STEPS, resume
-    assert f"stopped by the loss of its launcher at step {resume['from_step']}: checkpoint" in \
-        (tmp_path / "log1.txt").read_text()
+    assert len(info["resumes"]) == 2, info["resumes"]
+    return (run_dir, after_sigterm, complete_after_sigterm, info, report_line, [log.read_text() for log in logs],
+            gone_after)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(stopped_twice_run):
+    _, after_sigterm, complete_after_sigterm, info, report_line, consoles, _ = stopped_twice_run
+    assert after_sigterm["status"] == "stopped" and "stopped by SIGTERM at step" in after_sigterm["stop_reason"]
+    stopped_at = int(after_sigterm["stop_reason"].split("at step ")[1].split(":")[0])
+    assert 12 <= stopped_at < TERM_THEN_KILL_AT
+    assert stopped_at in complete_after_sigterm
+    assert "run the same command" in consoles[0]
+    assert report_line.startswith(f"**stopped** (by SIGTERM) at step {stopped_at} of ")
+    assert info["resumes"][0]["from_step"] == stopped_at and info["resumes"][0]["previous_status"] == "stopped"
+
+
+def test_a_killed_launcher_stops_its_workers_as_sigterm_does_and_the_same_command_resumes(stopped_twice_run):
+    """Launch 2's processes end within seconds of its launcher's kill -9, having saved a complete checkpoint and
+    marked the run stopped; launch 3, started right away, takes the hold over and finishes with the curve of the run
+    left alone (asserted by the fixture)."""
+    _, _, _, info, _, consoles, gone_after = stopped_twice_run
+    print(f"the killed launch's processes ended {gone_after:.1f} s after the kill")
+    resume = info["resumes"][1]
+    assert resume["previous_status"] == "stopped" and TERM_THEN_KILL_AT < resume["from_step"] < STEPS, resume
+    assert f"stopped by the loss of its launcher at step {resume['from_step']}: checkpoint" in consoles[1]
 
 
 def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, reference_losses, tmp_path):

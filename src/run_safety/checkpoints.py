@@ -21,19 +21,16 @@ from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 # A test seam: "<moment>:<step>:<rank>:<flag file>" SIGKILLs that rank once (the flag file says it happened) at that
 # moment of checkpoint-<step>'s save: "before_complete" (its pieces written, its marker not yet: a save cut in half)
 # or "after_complete" (every rank past the save). A kill at a known moment, not a race with a polling test
-# (tests/test_resilience.py).
+# (tests/test_resilience.py). Several, separated by commas, kill one launch at each in turn (torchrun restarts it).
 KILL_AT_CHECKPOINT = "PREFKIT_TEST_KILL_AT_CHECKPOINT"
 
 
 def kill_if_injected(moment: str, step: int, rank: int) -> None:
-    wanted = os.environ.get(KILL_AT_CHECKPOINT)
-    if not wanted:
-        return
-    at_moment, at_step, at_rank, flag = wanted.split(":", 3)
-    if (at_moment, int(at_step), int(at_rank)) != (moment, step, rank) or os.path.exists(flag):
-        return
-    Path(flag).touch()
-    os.kill(os.getpid(), signal.SIGKILL)
+    for wanted in filter(None, os.environ.get(KILL_AT_CHECKPOINT, "").split(",")):
+        at_moment, at_step, at_rank, flag = wanted.split(":", 3)
+        if (at_moment, int(at_step), int(at_rank)) == (moment, step, rank) and not os.path.exists(flag):
+            Path(flag).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"  # transformers' name for checkpoint-<step> directories
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
