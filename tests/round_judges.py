@@ -28,8 +28,9 @@ def not_a_number(row: dict, answer: str):
 
 
 def fails_after_first_round(row: dict, answer: str) -> float:
-    """Scores like by_length until the file ROUND_JUDGE_MARK exists (a test creates it after round 1), then raises."""
-    if os.path.exists(os.environ["ROUND_JUDGE_MARK"]):
+    """Scores like by_length, and raises once round 1 is recorded (the file ROUND_JUDGE_AFTER, round1/round.json)
+    while the file ROUND_JUDGE_MARK exists: the judge goes down in round 2, at the same moment on every run."""
+    if os.path.exists(os.environ["ROUND_JUDGE_MARK"]) and os.path.exists(os.environ["ROUND_JUDGE_AFTER"]):
         raise RuntimeError("judge service unavailable")
     return by_length(row, answer)
 

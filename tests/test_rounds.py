@@ -162,14 +162,12 @@ def test_a_round_stopped_in_its_judging_resumes_there_and_keeps_the_rounds_befor
     mark = tmp_path / "judge_down"
     args = round_args(tiny_model, data, tmp_path / "results", "--rounds", "2", "--judge",
                       "tests.round_judges:fails_after_first_round")
-    env = {"ROUND_JUDGE_MARK": str(mark)}
-    # Round 1 finishes; the judge goes down in round 2 (the file appears once round 1's pairs are written).
-    first = forked.Running(args, env=os.environ | {"OMP_NUM_THREADS": "1"} | env)
     run_dir = tmp_path / "results" / "iter"
-    round1 = run_dir / "round1" / "round.json"
-    _wait_for(lambda: round1.exists() or first.poll() is not None)
+    env = {"ROUND_JUDGE_MARK": str(mark), "ROUND_JUDGE_AFTER": str(run_dir / "round1" / "round.json")}
+    # Round 1 finishes; the judge goes down in round 2 (it fails once round 1 is recorded, while the mark exists).
     mark.touch()
-    out, err = first.communicate(timeout=600)
+    first = launch(args, **env)
+    out, err = first.stdout, first.stderr
     assert first.returncode == 2 and "judge service unavailable" in err, out[-2000:] + err[-2000:]
     assert "DPO ROUND 1 of 2" in out and "pairs from 16 prompts" in out
     pairs_before = (run_dir / "round1" / "pairs" / "train.jsonl").read_bytes()
@@ -236,15 +234,16 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
             kill_tagged(tag)
     assert "round 1: sampling" in (tmp_path / "reference.log").read_text(), "round 1 sampled again: nothing kept"
 
-    # Stopped by SIGTERM while round 1 trains (its pairs written), then the same command again.
-    log = tmp_path / "two.log"
-    job = subprocess.Popen(["bash", "run_distributed.sh", "2", *args], cwd=PROJECT_ROOT, start_new_session=True,
-                           env=os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
-                           stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    # Stopped by SIGTERM to the launcher's process group at the end of round 1's third training step (its pairs
+    # written; a seam: rank 0 sends it, the offline stage has 2 steps), then the same command again.
+    log, signalled = tmp_path / "two.log", tmp_path / "signalled"
+    job = start_launcher(args, log, PREFKIT_TEST_KILL_STARTER=f"step:3:{signalled}:TERM")
+    try:
+        job.wait(timeout=600)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    assert signalled.exists(), log.read_text()[-3000:]
     run_dir = tmp_path / "two" / "iter"
-    _wait_for(lambda: any(run_dir.glob("model/checkpoint-*/trainer_state.json")) or job.poll() is not None)
-    os.killpg(job.pid, signal.SIGTERM)
-    job.wait(timeout=300)
     info = run_files.read_json(run_dir / "training_info.json")
     assert info["status"] == "stopped", log.read_text()[-3000:]
     pairs_written = (run_dir / "pairs" / "train.jsonl").read_bytes()
@@ -322,15 +321,6 @@ def test_rounds_from_prompts_alone_start_from_the_model_pair_as_one_process_and_
     assert (run_dir / "pairs" / "train.jsonl").read_bytes() == pairs_written
     finished = launch(args)
     assert finished.returncode == 0 and "is already finished" in finished.stdout, finished.stdout + finished.stderr
-
-
-def _wait_for(condition, timeout: float = 400):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError("timed out")
 
 
 def test_a_round_where_every_answer_ties_names_what_the_judge_returned_and_what_to_change():
