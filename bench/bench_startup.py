@@ -10,6 +10,8 @@ tree) with its own prepared-data cache, warmed by one untimed preflight per size
 - `start`: `python -m src.main_distributed` training DPO for one step (no reference pass: its cost grows with the
   data and is no start cost), from the launch to its first line in metrics.jsonl (the first step done), and the whole
   process's CPU (to its exit, one step and its files included).
+- `audit`: `python -m src.audit --dataset_name F` (the data alone: no model part, no judge), on the warm cache and on
+  a cold one (a copy of the file with a new modification time: prepared again).
 The data is bench/ultrafeedback_like.py's pairs, short (prompts ~12 words, answers ~20), with the embedded model.
 Medians over the repeats; the ratio is this tree over the base. A shared machine: compare arms of one run only.
 """
@@ -32,8 +34,9 @@ sys.path.insert(0, str(HERE))
 import ultrafeedback_like  # noqa: E402
 
 
-def run_measured(command: list[str], cwd: Path, env: dict, first_line_of: Path | None = None) -> tuple[float, float, float | None]:
-    """(wall s, CPU s of the process and its children, s until `first_line_of` had a line)."""
+def run_measured(command: list[str], cwd: Path, env: dict, first_line_of: Path | None = None,
+                 ok: tuple[int, ...] = (0,)) -> tuple[float, float, float | None]:
+    """(wall s, CPU s of the process and its children, s until `first_line_of` had a line); exit statuses in `ok`."""
     started = time.monotonic()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     first = None
@@ -45,7 +48,7 @@ def run_measured(command: list[str], cwd: Path, env: dict, first_line_of: Path |
             break
         time.sleep(0.02)
     wall = time.monotonic() - started
-    if os.waitstatus_to_exitcode(status) != 0:
+    if os.waitstatus_to_exitcode(status) not in ok:
         raise SystemExit(f"{' '.join(command)} (in {cwd}) failed:\n{process.stderr.read().decode()[-3000:]}")
     return wall, usage.ru_utime + usage.ru_stime, first
 
@@ -99,6 +102,17 @@ def main() -> None:
                 wall, cpu, first = run_measured(train, tree, arm_env(arm), first_line_of=run_dir / "metrics.jsonl")
                 results.setdefault(("start to 1st step", size, arm), []).append(first)
                 results.setdefault(("training process CPU", size, arm), []).append(cpu)
+                for cache in ("warm", "cold"):
+                    audited = data[size]
+                    if cache == "cold":  # the same rows, a file the cache has not seen
+                        audited = work / f"audit-cold-{size}.jsonl"
+                        audited.write_bytes(data[size].read_bytes())
+                    audit = [sys.executable, "-m", "src.audit", "--dataset_name", str(audited), "--max_length", "128",
+                             "--judge", "none", "--results_dir", str(work / f"results-{arm}"), "--run_name",
+                             f"audit-{size}"]
+                    wall, cpu, _ = run_measured(audit, tree, arm_env(arm), ok=(0, 1))  # 1: a warning fired
+                    results.setdefault((f"audit wall ({cache} cache)", size, arm), []).append(wall)
+                    results.setdefault((f"audit CPU ({cache} cache)", size, arm), []).append(cpu)
                 print(f"repeat {repeat + 1}, {size} pairs, {arm}: " + ", ".join(
                     f"{measure} {values[-1]:.2f}" for (measure, at_size, at_arm), values in results.items()
                     if (at_size, at_arm) == (size, arm)), file=sys.stderr)
@@ -107,7 +121,9 @@ def main() -> None:
           f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     print("| measure | pairs | base | this | this / base |")
     print("|---|---:|---:|---:|---:|")
-    for measure in ("preflight wall", "preflight CPU", "start to 1st step", "training process CPU"):
+    for measure in ("preflight wall", "preflight CPU", "start to 1st step", "training process CPU",
+                    "audit wall (warm cache)", "audit CPU (warm cache)", "audit wall (cold cache)",
+                    "audit CPU (cold cache)"):
         for size in options.sizes:
             before = statistics.median(results[(measure, size, "base")])
             after = statistics.median(results[(measure, size, "this")])

@@ -8,11 +8,13 @@ on the 2-core development machine: bitsandbytes ~1.6 s, wandb ~1.0 s and trackio
 
 A library this run does not need is marked absent for the process (`sys.modules[name] = None`, Python's own way to
 say "not importable"): every library asks `importlib.util.find_spec` or tries the import, gets "not installed", and
-takes its path without it, consistently, for the whole process. A library already imported is left alone.
+takes its path without it, consistently, for the whole process. A library already imported is left alone. A process
+that needs transformers' tokenizer and no model loads it without torch (`without_torch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -68,3 +70,24 @@ def skip_imports(names: list[str]) -> list[str]:
     for name in skipped:
         sys.modules[name] = None
     return skipped
+
+
+@contextlib.contextmanager
+def without_torch():
+    """Runs the block with torch marked absent (when it is not imported yet), then importable again.
+
+    transformers imports torch whenever it is installed, a tokenizer's load included (its configuration classes import
+    its activations, which import torch and torch._dynamo: ~3 s of CPU before anything is read). A process that needs
+    a tokenizer and never a model (`python -m src.audit` without a model part) loads it here. Afterwards torch is
+    importable again but not imported, and transformers keeps, for this process, that it found no torch: only for a
+    process that uses no transformers model later. datasets, imported before, still hashes what it maps (it looks
+    for torch among the imported modules only)."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]

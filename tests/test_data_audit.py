@@ -165,6 +165,29 @@ def test_the_standalone_audit_reads_30k_pairs_and_finds_their_copies(tmp_path, c
     print(f"30k pairs audited in {seconds:.1f} s")
 
 
+def test_the_audit_of_data_alone_does_not_import_torch(tmp_path):
+    """`python -m src.audit --dataset_name F` (no model part, no judge that loads one) counts tokens with the
+    tokenizer alone: transformers would import torch with it (~3 s of CPU), src/unneeded_libraries.py's without_torch
+    keeps it out. A fresh interpreter: the pytest process has torch imported. The embedded model whose tokenizer
+    counts the tokens is built already, as after a machine's first run (building its weights needs torch)."""
+    import subprocess
+    import sys
+
+    from conftest import PROJECT_ROOT, preference_rows
+    from src.embedded.model import ensure_embedded_model
+
+    ensure_embedded_model()
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(30, seed=9))  # new data: prepared, not read back
+    script = ("import sys\nfrom src.audit.__main__ import main\ncode = main(sys.argv[1:])\n"
+              "print('imported:', [name for name in ('torch', 'transformers', 'datasets') if sys.modules.get(name)])\n"
+              "sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", script, "--dataset_name", str(data), "--results_dir",
+                             str(tmp_path / "results")], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    assert "| pairs | 2" in result.stdout and "chosen tokens: mean" in result.stdout, result.stdout[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "imported: ['transformers', 'datasets']", result.stdout[-2000:]
+
+
 def test_a_mistake_in_the_audits_flags_is_one_line(tmp_path, capsys):
     status = audit_main(["--dataset_name", str(tmp_path / "missing.jsonl"), "--stage", "dpo"])
     error = capsys.readouterr().err

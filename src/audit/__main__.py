@@ -14,6 +14,7 @@ Exit status: 0 no warning, 1 a warning fired, 2 a mistake in the flags or the da
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from src.models import ModelError, apply_chat_template_path, load_model_for_audi
 from src.reporting.alerts import format_alerts
 from src.reporting.audit import data_section
 from src.run_safety.exit_status import ExitStatus
+from src.unneeded_libraries import without_torch
 
 WARNINGS = 1  # the exit status when any warning fired (as check_gpu.py's READY WITH WARNINGS)
 
@@ -89,9 +91,12 @@ def run(argv: list[str]) -> int:
     if not needs_hub([config.model.model_name_or_path, config.data.dataset_name]):
         use_local_files_only()
     model_path = resolve_model_path(config.model, config.data.embedded_reasoning)
-    tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
-                                         config.model.chat_template_path)
     reference = config.sources.get("model_name_or_path") == "--model_name_or_path"
+    # No model in this process (no reference part; no judge, or the embedded check): the tokenizer without torch.
+    lean = not reference and (not config.training.audit_judge_pairs or config.training.judge in ("none", "auto", EMBEDDED))
+    with without_torch() if lean else contextlib.nullcontext():
+        tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
+                                             config.model.chat_template_path)
     run_name = config.training.run_name or (Path(config.recipe).stem if config.recipe else "data")
     out_dir = Path(config.training.results_dir) / f"audit-{run_name}"
     out_dir.mkdir(parents=True, exist_ok=True)
