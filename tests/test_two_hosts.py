@@ -89,11 +89,12 @@ def two_hosts():
 
 
 def start_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
-                private_dir: tuple[Path, Path] | None = None, **environment: str) -> tuple[list, list]:
-    """`./run_distributed.sh 2 ARGS` in each namespace as node 0 and node 1, each in its own process group (every
-    process of a "host"); (processes, logs). Each node has its own caches. With private_dir=(directory, per-node
-    subdirectory name), each node sees its own directory at that path (a bind mount in the node's mount namespace):
-    no storage shared there."""
+                private_dir: tuple[Path, Path] | None = None, per_node: int = 2,
+                **environment: str) -> tuple[list, list]:
+    """`./run_distributed.sh PER_NODE ARGS` in each namespace as node 0 and node 1, each in its own process group
+    (every process of a "host"); (processes, logs). Each node has its own caches. With private_dir=(directory,
+    per-node subdirectory name), each node sees its own directory at that path (a bind mount in the node's mount
+    namespace): no storage shared there."""
     processes, logs = [], []
     for node, (namespace, node_dir) in enumerate(zip(hosts.namespaces, node_dirs)):
         node_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def start_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
             "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(port),
             "PREFKIT_CACHE": str(node_dir / "prefkit_cache"), "HF_HOME": str(node_dir / "hf_home"),
             "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-        command = ["./run_distributed.sh", "2", *args]
+        command = ["./run_distributed.sh", str(per_node), *args]
         if private_dir:
             shared, own = private_dir[0], private_dir[0].parent / f"{private_dir[1]}{node}"
             shared.mkdir(parents=True, exist_ok=True)
@@ -134,9 +135,10 @@ def finish_nodes(processes: list, logs: list, timeout: float = NODE_TIMEOUT) -> 
 
 
 def launch_nodes(hosts: Hosts, node_dirs: list[Path], args: list[str], port: int,
-                 private_dir: tuple[Path, Path] | None = None, **environment: str) -> list[tuple[int, str]]:
+                 private_dir: tuple[Path, Path] | None = None, per_node: int = 2,
+                 **environment: str) -> list[tuple[int, str]]:
     """start_nodes, then finish_nodes: (exit status, output) per node."""
-    return finish_nodes(*start_nodes(hosts, node_dirs, args, port, private_dir, **environment))
+    return finish_nodes(*start_nodes(hosts, node_dirs, args, port, private_dir, per_node, **environment))
 
 
 def dpo_args(model: Path, data: Path, results: Path, run_name: str) -> list[str]:
@@ -215,11 +217,12 @@ def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts
 
 def test_results_on_storage_a_node_cannot_see_is_refused(two_hosts, tiny_model, preference_file, tmp_path):
     """Each node sees its own directory at --results_dir: node 1 would silently start afresh on a resume while node 0
-    resumes. The job stops with one clear line instead (MAX_RESTARTS=0: restarting cannot fix storage)."""
+    resumes. The job stops with one clear line instead (MAX_RESTARTS=0: restarting cannot fix storage). One process
+    per node: what is checked is the nodes' storage."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     results = tmp_path / "results"
     outcome = launch_nodes(two_hosts, nodes, dpo_args(tiny_model, preference_file, results, "private"), 29512,
-                           private_dir=(results, "results-of-node"), MAX_RESTARTS="0")
+                           private_dir=(results, "results-of-node"), per_node=1, MAX_RESTARTS="0")
     assert [code for code, _ in outcome] != [0, 0]
     assert "error: --results_dir: node(s) 1 cannot see" in outcome[0][1], outcome[0][1][-4000:]
     assert "must be on storage every node shares" in outcome[0][1]
