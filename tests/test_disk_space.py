@@ -20,7 +20,7 @@ from src import run_files
 from src.run_safety.disk_space import is_write_failure, write_failure_errno
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.build_once import COMPLETE_MARKER
-from src.run_safety.checkpoints import newest_complete_checkpoint
+from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
 from test_run_lock import complete_checkpoint_from
 from test_resilience import job_args, start_launcher, train_losses, wait_for
 
@@ -98,14 +98,15 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
     assert steps == sorted({1, *range(5, steps[-1] + 1, 5)}), "every logged step once, none lost"
 
     filler.unlink()
-    relaunched = start_launcher(args, tmp_path / "relaunched.txt")
+    # Stopped 3 steps after it resumed: SIGTERM to its process group from a seam (rank 0 sends it at that step's end).
+    stopped = tmp_path / "stopped"
+    relaunched = start_launcher(args, tmp_path / "relaunched.txt",
+                                PREFKIT_TEST_KILL_STARTER=f"step:{checkpoint_step(newest) + 3}:{stopped}:TERM")
     try:
-        wait_for(lambda: run_files.read_json(run_dir / run_files.TRAINING_INFO)["resumes"]
-                 and max(train_losses(run_dir), default=0) >= int(newest.name.split("-")[1]) + 3, what="resumed steps")
-        os.killpg(relaunched.pid, signal.SIGTERM)
-        relaunched.wait(timeout=120)
+        relaunched.wait(timeout=600)
     finally:
         os.killpg(relaunched.pid, signal.SIGKILL) if relaunched.poll() is None else None
+    assert stopped.exists(), (tmp_path / "relaunched.txt").read_text()[-3000:]
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert info["resumes"][0]["from_step"] == int(newest.name.split("-")[1]), (tmp_path / "relaunched.txt").read_text()
 

@@ -64,14 +64,15 @@ def test_a_second_launch_into_a_live_run_is_refused_and_a_dead_holder_is_taken_o
     newest = max(int(path.name.split("-")[1]) for path in (run_dir / "model").glob("checkpoint-*")
                  if (path / COMPLETE_MARKER).exists())
 
-    relaunched = start_launcher(args, tmp_path / "relaunched.txt")
+    # Stopped the clean way 3 steps after it resumed: SIGTERM to its process group from a seam (rank 0, that step's end).
+    stopped = tmp_path / "stopped"
+    relaunched = start_launcher(args, tmp_path / "relaunched.txt",
+                                PREFKIT_TEST_KILL_STARTER=f"step:{newest + 3}:{stopped}:TERM")
     try:
-        wait_for(lambda: run_files.read_json(run_dir / run_files.TRAINING_INFO)["resumes"]
-                 and max(train_losses(run_dir), default=0) >= newest + 3, what="the resumed run's steps")
-        os.killpg(relaunched.pid, signal.SIGTERM)  # enough: stop it the clean way
-        relaunched.wait(timeout=120)
+        relaunched.wait(timeout=600)
     finally:
         os.killpg(relaunched.pid, signal.SIGKILL) if relaunched.poll() is None else None
+    assert stopped.exists(), (tmp_path / "relaunched.txt").read_text()[-3000:]
     assert "took over the hold of a job that is gone" in (tmp_path / "relaunched.txt").read_text()
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     assert info["status"] == "stopped" and info["resumes"][0]["from_step"] == newest
