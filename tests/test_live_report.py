@@ -259,18 +259,15 @@ def test_a_two_process_run_reports_running_after_its_first_evaluation_then_finis
                "--max_length", "64", "--logging_steps", "1", "--eval_steps", "2", "--max_steps", "8",
                "--batch_size", "8", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3",
                "--val_size", "4", "--test_size", "4"]
-    # No budget: this 8-step run would otherwise be too short to earn a refresh before its end.
-    environment = os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_LIVE_REPORT_SHARE": "1e9"}
-    job = forked.Running(command, env=environment, nproc=2)  # 2 processes as one job (tests/forked.py)
-    first_lines = []
-    while job.poll() is None:  # every first line report.md shows while the job runs
-        if report.exists():
-            first = report.read_text(encoding="utf-8").split("\n", 1)[0]
-            if not first_lines or first_lines[-1] != first:
-                first_lines.append(first)
-        time.sleep(0.05)
-    output = "".join(job.communicate())
+    # No budget: this 8-step run would otherwise be too short to earn a refresh before its end. Every first line
+    # report.md showed while the job ran: each refresh's, from the seam (src/reporting/live.py REFRESH_LOG).
+    refreshes = tmp_path / "refreshes.txt"
+    environment = os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_LIVE_REPORT_SHARE": "1e9",
+                                "PREFKIT_TEST_LIVE_REPORT_LOG": str(refreshes)}
+    job = forked.run_job(2, command, env=environment)  # 2 processes as one job (tests/forked.py)
+    output = job.stdout + job.stderr
     assert job.returncode == 0, output[-4000:]
+    first_lines = refreshes.read_text(encoding="utf-8").splitlines()
 
     running = [text for text in first_lines if text.startswith("**running**")]
     assert running, first_lines

@@ -100,6 +100,19 @@ def build_report_apart(run_dir: Path, live: Live, timeout_s: float = CHILD_TIMEO
         raise outcome
 
 
+# A test seam: each refresh's report.md first line appended to this file, so a test reads every state the report went
+# through instead of polling the file while the run goes on (tests/test_live_report.py).
+REFRESH_LOG = "PREFKIT_TEST_LIVE_REPORT_LOG"
+
+
+def _note_refresh(run_dir: Path) -> None:
+    log = os.environ.get(REFRESH_LOG)
+    report = run_dir / "report.md"
+    if log and report.exists():
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(report.read_text(encoding="utf-8").split("\n", 1)[0] + "\n")
+
+
 class LiveReport(TrainerCallback):
     """Refreshes `run_dir`'s report while training runs (rank 0 only; the other ranks never refresh)."""
 
@@ -166,6 +179,7 @@ class LiveReport(TrainerCallback):
         self.last_end = self.clock()
         self.last_duration = self.last_end - started
         self.due = False
+        _note_refresh(self.run_dir)
         self.refreshes += 1
         self.seconds += self.last_duration
         if self.report_pause is not None:
