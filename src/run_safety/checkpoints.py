@@ -20,8 +20,9 @@ from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 
 # A test seam: "<moment>:<step>:<rank>:<flag file>" SIGKILLs that rank once (the flag file says it happened) at that
 # moment of checkpoint-<step>'s save: "before_complete" (its pieces written, its marker not yet: a save cut in half)
-# or "after_complete" (every rank past the save). A kill at a known moment, not a race with a polling test
-# (tests/test_resilience.py).
+# or "after_complete" (every rank past the save). Rank "*" is every rank, each with its own flag file
+# (<flag file>.rank<r>): at "after_complete", the whole job SIGKILLed at once, as a node's power or a `kill -9` of every
+# worker. A kill at a known moment, not a race with a polling test (tests/test_resilience.py, test_grpo.py).
 KILL_AT_CHECKPOINT = "PREFKIT_TEST_KILL_AT_CHECKPOINT"
 
 
@@ -30,6 +31,8 @@ def kill_if_injected(moment: str, step: int, rank: int) -> None:
     if not wanted:
         return
     at_moment, at_step, at_rank, flag = wanted.split(":", 3)
+    if at_rank == "*":
+        at_rank, flag = str(rank), f"{flag}.rank{rank}"
     if (at_moment, int(at_step), int(at_rank)) != (moment, step, rank) or os.path.exists(flag):
         return
     Path(flag).touch()
