@@ -118,8 +118,8 @@ def reference_seconds(stage_dir: Path) -> float:
 
 
 def training_seconds(arm: str, run_dir: Path) -> float:
-    """The CPU-seconds the run spent on what the budget counts: its steps (a round's sampling and judging too), DPO's reference
-    pass; not loading, nor the held-out answers judged before and after."""
+    """The CPU-seconds the run spent on what the budget counts: its steps (a round's sampling and judging too), DPO's
+    reference pass; not loading, nor the held-out answers judged before and after."""
     total = 0.0
     for stage_dir in _stage_dirs(run_dir):
         records = [record for record in _read(stage_dir / "metrics.jsonl") if "loss" in record and "time_s" in record]
@@ -175,8 +175,8 @@ def full(arm: str, plan: dict, options, sft_model: str, results: Path) -> dict:
     run_dir, wall, cpu = launch(f"{arm}", flags, results)
     stages = _stage_dirs(run_dir)
     first, last = (_read(stage / "samples_test.jsonl") for stage in (stages[0], stages[-1]))
-    outcome = {"wall_s": wall, "train_s": training_seconds(arm, run_dir), "cpu_s": cpu, "load": os.getloadavg(), "prompts": [row["prompt"] for row in last],
-               "before": first, "after": last}
+    outcome = {"wall_s": wall, "train_s": training_seconds(arm, run_dir), "cpu_s": cpu, "load": os.getloadavg(),
+               "prompts": [row["prompt"] for row in last], "before": first, "after": last}
     if arm.startswith("grpo"):
         records = [record for record in _read(run_dir / "metrics.jsonl") if "loss" in record][1:]
         outcome["split"] = {key: statistics.median(record[key] for record in records if key in record)
@@ -193,12 +193,14 @@ def report(outcomes: dict, plan: dict, rates: dict, options, sft_s: float) -> No
     same = len({json.dumps(outcome["prompts"]) for outcome in outcomes.values()}) == 1
     n = len(outcomes[arms[0]]["prompts"])
     print(f"\n{datetime.date.today()}, load average {os.getloadavg()}; SFT model: {sft_s:.0f} s; budget "
-          f"{options.budget:.0f} CPU-s of training per arm (one thread); judged test prompts: {n}, the same in every arm: {same}")
+          f"{options.budget:.0f} CPU-s of training per arm (one thread); judged test prompts: {n}, the same in every "
+          f"arm: {same}")
     base = outcomes[arms[0]]["before"]
     for key in ("score", "correct"):
         print(f"\nSFT model ({key}): {100 * statistics.fmean(values(base, 'reference', key)):.1f}%")
-    print("\n| arm | given (at its probed rate) | training s (probed s/step) | correct and preferred after | "
-          "gain from SFT (95%) | correct after | gain from SFT (95%) |\n|---|---|---|---|---|---|---|")
+    print("\n| arm | given (at its probed rate) | training CPU-s as run (probed CPU-s/step) | "
+          "correct and preferred after | gain from SFT (95%) | correct after | gain from SFT (95%) |\n"
+          "|---|---|---|---|---|---|---|")
     for arm, outcome in outcomes.items():
         given = ", ".join(f"{key} {value}" for key, value in plan[arm].items())
         cells = []
@@ -241,7 +243,9 @@ def main() -> None:
     parser.add_argument("--sampling_share", type=float, default=0.67,
                         help="the rounds arm's share of a round's budget spent sampling and judging (the recipe's, "
                         "docs/rounds.md: 198 s of 291 s in round 1)")
-    parser.add_argument("--probe_steps", type=int, default=6, help="steps per probe")
+    parser.add_argument("--probe_steps", type=int, default=12,
+                        help="steps per probe (a GRPO step's cost varies with its sampled answers' lengths: 6 steps "
+                        "put GRPO-4's 11%% above GRPO-8's for the same work, docs/grpo.md)")
     parser.add_argument("--probe_prompts", type=int, default=64, help="prompts in the rounds arm's probe round")
     parser.add_argument("--probe_repeats", type=int, default=1)
     parser.add_argument("--arms", nargs="+", default=[arm for arm in ARMS if arm not in SAME_WORK], choices=list(ARMS))

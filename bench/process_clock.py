@@ -10,9 +10,9 @@ toolkit then leaves to torch), a CPU-second is the wall-clock second the same wo
 other jobs takes the core away and so stops the clock, rather than stretching the step. What it leaves out: waiting on
 the disk (a few loads and saves here) and the contention two jobs on one core still cause (shared caches, memory
 bandwidth: small next to a time slice lost). Functions that bound a wait with a deadline read the same clock and
-would wait longer (the standard library's own waits, threading's and subprocess's, bound the real clock
-when imported, before the swap): none is on a one-process run's path (the run lock's wait for a previous holder, the node watch of
-multi-node jobs). bench/bench_grpo_vs_dpo.py launches its arms through it.
+would wait longer (the standard library's own waits, threading's and subprocess's, bound the real clock when
+imported, before the swap): none is on a one-process run's path (the run lock's wait for a previous holder, the node
+watch of multi-node jobs). bench/bench_grpo_vs_dpo.py launches its arms through it.
 """
 
 from __future__ import annotations

@@ -487,8 +487,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                                                                               saved["final_model"])}
     if world.is_main:  # rank 0's files: a failed write stops every rank at the barrier below
         with write_failures_noted(stage.run_dir):
-            judged = record_samples(stage.run_dir, rows, before, after, (judged_eval.judge if judged_eval else judge_for(
-                config.training.judge, config.data.dataset_name)) if rows else None)
+            judge = judged_eval.judge if judged_eval else judge_for(config.training.judge, config.data.dataset_name)
+            judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
             judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                            for split, scores in pairs_after.items()})
             end_step_done("samples")

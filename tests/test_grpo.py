@@ -507,7 +507,8 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
                          for rank in ranks for answer in rank["answers"])
         records = run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
         metrics = [record for record in records if "loss" in record]
-        judged = [(record["step"], record["eval_judged_reward"]) for record in records if "eval_judged_reward" in record]
+        judged = [(record["step"], record["eval_judged_reward"]) for record in records
+                  if "eval_judged_reward" in record]
         runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics, "judged": judged}
     for name in ("1x4", "2x2"):
         info = run_files.read_json(tmp_path / "results" / name / run_files.TRAINING_INFO)

@@ -32,9 +32,10 @@ def judge_rows(rows: list[dict]) -> list[dict]:
 
 
 class JudgedEval:
-    """`measure(model)`: the mean (and its standard error) of --judge's scores of `model`'s greedy answers to `rows` (the held-out rows as
-    src/main_distributed.py's held_out_rows gives them), identical on every rank; `start_answers`: the starting
-    model's answers to the same rows, already generated (the "before" answers), for the start's point."""
+    """`measure(model)`: the mean (and its standard error) of --judge's scores of `model`'s greedy answers to `rows`
+    (the held-out rows as src/main_distributed.py's held_out_rows gives them), identical on every rank;
+    `start_answers`: the starting model's answers to the same rows, already generated (the "before" answers), for
+    the start's point."""
 
     def __init__(self, rows: list[dict], judge, tokenizer, max_new_tokens: int, batch_size: int, world: World,
                  start_answers: list[str] | None = None):
