@@ -5,7 +5,7 @@ quotes its output (issue 39 point 4).
 
     nice -n 19 python bench/bench_grpo_vs_dpo.py --sft_model results/default/sft/model/final --budget 200 \
         --num_samples 300 --rounds 2 --probe_steps 6 --probe_prompts 32 --results_dir /tmp/grpo_vs_dpo
-                                       # docs/grpo.md's run (46 min of wall time at load 6-11 on the shared 2 cores)
+                                       # docs/grpo.md's run (36 min of wall time at load 6-11 on the shared 2 cores)
     ... the same command --arms grpo8 grpo4 rounds dpo grpo4_steps     # then: + GRPO, 4 per prompt, grpo8's steps
     nice -n 19 python bench/bench_grpo_vs_dpo.py --sft_steps 30 --budget 6 --num_samples 16   # a smoke run
 
