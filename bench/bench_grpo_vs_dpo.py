@@ -3,11 +3,11 @@ model and for the same budget of training time, judged on the same held-out test
 and where a GRPO step's time goes (sampling, judging, training) at two sizes of --num_generations. docs/grpo.md
 quotes its output (issue 39 point 4).
 
-    nice -n 19 python bench/bench_grpo_vs_dpo.py --sft_model results/default/sft/model/final --budget 80 \
-        --num_samples 300 --rounds 1 --probe_steps 5 --probe_prompts 32 --results_dir /tmp/grpo_vs_dpo
-                                                     # docs/grpo.md's run (~40 min on the shared 2-core machine)
+    nice -n 19 python bench/bench_grpo_vs_dpo.py --sft_model results/default/sft/model/final --budget 200 \
+        --num_samples 300 --rounds 2 --probe_steps 6 --probe_prompts 32 --results_dir /tmp/grpo_vs_dpo
+                                       # docs/grpo.md's run (36 min of wall time at load 6-11 on the shared 2 cores)
     ... the same command --arms grpo8 grpo4 rounds dpo grpo4_steps     # then: + GRPO, 4 per prompt, grpo8's steps
-    nice -n 19 python bench/bench_grpo_vs_dpo.py --sft_steps 30 --budget 20 --num_samples 16   # a smoke run
+    nice -n 19 python bench/bench_grpo_vs_dpo.py --sft_steps 30 --budget 6 --num_samples 16   # a smoke run
 
 1. **The SFT model**, once: the embedded default's SFT stage (configs/default.yaml's `sft:` block: 1,000 steps at
    2e-3, answers only) as its own one-process run, or --sft_model to reuse one (results/default/sft/model/final after
@@ -20,14 +20,19 @@ quotes its output (issue 39 point 4).
      rounds   configs/iterative_prompts.yaml --stage dpo: on-policy DPO rounds from the prompts alone (8 answers per
               prompt, the checker picks best against worst), --rounds R of --round_prompts P and --round_max_steps M
      dpo      configs/default.yaml --stage dpo: offline DPO on the 2,400 shipped pairs
-3. **The same budget, fairly on a shared machine.** A wall-clock budget is unfair where other jobs load the machine
-   unevenly, so each arm's cost is measured first in short probes, interleaved (grpo8, grpo4, rounds, dpo, repeated
-   --probe_repeats times): seconds per optimizer step (the median gap between two logged steps: everything a step
-   costs, GRPO's sampling and judging included), DPO's one-off reference pass, and a round's cost per prompt (sampling
-   8 answers, judging them, preparing the pairs and their reference pass). Each arm then gets the work that fits
-   --budget seconds at its probed rates: GRPO and DPO a number of steps, the rounds R rounds of P prompts and M steps.
-   The table gives the budget, what each arm was given, and the training seconds each run actually took. What
-   finished is kept in <results_dir>/bench.json: the same command resumes, and with --arms adds an arm to the table.
+3. **The same budget, fairly on a shared machine: CPU-seconds.** Every launch runs through bench/process_clock.py
+   with one compute thread (OMP_NUM_THREADS=1): its timers (step times, GRPO's sampling and judging, DPO's reference
+   pass, a round's sampling) read the process's CPU clock, so --budget is CPU-seconds of one core, which is the
+   wall-clock seconds of an idle core and which other jobs loading the machine do not stretch (a wall-clock budget
+   on a loaded machine gave each arm what the load of its probe's minute allowed: docs/grpo.md's first run gave GRPO-4
+   a third of its steps). Each arm's cost is measured first in short probes, interleaved (grpo8, grpo4, rounds, dpo,
+   repeated --probe_repeats times): CPU-seconds per optimizer step (the median gap between two logged steps:
+   everything a step costs, GRPO's sampling and judging included), DPO's one-off reference pass, and a round's cost
+   per prompt (sampling 8 answers, judging them, preparing the pairs and their reference pass). Each arm then gets
+   the work that fits --budget at its probed rates: GRPO and DPO a number of steps, the rounds R rounds of P prompts
+   and M steps. The table gives the budget, what each arm was given, and the training CPU-seconds each run actually
+   took (the check on the probes), beside each launch's wall time. What finished is kept in <results_dir>/bench.json:
+   the same command resumes, and with --arms adds an arm to the table.
 4. **Judged on the same prompts**: every arm answers the first --num_samples test prompts greedily before (the SFT
    model) and after, judged by the embedded checker (correct and preferred: the score; correct alone). The prompts are
    checked to be the same in every arm. Gains are paired (bench/rounds_gain.py's `paired`: the mean per-prompt
@@ -42,6 +47,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,16 +77,22 @@ SAME_WORK = {"grpo4_steps": "grpo8"}
 QUIET = ["--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "1"]
 
 
-def launch(run_name: str, flags: list[str], results: Path) -> tuple[Path, float]:
-    command = [sys.executable, "-m", "src.main_distributed", *flags, "--results_dir", str(results),
+def launch(run_name: str, flags: list[str], results: Path) -> tuple[Path, float, float]:
+    """Runs one launch on the process clock (bench/process_clock.py), one compute thread; its wall seconds and its
+    whole CPU-seconds (loading and the held-out answers included)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    command = [sys.executable, str(ROOT / "bench/process_clock.py"), *flags, "--results_dir", str(results),
                "--run_name", run_name, "--overwrite"]
     started = time.monotonic()
-    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=os.environ)
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if finished.returncode:
         raise SystemExit(f"{' '.join(command)} exited {finished.returncode}:\n{finished.stdout[-2000:]}"
                          f"{finished.stderr[-3000:]}")
-    return results / run_name, wall
+    return results / run_name, wall, cpu
 
 
 def _read(path: Path) -> list[dict]:
@@ -94,7 +106,7 @@ def _stage_dirs(run_dir: Path) -> list[Path]:
 
 
 def step_times(stage_dir: Path) -> list[float]:
-    """Seconds per optimizer step: the gaps between logged steps (the first step, with its warm-up, left out)."""
+    """CPU-seconds per optimizer step: the gaps between logged steps (the first step, with its warm-up, left out)."""
     records = [record for record in _read(stage_dir / "metrics.jsonl") if "loss" in record and "time_s" in record]
     return [(later["time_s"] - earlier["time_s"]) / max(1, later["step"] - earlier["step"])
             for earlier, later in zip(records, records[1:])]
@@ -106,8 +118,8 @@ def reference_seconds(stage_dir: Path) -> float:
 
 
 def training_seconds(arm: str, run_dir: Path) -> float:
-    """What the run spent on what the budget counts: its steps (a round's sampling and judging too), DPO's reference
-    pass; not loading, nor the held-out answers judged before and after."""
+    """The CPU-seconds the run spent on what the budget counts: its steps (a round's sampling and judging too), DPO's
+    reference pass; not loading, nor the held-out answers judged before and after."""
     total = 0.0
     for stage_dir in _stage_dirs(run_dir):
         records = [record for record in _read(stage_dir / "metrics.jsonl") if "loss" in record and "time_s" in record]
@@ -128,7 +140,7 @@ def probe(arm: str, options, sft_model: str, results: Path, repeat: int) -> dict
                   str(options.probe_steps)]
     else:
         flags += ["--max_steps", str(options.probe_steps)]
-    run_dir, wall = launch(f"probe-{arm}-{repeat}", flags, results)
+    run_dir, wall, _ = launch(f"probe-{arm}-{repeat}", flags, results)
     stage_dir = _stage_dirs(run_dir)[-1]
     outcome = {"step_s": statistics.median(step_times(stage_dir)), "wall_s": wall}
     if arm == "dpo":
@@ -142,7 +154,7 @@ def probe(arm: str, options, sft_model: str, results: Path, repeat: int) -> dict
 
 
 def allocate(rates: dict, options) -> dict:
-    """What fits --budget seconds at each arm's probed rates."""
+    """What fits --budget CPU-seconds at each arm's probed rates."""
     budget = options.budget
     plan = {arm: {"max_steps": max(1, round(budget / rates[arm]["step_s"]))} for arm in ("grpo8", "grpo4")
             if arm in rates}
@@ -160,11 +172,11 @@ def allocate(rates: dict, options) -> dict:
 def full(arm: str, plan: dict, options, sft_model: str, results: Path) -> dict:
     flags = [*ARMS[arm], "--model_name_or_path", sft_model, "--num_samples", str(options.num_samples), *QUIET]
     flags += [item for key, value in plan.items() for item in (f"--{key}", str(value))]
-    run_dir, wall = launch(f"{arm}", flags, results)
+    run_dir, wall, cpu = launch(f"{arm}", flags, results)
     stages = _stage_dirs(run_dir)
     first, last = (_read(stage / "samples_test.jsonl") for stage in (stages[0], stages[-1]))
-    outcome = {"wall_s": wall, "train_s": training_seconds(arm, run_dir), "prompts": [row["prompt"] for row in last],
-               "before": first, "after": last}
+    outcome = {"wall_s": wall, "train_s": training_seconds(arm, run_dir), "cpu_s": cpu, "load": os.getloadavg(),
+               "prompts": [row["prompt"] for row in last], "before": first, "after": last}
     if arm.startswith("grpo"):
         records = [record for record in _read(run_dir / "metrics.jsonl") if "loss" in record][1:]
         outcome["split"] = {key: statistics.median(record[key] for record in records if key in record)
@@ -181,12 +193,14 @@ def report(outcomes: dict, plan: dict, rates: dict, options, sft_s: float) -> No
     same = len({json.dumps(outcome["prompts"]) for outcome in outcomes.values()}) == 1
     n = len(outcomes[arms[0]]["prompts"])
     print(f"\n{datetime.date.today()}, load average {os.getloadavg()}; SFT model: {sft_s:.0f} s; budget "
-          f"{options.budget:.0f} s of training per arm; judged test prompts: {n}, the same in every arm: {same}")
+          f"{options.budget:.0f} CPU-s of training per arm (one thread); judged test prompts: {n}, the same in every "
+          f"arm: {same}")
     base = outcomes[arms[0]]["before"]
     for key in ("score", "correct"):
         print(f"\nSFT model ({key}): {100 * statistics.fmean(values(base, 'reference', key)):.1f}%")
-    print("\n| arm | given (at its probed rate) | training s (probed s/step) | correct and preferred after | "
-          "gain from SFT (95%) | correct after | gain from SFT (95%) |\n|---|---|---|---|---|---|---|")
+    print("\n| arm | given (at its probed rate) | training CPU-s as run (probed CPU-s/step) | "
+          "correct and preferred after | gain from SFT (95%) | correct after | gain from SFT (95%) |\n"
+          "|---|---|---|---|---|---|---|")
     for arm, outcome in outcomes.items():
         given = ", ".join(f"{key} {value}" for key, value in plan[arm].items())
         cells = []
@@ -205,7 +219,7 @@ def report(outcomes: dict, plan: dict, rates: dict, options, sft_s: float) -> No
                                 values(outcomes[lead]["after"], "trained", key))
             cells.append(f"{key} {100 * gain:+.1f} ± {100 * half:.1f} pts")
         print(f"  {lead} - {arm}: {'; '.join(cells)}")
-    print("\n| GRPO step (median) | step s | sampling s | judging s | training s (the rest) |\n|---|---|---|---|---|")
+    print("\n| GRPO step (median, CPU-s) | step | sampling | judging | training (the rest) |\n|---|---|---|---|---|")
     for arm in ("grpo8", "grpo4", "grpo4_steps"):
         if arm in outcomes:
             split = outcomes[arm]["split"]
@@ -213,21 +227,25 @@ def report(outcomes: dict, plan: dict, rates: dict, options, sft_s: float) -> No
             train = step - sampling - judging
             print(f"| {LABELS[arm]} | {step:.3f} | {sampling:.3f} ({sampling / step:.0%}) | "
                   f"{judging:.4f} ({judging / step:.1%}) | {train:.3f} ({train / step:.0%}) |")
-    print("\nwall time per launch (loading and the held-out answers before and after included): "
-          + ", ".join(f"{arm} {outcome['wall_s']:.0f} s" for arm, outcome in outcomes.items()))
+    print("\nper launch (loading and the held-out answers before and after included): "
+          + ", ".join(f"{arm} {outcome['wall_s']:.0f} s wall, {outcome.get('cpu_s', 0):.0f} CPU-s, load average "
+                      f"{outcome.get('load')}" for arm, outcome in outcomes.items()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft_model", default="", help="reuse this SFT model instead of training one")
     parser.add_argument("--sft_steps", type=int, default=1000, help="SFT steps (the default recipe's 1,000)")
-    parser.add_argument("--budget", type=float, default=240.0, help="seconds of training per arm at probed rates")
+    parser.add_argument("--budget", type=float, default=240.0,
+                        help="CPU-seconds (one thread) of training per arm at probed rates")
     parser.add_argument("--num_samples", type=int, default=600, help="held-out test prompts judged (all 600)")
     parser.add_argument("--rounds", type=int, default=2, help="the rounds arm's rounds")
     parser.add_argument("--sampling_share", type=float, default=0.67,
                         help="the rounds arm's share of a round's budget spent sampling and judging (the recipe's, "
                         "docs/rounds.md: 198 s of 291 s in round 1)")
-    parser.add_argument("--probe_steps", type=int, default=6, help="steps per probe")
+    parser.add_argument("--probe_steps", type=int, default=12,
+                        help="steps per probe (a GRPO step's cost varies with its sampled answers' lengths: 6 steps "
+                        "put GRPO-4's 11%% above GRPO-8's for the same work, docs/grpo.md)")
     parser.add_argument("--probe_prompts", type=int, default=64, help="prompts in the rounds arm's probe round")
     parser.add_argument("--probe_repeats", type=int, default=1)
     parser.add_argument("--arms", nargs="+", default=[arm for arm in ARMS if arm not in SAME_WORK], choices=list(ARMS))
@@ -240,7 +258,7 @@ def main() -> None:
     if not sft_model and (results / "sft/model/final").is_dir():
         sft_model = str(results / "sft/model/final")  # a stopped bench's SFT model
     if not sft_model:
-        run_dir, sft_s = launch("sft", [*SFT, "--max_steps", str(options.sft_steps), "--save_steps",
+        run_dir, sft_s, _ = launch("sft", [*SFT, "--max_steps", str(options.sft_steps), "--save_steps",
                                         str(options.sft_steps)], results)
         sft_model = str(run_dir / "model/final")
         print(f"SFT: {sft_s:.0f} s -> {sft_model}", flush=True)

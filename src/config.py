@@ -402,6 +402,12 @@ class TrainingArguments:
         metadata={"help": "Held-out prompts per split (val, test) answered by the starting and the trained model "
                   "and written to the sample files; judged where a judge exists."},
     )
+    judged_eval_prompts: int = field(
+        default=32,
+        metadata={"help": "GRPO: validation prompts answered greedily and judged by --judge at the start and at each "
+                  "evaluation (--eval_steps), the judged held-out curve the reward-hacking alert reads; 0: none. "
+                  "Each evaluation costs generating that many answers (docs/grpo.md)."},
+    )
     max_new_tokens: int = field(default=128, metadata={"help": "Generation length cap for the sample answers."})
     judge: str = field(
         default="auto",
@@ -1027,6 +1033,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--audit_judge_pairs must be 0 or more, got {training.audit_judge_pairs}")
     if training.num_samples < 0:
         raise ConfigError(f"--num_samples must be 0 or more, got {training.num_samples}")
+    if training.judged_eval_prompts < 0:
+        raise ConfigError(f"--judged_eval_prompts must be 0 or more, got {training.judged_eval_prompts}")
     if data.max_length < 8:
         raise ConfigError(f"--max_length must be at least 8 tokens, got {data.max_length}")
     if data.embedded_reasoning and data.dataset_name not in (None, EMBEDDED):

@@ -62,6 +62,7 @@ from src.run_safety.parent_watch import exit_without_teardown, launcher_gone, wa
 from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
+from src.trainers.judged_eval import JudgedEval, judge_rows
 from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
 from src.unneeded_libraries import skip_imports, unneeded_libraries
 
@@ -320,10 +321,8 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
                    for side, given in (("reference", before), ("trained", after))}
         judged = None
         if judge is not None and rows:
-            judge_rows = [{"prompt": row["judge_prompt"], "meta": row.get("meta") or {},
-                           "chosen": row["sample_chosen"]} for row in rows]
-            judged = judge.judge(judge_rows, *([answer["text"] for answer in answers[side]]
-                                               for side in ("reference", "trained")))
+            judged = judge.judge(judge_rows(rows), *([answer["text"] for answer in answers[side]]
+                                                     for side in ("reference", "trained")))
             results[split] = judged.to_dict()
         path = run_dir / run_files.samples_file(split)
         path.unlink(missing_ok=True)
@@ -343,6 +342,23 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
                 **({"answer_stats": stats} if all(stats.values()) else {}),
             })
     return results
+
+
+def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World):
+    """The held-out prompts an objective whose row sets `judged_eval` (GRPO) judges at the start and each evaluation
+    (src/trainers/judged_eval.py): the first --judged_eval_prompts validation prompts, scored by --judge; None without
+    them or a judge. Its start reuses the answers judged before training when they are to the same prompts."""
+    config = stage.config
+    count = config.training.judged_eval_prompts if objective(stage.name).judged_eval else 0
+    curve_rows = held_out_rows(prepared, "validation", count)
+    judge = judge_for(config.training.judge, config.data.dataset_name) if curve_rows else None
+    if judge is None:
+        return None
+    ids = [row["sample_prompt_ids"] for row in curve_rows]
+    start = [answer["text"] for answer in before.get("val", [])][:len(ids)]
+    same = [row["sample_prompt_ids"] for row in rows.get("val", [])][:len(ids)] == ids and len(start) == len(ids)
+    return JudgedEval(curve_rows, judge, tokenizer, config.training.max_new_tokens,
+                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None)
 
 
 def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict, world: World, previous: dict | None,
@@ -417,9 +433,11 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         data_audit.judge_training_pairs(prepared, stage, world)
 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
-    # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on.
-    evaluated = prepared.validation is not None and not {"chosen_ids", "completion_ids", "input_ids"}.isdisjoint(
-        prepared.validation.column_names)
+    # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on a
+    # loss; an objective whose evaluation is judged (GRPO) judges some of them at each evaluation as well.
+    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world)
+    evaluated = judged_eval is not None or (prepared.validation is not None and not {
+        "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
                                   data_settings)
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
@@ -432,6 +450,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
     trackers = TrackerRecord(config.training.report_to, info_path, stage.environment.get("TENSORBOARD_LOGGING_DIR"))
     trainer.add_callback(trackers)
+    if judged_eval is not None:
+        trainer.judged_eval = judged_eval
     if world.is_main and row.needs_reference and "reference" in row.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
@@ -467,8 +487,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                                                                                               saved["final_model"])}
     if world.is_main:  # rank 0's files: a failed write stops every rank at the barrier below
         with write_failures_noted(stage.run_dir):
-            judged = record_samples(stage.run_dir, rows, before, after,
-                                    judge_for(config.training.judge, config.data.dataset_name) if rows else None)
+            judge = judged_eval.judge if judged_eval else judge_for(config.training.judge, config.data.dataset_name)
+            judged = record_samples(stage.run_dir, rows, before, after, judge if rows else None)
             judged.update({split: pair_accuracy(pairs_before[split], scores).to_dict()
                            for split, scores in pairs_after.items()})
             end_step_done("samples")

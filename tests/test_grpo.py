@@ -14,7 +14,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -318,7 +317,8 @@ def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
         assert math.isfinite(record[key]), key
     # where the step's time went: its sampling and judging inside TRL's whole step
     assert 0 < record["time/generation_s"] + record["time/judging_s"] < record["step_time"]
-    panel = objective("grpo").charts[1].panels[1]
+    panel = next(panel for panel in objective("grpo").charts[1].panels if panel.per_logged_key == ("rewards/*/mean",
+                                                                                                     "mean"))
     assert [curve.label for curve in panel_curves([record], panel)] == ["tests.round_judges.by_length mean",
                                                                          "tests.round_judges.always_one mean"]
 
@@ -365,6 +365,28 @@ def test_reward_rising_while_the_judged_held_out_score_falls_is_reward_hacking(r
     assert "grpo_reward_hacking" not in {alert.code for alert in detect_alerts(history, "grpo")}  # no info: not run
 
 
+@pytest.mark.parametrize("curve, sem, alerted", [
+    ([0.50, 0.50, 0.45, 0.40, 0.38], 0.01, True),   # judged during training: down 0.12, past its noise (0.028)
+    ([0.50, 0.52, 0.49, 0.47, 0.46], 0.02, False),  # down 0.04: within its noise (1.96 x the windows' errors: 0.055)
+    ([0.50, 0.40, 0.38, 0.45, 0.38], 0.08, False),  # down 0.12 on a curve this noisy (0.22): noise
+    ([0.40, 0.45, 0.50, 0.52, 0.55], 0.01, False),  # rising: the before/after fall (0.50 -> 0.40) does not count
+])
+def test_reward_hacking_reads_the_held_out_curve_judged_during_training(curve, sem, alerted):
+    """With the held-out prompts judged at each evaluation (eval_judged_reward and its standard error), the alert
+    compares the curve's start with its end, past its noise, rather than the judged result before and after."""
+    from src.reporting.alerts import detect_alerts
+
+    history = [record | {"reward": 0.5 + 0.4 * index / 39} for index, record in enumerate(grpo_history())]
+    for index, value in enumerate(curve):
+        history.append({"step": index * 10, "eval_judged_reward": value, "eval_judged_reward_sem": sem})
+    history.sort(key=lambda record: record["step"])
+    info = {"judge": {"metric": "mean_reward", "split": "test", "n": 200, "before": 0.50, "after": 0.40}}
+    alerts = {alert.code: alert for alert in detect_alerts(history, "grpo", info)}
+    assert ("grpo_reward_hacking" in alerts) == alerted
+    if alerted:
+        assert "held-out prompts judged during training" in alerts["grpo_reward_hacking"].evidence
+
+
 def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
     """report.md of a GRPO run: the charts of its row (a reward curve per judge, read from the logged keys), the data
     table of prompts (no pair rows), its loss settings and final numbers."""
@@ -383,6 +405,21 @@ def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
     assert "embedded x 1, fmt:ok x 0.2" in report and "final share of tied groups" in report
     for chart in ("rewards.png", "groups.png", "policy.png", "answers.png"):
         assert (tmp_path / "run" / "plots" / chart).stat().st_size > 10_000, chart
+
+    # the held-out prompts judged during training: drawn in rewards.png beside the train reward, from the evaluations
+    import matplotlib.pyplot as plt
+
+    from src.objectives import objective
+    from src.reporting.plots import _draw_curve
+
+    history += [{"step": step, "eval_judged_reward": 0.4 + step / 100} for step in (0, 20, 40)]
+    panel = next(panel for chart in objective("grpo").charts if chart.filename == "rewards.png"
+                 for panel in chart.panels if "judged_reward" in {curve.key for curve in panel.curves})
+    figure, axes = plt.subplots()
+    assert all(_draw_curve(axes, history, curve, False)[0] for curve in panel.curves)
+    assert {line.get_label() for line in axes.get_lines()} >= {"train reward (train)",
+                                                                "held-out prompts, greedy, --judge (eval)"}
+    plt.close(figure)
 
 
 
@@ -439,10 +476,12 @@ def test_the_verdict_leads_with_the_judges_held_out_reward_not_a_dpo_measure(tmp
 def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_model, tmp_path):
     """16 answers per step (4 prompts x 4), 3 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
     sample the same answers to the same prompts, gather the same rewards, give each answer the same advantage, and
-    log the same loss, KL and entropy (1e-5). The 2 x 2 run's rank 1 is killed right after checkpoint-2 and torchrun
-    restarts both (torchrun); the 1 x 4 job is killed whole right after checkpoint-2 (its one process SIGKILLed:
-    nothing of the job runs on) and the same command launched again (1 x 4 and 4 x 1 forked: tests/forked.py). Each resumed step 3 samples the
-    same answers as the uninterrupted 4 x 1 run, and the curves go on as if nothing happened."""
+    log the same loss, KL and entropy (1e-5), and judge 2 held-out prompts to the same curve (the start and every
+    step; 4 x 1: two ranks with none to answer). Two jobs are killed whole right after checkpoint-2 and the same command
+    launched again: the 1 x 4 job (its one process SIGKILLed) and the 2 x 2 job (both its processes SIGKILLed at once:
+    the seam's rank "*"). Each resumed step 3 samples the same answers as the uninterrupted 4 x 1 run, and the curves
+    go on as if nothing happened. All forked (tests/forked.py); a launcher's restart of a killed worker, which
+    resumes the same way, is test_resilience's test_lost_worker_restarts_..."""
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
     runs = {}
     for processes, accumulation in ((1, 4), (2, 2), (4, 1)):
@@ -450,30 +489,27 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
         probe = tmp_path / "probe" / name
         arguments = [str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name,
                                             "--gradient_accumulation_steps", str(accumulation), "--max_steps", "3",
-                                            "--save_steps", "1")]
+                                            "--save_steps", "1", "--eval_steps", "1", "--judged_eval_prompts", "2")]
         killed = tmp_path / f"killed-{name}"
-        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:{processes - 1}:{killed}"} if processes < 4 else {}
+        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:*:{killed}"} if processes < 4 else {}
         environment = os.environ | {"OMP_NUM_THREADS": "1"}
-        if processes == 2:  # torchrun, which restarts both workers after rank 1 is killed
-            result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
-                                     "1", "--nproc_per_node", "2", "tests/grpo_probe.py", *arguments],
-                                    cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                                    env=environment | seam)
-        else:  # forked (tests/forked.py): 1 process, and 4 as one job
-            result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
-        if processes == 1:  # the whole job killed (its one process, SIGKILL): the same command again
-            assert killed.exists() and result.returncode == -9, f"{name}: {result.stderr[-3000:]}"
-            result = forked.run_job(1, arguments, env=environment, entry=grpo_probe.entry)
+        result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
+        if processes < 4:  # the whole job killed (every process SIGKILLed): the same command again
+            flags = [Path(f"{killed}.rank{rank}") for rank in range(processes)]
+            assert all(flag.exists() for flag in flags) and result.returncode == -9, \
+                f"{name}: the seam never fired on every rank: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            result = forked.run_job(processes, arguments, env=environment, entry=grpo_probe.entry)
             assert "took over the hold of a job that is gone" in result.stdout, result.stdout[-3000:]
         assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        assert processes == 4 or killed.exists(), f"{name}: the seam never fired: the resume proves nothing"
         ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(processes)]
         assert {(rank["world_size"], rank["accumulation"]) for rank in ranks} == {(processes, accumulation)}
         answers = sorted((answer["step"], answer["prompt"], answer["answer"], answer["advantage"])
                          for rank in ranks for answer in rank["answers"])
-        metrics = [record for record in run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
-                   if "loss" in record]
-        runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics}
+        records = run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
+        metrics = [record for record in records if "loss" in record]
+        judged = [(record["step"], record["eval_judged_reward"]) for record in records
+                  if "eval_judged_reward" in record]
+        runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics, "judged": judged}
     for name in ("1x4", "2x2"):
         info = run_files.read_json(tmp_path / "results" / name / run_files.TRAINING_INFO)
         assert [resume["from_step"] for resume in info["resumes"]] == [2], name
@@ -493,4 +529,8 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
         for key in ("loss", "kl", "entropy", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
             assert [record[key] for record in run["metrics"]] == pytest.approx(
                 [record[key] for record in reference["metrics"]], abs=1e-5), (name, key)
+        # the held-out prompts judged at the start and each step: the same curve, a resumed launch adding no point
+        assert [step for step, _ in run["judged"]] == [0, 1, 2, 3], name
+        assert [value for _, value in run["judged"]] == pytest.approx(
+            [value for _, value in reference["judged"]], abs=1e-5), name
     assert reference["metrics"][-1]["kl"] > 0  # the policy moved from the reference

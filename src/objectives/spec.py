@@ -34,6 +34,8 @@ REFERENCE_FREE_PAIRS = dict(data_shape=PAIRS, example_word="pairs", default_lear
                             "on a sample).")
 
 TRAIN_COLOR = "#1f77b4"
+# The judged held-out curve of an objective whose row sets `judged_eval` (src/trainers/judged_eval.py logs it)
+JUDGED_CURVE = "eval_judged_reward"
 REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
 
 
@@ -203,6 +205,11 @@ class Objective:
     # to raise (the embedded checker's metric, correct-and-preferred, is a DPO measure: a chatty SFT model at 0% stays
     # there while its correctness, and so its reward, rises).
     judged_headline: str = ""
+    # Its evaluations judge held-out prompts (--judged_eval_prompts of the validation split, answered greedily, scored
+    # by --judge: src/trainers/judged_eval.py) at the start and every --eval_steps, instead of computing a held-out
+    # loss it does not have (GRPO: prompts alone): the curve `eval_judged_reward` in --judge's headline measure, the
+    # best checkpoint's metric, and what the reward-hacking alert reads. Its trainer takes a `judged_eval`.
+    judged_eval: bool = False
     # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
     beta_may_be_zero: bool = False
     # (config) → check_gpu's view of its step where the table's sequences do not say it all, as TrainingSetup fields

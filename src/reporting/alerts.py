@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from src.objectives import objective
+from src.objectives.spec import JUDGED_CURVE
 from src.reporting.formatting import format_judged, metric_name
 from src.reporting.summary import finite, series
 
@@ -401,18 +402,34 @@ def _grpo_length_runaway(metrics: list[dict]) -> Alert | None:
 
 
 def _grpo_reward_hacking(metrics: list[dict], info: dict) -> Alert | None:
+    """The train reward rising while --judge's score of held-out answers falls: over the run, on the curve of the
+    held-out prompts judged at each evaluation (its start window against its end window, the start being the starting
+    model) where it has two points or more; else from before training to after (training_info.json's judged result)."""
     reward = _trend(metrics, "reward")
+    if not reward or reward.end <= reward.start:
+        return None
+    rewards = f"train reward {reward.start:.3g} at the start, {reward.end:.3g} at the end"
+    steps, curve = _finite_series(metrics, JUDGED_CURVE)
+    if len(curve) >= 2:
+        start, end = _windows(curve)
+        # its noise: the two windows' standard errors (over the prompts), as of independent samples (the same prompts
+        # make the true interval narrower: a fall past this one is not the judge's noise)
+        errors = [record.get(f"{JUDGED_CURVE}_sem") for record in metrics if JUDGED_CURVE in record]
+        errors = [error if isinstance(error, (int, float)) and math.isfinite(error) else 0.0 for error in errors]
+        noise = 1.96 * math.hypot(*_windows(errors)) if len(errors) == len(curve) else 0.0
+        if start - end < max(HACKING_FALL, noise):
+            return None
+        return _alert("grpo_reward_hacking", f"{rewards}; held-out prompts judged during training ({JUDGED_CURVE}, "
+                      f"{len(curve)} evaluations, steps {steps[0]}-{steps[-1]}): {start:.3g} at the start, {end:.3g} "
+                      f"at the end (a fall past its noise, ±{noise:.2g})")
     judged = info.get("judge") or {}
     before, after = judged.get("before"), judged.get("after")
-    if not reward or not isinstance(before, (int, float)) or not isinstance(after, (int, float)):
-        return None
-    start, end = reward.start, reward.end
-    if end <= start or before - after < HACKING_FALL:
+    if not isinstance(before, (int, float)) or not isinstance(after, (int, float)) or before - after < HACKING_FALL:
         return None
     measure = str(judged.get("metric"))
-    return _alert("grpo_reward_hacking", f"train reward {start:.3g} at the start, {end:.3g} at the end; judged "
-                  f"{metric_name(measure)} on {judged.get('n')} held-out {judged.get('split')} prompts "
-                  f"{format_judged(measure, before)} before, {format_judged(measure, after)} after")
+    return _alert("grpo_reward_hacking", f"{rewards}; judged {metric_name(measure)} on {judged.get('n')} held-out "
+                  f"{judged.get('split')} prompts {format_judged(measure, before)} before, "
+                  f"{format_judged(measure, after)} after")
 
 
 # The curve checks an objective's row may name (its `alerts`); every stage gets EVERY_STAGE's.

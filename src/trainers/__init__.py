@@ -11,6 +11,7 @@
                     src/run_safety/)
 - callbacks.py      the stop conditions, the one-job check, gradient compression; `callback(trainer, name)`
 - metrics_log.py    metrics.jsonl as it happens, one console line per logged event
+- judged_eval.py    an evaluation that judges held-out prompts (GRPO's: the judged held-out curve)
 
 Importing this package imports nothing: stage_plan.py is light, the others pull in the training stack (TRL,
 transformers' Trainer, peft, bitsandbytes: ~5 s after `import src.main_distributed`) and are imported where

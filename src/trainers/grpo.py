@@ -13,6 +13,7 @@ What it changes in TRL's step, and why:
 
 - Each step logs the seconds its sampling and its judging took (time/generation_s, time/judging_s) beside TRL's
   step_time.
+- An evaluation answers held-out prompts greedily and judges them (JudgedEvalMixin: the judged held-out curve).
 - The logged KL, entropy and clipped shares are means over the logging window's answer tokens (TRL's: a mean of
   micro-batch means), so they too are the same on any split.
 
@@ -32,6 +33,7 @@ from src.distributed import gather_objects
 from src.generation import Sampling, SeededSampling, answer_seed
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.trainers.base import ToolkitTrainerMixin
+from src.trainers.judged_eval import JudgedEvalMixin
 
 PROMPT_INDEX = "prompt_index"  # the train row a prompt came from: part of each answer's seed
 SEED_SALT = "grpo-answers"  # apart from the rounds' streams (seed, round, row, answer) for the same seed
@@ -99,8 +101,9 @@ def answer_numbers(prompt_rows: list[int], rank: int) -> list[int]:
     return numbers[start:start + len(prompt_rows)]
 
 
-class PreparedGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
-    """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards."""
+class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
+    """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards; its
+    evaluations judge held-out prompts (src/trainers/judged_eval.py), not TRL's sampled-answer loss."""
 
     def __init__(self, *args, train_dataset=None, **kwargs):
         if train_dataset is not None and PROMPT_INDEX not in train_dataset.column_names:

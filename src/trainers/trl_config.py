@@ -8,6 +8,7 @@ from pathlib import Path
 
 from src.config import Config, Plan
 from src.objectives import load, objective
+from src.objectives.spec import JUDGED_CURVE
 
 # TrainingArguments fields the toolkit passes to TRL's config unchanged, under the same name.
 SAME_NAME_FIELDS = ("run_name", "seed", "max_steps", "warmup_steps", "lr_scheduler_type", "weight_decay",
@@ -27,6 +28,7 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     what the objective's row resolved from the data (KTO: its weights, src/kto_weights.py)."""
     training = config.training
     eval_strategy = training.eval_strategy if has_validation else "no"
+    judged = objective(stage).judged_eval  # evaluated by judging held-out answers (src/trainers/judged_eval.py)
     eval_steps = _eval_steps(config, total_steps)
     save_strategy = training.save_strategy
     if save_strategy == "best" and eval_strategy == "no":
@@ -53,8 +55,9 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         eval_steps=eval_steps,
         save_strategy=save_strategy,
         save_steps=training.save_steps or eval_steps,
-        metric_for_best_model="eval_loss" if eval_strategy != "no" else None,
-        greater_is_better=False if eval_strategy != "no" else None,
+        metric_for_best_model=(JUDGED_CURVE if judged else "eval_loss") if eval_strategy != "no" else None,
+        greater_is_better=judged if eval_strategy != "no" else None,
+        eval_on_start=judged and eval_strategy != "no",  # the judged curve's first point: the starting model
         report_to=[] if training.report_to == ["none"] else training.report_to,
         max_length=config.data.max_length,
         dataset_num_proc=config.data.dataset_num_proc,
