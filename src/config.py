@@ -35,7 +35,8 @@ from trl import ModelConfig
 # The table of objectives (src/objectives/): --stage's choices, the sft_then_<name> pipelines, each one's row.
 from src.objectives import (DEFAULT_STAGE, OBJECTIVES, PIPELINE_BLOCKS, PIPELINE_FIRST, PIPELINES, STAGES, UNPAIRED,
                              final_stage, objective)
-from src.objectives import trl_config_classes
+from src.objectives import trl_config_classes, trl_config_paths
+from src.objectives.trl_field_names import field_names as trl_field_names
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
@@ -627,10 +628,13 @@ def trl_fields(stage: str) -> dict[str, Any]:
 
 
 class _LazyFields:
-    """trl_fields(stage), computed on first use."""
+    """trl_fields(stage): the names from the table of TRL's field names (src/objectives/trl_field_names.py: no TRL
+    import, so a key that is no field is refused in a second), the types from TRL's configs on first use."""
 
     def __init__(self, stage: str):
         self.stage = stage
+        table = trl_field_names()
+        self._names = frozenset().union(*(table[path] for path in trl_config_paths(stage)))
         self._fields: dict[str, Any] | None = None
 
     def _load(self) -> dict[str, Any]:
@@ -639,13 +643,13 @@ class _LazyFields:
         return self._fields
 
     def __contains__(self, name: str) -> bool:
-        return name in self._load()
+        return name in self._names
 
     def __getitem__(self, name: str) -> Any:
         return self._load()[name]
 
     def names(self) -> list[str]:
-        return list(self._load())
+        return sorted(self._names)
 
 
 def _closest(name: str, candidates) -> str:
@@ -918,7 +922,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
                 raise ConfigError(f"{where}: '{key}' holds the {key.upper()} stage's overrides as a mapping, got "
                                   f"{value!r}")
             for block_key in value:
-                if block_key not in known and block_key not in trl_fields(key):
+                if block_key not in known and block_key not in _LazyFields(key):
                     raise ConfigError(f"{where}: unknown key '{key}.{block_key}'{_closest(block_key, known)}")
                 if block_key in ("stage", *PIPELINE_BLOCKS):
                     raise ConfigError(f"{where}: '{key}.{block_key}' cannot be overridden per stage")

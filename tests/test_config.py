@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,34 @@ def test_trl_fields_pass_through_and_derived_ones_are_refused():
         parse_config(USER + ["--per_device_train_batch_size", "4"])
     with pytest.raises(ConfigError, match="'bf16' is derived.*--mixed_precision bf16"):
         parse_config(USER + ["--bf16", "true"])
+
+
+def test_the_table_of_trl_field_names_is_the_installed_trls():
+    """src/objectives/trl_field_names.json answers "is this key a TRL field?" without importing TRL: it must hold
+    exactly the installed TRL's fields of every config an objective builds (a TRL upgrade that adds or renames one
+    fails here; `python -m src.objectives.trl_field_names` writes the table again)."""
+    from src.objectives import OBJECTIVES
+    from src.objectives.trl_field_names import field_names, live_field_names
+
+    table = field_names()
+    assert set(table) == {row.trl_config for row in OBJECTIVES.values()}
+    for path, names in table.items():
+        live = live_field_names(path)
+        assert names == live, (f"{path}: not in the table {sorted(live - names)}, gone from TRL {sorted(names - live)}:"
+                               " run python -m src.objectives.trl_field_names")
+
+
+def test_a_mistyped_flag_is_one_line_without_importing_torch():
+    """A key that is no toolkit or TRL field is refused from the names alone (a fresh interpreter: this one has torch)."""
+    script = ("import sys\nfrom src.main_distributed import main\n"
+              "code = main(['--model_name_or_path', 'm', '--dataset_name', 'd.jsonl', '--lerning_rate', '1e-4'])\n"
+              "print('imported:', [name for name in ('torch', 'trl.trainer.dpo_config') if name in sys.modules])\n"
+              "sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: --lerning_rate: unknown key 'lerning_rate' (did you mean 'learning_rate'?)"), result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "imported: []", result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -78,11 +78,16 @@ def load(path: str):
         return getattr(importlib.import_module(module), name)
 
 
+def trl_config_paths(stage: str) -> list[str]:
+    """Where the TRL config class(es) a stage builds live ("module:Class"): a pipeline's final stage's and then SFT's."""
+    return [OBJECTIVES[name].trl_config for name in reversed(PIPELINES.get(stage, (stage,)))]
+
+
 def trl_config_classes(stage: str) -> list[type]:
-    """The TRL config class(es) a stage builds: a pipeline's final stage's and then SFT's."""
-    return [load(OBJECTIVES[name].trl_config) for name in reversed(PIPELINES.get(stage, (stage,)))]
+    """The TRL config class(es) a stage builds (imported: seconds)."""
+    return [load(path) for path in trl_config_paths(stage)]
 
 
 __all__ = ["DEFAULT_STAGE", "OBJECTIVES", "PIPELINE_BLOCKS", "PIPELINE_FIRST", "ROUNDS_STAGE", "PIPELINES", "STAGES", "PAIRED_SHAPES", "PAIRS", "PROMPTS", "SCORED_PAIRS", "SEQUENCES", "UNPAIRED",
            "Chart", "Curve", "Metric", "Objective", "Panel", "SummaryNumber", "final_stage", "infer_stage", "objective", "shape_of", "load",
-           "trl_config_classes"]
+           "trl_config_classes", "trl_config_paths"]
