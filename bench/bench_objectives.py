@@ -16,14 +16,15 @@ steps in metrics.jsonl, the first step left out) and its ratio to dpo's.
 
 Judged (--judged, issue 37 point 5). Each objective's own recipe (configs/default.yaml for DPO, configs/simpo.yaml,
 configs/orpo.yaml, configs/kto.yaml), its final stage alone, one process: DPO, SimPO and KTO from the same SFT model
-(--sft_model: results/default/sft/model/final after ./run_distributed.sh); ORPO, which replaces SFT, from the model
-SFT starts from (the embedded model), on the pairs. Every arm runs the same --steps (60 by default, DPO's recipe's;
---orpo_steps gives ORPO another count, e.g. its recipe's 1000, SFT's). Every arm answers the same --num_samples test prompts (400: configs/default.yaml's) with greedy
-decoding and is judged by the embedded check before and after (training_info.json `judge`). The arms run one after
-another in one invocation, repeat after repeat; each prints its start, end and the machine's load average, so that a
-reader can tell whether they ran under the same conditions. The table: correct-and-preferred after training with its 95% interval (normal approximation, as
-report.md gives it), the change from the model the arm started from, wall time of the run, peak memory, and the median
-time per step.
+(--sft_model: results/default/sft/model/final after ./run_distributed.sh); ORPO, which replaces SFT, from the model SFT
+starts from (the embedded model), on the pairs. Every arm runs the same --steps (60 by default, DPO's recipe's;
+--orpo_steps gives ORPO another count, e.g. its recipe's 1000, SFT's). Every arm answers the same --num_samples test
+prompts (400: configs/default.yaml's) with greedy decoding and is judged by the embedded check before and after
+(training_info.json `judge`). The arms run one after another in one invocation, repeat after repeat; each prints its
+start, end and the machine's load average, so that a reader can tell whether they ran under the same conditions. The
+table: correct-and-preferred after training with its 95% interval (normal approximation, as report.md gives it), the
+change from the model the arm started from, wall time of the run, peak memory, and the median time per step. The arms'
+order is --objectives' (pass it reversed in a second invocation to balance a load that drifts).
 """
 
 from __future__ import annotations
@@ -123,14 +124,14 @@ def judged(options) -> None:
               + f" | {statistics.median(run['wall_time_s'] for run in runs):.0f} s"
               + f" | {statistics.median(run['peak_memory_mb'] for run in runs):,.0f} MB"
               + (f" | {statistics.median(step_times):.3f} s |" if step_times else " | n/a |"))
-    print(f"\n{options.repeats} repeat(s), arms one after another in one invocation; the judged numbers are the first repeat's (the runs are "
-          "seeded: a repeat that differs says the machine's arithmetic did).")
+    print(f"\n{options.repeats} repeat(s), arms one after another in one invocation; the judged numbers are the first "
+          "repeat's (the runs are seeded: a repeat that differs says the machine's arithmetic did).")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, help="steps per arm (default 10; judged: every arm, ORPO too, default 60, "
-                        "DPO's recipe's)")
+    parser.add_argument("--steps", type=int, help="steps per arm (default 10; judged: every arm, ORPO too, "
+                        "default 60, DPO's recipe's)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--judged", action="store_true", help="DPO, SimPO, ORPO, KTO judged on held-out prompts")
     parser.add_argument("--objectives", nargs="+", default=list(JUDGED), choices=list(JUDGED))

@@ -11,14 +11,14 @@ Prints the median seconds per 6 micro-batches of each and their ratio.
     python bench/bench_packed_forward_ab.py --objectives dpo simpo orpo kto
 
 Per objective, the toolkit's packed forward against TRL's padded one, through the objectives' own trainers (their rows
-in src/objectives/, built as build_trainer builds them, `forward_for` packed or not), on the same model and micro-batches,
-arms interleaved: a training step (compute_loss + backward) for DPO (policy and reference forward inside the step, the
-reference not cached), SimPO and ORPO (TRL's padded arm: their own concatenated_forward, full logits); for KTO two
-things, each its own trainer: its reference pass (compute_ref_log_probs over completions and KL completions, packed
-prefix-shared) and its training step as a run takes it (the reference log-probs cached, the default): the KL pass over
-the step's micro-batch without gradients (kl_estimate), then compute_loss + backward, both passes packed padding-free
-or both TRL's padded. Each arm runs once untimed first (its first-batch check). Prints a markdown table: median
-seconds per 6 micro-batches of each arm, packed / padded, and the tokens each computed (all passes of the step)."""
+in src/objectives/, built as build_trainer builds them, `forward_for` packed or not), on the same model and
+micro-batches, arms interleaved: a training step (compute_loss + backward) for DPO (policy and reference forward inside
+the step, the reference not cached), SimPO and ORPO (TRL's padded arm: their own concatenated_forward, full logits); for
+KTO two things, each its own trainer: its reference pass (compute_ref_log_probs over completions and KL completions,
+packed prefix-shared) and its training step as a run takes it (the reference log-probs cached, the default): the KL pass
+over the step's micro-batch without gradients (kl_estimate), then compute_loss + backward, both passes packed
+padding-free or both TRL's padded. Each arm runs once untimed first (its first-batch check). Prints a markdown table:
+median seconds per 6 micro-batches of each arm, packed / padded, and the tokens each computed (all passes of the step)."""
 
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ def objectives_ab(args) -> None:
             padded, packed = (statistics.median(seconds[name, what, flag]) for flag in (False, True))
             summary = forwards[name, what, True].summary()
             runs = args.repeats + 1  # each arm ran its 6 micro-batches once untimed, then once per repeat
-            per_run = lambda counts: round(sum(kind["computed_tokens"] for kind in counts.values()) / runs)  # noqa: E731
+            per_run = lambda counts: round(sum(one["computed_tokens"] for one in counts.values()) / runs)  # noqa: E731
             print(f"| {name} | {what} | {padded:.3f} | {packed:.3f} | {packed / padded:.2f} | "
                   f"{per_run(summary['padded_forward_would_compute']):,} → {per_run(summary['tokens']):,} "
                   f"({', '.join(summary['tokens'])}) |")
