@@ -16,13 +16,15 @@ steps in metrics.jsonl, the first step left out) and its ratio to dpo's.
 
 Judged (--judged, issue 37 point 5). Each objective's own recipe (configs/default.yaml for DPO, configs/simpo.yaml,
 configs/orpo.yaml, configs/kto.yaml), its final stage alone, one process: DPO, SimPO and KTO from the same SFT model
-(--sft_model: results/default/sft/model/final after ./run_distributed.sh), the same --steps; ORPO, which replaces
-SFT, from the model SFT starts from (the embedded model), on the pairs, for --orpo_steps (its recipe's 1000 by
-default: SFT's). Every arm answers the same --num_samples test prompts (400: configs/default.yaml's) with greedy
-decoding and is judged by the embedded check before and after (training_info.json `judge`). The arms run interleaved,
-repeat after repeat. The table: correct-and-preferred after training with its 95% interval (normal approximation, as
-report.md gives it), the change from the model the arm started from, wall time of the run, peak memory, and the median
-time per step.
+(--sft_model: results/default/sft/model/final after ./run_distributed.sh); ORPO, which replaces SFT, from the model SFT
+starts from (the embedded model), on the pairs. Every arm runs the same --steps (60 by default, DPO's recipe's;
+--orpo_steps gives ORPO another count, e.g. its recipe's 1000, SFT's). Every arm answers the same --num_samples test
+prompts (400: configs/default.yaml's) with greedy decoding and is judged by the embedded check before and after
+(training_info.json `judge`). The arms run one after another in one invocation, repeat after repeat; each prints its
+start, end and the machine's load average, so that a reader can tell whether they ran under the same conditions. The
+table: correct-and-preferred after training with its 95% interval (normal approximation, as report.md gives it), the
+change from the model the arm started from, wall time of the run, peak memory, and the median time per step. The arms'
+order is --objectives' (pass it reversed in a second invocation to balance a load that drifts).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +73,7 @@ def judged_arm(name: str, options, results: Path, repeat: int) -> dict:
     """One objective's run from its recipe, its final stage alone; what training_info.json records of it."""
     recipe, stage = JUDGED[name]
     start = options.base_model if name == "orpo" else options.sft_model
-    steps = options.orpo_steps if name == "orpo" else options.steps
+    steps = (options.orpo_steps or options.steps) if name == "orpo" else options.steps
     args = [sys.executable, "-m", "src.main_distributed", "--config", recipe, "--stage", stage,
             "--model_name_or_path", start, "--num_samples", str(options.num_samples), "--results_dir", str(results),
             "--run_name", f"{name}-{repeat}", "--overwrite", "--eval_strategy", "no", "--save_strategy", "no",
@@ -97,14 +100,17 @@ def judged(options) -> None:
 
     if Path(options.sft_model).name != "embedded" and not Path(options.sft_model).exists():
         raise SystemExit(f"error: --sft_model {options.sft_model} does not exist: run ./run_distributed.sh first")
+    options.steps = options.steps or 60
     results = Path(tempfile.mkdtemp(prefix="bench_objectives_"))
     outcomes = {name: [] for name in options.objectives}
     for repeat in range(options.repeats):
         for name in options.objectives:
+            start, load_start = time.strftime("%H:%M:%S", time.gmtime()), os.getloadavg()[0]
             outcomes[name].append(judged_arm(name, options, results, repeat))
             judge = outcomes[name][-1]["judge"]
             print(f"repeat {repeat + 1} {name}: {judge.get('before')} -> {judge.get('after')} "
-                  f"({judge.get('metric')}, n {judge.get('n')})", flush=True)
+                  f"({judge.get('metric')}, n {judge.get('n')}); {start}-{time.strftime('%H:%M:%S', time.gmtime())} "
+                  f"UTC, load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end", flush=True)
     print(f"\n| objective (from) | steps | correct and preferred after (95%) | change | wall time | peak memory | "
           f"time per step |\n|---|---|---|---|---|---|---|")
     for name, runs in outcomes.items():
@@ -118,20 +124,20 @@ def judged(options) -> None:
               + f" | {statistics.median(run['wall_time_s'] for run in runs):.0f} s"
               + f" | {statistics.median(run['peak_memory_mb'] for run in runs):,.0f} MB"
               + (f" | {statistics.median(step_times):.3f} s |" if step_times else " | n/a |"))
-    print(f"\n{options.repeats} repeat(s), arms interleaved; the judged numbers are the first repeat's (the runs are "
-          "seeded: a repeat that differs says the machine's arithmetic did).")
+    print(f"\n{options.repeats} repeat(s), arms one after another in one invocation; the judged numbers are the first "
+          "repeat's (the runs are seeded: a repeat that differs says the machine's arithmetic did).")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, help="steps per arm (default 10; judged: DPO, SimPO, KTO, default the "
-                        "recipes' 60)")
+    parser.add_argument("--steps", type=int, help="steps per arm (default 10; judged: every arm, ORPO too, "
+                        "default 60, DPO's recipe's)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--judged", action="store_true", help="DPO, SimPO, ORPO, KTO judged on held-out prompts")
     parser.add_argument("--objectives", nargs="+", default=list(JUDGED), choices=list(JUDGED))
     parser.add_argument("--sft_model", default=str(ROOT / "results/default/sft/model/final"))
     parser.add_argument("--base_model", default="embedded", help="where ORPO starts (SFT's starting model)")
-    parser.add_argument("--orpo_steps", type=int, default=0, help="ORPO's steps (0: its recipe's 1000)")
+    parser.add_argument("--orpo_steps", type=int, default=0, help="ORPO's steps (0: the same --steps as the others)")
     parser.add_argument("--num_samples", type=int, default=400)
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags every judged arm gets")
     options = parser.parse_args()

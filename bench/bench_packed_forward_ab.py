@@ -11,12 +11,14 @@ Prints the median seconds per 6 micro-batches of each and their ratio.
     python bench/bench_packed_forward_ab.py --objectives dpo simpo orpo kto
 
 Per objective, the toolkit's packed forward against TRL's padded one, through the objectives' own trainers (their rows
-in src/objectives/, built as build_trainer builds them, `forward_for` packed or not), on the same model and micro-batches,
-arms interleaved: a training step (compute_loss + backward) for DPO (policy and reference forward inside the step, the
-reference not cached), SimPO and ORPO (TRL's padded arm: their own concatenated_forward, full logits); for KTO its
-reference pass (compute_ref_log_probs over completions and KL completions: the pass that packs; its training step runs
-padded in both arms). Each arm runs once untimed first (its first-batch check). Prints a markdown table: median seconds
-per 6 micro-batches of each arm, packed / padded, and the tokens each computed."""
+in src/objectives/, built as build_trainer builds them, `forward_for` packed or not), on the same model and
+micro-batches, arms interleaved: a training step (compute_loss + backward) for DPO (policy and reference forward inside
+the step, the reference not cached), SimPO and ORPO (TRL's padded arm: their own concatenated_forward, full logits); for
+KTO two things, each its own trainer: its reference pass (compute_ref_log_probs over completions and KL completions,
+packed prefix-shared) and its training step as a run takes it (the reference log-probs cached, the default): the KL pass
+over the step's micro-batch without gradients (kl_estimate), then compute_loss + backward, both passes packed
+padding-free or both TRL's padded. Each arm runs once untimed first (its first-batch check). Prints a markdown table:
+median seconds per 6 micro-batches of each arm, packed / padded, and the tokens each computed (all passes of the step)."""
 
 from __future__ import annotations
 
@@ -136,8 +138,18 @@ def unpaired(pairs: list[dict]) -> list[dict]:
             for index, row in enumerate(rows)]
 
 
-def objective_arm(name: str, packed: bool, base, tokenizer, batches, work: Path):
-    """(step function over one micro-batch, the trainer's packed forward) for an objective's trainer, packed or not."""
+KTO_TIMED = ("reference pass", "training step")
+
+
+def timed_things(name: str) -> tuple[str, ...]:
+    from src.objectives import objective
+
+    return KTO_TIMED if objective(name).data_shape == "unpaired" else ("training step",)
+
+
+def objective_arm(name: str, what: str, packed: bool, base, tokenizer, batches, work: Path):
+    """(step function over one micro-batch, the trainer's packed forward) for an objective's trainer, packed or not:
+    its training step, or (`what`, KTO) its reference pass."""
     import torch
     from datasets import Dataset
 
@@ -145,10 +157,10 @@ def objective_arm(name: str, packed: bool, base, tokenizer, batches, work: Path)
 
     row = objective(name)
     trainer_class, config_class = load(row.trainer), load(row.trl_config)
-    options = dict(output_dir=str(work / f"{name}-{packed}"), per_device_train_batch_size=8, use_cpu=True,
-                   report_to=[], bf16=False, max_length=400, disable_tqdm=True)
-    if row.needs_reference:
-        options["precompute_ref_log_probs"] = False
+    options = dict(output_dir=str(work / f"{name}-{what}-{packed}".replace(" ", "_")), per_device_train_batch_size=8,
+                   use_cpu=True, report_to=[], bf16=False, max_length=400, disable_tqdm=True)
+    if row.needs_reference:  # KTO's step: the reference cached, as a run takes it
+        options["precompute_ref_log_probs"] = row.data_shape == "unpaired" and what == "training step"
     args = config_class(**options)
     model = copy.deepcopy(base)
     rows = [row_ for batch in batches for row_ in batch]
@@ -159,12 +171,19 @@ def objective_arm(name: str, packed: bool, base, tokenizer, batches, work: Path)
     micro = [[trainer.train_dataset[i] for i in range(start, start + (16 if row.data_shape == "unpaired" else 8))]
              for start in range(0, len(data), 16 if row.data_shape == "unpaired" else 8)]
 
-    if row.data_shape == "unpaired":  # KTO: its reference pass
+    if what == "reference pass":  # KTO
         collator = trainer.reference_collator()
 
         def step(index: int):
             with torch.no_grad():
                 trainer.compute_ref_log_probs(trainer.ref_model, trainer._prepare_inputs(collator(micro[index])))
+    elif row.data_shape == "unpaired":  # KTO's step: its KL over the step's batch first, then the loss
+        def step(index: int):
+            trainer.model.train()
+            batch = trainer._prepare_inputs(trainer.data_collator(micro[index]))
+            trainer._step_kl = trainer.kl_estimate(trainer.model, [batch])
+            trainer.compute_loss(trainer.model, batch).backward()
+            trainer.model.zero_grad()
     else:
         def step(index: int):
             trainer.model.train()
@@ -183,11 +202,15 @@ def objectives_ab(args) -> None:
     arms, seconds, forwards = {}, {}, {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.objectives:
-            for packed in (False, True):
-                step, forward, count = objective_arm(name, packed, base, tokenizer, batches, Path(work))
-                for index in range(count):  # untimed: the first-batch check, allocator warm-up
-                    step(index)
-                arms[name, packed], seconds[name, packed], forwards[name, packed] = (step, count), [], forward
+            for what in timed_things(name):
+                for packed in (False, True):
+                    step, forward, count = objective_arm(name, what, packed, base, tokenizer, batches, Path(work))
+                    forward.counts = {kind: type(counts)() for kind, counts in forward.counts.items()}  # not init's
+                    forward.padded_equivalent = {kind: type(counts)() for kind, counts in forward.counts.items()}
+                    for index in range(count):  # untimed: the first-batch check, allocator warm-up
+                        step(index)
+                    key = name, what, packed
+                    arms[key], seconds[key], forwards[key] = (step, count), [], forward
         for _ in range(args.repeats):
             for key, (step, count) in arms.items():
                 started = time.perf_counter()
@@ -199,14 +222,14 @@ def objectives_ab(args) -> None:
     print("| objective | what is timed | padded (TRL) s | packed s | packed / padded | tokens computed per 6 "
           "micro-batches, padded → packed |\n|---|---|---|---|---|---|")
     for name in args.objectives:
-        padded, packed = (statistics.median(seconds[name, flag]) for flag in (False, True))
-        tokens = forwards[name, True].summary()["tokens"]
-        would = forwards[name, True].summary()["padded_forward_would_compute"]
-        kind = next(iter(tokens))
-        timed = "reference pass" if kind == "reference" and len(tokens) == 1 else "training step"
-        per_pass = lambda counts: round(counts[kind]["computed_tokens"] / counts[kind]["batches"] * 6)  # noqa: E731
-        print(f"| {name} | {timed} | {padded:.3f} | {packed:.3f} | {packed / padded:.2f} | "
-              f"{per_pass(would):,} → {per_pass(tokens):,} ({kind}) |")
+        for what in timed_things(name):
+            padded, packed = (statistics.median(seconds[name, what, flag]) for flag in (False, True))
+            summary = forwards[name, what, True].summary()
+            runs = args.repeats + 1  # each arm ran its 6 micro-batches once untimed, then once per repeat
+            per_run = lambda counts: round(sum(one["computed_tokens"] for one in counts.values()) / runs)  # noqa: E731
+            print(f"| {name} | {what} | {padded:.3f} | {packed:.3f} | {packed / padded:.2f} | "
+                  f"{per_run(summary['padded_forward_would_compute']):,} → {per_run(summary['tokens']):,} "
+                  f"({', '.join(summary['tokens'])}) |")
 
 
 if __name__ == "__main__":

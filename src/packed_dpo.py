@@ -17,7 +17,9 @@ Layout (sdpa / eager: a 4D mask): one segment per pair, `[prompt[:-1] | prompt[-
 The last prompt token is the one position that predicts an answer's first token, and it must predict both answers'
 first tokens: it is written once per answer (same token, same position, same visible keys → the same hidden state),
 so each pair repeats exactly one prompt token. Position ids restart after the shared prompt for each answer; the mask
-is causal within the segment except that the rejected answer does not see the chosen one. Segments are packed
+is causal within the segment except that the rejected answer does not see the chosen one. A padded forward of one
+answer per prompt (KTO's completions, its KL completions: `answers` of one key) packs as one segment per row,
+`[prompt | answer]`: the same layout with nothing shared, padding-free. Segments are packed
 first-fit-decreasing into rows at least as long as the batch's longest segment, the width chosen to balance padding
 against the dense mask's attention cost; the rest of a row is padding (counted).
 
@@ -50,6 +52,8 @@ from src.packed_dpo_support import FLASH_PREFIX, announce_padded, refusal
 PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels", "packed_segment_ids",
                "packed_branch_ids", "packed_source_index", "padded_target_index", "packed_counts")
 SHARED, CHOSEN, REJECTED = 0, 1, 2
+PAIR_ANSWERS = ("chosen_ids", "rejected_ids")  # a pair's answers, in the order of TRL's padded rows
+PASSES = ("policy", "kl", "reference")          # the forwards counted apart (PackedDPOForward.counts)
 PACKED_FORMAT = 2        # in the reference cache key: bump when the layout or masks change (2: per-layer windows)
 ONE_MASK = "*"           # layer_windows' key when every layer takes the same mask
 FP32_TOLERANCE = 1e-4    # per-token log-prob, absolute + relative: fp32 packed vs padded differ by ~1e-6
@@ -96,10 +100,13 @@ def _input_ids_width(batch: dict) -> int:
 @dataclass
 class PackedPreferenceCollator:
     """The trainer's padded batch (its own collator: TRL's DataCollatorForPreference for DPO), plus the packed layout
-    of the same pairs (PACKED_KEYS). Another trainer's examples and batch are read as pairs through `as_pairs`
-    (examples → prompt_ids / chosen_ids / rejected_ids) and `padded_width` (the width of its padded `[chosen;
-    rejected]` rows): SimPO's and ORPO's (src/trainers/legacy_pairs.py), KTO's completion and KL completion
-    (src/trainers/kto.py)."""
+    of the same examples (PACKED_KEYS, after `prefix`). Another trainer's examples and batch are read through
+    `as_pairs` (examples → prompt_ids and the `answers` keys), `answers` (the answer columns, in the order of the
+    padded rows they fill: `[chosen; rejected]` by default, one key for one answer per prompt) and `padded_width` (the
+    width of those padded rows): SimPO's and ORPO's (src/trainers/legacy_pairs.py), KTO's (src/trainers/kto.py: its
+    reference pass's completion and KL completion as a pair; its training step's completions, and with prefix "KL_"
+    its KL completions, one answer each). A collator is itself a padded collator of another: the KTO step's two
+    passes are one collator inside another."""
 
     padded_collator: object           # has pad_token_id, and max_length where it truncates
     layout: str = "prefix_shared"     # or "varlen"
@@ -107,12 +114,22 @@ class PackedPreferenceCollator:
     as_pairs: Callable = _examples_are_pairs
     padded_width: Callable = _input_ids_width
     score_prompt: bool = False        # see pack_pairs
+    answers: tuple[str, ...] = PAIR_ANSWERS
+    prefix: str = ""                  # of the packed keys in the batch (another pass of the same batch: "KL_")
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.padded_collator.pad_token_id
+
+    @property
+    def max_length(self) -> int | None:
+        return getattr(self.padded_collator, "max_length", None)
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.padded_collator(examples)
-        batch.update(pack_pairs(self.as_pairs(examples), getattr(self.padded_collator, "max_length", None),
-                                self.padded_collator.pad_token_id, self.layout, self.padded_width(batch),
-                                self.attention_cost, self.score_prompt))
+        packed = pack_pairs(self.as_pairs(examples), self.max_length, self.pad_token_id, self.layout,
+                            self.padded_width(batch), self.attention_cost, self.score_prompt, self.answers)
+        batch.update({self.prefix + key: value for key, value in packed.items()})
         return batch
 
 
@@ -122,28 +139,22 @@ def attention_cost_of(model) -> float:
     return 1 / (3 * model.config.get_text_config().hidden_size)
 
 
-def forward_plan(model, trl_config, peft_config, packed: bool = True,
-                 passes: tuple[str, ...] = ("policy", "reference")) -> PackedDPOForward:
+def forward_plan(model, trl_config, peft_config, packed: bool = True) -> PackedDPOForward:
     """The packed forward of a trainer: on unless `--padding_free false` or the model cannot honour it (then the
-    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here;
-    `passes`: the ones it packs (KTO: its reference pass), the others run padded."""
+    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here."""
     if not packed:
-        return PackedDPOForward("--padding_free false", passes=passes)
+        return PackedDPOForward("--padding_free false")
     reason = unsupported_reason(model, trl_config, peft_config)
     if reason:
         announce_padded(reason)
-    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16),
-                            passes=passes)
+    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16))
 
 
-def _truncated(example: dict, max_length: int | None) -> tuple[list, list, list]:
-    """Prompt, chosen, rejected as TRL's collator truncates them (keep_start, each prompt+answer to max_length)."""
-    prompt, chosen, rejected = example["prompt_ids"], example["chosen_ids"], example["rejected_ids"]
-    if max_length is not None:
-        prompt = prompt[:max_length]
-        chosen = chosen[:max_length - len(prompt)]
-        rejected = rejected[:max_length - len(prompt)]
-    return list(prompt), list(chosen), list(rejected)
+def _truncated(example: dict, max_length: int | None, answers: tuple[str, ...]) -> tuple[list, list[list]]:
+    """The prompt and each answer as TRL's collators truncate them (keep_start, each prompt+answer to max_length)."""
+    prompt = list(example["prompt_ids"])[:max_length]
+    cut = None if max_length is None else max_length - len(prompt)
+    return prompt, [list(example[key])[:cut] for key in answers]
 
 
 def _first_fit_decreasing(sizes: list[int], width: int) -> list[list[int]]:
@@ -175,28 +186,33 @@ def _rows(sizes: list[int], attention_cost: float) -> tuple[int, list[list[int]]
 
 
 def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, layout: str,
-               padded_length: int, attention_cost: float = 0.0, score_prompt: bool = False) -> dict:
-    """The packed tensors for a micro-batch of pairs (see the module docstring for the layouts).
+               padded_length: int, attention_cost: float = 0.0, score_prompt: bool = False,
+               answers: tuple[str, ...] = PAIR_ANSWERS) -> dict:
+    """The packed tensors for a micro-batch of prompts with one or two answers each (`answers`: their keys, in the
+    order of the padded rows: answer j of example i is padded row j * examples + i; see the module docstring for the
+    layouts).
 
     packed_source_index / padded_target_index: for every scored token, where its per-token outputs sit in the
-    flattened packed `(rows, width)` output and in TRL's flattened padded `(2 * pairs, padded_length - 1)` output.
-    Scored: the answers' tokens, and with `score_prompt` also the prompt's (from its second token) in the chosen row
-    (ORPO's NLL term covers prompt + chosen answer): the shared prompt's positions, computed once."""
+    flattened packed `(rows, width)` output and in TRL's flattened padded `(answers * examples, padded_length - 1)`
+    output. Scored: the answers' tokens, and with `score_prompt` also the prompt's (from its second token) in the first
+    answer's row (ORPO's NLL term covers prompt + chosen answer): the shared prompt's positions, computed once."""
+    if len(answers) not in (1, 2):
+        raise ValueError(f"the packed layout holds one or two answers per prompt, not {len(answers)}")
     pairs = len(examples)
     segments = []  # per segment: tokens, positions, branch ids, labels, [(padded row, padded start, offset, count)]
     useful = repeated = 0
     for index, example in enumerate(examples):
-        prompt, chosen, rejected = _truncated(example, max_length)
-        useful += len(prompt) + len(chosen) + len(rejected)
+        prompt, replies = _truncated(example, max_length, answers)
+        useful += len(prompt) + sum(len(answer) for answer in replies)
         if layout == "prefix_shared":
             shared, pivot = prompt[:-1], prompt[-1:]
-            repeated += len(pivot)
+            repeated += len(pivot) * (len(replies) - 1)
             tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
                 [SHARED] * len(shared), [-100] * len(shared), []
             if score_prompt and shared:  # shared[k] predicts prompt[k + 1], the chosen row's shifted position k
                 labels = list(prompt[1:])
                 targets.append((index, 0, 0, len(shared)))
-            for branch, row, answer in ((CHOSEN, index, chosen), (REJECTED, pairs + index, rejected)):
+            for branch, row, answer in zip((CHOSEN, REJECTED), range(index, len(replies) * pairs, pairs), replies):
                 sequence = pivot + answer
                 # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
                 targets.append((row, len(shared), len(tokens), len(sequence) - 1))
@@ -206,8 +222,8 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
                 labels += sequence[1:] + [-100]
             segments.append((tokens, positions, branches, labels, targets))
         else:
-            repeated += len(prompt)
-            for row, answer in ((index, chosen), (pairs + index, rejected)):
+            repeated += len(prompt) * (len(replies) - 1)
+            for row, answer in zip(range(index, len(replies) * pairs, pairs), replies):
                 sequence = prompt + answer
                 start = 0 if score_prompt and row == index else max(0, len(prompt) - 1)
                 labels = [-100] * start + sequence[start + 1:] + [-100]
@@ -255,11 +271,12 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
     }
 
 
-def padded_counts(batch: dict) -> list[int]:
-    """computed, padding, repeated prompt, useful tokens of TRL's padded batch (rows [chosen; rejected])."""
+def padded_counts(batch: dict, answers: int = 2) -> list[int]:
+    """computed, padding, repeated prompt, useful tokens of TRL's padded batch (rows [chosen; rejected]; with one
+    answer per prompt, no prompt is repeated)."""
     computed = batch["input_ids"].numel()
     real = int(batch["attention_mask"].sum())
-    pairs = batch["input_ids"].shape[0] // 2
+    pairs = batch["input_ids"].shape[0] // answers
     repeated = int(batch["attention_mask"][pairs:].sum() - batch["completion_mask"][pairs:].sum())
     return [computed, computed - real, repeated, real - repeated]
 
@@ -302,10 +319,9 @@ class PackedDPOForward:
     """Decides whether the packed forward runs, redirects the fused forward while TRL's loss code runs, checks it
     once against the padded forward, and counts the tokens both ways."""
 
-    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False,
-                 passes: tuple[str, ...] = ("policy", "reference")):
+    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False):
         self.enabled = reason_off is None
-        self.passes = passes  # the passes its trainer packs (what the summary says)
+        self.padded_passes: tuple[str, ...] = ()  # its trainer's passes that stay padded while it packs (the summary)
         # bf16/fp16 mixed precision asked of the trainer: inside a training step accelerate's autocast is entered by
         # the model's own (wrapped) forward, below the check, so the ambient autocast state alone reads fp32 there
         self.half_precision = half_precision
@@ -313,8 +329,9 @@ class PackedDPOForward:
         self.layout = layout
         self.checked = False
         self.check_result: dict | None = None
-        self.counts = {"policy": TokenCounts(), "reference": TokenCounts()}
-        self.padded_equivalent = {"policy": TokenCounts(), "reference": TokenCounts()}
+        # policy: the forwards with gradients; kl: the policy's without (KTO's KL completions); reference
+        self.counts = {kind: TokenCounts() for kind in PASSES}
+        self.padded_equivalent = {kind: TokenCounts() for kind in PASSES}
         self.last_policy: list[int] | None = None  # computed, padding, repeated, useful of the last training forward
 
     # Called by the trainer around TRL's loss / reference computation
@@ -357,8 +374,8 @@ class PackedDPOForward:
     def summary(self) -> dict:
         forward = ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
                    "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)"
-        if self.enabled and set(self.passes) != set(self.counts):
-            forward += f" for the {' and '.join(self.passes)} pass, TRL's padded forward for the others"
+        if self.enabled and self.padded_passes:
+            forward += f", TRL's padded forward for the {' and '.join(self.padded_passes)} pass"
         return {
             "forward": forward,
             "reason": self.reason,

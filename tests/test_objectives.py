@@ -94,6 +94,25 @@ def test_compare_draws_the_kto_curves(tmp_path):
     assert "](rewards_margins.png)" in text
 
 
+def test_reports_name_an_objective_by_its_title(tmp_path):
+    """Where a user reads a stage's name (the model card, compare, the index, report.md's heading), it is the row's
+    title: "SimPO", not "SIMPO" (they wrote `stage.upper()`)."""
+    from src.reporting.compare import Run, render_page
+    from src.reporting.index import _stage
+    from src.reporting.model_card import _method_table
+    from src.reporting.report import _headline, stage_label
+
+    info = {"stage": "simpo", "previous_stage": {"stage": "sft"}}
+    assert stage_label("simpo") == "SimPO" and stage_label("round2") == "ROUND 2" and stage_label("dpo") == "DPO"
+    assert "| stage | SFT then SimPO (this model is after SimPO) |" in _method_table(info, False)
+    assert _stage(info, tmp_path) == "SFT → SimPO"
+    runs = [Run("a", tmp_path / "a", {"stage": "simpo"}, [], "simpo"), Run("b", tmp_path / "b", {"stage": "dpo"}, [],
+                                                                            "dpo")]
+    page = render_page(runs, tmp_path)
+    assert "## Curves: SimPO runs" in page and "| SimPO |" in page and "SIMPO" not in page
+    assert _headline({"stage": "simpo"}, {"stage": "simpo", "last_step": 3}, None, []).startswith("SimPO ran 3 steps")
+
+
 def test_the_console_line_shows_kto_kl(capsys):
     """Before the table: the console's keys were one list for every stage, without KTO's KL."""
     from transformers import TrainerControl, TrainerState, TrainingArguments

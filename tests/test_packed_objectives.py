@@ -109,8 +109,71 @@ def test_kto_reference_pass_packed_equals_the_padded_one(tiny_model, tiny_tokeni
         expected, got = (torch.tensor(trainer.train_dataset[column]) for trainer in (padded, packed))
         assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5, column
     summary = packed.packed_forward.summary()
-    assert summary["first_batch_check"]["passed"] and "for the reference pass" in summary["forward"]
+    assert summary["first_batch_check"]["passed"] and summary["forward"].startswith("packed (prefix-shared")
     assert set(summary["tokens"]) == {"reference"}
     computed = summary["tokens"]["reference"]["computed_tokens"]
     assert computed < summary["padded_forward_would_compute"]["reference"]["computed_tokens"]
     assert packed.reference_cache["train"]["cache"] == "computed"
+
+
+KTO_COMPARED = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+                "logits/chosen", "logits/rejected", "entropy", "grad")
+
+
+def kto_trainer(policy, reference, tokenizer, prepared, work, packed: bool, precompute: bool):
+    """A KTO trainer on the prepared rows, its forward packed (as build_trainer gives it) or TRL's padded one."""
+    from trl import KTOConfig
+
+    from src.trainers.kto import PreparedKTOTrainer
+
+    args = KTOConfig(output_dir=str(work / ("packed" if packed else "padded")), per_device_train_batch_size=2,
+                     precompute_ref_log_probs=precompute, use_cpu=True, report_to=[], bf16=False, max_length=64,
+                     beta=0.5, disable_tqdm=True, desirable_weight=1.0, undesirable_weight=1.5)
+    forward = PreparedKTOTrainer.forward_for(policy, tokenizer, args, None) if packed else {}
+    return PreparedKTOTrainer(model=policy, ref_model=reference, args=args,
+                              train_dataset=prepared.train, processing_class=tokenizer, **forward)
+
+
+@pytest.mark.parametrize("precompute", [True, False], ids=["reference-cached", "reference-model"])
+def test_kto_packed_step_equals_the_padded_one(precompute, tiny_model, tiny_tokenizer, tmp_path):
+    """KTO's training step on the packed forward: its KL pass (no gradients, the step's whole batch first) and its
+    completion pass (with gradients; and the reference's, when not cached) each packed padding-free, one answer per
+    prompt. Loss, KL, every logged metric and the gradient equal the padded step's to 1e-5 on two splits of the global
+    batch, the first-batch check passed, and fewer tokens were computed in both passes."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import preference_rows, write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+    from test_kto import GLOBAL_BATCH, _raise_answer_likelihood, kto_step
+
+    rows = preference_rows(24, seed=5)
+    for index, row in enumerate(rows):  # prompts of three lengths: the padded batches hold padding
+        row["prompt"][0]["content"] += " please" * (4 * (index % 3))
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, kto_from_pairs=True, val_size=2,
+                                          test_size=2), SFTArguments(), "kto", 7, tiny_tokenizer, tmp_path / "cache")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model)
+    policy = copy.deepcopy(reference)
+    _raise_answer_likelihood(policy, prepared.train, tiny_tokenizer)  # a KL term that is not clamped to 0
+    padded = kto_trainer(copy.deepcopy(policy), copy.deepcopy(reference), tiny_tokenizer, prepared, tmp_path, False,
+                         precompute)
+    packed = kto_trainer(policy, reference, tiny_tokenizer, prepared, tmp_path, True, precompute)
+    assert packed.packed_forward.enabled and "packed_input_ids" in packed.data_collator(
+        [packed.train_dataset[0]]) and "KL_packed_input_ids" in packed.data_collator([packed.train_dataset[0]])
+    rows = [packed.train_dataset[index] for index in range(GLOBAL_BATCH)]
+    for processes, accumulation in ((1, 1), (2, 2)):
+        expected = kto_step(padded, rows, processes, accumulation, shipped=False)
+        got = kto_step(packed, rows, processes, accumulation, shipped=False)
+        for key in KTO_COMPARED:
+            assert_close(got[key], expected[key], key)
+    assert expected["kl"] > 1e-3 and float(expected["grad"].abs().max()) > 0
+    summary = packed.packed_forward.summary()
+    assert summary["first_batch_check"]["passed"], summary
+    assert "padded forward for" not in summary["forward"]
+    for kind in ("policy", "kl") + (("reference",) if not precompute else ()):
+        computed = summary["tokens"][kind]["computed_tokens"]
+        assert computed < summary["padded_forward_would_compute"][kind]["computed_tokens"], kind
+        assert summary["tokens"][kind]["repeated_prompt_share"] == 0, kind  # one answer per prompt: nothing shared

@@ -51,6 +51,14 @@ def objective(stage: str) -> Objective:
     return OBJECTIVES[final_stage(stage)]
 
 
+def display_name(stage: str) -> str:
+    """A stage as a user reads it: its row's title (SimPO), a pipeline's stages in order (SFT → SimPO); a name the
+    table does not know (an older run's, "previous") in capitals."""
+    if stage in PIPELINES:
+        return " → ".join(display_name(name) for name in PIPELINES[stage])
+    return OBJECTIVES[stage].display_name if stage in OBJECTIVES else stage.upper()
+
+
 def infer_stage(metrics: list[dict]) -> str:
     """The stage of a run whose training_info.json does not say (a run from before it did): the objective most of
     whose own curves (its compare metrics but the loss) are logged, the table's order breaking ties; none logged:
@@ -89,5 +97,5 @@ def trl_config_classes(stage: str) -> list[type]:
 
 
 __all__ = ["DEFAULT_STAGE", "OBJECTIVES", "PIPELINE_BLOCKS", "PIPELINE_FIRST", "ROUNDS_STAGE", "PIPELINES", "STAGES", "PAIRED_SHAPES", "PAIRS", "PROMPTS", "SCORED_PAIRS", "SEQUENCES", "UNPAIRED",
-           "Chart", "Curve", "Metric", "Objective", "Panel", "SummaryNumber", "final_stage", "infer_stage", "objective", "shape_of", "load",
+           "Chart", "Curve", "Metric", "Objective", "Panel", "SummaryNumber", "display_name", "final_stage", "infer_stage", "objective", "shape_of", "load",
            "trl_config_classes", "trl_config_paths"]

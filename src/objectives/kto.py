@@ -136,5 +136,5 @@ OBJECTIVE = Objective(
     length_remedy="a higher --beta (stay closer to the reference), or balance the desirable and undesirable "
                   "completions' lengths in the data",
     drift_remedy="a higher --beta, a lower --learning_rate or fewer steps",
-    packed_forward=True,  # its reference pass: a row's completion and KL completion share the prompt (src/trainers/kto.py)
+    packed_forward=True,  # its reference pass prefix-shared, its step's KL and completion passes padding-free
 )

@@ -24,7 +24,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from src.objectives import Metric, infer_stage, objective
+from src.objectives import Metric, display_name, infer_stage, objective
 from src.progress import format_duration
 from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
@@ -342,7 +342,7 @@ def _section(runs: list[Run], page_dir: Path, prefix: str) -> list[str]:
 def render_page(runs: list[Run], page_dir: Path) -> str:
     lines = [f"# {len(runs)} runs compared", ""]
     lines += table_lines(["run", "status", "stage", "model", "data", "global batch", "report"],
-                    [[run.name, status_line(run_state_of(run.path, run.info, run.metrics)), run.stage.upper(),
+                    [[run.name, status_line(run_state_of(run.path, run.info, run.metrics)), display_name(run.stage),
                       f"`{run.info.get('model_name_or_path', 'n/a')}`", f"`{run.info.get('dataset_name', 'n/a')}`",
                       run.global_batch or "?", _report_link(run, page_dir)] for run in runs]) + [""]
     lines += ["## Settings that differ", ""]
@@ -367,7 +367,7 @@ def render_page(runs: list[Run], page_dir: Path) -> str:
     stages = list(dict.fromkeys(run.stage for run in runs))
     for stage in stages:
         group = [run for run in runs if run.stage == stage]
-        title = "## Curves" + (f": {stage.upper()} runs" if len(stages) > 1 else "")
+        title = "## Curves" + (f": {display_name(stage)} runs" if len(stages) > 1 else "")
         lines += [title, "", *_section(group, page_dir, f"{stage}_" if len(stages) > 1 else "")]
     lines += ["## Throughput", ""]
     lines += table_lines(["run", "processes", "global batch", "tokens/s (all ranks)", "tokens/s per process",

@@ -17,7 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from src.objectives import OBJECTIVES, objective
+from src.objectives import OBJECTIVES, display_name, objective
 from src.progress import format_duration
 from src.reporting.formatting import ci95, format_judged, format_number, table_lines
 from src.reporting.report import REPORT, stage_label
@@ -112,7 +112,7 @@ def _stage(info: dict, run_dir: Path) -> str:
               for stage in _pipeline(info, run_dir)]
     previous = (info.get("previous_stage") or {}).get("stage")
     if len(stages) == 1 and previous:  # the earlier stage's directory is gone: its name from this stage's record
-        stages.insert(0, previous.upper())
+        stages.insert(0, display_name(previous))
     return " → ".join(stages)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from src.config import EMBEDDED
 from src.hub_access import looks_like_hub_id
-from src.objectives import DEFAULT_STAGE, OBJECTIVES, objective
+from src.objectives import DEFAULT_STAGE, OBJECTIVES, display_name, objective
 from src.reporting.plots import CHARTS
 from src.reporting.formatting import format_number
 from src.reporting.report import PLOTS_DIR, final_numbers_table, judged_section, setup_table
@@ -49,8 +49,8 @@ def _method_table(info: dict, merged: bool) -> list[str]:
     config = info.get("config") or {}
     stage = info.get("stage", "?")
     previous = (info.get("previous_stage") or {}).get("stage")
-    rows = [["stage", f"{previous.upper()} then {stage.upper()} (this model is after {stage.upper()})" if previous
-             else stage.upper()]]
+    name = display_name(stage)
+    rows = [["stage", f"{display_name(previous)} then {name} (this model is after {name})" if previous else name]]
     loss_rows = objective(stage).loss_rows if stage in OBJECTIVES else None
     if loss_rows:  # the objective's loss settings (beta, loss type, weights), as its row words them
         rows += [list(row) for row in loss_rows(info)]
@@ -93,7 +93,7 @@ def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: 
     load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
     load_args = ", num_labels=1" if not row.causal_lm and adapter else ""
     lines = [f"---\n{metadata.to_yaml()}\n---", "", f"# {title}", "",
-             f"A {stage.upper()} fine-tune of `{base}` on `{dataset}`, trained with prefkit on TRL "
+             f"A {display_name(stage)} fine-tune of `{base}` on `{dataset}`, trained with prefkit on TRL "
              f"{versions.get('trl', '?')}. This repository holds {what}.", ""]
     if judged_sentence:
         lines += [f"**Judged on held-out prompts:** {judged_sentence}", ""]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from src.audit.answers import verdict_score
 from src.audit.findings import audit_alerts
-from src.objectives import infer_stage, objective
+from src.objectives import display_name, infer_stage, objective
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
 from src.reporting.formatting import (ci95, duration, format_judged, format_number, format_percent, metric_name,
@@ -266,8 +266,9 @@ def _rounds_sentence(info: dict) -> str | None:
 
 
 def stage_label(label: str) -> str:
-    """A stage's label (sft, dpo, reward, round2) as reports write it: SFT, DPO, REWARD, ROUND 2."""
-    return f"ROUND {label[5:]}" if label.startswith("round") and label[5:].isdigit() else label.upper()
+    """A stage's label (sft, simpo, reward, round2) as reports write it: its row's title or name (SFT, SimPO, REWARD),
+    ROUND 2."""
+    return f"ROUND {label[5:]}" if label.startswith("round") and label[5:].isdigit() else display_name(label)
 
 
 def _judged_sentence(stage: str, judges: dict, earlier_stages: list[tuple[str, dict]], objective_name: str,
@@ -432,8 +433,9 @@ def _eval_else_train(summary: dict, key: str) -> float | None:
 
 def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: list[Alert],
               running: bool = False) -> str:
-    stage = (info.get("stage") or summary.get("stage") or "").upper()
-    numbers = [number for number in objective(stage.lower() or infer_stage([])).summary_numbers if number.headline]
+    name = info.get("stage") or summary.get("stage") or ""
+    stage = display_name(name) if name else ""
+    numbers = [number for number in objective(name or infer_stage([])).summary_numbers if number.headline]
     final = "latest" if running else "final"
     parts = []
     if judged_sentence:
@@ -466,7 +468,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
                   samples_by_split: dict[str, list[dict]], state: RunState | None = None) -> str:
     """report.md's text. `info` is training_info.json as read ({} when missing); `summary` names the stage; `state`
     (src/reporting/status.py) is the first line."""
-    stage = summary["stage"].upper()
+    stage = display_name(summary["stage"])
     info = {**info, "stage": info.get("stage") or summary["stage"]}
     run_name = info.get("run_name") or run_dir.name
     running = state is not None and state.state == RUNNING

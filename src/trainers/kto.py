@@ -22,11 +22,16 @@ How, keeping TRL's loss code (both loss types, the weights, the metrics):
 The loss of a micro-batch stays TRL's mean over its rows, so the gradient (mean over micro-steps and processes of equal
 micro-batches) is the mean over the global batch's rows: the same on any split of it.
 
-The reference pass (`precompute_ref_log_probs`, the default) takes the packed, prefix-shared forward
-(src/packed_dpo.py): a row's completion and its KL completion share the row's prompt, as a pair's two answers do, so
-the pass computes each prompt once in one forward instead of two padded forwards (completions, then KL completions),
-checked against the padded forward on its first batch. The training step's forwards stay TRL's padded ones: the KL
-pass (no gradients, the step's whole batch first) and the completion pass (with gradients) are separate calls.
+The packed forward (src/packed_dpo.py) serves every forward of the training, each checked against the padded one on
+the run's first batch:
+- the reference pass (`precompute_ref_log_probs`, the default), prefix-shared: a row's completion and its KL completion
+  share the row's prompt, as a pair's two answers do, so the pass computes each prompt once in one forward instead of
+  two padded forwards (completions, then KL completions);
+- the training step's two passes, padding-free but not prefix-shared: the KL pass (no gradients, the step's whole
+  batch first) and the completion pass (with gradients) stay separate calls, as the step's KL must be known before the
+  first micro-batch's loss (docs/objectives.md, "KTO's training step"); each is packed on its own, one `[prompt |
+  answer]` segment per row, so only padding is dropped. The collator adds both layouts (the KL pass's keys after
+  "KL_"); TRL's loss code reads the per-token outputs scattered back into its padded layout.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from trl import KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from src.packed_dpo import PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
+from src.packed_dpo import (PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules,
+                             padded_counts)
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.dpo import reference_cache_pass
 
@@ -82,10 +88,23 @@ def window_means(metrics: dict, weights: dict) -> dict:
     return means
 
 
-def completion_pairs(examples: list[dict]) -> list[dict]:
-    """Each row's completion and KL completion as a pair's two answers to its prompt (the packed layout's pairs)."""
-    return [{"prompt_ids": example["prompt_ids"], "chosen_ids": example["completion_ids"],
-             "rejected_ids": example["KL_completion_ids"]} for example in examples]
+COMPLETIONS = ("completion_ids", "KL_completion_ids")  # a row's two answers to its prompt (the reference pass's pair)
+
+
+def kl_width(batch: dict) -> int:
+    return batch["KL_input_ids"].shape[1]
+
+
+def one_pass(batch: dict, prefix: str) -> dict:
+    """One padded pass of a KTO batch (its completions, or with prefix "KL_" its KL completions) as the packed forward
+    reads a batch: input_ids, attention_mask, completion_mask and that pass's packed keys."""
+    return {key: batch[prefix + key] for key in ("input_ids", "attention_mask", "completion_mask", *PACKED_KEYS)
+            if prefix + key in batch}
+
+
+def without_packed(batch: dict) -> dict:
+    """The batch as TRL's loss code takes it (it hands every key it does not know to the model)."""
+    return {key: value for key, value in batch.items() if key.removeprefix("KL_") not in PACKED_KEYS}
 
 
 def completions_width(batch: dict) -> int:
@@ -122,7 +141,7 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     @staticmethod
     def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
         """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
-        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed, passes=("reference",))}
+        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed)}
 
     def __init__(self, *args, packed_forward=None, **kwargs):
         self.packed_forward = packed_forward  # before TRL's __init__, which runs the reference pass
@@ -137,6 +156,11 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
             super().__init__(*args, **kwargs)
         finally:
             args_.train_sampling_strategy = strategy
+        self.padded_collator = self.data_collator  # TRL's (the reference pass's collator wraps it)
+        if self._packs():
+            self.data_collator = self.step_collator()
+            if self.precompute_ref_logps and not self._packs_reference():  # no KL: the reference pass stays padded
+                self.packed_forward.padded_passes = ("reference",)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
@@ -199,18 +223,45 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
             self._kl_values = None
 
     def _compute_loss(self, model, inputs, return_outputs):
+        # the completion pass (with gradients; the reference's too when not precomputed), packed where on
+        kinds = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
+        packed = self.packed_pass(inputs, "", kinds) if not self.aux_loss_enabled else contextlib.nullcontext()
         if not self.calculate_KL:
-            return super()._compute_loss(model, inputs, return_outputs)
+            with packed:
+                return super()._compute_loss(model, without_packed(inputs), return_outputs)
         mode = "train" if self.model.training else "eval"
         kl = self._step_kl if mode == "train" and self._step_kl is not None else self.kl_estimate(model, [inputs])
         inputs = dict(inputs)
         if "ref_KL_logps" in inputs:
             inputs["ref_KL_logps"] = torch.zeros_like(inputs["ref_KL_logps"])
         lengths = {key: len(values) for key, values in self._metrics[mode].items()}
-        with self.fixed_kl(kl):
-            result = super()._compute_loss(model, inputs, return_outputs)
+        with self.fixed_kl(kl), packed:
+            result = super()._compute_loss(model, without_packed(inputs), return_outputs)
         self._note_weights(mode, inputs, lengths)
         return result
+
+    # --- the packed forward of the training step --------------------------------------------------------------------
+
+    def _packs(self) -> bool:
+        return self.packed_forward is not None and self.packed_forward.enabled
+
+    def step_collator(self):
+        """TRL's padded batch plus the packed layout of its completions and (after "KL_") of its KL completions: one
+        answer per prompt, padding-free."""
+        layout, cost = self.packed_forward.layout, attention_cost_of(self.model)
+        collator = self.padded_collator
+        if self.calculate_KL:
+            collator = PackedPreferenceCollator(collator, layout, cost, padded_width=kl_width,
+                                                answers=("KL_completion_ids",), prefix="KL_")
+        return PackedPreferenceCollator(collator, layout, cost, answers=("completion_ids",))
+
+    def packed_pass(self, batch: dict, prefix: str, kinds: tuple[str, ...]):
+        """While the block runs, the fused forward of a padded pass of `batch` (prefix "": its completions; "KL_": its
+        KL completions) runs packed when the batch carries that pass's layout; its tokens counted as `kinds`."""
+        if self.packed_forward is None:
+            return contextlib.nullcontext()
+        view = one_pass(batch, prefix)
+        return self.packed_forward.running(view, kinds, fused_modules(self), padded_counts(view, answers=1))
 
     # --- metrics: weighted over the logging window ----------------------------------------------------------------
 
@@ -271,7 +322,9 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         """Each row's KL log-ratio, log π(y'|x) − log π_ref(y'|x) on its KL completion (no gradients, float64)."""
         batch = {key: (value.to(self.accelerator.device) if torch.is_tensor(value) else value)
                  for key, value in batch.items()}
-        with torch.no_grad():
+        with torch.no_grad(), self.packed_pass(batch, "KL_", ("kl",) if self.precompute_ref_logps else
+                                               ("kl", "reference")):
+            batch = without_packed(batch)
             policy = KTOTrainer._compute_kl_logps(self, model, batch)
             reference = batch["ref_KL_logps"] if self.precompute_ref_logps else self._reference_kl_logps(batch)
         return (policy - reference).double()
@@ -326,14 +379,15 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
             self.data_collator = padded_collator
 
     def _packs_reference(self) -> bool:
-        return self.packed_forward is not None and self.packed_forward.enabled and self.calculate_KL
+        return self._packs() and self.calculate_KL
 
     def reference_collator(self):
         """The reference pass's collator: TRL's, plus the packed layout of each row's two completions when packed."""
+        padded = getattr(self, "padded_collator", self.data_collator)  # in TRL's __init__: TRL's own
         if not self._packs_reference():
-            return self.data_collator
-        return PackedPreferenceCollator(self.data_collator, self.packed_forward.layout, attention_cost_of(self.model),
-                                        completion_pairs, completions_width)
+            return padded
+        return PackedPreferenceCollator(padded, self.packed_forward.layout, attention_cost_of(self.model),
+                                        padded_width=completions_width, answers=COMPLETIONS)
 
     def compute_ref_log_probs(self, model, inputs):
         """The reference's summed log-probs of each row's completion and KL completion: TRL's two padded forwards, or
