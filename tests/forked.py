@@ -164,6 +164,7 @@ def _main_entry(argv: list[str]) -> int:
 
 
 _warmed: list[bool] = []
+WARM = True  # False in a process that forks only runs that train nothing (dry runs): it has nothing to share
 
 
 def _warm() -> None:
@@ -173,7 +174,7 @@ def _warm() -> None:
     trackers TRL imports when installed (wandb: TRL's base trainer imports it) are then imported in the test process,
     as after any in-process test that builds a trainer; no forked run asks for one (test_trackers starts fresh
     interpreters)."""
-    if _warmed:
+    if _warmed or not WARM:
         return
     _warmed.append(True)
     import datasets  # noqa: F401

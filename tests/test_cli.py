@@ -119,7 +119,7 @@ def test_no_hub_message_when_nothing_needs_the_hub(user_args):
                 user_args[:data] + ["some-org/some-pairs"] + user_args[data + 1:]]
     # One fresh interpreter (the libraries read the Hub settings when they are imported) forks each command line:
     # each its own process, as a new command would be, with those settings.
-    script = ("import json, sys\nsys.path[:0] = ['tests', '.']\nimport forked\n"
+    script = ("import json, sys\nsys.path[:0] = ['tests', '.']\nimport forked\nforked.WARM = False\n"
               "print(json.dumps([vars(forked.run_main(argv)) for argv in json.loads(sys.argv[1])]))")
     fresh = subprocess.run([sys.executable, "-c", script, json.dumps([[*args, "--stage", "dpo", "--dry_run"]
                                                                       for args in launches])],
