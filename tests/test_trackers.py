@@ -14,22 +14,27 @@ from pathlib import Path
 
 import pytest
 
+import forked
 from conftest import PROJECT_ROOT
 from src import run_files
 from src.config import ConfigError, parse_config
 
 
 def tracked_run(tiny_model, preference_file, results: Path, run_name: str, trackers: list[str], env: dict,
-                stage: str = "dpo"):
+                stage: str = "dpo", fresh: bool = True):
     args = ["--stage", stage, "--model_name_or_path", str(tiny_model), "--dataset_name", str(preference_file),
             "--results_dir", str(results), "--run_name", run_name, "--max_length", "64", "--logging_steps", "1",
             "--eval_steps", "2", "--num_samples", "2", "--max_new_tokens", "4", "--judge", "none", "--seed", "3",
             "--val_size", "4", "--test_size", "4", "--batch_size", "4", "--max_steps", "3", "--learning_rate",
             "1e-3", "--report_to", *trackers] + (["--sft.max_steps", "2"] if stage == "sft_then_dpo" else [])
-    # A fresh interpreter, not a fork: the trackers read their settings (WANDB_*, TRACKIO_DIR, HOME) when imported,
-    # and a fork would keep those of the test process, whichever test imported them first.
-    result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
-                            capture_output=True, text=True, timeout=600, env=env)
+    # A fresh interpreter, not a fork, for wandb and trackio: they read their settings (WANDB_*, TRACKIO_DIR, HOME)
+    # when imported, and a fork would keep those of the test process, whichever test imported them first. TensorBoard
+    # reads none (`fresh=False`: forked, tests/forked.py).
+    if fresh:
+        result = subprocess.run([sys.executable, "-m", "src.main_distributed", *args], cwd=PROJECT_ROOT,
+                                capture_output=True, text=True, timeout=600, env=env)
+    else:
+        result = forked.run_main(args, env=env, timeout=600)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result, run_files.read_json(results / run_name / run_files.TRAINING_INFO)
 
@@ -37,7 +42,8 @@ def tracked_run(tiny_model, preference_file, results: Path, run_name: str, track
 def test_tensorboard_event_files_hold_the_loss_the_plan_and_the_final_numbers(tiny_model, preference_file, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, info = tracked_run(tiny_model, preference_file, tmp_path / "results", "tb", ["tensorboard"], os.environ)
+    _, info = tracked_run(tiny_model, preference_file, tmp_path / "results", "tb", ["tensorboard"], os.environ,
+                          fresh=False)
     log_dir = tmp_path / "results" / "tb" / "tensorboard"
     events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "scalars": 0})
     events.Reload()
