@@ -9,8 +9,9 @@ file in the cache, named by a hash of everything those steps read:
 - the model directory's files (name, size, modification time), the --chat_template_path file or directory, a reward
   model --judge's directory, and the data sources as the prepared data's key sees them (src/data.py
   `source_fingerprint`).
-A launch whose inputs cannot all be read that way (a Hub model or template, a `module:function` judge, whose check
-imports the user's module) is checked in full every time, as is every launch without a record. The record holds what
+A launch whose inputs cannot all be read that way (a Hub model or template) is checked in full every time, as is
+every launch without a record. A `module:function` judge is no input of the recorded checks: run() imports it on every
+launch, recorded or not (input_checks.check_judge), and only training calls it. The record holds what
 the checks said (model warnings, the DPO forward's refusal) and where the prepared data is; a hit is used only while
 that data is still complete in the cache. Workers never read it: they load the tokenizer and data themselves.
 """
@@ -60,14 +61,15 @@ def _version(name: str) -> str:
 
 def record_key(config, stages, model_path: str) -> str | None:
     """The hash of every input of the preflight's model-side checks and data preparation; None when one of them
-    cannot be read without loading it (a Hub model or chat template, a `module:function` judge)."""
+    cannot be read without loading it (a Hub model or chat template)."""
     model = _files(Path(model_path))
     template = config.model.chat_template_path
     template_files = _files(Path(template).expanduser()) if template else []
     judge = config.training.judge
-    if model is None or template_files is None or FUNCTION_JUDGE.match(judge):
+    if model is None or template_files is None:
         return None
-    judge_files = [] if judge in ("auto", "none", EMBEDDED) else _files(Path(judge).expanduser()) or judge
+    local_model = judge not in ("auto", "none", EMBEDDED) and not FUNCTION_JUDGE.match(judge)
+    judge_files = (_files(Path(judge).expanduser()) or judge) if local_model else []
     data = [[source_fingerprint(location) for location in
              ([source_location(source, stage.data_stage) for source, _ in mixture_sources(stage.config.data)]
               or [source_location(stage.config.data, stage.data_stage)])] for stage in stages]

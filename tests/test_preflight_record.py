@@ -49,31 +49,47 @@ def test_the_key_follows_every_input(launch, tmp_path):
     assert second != first  # a file of the model directory
     write_jsonl(data, preference_rows(25))
     assert key_of(args) != second  # the data file
+    # a module:function judge is imported by every launch, recorded or not: its name is in the key (the configuration)
+    with_function_judge = key_of(args + ["--judge", "tests.round_judges:by_length"])
+    assert with_function_judge not in (None, key_of(args))
     # inputs that cannot be read without loading them: checked in full every time
-    assert key_of(args + ["--judge", "tests.round_judges:by_length"]) is None
     assert key_of(args + ["--chat_template_path", "someone/a-hub-tokenizer"]) is None
 
 
-def dry_run(args):
+def dry_run(args, expect: int = 0, **env):
     script = ("import json, sys\nfrom src.main_distributed import main\n"
               f"code = main({[*args, '--dry_run']!r})\n"
               f"print(json.dumps([code, [name for name in {HEAVY!r} if name in sys.modules]]))")
     result = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, PREFKIT_QUIET_DRY_RUN="0"))
+                            timeout=300, env=dict(os.environ, PREFKIT_QUIET_DRY_RUN="0", **env))
     assert result.returncode == 0, result.stderr[-3000:]
-    *printed, modules = result.stdout.strip().splitlines()
-    return printed, json.loads(modules)[1]
+    *printed, outcome = result.stdout.strip().splitlines()
+    code, modules = json.loads(outcome)
+    assert code == expect, result.stderr[-3000:]
+    return (result.stderr.strip().splitlines() if expect else printed), modules
 
 
-def test_a_passed_preflight_is_not_redone_until_an_input_changes(launch):
+def test_a_passed_preflight_is_not_redone_until_an_input_changes(launch, tmp_path):
+    """... and a `module:function` judge, which every launch imports (input_checks.check_judge) and none of the
+    recorded checks reads, is checked again on a recorded launch: a judge gone since is refused."""
     config = launch["model"] / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "max_position_embeddings": 48}))
-    args = launch["args"]  # --max_length 64 past a rotary model's 48 positions: a warning the record must repeat
-    printed, imported = dry_run(args)
+    judges = tmp_path / "judges"
+    judges.mkdir()
+    (judges / "my_judge.py").write_text("def score(prompt, answer, meta=None):\n    return 1.0\n")
+    # --max_length 64 past a rotary model's 48 positions: a warning the record must repeat
+    # (no .pyc: the judge is rewritten at the same size within a second, which a .pyc's mtime would not see)
+    args = launch["args"] + ["--judge", "my_judge:score"]
+    judge_path = {"PYTHONPATH": str(judges), "PYTHONDONTWRITEBYTECODE": "1"}
+    printed, imported = dry_run(args, **judge_path)
     assert imported == list(HEAVY)  # the first check loads the tokenizer and prepares the data
     assert any("warning" in line and "48" in line for line in printed) and any("rows" in line for line in printed)
-    again, imported = dry_run(args)
+    again, imported = dry_run(args, **judge_path)
     assert imported == [] and again == printed  # the same plan, data summary and warnings, without the imports
+    (judges / "my_judge.py").write_text("def other(prompt, answer, meta=None):\n    return 1.0\n")
+    refused, imported = dry_run(args, expect=2, **judge_path)
+    assert refused == ["error: --judge my_judge:score: my_judge has no function 'score'"] and imported == []
+    (judges / "my_judge.py").write_text("def score(prompt, answer, meta=None):\n    return 0.0\n")
     config.write_text(json.dumps(json.loads(config.read_text())))  # the same model, rewritten: checked again
-    _, imported = dry_run(args)
+    _, imported = dry_run(args, **judge_path)
     assert imported == list(HEAVY)
