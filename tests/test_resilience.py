@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import forked
+import rank_probe
 from conftest import PROJECT_ROOT
 from src import run_files
 from src.config import ConfigError, parse_config, redact_secrets
@@ -152,27 +153,23 @@ def train_losses(run_dir: Path) -> dict[int, float]:
             if "loss" in record}
 
 
-# Secrets in the environment of the reference run (test_secrets_never_reach_the_run_directory reads its files).
+# Secrets in the environment of the three launches of stopped_twice_run (test_secrets_never_reach_the_run_directory
+# reads their files and consoles).
 SECRETS = {"HF_TOKEN": "hf_SECRETtoken123", "WANDB_API_KEY": "wandbSECRET456", "MY_SERVICE_API_KEY": "sk-SECRET"}
 
 
 @pytest.fixture(scope="module")
-def reference_run(tiny_model, tmp_path_factory):
-    """The same job, never interrupted: what a resumed job's curve must match; launched with SECRETS set.
-    (data, losses, the launch's results folder, its console log)"""
+def reference_losses(tiny_model, tmp_path_factory):
+    """The same job on two processes, never interrupted: what a resumed job's curve must match. Forked
+    (tests/forked.py): the launcher's part is the kills and restarts of the tests below, not this curve.
+    (data, losses)"""
     from conftest import preference_rows, write_jsonl
 
     root = tmp_path_factory.mktemp("reference")
     data = write_jsonl(root / "pairs.jsonl", preference_rows(120))
-    process = start_launcher(job_args(tiny_model, data, root / "results"), root / "log.txt", **SECRETS)
-    assert process.wait(timeout=600) == 0, (root / "log.txt").read_text()[-3000:]
-    return data, train_losses(root / "results" / "job"), root / "results", root / "log.txt"
-
-
-@pytest.fixture(scope="module")
-def reference_losses(reference_run):
-    data, losses, _, _ = reference_run
-    return data, losses
+    result = forked.run_job(2, job_args(tiny_model, data, root / "results"), env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return data, train_losses(root / "results" / "job")
 
 
 def assert_finished_like_the_reference(run_dir: Path, reference: dict[int, float], steps: int = STEPS):
@@ -233,7 +230,7 @@ def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
        kills it; a terminal's kill, an OOM kill of torchrun's agent): the workers, in sessions of their own, must see
        their agent gone and stop as on SIGTERM;
     3. relaunched right away: it takes the hold over and finishes.
-    Serves the two tests below. (the run directory; after launch 1, its training_info.json, the steps of its complete
+    Each launch has SECRETS in its environment. Serves the three tests below. (the run directory; after launch 1, its training_info.json, the steps of its complete
     checkpoints and report.md's first line; training_info.json at the end; the three consoles; how long launch 2's
     processes took to end after its kill)"""
     data, reference = reference_losses
@@ -244,7 +241,8 @@ def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
     logs = [root / f"log{number}.txt" for number in (1, 2, 3)]
     launches = []
     try:
-        launches.append(start_launcher(args, logs[0], PREFKIT_TEST_KILL_STARTER=f"step:12:{signalled}:TERM"))
+        launches.append(start_launcher(args, logs[0], PREFKIT_TEST_KILL_STARTER=f"step:12:{signalled}:TERM",
+                                       **SECRETS))
         launches[0].wait(timeout=600)
         assert signalled.exists(), "the seam never fired: the test proves nothing"
         after_sigterm = run_files.read_json(run_dir / run_files.TRAINING_INFO)
@@ -253,10 +251,10 @@ def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
                                   if (path / COMPLETE_MARKER).exists()]
 
         launches.append(start_launcher(args, logs[1], PREFKIT_TEST_KILL_STARTER=f"step:{TERM_THEN_KILL_AT}:{killed}",
-                                       **{TAG: f"{root}-second"}))
+                                       **{TAG: f"{root}-second"}, **SECRETS))
         launches[1].wait(timeout=600)
         assert killed.exists(), "the seam never fired: the test proves nothing"
-        launches.append(start_launcher(args, logs[2], **{TAG: f"{root}-third"}))  # right away
+        launches.append(start_launcher(args, logs[2], **{TAG: f"{root}-third"}, **SECRETS))  # right away
         gone_after = seconds_until_gone(f"{root}-second")
         assert launches[2].wait(timeout=600) == 0, logs[2].read_text()[-3000:]
     finally:
@@ -292,18 +290,16 @@ def test_a_killed_launcher_stops_its_workers_as_sigterm_does_and_the_same_comman
 
 
 def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, reference_losses, tmp_path):
-    """Rank 1 gets a NaN weight before step 13: the job stops at step 13 on every rank, saves nothing from it, says
-    so, and a relaunch refuses to continue from a diverged run."""
+    """Rank 1 of a 2-process job gets a NaN weight before step 13: the job stops at step 13 on every rank, saves
+    nothing from it, says so, and a relaunch refuses to continue from a diverged run."""
     import torch
     from safetensors.torch import load_file
 
     data, _ = reference_losses
     results = tmp_path / "results"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master_addr", "127.0.0.1",
-               "--master_port", str(forked.free_port()), "--nproc_per_node", "2", "tests/rank_probe.py", str(tmp_path / "probe"),
-               *job_args(tiny_model, data, results, save_steps=5)]
     environ = os.environ | {"OMP_NUM_THREADS": "1", "PROBE_NAN_AT_STEP": "12", "PROBE_NAN_RANK": "1"}
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=environ, capture_output=True, text=True, timeout=600)
+    result = forked.run_job(2, [str(tmp_path / "probe"), *job_args(tiny_model, data, results, save_steps=5)],
+                            env=environ, entry=rank_probe.entry)  # 2 processes as one job (tests/rank_probe.py)
     assert result.returncode != 0
     assert "training diverged at step 13 (loss nan (rank 1)" in result.stderr, result.stderr[-3000:]
     run_dir = results / "job"
@@ -325,19 +321,19 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     assert "training diverged at step 13" in again.stderr
 
 
-def test_secrets_never_reach_the_run_directory(reference_run):
-    """The reference run (2 processes under the launcher) had SECRETS in its environment: none is in any file it
-    wrote nor on its console."""
-    _, _, results, log = reference_run
-    for path in results.rglob("*"):
+def test_secrets_never_reach_the_run_directory(stopped_twice_run):
+    """The three launches of one run directory (2 processes under the launcher: stopped by SIGTERM, killed, resumed
+    to the end) had SECRETS in their environment: none is in any file they wrote nor on their consoles."""
+    run_dir, *_, consoles, _ = stopped_twice_run
+    for path in run_dir.parent.rglob("*"):
         if path.is_file():
             content = path.read_bytes()
             for value in SECRETS.values():
                 assert value.encode() not in content, f"{value} found in {path}"
-    console = log.read_text()
-    assert "Traceback" not in console and "job" in console
-    for value in SECRETS.values():
-        assert value not in console
+    assert "Traceback" not in consoles[2] and "job" in consoles[2]
+    for console in consoles:
+        for value in SECRETS.values():
+            assert value not in console
 
 
 def test_tokens_are_refused_as_flags_and_redacted_from_records():
