@@ -230,9 +230,9 @@ def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
        kills it; a terminal's kill, an OOM kill of torchrun's agent): the workers, in sessions of their own, must see
        their agent gone and stop as on SIGTERM;
     3. relaunched right away: it takes the hold over and finishes.
-    Each launch has SECRETS in its environment. Serves the three tests below. (the run directory; after launch 1, its training_info.json, the steps of its complete
-    checkpoints and report.md's first line; training_info.json at the end; the three consoles; how long launch 2's
-    processes took to end after its kill)"""
+    Each launch has SECRETS in its environment. Serves the three tests below. (the run directory; after launch 1, its
+    training_info.json, the steps of its complete checkpoints and report.md's first line; training_info.json at the
+    end; the three consoles; how long launch 2's processes took to end after its kill)"""
     data, reference = reference_losses
     root = tmp_path_factory.mktemp("stopped_twice")
     run_dir = root / "results" / "job"
