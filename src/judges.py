@@ -306,6 +306,11 @@ def load_function(spec: str) -> Callable:
     return function
 
 
+def names_a_reward_model(choice: str) -> bool:
+    """--judge names a reward model (a path or Hub id): not auto, none, the embedded check or a module:function."""
+    return choice not in ("auto", "none", EMBEDDED) and not FUNCTION_JUDGE.match(choice)
+
+
 def judge_for(choice: str, dataset_name: str | None) -> Judge | None:
     """The judge --judge names: the embedded tasks' check, a user's function (module:function), a reward model (a
     path or Hub id); None for 'none' and for 'auto' on data no judge knows."""

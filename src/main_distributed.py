@@ -39,7 +39,7 @@ from src.embedded.model import cache_root
 from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_judge, check_model_inputs
-from src.judges import FUNCTION_JUDGE, JudgeError, judge_for, pair_accuracy, score_pairs
+from src.judges import JudgeError, judge_for, names_a_reward_model, pair_accuracy, score_pairs
 from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
@@ -737,7 +737,7 @@ def hub_sources(config: Config, stages: list[Stage]) -> list[str]:
 def reward_model_judge(config: Config) -> list[str]:
     """--judge when it names a reward model (a path or Hub id), else nothing."""
     judge = config.training.judge
-    return [] if judge in ("auto", "none", EMBEDDED) or FUNCTION_JUDGE.match(judge) else [judge]
+    return [judge] if names_a_reward_model(judge) else []
 
 
 def quiet_libraries() -> None:

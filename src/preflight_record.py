@@ -10,9 +10,9 @@ file in the cache, named by a hash of everything those steps read:
   model --judge's directory, and the data sources as the prepared data's key sees them (src/data.py
   `source_fingerprint`).
 A launch whose inputs cannot all be read that way (a Hub model or template) is checked in full every time, as is
-every launch without a record. A `module:function` judge is no input of the recorded checks: run() imports it on every
-launch, recorded or not (input_checks.check_judge), and only training calls it. The record holds what
-the checks said (model warnings, the DPO forward's refusal) and where the prepared data is; a hit is used only while
+every launch without a record. A `module:function` judge is no input of the recorded checks: run() imports it on
+every launch, recorded or not (input_checks.check_judge), and only training calls it. The record holds what the
+checks said (model warnings, the DPO forward's refusal) and where the prepared data is; a hit is used only while
 that data is still complete in the cache. Workers never read it: they load the tokenizer and data themselves.
 """
 
@@ -24,9 +24,8 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from src.config import EMBEDDED
 from src.data import SUMMARY_FILE, mixture_sources, source_fingerprint, source_location
-from src.judges import FUNCTION_JUDGE
+from src.judges import names_a_reward_model
 from src.run_safety.build_once import is_complete
 
 FORMAT = 1
@@ -68,8 +67,7 @@ def record_key(config, stages, model_path: str) -> str | None:
     judge = config.training.judge
     if model is None or template_files is None:
         return None
-    local_model = judge not in ("auto", "none", EMBEDDED) and not FUNCTION_JUDGE.match(judge)
-    judge_files = (_files(Path(judge).expanduser()) or judge) if local_model else []
+    judge_files = (_files(Path(judge).expanduser()) or judge) if names_a_reward_model(judge) else []
     data = [[source_fingerprint(location) for location in
              ([source_location(source, stage.data_stage) for source, _ in mixture_sources(stage.config.data)]
               or [source_location(stage.config.data, stage.data_stage)])] for stage in stages]
