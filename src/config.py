@@ -422,6 +422,21 @@ class TrainingArguments:
                   "reward model's path or Hub id), each a reward function logged apart (rewards/<judge>/mean), summed "
                   "with --reward_weights (one per judge; default all 1). Empty: --judge. docs/grpo.md."},
     )
+    tools: str | None = field(
+        default=None,
+        metadata={"help": "Tools the model may call while GRPO samples and while held-out prompts are answered: "
+                  "module:registry, a module attribute holding a dict or list of plain Python functions (schemas "
+                  "from their type hints and docstrings, or given: {'function': f, 'schema': {...}}; a row's `tools` "
+                  "column wins for the prompt). Each call runs in a worker process; its result is fed back in the "
+                  "template's tool role and masked from the loss (docs/tools.md)."},
+    )
+    max_tool_turns: int = field(
+        default=4, metadata={"help": "With --tools: rounds of tool calls an answer may make before it must answer."})
+    tool_timeout: float = field(
+        default=10.0,
+        metadata={"help": "With --tools: seconds a call may run; past it the tool is killed and the model reads an "
+                  "error result (counted, never a stop)."},
+    )
     audit_judge_pairs: int = field(
         default=2000,
         metadata={"help": "Training pairs (drawn with the seed) whose own chosen and rejected answers --judge scores "
@@ -1052,6 +1067,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
     validate_rounds(config)
     validate_judges(config)
+    from src.tools import validate_config  # the tools' checks live with them
+
+    validate_config(config)
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")

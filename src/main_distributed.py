@@ -296,10 +296,10 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
-                    plan: Plan, world: World) -> dict[str, list[str]]:
+                    plan: Plan, world: World, tools=None) -> dict[str, list[str]]:
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
-                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world)
+                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools)
         for split, rows in rows_by_split.items()
     }
 
@@ -344,7 +344,22 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     return results
 
 
-def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World):
+def tool_session(config: Config, tokenizer):
+    """The stage's tools (--tools: src/tools.py), checked against the chat template; None without --tools."""
+    from src.tools import ToolsError, call_syntax, session_for
+
+    session = session_for(config)
+    if session is not None:
+        try:
+            call_syntax(tokenizer)
+        except ToolsError as error:
+            session.close()
+            raise ConfigError(str(error)) from None
+    return session
+
+
+def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World,
+                   tools=None):
     """The held-out prompts an objective whose row sets `judged_eval` (GRPO) judges at the start and each evaluation
     (src/trainers/judged_eval.py): the first --judged_eval_prompts validation prompts, scored by --judge; None without
     them or a judge. Its start reuses the answers judged before training when they are to the same prompts."""
@@ -358,7 +373,7 @@ def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dic
     start = [answer["text"] for answer in before.get("val", [])][:len(ids)]
     same = [row["sample_prompt_ids"] for row in rows.get("val", [])][:len(ids)] == ids and len(start) == len(ids)
     return JudgedEval(curve_rows, judge, tokenizer, config.training.max_new_tokens,
-                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None)
+                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None, tools)
 
 
 def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict, world: World, previous: dict | None,
@@ -427,7 +442,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
-    before = answer_held_out(model, tokenizer, rows, config, plan, world)
+    tools = tool_session(config, tokenizer)
+    before = answer_held_out(model, tokenizer, rows, config, plan, world, tools)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     if data_audit.judged(stage):
         data_audit.judge_training_pairs(prepared, stage, world)
@@ -435,7 +451,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on a
     # loss; an objective whose evaluation is judged (GRPO) judges some of them at each evaluation as well.
-    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world)
+    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world, tools)
     evaluated = judged_eval is not None or (prepared.validation is not None and not {
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
@@ -452,6 +468,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trainer.add_callback(trackers)
     if judged_eval is not None:
         trainer.judged_eval = judged_eval
+    if tools is not None and hasattr(trainer, "use_tools"):
+        trainer.use_tools(tools)
     if world.is_main and row.needs_reference and "reference" in row.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
@@ -478,7 +496,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
-    after = answer_held_out(trained, tokenizer, rows, config, plan, world)
+    after = answer_held_out(trained, tokenizer, rows, config, plan, world, tools)
+    if tools is not None:
+        tools.close()
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
     saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
     end_step_done("final_model")

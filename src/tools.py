@@ -20,6 +20,7 @@ docs/tools.md.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import inspect
@@ -277,6 +278,7 @@ class ToolRunner:
                 [sys.executable, "-m", "src.tools", "--serve", self.toolbox.spec, "--parent", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=environment, cwd=os.getcwd(),
                 start_new_session=True, text=True, bufsize=1)
+            atexit.register(self.close)  # an ordinary exit ends it at once (a killed one: its parent watch)
         return self.worker
 
     def close(self) -> None:
@@ -422,19 +424,43 @@ def call_results(calls: list[Call], toolbox: ToolBox, runner: ToolRunner, trajec
     return results
 
 
-def sample_with_tools(sample: Callable, tokenizer, prompts: list[list[int]], toolbox: ToolBox, runner: ToolRunner,
-                      max_tool_turns: int, max_new_tokens: int, stop_ids: set[int],
-                      template_kwargs: dict | None = None) -> list[Trajectory]:
-    """Each prompt's trajectory: `sample(contexts, turn, budgets)` writes one turn for every context still going
-    (token ids → the turn's ids, ending at a stop token or its budget), whose calls are run and their results
-    appended in the template's tool role, up to `max_tool_turns` rounds of calls and `max_new_tokens` answer tokens
-    in all (tool results included, as TRL's GRPO counts a completion)."""
+@dataclasses.dataclass
+class ToolSession:
+    """A run's tools on one process: the registry, its worker, the turns an answer may use, the template's keyword
+    arguments (--chat_template_kwargs) its tool results are rendered with."""
+
+    toolbox: ToolBox
+    runner: ToolRunner
+    max_tool_turns: int
+    template_kwargs: dict | None = None
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def session_for(config) -> ToolSession | None:
+    """The run's ToolSession (--tools, --tool_timeout, --max_tool_turns), or None without --tools."""
+    training = config.training
+    if not training.tools:
+        return None
+    toolbox = load_toolbox(training.tools)
+    return ToolSession(toolbox, ToolRunner(toolbox, training.tool_timeout), training.max_tool_turns,
+                       config.data.chat_template_kwargs)
+
+
+def sample_with_tools(sample: Callable, tokenizer, prompts: list[list[int]], session: ToolSession,
+                      max_new_tokens: int, stop_ids: set[int]) -> list[Trajectory]:
+    """Each prompt's trajectory: `sample(indices, contexts, turn, budgets)` writes one turn for every prompt still
+    going (its index, its context's token ids → the turn's ids, ending at a stop token or its budget), whose calls are
+    run and their results appended in the template's tool role, up to `max_tool_turns` rounds of calls and
+    `max_new_tokens` answer tokens in all (tool results included, as TRL's GRPO counts a completion)."""
+    toolbox, runner, max_tool_turns = session.toolbox, session.runner, session.max_tool_turns
     syntax = call_syntax(tokenizer)
     trajectories = [Trajectory() for _ in prompts]
     going = list(range(len(prompts)))
     for turn in range(max_tool_turns + 1):
         budgets = [max_new_tokens - len(trajectories[index].ids) for index in going]
-        written = sample([prompts[index] + trajectories[index].ids for index in going], turn, budgets)
+        written = sample(going, [prompts[index] + trajectories[index].ids for index in going], turn, budgets)
         next_going = []
         for index, ids in zip(going, written):
             trajectory = trajectories[index]
@@ -448,7 +474,7 @@ def sample_with_tools(sample: Callable, tokenizer, prompts: list[list[int]], too
                 continue
             results = call_results(calls, toolbox, runner, trajectory)
             stop = tokenizer.decode(ids[-1:], skip_special_tokens=False)
-            suffix = tokenizer(tool_result_text(tokenizer, stop, results, template_kwargs),
+            suffix = tokenizer(tool_result_text(tokenizer, stop, results, session.template_kwargs),
                                add_special_tokens=False)["input_ids"]
             if len(trajectory.ids) + len(suffix) >= max_new_tokens:
                 trajectory.count_error("no_budget")  # the result does not fit: the answer ends at its call
@@ -472,6 +498,30 @@ def summary(trajectories: list[Trajectory]) -> dict:
     return {"answers": len(trajectories), "calls_per_answer": calls / answers,
             "valid_share": sum(trajectory.valid for trajectory in trajectories) / calls if calls else None,
             "errors": errors, "turns_per_answer": sum(trajectory.turns for trajectory in trajectories) / answers}
+
+
+TOOL_STAGES = ("grpo",)  # the stages whose sampling runs tools (every stage's held-out answers do, with --tools)
+
+
+def validate_config(config) -> None:
+    """--tools and its knobs against the run (src/config.py's validate calls it): one ConfigError line per mistake."""
+    from src.config import ConfigError
+    from src.objectives import final_stage
+
+    training = config.training
+    try:
+        validate(training.tools, training.max_tool_turns, training.tool_timeout)
+    except ToolsError as error:
+        raise ConfigError(str(error)) from None
+    if not training.tools:
+        return
+    if final_stage(training.stage) not in TOOL_STAGES:
+        raise ConfigError(f"--tools runs tools while GRPO samples; --stage {training.stage} does not end with GRPO: use "
+                          "--stage grpo (or a pipeline that ends with it), or train the tool calls in your data without "
+                          "--tools")
+    if config.dpo.rounds:
+        raise ConfigError("--tools with --rounds: round pairs of tool trajectories are not trained yet (their tool "
+                          "results would need masking in DPO); use GRPO (--stage grpo) for rollouts with tools")
 
 
 def validate(tools: str | None, max_tool_turns: int, tool_timeout: float) -> None:

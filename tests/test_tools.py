@@ -14,8 +14,9 @@ import time
 import pytest
 
 from conftest import TEMPLATES, build_template_tokenizer
-from src.tools import (DEEPSEEK, HARMONY, HERMES, LLAMA_JSON, Call, ToolRunner, ToolsError, call_syntax, load_toolbox,
-                       parse_calls, sample_with_tools, schema_problem, summary, tool_result_text, validate)
+from src.tools import (DEEPSEEK, HARMONY, HERMES, LLAMA_JSON, Call, ToolRunner, ToolSession, ToolsError, call_syntax,
+                       load_toolbox, parse_calls, sample_with_tools, schema_problem, summary, tool_result_text,
+                       validate)
 
 REGISTRY = "tool_registry:TOOLS"
 QUESTION = [{"role": "user", "content": "What is 123 times 456?"}]
@@ -62,6 +63,10 @@ def runner():
 def _use(tokenizer, template: str) -> None:
     tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
     tokenizer.bos_token = "<|begin_of_text|>" if template.startswith("llama") else "<｜begin▁of▁sentence｜>"
+
+
+def _session(runner, max_tool_turns: int) -> ToolSession:
+    return ToolSession(runner.toolbox, runner, max_tool_turns)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -164,12 +169,12 @@ def test_a_trajectory_feeds_the_result_back_in_the_templates_tool_role_and_masks
                                            return_dict=True, tools=load_toolbox(REGISTRY).template_tools())["input_ids"]
     asked = []
 
-    def sample(contexts, turn, budgets):
+    def sample(indices, contexts, turn, budgets):
         asked.append((turn, [tokenizer.decode(context) for context in contexts], budgets))
         return [_ids(tokenizer, call if turn == 0 else final) for _ in contexts]
 
-    (trajectory,) = sample_with_tools(sample, tokenizer, [prompt], load_toolbox(REGISTRY), runner, max_tool_turns=3,
-                                      max_new_tokens=400, stop_ids=set(_ids(tokenizer, stop)))
+    (trajectory,) = sample_with_tools(sample, tokenizer, [prompt], _session(runner, 3), max_new_tokens=400,
+                                      stop_ids=set(_ids(tokenizer, stop)))
     call_ids, result_ids, final_ids = _ids(tokenizer, call), _ids(tokenizer, RESULTS[template]), _ids(tokenizer, final)
     assert trajectory.ids == call_ids + result_ids + final_ids
     assert trajectory.mask == [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(final_ids)
@@ -197,21 +202,20 @@ def test_bad_calls_are_counted_errors_the_model_reads_and_turns_and_budget_are_b
              '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>']
     seen = []
 
-    def sample(contexts, turn, budgets):
+    def sample(indices, contexts, turn, budgets):
         seen.append(tokenizer.decode(contexts[0]))
         return [_ids(tokenizer, turns[turn])]
 
-    (trajectory,) = sample_with_tools(sample, tokenizer, [[]], load_toolbox(REGISTRY), runner, max_tool_turns=3,
-                                      max_new_tokens=2000, stop_ids=set(_ids(tokenizer, "<|im_end|>")))
+    (trajectory,) = sample_with_tools(sample, tokenizer, [[]], _session(runner, 3), max_new_tokens=2000,
+                                      stop_ids=set(_ids(tokenizer, "<|im_end|>")))
     assert trajectory.turns == 4 and trajectory.calls == 3  # the fourth turn's call is past --max_tool_turns: not run
     assert trajectory.errors == {"unknown": 1, "schema": 1, "raised": 1} and trajectory.valid == 0
     assert "unknown tool divide; the tools are crash, hang, multiply, noisy, number" in seen[1]
     assert "missing argument(s) b" in seen[2] and "crash raised RuntimeError" in seen[3]
     assert summary([trajectory])["errors"] == {"unknown": 1, "schema": 1, "raised": 1}
     # A budget that the result would overrun: the answer ends at its call, counted.
-    (short,) = sample_with_tools(lambda contexts, turn, budgets: [_ids(tokenizer, turns[3])], tokenizer, [[]],
-                                 load_toolbox(REGISTRY), runner, max_tool_turns=3,
-                                 max_new_tokens=len(_ids(tokenizer, turns[3])) + 3,
+    (short,) = sample_with_tools(lambda indices, contexts, turn, budgets: [_ids(tokenizer, turns[3])], tokenizer,
+                                 [[]], _session(runner, 3), max_new_tokens=len(_ids(tokenizer, turns[3])) + 3,
                                  stop_ids=set(_ids(tokenizer, "<|im_end|>")))
     assert short.turns == 1 and short.errors == {"no_budget": 1} and short.mask == [1] * len(short.ids)
 

@@ -105,6 +105,13 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
     """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards; its
     evaluations judge held-out prompts (src/trainers/judged_eval.py), not TRL's sampled-answer loss."""
 
+    tool_session = None  # src/tools.py ToolSession with --tools: set with use_tools
+
+    def use_tools(self, session) -> None:
+        """Sample through tool trajectories (rollout_with_tools) from now on."""
+        self.tool_session = session
+        self.rollout_func = self.rollout_with_tools
+
     def __init__(self, *args, train_dataset=None, **kwargs):
         if train_dataset is not None and PROMPT_INDEX not in train_dataset.column_names:
             train_dataset = train_dataset.add_column(PROMPT_INDEX, list(range(len(train_dataset))))
@@ -136,21 +143,29 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
     def _tokenize_prompts(self, prompts: list):
         return [list(row["prompt_ids"]) for row in self._generation_inputs], None, {}
 
+    def _answer_seeds(self) -> list[int]:
+        """Each answer's seed: (seed, step, prompt row, answer number), the same on any number of processes (a
+        collective: every process asks once per generation batch)."""
+        rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
+        numbers = answer_numbers(rows, self.accelerator.process_index)
+        return [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
+                for row, number in zip(rows, numbers)]
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Each answer from its own stream seeded by (seed, step, prompt row, answer number): greedy decoding of the
         logits plus per-row Gumbel noise (SeededSampling), as the on-policy rounds sample."""
+        return self._sampled(prompt_ids, self._answer_seeds(), self.max_completion_length), None
+
+    def _sampled(self, prompt_ids: list[list[int]], seeds: list[int], max_new_tokens: int) -> list[list[int]]:
+        """Each prompt's answer (ids up to and including its first end token, as TRL keeps them), from its seed."""
         from transformers import GenerationConfig, LogitsProcessorList
         from trl.models import unwrap_model_for_generation
         from trl.trainer.utils import pad
 
         started = time.perf_counter()
         device = self.accelerator.device
-        rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
-        numbers = answer_numbers(rows, self.accelerator.process_index)
-        seeds = [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
-                 for row, number in zip(rows, numbers)]
         sampling = Sampling(self.temperature, self.top_p, self.top_k or 0)
-        generation = GenerationConfig(max_new_tokens=self.max_completion_length, do_sample=False, num_beams=1,
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                       pad_token_id=self._tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
                                       repetition_penalty=self.repetition_penalty,
                                       cache_implementation=self.args.cache_implementation, disable_compile=True)
@@ -170,7 +185,33 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         for row in completions.tolist():  # up to and including the first end token, as TRL keeps them
             end = next((index for index, token in enumerate(row) if token in self.eos_token_ids), len(row) - 1)
             answers.append(row[:end + 1])
-        return answers, None
+        return answers
+
+    def rollout_with_tools(self, prompts, trainer=None) -> dict:
+        """TRL's `rollout_func` with --tools: each answer a trajectory (src/tools.py), every turn from the answer's
+        seed and the turn, the tool results masked from the loss (TRL's `env_mask`); the judges read the whole
+        trajectory, and its tool record (`tool_record`: calls, valid calls, errors, turns) as a column. Tool use is
+        logged as tools/* means over the answers."""
+        from src.tools import sample_with_tools, summary
+
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        seeds = self._answer_seeds()
+
+        def sample(indices, contexts, turn, budgets):
+            written = self._sampled(contexts, [answer_seed(seeds[index], "turn", turn) for index in indices],
+                                    max(budgets))
+            return [ids[:budget] for ids, budget in zip(written, budgets)]
+
+        trajectories = sample_with_tools(sample, self._tokenizer, prompt_ids, self.tool_session,
+                                         self.max_completion_length, set(self.eos_token_ids))
+        used = summary(trajectories)
+        mode = "train" if self.model.training else "eval"
+        for key in ("calls_per_answer", "turns_per_answer"):
+            self._metrics[mode][f"tools/{key}"].append(used[key])
+        self._metrics[mode]["tools/errors_per_answer"].append(sum(used["errors"].values()) / max(1, used["answers"]))
+        return {"prompt_ids": prompt_ids, "completion_ids": [trajectory.ids for trajectory in trajectories],
+                "logprobs": None, "env_mask": [trajectory.mask for trajectory in trajectories],
+                "tool_record": [trajectory.record() for trajectory in trajectories]}
 
     def _note_seconds(self, key: str, started: float) -> None:
         """Seconds of a phase of the step on this process (rank 0's are logged): where a step's time goes, beside
