@@ -424,10 +424,10 @@ class TrainingArguments:
     )
     tools: str | None = field(
         default=None,
-        metadata={"help": "Tools the model may call while GRPO samples and while held-out prompts are answered: "
-                  "module:registry, a module attribute holding a dict or list of plain Python functions (schemas "
-                  "from their type hints and docstrings, or given: {'function': f, 'schema': {...}}; a row's `tools` "
-                  "column wins for the prompt). Each call runs in a worker process; its result is fed back in the "
+        metadata={"help": "Tools the model may call while GRPO samples and while any stage answers its held-out "
+                  "prompts: module:registry, a module attribute holding a dict or list of plain Python functions (schemas "
+                  "from their type hints and docstrings, or given: {'function': f, 'schema': {...}}; the prompt shows "
+                  "the row's `tools` column). Each call runs in a worker process; its result is fed back in the "
                   "template's tool role and masked from the loss (docs/tools.md)."},
     )
     max_tool_turns: int = field(
@@ -436,6 +436,13 @@ class TrainingArguments:
         default=10.0,
         metadata={"help": "With --tools: seconds a call may run; past it the tool is killed and the model reads an "
                   "error result (counted, never a stop)."},
+    )
+    turn_credit: float = field(
+        default=0.0,
+        metadata={"help": "GRPO with --tools: the weight w of per-turn credit. Each token of an answer's turn t gets "
+                  "its trajectory's advantage plus w x that turn's score (the judge's verdict's `turn_rewards`) "
+                  "normalised over its prompt's group; 0 (the default): the trajectory's reward alone "
+                  "(docs/tools.md)."},
     )
     audit_judge_pairs: int = field(
         default=2000,

@@ -86,7 +86,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             on_batch(len(prompts))
         answers = []
         for prompt, trajectory in zip(prompts, trajectories):
-            text = opened_reasoning(tokenizer, prompt) + decoded_answer(tokenizer, trajectory.ids)
+            text = opened_reasoning(tokenizer, prompt) + trajectory.text(tokenizer)
             answers.append(answer_record(text, trajectory.ids, eos_ids, close_ids) | trajectory.record()
                            if details else text)
         return answers

@@ -470,6 +470,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         trainer.judged_eval = judged_eval
     if tools is not None and hasattr(trainer, "use_tools"):
         trainer.use_tools(tools)
+        trainer.turn_credit = config.training.turn_credit
     if world.is_main and row.needs_reference and "reference" in row.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):

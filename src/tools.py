@@ -130,19 +130,6 @@ def load_toolbox(spec: str) -> ToolBox:
                           in entries.items()})
 
 
-def with_data_schemas(toolbox: ToolBox, tools: list[dict] | None) -> ToolBox:
-    """The toolbox with a row's own `tools` column for the tools the registry runs (the data's schema wins: it is
-    what the prompt shows the model)."""
-    if not tools:
-        return toolbox
-    schemas = dict(toolbox.schemas)
-    for schema in tools:
-        name = (schema.get("function") or schema).get("name") if isinstance(schema, dict) else None
-        if name in schemas:
-            schemas[name] = schema if schema.get("type") == "function" else {"type": "function", "function": schema}
-    return dataclasses.replace(toolbox, schemas=schemas)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Call syntax per template
 # --------------------------------------------------------------------------------------------------------------------
@@ -297,7 +284,7 @@ class ToolRunner:
             worker.stdin.flush()
         except (BrokenPipeError, OSError):
             self.close()
-            return _error_result(f"the tool worker stopped"), "worker stopped"
+            return _error_result(f"{name} could not be sent to its worker"), "died"
         ready, _, _ = select.select([worker.stdout], [], [], self.timeout_s)
         if not ready:
             self.close()  # a hung tool: killed with its worker, restarted for the next call
@@ -306,7 +293,11 @@ class ToolRunner:
         if not line:
             self.close()
             return _error_result(f"{name} stopped its process"), "died"
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:  # something wrote to the worker's own stdout (a C extension): start afresh
+            self.close()
+            return _error_result(f"{name} wrote past its result"), "died"
         if "error" in reply:
             return _error_result(reply["error"]), reply["kind"]
         return reply["result"], None
@@ -390,6 +381,12 @@ class Trajectory:
 
     def count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def text(self, tokenizer) -> str:
+        """What the judges read: the whole trajectory as the template wrote it (its special tokens kept, so the turns
+        and the tool results stay apart; padding dropped)."""
+        pad = tokenizer.pad_token_id
+        return tokenizer.decode([token for token in self.ids if token != pad], skip_special_tokens=False)
 
     def record(self) -> dict:
         """What the answer audit and the logs read."""
@@ -500,26 +497,20 @@ def summary(trajectories: list[Trajectory]) -> dict:
             "errors": errors, "turns_per_answer": sum(trajectory.turns for trajectory in trajectories) / answers}
 
 
-TOOL_STAGES = ("grpo",)  # the stages whose sampling runs tools (every stage's held-out answers do, with --tools)
-
-
 def validate_config(config) -> None:
-    """--tools and its knobs against the run (src/config.py's validate calls it): one ConfigError line per mistake."""
+    """--tools and its knobs against the run (src/config.py's validate calls it): one ConfigError line per mistake.
+    Every stage answers its held-out prompts with the tools; GRPO samples with them too."""
     from src.config import ConfigError
-    from src.objectives import final_stage
 
     training = config.training
     try:
         validate(training.tools, training.max_tool_turns, training.tool_timeout)
     except ToolsError as error:
         raise ConfigError(str(error)) from None
-    if not training.tools:
-        return
-    if final_stage(training.stage) not in TOOL_STAGES:
-        raise ConfigError(f"--tools runs tools while GRPO samples; --stage {training.stage} does not end with GRPO: use "
-                          "--stage grpo (or a pipeline that ends with it), or train the tool calls in your data without "
-                          "--tools")
-    if config.dpo.rounds:
+    if training.turn_credit < 0 or training.turn_credit and not training.tools:
+        raise ConfigError(f"--turn_credit {training.turn_credit:g}: the weight of per-turn credit in GRPO's "
+                          "advantages, 0 or more, with --tools (the turns are a trajectory's)")
+    if training.tools and config.dpo.rounds:
         raise ConfigError("--tools with --rounds: round pairs of tool trajectories are not trained yet (their tool "
                           "results would need masking in DPO); use GRPO (--stage grpo) for rollouts with tools")
 

@@ -228,3 +228,174 @@ def test_a_template_with_no_tool_syntax_is_refused_in_one_line(tokenizer):
     _use(tokenizer, "chatml-qwen2.5")
     assert tool_result_text(tokenizer, "<|im_end|>", [("multiply", "6")]) == RESULTS["chatml-qwen2.5"].replace(
         "56088", "6")
+
+
+def test_grpo_trains_the_turns_the_model_wrote_and_never_the_tools_result_with_credit_per_turn(tmp_path):
+    """GRPO with --tools, in this process on a tiny model with Qwen2.5's template, its sampling scripted (a call, then
+    the answer once the result is in the context; every other answer's seed calls a tool that does not exist): the
+    tool runs, TRL's loss mask (tool_mask, from the rollout's env_mask) is 0 exactly over the result and the
+    template's text around it, the judge reads the whole trajectory, tool use is logged; with --turn_credit 0.5 each
+    turn's tokens get the trajectory's advantage plus 0.5 x the turn's score normalised over the group (every answer
+    ends right, so the trajectory's advantage is 0 and only the call's turn tells the answers apart)."""
+    import statistics
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from conftest import build_tiny_model
+    from src.judges import ProgrammaticJudge
+    from src.tools import ToolSession
+    from src.trainers.grpo import JudgeReward, PreparedGRPOTrainer
+    from tool_registry import product_judge
+
+    path = build_tiny_model(tmp_path / "model", ["What is 123 times 456? It is 56088. multiply"],
+                            template="chatml-qwen2.5")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, im_end]
+    prompt_ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    rows = [{"prompt": QUESTION, "prompt_ids": prompt_ids, "meta": {"product": 56088}}] * 4
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], max_steps=1,
+                      per_device_train_batch_size=4, num_generations=4, max_completion_length=200, logging_steps=1,
+                      save_strategy="no", remove_unused_columns=False, learning_rate=1e-3, beta=0.0)
+    trainer = PreparedGRPOTrainer(model=model, processing_class=tokenizer, args=args,
+                                  train_dataset=datasets.Dataset.from_list(rows),
+                                  reward_funcs=[JudgeReward(ProgrammaticJudge(product_judge), "product")])
+    toolbox = load_toolbox("tool_registry:MULTIPLY")
+    call, final = TURNS["chatml-qwen2.5"][0], TURNS["chatml-qwen2.5"][2]
+    with ToolRunner(toolbox, timeout_s=5.0) as runner:
+        trainer.use_tools(ToolSession(toolbox, runner, max_tool_turns=2))
+        trainer.turn_credit = 0.5
+        wrong = call.replace("multiply", "divide")
+        trainer._sampled = lambda contexts, seeds, budget: [  # noqa: SLF001 - the sampling seam of this test
+            _ids(tokenizer, final if "<tool_response>" in tokenizer.decode(context) else
+                 call if seed % 2 else wrong) for context, seed in zip(contexts, seeds)]
+        seen = {}
+        compute_loss = trainer._compute_loss
+
+        def recording(model, inputs):
+            seen.update(inputs)
+            return compute_loss(model, inputs)
+
+        trainer._compute_loss = recording
+        trainer.train()
+    call_ids, result_ids, final_ids = _ids(tokenizer, call), _ids(tokenizer, RESULTS["chatml-qwen2.5"]), _ids(
+        tokenizer, final)
+    expected = [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(final_ids)
+    completions = [row.tolist() for row in seen["completion_ids"]]
+    right = [index for index, row in enumerate(completions) if row[:len(expected)] == call_ids + result_ids + final_ids]
+    assert right and len(right) < 4  # both kinds of answer were sampled
+    assert seen["tool_mask"][right[0], :len(expected)].tolist() == expected
+    history = trainer.state.log_history[0]
+    assert history["rewards/product/mean"] == 1.0  # the judge read the final turn after the tool's result
+    assert history["tools/calls_per_answer"] == 1.0 and history["tools/errors_per_answer"] == (4 - len(right)) / 4
+    turns = [[1.0 if index in right else 0.0, 1.0] for index in range(4)]  # the call's score, the answer's
+    values = [value for answer in turns for value in answer]
+    mean, spread = statistics.fmean(values), statistics.stdev(values)
+    for index in range(4):
+        mask = (seen["tool_mask"][index] * seen["completion_mask"][index]).tolist()
+        first_turn_end = mask.index(0)
+        advantages = seen["advantages"][index]
+        assert advantages[0].item() == pytest.approx(0.5 * (turns[index][0] - mean) / (spread + 1e-4), abs=1e-5)
+        assert advantages[first_turn_end - 1].item() == advantages[0].item()
+        last = max(position for position, token in enumerate(mask) if token)
+        assert advantages[last].item() == pytest.approx(0.5 * (1.0 - mean) / (spread + 1e-4), abs=1e-5)
+
+
+def test_the_answer_audit_reports_tool_use_before_and_after():
+    """Held-out answers with --tools carry their tool record (src/generation.py): the audit's calls per answer, valid
+    share, errors by kind and turns, before → after, in the console line and the report's table."""
+    from src.audit.answers import answers_audit
+    from src.reporting.audit import answers_section
+
+    def stats(calls, valid, errors, turns):
+        return {"tokens": 20, "ended": True, "repetition": 0.0, "calls": calls, "valid_calls": valid,
+                "tool_errors": errors, "turns": turns}
+
+    samples = [{"reference_answer": "x", "trained_answer": "y", "answer_stats": {
+        "reference": stats(1, 0, {"unparsed": 1}, 2), "trained": stats(1, 1, {}, 2)}},
+        {"reference_answer": "x", "trained_answer": "y", "answer_stats": {
+            "reference": stats(0, 0, {}, 1), "trained": stats(2, 1, {"timeout": 1}, 3)}}]
+    audit = answers_audit(samples)
+    assert audit["tool_calls_per_answer_before"] == 0.5 and audit["tool_calls_per_answer_after"] == 1.5
+    assert audit["tool_valid_share_before"] == 0.0 and audit["tool_valid_share_after"] == pytest.approx(2 / 3, abs=1e-6)
+    assert audit["tool_errors_before"] == {"unparsed": 1} and audit["tool_errors_after"] == {"timeout": 1}
+    assert audit["tool_turns_per_answer_after"] == 2.5
+    table = "\n".join(answers_section({"test": audit}))
+    assert "| valid calls | 0.0% → 66.7% |" in table and "unparsed 1 → timeout 1" in table
+    plain = answers_audit([{"reference_answer": "x", "trained_answer": "y", "answer_stats": {
+        "reference": {"tokens": 3, "ended": True, "repetition": 0.0}, "trained": {"tokens": 3, "ended": True,
+                                                                                    "repetition": 0.0}}}])
+    assert not any(key.startswith("tool_") for key in plain)  # no tools: no tool rows
+
+
+def test_the_data_audit_counts_calls_that_do_not_parse_name_an_unknown_tool_or_break_the_schema(tmp_path):
+    """Rows' tool calls, prepared as a run prepares them (Qwen2.5's template, DeepSeek-style arguments as text too):
+    the audit counts every call and each problem, and says so as the stage opens."""
+    from conftest import write_jsonl
+    from src.audit.run import format_data_audit
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+
+    tokenizer = build_template_tokenizer(["What is 123 times 456? It is 56088. multiply"], "chatml-qwen2.5")
+    schemas = json.dumps(load_toolbox("tool_registry:MULTIPLY").template_tools())
+
+    def call(name, arguments):
+        return [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": name, "arguments": arguments}}]}]
+
+    answers = [call("multiply", {"a": 1, "b": 2}), call("multiply", '{"a": 1, "b": 2}'), call("multiply", "{oops"),
+               call("divide", {"a": 1}), call("multiply", {"a": "one", "b": 2})]
+    rows = [{"prompt": [{"role": "user", "content": f"What is {index} times 2? ({index})"}], "tools": schemas,
+             "chosen": answers[index % 5], "rejected": [{"role": "assistant", "content": "No idea."}]}
+            for index in range(20)]
+    prepared = prepare_data(DataArguments(dataset_name=str(write_jsonl(tmp_path / "calls.jsonl", rows)), val_size=0,
+                                          test_size=0, max_length=4096), SFTArguments(), "dpo", 0, tokenizer,
+                            tmp_path / "cache")
+    train = prepared.summary["audit"]["train"]
+    assert (train["tool_calls"], train["tool_unparsed"], train["tool_unknown"], train["tool_schema"]) == (20, 4, 4, 4)
+    assert "20 tool calls; 4 with arguments that do not parse, 4 naming a tool the row's `tools` lack, 4 breaking " \
+           "its schema" in format_data_audit(prepared.summary["audit"], "dpo")
+
+
+def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(tmp_path):
+    """src/embedded/tools_task.py: held-out questions asked in no training split, SFT calls careless in about
+    SFT_WRONG_CALLS of the chats, pairs preferring the right call; its template is Hermes-style with the result in its
+    tool role; the judge reads a trajectory's final turn and first call; `measure` tables each stage with intervals."""
+    from src.embedded import tools_task
+    from src.embedded.model import build_tokenizer
+
+    files = tools_task.build()
+    held_out = {row["prompt"][0]["content"] for split in ("validation", "test") for row in files[f"prompts/{split}"]}
+    asked = {row["messages"][0]["content"] for row in files["sft/train"]} | {
+        row["prompt"][0]["content"] for name in ("dpo/train", "prompts/train") for row in files[name]}
+    assert len(held_out) == 300 and not held_out & asked
+    careless = [row["messages"][1]["tool_calls"][0]["function"]["arguments"]["b"] != row["meta"]["b"]
+                for row in files["sft/train"]]
+    assert abs(sum(careless) / len(careless) - tools_task.SFT_WRONG_CALLS) < 0.03
+    pair = files["dpo/train"][0]
+    assert pair["chosen"][0]["tool_calls"][0]["function"]["arguments"]["b"] == pair["meta"]["b"]
+    tokenizer = build_tokenizer(["What is 123 * 456? 56088 multiply {}:,\"ab"], chat_template=tools_task.CHAT_TEMPLATE,
+                                special_tokens=tools_task.TOOL_SPECIALS)
+    assert call_syntax(tokenizer) == HERMES
+    assert tool_result_text(tokenizer, "<|end|>", [("multiply", "56088")]) == "<|tool|>56088<|assistant|>"
+    row = {"meta": {"a": 123, "b": 456, "answer": "56088"}}
+    right = '<tool_call>{"name":"multiply","arguments":{"a":123,"b":456}}</tool_call><|end|><|tool|>56088<|assistant|>56088<|end|>'
+    careless_call = right.replace('"b":456', '"b":45').replace("56088", "5535")
+    assert tools_task.check(row, right) | {"reward": 0} == {"score": 1.0, "correct": True, "called": True,
+                                                             "right_call": True, "reward": 0,
+                                                             "turn_rewards": [1.0, 1.0]}
+    assert tools_task.check(row, careless_call)["turn_rewards"] == [0.0, 0.0]
+    assert tools_task.check(row, "56088<|end|>")["correct"] and not tools_task.check(row, "56088")["called"]
+    for stage, directory in (("sft", tmp_path / "sft"), ("dpo", tmp_path / "dpo"), ("grpo", tmp_path)):
+        directory.mkdir(exist_ok=True)
+        verdicts = [{"reference": tools_task.check(row, careless_call), "trained": tools_task.check(
+            row, right if stage == "grpo" or index % 2 else careless_call)} for index in range(10)]
+        (directory / "samples_test.jsonl").write_text("".join(json.dumps({"verdict": verdict}) + "\n"
+                                                              for verdict in verdicts))
+    table = tools_task.measure(tmp_path)
+    assert "| untrained | 10 | 0.0% ±0.0 | 100.0% ±0.0 | 0.0% ±0.0 |" in table
+    assert "| after SFT | 10 | 50.0% ±31.0 | 100.0% ±0.0 | 50.0% ±31.0 |" in table
+    assert "| after GRPO | 10 | 100.0% ±0.0 | 100.0% ±0.0 | 100.0% ±0.0 |" in table

@@ -63,3 +63,11 @@ def untyped(a):
 
 UNTYPED = [untyped]
 NOT_A_REGISTRY = 3
+
+
+def product_judge(row: dict, text: str) -> dict:
+    """A judge of trajectories (special tokens kept): 1 when the final turn states the product."""
+    final = text.rsplit("<|im_start|>assistant\n", 1)[-1].replace("<|im_end|>", "").strip()
+    score = float(final == f"It is {row['meta']['product']}.")
+    return {"score": score, "called": "<tool_call>" in text,
+            "turn_rewards": [float('"name": "multiply"' in text), score]}  # the call's turn, the answer's

@@ -56,12 +56,19 @@ class JudgeReward:
         self.judge = judge
         self.__name__ = name  # TRL's name for the reward function: its curves' key
         self.error: str | None = None
+        self.turn_rewards: list | None = None  # the last call's per-turn scores (a judge that gives them: --turn_credit)
 
     def __call__(self, prompts, completions, meta=None, **columns) -> list[float]:
         metas = meta if meta is not None else [None] * len(prompts)
         rows = [{"prompt": prompt, "meta": row_meta or {}} for prompt, row_meta in zip(prompts, metas)]
         answers = [answer[-1]["content"] if isinstance(answer, list) else answer for answer in completions]
+        if columns.get("trajectory") is not None:  # --tools: the whole trajectory, its turns apart (src/tools.py)
+            answers = list(columns["trajectory"])
+        self.turn_rewards = None
         try:
+            if hasattr(self.judge, "scores_and_turns"):
+                scores, self.turn_rewards = self.judge.scores_and_turns(rows, answers)
+                return [float(score) for score in scores]
             return [float(score) for score in self.judge.scores(rows, answers)]
         except JudgeError as error:
             self.error = self.error or str(error)
@@ -136,9 +143,52 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         return {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
                 "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)}
 
+    turn_credit = 0.0  # --turn_credit: the weight of the per-turn advantage (0: the trajectory's reward alone)
+
     def _generate_and_score_completions(self, inputs):
         self._generation_inputs = inputs  # the prepared rows: their prompt ids and train row numbers
-        return super()._generate_and_score_completions(inputs)
+        output = super()._generate_and_score_completions(inputs)
+        if self.turn_credit and "tool_mask" in output:
+            output["advantages"] = self._with_turn_credit(output)
+        return output
+
+    def _with_turn_credit(self, output: dict) -> torch.Tensor:
+        """Per-token advantages (B, T), which TRL's loss takes as given: each token of turn t of answer i gets
+            A_i + w * (r_it - mean_g r) / (std_g r + 1e-4)
+        where A_i is TRL's advantage of the trajectory's reward, r_it the judge's score of that turn (its verdict's
+        `turn_rewards`), mean_g and std_g (unbiased, as TRL's) over every turn of every answer to the same prompt (its
+        group, gathered from every process), and w --turn_credit. A turn is a run of the model's own tokens (the tool
+        results between them are masked anyway). Answers whose judge gave no turn scores keep A_i."""
+        local = [None] * len(output["advantages"])
+        for reward in self.reward_funcs:  # the first judge that gives turn scores
+            if getattr(reward, "turn_rewards", None):
+                local = reward.turn_rewards
+                break
+        everyone = [turns for (share,) in gather_objects([local]) for turns in share]
+        groups = self.num_generations if self.model.training else self.num_generations_eval
+        turn_advantage: list[list[float] | None] = []
+        for start in range(0, len(everyone), groups):
+            group = everyone[start:start + groups]
+            values = [value for turns in group if turns for value in turns]
+            mean = sum(values) / len(values) if values else 0.0
+            spread = math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1)) if len(values) > 1 \
+                else 0.0
+            turn_advantage += [[(value - mean) / (spread + 1e-4) for value in turns] if turns else None
+                               for turns in group]
+        start = self.accelerator.process_index * len(local)
+        mine = turn_advantage[start:start + len(local)]
+        advantages = output["advantages"].unsqueeze(1).repeat(1, output["completion_ids"].size(1)).float()
+        written = (output["tool_mask"] * output["completion_mask"]).tolist()
+        for row, (mask, turns) in enumerate(zip(written, mine)):
+            if not turns:
+                continue
+            turn = -1
+            for position, (token, before) in enumerate(zip(mask, [0] + mask[:-1])):
+                if token and not before:
+                    turn += 1
+                if token and turn < len(turns):
+                    advantages[row, position] += self.turn_credit * turns[turn]
+        return advantages
 
     def _tokenize_prompts(self, prompts: list):
         return [list(row["prompt_ids"]) for row in self._generation_inputs], None, {}
@@ -211,7 +261,8 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         self._metrics[mode]["tools/errors_per_answer"].append(sum(used["errors"].values()) / max(1, used["answers"]))
         return {"prompt_ids": prompt_ids, "completion_ids": [trajectory.ids for trajectory in trajectories],
                 "logprobs": None, "env_mask": [trajectory.mask for trajectory in trajectories],
-                "tool_record": [trajectory.record() for trajectory in trajectories]}
+                "tool_record": [trajectory.record() for trajectory in trajectories],
+                "trajectory": [trajectory.text(self._tokenizer) for trajectory in trajectories]}
 
     def _note_seconds(self, key: str, started: float) -> None:
         """Seconds of a phase of the step on this process (rank 0's are logged): where a step's time goes, beside
