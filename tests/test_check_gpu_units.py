@@ -10,7 +10,9 @@ import pytest
 
 from src.diagnostics.bandwidth import bus_bandwidth
 from src.diagnostics.devices import cuda_view
-from src.config import STAGES, Devices, World, final_stage, stage_plans
+from src.objectives import STAGES, final_stage
+from src.plan import stage_plans
+from src.world import Devices, World
 from src.diagnostics.inputs import (InputError, TrainingSetup, parse_launch_arguments, parse_param_count, training_setup,
                                    with_plan)
 from src.diagnostics.memory_plan import (

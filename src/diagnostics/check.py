@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from src.config import BatchSplitError, Config, ConfigError, Devices, Plan, World, stage_plans
+from src.config import Config
+from src.config_error import ConfigError
+from src.plan import BatchSplitError, Plan, stage_plans
+from src.world import Devices, World
 
 from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench

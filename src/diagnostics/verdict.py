@@ -14,7 +14,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from src.config import LAUNCHER, missing_sources, with_batch_size
+from src.config_checks import missing_sources
+from src.plan import LAUNCHER, with_batch_size
 
 from .problems import ERROR, WARNING, Machine, Problem, pinned_gpus_prefix
 
