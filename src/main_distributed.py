@@ -658,7 +658,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
 
 def record_stop(stage: Stage, info_path: Path, world: World, status: str, message: str) -> None:
     """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped. A job
-    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.report`)."""
+    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.reporting`)."""
     if world.is_main:
         run_files.update_json(info_path, status=status, stop_reason=message)
         if not launcher_gone():

@@ -412,7 +412,8 @@ def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the
     import sys
 
     from conftest import PROJECT_ROOT
-    from test_resilience import TAG, kill_tagged, seconds_until_gone
+    from src import seams
+    from test_resilience import kill_tagged, seconds_until_gone
 
     def probe(workdir, num_proc: int, **env):
         log = tmp_path / f"{workdir}.log"
@@ -424,7 +425,7 @@ def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the
 
     killed, tag = tmp_path / "killed", f"{tmp_path}-preparation"
     try:
-        status, output = probe("run", 2, PREFKIT_TEST_KILL_STARTER=f"preparation:{killed}", **{TAG: tag})
+        status, output = probe("run", 2, **seams.env({}, kill_starter=f"preparation:{killed}", run_tag=tag))
         assert status == -9 and killed.exists(), output[-2000:]
         print(f"the preparation's pool workers ended {seconds_until_gone(tag):.1f} s after the kill")
     finally:

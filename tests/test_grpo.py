@@ -21,7 +21,7 @@ import pytest
 import forked
 import grpo_probe
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 
 JUDGE = "tests.round_judges:by_length"
 
@@ -500,7 +500,7 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
                                             "--gradient_accumulation_steps", str(accumulation), "--max_steps", "3",
                                             "--save_steps", "1", "--eval_steps", "1", "--judged_eval_prompts", "2")]
         killed = tmp_path / f"killed-{name}"
-        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:*:{killed}"} if processes < 4 else {}
+        seam = seams.env({}, kill_at_checkpoint=f"after_complete:2:*:{killed}") if processes < 4 else {}
         environment = os.environ | {"OMP_NUM_THREADS": "1"}
         result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
         if processes < 4:  # the whole job killed (every process SIGKILLed): the same command again

@@ -13,5 +13,5 @@
 
 Light modules (no torch, no TRL trainer) but reference.py's forward and judged.py's scoring, which take a model
 already loaded. The numbers land in training_info.json (`data_audit`, `answers`), report.md's Data and Answers
-sections, plots/data.png, the console's end-of-run lines and `python -m src.compare`.
+sections, plots/data.png, the console's end-of-run lines and `python -m src.reporting.compare`.
 """
