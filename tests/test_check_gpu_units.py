@@ -225,7 +225,7 @@ def test_the_data_audits_lengths_set_the_tokens_per_sequence_and_a_plan_that_fit
     from types import SimpleNamespace
 
     from src.diagnostics.data_lengths import DataLengths
-    from src.diagnostics.problems import max_length_cuts_data, memory_fit
+    from src.diagnostics.problems.run_request import max_length_cuts_data, memory_fit
 
     lengths = DataLengths(longest_tokens=40000, suggested_max_length=2048, truncated_share=0.002,
                           reasoning_share=1.0, reasoning_cut_share=0.001, reasoning="keep", packed=False,

@@ -9,7 +9,7 @@ from typing import Any
 from src.plan import Plan, format_plan
 
 from .memory_plan import GIB
-from .problems import CLOCK_EVENT_REASONS
+from .problems.gpu_health import CLOCK_EVENT_REASONS
 
 WIDTH = 110
 INDENT = "  "
