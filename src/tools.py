@@ -498,9 +498,9 @@ def summary(trajectories: list[Trajectory]) -> dict:
 
 
 def validate_config(config) -> None:
-    """--tools and its knobs against the run (src/config.py's validate calls it): one ConfigError line per mistake.
+    """--tools and its knobs against the run (src/config_checks.py's validate calls it): one ConfigError line per mistake.
     Every stage answers its held-out prompts with the tools; GRPO samples with them too."""
-    from src.config import ConfigError
+    from src.config_error import ConfigError
 
     training = config.training
     try:
