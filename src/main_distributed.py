@@ -344,14 +344,16 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     return results
 
 
-def tool_session(config: Config, tokenizer):
-    """The stage's tools (--tools: src/tools.py), checked against the chat template; None without --tools."""
-    from src.tools import ToolsError, call_syntax, session_for
+def tool_session(config: Config, tokenizer, model):
+    """The stage's tools (--tools: src/tools.py), checked against the chat template and the model's end tokens before
+    anything is sampled; None without --tools."""
+    from src.generation import stop_ids
+    from src.tools import ToolsError, check_template, session_for
 
     session = session_for(config)
     if session is not None:
         try:
-            call_syntax(tokenizer)
+            check_template(tokenizer, stop_ids(model, tokenizer), config.data.chat_template_kwargs)
         except ToolsError as error:
             session.close()
             raise ConfigError(str(error)) from None
@@ -442,7 +444,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
-    tools = tool_session(config, tokenizer)
+    tools = tool_session(config, tokenizer, model)
     before = answer_held_out(model, tokenizer, rows, config, plan, world, tools)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     if data_audit.judged(stage):

@@ -361,6 +361,22 @@ def tool_result_text(tokenizer, stop: str, results: list[tuple[str, str]], templ
     return suffix
 
 
+def check_template(tokenizer, stop_ids: set[int], template_kwargs: dict | None = None) -> str:
+    """The template's call syntax, once it is known that a tool's result can follow a turn ending at one of the
+    model's end tokens (`stop_ids`); else one ToolsError line (before anything is sampled)."""
+    syntax = call_syntax(tokenizer)
+    stops = [tokenizer.decode([token], skip_special_tokens=False) for token in sorted(stop_ids)]
+    for stop in stops:
+        try:
+            tool_result_text(tokenizer, stop, [("tool", "1")], template_kwargs)
+            return syntax
+        except ToolsError:
+            continue
+    raise ToolsError(f"--tools: the chat template writes no tool result after a turn that ends with any of the model's "
+                     f"end tokens ({', '.join(stops) or 'none'}): add the token its call turns end with to the model's "
+                     "generation_config.eos_token_id, or use a template that appends tool results (--chat_template_path)")
+
+
 @dataclasses.dataclass
 class Trajectory:
     """One sampled answer with its tool turns: the answer-side ids (mask 1: the model wrote it; 0: a tool result and

@@ -220,11 +220,18 @@ def test_bad_calls_are_counted_errors_the_model_reads_and_turns_and_budget_are_b
     assert short.turns == 1 and short.errors == {"no_budget": 1} and short.mask == [1] * len(short.ids)
 
 
-def test_a_template_with_no_tool_syntax_is_refused_in_one_line(tokenizer):
+def test_a_template_with_no_tool_syntax_or_no_result_after_the_models_end_token_is_refused_in_one_line(tokenizer):
+    from src.tools import check_template
+
     tokenizer.chat_template = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
                                "{% endfor %}")
     with pytest.raises(ToolsError, match="^--tools: the chat template has no tool-call syntax"):
         call_syntax(tokenizer)
+    _use(tokenizer, "gpt-oss")  # its call turns end with <|call|>: a model whose end tokens lack it cannot continue
+    assert check_template(tokenizer, set(_ids(tokenizer, "<|call|><|return|>"))) == HARMONY
+    with pytest.raises(ToolsError, match="no tool result after a turn that ends with any of the model's end tokens "
+                                         r"\(<\|return\|>\)"):
+        check_template(tokenizer, set(_ids(tokenizer, "<|return|>")))
     _use(tokenizer, "chatml-qwen2.5")
     assert tool_result_text(tokenizer, "<|im_end|>", [("multiply", "6")]) == RESULTS["chatml-qwen2.5"].replace(
         "56088", "6")
