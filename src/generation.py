@@ -87,7 +87,10 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
         answers = []
         for prompt, trajectory in zip(prompts, trajectories):
             text = opened_reasoning(tokenizer, prompt) + trajectory.text(tokenizer)
-            answers.append(answer_record(text, trajectory.ids, eos_ids, close_ids) | trajectory.record()
+            # The audit's length, end and repetition are of what the model wrote, every turn (the results apart).
+            written = [token for token, own in zip(trajectory.ids, trajectory.mask) if own and token not in eos_ids]
+            ending = [min(eos_ids)] if trajectory.ended else []
+            answers.append(answer_record(text, written + ending, eos_ids, close_ids) | trajectory.record()
                            if details else text)
         return answers
     answers: list = [""] * len(prompts)

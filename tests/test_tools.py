@@ -406,3 +406,26 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
     assert "| untrained | 10 | 0.0% ±0.0 | 100.0% ±0.0 | 0.0% ±0.0 |" in table
     assert "| after SFT | 10 | 50.0% ±31.0 | 100.0% ±0.0 | 50.0% ±31.0 |" in table
     assert "| after GRPO | 10 | 100.0% ±0.0 | 100.0% ±0.0 | 100.0% ±0.0 |" in table
+
+
+def test_held_out_answers_with_tools_are_trajectories_with_their_tool_record(tokenizer, runner, monkeypatch):
+    """src/generation.py's generate with a ToolSession (every stage's held-out answers): the text is the trajectory
+    as the template wrote it, the audit's tokens are the model's own (both turns, not the result), and the record
+    carries the tool use."""
+    import src.generation as generation
+
+    _use(tokenizer, "chatml-qwen2.5")
+    call, stop, final = TURNS["chatml-qwen2.5"]
+    stop_ids = set(_ids(tokenizer, stop))
+
+    def scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None, *rest, **kw):
+        assert eos_ids == stop_ids
+        return [_ids(tokenizer, final if "<tool_response>" in tokenizer.decode(context) else call)
+                for context in contexts]
+
+    monkeypatch.setattr(generation, "sample_ids", scripted)
+    monkeypatch.setattr(generation, "stop_ids", lambda model, tok: stop_ids)
+    (answer,) = generation.generate(None, tokenizer, [[]], 200, 4, details=True, tools=_session(runner, 2))
+    assert answer["text"] == call + RESULTS["chatml-qwen2.5"] + final
+    assert answer["tokens"] == len(_ids(tokenizer, call)) - 1 + len(_ids(tokenizer, final)) - 1 and answer["ended"]
+    assert (answer["calls"], answer["valid_calls"], answer["turns"], answer["tool_errors"]) == (1, 1, 2, {})
