@@ -298,8 +298,9 @@ class TrainingArguments:
     )
     run_name: str | None = field(
         default=None,
-        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name, else "
-                  "<stage>-<model name>."},
+        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name (with "
+                  "-<stage> after it when --stage names another stage than the recipe's: `--stage dpo` alone on "
+                  "the default recipe is results/default-dpo), else <stage>-<model name>."},
     )
     results_dir: str = field(default="results", metadata={"help": "Parent directory of every run's results."})
     output_dir: str | None = field(
@@ -451,9 +452,12 @@ class TrainingArguments:
 class DPOArguments:
     """DPO's own knobs (the rest of TRL's DPOConfig passes through by name)."""
 
-    beta: float = field(
-        default=0.1,
-        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta)."},
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta). Default: "
+                  "the objective's own (its row's default_beta: " + ", ".join(
+                      f"{row.display_name} {row.default_beta:g}" for row in OBJECTIVES.values()
+                      if row.default_beta is not None) + ")."},
     )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
@@ -583,6 +587,9 @@ class Config:
     # --sft.KEY / --dpo.KEY flags (every stage but the last: PIPELINE_BLOCKS)
     stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     recipe: str | None = None
+    # The stage the recipe trains (its `stage:`, else the default stage): a run of another stage from the same recipe
+    # is another run, with a directory of its own (the default run name).
+    recipe_stage: str | None = None
     # Where each value not at its src/config.py default was set: key -> the recipe file ("configs/default.yaml"; a
     # pipeline's SFT block under "sft.<key>": "configs/default.yaml (sft block)"), the flag ("--max_steps",
     # "--sft.max_steps"), or the SageMaker variable ("SageMaker SM_CHANNEL_TRAINING").
@@ -824,9 +831,10 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
     requested: dict[str, tuple[Any, str]] = {}
     sources: dict[str, str] = {}  # what the plan and training_info.json say each setting came from
+    recipe_values = _load_recipe(recipe) if recipe else {}
     if recipe:
         label = recipe_label(recipe)
-        for key, value in _load_recipe(recipe).items():
+        for key, value in recipe_values.items():
             requested[key] = (value, Path(recipe).name)
             if key in PIPELINE_BLOCKS and isinstance(value, dict):
                 sources.update({f"{key}.{block_key}": f"{label} ({key} block)" for block_key in value})
@@ -856,6 +864,7 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
             sources = {key: where for key, where in sources.items() if not key.startswith(f"{block}.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
+    config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
     config.sources = sources
     row = objective(stage)
     if row.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
@@ -986,7 +995,7 @@ def stage_config(config: Config, stage: str) -> Config:
     if "stage" in sources:
         sources["stage"] = f"{pipeline} in {sources['stage']}"
     staged = _build_config(requested, stage)
-    staged.recipe = config.recipe
+    staged.recipe, staged.recipe_stage = config.recipe, config.recipe_stage
     staged.sources = sources
     return staged
 
@@ -1048,8 +1057,9 @@ def validate(config: Config) -> None:
         value = getattr(data, name)
         if value < 0 or (1 <= value and not float(value).is_integer()):
             raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
-    if config.dpo.beta < 0 or (config.dpo.beta == 0 and not objective(config.training.stage).beta_may_be_zero):
-        raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
+    beta = config.dpo.beta
+    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).beta_may_be_zero)):
+        raise ConfigError(f"--beta must be positive, got {beta}")
     validate_rounds(config)
     validate_judges(config)
     if config.model.merge_adapter and config.model.load_in_4bit:
