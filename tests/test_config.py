@@ -269,9 +269,10 @@ def test_a_stage_run_alone_from_a_recipe_gets_its_own_run_directory():
     keeps the recipe's name, and the same command names the same directory (it resumes)."""
     from src.main_distributed import plan_stages, run_name_for
 
-    launches = [[], ["--stage", "sft_then_dpo"], ["--stage", "dpo"], ["--stage", "sft"], ["--stage", "dpo", "--run_name",
-                "mine"], ["--config", "configs/kto.yaml"], ["--config", "configs/kto.yaml", "--stage", "dpo"],
-                ["--config", "configs/orpo.yaml", "--stage", "orpo"], USER + ["--stage", "dpo"]]
+    launches = [[], ["--stage", "sft_then_dpo"], ["--stage", "dpo"], ["--stage", "sft"],
+                ["--stage", "dpo", "--run_name", "mine"], ["--config", "configs/kto.yaml"],
+                ["--config", "configs/kto.yaml", "--stage", "dpo"], ["--config", "configs/orpo.yaml", "--stage", "orpo"],
+                USER + ["--stage", "dpo"]]
     assert [run_name_for(parse_config(argv)) for argv in launches] == [
         "default", "default", "default-dpo", "default-sft", "mine", "kto", "kto-dpo", "orpo", "dpo-model"]
     assert run_name_for(parse_config(["--stage", "dpo"])) == run_name_for(parse_config(["--stage", "dpo"]))

@@ -14,7 +14,8 @@ from src.reporting.formatting import format_number
 
 # TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--loss_type sigmoid), or none
 # (--beta: the row's default_beta): GRPO's KL weight is 0 (no reference model) and its loss dapo (normalised over the
-# global batch's answer tokens) unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the rounds sample).
+# global batch's answer tokens) unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the
+# rounds sample).
 DEFAULT_NUM_GENERATIONS = 8
 DEFAULT_BETA = 0.0
 DEFAULT_LOSS_TYPE = "dapo"

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 from src.reporting.formatting import format_number
-from src.objectives.spec import (UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance,
-                                 resolved_beta)
+from src.objectives.spec import (UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber,
+                                 refuse_batch_rebalance, resolved_beta)
 
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
@@ -55,7 +55,8 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     weights = extras.get("kto_weights") or {}  # data_settings' (src/kto_weights.py)
     # The rows' KL completions are fixed in the data (src/data.py), so KTO samples like the other stages (TRL's
     # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
-    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=kto_loss_type(config), precompute_ref_log_probs=extras["precompute"],
+    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=kto_loss_type(config),
+                    precompute_ref_log_probs=extras["precompute"],
                     train_sampling_strategy="random", **weights)
     return specific, {key: value for key, value in overrides.items() if key not in weights}
 
