@@ -165,7 +165,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
                  "warmup_stable_decay", "greedy")
 
 
-# Data file types the toolkit reads, and the `datasets` builder for each (src/data.py loads them; the SageMaker
+# Data file types the toolkit reads, and the `datasets` builder for each (src/data/ loads them; the SageMaker
 # channel lookup here recognises them): configuration owns the list so it depends on no other module.
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv",
                       ".tsv": "tsv", ".arrow": "arrow"}  # tsv: datasets' csv builder with sep="\t", as datasets reads

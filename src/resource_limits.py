@@ -1,6 +1,6 @@
 """What this process may use of the machine it runs on: its cores and its memory as a container, Slurm or `taskset`
 grants them, not as the machine has them. The one answer for everything that sizes a pool or a thread count: data
-preparation's workers (src/data.py), check_gpu's CPU process count (src/diagnostics/system.py), each CPU process's
+preparation's workers (src/data/), check_gpu's CPU process count (src/diagnostics/system.py), each CPU process's
 torch threads (src/distributed.py) and run_distributed.sh's OMP_NUM_THREADS (`python -m src.resource_limits N`).
 
 - Cores: the CPU affinity (what Slurm, `taskset`, `docker --cpuset-cpus` give), bounded by a cgroup CPU quota

@@ -236,7 +236,7 @@ def _r1_pairs(count: int) -> list[dict]:
 
 @pytest.mark.parametrize("stage", ["dpo", "reward", "kto", "sft"])
 def test_every_stage_prepares_r1_answers_with_their_reasoning_and_audits_it(tokenizer, stage, tmp_path):
-    """Prepared through src/data.py as a run prepares them: every stage trains the reasoning after the generation
+    """Prepared through src/data/ as a run prepares them: every stage trains the reasoning after the generation
     prompt's <think>, and the data audit counts it."""
     from conftest import write_jsonl
     from src.config import DataArguments, SFTArguments

@@ -202,19 +202,20 @@ def test_data_preparation_and_the_launcher_use_the_quota(tiny_tokenizer, tmp_pat
     """The pod limited to fewer CPUs than its node shows: preparation starts one worker per granted core, not per core
     of the node, and run_distributed.sh gives each process its share of the granted cores as OMP_NUM_THREADS."""
     import src.data as data_module
+    import src.data.prepare as preparation  # where prepare_data calls the map
     from src.config import DataArguments, SFTArguments
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to tell the quota from the affinity")
     one_cpu = fake_cgroup(tmp_path / "cgroup", "0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})
     workers = []  # the processes asked of each split's map, per preparation
-    real_map = data_module._map_with_progress
+    real_map = preparation.map_with_progress
 
     def counting(dataset, function, fn_kwargs, features, label, num_proc, work):
         workers.append(num_proc)
         return real_map(dataset, function, fn_kwargs, features, label, num_proc, work)
 
-    monkeypatch.setattr(data_module, "_map_with_progress", counting)
+    monkeypatch.setattr(preparation, "map_with_progress", counting)
     rows = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
     asked = {}
     for quota, cache in ((None, "free"), (one_cpu, "quota")):

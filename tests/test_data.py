@@ -309,7 +309,8 @@ def test_kept_rows_are_written_without_keeping_the_tokenized_files_resident(tmp_
     from datasets import Dataset, Features, Value
     from datasets.arrow_writer import ArrowWriter
 
-    from src.data import KEPT, TOO_LONG, _write_kept
+    from src.data.checks import KEPT, TOO_LONG
+    from src.data.prepared import write_kept
 
     def resident_file_pages_mb() -> float:
         return int(re.search(r"RssFile:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
@@ -323,7 +324,7 @@ def test_kept_rows_are_written_without_keeping_the_tokenized_files_resident(tmp_
         writer.finalize()
     tokenized = Dataset.from_file(str(tmp_path / "chunk.arrow"))
     before = resident_file_pages_mb()
-    _write_kept([tokenized], ["text"], tmp_path / "train.arrow")
+    write_kept([tokenized], ["text"], tmp_path / "train.arrow")
     grown = resident_file_pages_mb() - before
     kept = Dataset.from_file(str(tmp_path / "train.arrow"))
     assert kept.column_names == ["text"] and kept.features["text"] == Value("string")

@@ -328,7 +328,7 @@ def test_thumbs_rows_prepare_for_kto_and_for_the_sft_stage_before_it(tiny_tokeni
 
 
 def test_unpaired_rows_tokenize_as_trls_ktotrainer(tiny_tokenizer):
-    """src/data.py's KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
+    """src/data/'s KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
     from types import SimpleNamespace
 
     from datasets import Dataset

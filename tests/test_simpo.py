@@ -31,7 +31,7 @@ def test_simpo_step_is_the_same_on_any_split_of_the_global_batch(simpo_setup):
 
 
 def test_prepared_pairs_are_laid_out_as_cpo_tokenizes_them(simpo_setup, tiny_tokenizer):
-    """The ids are DPO's (src/data.py: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
+    """The ids are DPO's (src/data/: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
     -100, the answer cut at max_length."""
     from src.trainers.legacy_pairs import LABEL_PAD, pair_row
 

@@ -2,8 +2,9 @@
 
     python -m src.audit [--config R.yaml] [launcher flags]     # audit a dataset without training (src/audit/__main__.py)
 
-- pairs.py      what the pairs can teach, from the preparation pass src/data.py makes anyway: counts, duplicates,
-                lengths, truncation, chosen/rejected overlap (per split, bounded memory: a few numbers a row)
+- src/data/pair_audit.py  what the pairs can teach, from the preparation pass the data makes anyway: counts,
+                duplicates, lengths, truncation, chosen/rejected overlap (per split, bounded memory: a few numbers a
+                row); it lives with the data, which computes it while tokenizing
 - reference.py  how the reference model already ranks the training pairs, from the reference log-probs the DPO
                 trainer computes or reuses (or, standalone, from a sample)
 - judged.py     a judge's verdict on the data's own chosen and rejected answers: labels it ranks the other way

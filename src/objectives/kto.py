@@ -53,7 +53,7 @@ def setup_line(info: dict) -> str:
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     weights = extras.get("kto_weights") or {}  # data_settings' (src/kto_weights.py)
-    # The rows' KL completions are fixed in the data (src/data.py), so KTO samples like the other stages (TRL's
+    # The rows' KL completions are fixed in the data (src/data/), so KTO samples like the other stages (TRL's
     # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
     specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=kto_loss_type(config),
                     precompute_ref_log_probs=extras["precompute"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# The data an objective trains on, as preparation makes it (src/data.py): what its rows hold after tokenization.
+# The data an objective trains on, as preparation makes it (src/data/): what its rows hold after tokenization.
 PAIRS = "pairs"  # prompt, chosen, rejected: prompt and answers tokenized apart (DPO's layout, TRL's)
 SCORED_PAIRS = "scored_pairs"  # prompt + chosen and prompt + rejected as two whole sequences (a reward model's)
 UNPAIRED = "unpaired"  # prompt, completion, thumbs up or down (KTO's)
