@@ -44,6 +44,7 @@ from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.preflight_record import record, record_key, recorded
+from src.private_api import attention_implementation
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
@@ -518,7 +519,7 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
 
 def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
     """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
-    sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
+    sft_forward = resolve_sft_forward(config, attention_implementation(model.config))
     print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
     if sft_forward["warning"]:
         print0(f"  warning: {sft_forward['warning']}")
