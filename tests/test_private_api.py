@@ -42,16 +42,25 @@ def library_source() -> bytes:
 
 
 def in_libraries(names: set[str]) -> set[str]:
-    if not names:
-        return set()
-    pattern = re.compile(rb"\b(" + b"|".join(re.escape(name.encode()) for name in sorted(names)) + rb")\b")
-    return {match.decode() for match in pattern.findall(library_source())}
+    """The names that occur as a whole identifier in the libraries' source (bytes.find: a tenth of a regex's time)."""
+    source = library_source()
+
+    def occurs(name: bytes) -> bool:
+        at = source.find(name)
+        while at != -1:
+            before, after = source[at - 1:at], source[at + len(name):at + len(name) + 1]
+            if not (before.isalnum() or before == b"_") and not (after.isalnum() or after == b"_"):
+                return True
+            at = source.find(name, at + 1)
+        return False
+
+    return {name for name in names if occurs(name.encode())}
 
 
-def imported_roots(tree: ast.Module) -> dict[str, str]:
-    """{name bound by an import: the top-level package it came from}."""
+def imported_roots(nodes: list[ast.AST]) -> dict[str, str]:
+    """{name bound by an import among `nodes` (a module's): the top-level package it came from}."""
     bound = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 bound[(alias.asname or alias.name).split(".")[0]] = alias.name.split(".")[0]
@@ -61,13 +70,13 @@ def imported_roots(tree: ast.Module) -> dict[str, str]:
     return bound
 
 
-def library_facing_classes(trees: dict[Path, ast.Module]) -> set[str]:
+def library_facing_classes(modules: dict[Path, list[ast.AST]]) -> set[str]:
     """The src classes a library class is an ancestor of, or that sit beside one as a mixin."""
     bases = {}
     library_based = set()
-    for tree in trees.values():
-        roots = imported_roots(tree)
-        for node in ast.walk(tree):
+    for nodes in modules.values():
+        roots = imported_roots(nodes)
+        for node in nodes:
             if isinstance(node, ast.ClassDef):
                 names = []
                 for base in node.bases:
@@ -93,11 +102,12 @@ def library_facing_classes(trees: dict[Path, ast.Module]) -> set[str]:
 def reached_private_names() -> dict[str, set[str]]:
     """{private name of one of the five libraries: the src files that reach it}."""
     trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted((PROJECT_ROOT / "src").rglob("*.py"))}
-    facing = library_facing_classes(trees)
+    modules = {path: list(ast.walk(tree)) for path, tree in trees.items()}  # walked once: the scan's main cost
+    facing = library_facing_classes(modules)
     certain, in_class, elsewhere, own = [], [], [], set()
     for path, tree in trees.items():
-        roots = imported_roots(tree)
-        for node in ast.walk(tree):
+        roots = imported_roots(modules[path])
+        for node in modules[path]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 own.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
