@@ -342,7 +342,8 @@ def test_chat_template_kwargs_render_training_and_generation_alike(tokenizer, tm
     held-out prompt generation starts from) ends with the empty reasoning block thinking-off writes, the answer trains
     after it; reasoning answers under it are refused in one line before training."""
     from conftest import write_jsonl
-    from src.config import DataArguments, SFTArguments, parse_config
+    from src.config import DataArguments, SFTArguments
+    from src.config_parse import parse_config
     from src.data import DataError, prepare_data
 
     assert parse_config(["--chat_template_kwargs", '{"enable_thinking": false}'],

@@ -252,7 +252,7 @@ def test_each_process_takes_its_share_of_the_quota_as_torch_threads(tmp_path):
     size its thread pool by the node's cores; the process group's start gives it the quota's share instead."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to tell the quota from the affinity")
-    script = ("import types, torch; from src.config import World; from src.distributed import init; "
+    script = ("import types, torch; from src.world import World; from src.distributed import init; "
               "init(types.SimpleNamespace(device='cpu', backend='gloo'), World.from_environment()); "
               "print(torch.get_num_threads())")
     one_cpu = fake_cgroup(tmp_path / "cgroup", "0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})

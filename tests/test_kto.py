@@ -191,7 +191,7 @@ def test_a_label_that_is_not_a_thumb_is_refused(value):
 
 
 def test_kto_weights_from_the_data_and_the_flags():
-    from src.config import parse_config
+    from src.config_parse import parse_config
     from src.kto_weights import resolve_kto_weights
 
     base = ["--stage", "kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl"]
@@ -214,7 +214,7 @@ def test_kto_weights_set_from_the_counts_are_never_warned_about():
     every count (21 desirable and 22 undesirable rows took 1.0476 before, a ratio of 0.99998, then warned "outside",
     suggesting the same 1.0476). Weights a user typed outside are warned about, and the value the warning suggests is
     inside."""
-    from src.config import parse_config
+    from src.config_parse import parse_config
     from src.kto_weights import in_range, resolve_kto_weights, weighted_ratio
 
     base = ["--stage", "kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl"]
@@ -238,7 +238,7 @@ def test_kto_weights_set_from_the_counts_are_never_warned_about():
 
 
 def test_ktoconfig_fields_are_flags():
-    from src.config import parse_config
+    from src.config_parse import parse_config
 
     config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
                            "--undesirable_weight", "1.2", "--ref_model_sync_steps", "8", "--sft.packing", "true"])

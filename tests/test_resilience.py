@@ -18,7 +18,9 @@ import forked
 import rank_probe
 from conftest import PROJECT_ROOT
 from src import run_files, seams
-from src.config import ConfigError, parse_config, redact_secrets
+from src.config_error import ConfigError
+from src.config_parse import parse_config
+from src.redaction import redact_secrets
 from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoints import checkpoint_step, checkpoints
 

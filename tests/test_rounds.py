@@ -265,7 +265,8 @@ def round_one_pairs_in_this_process(model_dir: Path, data: Path) -> list[dict]:
     the train prompts with the round's seeds, by_length scores them, best against worst."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from src.config import DataArguments, SFTArguments, World
+    from src.config import DataArguments, SFTArguments
+    from src.world import World
     from src.data import PROMPTS, prepare_data
     from src.embedded.model import cache_root
     from src.judges import judge_for

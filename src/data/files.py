@@ -12,7 +12,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, data_file_kind
+from src.data_file_kinds import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, data_file_kind
 from src.data.errors import DataError
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from src.config import EMBEDDED, DataArguments, data_file_kind
+from src.config import EMBEDDED, DataArguments
+from src.data_file_kinds import data_file_kind
 from src.data.errors import DataError
 from src.data.files import _data_file_error, _first_columns, _load_files, _names_a_split, _split_files
 from src.data.mixtures import mixture_sources

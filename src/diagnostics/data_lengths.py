@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.config import EMBEDDED, Config, stage_config
+from src.config import EMBEDDED, Config
+from src.config_parse import stage_config
 from src.objectives import SEQUENCES, objective
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.reporting.formatting import format_number
 from src.objectives.spec import (UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber,
                                  refuse_batch_rebalance, resolved_beta)
@@ -16,8 +17,6 @@ def kto_loss_type(config) -> str:
     """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
     recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
     refused."""
-    from src.config import ConfigError  # src.config reads this table at import
-
     asked = config.dpo.loss_type
     if len(asked) == 1 and asked[0] in LOSS_TYPES:
         return asked[0]
@@ -28,8 +27,6 @@ def kto_loss_type(config) -> str:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError
-
     kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
     for name in ("desirable_weight", "undesirable_weight"):
         if name in config.trl_overrides and not config.trl_overrides[name] > 0:

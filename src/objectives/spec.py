@@ -9,6 +9,8 @@ decides by an objective's name (tests/test_objectives.py keeps it so). Light: no
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -109,8 +111,6 @@ def resolved_beta(config, row: Objective) -> float | None:
 
 def refuse_reference_flags(title: str, config) -> None:
     """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
-    from src.config import ConfigError  # src.config reads the table at import
-
     for name in REFERENCE_FLAGS:
         if config.sources.get(name, "").startswith("--"):
             raise ConfigError(f"--{name}: {title} has no reference model (it is reference-free): drop the flag")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from src.config import Plan
+from src.plan import Plan
 from src.objectives import SEQUENCES, load, objective
 from src.reporting.live import LiveReport
 from src.throughput import ThroughputMeter

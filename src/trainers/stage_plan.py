@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from src.config import EMBEDDED, Config, Plan
+from src.config import EMBEDDED, Config
+from src.plan import Plan
 from src.objectives import objective
 
 
