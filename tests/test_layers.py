@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import re
 import sys
 from pathlib import Path
@@ -19,6 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 LAYERS_DOC = ROOT / "docs" / "development.md"
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per test process (every test here reads the same files)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -52,6 +59,7 @@ def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, 
     return found
 
 
+@functools.cache
 def import_graph(src: Path = SRC) -> dict[str, dict[str, int]]:
     """module → {imported project module: line of its first import}, module-level and deferred imports alike
     (those under `if TYPE_CHECKING:` too: an annotation's import is still a dependency)."""
@@ -59,7 +67,7 @@ def import_graph(src: Path = SRC) -> dict[str, dict[str, int]]:
     graph = {}
     for module, path in modules.items():
         edges = graph.setdefault(module, {})
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_parsed(path)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for target in _imported(node, module, path.name == "__init__.py", modules):
                     edges.setdefault(target, node.lineno)
@@ -179,9 +187,8 @@ def deferred_project_imports(src: Path = SRC) -> list[tuple[str, int, str]]:
     """(file, line, its reason) of each import of a project module inside a function."""
     found = []
     for path in sorted(src.rglob("*.py")):
-        source = path.read_text(encoding="utf-8")
-        lines = source.splitlines()
-        for function in ast.walk(ast.parse(source)):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for function in ast.walk(_parsed(path)):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(function):
                     names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else \
