@@ -1,4 +1,4 @@
-"""Tools run while sampling (src/tools.py): the registry and its schemas, each template's call syntax, a misbehaving
+"""Tools run while sampling (src/tool_calls.py, src/tools.py): the registry and its schemas, each template's call syntax, a misbehaving
 tool as a counted error result, the result fed back in the template's tool role, and the trajectory's mask.
 
 All in the test process (the tool worker is the one process started): a scripted sampler stands in for the model, so
@@ -14,9 +14,9 @@ import time
 import pytest
 
 from conftest import TEMPLATES, build_template_tokenizer
-from src.tools import (DEEPSEEK, HARMONY, HERMES, LLAMA_JSON, Call, ToolRunner, ToolSession, ToolsError, call_syntax,
-                       load_toolbox, parse_calls, sample_with_tools, schema_problem, summary, tool_result_text,
-                       validate)
+from src.tool_calls import (DEEPSEEK, HARMONY, HERMES, LLAMA_JSON, Call, ToolsError, call_syntax, load_toolbox,
+                            parse_calls, schema_problem, validate)
+from src.tools import ToolRunner, ToolSession, sample_with_tools, summary, tool_result_text
 
 REGISTRY = "tool_registry:TOOLS"
 QUESTION = [{"role": "user", "content": "What is 123 times 456?"}]
@@ -140,7 +140,7 @@ def test_the_tool_worker_exits_with_the_process_that_started_it(tmp_path):
     import sys
 
     script = tmp_path / "starter.py"
-    script.write_text("import sys, time\nsys.path[:0] = sys.argv[1:3]\nfrom src.tools import ToolRunner, load_toolbox\n"
+    script.write_text("import sys, time\nsys.path[:0] = sys.argv[1:3]\nfrom src.tool_calls import load_toolbox\nfrom src.tools import ToolRunner\n"
                       f"runner = ToolRunner(load_toolbox({REGISTRY!r}), 5.0)\nrunner.run('multiply', {{'a': 1, 'b': 2}})\n"
                       "print(runner.worker.pid, flush=True)\ntime.sleep(600)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,9 @@ import hashlib
 import json
 import math
 
+from src.chat_templates import split_reasoning, tools_argument
 from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
+from src.tool_calls import schema_problem
 
 # column → Arrow type, in the tokenizing map's output (src/data/prepared.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
@@ -64,8 +66,6 @@ def prompt_of(row: dict):
 
 def _parts(value) -> tuple[str, str]:
     """An answer's reasoning and final answer (text, or the assistant messages of a chat)."""
-    from src.chat_templates import split_reasoning
-
     messages = value if isinstance(value, list) else [{"role": "assistant", "content": value}]
     parts = [split_reasoning(message) for message in messages
              if isinstance(message, dict) and message.get("role") == "assistant"]
@@ -91,10 +91,8 @@ def reasoning_fields(row: dict, tokenizer) -> dict:
 def tool_fields(row: dict) -> dict:
     """The row's tool calls (in every message: the prompt's earlier turns and the answers) and their problems: the
     arguments are text that does not parse as JSON, the call names a tool the row's `tools` schemas lack, or its
-    arguments break that tool's schema (src/tools.py schema_problem). Without a `tools` column only the first is
+    arguments break that tool's schema (src/tool_calls.py schema_problem). Without a `tools` column only the first is
     checked."""
-    from src.chat_templates import tools_argument
-    from src.tools import schema_problem
 
     tools = tools_argument(row)["tools"] or []
     schemas = {(tool.get("function") or tool).get("name"): tool for tool in tools if isinstance(tool, dict)}

@@ -24,6 +24,9 @@ import re
 import sys
 from pathlib import Path
 
+from src.embedded.model import build_model, build_tokenizer
+from src.reporting.formatting import ci95
+
 SEED = 4321
 SIZES = {"sft_train": 4000, "dpo_train": 1500, "prompts_train": 1500, "validation": 100, "test": 200}
 SFT_WRONG_CALLS = 0.6  # the careless call is the SFT majority: the behaviour DPO and GRPO are asked to move
@@ -144,8 +147,6 @@ def measure(run_dir: Path, split: str = "test") -> str:
     """A Markdown table of the judge's criteria on the held-out answers of every stage of a run of
     configs/sft_dpo_grpo_tools.yaml (its samples files: untrained, after SFT, after DPO, after GRPO), each share with
     its 95% interval (src/reporting/formatting.py's normal approximation)."""
-    from src.reporting.formatting import ci95
-
     def shares(samples: list[dict], side: str) -> list[str]:
         verdicts = [sample["verdict"][side] for sample in samples if sample.get("verdict")]
         cells = []
@@ -171,8 +172,6 @@ def measure(run_dir: Path, split: str = "test") -> str:
 
 def write(directory: Path) -> list[Path]:
     """The data (under directory/data) and the untrained model (directory/model)."""
-    from src.embedded.model import build_model, build_tokenizer
-
     paths = []
     files = build()
     for name, rows in files.items():

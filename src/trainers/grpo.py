@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 from src.distributed import gather_objects
 from src.generation import Sampling, SeededSampling, answer_seed
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
+from src.tools import sample_with_tools, summary
 from src.trainers.base import ToolkitTrainerMixin
 from src.trainers.judged_eval import JudgedEvalMixin
 
@@ -119,7 +120,9 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         self.tool_session = session
         self.rollout_func = self.rollout_with_tools
 
-    def __init__(self, *args, train_dataset=None, **kwargs):
+    def __init__(self, *args, train_dataset=None, reward_judges: tuple[list[str], str | None] | None = None, **kwargs):
+        if reward_judges is not None:  # the row's trainer_inputs: (the judges' names, the dataset they judge)
+            kwargs["reward_funcs"] = judge_rewards(*reward_judges)
         if train_dataset is not None and PROMPT_INDEX not in train_dataset.column_names:
             train_dataset = train_dataset.add_column(PROMPT_INDEX, list(range(len(train_dataset))))
         self._generation_inputs: list[dict] = []
@@ -242,8 +245,6 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         seed and the turn, the tool results masked from the loss (TRL's `env_mask`); the judges read the whole
         trajectory, and its tool record (`tool_record`: calls, valid calls, errors, turns) as a column. Tool use is
         logged as tools/* means over the answers."""
-        from src.tools import sample_with_tools, summary
-
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         seeds = self._answer_seeds()
 
