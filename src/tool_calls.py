@@ -123,8 +123,6 @@ def load_toolbox(spec: str) -> ToolBox:
 HERMES, DEEPSEEK, LLAMA_JSON, HARMONY = "hermes", "deepseek", "llama_json", "harmony"
 _SYNTAX_MARKS = ((HARMONY, "<|channel|>"), (DEEPSEEK, "tool▁call▁begin"), (HERMES, "<tool_call>"),
                  (LLAMA_JSON, '"parameters": '))
-SYNTAX_NAMES = {HERMES: "Qwen / Hermes <tool_call>", DEEPSEEK: "DeepSeek-R1's tool-call tokens",
-                LLAMA_JSON: "Llama 3.1's JSON", HARMONY: "gpt-oss's commentary channel"}
 
 
 def call_syntax(tokenizer, chat_template: str | None = None) -> str:
