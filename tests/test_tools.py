@@ -429,3 +429,23 @@ def test_held_out_answers_with_tools_are_trajectories_with_their_tool_record(tok
     assert answer["text"] == call + RESULTS["chatml-qwen2.5"] + final
     assert answer["tokens"] == len(_ids(tokenizer, call)) - 1 + len(_ids(tokenizer, final)) - 1 and answer["ended"]
     assert (answer["calls"], answer["valid_calls"], answer["turns"], answer["tool_errors"]) == (1, 1, 2, {})
+
+
+def test_the_tools_flags_are_checked_with_the_configuration_in_one_line_each():
+    from src.config_error import ConfigError
+    from src.config_parse import parse_config
+
+    for flags, message in [(["--tools", "x"], "^--tools x: expected module:registry"),
+                           (["--max_tool_turns", "0"], "^--max_tool_turns 0: at least 1"),
+                           (["--turn_credit", "0.5"], "^--turn_credit 0.5: .* with --tools"),
+                           (["--tools", REGISTRY, "--turn_credit", "-1"], "^--turn_credit -1"),
+                           (["--tools", REGISTRY, "--rounds", "1", "--judge", "tool_registry:product_judge"],
+                            "^--tools with --rounds: round pairs of tool trajectories are not trained yet")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(flags, require_sources=False)
+    from conftest import PROJECT_ROOT
+
+    config = parse_config(["--config", str(PROJECT_ROOT / "configs" / "sft_dpo_grpo_tools.yaml")],
+                          require_sources=False)
+    assert (config.training.tools, config.training.max_tool_turns, config.training.turn_credit) == (
+        "src.embedded.tools_task:TOOLS", 2, 0.0)
