@@ -26,7 +26,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from src.config import World  # noqa: E402
+from src.world import World  # noqa: E402
 from src.distributed import manifest_across_ranks  # noqa: E402
 from src.resource_limits import usable_cores  # noqa: E402
 from src.run_safety.checkpoint_manifest import verify, write_marker  # noqa: E402

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from src.config import World
 from src.distributed import manifest_across_ranks
 from src.run_safety import checkpoint_manifest
 from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoint_manifest import Damaged, verify, write_marker
 from src.run_safety.checkpoints import checkpoints, newest_intact_checkpoint
+from src.world import World
 
 BLOCK = 1000  # blocks of 1,000 bytes (128 MiB in use): files of several blocks in a few KB
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from src.config import World
 from src.distributed import barrier, manifest_across_ranks, write_failure_on_any_rank
 from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 from src.run_safety.checkpoints import kill_if_injected, mark_complete
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
+from src.world import World
 
 
 class CompleteCheckpointsMixin:
