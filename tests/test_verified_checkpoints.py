@@ -162,3 +162,22 @@ def test_a_damaged_final_model_is_neither_pushed_nor_copied_out(tmp_path, monkey
         make_copies(stage, config)
     assert not target.exists()
     shutil.rmtree(run_dir)
+
+
+def test_a_file_that_cannot_be_read_back_is_said_not_raised(tmp_path, monkeypatch):
+    """Every rank reaches the gather of the manifest whatever its share's reads do (a rank that raised alone would leave
+    the others in the collective): an I/O error comes back as the one problem, and the save stops on it (exit 5)."""
+    import errno
+
+    import src.distributed as distributed
+
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+
+    def failing(directory, share, threads):
+        raise OSError(errno.EIO, "Input/output error", str(directory / share[0].path))
+
+    monkeypatch.setattr(distributed, "checksums", failing)
+    assert manifest_across_ranks(checkpoint, World()) == (
+        None, f"{checkpoint / 'model.safetensors'}: Input/output error")
