@@ -621,8 +621,8 @@ def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[di
     if earlier.get("status") not in (Status.RUNNING, Status.STOPPED):
         metrics_path.unlink(missing_ok=True)
         return []
-    removed = remove_incomplete_checkpoints(stage.output_dir)
     checkpoint, lines = newest_intact_checkpoint(stage.output_dir, usable_cores())  # the other ranks wait: all cores
+    removed = remove_incomplete_checkpoints(stage.output_dir)  # after it: with none intact, nothing is changed
     for line in lines:
         print0(f"  {line}")
     step = checkpoint_step(checkpoint) if checkpoint else 0
