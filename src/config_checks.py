@@ -73,8 +73,9 @@ def validate(config: Config) -> None:
         value = getattr(data, name)
         if value < 0 or (1 <= value and not float(value).is_integer()):
             raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
-    if config.dpo.beta < 0 or (config.dpo.beta == 0 and not objective(config.training.stage).beta_may_be_zero):
-        raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
+    beta = config.dpo.beta  # None: the objective's own default (its row's default_beta)
+    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).beta_may_be_zero)):
+        raise ConfigError(f"--beta must be positive, got {beta}")
     validate_rounds(config)
     validate_judges(config)
     if config.model.merge_adapter and config.model.load_in_4bit:

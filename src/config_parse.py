@@ -260,9 +260,10 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
     requested: dict[str, tuple[Any, str]] = {}
     sources: dict[str, str] = {}  # what the plan and training_info.json say each setting came from
+    recipe_values = _load_recipe(recipe) if recipe else {}
     if recipe:
         label = recipe_label(recipe)
-        for key, value in _load_recipe(recipe).items():
+        for key, value in recipe_values.items():
             requested[key] = (value, Path(recipe).name)
             if key in PIPELINE_BLOCKS and isinstance(value, dict):
                 sources.update({f"{key}.{block_key}": f"{label} ({key} block)" for block_key in value})
@@ -292,6 +293,7 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
             sources = {key: where for key, where in sources.items() if not key.startswith(f"{block}.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
+    config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
     config.sources = sources
     row = objective(stage)
     if row.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
@@ -412,7 +414,7 @@ def stage_config(config: Config, stage: str) -> Config:
     if "stage" in sources:
         sources["stage"] = f"{pipeline} in {sources['stage']}"
     staged = _build_config(requested, stage)
-    staged.recipe = config.recipe
+    staged.recipe, staged.recipe_stage = config.recipe, config.recipe_stage
     staged.sources = sources
     return staged
 

@@ -102,6 +102,13 @@ class SummaryNumber:
     headline: str = ""  # its name in report.md's first sentence when no judge ran ("" = not there)
 
 
+def resolved_beta(config, row: Objective) -> float | None:
+    """The beta a stage trains with: --beta (a recipe's `beta:` or the flag) when given, else its objective's own
+    default (the row's `default_beta`). A value, never whether a flag was typed: `--beta 2` and no --beta are the same
+    SimPO run."""
+    return row.default_beta if config.dpo.beta is None else config.dpo.beta
+
+
 def refuse_reference_flags(title: str, config) -> None:
     """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
     for name in REFERENCE_FLAGS:
@@ -131,7 +138,9 @@ class Objective:
     sequences_per_example: int  # sequences forwarded per example (throughput: tokens a step computes)
     sequences_with_grad: int  # of those, the ones whose activations are kept for backward (memory plan)
     causal_lm: bool  # trains a causal LM (an encoder-only model is refused before launch)
-    ends_pipeline: bool  # sft_then_<name> exists: SFT first, then this objective from the SFT model
+    # sft_then_<name> exists: SFT first, then this objective from the SFT model (alone on the untrained embedded model:
+    # a warning, src/trainers/stage_plan.py)
+    ends_pipeline: bool
     charts: tuple[Chart, ...]  # its curves in plots/ (the learning-rate and throughput charts are everyone's)
     compare_metrics: tuple[Metric, ...]  # its curves in compare.md
     console_keys: tuple[str, ...]  # logged keys on the console line, between the loss and the learning rate
@@ -210,6 +219,9 @@ class Objective:
     # loss it does not have (GRPO: prompts alone): the curve `eval_judged_reward` in --judge's headline measure, the
     # best checkpoint's metric, and what the reward-hacking alert reads. Its trainer takes a `judged_eval`.
     judged_eval: bool = False
+    # --beta when none is given (neither a recipe's `beta:` nor the flag): its TRL config's default or its paper's
+    # (SimPO's 2.0: a per-token reward needs a larger scale than DPO's); None for an objective without a beta
+    default_beta: float | None = None
     # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
     beta_may_be_zero: bool = False
     # (config) → check_gpu's view of its step where the table's sequences do not say it all, as TrainingSetup fields
