@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 
-from src.config import Config
-
 PAPER_RANGE = (1.0, 4 / 3)
 PAPER = "the KTO paper's recommended [1, 4/3] (Ethayarajh et al. 2024, eq. 8)"
 
@@ -36,8 +34,9 @@ def weight_for_equal_counts(desirable: float, undesirable: float, weighted: str)
     return math.floor(desirable / undesirable * 1e4 + 1e-6) / 1e4
 
 
-def resolve_kto_weights(config: Config, train_counts: dict) -> tuple[dict, str, str | None]:
-    """({desirable_weight, undesirable_weight}, the line saying where they came from, a warning or None)."""
+def resolve_kto_weights(config, train_counts: dict) -> tuple[dict, str, str | None]:
+    """({desirable_weight, undesirable_weight}, the line saying where they came from, a warning or None).
+    `config`: a src.config.Config (this module imports none of the project's: KTO's row imports it)."""
     desirable, undesirable = train_counts["desirable"], train_counts["undesirable"]
     given = {key: config.trl_overrides[key] for key in ("desirable_weight", "undesirable_weight")
              if key in config.trl_overrides}

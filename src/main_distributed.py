@@ -35,7 +35,7 @@ from src.world import Devices, World, sagemaker_process_hint
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
-from src.embedded.model import cache_root
+from src.run_safety.build_once import cache_root
 from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_judge, check_model_inputs

@@ -54,9 +54,9 @@ def judges_of(config) -> list[str]:
 
 
 def trainer_inputs(config) -> dict:
-    from src.trainers.grpo import judge_rewards  # the judges load torch (a reward model: its weights)
-
-    return {"reward_funcs": judge_rewards(judges_of(config), config.data.dataset_name)}
+    """The judges the trainer turns into its reward functions (src/trainers/grpo.py `judge_rewards`: they load torch,
+    a reward model its weights), named here and built there."""
+    return {"reward_judges": (judges_of(config), config.data.dataset_name)}
 
 
 def memory_setup(config) -> dict:

@@ -195,7 +195,7 @@ class Objective:
     reference_unmeasured: str = ("not measured (`python -m src.audit` with --model_name_or_path measures how a model "
                                  "ranks the training pairs, on a sample).")
     # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
-    # parsed (src/config.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
+    # parsed (src/config_checks.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
     rewards_from_judges: bool = False
     # Objectives a pipeline may train between SFT and this one, each from the model before it:
     # `sft_then_<before>_then_<name>` (GRPO: dpo, Tulu 3's SFT → DPO → RL from verifiable rewards). Each must end a
@@ -222,8 +222,8 @@ class Objective:
     # (src/diagnostics/inputs.py): GRPO's sequence is a prompt and its sampled answer, it samples with a KV cache
     # before it trains, and it keeps a reference copy only with a KL term
     memory_setup: Callable | None = field(default=None, compare=False)
-    # (config) → keyword arguments its trainer takes beyond TRL's common ones (GRPO: the judges as reward functions),
-    # built on every process when the trainer is (src/trainers/build.py)
+    # (config) → keyword arguments its trainer takes beyond TRL's common ones (GRPO: the names of the judges its
+    # trainer makes its reward functions of), passed on every process when the trainer is built (src/trainers/build.py)
     trainer_inputs: Callable | None = field(default=None, compare=False)
 
     @property
