@@ -33,6 +33,7 @@ from src.audit.pairs import AUDIT_COLUMNS, NO_PROMPT, counts_of, row_fields, spl
 from src.config import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, EMBEDDED, DataArguments, SFTArguments, data_file_kind
 from src.private_api import trl_tokenize
 from src.progress import Progress
+from src.run_safety import hang_watch
 from src.resource_limits import usable_cores
 from src.run_safety.build_once import build_once
 from src.run_safety.disk_space import fail_write_if_injected
@@ -1389,6 +1390,7 @@ def _in_pool(batch: dict, *, _function, _starter: int, **kwargs) -> dict:
     workers outlive a killed parent otherwise: src/run_safety/parent_watch.py)."""
     exit_with_parent(_starter)  # forked_children_exit_with_this_process watches it already where pools fork
     kill_starter_if_injected("preparation", starter=_starter)  # a test seam
+    hang_watch.stall_if_planted("data_worker")  # a test seam: a worker that blocks
     return _function(batch, **kwargs)
 
 
@@ -1407,6 +1409,8 @@ def _map_with_progress(dataset, function, fn_kwargs: dict, features, label: str,
     for number, start in enumerate(range(0, len(dataset), chunk_rows)):
         chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
         processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
+        hang_watch.beat(f"{label}: rows {start + 1:,}-{start + len(chunk):,} of {len(dataset):,}"
+                        + (f" in {processes} pool workers" if processes > 1 else ""))
         pieces.append(chunk.map(
             _in_pool if processes > 1 else function,
             fn_kwargs=fn_kwargs | {"_function": function, "_starter": os.getpid()} if processes > 1 else fn_kwargs,
@@ -1785,7 +1789,8 @@ def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
         fail_write_if_injected(path)
         _build(temporary, data, sft, stage, seed, tokenizer)
 
-    target = build_once(path, build)
+    with hang_watch.phase("data", f"the {stage} data"):
+        target = build_once(path, build)
     summary = json.loads((target / SUMMARY_FILE).read_text())
     splits = datasets.DatasetDict({kind: _open_split(target, kind) for kind in summary["splits"]})
     return PreparedData(path=target, splits=splits, summary=summary)

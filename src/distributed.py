@@ -17,6 +17,7 @@ from pathlib import Path
 
 from src.config import ConfigError, Plan, World
 from src.resource_limits import threads_per_process
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
@@ -97,7 +98,8 @@ def any_rank(*flags: bool) -> list[bool]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":
             values = values.cuda()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        with hang_watch.waiting("an agreement between the ranks"):  # a stuck peer is not this rank
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(value) for value in values.tolist()]
 
 
@@ -127,6 +129,7 @@ def finish() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    hang_watch.stop_watching()  # no peer waits for this rank any more; rank 0's Hub push alone is not judged
 
 
 def gather_objects(local: list) -> list[list]:
@@ -136,7 +139,8 @@ def gather_objects(local: list) -> list[list]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    with hang_watch.waiting("a gather from every rank"):  # a stuck peer is not this rank
+        dist.all_gather_object(gathered, local)
     return gathered
 
 

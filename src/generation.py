@@ -15,6 +15,7 @@ from src.audit.answers import answer_record
 from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning
 from src.config import World
 from src.distributed import map_across_ranks
+from src.run_safety import hang_watch
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,9 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
                                                                left=True):
             processors = LogitsProcessorList(
                 [SeededSampling([seeds[index] for index in batch], sampling, input_ids.device)] if sampling else [])
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
-                                    logits_processor=processors)
+            with hang_watch.phase("generation", f"{len(batch)} prompts, up to {max_new_tokens} new tokens"):
+                output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        generation_config=generation, logits_processor=processors)
             width = input_ids.shape[1]
             texts = [decoded_answer(tokenizer, ids) for ids in output[:, width:].tolist()]
             # An answer continuing a reasoning block its prompt opened (DeepSeek-R1's "<think>\n") starts with it, so

@@ -18,6 +18,7 @@ from pathlib import Path
 from src.config import EMBEDDED, ConfigError, ModelArguments, Plan, World
 from src.distributed import barrier
 from src.embedded.model import ensure_embedded_model
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
@@ -243,7 +244,7 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     try:
-        with loading:
+        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):  # a download takes what it takes
             loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)})") from None

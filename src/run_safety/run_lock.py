@@ -229,6 +229,18 @@ class Hold:
             pass
 
 
+def release_if_held_by(run_dir: Path, pid, host) -> bool:
+    """Remove the hold of a job whose rank 0 (`pid` on `host`) cannot release it itself (frozen, and being stopped by
+    the hang watch: src/run_safety/hang_watch.py), so the same command relaunched is not refused until its heartbeat
+    goes stale. True when removed."""
+    path = hold_path(run_dir)
+    holder = _read(path)
+    if not holder or holder.get("pid") != pid or holder.get("host") != host:
+        return False
+    path.unlink(missing_ok=True)
+    return True
+
+
 def _create(path: Path, me: dict) -> bool:
     """Create the hold atomically (link of a complete temporary file); False if it exists."""
     temporary = path.with_name(f"{path.name}.{_process_tag()}.tmp")
