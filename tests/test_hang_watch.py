@@ -188,3 +188,58 @@ def test_long_honest_phases_below_the_timeout_are_no_hang(stalled):
     records = run_files.read_jsonl(honest.run_dir / run_files.METRICS)
     first = next(record for record in records if record.get("step") == 1 and "loss" in record)
     assert first["time_s"] >= 6  # the slow first step did run past the plain step time
+
+
+# ------------------------------------------------------------------------------------------------ the rules, in process
+
+
+def test_the_stuck_rank_is_the_silent_one_outside_torch_distributed():
+    """Stacks decide: the rank inside a collective waits for the other; without stacks, a rank marked waiting is the
+    victim; ties go to a nested phase, then to the longest silent."""
+    collective = ['File "/venv/torch/distributed/distributed_c10d.py", line 4287 in all_gather']
+    sleeping = ['File "/src/judges.py", line 127 in scores']
+    records = {0: {"rank": 0, "mode": "", "depth": 1}, 1: {"rank": 1, "mode": "", "depth": 2}}
+    assert hang_watch.find_stuck(records, {0: 30.0, 1: 20.0}, {0: collective, 1: sleeping}) == 1
+    assert hang_watch.find_stuck(records, {0: 30.0, 1: 20.0}, {0: sleeping, 1: collective}) == 0
+    waiting = {0: {"rank": 0, "mode": hang_watch.WAITING, "depth": 2}, 1: {"rank": 1, "mode": "", "depth": 1}}
+    assert hang_watch.find_stuck(waiting, {0: 30.0, 1: 20.0}, {}) == 1
+    assert hang_watch.find_stuck(records, {0: 30.0, 1: 20.0}, {}) == 1  # the nested phase (a judged batch)
+    flat = {0: {"rank": 0, "mode": "", "depth": 1}, 1: {"rank": 1, "mode": "", "depth": 1}}
+    assert hang_watch.find_stuck(flat, {0: 20.0, 1: 30.0}, {}) == 1  # silent longest
+    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 30.0}, {0: collective, 1: collective}) == 0
+
+
+def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path):
+    """faulthandler lists the newest thread first; the main thread (not started through threading) is the one read,
+    innermost frame first, from the last dump in the file."""
+    import faulthandler
+    import threading
+
+    release = threading.Event()
+    helper = threading.Thread(target=release.wait, daemon=True)
+    helper.start()
+    with open(tmp_path / "stack", "w") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        faulthandler.dump_traceback(out, all_threads=True)
+    release.set()
+    frames = hang_watch.main_thread_frames((tmp_path / "stack").read_text())
+    assert "test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump" in frames[0]
+    assert not hang_watch.in_collective(frames)
+    assert "test_hang_watch.py" in hang_watch.innermost_toolkit_frame(frames)
+
+
+def test_the_timeout_is_at_least_three_times_the_longest_pause_measured():
+    assert hang_watch.effective_timeout(600, 30) == 600
+    assert hang_watch.effective_timeout(600, 240) == 720  # a 4-minute first-step compile: 12 minutes from then on
+    assert hang_watch.effective_timeout(10, 0) == 10
+
+
+def test_a_stalled_run_says_how_long_since_a_step_instead_of_an_eta():
+    from src.reporting.status import Live, run_state, status_line
+
+    line = hang_watch.stalled_line(250, "rank 1 in the judge")
+    assert line == "no step for 4 min 10 s; rank 1 in the judge"
+    state = run_state({"status": "running"}, [], Live(step=10, total=12, elapsed_s=300, eta_s=None, stalled=line))
+    assert status_line(state).startswith("**running** · step 10 of 12 (83%) · elapsed 5 min 0 s · no step for 4 min "
+                                         "10 s; rank 1 in the judge · updated ")
+    assert "ETA" not in status_line(state)

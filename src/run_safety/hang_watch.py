@@ -539,6 +539,11 @@ class _Watch:
 
             release_if_held_by(self.run_dir, verdict.get("pid"), verdict.get("host"))
         self._end_frozen_peer(verdict)
+        if launcher_exit.record(ExitStatus.HUNG):  # run_distributed.sh exits 7; torchrun sees clean ends, no restart
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        # Plain torchrun: its agent ends too (a restart would stick at the same place again)
         launcher_exit.end_job(ExitStatus.HUNG, int(os.environ.get("LOCAL_RANK", "0")))
 
     def stop_reason(self, verdict: dict) -> str:
@@ -595,10 +600,15 @@ def _children(pid: int) -> list[int]:
 
 
 def _forked_child() -> None:
-    """A process forked from a watched one (a preparation pool worker): its stack, on request, into a file of its
-    own (the inherited handler would write into its parent's)."""
+    """A process forked from a watched one: a preparation pool worker dumps its stack, on request, into a file of its
+    own; any other (a live report's drawing, a data loader's worker) none (the inherited handler would write into its
+    parent's file)."""
     watch = _watch[0] if _watch else None
     if watch is None:
+        return
+    _watch.clear()  # its parent's record is its parent's: this process never writes it
+    if all(place != "data" for place, _, _ in _me.activities):
+        faulthandler.unregister(DUMP_SIGNAL)
         return
     try:
         handle = open(watch.board / f"rank{watch.rank}-worker-{os.getpid()}.stack", "w")  # noqa: SIM115
