@@ -45,12 +45,12 @@ def grpo_args(model: Path, data: Path, results: Path, run_name: str, *extra: str
 class Stalled:
     """A forked 2-process job with planted seams (a stall, slow phases), and what it left."""
 
-    def __init__(self, args: list[str], cache: Path, node_env=None, **planted):
+    def __init__(self, args: list[str], cache: Path, planted: dict):
         self.args = args
         self.run_dir = Path(args[args.index("--results_dir") + 1]) / args[args.index("--run_name") + 1]
         # Its own caches: the prepared data and the reference log-probs are computed by this job, not reused
-        environment = seams.env(**planted) | {"OMP_NUM_THREADS": "1", "PREFKIT_CACHE": str(cache)}
-        self.job = forked.Running(args, env=environment, nproc=2, node_env=node_env)
+        environment = planted | {"OMP_NUM_THREADS": "1", "PREFKIT_CACHE": str(cache)}
+        self.job = forked.Running(args, env=environment, nproc=2)
         self.ended: float | None = None
 
     def wait(self):
@@ -74,22 +74,22 @@ def stalled(tiny_model, tmp_path_factory):
                  "--num_samples", "0")
     jobs = {
         "judge": Stalled(grpo_args(tiny_model, prompts, results, "judge", "--max_steps", "2"), cache("judge"),
-                         stall="judge:1:2"),
+                         seams.env(stall="judge:1:2")),
         "generation": Stalled(dpo_args(tiny_model, pairs, results, "generation"), cache("generation"),
-                              stall="generation:1"),
+                              seams.env(stall="generation:1")),
         # Whichever rank prepares the data (the other waits for it), one of its pool workers blocks
         "data_worker": Stalled(dpo_args(tiny_model, many, results, "data_worker", "--dataset_num_proc", "2"),
-                               cache("data_worker"), stall="data_worker:*"),
+                               cache("data_worker"), seams.env(stall="data_worker:*")),
         "collective": Stalled(dpo_args(tiny_model, pairs, results, "collective", "--num_samples", "0"),
-                              cache("collective"), stall="collective:1"),
+                              cache("collective"), seams.env(stall="collective:1")),
         "reference": Stalled(dpo_args(tiny_model, pairs, results, "reference", "--num_samples", "0"),
-                             cache("reference"), stall="reference:0"),
+                             cache("reference"), seams.env(stall="reference:0")),
         # The second checkpoint's write, frozen in a C call that holds the interpreter's lock; resumed below
         "checkpoint": Stalled(dpo_args(tiny_model, pairs, results, "resumed", *resumable), cache("checkpoint"),
-                              stall="checkpoint:1:2:gil"),
+                              seams.env(stall="checkpoint:1:2:gil")),
         # The same run, never stopped, each honest long phase 6 s (the plain step: ~0.1 s), --hang_timeout 15
         "honest": Stalled(dpo_args(tiny_model, pairs, results, "honest", *resumable, "--hang_timeout", "15"),
-                          cache("honest"), slow=["step:6", "evaluation:6", "checkpoint:6:0"]),
+                          cache("honest"), seams.env(slow=["step:6", "evaluation:6", "checkpoint:6:0"])),
     }
     yield jobs
     for job in jobs.values():
