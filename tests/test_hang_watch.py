@@ -74,7 +74,7 @@ def stalled(tiny_model, tmp_path_factory):
                  "--num_samples", "0")
     jobs = {
         "judge": Stalled(grpo_args(tiny_model, prompts, results, "judge", "--max_steps", "2"), cache("judge"),
-                         seams.env(stall="judge:1:2")),
+                         seams.env(stall="judge:1:2", live_report_log=str(folder / "judge-report-lines"))),
         "generation": Stalled(dpo_args(tiny_model, pairs, results, "generation"), cache("generation"),
                               seams.env(stall="generation:1")),
         # Whichever rank prepares the data (the other waits for it), one of its pool workers blocks
@@ -128,6 +128,9 @@ def test_a_judge_stuck_on_rank_1_stops_the_job_naming_it_on_the_console_and_in_t
     verdict, line = assert_stopped_naming(job, 1, "the judge")
     assert "judges.py" in (verdict["where"] or ""), verdict
     assert re.search(r"\n  no step for [0-9.]+ s; rank 1 in the judge", job.stdout), job.stdout[-3000:]
+    live = (job.run_dir.parent.parent / "judge-report-lines").read_text().splitlines()
+    assert any(re.match(r"\*\*running\*\* · step 1 of 2 \(50%\) · elapsed .* · no step for [0-9.]+ s; rank 1 in the "
+                        r"judge \(.*\) · updated ", line) for line in live), live
     info = run_files.read_json(job.run_dir / run_files.TRAINING_INFO)
     assert info["status"] == "stopped" and info["stop_reason"].startswith("stopped by a hang: rank 1 in the judge")
     report = (job.run_dir / "report.md").read_text().splitlines()[0]

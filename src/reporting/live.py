@@ -170,7 +170,10 @@ class LiveReport(TrainerCallback):
             rest = report.read_text(encoding="utf-8").split("\n", 1)
             run_files.write_text(report, "\n".join([status_line(run_state(info, [], live))] + rest[1:]))
         else:  # none refreshed yet (a short run): the whole report, once, in this thread
-            build_report(self.run_dir, live)
+            try:
+                build_report(self.run_dir, live)
+            except ReportError:  # nothing logged yet: the console line says it
+                return
         _note_refresh(self.run_dir)
 
     def _maybe_refresh(self, state) -> None:

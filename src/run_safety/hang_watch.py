@@ -569,7 +569,8 @@ class _Watch:
         if last_step is None:
             return
         typical = step_times[len(step_times) // 2] if step_times else 0.0
-        threshold = max(STALL_STEP_TIMES * typical, min(60.0, self.timeout_s / 3))
+        # A few step times (at least a third of the timeout, at most a minute), and always well before the stop
+        threshold = min(max(STALL_STEP_TIMES * typical, min(60.0, self.timeout_s / 3)), self.job_timeout() / 2)
         no_step = now - last_step
         if no_step < threshold:
             self.stall_said = None
