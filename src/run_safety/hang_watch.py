@@ -30,9 +30,9 @@ never ends, a filesystem or a GPU that hangs) leaves the others waiting in a col
   "no step for 4 min 10 s; rank 1 in the judge", on the console and in the live report's status line
   (`on_stall` listeners), instead of an ETA that no longer means anything.
 
-Test seams (src/seams.py): `stall` = "<place>:<rank or *>[:<nth>][:gil]" blocks that rank forever at its nth entry to the
-place (`gil`: in a C call that holds the interpreter's lock); `slow` = ["<place>:<seconds>[:<rank>]", ...] makes the
-first entry to a place that long (an honest long phase).
+Test seams (src/seams.py): `stall` = "<place>:<rank or *>[:<nth>][:gil]" blocks that rank forever at its nth entry to
+the place (`gil`: in a C call that holds the interpreter's lock); `slow` = ["<place>:<seconds>[:<rank>]", ...] makes
+the first entry to a place that long (an honest long phase).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from src import seams
 from src.progress import format_duration
 from src.run_safety import launcher_exit
 from src.run_safety.exit_status import ExitStatus
+from src.run_safety.run_lock import process_start_time, release_if_held_by
 
 SCALE = 3.0            # the timeout is at least this many times the longest pause measured so far
 STOP_GRACE_S = 60.0    # a process frozen with the interpreter's lock held ends itself this long after the timeout
@@ -92,6 +93,7 @@ class _Process:
     step_times: list = field(default_factory=list)
     entries: dict = field(default_factory=dict)  # place -> times entered (the seams' nth)
     stopping: bool = False
+    pid_start: str | None = None  # with the pid, names this process (a pid is reused)
 
     def beat(self) -> None:
         """Called before the activity changes: the pause that ends here was spent in the activity still on top. A
@@ -104,7 +106,8 @@ class _Process:
 
     def record(self, watch: "_Watch | None") -> dict:
         place, what, mode = self.activities[-1]
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "beats": self.beats,
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "pid_start": self.pid_start,
+                "beats": self.beats,
                 "place": place, "what": what, "mode": mode, "depth": len(self.activities), "step": self.step,
                 "timeout_s": watch.own_timeout() if watch else None}
 
@@ -460,8 +463,8 @@ class _Watch:
         self.dumped = True
         host = socket.gethostname()
         for rank, record in self.records.items():
-            if record.get("host") == host:
-                for pid in [record["pid"]] + _children(record["pid"]):
+            if record.get("host") == host:  # a preparing rank's pool workers too
+                for pid in [record["pid"]] + (_children(record["pid"]) if record.get("place") == "data" else []):
                     try:
                         os.kill(pid, DUMP_SIGNAL)
                     except OSError:
@@ -476,7 +479,8 @@ class _Watch:
         where = innermost_toolkit_frame(stacks.get(stuck) or [])
         verdict = {"rank": stuck, "place": record.get("place"), "what": record.get("what"), "step": record.get("step"),
                    "silent_s": round(silent[stuck], 1), "timeout_s": round(timeout, 1), "where": where,
-                   "pid": record.get("pid"), "host": record.get("host"), "by": self.rank,
+                   "pid": record.get("pid"), "pid_start": record.get("pid_start"), "host": record.get("host"),
+                   "by": self.rank,
                    "ranks": {str(rank): describe(self.records[rank]) for rank in sorted(self.records)},
                    "description": describe(record)}
         if _create_once(self.board / "verdict.json", verdict):
@@ -535,8 +539,6 @@ class _Watch:
             if self.hold is not None:
                 self.hold.release()  # at once: the same command relaunched is not refused for the hold's 2 minutes
         elif verdict.get("rank") == 0 and self.hold is None:
-            from src.run_safety.run_lock import release_if_held_by  # noqa: PLC0415  rank 0 is frozen: its hold goes
-
             release_if_held_by(self.run_dir, verdict.get("pid"), verdict.get("host"))
         self._end_frozen_peer(verdict)
         if launcher_exit.record(ExitStatus.HUNG):  # run_distributed.sh exits 7; torchrun sees clean ends, no restart
@@ -555,11 +557,15 @@ class _Watch:
         """The stuck process, on this machine, once its stack is written: a frozen one cannot end itself."""
         if verdict.get("host") != socket.gethostname() or verdict.get("rank") == self.rank:
             return
-        time.sleep(self.poll_s * 4 + 2)  # its own watch ends it (exit 7) when it can run at all
-        try:
-            os.kill(int(verdict["pid"]), signal.SIGKILL)
-        except (OSError, TypeError, ValueError):
-            pass
+        pid, started = verdict.get("pid"), verdict.get("pid_start")
+        deadline = time.monotonic() + self.poll_s * 4 + 2  # its own watch ends it (exit 7) when it can run at all
+        while started is not None and process_start_time(pid) == started and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if started is not None and process_start_time(pid) == started:  # the same process, still there: frozen
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, TypeError, ValueError):
+                pass
 
     # -- "no step for ..."
 
@@ -626,6 +632,7 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: float, newest_ch
     if timeout_s <= 0 or _watch:
         return
     _me.rank, _me.last_beat = rank, time.monotonic()  # the pauses of this launch, from its start
+    _me.pid_start = process_start_time(os.getpid())
     watch = _Watch(run_dir, rank, world_size, timeout_s, newest_checkpoint, hold, on_stop)
     _watch.append(watch)
     if rank == 0:  # earlier launches' boards: only this launch's is read
