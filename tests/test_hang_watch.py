@@ -246,3 +246,17 @@ def test_a_stalled_run_says_how_long_since_a_step_instead_of_an_eta():
     assert status_line(state).startswith("**running** · step 10 of 12 (83%) · elapsed 5 min 0 s · no step for 4 min "
                                          "10 s; rank 1 in the judge · updated ")
     assert "ETA" not in status_line(state)
+
+
+def test_a_watched_process_that_ends_by_itself_leaves_no_board(tmp_path, monkeypatch):
+    """The board next to the run directory is the launch's scratch: gone once every rank is done. (The process's
+    watch state is put back after: this is the pytest process.)"""
+    monkeypatch.setattr(hang_watch, "_watch", [])
+    monkeypatch.setattr(hang_watch, "_me", hang_watch._Process())
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    hang_watch.start(tmp_path / "run", 0, 1, 600)
+    assert (tmp_path / ".run.hang").is_dir()
+    hang_watch.stop_watching()
+    hang_watch._watch[0].thread.join(timeout=30)  # the watch thread ends with it (and arms nothing any more)
+    assert not hang_watch._watch[0].thread.is_alive()
+    assert list(tmp_path.iterdir()) == []

@@ -192,7 +192,10 @@ def stop_watching() -> None:
         _me.beat()
         _me.activities[:] = [["final", "", DONE]]
     if _watch:
+        _watch[0].finished.set()
+        faulthandler.cancel_dump_traceback_later()
         _watch[0].publish()
+        _watch[0].tidy()
 
 
 def _changed() -> None:
@@ -384,6 +387,7 @@ class _Watch:
         record_path.write_bytes(b" " * RECORD_BYTES)
         with open(record_path, "r+b") as handle:
             self.record_map = mmap.mmap(handle.fileno(), RECORD_BYTES)
+        self.finished = threading.Event()  # this process has left the job (stop_watching)
         self.thread = threading.Thread(target=self._run, name="hang-watch", daemon=True)
         os.register_at_fork(after_in_child=_forked_child)
 
@@ -412,12 +416,19 @@ class _Watch:
         self.record_map.flush()
         return record
 
+    def tidy(self) -> None:
+        """Rank 0, leaving: once every rank of the launch is done, its board goes (otherwise the next launch's rank 0
+        removes it)."""
+        if self.rank != 0 or _me.stopping:
+            return
+        records = [_read_json(self.board / f"rank{rank}.json") for rank in range(self.world_size)]
+        if all(record and record.get("mode") == DONE for record in records):
+            shutil.rmtree(self.board, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.board.parent.rmdir()  # the run's board folder, when no other launch's is left in it
+
     def _run(self) -> None:
-        while True:
-            time.sleep(self.poll_s)
-            if _me.activities[0][2] == DONE:
-                faulthandler.cancel_dump_traceback_later()
-                return
+        while not self.finished.wait(self.poll_s):
             # A frozen process (a C call that holds the interpreter's lock) cannot run this thread: faulthandler's
             # own thread then dumps its stack and ends it, after the others had their time to decide.
             faulthandler.dump_traceback_later(self.job_timeout() + STOP_GRACE_S + self.poll_s, exit=True,
@@ -426,6 +437,7 @@ class _Watch:
                 self._look(self.publish())
             except OSError:
                 pass  # a flaky filesystem must not end the job from here; the next poll looks again
+        faulthandler.cancel_dump_traceback_later()  # armed by the last poll, if it ran as the process left the job
 
     def _look(self, own: dict) -> None:
         now = time.monotonic()
