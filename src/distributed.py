@@ -100,8 +100,10 @@ def any_rank(*flags: bool) -> list[bool]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":
             values = values.cuda()
-        with hang_watch.waiting("an agreement between the ranks"):  # a stuck peer is not this rank
+        # A stuck peer is not this rank. The read is inside: NCCL's all_reduce returns at once, the wait is there.
+        with hang_watch.waiting("an agreement between the ranks"):
             dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            return [bool(value) for value in values.tolist()]
     return [bool(value) for value in values.tolist()]
 
 

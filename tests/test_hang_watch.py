@@ -210,6 +210,8 @@ def test_the_stuck_rank_is_the_silent_one_outside_torch_distributed():
     flat = {0: {"rank": 0, "mode": "", "depth": 1}, 1: {"rank": 1, "mode": "", "depth": 1}}
     assert hang_watch.find_stuck(flat, {0: 20.0, 1: 30.0}, {}) == 1  # silent longest
     assert hang_watch.find_stuck(flat, {0: 30.0, 1: 30.0}, {0: collective, 1: collective}) == 0
+    nccl_read = ['File "/repo/src/distributed.py", line 105 in any_rank']  # NCCL: the wait is at the result's read
+    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: nccl_read, 1: sleeping}) == 1
 
 
 def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path):

@@ -320,8 +320,11 @@ def main_thread_frames(dump: str) -> list[str]:
 
 
 def in_collective(frames: list[str]) -> bool:
-    """The innermost frames are torch.distributed's: waiting for the other ranks."""
-    return any("torch/distributed/" in frame for frame in frames[:4])
+    """Waiting for the other ranks: the innermost frames are torch.distributed's, or the innermost is the toolkit's
+    collective helpers (src/distributed.py: with NCCL a collective returns at once and the wait is at the read of its
+    result, there)."""
+    return any("torch/distributed/" in frame for frame in frames[:4]) or bool(frames) and "/src/distributed.py" in \
+        frames[0]
 
 
 def innermost_toolkit_frame(frames: list[str]) -> str | None:
