@@ -16,7 +16,7 @@ from typing import Any
 
 from src.config import Config, TrainingArguments
 from src.config_error import ConfigError
-from src.config_parse import _BLOCK_PREFIXES, stage_config
+from src.config_parse import BLOCK_PREFIXES, stage_config
 from src.objectives import OBJECTIVES, PIPELINES, final_stage
 from src.redaction import redact_secrets
 from src.world import Devices, World
@@ -299,7 +299,7 @@ def value_sources(config: Config, row_keys: Mapping[str, tuple[str, ...]], fallb
     settings, which otherwise come from src/config.py's default (or, where that is None, `fallbacks`)."""
     values = redact_secrets(config.values())
     found = {key: {"value": values.get(key), "from": where} for key, where in config.sources.items()
-             if not key.startswith(_BLOCK_PREFIXES) and key != "dry_run"}  # --dry_run is what this launch does, not a setting
+             if not key.startswith(BLOCK_PREFIXES) and key != "dry_run"}  # --dry_run is what this launch does, not a setting
     for key in (key for keys in row_keys.values() for key in keys):
         if key in found:
             continue

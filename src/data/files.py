@@ -12,8 +12,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.data_file_kinds import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, data_file_kind
 from src.data.errors import DataError
+from src.data_file_kinds import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, data_file_kind
 
 
 UTF8_BOM = b"\xef\xbb\xbf"  # what Windows tools and spreadsheet exports put before UTF-8 text; datasets skips it
@@ -22,7 +22,7 @@ SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv (or .ndjson, .tsv, .arrow), 
                    ", ".join(DATA_FILE_COMPRESSIONS) + ")")
 
 
-def _data_file_error(location: str, path: Path) -> DataError | None:
+def data_file_error(location: str, path: Path) -> DataError | None:
     """Why a data file cannot be read at all (its type, a decompressor not installed), or None."""
     kind = data_file_kind(path)
     if kind is None:
@@ -61,12 +61,12 @@ def _open_data_file(path: Path):
     return open(path, "rb")
 
 
-def _first_columns(path: Path) -> list[str] | None:
+def first_columns(path: Path) -> list[str] | None:
     """A local data file's column names from its first row or schema, without loading it: every kind `data_file_kind`
     reads (compressed, with a byte-order mark, JSON Lines under a .json name). None where that is not cheap (a JSON
     array) or the file cannot be read (the preparation names why)."""
     kind = data_file_kind(path)
-    if kind is None or _data_file_error(str(path), path) is not None:
+    if kind is None or data_file_error(str(path), path) is not None:
         return None
     form = kind[0]
     if form == ".parquet":
@@ -76,7 +76,7 @@ def _first_columns(path: Path) -> list[str] | None:
     if form == ".arrow":
         try:
             return list(_arrow_reader(path).schema.names)
-        except Exception:  # not Arrow after all: datasets' reading of it says why (_load_files)
+        except Exception:  # not Arrow after all: datasets' reading of it says why (load_files)
             return None
     try:
         with _open_data_file(path) as handle:
@@ -161,7 +161,7 @@ def _check_data_file(path: Path) -> int | None:
 
         try:
             return pq.ParquetFile(path).metadata.num_rows
-        except Exception:  # not Parquet after all: datasets' reading of it says why (_load_files)
+        except Exception:  # not Parquet after all: datasets' reading of it says why (load_files)
             return None
     if form == ".arrow":
         try:
@@ -206,14 +206,14 @@ def _split_name(path: Path) -> str:
     return _SHARD_NAME.sub("", stem) or stem
 
 
-def _names_a_split(name: str) -> bool:
+def names_a_split(name: str) -> bool:
     """Whether a file's split name is one of datasets' split keywords (train, validation, dev, test, eval, ...)."""
     from datasets.data_files import SPLIT_KEYWORDS
 
     return any(name == keyword for keywords in SPLIT_KEYWORDS.values() for keyword in keywords)
 
 
-def _split_files(directory: Path) -> dict[str, list[str]]:
+def split_files(directory: Path) -> dict[str, list[str]]:
     """A directory's data files by split, in order. Files at its top are named by split (train.jsonl,
     validation.jsonl.gz, train-00000-of-00004.parquet, ...); with none there, the layouts of the Hub below it
     (data/train-00000-of-00004.parquet, train/*.jsonl, data/train-*.jsonl, ...) are found by datasets' own patterns."""
@@ -236,12 +236,12 @@ def _split_files(directory: Path) -> dict[str, list[str]]:
     return dict(sorted(files.items(), key=lambda item: item[0] != "train"))
 
 
-def _load_files(files: dict[str, list[str]], location: str):
+def load_files(files: dict[str, list[str]], location: str):
     """Data files by split → (DatasetDict, the files each split's rows come from), each file checked first."""
     import datasets
 
     for file in (file for found in files.values() for file in found):
-        error = _data_file_error(location if Path(location).is_file() else file, Path(file))
+        error = data_file_error(location if Path(location).is_file() else file, Path(file))
         if error:
             raise error
     builders = {DATA_FILE_BUILDERS[data_file_kind(file)[0]] for found in files.values() for file in found}

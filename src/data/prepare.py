@@ -9,13 +9,13 @@ import json
 import os
 from pathlib import Path
 
-from src.data.pair_audit import NO_PROMPT, counts_of, split_audit
 from src.config import EMBEDDED, DataArguments, SFTArguments
 from src.data.cache_key import prepared_path
 from src.data.checks import EMPTY, IDENTICAL, KEPT, TOO_LONG, UNDESIRABLE
 from src.data.errors import DataError
 from src.data.kto import add_kl_completions, check_kto_classes
 from src.data.mixtures import mix_sources, take_fraction, mixture_sources
+from src.data.pair_audit import NO_PROMPT, counts_of, split_audit
 from src.data.pool import map_with_progress
 from src.data.prepared import (PreparedData, SUMMARY_FILE, open_split, prepared_columns, split_file, write_kept,
                                write_source_rows)
