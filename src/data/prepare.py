@@ -114,7 +114,8 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
 
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
-    raw, origins = load_source_with_origins(data, stage)
+    with hang_watch.phase("data", f"loading {location}", hang_watch.UNWATCHED):  # a download: not judged
+        raw, origins = load_source_with_origins(data, stage)
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
         raise DataError(f"--dataset_name {location}: the data has no rows")

@@ -53,7 +53,7 @@ def build_once(directory: Path, build: Callable[[Path], None]) -> Path:
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(directory.parent / f".{directory.name}.lock")
-    with hang_watch.waiting(f"another process building {directory.name}"):
+    with hang_watch.phase("data", f"waiting for another process building {directory.name}", hang_watch.WAITING):
         lock.acquire()  # waits, without a timeout, for the builder
     try:
         remove_leftovers(directory)

@@ -205,12 +205,6 @@ def _changed() -> None:
         _watch[0].write_record()
 
 
-def stopping() -> bool:
-    """The hang watch is stopping this process: whatever the main thread meets now (a peer gone from a collective) is
-    its echo; the watch thread ends the process."""
-    return _me.stopping
-
-
 def wait_if_stopping() -> None:
     """Where the main thread would report an error (a peer gone from a collective): while a hang stops the job, wait
     for the watch to end this process instead of printing a traceback. A peer's stop is seen within a few polls."""
@@ -458,8 +452,9 @@ class _Watch:
         verdict = _read_json(self.board / "verdict.json")
         if verdict is not None:
             self._stop(verdict)
-        if (self.board / "dump").exists() and not self.dumped:
-            self._dump_local()
+        if (self.board / "dump").exists() and not self.dumped:  # a hang is being decided: this process will stop
+            _me.stopping = True
+            self._dump_self()
         timeout = self.job_timeout()
         if any(self.records[rank].get("mode") == UNWATCHED for rank in self.seen):
             return  # a download (the model) takes what it takes: nothing is judged meanwhile
@@ -472,23 +467,43 @@ class _Watch:
 
     # -- the stop
 
-    def _dump_local(self) -> None:
-        """This process's stack, and those of the job's other processes on this machine (one frozen with the
-        interpreter's lock held cannot dump its own: faulthandler's signal handler, in C, can)."""
+    def _dump_self(self) -> None:
+        """This process's stack, written by this thread (one dump per file: dumps from two threads at once would
+        interleave). The file holds this launch's dumps only; the last one is read."""
         self.dumped = True
+        faulthandler.dump_traceback(self.stack_file, all_threads=True)
+
+    def _dump_frozen(self, sizes: dict[int, int]) -> None:
+        """The processes of this machine that did not dump their own stack when asked (frozen with the interpreter's
+        lock held: faulthandler's signal handler, in C, still can), and a preparing rank's pool workers."""
         host = socket.gethostname()
         for rank, record in self.records.items():
-            if record.get("host") == host:  # a preparing rank's pool workers too
-                for pid in [record["pid"]] + (_children(record["pid"]) if record.get("place") == "data" else []):
-                    try:
-                        os.kill(pid, DUMP_SIGNAL)
-                    except OSError:
-                        pass
+            if record.get("host") != host:
+                continue
+            pids = [record["pid"]] if self._stack_size(rank) == sizes.get(rank) else []
+            pids += _children(record["pid"]) if record.get("place") == "data" else []
+            for pid in pids:
+                try:
+                    os.kill(pid, DUMP_SIGNAL)
+                except OSError:
+                    pass
+
+    def _stack_size(self, rank: int) -> int:
+        try:
+            return (self.board / f"rank{rank}.stack").stat().st_size
+        except OSError:
+            return 0
 
     def _decide(self, silent: dict[int, float], timeout: float) -> None:
-        _create_once(self.board / "dump", {"by": self.rank})
-        self._dump_local()
-        stacks = self._stacks(sorted(self.records), wait_s=max(5.0, 3 * self.poll_s))
+        _me.stopping = True  # from here the watch ends this process: what the main thread meets meanwhile is its echo
+        ranks = sorted(self.records)
+        sizes = {rank: self._stack_size(rank) for rank in ranks}
+        _create_once(self.board / "dump", {"by": self.rank})  # every watch that runs dumps its own process
+        self._dump_self()
+        wait_s = max(5.0, 3 * self.poll_s)
+        self._stacks(ranks, sizes, wait_s / 2)
+        self._dump_frozen(sizes)
+        stacks = self._stacks(ranks, sizes, wait_s / 2)
         stuck = find_stuck(self.records, silent, stacks)
         record = self.records[stuck]
         where = innermost_toolkit_frame(stacks.get(stuck) or [])
@@ -502,20 +517,22 @@ class _Watch:
             self._announce(verdict)
         self._stop(_read_json(self.board / "verdict.json") or verdict)
 
-    def _stacks(self, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
+    def _stacks(self, ranks: list[int], sizes: dict[int, int], wait_s: float) -> dict[int, list[str]]:
+        """Each rank's main-thread frames from the dump it wrote since `sizes` were taken, waiting up to `wait_s`."""
         deadline = time.monotonic() + wait_s
-        stacks: dict[int, list[str]] = {}
         while True:
-            for rank in ranks:
-                try:
-                    text = (self.board / f"rank{rank}.stack").read_text(errors="replace")
-                except OSError:
-                    continue
-                if text.strip():
-                    stacks[rank] = main_thread_frames(text)
-            if len(stacks) == len(ranks) or time.monotonic() > deadline:
-                return stacks
+            written = [rank for rank in ranks if self._stack_size(rank) > sizes.get(rank, 0)]
+            if len(written) == len(ranks) or time.monotonic() > deadline:
+                break
             time.sleep(0.2)
+        time.sleep(0.2)  # a dump in progress finishes
+        stacks = {}
+        for rank in written:
+            try:
+                stacks[rank] = main_thread_frames((self.board / f"rank{rank}.stack").read_text(errors="replace"))
+            except OSError:
+                continue
+        return stacks
 
     def message(self, verdict: dict) -> str:
         newest = self.newest_checkpoint() if self.newest_checkpoint else None
