@@ -45,15 +45,17 @@ from src.models import (ModelError, apply_chat_template_path, apply_chat_templat
                         peft_config, resolve_model_path, save_final_model)
 from src.preflight_record import record, record_key, recorded
 from src.private_api import attention_implementation
-from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
+from src.publish import PublishError, damaged_model, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
 from src.reporting.report import ReportError, build_report, headline_judge, health_alerts, report_verdict
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
 from src.run_safety import hang_watch, launcher_exit
-from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
-                                        trim_metrics)
+from src.resource_limits import usable_cores
+from src.run_safety.checkpoint_manifest import Damaged
+from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, newest_intact_checkpoint,
+                                        remove_incomplete_checkpoints, trim_metrics)
 from src.run_safety.disk_space import (WriteFailed, check_space, estimate_writes, noticed_write_failure, stop_message,
                                        write_failures_noted, write_failures_reported)
 from src.run_safety.exit_status import ExitStatus
@@ -399,10 +401,17 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     if row.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
         data_settings, data_line, warning = row.data_settings(config, prepared.summary["splits"]["train"])
         warnings += [warning] if warning else []
+    no_intact_checkpoint = None
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
-            open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings, starts_from)
+            try:
+                open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings, starts_from)
+            except Damaged as error:  # said by every rank together, below
+                no_intact_checkpoint = str(error)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
+    no_intact_checkpoint = gather_objects([no_intact_checkpoint])[0][0]
+    if no_intact_checkpoint:
+        raise Damaged(no_intact_checkpoint)
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n  starts from  {starts_from}\n{format_plan(plan)}\n"
@@ -609,15 +618,18 @@ def _resuming(info_path: Path) -> bool:
 
 
 def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[dict]:
-    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest complete
-    checkpoint (half-written ones are deleted) and its metric history is cut back to that step; otherwise the stage
-    starts afresh. Returns the resume history to keep in training_info.json."""
+    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest intact
+    checkpoint (half-written ones are deleted, newer damaged ones set aside, each said in one line) and its metric
+    history is cut back to that step; otherwise the stage starts afresh. Returns the resume history to keep in
+    training_info.json. Damaged when it has checkpoints and none is intact (nothing changed then)."""
     earlier = run_files.read_json(info_path) if info_path.exists() else {}
     if earlier.get("status") not in (Status.RUNNING, Status.STOPPED):
         metrics_path.unlink(missing_ok=True)
         return []
-    removed = remove_incomplete_checkpoints(stage.output_dir)
-    checkpoint = newest_complete_checkpoint(stage.output_dir)
+    checkpoint, lines = newest_intact_checkpoint(stage.output_dir, usable_cores())  # the other ranks wait: all cores
+    removed = remove_incomplete_checkpoints(stage.output_dir)  # after it: with none intact, nothing is changed
+    for line in lines:
+        print0(f"  {line}")
     step = checkpoint_step(checkpoint) if checkpoint else 0
     kept = trim_metrics(run_files.read_jsonl(metrics_path), step)
     metrics_path.unlink(missing_ok=True)
@@ -629,6 +641,7 @@ def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[di
         "from_step": step,
         "previous_status": earlier.get("status"),
         "removed_incomplete_checkpoints": [str(path) for path in removed],
+        "damaged_checkpoints_set_aside": [line for line in lines if line.startswith("warning:")],
     }]
 
 
@@ -719,9 +732,15 @@ def make_copies(stage: Stage, config: Config) -> None:
     (a relaunch of a finished run makes what a kill left unmade)."""
     info = stage_status(stage.run_dir)
     target = config.training.final_model_dir
-    if target and info.get("final_model_dir") != str(Path(target).resolve()):
+    export = target and info.get("final_model_dir") != str(Path(target).resolve())
+    push = config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed")
+    damaged = damaged_model(stage.run_dir) if export or push else None  # one read of the model, checked once
+    if damaged:
+        asked = " and ".join(flag for flag, wanted in (("--final_model_dir", export), ("--push_to_hub", push)) if wanted)
+        raise Damaged(f"{asked} refused: {damaged}")
+    if export:
         export_final_model(stage, Path(target))
-    if config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed"):
+    if push:
         push_final_model(stage, config)
 
 
@@ -791,10 +810,12 @@ def finish_finished_run(stages: list[Stage], config: Config, world: World, recor
     launcher_preflight = config.training.dry_run and os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1"
     if world.is_main and (launcher_preflight or not config.training.dry_run):
         hold = take_hold(stage.run_dir) if launcher_preflight else None
-        publish_end(stage, announce=False)
-        make_copies(stage, config)
-        if hold is not None:
-            hold.release()
+        try:
+            publish_end(stage, announce=False)
+            make_copies(stage, config)  # a damaged final model stops here (Damaged): the hold is released all the same
+        finally:
+            if hold is not None:
+                hold.release()
     print0(f"  {finished_line(stage.run_dir, record, report_verdict(stage.run_dir))}")
     if launcher_preflight:
         launcher_exit.record_finished()
@@ -937,6 +958,12 @@ def exit_status(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
+    except Damaged as error:  # every rank raises it together (train_stage), or rank 0 alone after the run (make_copies)
+        if debug:
+            raise
+        if World.from_environment().is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return ExitStatus.DAMAGED
     except WriteFailed as error:  # every rank raises it together (src/distributed.py barrier); rank 0 says it
         if debug:
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from src.config import EMBEDDED, DataArguments, SFTArguments
@@ -64,8 +65,6 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
 
 
 def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
-    import shutil
-
     num_proc = data.dataset_num_proc or usable_cores()  # a container's CPU quota too
     if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
