@@ -145,10 +145,10 @@ def test_a_data_worker_stuck_on_rank_1_stops_the_job_naming_it(stalled):
     """A pool worker of the preparing rank blocks (the stall is planted on every rank: whichever prepares); the other
     rank waits for the preparation. The rank named is the one whose worker stalled."""
     job = stalled["data_worker"].wait()
-    stuck = [path.name for path in (job.run_dir / "hang").glob("rank*-worker-*.txt")
-             if "_stall_forever" in path.read_text()]
-    assert stuck, sorted(path.name for path in (job.run_dir / "hang").iterdir())
-    rank = int(stuck[0][len("rank")])
+    rank = json.loads((job.run_dir / "hang" / "hang.json").read_text())["rank"]
+    workers = list((job.run_dir / "hang").glob(f"rank{rank}-worker-*.txt"))
+    assert any("_stall_forever" in path.read_text() for path in workers), \
+        sorted(path.name for path in (job.run_dir / "hang").iterdir())  # the rank named is the one whose worker stalled
     verdict, _ = assert_stopped_naming(job, rank, "data preparation", stack_of="worker")
     assert "in 2 pool workers" in verdict["what"], verdict
 
