@@ -7,6 +7,7 @@ timeout, so their waits overlap instead of adding up."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
@@ -217,7 +218,6 @@ def test_the_stuck_rank_is_the_silent_one_outside_torch_distributed():
 def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path):
     """faulthandler lists the newest thread first; the main thread (not started through threading) is the one read,
     innermost frame first, from the last dump in the file."""
-    import faulthandler
     import threading
 
     release = threading.Event()
@@ -262,3 +262,4 @@ def test_a_watched_process_that_ends_by_itself_leaves_no_board(tmp_path, monkeyp
     hang_watch._watch[0].thread.join(timeout=30)  # the watch thread ends with it (and arms nothing any more)
     assert not hang_watch._watch[0].thread.is_alive()
     assert list(tmp_path.iterdir()) == []
+    faulthandler.unregister(hang_watch.DUMP_SIGNAL)  # this (pytest) process as it was
