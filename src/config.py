@@ -360,6 +360,15 @@ class TrainingArguments:
                   "this node stops with one line naming the silent node (src/run_safety/node_watch.py), instead of waiting on "
                   "a collective for the 60-minute process-group timeout. 0 turns the watch off."},
     )
+    hang_timeout: int = field(
+        default=600,
+        metadata={"help": "Seconds a rank may make no progress (no step, generation or judged batch, preparation "
+                  "chunk, save or evaluation batch) before every process stops with one line naming the stuck rank, "
+                  "its phase and its Python stack (in <run dir>/hang/), exit 7 (src/run_safety/hang_watch.py), "
+                  "instead of waiting on a collective for the 60-minute process-group timeout. At least 3x the longest "
+                  "pause the run has measured so far (a first step's compile, a save): honest pauses never stop it. "
+                  "Default 10 minutes: a first step's compile or a large save on a big model; 0 turns the watch off."},
+    )
     report_to: list[str] = field(
         default_factory=lambda: ["none"],
         metadata={"help": "Experiment trackers, one or several: tensorboard (event files in <run dir>/tensorboard), "

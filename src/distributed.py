@@ -20,6 +20,7 @@ from src.config_error import ConfigError
 from src.plan import Plan
 from src.world import World
 from src.resource_limits import threads_per_process
+from src.run_safety import hang_watch
 from src.run_safety.checkpoint_manifest import blocks, checksums, listing, manifest
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 
@@ -101,7 +102,10 @@ def any_rank(*flags: bool) -> list[bool]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":
             values = values.cuda()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        # A stuck peer is not this rank. The read is inside: NCCL's all_reduce returns at once, the wait is there.
+        with hang_watch.waiting("an agreement between the ranks"):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            return [bool(value) for value in values.tolist()]
     return [bool(value) for value in values.tolist()]
 
 
@@ -131,6 +135,7 @@ def finish() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    hang_watch.stop_watching()  # no peer waits for this rank any more; rank 0's Hub push alone is not judged
 
 
 def gather_objects(local: list) -> list[list]:
@@ -140,7 +145,8 @@ def gather_objects(local: list) -> list[list]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    with hang_watch.waiting("a gather from every rank"):  # a stuck peer is not this rank
+        dist.all_gather_object(gathered, local)
     return gathered
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning, split_reasoning
 from src.distributed import map_across_ranks
 from src.tools import sample_with_tools
+from src.run_safety import hang_watch
 from src.world import World
 
 
@@ -165,8 +166,9 @@ def sample_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, 
                                                                left=True):
             processors = LogitsProcessorList(
                 [SeededSampling([seeds[index] for index in batch], sampling, input_ids.device)] if sampling else [])
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
-                                    logits_processor=processors)
+            with hang_watch.phase("generation", f"{len(batch)} prompts, up to {max_new_tokens} new tokens"):
+                output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        generation_config=generation, logits_processor=processors)
             rows = output[:, input_ids.shape[1]:].tolist()
             if trim:
                 rows = [row[:next((at + 1 for at, token in enumerate(row) if token in eos_ids), len(row))]

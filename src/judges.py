@@ -34,6 +34,7 @@ from src.config import EMBEDDED
 from src.distributed import map_across_ranks
 from src.embedded.tasks import check as check_embedded_answer
 from src.generation import padded_batches
+from src.run_safety import hang_watch
 
 
 FUNCTION_JUDGE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # --judge module:function
@@ -112,7 +113,8 @@ class Judge(abc.ABC):
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         """Verdicts for the reference and the trained answer to every row, and their aggregates."""
         try:
-            return self._judge(rows, reference_answers, trained_answers)
+            with hang_watch.phase("judge", f"{self.name}: {len(rows)} prompts"):
+                return self._judge(rows, reference_answers, trained_answers)
         except JudgeError:
             raise
         except JUDGE_FAILURES as error:
@@ -122,7 +124,8 @@ class Judge(abc.ABC):
         """One number per (row, answer), higher is better: how GRPO rewards an answer and on-policy rounds rank a
         prompt's answers."""
         try:
-            scores = list(self._scores(rows, answers))
+            with hang_watch.phase("judge", f"{self.name}: {len(answers)} answers"):
+                scores = list(self._scores(rows, answers))
         except JudgeError:
             raise
         except JUDGE_FAILURES as error:

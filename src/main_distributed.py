@@ -53,7 +53,7 @@ from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
 from src.tool_calls import ToolsError
 from src.tools import check_template, session_for
-from src.run_safety import launcher_exit
+from src.run_safety import hang_watch, launcher_exit
 from src.resource_limits import usable_cores
 from src.run_safety.checkpoint_manifest import Damaged
 from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, newest_intact_checkpoint,
@@ -705,6 +705,14 @@ def record_stop(stage: Stage, info_path: Path, world: World, status: str, messag
             publish_pages_after_stop(stage)
 
 
+def record_hang(stages: list[Stage], world: World, reason: str) -> None:
+    """Rank 0, from the hang watch as it stops the job (src/run_safety/hang_watch.py): the stop in the stage that was
+    running, its report and the index."""
+    running = [stage for stage in stages if stage_status(stage.run_dir).get("status") == Status.RUNNING]
+    if running:
+        record_stop(running[0], running[0].run_dir / run_files.TRAINING_INFO, world, Status.STOPPED, reason)
+
+
 def publish_report(run_dir: Path, stage: str, announce: bool = True) -> None:
     """Plots, sample text files and report.md from the run directory alone; health alerts on the console."""
     report = build_report(run_dir)
@@ -860,8 +868,11 @@ def run(argv: list[str] | None = None) -> int:
     if hold is not None and hold.took_over:  # said only for a run that goes on: a finished one says one line
         print0(f"  {stages[-1].run_dir}: took over the hold of a job that is gone ({hold.took_over})")
     if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
-        watch(world, config.training.node_timeout, lambda: next(filter(None, (
-            newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
+        newest = lambda: next(filter(None, (  # noqa: E731
+            newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None)
+        watch(world, config.training.node_timeout, newest)
+        hang_watch.start(stages[-1].run_dir, world.rank, world.world_size, config.training.hang_timeout, newest, hold,
+                         on_stop=lambda reason, verdict: record_hang(stages, world, reason))
     for stage in stages:
         check_source(stage.config.data, stage.data_stage)
     check_judge(config.training.judge)
@@ -984,6 +995,7 @@ def exit_status(argv: list[str] | None = None) -> int:
     except Exception:
         # A stop already chosen (a write that failed here, or another rank's recorded exit status): this error is its
         # echo (a peer gone from a collective: gloo's "Connection closed by peer"), not news. One line, no traceback.
+        hang_watch.wait_if_stopping()  # a hang's stop: the watch ends this process (src/run_safety/hang_watch.py)
         chosen, failure = launcher_exit.recorded(), noticed_write_failure()
         if debug or (chosen is None and failure is None):
             raise

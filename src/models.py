@@ -21,6 +21,7 @@ from src.plan import Plan
 from src.world import World
 from src.distributed import barrier, manifest_across_ranks
 from src.embedded.model import ensure_embedded_model
+from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
@@ -248,7 +249,7 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     try:
-        with loading:
+        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):  # a download takes what it takes
             loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)})") from None

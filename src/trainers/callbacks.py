@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 from src.run_safety.parent_watch import LAUNCHER_GONE, kill_starter_if_injected, launcher_gone
 from src.run_safety.stops import set_clean_stop_point, stop_signal
@@ -73,6 +74,30 @@ class StopConditions(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class HangBeats(TrainerCallback):
+    """Training's beats for the hang watch (src/run_safety/hang_watch.py): each step, micro-batch and evaluation
+    batch, and the step times its "no step for ..." line compares with."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        hang_watch.training_started(state.global_step)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        hang_watch.doing("step", f"step {state.global_step + 1} of {state.max_steps}", state.global_step + 1)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        hang_watch.beat()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        hang_watch.step_done(state.global_step)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        hang_watch.beat()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        hang_watch.training_ended()
+        hang_watch.doing("final", "after training")
 
 
 class OneJobCheck(TrainerCallback):

@@ -11,6 +11,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from src.distributed import barrier, manifest_across_ranks, write_failure_on_any_rank
+from src.run_safety import hang_watch
 from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 from src.run_safety.checkpoints import kill_if_injected, mark_complete
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
@@ -34,6 +35,7 @@ class CompleteCheckpointsMixin:
 
     def _save_piece(self, save, output_dir, name: str) -> None:
         if noticed_write_failure() is None:  # after one failure the rest of this checkpoint is not attempted
+            hang_watch.beat(f"writing {Path(output_dir).name}/{name}")
             with write_failures_noted(output_dir):
                 if self.args.should_save or name.startswith("rng_state"):
                     fail_write_if_injected(Path(output_dir) / name)

@@ -21,6 +21,7 @@ from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
 from src.progress import Progress
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
 from src.run_safety.parent_watch import kill_starter_if_injected
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
@@ -121,10 +122,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
             progress.update(min(pairs, progress.total - progress.done))
         kill_starter_if_injected("reference", self.accelerator.process_index)  # a test seam
-        if self.packed_forward is None:
-            return super().compute_ref_log_probs(model, inputs)
-        with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
-            return super().compute_ref_log_probs(model, inputs)
+        with hang_watch.phase("reference", f"a batch of {inputs['input_ids'].shape[0] // 2} pairs"):
+            if self.packed_forward is None:
+                return super().compute_ref_log_probs(model, inputs)
+            with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
+                return super().compute_ref_log_probs(model, inputs)
 
 
 def dropout_still_on(model, gradient_checkpointing_kwargs: dict | None = None) -> bool:

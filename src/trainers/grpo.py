@@ -33,6 +33,7 @@ from src.distributed import gather_objects
 from src.generation import Sampling, SeededSampling, answer_seed
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.tools import sample_with_tools, summary
+from src.run_safety import hang_watch
 from src.trainers.base import ToolkitTrainerMixin
 from src.trainers.judged_eval import JudgedEvalMixin
 
@@ -204,7 +205,11 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         return [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
                 for row, number in zip(rows, numbers)]
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, *args, **kwargs):
+        with hang_watch.phase("generation", f"step {self.state.global_step + 1}'s answers"):
+            return self._seeded_single_turn(*args, **kwargs)
+
+    def _seeded_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Each answer from its own stream seeded by (seed, step, prompt row, answer number): greedy decoding of the
         logits plus per-row Gumbel noise (SeededSampling), as the on-policy rounds sample."""
         return self._sampled(prompt_ids, self._answer_seeds(), self.max_completion_length), None
