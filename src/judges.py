@@ -191,7 +191,8 @@ class ProgrammaticJudge(Judge):
     def scores_and_turns(self, rows: list[dict], answers: list[str]) -> tuple[list[float], list[list[float] | None]]:
         """`scores`, and each verdict's per-turn scores (`turn_rewards`: one number per turn the model wrote, for
         GRPO's per-turn credit with --tools; None where the check gives none)."""
-        verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
+        with hang_watch.phase("judge", f"{self.name}: {len(answers)} answers"):
+            verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
         turns = [verdict.get("turn_rewards") for verdict in verdicts]
         return [_reward(verdict) for verdict in verdicts], [
             [float(value) for value in turn] if isinstance(turn, (list, tuple)) else None for turn in turns]
