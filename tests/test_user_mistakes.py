@@ -468,7 +468,7 @@ MISTAKES = [
             "neither a .jinja/.j2 file nor a tokenizer directory",
             lambda ws: ws.args(chat_template_path=str(ws.root / "nope"))),
     # The launch: environment variables and run_distributed.sh
-    Mistake("fsdp_on_cpu", "An accelerate FSDP/DeepSpeed config on a machine without CUDA GPUs", "which accelerate "
+    Mistake("fsdp_on_cpu", "An accelerate FSDP config (`STRATEGY=fsdp`) on a machine without CUDA GPUs", "which accelerate "
             "runs only on CUDA GPUs", lambda ws: ws.args(), env={"ACCELERATE_USE_FSDP": "true"}),
     Mistake("batch_not_divisible", "A global batch that the processes cannot share", "--batch_size 3 cannot be "
             "split across 2 processes: use a multiple of 2, the nearest 2 or 4", lambda ws: ws.args(batch_size="3"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from src.config import Config, Plan
+from src.engines import accelerate_cpu
 from src.objectives import load, objective
 from src.objectives.spec import JUDGED_CURVE
 
@@ -44,7 +45,8 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         num_train_epochs=training.num_epochs,
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
-        use_cpu=plan.device == "cpu",
+        use_cpu=accelerate_cpu(plan.device),  # not under DeepSpeed, which accelerate would then quietly drop
+        dataloader_pin_memory=plan.device != "cpu",
         ddp_backend=plan.backend if plan.world_size > 1 else None,
         ddp_find_unused_parameters=False,
         ddp_timeout=3600,
