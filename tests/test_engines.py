@@ -28,7 +28,8 @@ def run_engine(strategy: str, args: list[str], probe_dir: Path) -> dict:
     environment = accelerate_environment(strategy) if strategy != "ddp" else dict(os.environ)
     result = forked.run_job(2, [str(probe_dir), *args], env=environment | {"OMP_NUM_THREADS": "1"},
                             entry=rank_probe.entry)
-    assert result.returncode == 0, f"{strategy}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (f"{strategy}: exit {result.returncode}\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-4000:]}")
     run_dir = Path(args[args.index("--results_dir") + 1]) / args[args.index("--run_name") + 1]
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
     losses = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
