@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from src.config import ConfigError
+from src.config_error import ConfigError
 
 DEEPSPEED, FSDP, DDP = "deepspeed", "fsdp", "ddp"
 # run_distributed.sh's STRATEGY values that shard (configs/accelerate/<STRATEGY>.yaml): the engine and ZeRO stage.

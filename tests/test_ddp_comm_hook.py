@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from src import run_files
-from src.config import ConfigError, Devices, World, parse_config, resolve_plan
+from src.config_error import ConfigError
+from src.config_parse import parse_config
 from src.engines import check_engine, requested
+from src.plan import resolve_plan
+from src.world import Devices, World
 from src.trainers.stage_plan import silent_no_op_warnings
 from test_training import assert_trained_as_one_job, common_args, launch, run_single
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import PROJECT_ROOT
 from src import run_files
-from src.config import ConfigError
+from src.config_error import ConfigError
 from src.engines import check_engine, requested
 
 CONFIGS = sorted((PROJECT_ROOT / "configs" / "accelerate").glob("*.yaml"))
