@@ -59,9 +59,10 @@ def instrument(build_trainer, probe_dir: Path):
         compute_loss = trainer.compute_loss
 
         def recording_compute_loss(model, inputs, *more, **options):
-            if model.training:
+            ids = inputs.get("input_ids", inputs.get("chosen_input_ids"))  # SimPO's and ORPO's pairs: the chosen
+            if model.training and ids is not None:
                 rows = seen.setdefault(trainer.state.global_step, [])
-                rows.extend(_digest(row[row != trainer.processing_class.pad_token_id]) for row in inputs["input_ids"])
+                rows.extend(_digest(row[row != trainer.processing_class.pad_token_id]) for row in ids)
             return compute_loss(model, inputs, *more, **options)
 
         trainer.compute_loss = recording_compute_loss

@@ -16,7 +16,7 @@ import forked
 import rank_probe
 from conftest import preference_rows, write_jsonl
 from engine_launch import accelerate_environment
-from src import run_files
+from src import run_files, seams
 from test_training import assert_reloads_generates_and_changed, common_args, probes
 
 pytest.importorskip("deepspeed")
@@ -30,8 +30,8 @@ def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: in
         "OMP_NUM_THREADS": "1"}
     if killed_after is not None:
         killed = probe_dir.with_name(f"{probe_dir.name}_killed")
-        first = forked.run_job(2, [str(probe_dir), *args], entry=rank_probe.entry, env=environment | {
-            "PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:{killed_after}:1:{killed}"})
+        first = forked.run_job(2, [str(probe_dir), *args], entry=rank_probe.entry, env=seams.env(
+            environment, kill_at_checkpoint=f"after_complete:{killed_after}:1:{killed}"))
         assert killed.exists() and first.returncode != 0, "the seam never fired: the test proves nothing"
     result = forked.run_job(2, [str(probe_dir), *args], env=environment, entry=rank_probe.entry)
     assert result.returncode == 0, (f"{strategy}: exit {result.returncode}\n{result.stdout[-3000:]}\n"
@@ -132,3 +132,41 @@ def test_lora_sft_under_zero1_and_zero3_trains_and_saves_the_adapter_ddp_does(ti
             # Adam divides each update by the gradient's own size: an element whose gradient is fp32 noise, summed
             # in another order, moves by more than fp32 rounding (measured: 1.1e-7 here, 8e-6 at a 1e-2 rate)
             torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-5, msg=f"{strategy} {key}")
+
+
+def test_kto_simpo_orpo_and_grpo_under_zero3_train_as_ddp_does(tiny_model, tmp_path):
+    """Each objective's own trainer under ZeRO-3 against plain DDP, 2 steps at the same global batch: the same loss
+    curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and optimizer
+    states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live)."""
+    from test_grpo import grpo_args, prompt_rows
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    short = ["--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-3",
+             "--num_samples", "0"]
+    arguments = {
+        "kto": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "kto") + short + [
+            "--kto_from_pairs", "true"],
+        "simpo": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "simpo") + short,
+        "orpo": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "orpo") + short,
+        "grpo": lambda name: grpo_args(tiny_model, prompts, tmp_path / "results", name, "--num_samples", "0"),
+    }
+    for stage, args_for in arguments.items():
+        runs = {strategy: run_engine(strategy, args_for(f"{stage}_{strategy}"), tmp_path / f"probe_{stage}_{strategy}")
+                for strategy in ("ddp", "zero3")}
+        ddp, zero3 = runs["ddp"], runs["zero3"]
+        assert (zero3["info"]["engine"], zero3["info"]["zero_stage"]) == ("deepspeed", 3), stage
+        assert len(ddp["losses"]) == 2 and zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), stage
+        whole = ddp["ranks"][0]["held"]
+        for rank in zero3["ranks"]:
+            held = rank["held"]
+            assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
+                                                                   whole["optimizer_states"] // 2), stage
+            assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]
+                                                 else None), stage
+        if stage == "grpo":
+            metrics = {strategy: [record for record in run_files.read_jsonl(
+                run["final"].parent.parent / run_files.METRICS) if "loss" in record] for strategy, run in runs.items()}
+            assert [record["reward"] for record in metrics["zero3"]] == [record["reward"] for record in metrics["ddp"]]
+            assert [record["kl"] for record in metrics["zero3"]] == pytest.approx(
+                [record["kl"] for record in metrics["ddp"]], rel=1e-5, abs=1e-9)
