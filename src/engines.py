@@ -2,8 +2,8 @@
 FSDP2. This module owns which engine a launch asked for (`requested`: accelerate's launch environment, or the
 launcher's STRATEGY in its preflight), the refusals of what cannot work with it (`check_engine`, before any process
 group), what the process group and TRL's config need so that the engine runs on CPU processes too (`accelerate_cpu`),
-and what training_info.json records of the engine that actually ran (`engine_record`, read from the trainer's
-accelerator, never assumed).
+what training_info.json records of the engine that actually ran (`engine_record`, read from the trainer's
+accelerator, never assumed), and whole weights for code that reads them under ZeRO-3 (`gathered`).
 
     STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
 
@@ -39,10 +39,6 @@ class Engine:
     @property
     def title(self) -> str:
         return f"DeepSpeed ZeRO-{self.zero_stage}" if self.name == DEEPSPEED else "FSDP"
-
-    @property
-    def shards_weights(self) -> bool:
-        return self.name == FSDP or self.zero_stage == 3
 
 
 def launched(environ: Mapping[str, str] | None = None) -> Engine | None:
