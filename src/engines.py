@@ -3,7 +3,8 @@ FSDP2. This module owns which engine a launch asked for (`requested`: accelerate
 launcher's STRATEGY in its preflight), the refusals of what cannot work with it (`check_engine`, before any process
 group), what the process group and TRL's config need so that the engine runs on CPU processes too (`accelerate_cpu`),
 what training_info.json records of the engine that actually ran (`engine_record`, read from the trainer's
-accelerator, never assumed), and whole weights for code that reads them under ZeRO-3 (`gathered`).
+accelerator, never assumed), DeepSpeed's buffers sized by the model (`size_buffers_by_model`), and whole weights
+for code that reads them under ZeRO-3 (`gathered`).
 
     STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
 
@@ -104,3 +105,21 @@ def gathered(parameters):
     import deepspeed  # only where ZeRO-3 partitioned the weights: deepspeed is imported already
 
     return deepspeed.zero.GatheredParameters(parameters)
+
+
+# DeepSpeed's communication buffers, sized by accelerate from the model's hidden size where the config says "auto"
+# (hidden^2, 0.9 hidden^2, 10 hidden: accelerate's Accelerator._prepare_deepspeed).
+BUFFERS_SIZED_BY_MODEL = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def size_buffers_by_model(trl_config) -> None:
+    """The DeepSpeed config accelerate builds from a launch config without a DeepSpeed JSON (configs/accelerate/
+    zero*.yaml) leaves the buffer sizes to DeepSpeed's defaults: a ZeRO-3 rank then allocates a 500M-element fp32
+    reduce bucket (2 GB, measured on a 33k-parameter model) whatever the model. Marked "auto" where unset, accelerate
+    sizes them by the model, as with TRL's and the Hub's example DeepSpeed configs."""
+    plugin = getattr(trl_config, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    for key in BUFFERS_SIZED_BY_MODEL:
+        zero.setdefault(key, "auto")

@@ -49,7 +49,10 @@ def held_numbers(trainer, parameters) -> dict:
             if reference is not None else None,
             "full_weights": sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
             "optimizer_states": sum(value.numel() for state in states for value in state.values()
-                                    if torch.is_tensor(value) and value.dim() > 0)}
+                                    if torch.is_tensor(value) and value.dim() > 0),
+            # DeepSpeed's gradient reduce bucket as its engine sized it (elements; a ZeRO-3 rank allocates it whole)
+            "reduce_bucket": engine.zero_reduce_bucket_size() if hasattr(
+                engine := trainer.model_wrapped, "zero_reduce_bucket_size") else None}
 
 
 def instrument(build_trainer, probe_dir: Path):

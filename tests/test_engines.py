@@ -85,6 +85,8 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
             assert held["full_weights"] == whole["weights"], name
             assert held["optimizer_states"] == whole["optimizer_states"] // 2, name  # each rank its half
             assert held["weights"] == (whole["weights"] // 2 if stage == 3 else whole["weights"]), name
+            # sized by the model (hidden 32: 32 x 32), not DeepSpeed's 5e8 default (2 GB per ZeRO-3 rank)
+            assert held["reduce_bucket"] == 32 * 32, name
         if name == "zero3_live":
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [whole["weights"] // 2] * 2
         else:
