@@ -196,8 +196,9 @@ class TrainingArguments:
     )
     run_name: str | None = field(
         default=None,
-        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name, else "
-                  "<stage>-<model name>."},
+        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name (with "
+                  "-<stage> after it when --stage names another stage than the recipe's: `--stage dpo` alone on "
+                  "the default recipe is results/default-dpo), else <stage>-<model name>."},
     )
     results_dir: str = field(default="results", metadata={"help": "Parent directory of every run's results."})
     output_dir: str | None = field(
@@ -349,9 +350,12 @@ class TrainingArguments:
 class DPOArguments:
     """DPO's own knobs (the rest of TRL's DPOConfig passes through by name)."""
 
-    beta: float = field(
-        default=0.1,
-        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta)."},
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta). Default: "
+                  "the objective's own (its row's default_beta: " + ", ".join(
+                      f"{row.display_name} {row.default_beta:g}" for row in OBJECTIVES.values()
+                      if row.default_beta is not None) + ")."},
     )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
@@ -445,6 +449,9 @@ class Config:
     # --sft.KEY / --dpo.KEY flags (every stage but the last: PIPELINE_BLOCKS)
     stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     recipe: str | None = None
+    # The stage the recipe trains (its `stage:`, else the default stage): a run of another stage from the same recipe
+    # is another run, with a directory of its own (the default run name).
+    recipe_stage: str | None = None
     # Where each value not at its src/config.py default was set: key -> the recipe file ("configs/default.yaml"; a
     # pipeline's SFT block under "sft.<key>": "configs/default.yaml (sft block)"), the flag ("--max_steps",
     # "--sft.max_steps"), or the SageMaker variable ("SageMaker SM_CHANNEL_TRAINING").

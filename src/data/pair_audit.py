@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 
+from src.chat_templates import split_reasoning
 from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
 
 # column → Arrow type, in the tokenizing map's output (src/data/prepared.py leaves every "_" column out of the prepared files)
@@ -62,8 +63,6 @@ def prompt_of(row: dict):
 
 def _parts(value) -> tuple[str, str]:
     """An answer's reasoning and final answer (text, or the assistant messages of a chat)."""
-    from src.chat_templates import split_reasoning
-
     messages = value if isinstance(value, list) else [{"role": "assistant", "content": value}]
     parts = [split_reasoning(message) for message in messages
              if isinstance(message, dict) and message.get("role") == "assistant"]

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 from src.config_error import ConfigError
+from src.kto_weights import resolve_kto_weights
+from src.objectives.spec import (UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber,
+                                 refuse_batch_rebalance, resolved_beta)
 from src.reporting.formatting import format_number
-from src.objectives.spec import UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
 
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
@@ -51,20 +53,19 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     weights = extras.get("kto_weights") or {}  # data_settings' (src/kto_weights.py)
     # The rows' KL completions are fixed in the data (src/data/), so KTO samples like the other stages (TRL's
     # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
-    specific = dict(beta=config.dpo.beta, loss_type=kto_loss_type(config), precompute_ref_log_probs=extras["precompute"],
+    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=kto_loss_type(config),
+                    precompute_ref_log_probs=extras["precompute"],
                     train_sampling_strategy="random", **weights)
     return specific, {key: value for key, value in overrides.items() if key not in weights}
 
 
 def data_settings(config, train_counts: dict) -> tuple[dict, str, str | None]:
-    from src.kto_weights import resolve_kto_weights  # src.config (which it reads) reads this table at import
-
     weights, line, warning = resolve_kto_weights(config, train_counts)
     return {"kto_weights": weights}, line, warning
 
 
 def run_info(config, data_settings: dict) -> dict:
-    return {"beta": config.dpo.beta, "loss_type": kto_loss_type(config), **data_settings}
+    return {"beta": resolved_beta(config, OBJECTIVE), "loss_type": kto_loss_type(config), **data_settings}
 
 
 def preflight(name: str, staged, plan, world_size: int) -> str | None:
@@ -86,6 +87,7 @@ OBJECTIVE = Objective(
     trl_config="trl:KTOConfig",
     trainer="src.trainers.kto:PreparedKTOTrainer",
     default_learning_rate=1e-6,
+    default_beta=0.1,  # TRL's KTOConfig default
     needs_reference=True,
     sequences_per_example=2,  # the completion and its KL partner
     sequences_with_grad=1,  # the KL sequence runs without gradients before the step (src/trainers/kto.py)
