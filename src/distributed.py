@@ -7,7 +7,8 @@
     manifest_across_ranks  what a save wrote, hashed by every rank (its share of the blocks) right after it
 
 On CPU, accelerate runs every torchrun rank alone (distributed type NO, world size 1, no error) unless told to use the
-CPU; `init` tells it, and `check_world_size` makes the silent failure loud.
+CPU; `init` tells it (but under DeepSpeed, which it would then quietly drop: src/engines.py), and `check_world_size`
+makes the silent failure loud.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from src.config_error import ConfigError
+from src.engines import accelerate_cpu
 from src.plan import Plan
 from src.world import World
 from src.resource_limits import threads_per_process
@@ -44,13 +46,14 @@ def init(plan: Plan, world: World):
         import torch
 
         torch.set_num_threads(threads_per_process(world.local_world_size))  # a container's quota counted
-    if plan.device == "cpu":
+    cpu = accelerate_cpu(plan.device)  # not under DeepSpeed, which accelerate would then quietly drop
+    if cpu:
         # ACCELERATE_USE_CPU is what TrainingArguments(use_cpu=True) sets too; set it before the first PartialState.
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if world.world_size == 1:
-        return PartialState(cpu=plan.device == "cpu")
+        return PartialState(cpu=cpu)
     _init_process_group(plan.backend, world)  # accelerate finds it initialized and adopts it
-    return PartialState(cpu=plan.device == "cpu", backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+    return PartialState(cpu=cpu, backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
 
 
 def _init_process_group(backend: str, world: World) -> None:

@@ -35,6 +35,7 @@ from src.world import Devices, World, sagemaker_process_hint
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
+from src.engines import check_engine, engine_record, requested as requested_engine
 from src.run_safety.build_once import cache_root
 from src.generation import generate_answers, stop_ids
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
@@ -115,28 +116,6 @@ def run_name_for(config: Config) -> str:
         return name if config.training.stage == config.recipe_stage else f"{name}-{config.training.stage}"
     model = Path(config.model.model_name_or_path.rstrip("/")).name
     return f"{config.training.stage}-{model}"
-
-
-def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", environ=None) -> str | None:
-    """The sharding strategy an `accelerate launch` config asked for, refused where accelerate would silently run
-    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs), or with a DDP communication hook,
-    which a sharded model never calls."""
-    environ = os.environ if environ is None else environ
-    requested = ("DeepSpeed" if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else
-                 "FSDP" if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" else None)
-    if requested and ddp_comm_hook != "none":
-        raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {requested} reduces "
-                          "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "
-                          "config), or launch plain DDP")
-    if requested and devices.kind != "cuda":
-        raise ConfigError(f"the accelerate config asks for {requested}, which accelerate runs only on CUDA GPUs, and "
-                          "this machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp)")
-    if requested == "DeepSpeed":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise ConfigError("the accelerate config asks for DeepSpeed: pip install deepspeed") from None
-    return requested
 
 
 def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bool = False) -> list[Stage]:
@@ -503,7 +482,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
         with write_failures_noted(stage.run_dir):
-            run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value))
+            run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value),
+                                  **engine_record(trainer.accelerator))
     if resume_from:
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -851,7 +831,7 @@ def run(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     world = World.from_environment()
     devices = Devices.detect()
-    check_launcher_strategy(devices, config.training.ddp_comm_hook)
+    check_engine(requested_engine(), devices.kind, config.training.ddp_comm_hook)  # src/engines.py
     idle_gpus = sagemaker_process_hint(world)
     if idle_gpus:
         print0(f"  warning: {idle_gpus}")

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
+from src.engines import gathered
 from src.run_safety import hang_watch
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 from src.run_safety.parent_watch import LAUNCHER_GONE, kill_starter_if_injected, launcher_gone
@@ -151,10 +152,13 @@ class OneJobCheck(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         digest = hashlib.blake2b(digest_size=16)
-        for name, parameter in sorted(model.state_dict().items()):
-            flat = parameter.detach().reshape(-1)
-            stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
-            digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
+        parameters = dict(model.named_parameters())
+        for name, tensor in sorted(model.state_dict().items()):
+            # ZeRO-3: the whole of each parameter, one at a time (a state_dict entry is this rank's empty stand-in)
+            with gathered([parameters[name]] if name in parameters else []):
+                flat = parameters.get(name, tensor).detach().reshape(-1)
+                stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
+                digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
         everyone = gather_objects([(digest.hexdigest(), self.rows)])
         weights = {weights for (weights, _), in everyone}
         shared = steps_with_shared_rows([rows for ((_, rows),) in everyone])

@@ -202,6 +202,7 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     finally:
         dataset._fingerprint = original
         trainer.accelerator = accelerator
+        _release_inference_engine(trainer)
         if quiet is None:
             del os.environ["TQDM_DISABLE"]
         else:
@@ -213,6 +214,17 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
         "rows": len(dataset),
         "file": str(created[0]) if created else None,
     }}
+
+
+def _release_inference_engine(trainer) -> None:
+    """Under DeepSpeed TRL runs the pass through an inference engine of its own built on the policy's modules
+    (`_precompute_engine`); under ZeRO-3 its parameter hooks would stay on them next to the training engine's, whose
+    first step then fails inside DeepSpeed ("IndexError: pop from an empty deque"). Released after the pass (its
+    hooks removed; the weights stay partitioned for the training engine); a later pass builds another."""
+    engine = getattr(trainer, "_precompute_engine", None)
+    if engine is not None:
+        engine.destroy()
+        trainer._precompute_engine = None
 
 
 def _same_cache_on_every_machine(trainer, dataset, trl_key: tuple) -> None:
