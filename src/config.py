@@ -471,6 +471,14 @@ class DPOArguments:
                   "learning rate or world size reuses them): no reference model in memory, no reference forward "
                   "per step. Default: on, unless TRL's sync_ref_model (TR-DPO) moves the reference."},
     )
+    packed_attention: str = field(
+        default="auto",
+        metadata={"help": "The attention of the packed, prefix-shared forward (DPO, SimPO, ORPO, KTO; "
+                  "docs/speed.md): auto (FlexAttention's block-sparse mask on a CUDA GPU where a packed row is at least "
+                  "1,024 tokens wide, the dense 4D mask through sdpa/eager on shorter rows and on CPU; the choice and "
+                  "its reason are printed and recorded), dense (always the 4D mask), flex (always FlexAttention: a "
+                  "CUDA GPU only, it has no backward on CPU).", "choices": ["auto", "dense", "flex"]},
+    )
     rounds: int = field(
         default=0,
         metadata={"help": "On-policy rounds after the DPO stage (iterative DPO, src/rounds.py): each round the current "
@@ -1232,6 +1240,7 @@ class Plan:
     learning_rate: float
     precision: str
     ddp_comm_hook: str = "none"  # gradient compression DDP uses: none on one process, where nothing is all-reduced
+    packed_attention: str = "auto"  # --packed_attention as the packed forward takes it (src/packed_attention.py)
     # Where the settings came from: {key: {"value": ..., "from": ...}} for every setting not at its src/config.py
     # default (a recipe file, a --flag, a SageMaker variable) and for the settings the rows above are resolved from
     # ("src/config.py" for its default, or the built-in fallback when that default is None).
@@ -1347,6 +1356,14 @@ def resolve_precision(requested: str, devices: Devices) -> str:
     return {"no": "fp32"}.get(requested, requested)
 
 
+def resolve_packed_attention(requested: str, devices: Devices) -> str:
+    """--packed_attention as asked; FlexAttention forced where it cannot train (no backward on CPU) is refused."""
+    if requested == "flex" and devices.kind != "cuda":
+        raise ConfigError("--packed_attention flex needs a CUDA GPU: FlexAttention has no backward on CPU; use auto "
+                          "(the dense mask on CPU) or dense")
+    return requested
+
+
 def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> str:
     """The DDP communication hook to register: none on one process (no gradients are all-reduced)."""
     if requested == "bf16" and devices.kind != "cuda":
@@ -1399,6 +1416,7 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         learning_rate=learning_rate,
         precision=resolve_precision(training.mixed_precision, devices),
         ddp_comm_hook=resolve_ddp_comm_hook(training.ddp_comm_hook, world.world_size, devices),
+        packed_attention=resolve_packed_attention(config.dpo.packed_attention, devices),
         sources=value_sources(config, PLAN_ROW_KEYS, fallbacks),
     )
 
