@@ -31,7 +31,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from src.config import parse_config, stage_config
+    from src.config_parse import parse_config, stage_config
     from src.data import prepare_data
     from src.embedded.model import cache_root, ensure_embedded_model
 

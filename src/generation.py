@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from src.audit.answers import answer_record
 from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning
-from src.config import World
+from src.world import World
 from src.distributed import map_across_ranks
 
 

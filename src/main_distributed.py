@@ -27,11 +27,11 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
-from src.config import (
-    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
-    World, batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint,
-    stage_plans,
-)
+from src.config import EMBEDDED, PROJECT_ROOT, Config
+from src.config_error import ConfigError
+from src.config_parse import HelpRequested, format_help, parse_config
+from src.plan import BatchSplitError, Plan, batch_split_command, format_plan, stage_plans
+from src.world import Devices, World, sagemaker_process_hint
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
@@ -659,7 +659,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
 
 def record_stop(stage: Stage, info_path: Path, world: World, status: str, message: str) -> None:
     """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped. A job
-    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.report`)."""
+    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.reporting`)."""
     if world.is_main:
         run_files.update_json(info_path, status=status, stop_reason=message)
         if not launcher_gone():

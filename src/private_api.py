@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def trl_tokenize():
     """`trl.data_utils._tokenize` (TRL 1.16): how TRL's trainers tokenize a prompt or a prompt + answer (chat template
-    or plain text), which src/data.py reproduces id for id (tests/prepared_digests.json)."""
+    or plain text), which src/data/ reproduces id for id (tests/prepared_digests.json)."""
     from trl.data_utils import _tokenize
 
     return _tokenize

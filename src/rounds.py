@@ -28,7 +28,8 @@ from pathlib import Path
 
 from src import run_files
 from src.chat_templates import split_reasoning
-from src.config import ConfigError, World
+from src.config_error import ConfigError
+from src.world import World
 from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
 from src.embedded.model import cache_root

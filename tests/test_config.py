@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from src.config import (
-    PIPELINES, PROJECT_ROOT, BatchSplitError, ConfigError, Devices, World, batch_split_command, format_plan, parse_config,
-    resolve_batch, resolve_plan, resolve_precision, stage_config, with_batch_size,
-)
+from src.config import PROJECT_ROOT
+from src.config_error import ConfigError
+from src.config_parse import parse_config, stage_config
+from src.objectives import PIPELINES
+from src.plan import (BatchSplitError, batch_split_command, format_plan, resolve_batch, resolve_plan, resolve_precision,
+                      with_batch_size)
+from src.world import Devices, World
 
 USER = ["--model_name_or_path", "some/model", "--dataset_name", "some/data"]
 
@@ -173,7 +176,7 @@ def test_stage_default_learning_rates_are_trls():
 
     import trl
 
-    from src.config import TRL_DEFAULT_LEARNING_RATES, default_learning_rate
+    from src.plan import TRL_DEFAULT_LEARNING_RATES, default_learning_rate
 
     assert plan_for(["--stage", "dpo"], 1).learning_rate == pytest.approx(1e-6)
     assert plan_for(["--stage", "sft"], 1).learning_rate == pytest.approx(2e-5)
@@ -277,7 +280,7 @@ def test_sft_stage_overrides_apply_to_the_sft_stage_only():
     ({"name": "a.jsonl", "columns": {"question": "q"}}, "entry 1 (a.jsonl): columns maps prompt"),
 ])
 def test_dataset_mixture_entries_are_checked_by_name(entry, message):
-    from src.config import validate_mixture
+    from src.config_checks import validate_mixture
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_mixture([entry])
@@ -365,7 +368,9 @@ def test_a_src_config_default_edit_reaches_the_default_run(tmp_path):
         end = source.index(old, start) + len(old)
         source = source[:start] + source[start:end].replace(old, new) + source[end:]
     (copy / "src" / "config.py").write_text(source)
-    script = ("from src.config import *\n"
+    script = ("from src.config_parse import parse_config, stage_config\n"
+              "from src.plan import format_plan, resolve_plan\n"
+              "from src.world import Devices, World\n"
               "config = parse_config([])\n"
               "staged = stage_config(config, 'dpo')\n"
               "print(staged.training.gradient_checkpointing)\n"
@@ -381,7 +386,7 @@ def test_a_src_config_default_edit_reaches_the_default_run(tmp_path):
 def test_a_final_stage_trl_field_stays_with_the_final_stage_of_a_pipeline():
     """--undesirable_weight is KTOConfig's, not SFTConfig's: sft_then_kto's SFT stage runs without it (it refused it
     as an unknown key before)."""
-    from src.config import stage_config
+    from src.config_parse import stage_config
 
     config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
                            "--undesirable_weight", "1.2", "--lr_scheduler_type", "cosine"])

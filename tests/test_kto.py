@@ -191,7 +191,7 @@ def test_a_label_that_is_not_a_thumb_is_refused(value):
 
 
 def test_kto_weights_from_the_data_and_the_flags():
-    from src.config import parse_config
+    from src.config_parse import parse_config
     from src.kto_weights import resolve_kto_weights
 
     base = ["--stage", "kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl"]
@@ -210,7 +210,7 @@ def test_kto_weights_from_the_data_and_the_flags():
 
 
 def test_ktoconfig_fields_are_flags():
-    from src.config import parse_config
+    from src.config_parse import parse_config
 
     config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
                            "--undesirable_weight", "1.2", "--ref_model_sync_steps", "8", "--sft.packing", "true"])
@@ -300,7 +300,7 @@ def test_thumbs_rows_prepare_for_kto_and_for_the_sft_stage_before_it(tiny_tokeni
 
 
 def test_unpaired_rows_tokenize_as_trls_ktotrainer(tiny_tokenizer):
-    """src/data.py's KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
+    """src/data/'s KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
     from types import SimpleNamespace
 
     from datasets import Dataset

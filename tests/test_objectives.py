@@ -136,7 +136,7 @@ NOT_A_BRANCH = {
     ("src/audit/answers.py", 'for key in ("score", "reward"):'): "a judge verdict's fields",
     ("src/judges.py", "reward"): "a judge verdict's field 'reward' (src/embedded/tasks.py ranks with it)",
     ("src/reporting/alerts.py", '_trend(metrics, "reward")'): "TRL's logged metric 'reward' (GRPO's mean reward)",
-    ("src/data.py", '"sft": sft'): "a keyword argument named sft (the SFT settings)",
+    ("src/data/", '"sft": sft'): "a keyword argument named sft (the SFT settings)",
     ("src/objectives", ""): "the table itself",
     ("src/embedded", ""): "the embedded default's data folders (src/embedded/data/dpo, sft) and verdict fields",
     ("src/trainers/kto.py", ""): "KTO's trainer module: its loss type 'kto' and its own key in the reference cache",
@@ -195,8 +195,9 @@ def test_the_objective_record_has_no_field_left_unread():
 def test_prompts_alone_are_the_rounds_preparation_and_the_shape_grpo_trains_on():
     """The rounds prepare prompts alone under the shape's own name (no objective of that name); an objective that
     trains on prompts (GRPO) declares the same shape, and gets the same preparation."""
-    from src.data import _shape
+    from src.data.shapes import stage_shape
 
-    assert PROMPTS not in OBJECTIVES and _shape(PROMPTS) == PROMPTS
+    assert PROMPTS not in OBJECTIVES and stage_shape(PROMPTS) == PROMPTS
     on_prompts = [name for name, row in OBJECTIVES.items() if row.data_shape == PROMPTS]
-    assert on_prompts and all(_shape(name) == PROMPTS and OBJECTIVES[name].rewards_from_judges for name in on_prompts)
+    assert on_prompts and all(stage_shape(name) == PROMPTS and OBJECTIVES[name].rewards_from_judges
+                              for name in on_prompts)

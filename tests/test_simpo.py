@@ -31,7 +31,7 @@ def test_simpo_step_is_the_same_on_any_split_of_the_global_batch(simpo_setup):
 
 
 def test_prepared_pairs_are_laid_out_as_cpo_tokenizes_them(simpo_setup, tiny_tokenizer):
-    """The ids are DPO's (src/data.py: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
+    """The ids are DPO's (src/data/: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
     -100, the answer cut at max_length."""
     from src.trainers.legacy_pairs import LABEL_PAD, pair_row
 
@@ -50,7 +50,7 @@ def test_cpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     passed through to TRL."""
     from trl.experimental.cpo import CPOConfig
 
-    from src.config import parse_config, toolkit_fields, trl_fields
+    from src.config_parse import parse_config, toolkit_fields, trl_fields
 
     known = set(toolkit_fields()) | set(trl_fields("simpo"))
     assert set(CPOConfig.__dataclass_fields__) - {"_n_gpu"} <= known | {name for name, item in
@@ -68,7 +68,9 @@ def test_cpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
 
 
 def test_trl_config_is_simpo_without_a_reference(tmp_path):
-    from src.config import Devices, World, parse_config, resolve_plan
+    from src.config_parse import parse_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.trainers.trl_config import build_trl_config
 
     config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--beta",
@@ -86,7 +88,7 @@ def test_trl_config_is_simpo_without_a_reference(tmp_path):
     ([], []),  # the defaults: beta 2, gamma beta / 2
 ])
 def test_beta_and_gamma_outside_the_papers_ranges_are_warned_with_why(flags, warned):
-    from src.config import parse_config
+    from src.config_parse import parse_config
     from src.objectives import objective
 
     config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", *flags])

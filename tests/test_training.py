@@ -13,7 +13,7 @@ import pytest
 import forked
 import rank_probe
 from conftest import preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 
 
 def launch(nproc: int, args: list[str], probe_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -244,7 +244,7 @@ def test_sft_then_dpo_then_grpo_of_a_base_model_with_chat_template_path_resumes_
     assert refused.returncode == 2 and "--chat_template_path" in refused.stderr, refused.stderr[-2000:]
     args += ["--chat_template_path", str(tmp_path / "instruct")]
     killed = tmp_path / "killed"
-    first = forked.run_main(args, env=os.environ | {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:1:0:{killed}"})
+    first = forked.run_main(args, env=seams.env(kill_at_checkpoint=f"after_complete:1:0:{killed}"))
     assert killed.exists() and first.returncode == -9, first.stderr[-3000:]
     result = run_single(args)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -25,8 +25,11 @@ from src.audit.judged import INVERTED_FILE, drawn_rows, judge_pairs
 from src.audit.run import opening
 from src.audit.reference import agreement, answer_tokens, sample_logps
 from src.objectives import SEQUENCES, objective
-from src.config import (EMBEDDED, PIPELINES, ConfigError, HelpRequested, World, format_help, parse_config,
-                        stage_config)
+from src.config import EMBEDDED
+from src.config_error import ConfigError
+from src.config_parse import HelpRequested, format_help, parse_config, stage_config
+from src.objectives import PIPELINES
+from src.world import World
 from src.data import DataError, check_source, prepare_data, source_rows
 from src.embedded.model import cache_root
 from src.hub_access import needs_hub, use_local_files_only

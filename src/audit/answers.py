@@ -8,7 +8,7 @@ learns length faster than quality (Park et al. 2024, "Disentangling Length from 
 Optimization", arXiv 2403.19159). A cut answer ran to --max_new_tokens without ending. A degenerate answer repeats
 itself: its seq-rep-4 (the share of its 4-token n-grams that repeat an earlier one, Welleck et al. 2019, "Neural Text
 Generation with Unlikelihood Training", arXiv 1908.04319: 0.006 for human text, 0.44 for greedy GPT-2) is at least
-0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.report` recomputes them.
+0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.reporting` recomputes them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How long the run's sequences are, for the memory plan: read from the data audit of the run's prepared data.
 
-A launch, its `--dry_run` preflight and `python -m src.audit` prepare the data once (src/data.py) and keep, beside
+A launch, its `--dry_run` preflight and `python -m src.audit` prepare the data once (src/data/) and keep, beside
 it in the cache, the audit of the sequences as they train: prompt + reasoning + answer (with `--reasoning drop`, the
 final answers'), the longest, and the `--max_length` that keeps 99% of them whole. check_gpu.py finds that prepared
 data by the same key a launch computes, which takes the model's tokenizer: from its directory or the Hub cache, never
@@ -14,13 +14,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.config import EMBEDDED, Config, stage_config
+from src.config import EMBEDDED, Config
+from src.config_parse import stage_config
 from src.objectives import SEQUENCES, objective
 
 
 @dataclass
 class DataLengths:
-    """The training split's lengths in tokens, as trained (src/audit/pairs.py, src/data.py's counts)."""
+    """The training split's lengths in tokens, as trained (src/data/pair_audit.py, src/data/'s counts)."""
 
     longest_tokens: int  # the longest sequence, uncut (a pair: prompt + the longer answer)
     suggested_max_length: int | None  # the 99th percentile, rounded up to 64: what keeps 99% whole

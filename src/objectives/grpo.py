@@ -9,6 +9,7 @@ The batch counts answers: --batch_size 32 with --num_generations 8 is 4 prompts 
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber
 from src.reporting.formatting import format_number
 
@@ -68,8 +69,6 @@ def memory_setup(config) -> dict:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError  # src.config reads this table at import
-
     overrides = config.trl_overrides
     asked = config.dpo.loss_type
     if config.sources.get("loss_type", "").startswith("--") and (len(asked) != 1 or asked[0] not in LOSS_TYPES):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.reporting.formatting import format_number
 from src.objectives.spec import UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
 
@@ -15,8 +16,6 @@ def kto_loss_type(config) -> str:
     """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
     recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
     refused."""
-    from src.config import ConfigError  # src.config reads this table at import
-
     asked = config.dpo.loss_type
     if len(asked) == 1 and asked[0] in LOSS_TYPES:
         return asked[0]
@@ -27,8 +26,6 @@ def kto_loss_type(config) -> str:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError
-
     kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
     for name in ("desirable_weight", "undesirable_weight"):
         if name in config.trl_overrides and not config.trl_overrides[name] > 0:
@@ -52,7 +49,7 @@ def setup_line(info: dict) -> str:
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     weights = extras.get("kto_weights") or {}  # data_settings' (src/kto_weights.py)
-    # The rows' KL completions are fixed in the data (src/data.py), so KTO samples like the other stages (TRL's
+    # The rows' KL completions are fixed in the data (src/data/), so KTO samples like the other stages (TRL's
     # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
     specific = dict(beta=config.dpo.beta, loss_type=kto_loss_type(config), precompute_ref_log_probs=extras["precompute"],
                     train_sampling_strategy="random", **weights)

@@ -5,6 +5,7 @@ ORPOTrainer (trl.experimental.orpo; src/trainers/orpo.py). `--stage orpo`, from 
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
                                  refuse_reference_flags)
@@ -22,8 +23,6 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError  # src.config reads this table at import
-
     refuse_reference_flags("ORPO", config)
     if config.sources.get("loss_type", "").startswith("--"):
         raise ConfigError(f"--loss_type {' '.join(config.dpo.loss_type)}: ORPO's loss is fixed (the chosen answers' "

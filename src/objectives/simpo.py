@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
                                  refuse_reference_flags)
@@ -32,8 +33,6 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError  # src.config reads this table at import
-
     refuse_reference_flags("SimPO", config)
     loss = config.dpo.loss_type
     if config.sources.get("loss_type", "").startswith("--") and loss != ["simpo"]:

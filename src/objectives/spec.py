@@ -9,10 +9,12 @@ decides by an objective's name (tests/test_objectives.py keeps it so). Light: no
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# The data an objective trains on, as preparation makes it (src/data.py): what its rows hold after tokenization.
+# The data an objective trains on, as preparation makes it (src/data/): what its rows hold after tokenization.
 PAIRS = "pairs"  # prompt, chosen, rejected: prompt and answers tokenized apart (DPO's layout, TRL's)
 SCORED_PAIRS = "scored_pairs"  # prompt + chosen and prompt + rejected as two whole sequences (a reward model's)
 UNPAIRED = "unpaired"  # prompt, completion, thumbs up or down (KTO's)
@@ -102,8 +104,6 @@ class SummaryNumber:
 
 def refuse_reference_flags(title: str, config) -> None:
     """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
-    from src.config import ConfigError  # src.config reads the table at import
-
     for name in REFERENCE_FLAGS:
         if config.sources.get(name, "").startswith("--"):
             raise ConfigError(f"--{name}: {title} has no reference model (it is reference-free): drop the flag")

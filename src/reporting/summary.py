@@ -1,7 +1,7 @@
 """The final numbers of a run, computed from its metric history (`metrics.jsonl`) alone.
 
 `series` is the one way the reporting modules (summary, alerts, plots) read a metric out of the history.
-The training job stores `summarize(...)` under `summary` in `training_info.json`; `python -m src.report RUN_DIR`
+The training job stores `summarize(...)` under `summary` in `training_info.json`; `python -m src.reporting RUN_DIR`
 recomputes it, so a crashed run gets the same numbers from what it managed to log.
 """
 

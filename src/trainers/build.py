@@ -1,6 +1,6 @@
 """The stage's trainer, built from its TRL config and the prepared data, with the toolkit's callbacks.
 
-The toolkit hands TRL tokenized, file-backed datasets (src/data.py), so the trainers skip their own preparation.
+The toolkit hands TRL tokenized, file-backed datasets (src/data/), so the trainers skip their own preparation.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from src.config import Plan
+from src.plan import Plan
 from src.objectives import SEQUENCES, load, objective
 from src.reporting.live import LiveReport
 from src.throughput import ThroughputMeter

@@ -1,4 +1,4 @@
-"""GRPO's trainer: TRL's GRPOTrainer with the toolkit's additions, on the prompts src/data.py prepared (a `prompt`,
+"""GRPO's trainer: TRL's GRPOTrainer with the toolkit's additions, on the prompts src/data/ prepared (a `prompt`,
 its `meta` for the judges, `prompt_ids` as generation sees them), with the toolkit's judges as reward functions.
 
 What it changes in TRL's step, and why:

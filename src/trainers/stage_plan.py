@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from src.config import Config, Plan
+from src.config import Config
+from src.plan import Plan
 from src.objectives import objective
 
 
