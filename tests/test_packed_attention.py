@@ -6,10 +6,9 @@ enumeration is in tests/test_packed_support.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from conftest import plant
 from test_packed_dpo import assert_close, pairs, reference_logps, tiny, tokenizer, trainer_for  # noqa: F401
 from test_packed_support import flex_on_cpu, flex_policy
 
@@ -84,14 +83,13 @@ def test_a_leaking_block_mask_turns_packing_off_in_one_line(tokenizer, tmp_path,
     """A BlockMask that lets the rejected answer see the chosen one (planted through src/seams.py): the first-batch
     check catches it, the run falls back to the padded forward (and its numbers), one warning line."""
     import src.packed_dpo as packed_dpo
-    from src import seams
 
     rows = pairs(8, seed=4)
     model = tiny("llama", tokenizer)
     padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False), rows)
     flex_on_cpu(monkeypatch)
     monkeypatch.setattr(packed_dpo, "policy_for", lambda *args: flex_policy())
-    monkeypatch.setenv(seams.VARIABLE, json.dumps({"packed_mask_leak": True}))
+    plant(monkeypatch, packed_mask_leak=True)
     trainer = trainer_for(model, tokenizer, rows, tmp_path, True, packed_attention="flex")
     assert_close(reference_logps(trainer, rows), padded)
     assert not trainer.packed_forward.enabled and "differ from the padded forward" in trainer.packed_forward.reason
@@ -107,12 +105,10 @@ def test_on_gpu_in_bf16_the_flex_forward_matches_the_padded_one_or_is_turned_off
     with a leaking mask planted, packing is turned off with one line."""
     import torch
 
-    from src import seams
-
     if not torch.cuda.is_available():
         pytest.fail("needs a CUDA GPU")
     if leak:
-        monkeypatch.setenv(seams.VARIABLE, json.dumps({"packed_mask_leak": True}))
+        plant(monkeypatch, packed_mask_leak=True)
     rows = pairs(16, seed=7)
     model = tiny("qwen2", tokenizer).cuda()
     padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False, bf16=True, use_cpu=False),
