@@ -2,7 +2,7 @@
 FlexAttention's block-sparse mask (src/packed_attention.py), at three model shapes and two length distributions.
 
     python bench/bench_packed_attention.py                # on one H100/H200: the table for docs/gpu.md, <= 8 minutes
-    python bench/bench_packed_attention.py --dry_run      # a tiny model on CPU, 2 micro-batches: that every arm runs
+    python bench/bench_packed_attention.py --dry_run      # a tiny model on CPU, 1 micro-batch: that every arm runs
     python bench/bench_packed_attention.py --sparsity     # CPU: the share of blocks the BlockMask keeps, no model
 
 Models (random weights from configs, nothing from the Hub): `125M` (a 12 x 768 Llama, vocabulary 32,000, tied),
@@ -270,7 +270,7 @@ def table(results: list[dict], machine: str, skipped: list[str]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry_run", action="store_true", help="a tiny model on CPU, 2 micro-batches of 4 pairs")
+    parser.add_argument("--dry_run", action="store_true", help="a tiny model on CPU, 1 micro-batch of 4 pairs")
     parser.add_argument("--sparsity", action="store_true", help="only the BlockMask's share of blocks (CPU, no model)")
     parser.add_argument("--models", default="125M,0.5B,1.5B", help="comma-separated: 125M, 0.5B, 1.5B")
     parser.add_argument("--lengths", default="ultrafeedback,long_prompt", help="comma-separated distributions")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     if args.dry_run:
-        args.models, args.micro_batches, args.pairs, args.max_length, args.repeats = "tiny", 2, 4, 256, 1
+        args.models, args.micro_batches, args.pairs, args.max_length, args.repeats = "tiny", 1, 4, 128, 1
     machine = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: the flex arm needs a CUDA GPU)"
     deadline = time.monotonic() + args.minutes * 60
     results, skipped = [], []

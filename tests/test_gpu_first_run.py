@@ -102,6 +102,27 @@ def test_the_table_from_recorded_outputs():
     assert table[3].endswith("| 301 |") and table[4].endswith("|  |") and table[-1] == "| total | | | 1234 |"
 
 
+def test_the_attention_bench_dry_run_runs_every_cpu_arm_and_feeds_the_table(tmp_path, capsys):
+    """bench_packed_attention.py --dry_run: a tiny model on CPU through every arm but FlexAttention's (no backward on
+    CPU), its JSON read into gpu_first_run's rows."""
+    import json
+
+    import bench_packed_attention
+
+    out = tmp_path / "packed_attention.md"
+    assert bench_packed_attention.main(["--dry_run", "--lengths", "ultrafeedback", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    (result,) = report["results"]
+    assert set(result["arms"]) == {"trl dpo, every step", "padded, cold", "padded, cached", "packed dense, cold",
+                                   "packed dense, cached"}
+    dense = result["arms"]["packed dense, cached"]
+    assert dense["check_passed"] and dense["attention_batches"]["dense"] >= 1 and dense["token_limit"] > 1
+    assert all(arm["pairs_per_s"] > 0 for arm in result["arms"].values())
+    (row,) = gpu_first_run.attention_rows(report)
+    assert row[0] == "attention: tiny, ultrafeedback" and "packed dense: cold" in row[1] and "trl dpo" in row[2]
+    assert "| tiny | ultrafeedback | packed dense | cached |" in out.read_text()
+
+
 def test_the_memory_row_says_whether_the_plan_holds():
     report = _check(h100_nvswitch(), "--params", "7e9", "--use_lora", "--num_procs", "1")
     chosen = next(estimate for estimate in report["memory_plan"]["estimates"] if estimate["chosen"])
