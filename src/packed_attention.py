@@ -87,6 +87,7 @@ class AttentionPolicy:
     chosen: dict = field(default_factory=dict)    # kind -> batches
     widths: set = field(default_factory=set)      # distinct flex row widths (each a shape that may compile)
     compiles: "CompileCounter | None" = None
+    announce: bool = True  # the console line; a forward built without a policy (varlen, a bench's own) prints none
 
     def kind_for(self, width: int) -> str:
         """DENSE or FLEX for a row of the dense layout `width` tokens wide (the collator), or a packed row of that
@@ -112,7 +113,7 @@ class AttentionPolicy:
         self.chosen[kind] = self.chosen.get(kind, 0) + 1
         if kind == FLEX:
             self.widths.add(width)
-        if not first:
+        if not first or not self.announce:
             return None
         name = "block-sparse (FlexAttention, BlockMask)" if kind == FLEX else "dense mask (4D, " \
             "sdpa/eager)"

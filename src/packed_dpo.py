@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from src.distributed import any_rank, print0
-from src.packed_attention import FLEX, AttentionPolicy, flex_implementation, flex_rows, policy_for, \
+from src.packed_attention import DENSE, FLEX, AttentionPolicy, flex_implementation, flex_rows, policy_for, \
     prefix_shared_block_mask
 from src.packed_dpo_support import FLASH_PREFIX, announce_padded, refusal
 
@@ -338,7 +338,8 @@ class PackedDPOForward:
     def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False,
                  attention: AttentionPolicy | None = None):
         self.enabled = reason_off is None
-        self.attention = attention or AttentionPolicy(flex_possible=False, why_not_flex=f"the {layout} layout")
+        self.attention = attention or AttentionPolicy(DENSE, why_not_flex="no attention policy given",
+                                                      announce=False)
         self.padded_passes: tuple[str, ...] = ()  # its trainer's passes that stay padded while it packs (the summary)
         # bf16/fp16 mixed precision asked of the trainer: inside a training step accelerate's autocast is entered by
         # the model's own (wrapped) forward, below the check, so the ambient autocast state alone reads fp32 there
