@@ -13,7 +13,8 @@ loss code read it unchanged) and, next to it, the packed layout. During TRL's lo
 fused forward is redirected: it runs the packed tokens instead and scatters the per-token outputs back into the padded
 `(2 * pairs, len - 1)` layout TRL expects. Only those per-token scalars are ever padded, never a token's computation.
 
-Layout (sdpa / eager: a 4D mask): one segment per pair, `[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
+Layout (sdpa / eager: a 4D mask; on a GPU FlexAttention's BlockMask of the same rule where src/packed_attention.py
+picks it by row width, all segments then in one bucketed row): one segment per pair, `[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
 The last prompt token is the one position that predicts an answer's first token, and it must predict both answers'
 first tokens: it is written once per answer (same token, same position, same visible keys → the same hidden state),
 so each pair repeats exactly one prompt token. Position ids restart after the shared prompt for each answer; the mask
@@ -395,7 +396,9 @@ class PackedDPOForward:
         return (counts[0], counts[1]) if counts else None
 
     def summary(self) -> dict:
-        forward = ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
+        mask = {"dense": "4D mask", "flex": "FlexAttention BlockMask"}
+        masks = " / ".join(mask[kind] for kind in sorted(self.attention.chosen)) or "4D mask"
+        forward = (f"packed (prefix-shared: each prompt once, {masks})" if self.layout == "prefix_shared" else
                    "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)"
         if self.enabled and self.padded_passes:
             forward += f", TRL's padded forward for the {' and '.join(self.padded_passes)} pass"
