@@ -22,7 +22,8 @@ Reference `cold` adds the arm's own reference pass over the same batches (no gra
 
 Reported: pairs/s as a ratio to `trl dpo` (medians over repeats), the share of the token-count limit reached
 (measured ratio over `trl dpo`'s computed tokens / the arm's), peak GPU memory (torch's most allocated during the
-arm's timed steps), and FlexAttention's compiles (count and seconds, TorchDynamo's own callbacks). Stops starting new
+arm's timed steps beyond what every arm keeps resident, plus the weights a run of that arm holds: the policy, and for
+`trl dpo` its reference model; no optimizer state in any arm), and FlexAttention's compiles (count and seconds, TorchDynamo's own callbacks). Stops starting new
 models past --minutes and says what it skipped. Writes the table (markdown) and a JSON beside it.
 """
 
@@ -98,8 +99,9 @@ def tokenizer_for(vocab: int):
                                    pad_token="t0", eos_token="t1", unk_token="t2")
 
 
-def arm(name: str, base, tokenizer, batches: list, device: str, max_length: int, work: Path):
-    """(step over micro-batch i, reference pass over micro-batch i or None, the trainer's packed forward)."""
+def arm(name: str, base, reference_model, tokenizer, batches: list, device: str, max_length: int, work: Path):
+    """(step over micro-batch i, reference pass over micro-batch i or None, the trainer's packed forward). Every arm
+    shares `reference_model` (never trained), so the GPU holds one reference copy, not one per arm."""
     import torch
     from datasets import Dataset
     from trl import DPOConfig
@@ -112,7 +114,7 @@ def arm(name: str, base, tokenizer, batches: list, device: str, max_length: int,
                      disable_tqdm=True, precompute_ref_log_probs=False, activation_checkpointing=False)
     packed = name.startswith("packed")
     attention = name.split()[-1] if packed else "auto"
-    trainer = PreparedDPOTrainer(model=model, ref_model=copy.deepcopy(base), args=args,
+    trainer = PreparedDPOTrainer(model=model, ref_model=reference_model, args=args,
                                  train_dataset=Dataset.from_list([row for batch in batches for row in batch]),
                                  processing_class=tokenizer,
                                  **packed_dpo_forward(model, tokenizer, args, None, packed, attention))
@@ -153,13 +155,16 @@ def measure(model_name: str, lengths: str, args, device: str, work: Path) -> dic
 
     shape = MODELS[model_name]
     base = build_model(shape, device)
+    reference_model = copy.deepcopy(base).eval()
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in base.parameters())
     tokenizer = tokenizer_for(shape["vocab_size"])
     batches = micro_batches(lengths, args.micro_batches, args.pairs, shape["vocab_size"], args.max_length)
     arms, seconds, reference_seconds, peak = {}, {}, {}, {}
     for name in ARMS:
         if name == "packed flex" and device != "cuda":
             continue  # FlexAttention has no backward on CPU (the config refuses it there)
-        step, reference, forward, collated = arm(name, base, tokenizer, batches, device, args.max_length, work)
+        step, reference, forward, collated = arm(name, base, reference_model, tokenizer, batches, device,
+                                                 args.max_length, work)
         for index in range(len(batches)):  # untimed: the first-batch check, compiles, allocator warm-up
             step(index)
         arms[name] = (step, reference, forward, collated)
@@ -169,6 +174,7 @@ def measure(model_name: str, lengths: str, args, device: str, work: Path) -> dic
         for name, (step, reference, _forward, _collated) in arms.items():
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()  # every arm's weights: not this arm's working memory
             sync()
             started = time.perf_counter()
             for index in range(len(batches)):
@@ -182,7 +188,10 @@ def measure(model_name: str, lengths: str, args, device: str, work: Path) -> dic
                 sync()
                 reference_seconds[name].append(time.perf_counter() - started)
             if device == "cuda":
-                peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+                # the step's working memory (activations, gradients) + the weights a run of this arm holds: the
+                # policy, and for `trl dpo` the reference model (the toolkit's cached or precomputed runs free it)
+                held = weights * (2 if name == "trl dpo" else 1)
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated() - resident + held)
     pairs = len(batches) * len(batches[0])
     result = {"model": model_name, "lengths": lengths, "pairs": pairs, "arms": {}}
     trl_policy, trl_reference = computed_tokens("trl dpo", None, arms["trl dpo"][3])
