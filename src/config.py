@@ -196,8 +196,9 @@ class TrainingArguments:
     )
     run_name: str | None = field(
         default=None,
-        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name, else "
-                  "<stage>-<model name>."},
+        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name (with "
+                  "-<stage> after it when --stage names another stage than the recipe's: `--stage dpo` alone on "
+                  "the default recipe is results/default-dpo), else <stage>-<model name>."},
     )
     results_dir: str = field(default="results", metadata={"help": "Parent directory of every run's results."})
     output_dir: str | None = field(
@@ -320,6 +321,28 @@ class TrainingArguments:
                   "reward model's path or Hub id), each a reward function logged apart (rewards/<judge>/mean), summed "
                   "with --reward_weights (one per judge; default all 1). Empty: --judge. docs/grpo.md."},
     )
+    tools: str | None = field(
+        default=None,
+        metadata={"help": "Tools the model may call while GRPO samples and while any stage answers its held-out "
+                  "prompts: module:registry, a module attribute holding a dict or list of plain Python functions (schemas "
+                  "from their type hints and docstrings, or given: {'function': f, 'schema': {...}}; the prompt shows "
+                  "the row's `tools` column). Each call runs in a worker process; its result is fed back in the "
+                  "template's tool role and masked from the loss (docs/tools.md)."},
+    )
+    max_tool_turns: int = field(
+        default=4, metadata={"help": "With --tools: rounds of tool calls an answer may make before it must answer."})
+    tool_timeout: float = field(
+        default=10.0,
+        metadata={"help": "With --tools: seconds a call may run; past it the tool is killed and the model reads an "
+                  "error result (counted, never a stop)."},
+    )
+    turn_credit: float = field(
+        default=0.0,
+        metadata={"help": "GRPO with --tools: the weight w of per-turn credit. Each token of an answer's turn t gets "
+                  "its trajectory's advantage plus w x that turn's score (the judge's verdict's `turn_rewards`) "
+                  "normalised over its prompt's group; 0 (the default): the trajectory's reward alone "
+                  "(docs/tools.md)."},
+    )
     audit_judge_pairs: int = field(
         default=2000,
         metadata={"help": "Training pairs (drawn with the seed) whose own chosen and rejected answers --judge scores "
@@ -349,9 +372,12 @@ class TrainingArguments:
 class DPOArguments:
     """DPO's own knobs (the rest of TRL's DPOConfig passes through by name)."""
 
-    beta: float = field(
-        default=0.1,
-        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta)."},
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta). Default: "
+                  "the objective's own (its row's default_beta: " + ", ".join(
+                      f"{row.display_name} {row.default_beta:g}" for row in OBJECTIVES.values()
+                      if row.default_beta is not None) + ")."},
     )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
@@ -453,6 +479,9 @@ class Config:
     # --sft.KEY / --dpo.KEY flags (every stage but the last: PIPELINE_BLOCKS)
     stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     recipe: str | None = None
+    # The stage the recipe trains (its `stage:`, else the default stage): a run of another stage from the same recipe
+    # is another run, with a directory of its own (the default run name).
+    recipe_stage: str | None = None
     # Where each value not at its src/config.py default was set: key -> the recipe file ("configs/default.yaml"; a
     # pipeline's SFT block under "sft.<key>": "configs/default.yaml (sft block)"), the flag ("--max_steps",
     # "--sft.max_steps"), or the SageMaker variable ("SageMaker SM_CHANNEL_TRAINING").

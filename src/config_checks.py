@@ -1,7 +1,6 @@
-"""A parsed configuration checked before anything runs: flags that conflict or name nothing, a --dataset_mixture's entries,
-a --judge and --rounds that need each other, and the sources a run cannot start without; each mistake a ConfigError
-naming the flag (tests/test_user_mistakes.py).
-"""
+"""A parsed configuration checked before anything runs: flags that conflict or name nothing, a --dataset_mixture's
+entries, a --judge and --rounds that need each other, and the sources a run cannot start without; each mistake a
+ConfigError naming the flag (tests/test_user_mistakes.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ from pathlib import Path
 from src.config import EMBEDDED, TRACKERS, Config
 from src.config_error import ConfigError
 from src.objectives import STAGES, objective
+from src.tool_calls import validate_config as validate_tools
 
 
-def _closest(name: str, candidates) -> str:
+def closest_name(name: str, candidates) -> str:
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
@@ -28,7 +28,7 @@ def validate_mixture(mixture: list[dict] | None) -> None:
         where = f"dataset_mixture entry {number}"
         unknown = [key for key in entry if key not in MIXTURE_KEYS]
         if unknown:
-            raise ConfigError(f"{where}: unknown key '{unknown[0]}'{_closest(unknown[0], MIXTURE_KEYS)}; an entry "
+            raise ConfigError(f"{where}: unknown key '{unknown[0]}'{closest_name(unknown[0], MIXTURE_KEYS)}; an entry "
                               f"holds {', '.join(MIXTURE_KEYS)}")
         name = entry.get("name") or entry.get("path")
         if not name:
@@ -74,10 +74,12 @@ def validate(config: Config) -> None:
         value = getattr(data, name)
         if value < 0 or (1 <= value and not float(value).is_integer()):
             raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
-    if config.dpo.beta < 0 or (config.dpo.beta == 0 and not objective(config.training.stage).beta_may_be_zero):
-        raise ConfigError(f"--beta must be positive, got {config.dpo.beta}")
+    beta = config.dpo.beta  # None: the objective's own default (its row's default_beta)
+    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).beta_may_be_zero)):
+        raise ConfigError(f"--beta must be positive, got {beta}")
     validate_rounds(config)
     validate_judges(config)
+    validate_tools(config)
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")

@@ -1,5 +1,5 @@
-"""A run's request as a Config: the recipe (`--config x.yaml`), then SageMaker's variables as defaults, then the flags over
-both; a pipeline's per-stage blocks (`sft:`, `--sft.KEY`) as each stage's own Config; TRL's config fields passed
+"""A run's request as a Config: the recipe (`--config x.yaml`), then SageMaker's variables as defaults, then the flags
+over both; a pipeline's per-stage blocks (`sft:`, `--sft.KEY`) as each stage's own Config; TRL's config fields passed
 through, typed from TRL's classes on first use; --help generated from the schema's help texts.
 
     python -m src.main_distributed --config configs/<recipe>.yaml [--flag value ...]
@@ -23,7 +23,7 @@ import yaml
 
 from src.config import (CONCERNS, DEFAULT_RECIPE, PROJECT_ROOT, Config, DPOArguments, DataArguments, HubArguments,
                         ModelArguments, SFTArguments, TrainingArguments)
-from src.config_checks import _closest, missing_sources, validate
+from src.config_checks import closest_name, missing_sources, validate
 from src.config_error import ConfigError
 from src.data_file_kinds import data_file_kind
 from src.objectives import DEFAULT_STAGE, PIPELINE_BLOCKS, PIPELINES, STAGES, UNPAIRED, objective
@@ -260,9 +260,10 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
     requested: dict[str, tuple[Any, str]] = {}
     sources: dict[str, str] = {}  # what the plan and training_info.json say each setting came from
+    recipe_values = _load_recipe(recipe) if recipe else {}
     if recipe:
         label = recipe_label(recipe)
-        for key, value in _load_recipe(recipe).items():
+        for key, value in recipe_values.items():
             requested[key] = (value, Path(recipe).name)
             if key in PIPELINE_BLOCKS and isinstance(value, dict):
                 sources.update({f"{key}.{block_key}": f"{label} ({key} block)" for block_key in value})
@@ -292,6 +293,7 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
             sources = {key: where for key, where in sources.items() if not key.startswith(f"{block}.")}
     config = _build_config(requested, stage)
     config.recipe = recipe
+    config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
     config.sources = sources
     row = objective(stage)
     if row.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
@@ -349,7 +351,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
                                   f"{value!r}")
             for block_key in value:
                 if block_key not in known and block_key not in _LazyFields(key):
-                    raise ConfigError(f"{where}: unknown key '{key}.{block_key}'{_closest(block_key, known)}")
+                    raise ConfigError(f"{where}: unknown key '{key}.{block_key}'{closest_name(block_key, known)}")
                 if block_key in ("stage", *PIPELINE_BLOCKS):
                     raise ConfigError(f"{where}: '{key}.{block_key}' cannot be overridden per stage")
             stage_overrides[key] = dict(value)
@@ -365,7 +367,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         elif key in passthrough:
             trl_overrides[key] = _convert(value, passthrough[key], key, where)
         else:
-            raise ConfigError(f"{where}: unknown key '{key}'{_closest(key, list(known) + passthrough.names())}")
+            raise ConfigError(f"{where}: unknown key '{key}'{closest_name(key, list(known) + passthrough.names())}")
     try:
         parts = {concern: concern(**values[concern]) for concern in CONCERNS}
     except ValueError as error:  # ModelConfig's own checks, e.g. 4-bit and 8-bit together
@@ -382,6 +384,8 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         trl_overrides=trl_overrides,
         stage_overrides=stage_overrides,
     )
+    if config.dpo.beta is None:  # not given: the objective's own, a value in its row (SimPO 2.0, DPO 0.1, GRPO 0)
+        config.dpo.beta = objective(stage).default_beta
     validate(config)
     return config
 
@@ -404,7 +408,7 @@ def stage_config(config: Config, stage: str) -> Config:
     requested = {key: value for key, value in requested.items()
                  if key in toolkit_fields() or (key in config.trl_overrides and key in own_trl_fields)}
     sources = {key: where for key, where in config.sources.items()
-               if not key.startswith(_BLOCK_PREFIXES) and key not in loss_keys}
+               if not key.startswith(BLOCK_PREFIXES) and key not in loss_keys}
     for key, value in config.stage_overrides.get(stage, {}).items():
         requested[key] = (value, stage)
         sources[key] = config.sources.get(f"{stage}.{key}", f"the {stage} block")
@@ -412,9 +416,9 @@ def stage_config(config: Config, stage: str) -> Config:
     if "stage" in sources:
         sources["stage"] = f"{pipeline} in {sources['stage']}"
     staged = _build_config(requested, stage)
-    staged.recipe = config.recipe
+    staged.recipe, staged.recipe_stage = config.recipe, config.recipe_stage
     staged.sources = sources
     return staged
 
 
-_BLOCK_PREFIXES = tuple(f"{block}." for block in PIPELINE_BLOCKS)  # sources' keys of a pipeline stage's block
+BLOCK_PREFIXES = tuple(f"{block}." for block in PIPELINE_BLOCKS)  # sources' keys of a pipeline stage's block

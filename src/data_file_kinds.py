@@ -1,11 +1,13 @@
 """Which files are data files: the file types the toolkit reads, the `datasets` builder for each and the compressions
 `datasets` undoes, from a file's name alone (src/data/files.py reads them; the SageMaker channel lookup in
-src/config_parse.py recognises them). No project imports: the parser's layer may use it.
+src/config_parse.py recognises them); and the files a local source is made of (what the prepared data's key and a
+finished run's data fingerprint read). No project imports: the parser and run safety may use it.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 # Data file types the toolkit reads, and the `datasets` builder for each.
@@ -29,3 +31,13 @@ def data_file_kind(path: str | os.PathLike) -> tuple[str, str] | None:
     if form not in DATA_FILE_BUILDERS or (compression and form not in TEXT_DATA_FORMATS):
         return None
     return form, compression
+
+
+def source_files(location: str) -> list[Path] | None:
+    """The files of a local source (a file, or every file under a directory, sorted); None for a Hub id."""
+    path = Path(location)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(item for item in path.rglob("*") if item.is_file())
+    return None

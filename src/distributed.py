@@ -4,6 +4,7 @@
     init(plan, world)  starts the process group the way TRL's Trainer will find it (accelerate's PartialState), with
                        each process's share of the cores this machine grants as torch's threads
     map_across_ranks   splits work over the ranks and gathers the results in order
+    manifest_across_ranks  what a save wrote, hashed by every rank (its share of the blocks) right after it
 
 On CPU, accelerate runs every torchrun rank alone (distributed type NO, world size 1, no error) unless told to use the
 CPU; `init` tells it, and `check_world_size` makes the silent failure loud.
@@ -19,6 +20,7 @@ from src.config_error import ConfigError
 from src.plan import Plan
 from src.world import World
 from src.resource_limits import threads_per_process
+from src.run_safety.checkpoint_manifest import blocks, checksums, listing, manifest
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
@@ -156,3 +158,28 @@ def map_across_ranks(items: list, work, world: World) -> list:
             ordered[index] = result
     return ordered
 
+
+
+def manifest_across_ranks(directory: Path, world: World,
+                          leave_out: tuple[str, ...] = ()) -> tuple[dict | None, str | None]:
+    """The manifest of what every rank just saved into `directory` (src/run_safety/checkpoint_manifest.py), on every
+    rank: (manifest, None), or (None, the first file some rank could not read back). Every rank lists the directory
+    (on shared storage another node's new files can be missing from one rank's listing for a while, never from their
+    writer's: the union has them all), the blocks are dealt round the ranks, and each hashes its share on its share of
+    the machine's cores, mostly from the page cache the write left. Every rank must call it, after all have saved.
+    `leave_out`: names at the directory's top that are rewritten after the save (checkpoint_manifest.listing)."""
+    files: dict[str, int] = {}
+    for (seen,) in gather_objects([listing(directory, leave_out)]):
+        for name, size in seen.items():
+            files[name] = max(size, files.get(name, 0))
+    threads = threads_per_process(world.local_world_size)
+
+    def hash_share(share):  # never raises: every rank must reach the gather
+        try:
+            return [(checksum, None) for checksum in checksums(directory, share, threads)]
+        except OSError as error:
+            return [(None, f"{error.filename or directory}: {error.strerror or error}")] * len(share)
+
+    hashed = map_across_ranks(blocks(files), hash_share, world)
+    problem = next((problem for _checksum, problem in hashed if problem), None)
+    return (None, problem) if problem else (manifest(files, [checksum for checksum, _ in hashed]), None)

@@ -185,6 +185,14 @@ class ProgrammaticJudge(Judge):
         """The verdict's "reward" where the check ranks answers more finely than its score, else the score."""
         return [_reward(self._verdict(row, answer)) for row, answer in zip(rows, answers)]
 
+    def scores_and_turns(self, rows: list[dict], answers: list[str]) -> tuple[list[float], list[list[float] | None]]:
+        """`scores`, and each verdict's per-turn scores (`turn_rewards`: one number per turn the model wrote, for
+        GRPO's per-turn credit with --tools; None where the check gives none)."""
+        verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
+        turns = [verdict.get("turn_rewards") for verdict in verdicts]
+        return [_reward(verdict) for verdict in verdicts], [
+            [float(value) for value in turn] if isinstance(turn, (list, tuple)) else None for turn in turns]
+
     def _judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)
         verdicts = [{"reference": self._verdict(row, reference), "trained": self._verdict(row, trained)}

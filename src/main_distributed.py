@@ -35,8 +35,8 @@ from src.world import Devices, World, sagemaker_process_hint
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
-from src.embedded.model import cache_root
-from src.generation import generate_answers
+from src.run_safety.build_once import cache_root
+from src.generation import generate_answers, stop_ids
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_judge, check_model_inputs
 from src.judges import JudgeError, judge_for, names_a_reward_model, pair_accuracy, score_pairs
@@ -44,15 +44,20 @@ from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.preflight_record import record, record_key, recorded
-from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
+from src.private_api import attention_implementation
+from src.publish import PublishError, damaged_model, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
 from src.reporting.report import ReportError, build_report, headline_judge, health_alerts, report_verdict
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
+from src.tool_calls import ToolsError
+from src.tools import check_template, session_for
 from src.run_safety import launcher_exit
-from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
-                                        trim_metrics)
+from src.resource_limits import usable_cores
+from src.run_safety.checkpoint_manifest import Damaged
+from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, newest_intact_checkpoint,
+                                        remove_incomplete_checkpoints, trim_metrics)
 from src.run_safety.disk_space import (WriteFailed, check_space, estimate_writes, noticed_write_failure, stop_message,
                                        write_failures_noted, write_failures_reported)
 from src.run_safety.exit_status import ExitStatus
@@ -63,7 +68,7 @@ from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
 from src.trainers.judged_eval import JudgedEval, judge_rows
-from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
+from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings, starting_model
 from src.unneeded_libraries import skip_imports, unneeded_libraries
 
 USER_ERRORS = (ConfigError, DataError, ModelError, JudgeError)
@@ -105,8 +110,9 @@ def stage_label_of(name: str, round_index: int) -> str:
 def run_name_for(config: Config) -> str:
     if config.training.run_name:
         return config.training.run_name
-    if config.recipe:
-        return Path(config.recipe).stem
+    if config.recipe:  # another stage than the recipe's (`--stage dpo` on the default's SFT then DPO): its own run
+        name = Path(config.recipe).stem
+        return name if config.training.stage == config.recipe_stage else f"{name}-{config.training.stage}"
     model = Path(config.model.model_name_or_path.rstrip("/")).name
     return f"{config.training.stage}-{model}"
 
@@ -296,10 +302,10 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
-                    plan: Plan, world: World) -> dict[str, list[str]]:
+                    plan: Plan, world: World, tools=None) -> dict[str, list[str]]:
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
-                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world)
+                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools)
         for split, rows in rows_by_split.items()
     }
 
@@ -344,7 +350,21 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     return results
 
 
-def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World):
+def tool_session(config: Config, tokenizer, model):
+    """The stage's tools (--tools: src/tools.py), checked against the chat template and the model's end tokens before
+    anything is sampled; None without --tools."""
+    session = session_for(config)
+    if session is not None:
+        try:
+            check_template(tokenizer, stop_ids(model, tokenizer), config.data.chat_template_kwargs)
+        except ToolsError as error:
+            session.close()
+            raise ConfigError(str(error)) from None
+    return session
+
+
+def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World,
+                   tools=None):
     """The held-out prompts an objective whose row sets `judged_eval` (GRPO) judges at the start and each evaluation
     (src/trainers/judged_eval.py): the first --judged_eval_prompts validation prompts, scored by --judge; None without
     them or a judge. Its start reuses the answers judged before training when they are to the same prompts."""
@@ -358,7 +378,7 @@ def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dic
     start = [answer["text"] for answer in before.get("val", [])][:len(ids)]
     same = [row["sample_prompt_ids"] for row in rows.get("val", [])][:len(ids)] == ids and len(start) == len(ids)
     return JudgedEval(curve_rows, judge, tokenizer, config.training.max_new_tokens,
-                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None)
+                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None, tools)
 
 
 def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict, world: World, previous: dict | None,
@@ -389,19 +409,29 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     metrics_path = stage.run_dir / run_files.METRICS
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
-    warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings
+    starts_from, start_warning = starting_model(stage.name, config, model_path, previous and previous["stage"])
+    warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings + \
+        ([start_warning] if start_warning else [])
     row = objective(stage.name)
     data_settings, data_line = {}, None
     if row.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
         data_settings, data_line, warning = row.data_settings(config, prepared.summary["splits"]["train"])
         warnings += [warning] if warning else []
+    no_intact_checkpoint = None
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
-            open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
+            try:
+                open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings, starts_from)
+            except Damaged as error:  # said by every rank together, below
+                no_intact_checkpoint = str(error)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
+    no_intact_checkpoint = gather_objects([no_intact_checkpoint])[0][0]
+    if no_intact_checkpoint:
+        raise Damaged(no_intact_checkpoint)
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
-    print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
+    print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n  starts from  {starts_from}\n{format_plan(plan)}\n"
+           f"  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
     audit_lines = data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name)
     if audit_lines:
@@ -427,7 +457,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
-    before = answer_held_out(model, tokenizer, rows, config, plan, world)
+    tools = tool_session(config, tokenizer, model)
+    before = answer_held_out(model, tokenizer, rows, config, plan, world, tools)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     if data_audit.judged(stage):
         data_audit.judge_training_pairs(prepared, stage, world)
@@ -435,7 +466,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on a
     # loss; an objective whose evaluation is judged (GRPO) judges some of them at each evaluation as well.
-    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world)
+    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world, tools)
     evaluated = judged_eval is not None or (prepared.validation is not None and not {
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
@@ -453,6 +484,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trainer.add_callback(trackers)
     if judged_eval is not None:
         trainer.judged_eval = judged_eval
+    if tools is not None and hasattr(trainer, "use_tools"):
+        trainer.use_tools(tools)
+        trainer.turn_credit = config.training.turn_credit
     if world.is_main and row.needs_reference and "reference" in row.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
@@ -479,7 +513,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
-    after = answer_held_out(trained, tokenizer, rows, config, plan, world)
+    after = answer_held_out(trained, tokenizer, rows, config, plan, world, tools)
+    if tools is not None:
+        tools.close()
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
     saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
     end_step_done("final_model")
@@ -499,12 +535,12 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
 
 def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, world: World, previous: dict | None,
-                      total_steps: int, warnings: list[str]) -> None:
+                      total_steps: int, warnings: list[str], starts_from: str) -> None:
     """Rank 0: training_info.json for a stage that starts (or resumes) now, half-written checkpoints removed."""
     info_path = stage.run_dir / run_files.TRAINING_INFO
     stage.run_dir.mkdir(parents=True, exist_ok=True)
-    info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps, "warnings": warnings,
-                                                                  "status": Status.RUNNING}
+    info = training_info(stage, model_path, prepared, world) | {
+        "starts_from": starts_from, "planned_steps": total_steps, "warnings": warnings, "status": Status.RUNNING}
     if previous:  # its judged result in the measure this stage leads with (GRPO after SFT: the mean reward)
         judge = headline_judge(previous["judges"], stage.name) if previous.get("judges") else previous.get("judge")
         info["previous_stage"] = {"stage": previous["stage"], "judge": judge,
@@ -515,7 +551,7 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
 
 def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
     """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
-    sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
+    sft_forward = resolve_sft_forward(config, attention_implementation(model.config))
     print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
     if sft_forward["warning"]:
         print0(f"  warning: {sft_forward['warning']}")
@@ -605,15 +641,18 @@ def _resuming(info_path: Path) -> bool:
 
 
 def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[dict]:
-    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest complete
-    checkpoint (half-written ones are deleted) and its metric history is cut back to that step; otherwise the stage
-    starts afresh. Returns the resume history to keep in training_info.json."""
+    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest intact
+    checkpoint (half-written ones are deleted, newer damaged ones set aside, each said in one line) and its metric
+    history is cut back to that step; otherwise the stage starts afresh. Returns the resume history to keep in
+    training_info.json. Damaged when it has checkpoints and none is intact (nothing changed then)."""
     earlier = run_files.read_json(info_path) if info_path.exists() else {}
     if earlier.get("status") not in (Status.RUNNING, Status.STOPPED):
         metrics_path.unlink(missing_ok=True)
         return []
-    removed = remove_incomplete_checkpoints(stage.output_dir)
-    checkpoint = newest_complete_checkpoint(stage.output_dir)
+    checkpoint, lines = newest_intact_checkpoint(stage.output_dir, usable_cores())  # the other ranks wait: all cores
+    removed = remove_incomplete_checkpoints(stage.output_dir)  # after it: with none intact, nothing is changed
+    for line in lines:
+        print0(f"  {line}")
     step = checkpoint_step(checkpoint) if checkpoint else 0
     kept = trim_metrics(run_files.read_jsonl(metrics_path), step)
     metrics_path.unlink(missing_ok=True)
@@ -625,6 +664,7 @@ def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[di
         "from_step": step,
         "previous_status": earlier.get("status"),
         "removed_incomplete_checkpoints": [str(path) for path in removed],
+        "damaged_checkpoints_set_aside": [line for line in lines if line.startswith("warning:")],
     }]
 
 
@@ -707,9 +747,15 @@ def make_copies(stage: Stage, config: Config) -> None:
     (a relaunch of a finished run makes what a kill left unmade)."""
     info = stage_status(stage.run_dir)
     target = config.training.final_model_dir
-    if target and info.get("final_model_dir") != str(Path(target).resolve()):
+    export = target and info.get("final_model_dir") != str(Path(target).resolve())
+    push = config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed")
+    damaged = damaged_model(stage.run_dir) if export or push else None  # one read of the model, checked once
+    if damaged:
+        asked = " and ".join(flag for flag, wanted in (("--final_model_dir", export), ("--push_to_hub", push)) if wanted)
+        raise Damaged(f"{asked} refused: {damaged}")
+    if export:
         export_final_model(stage, Path(target))
-    if config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed"):
+    if push:
         push_final_model(stage, config)
 
 
@@ -779,10 +825,12 @@ def finish_finished_run(stages: list[Stage], config: Config, world: World, recor
     launcher_preflight = config.training.dry_run and os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1"
     if world.is_main and (launcher_preflight or not config.training.dry_run):
         hold = take_hold(stage.run_dir) if launcher_preflight else None
-        publish_end(stage, announce=False)
-        make_copies(stage, config)
-        if hold is not None:
-            hold.release()
+        try:
+            publish_end(stage, announce=False)
+            make_copies(stage, config)  # a damaged final model stops here (Damaged): the hold is released all the same
+        finally:
+            if hold is not None:
+                hold.release()
     print0(f"  {finished_line(stage.run_dir, record, report_verdict(stage.run_dir))}")
     if launcher_preflight:
         launcher_exit.record_finished()
@@ -922,6 +970,12 @@ def exit_status(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
+    except Damaged as error:  # every rank raises it together (train_stage), or rank 0 alone after the run (make_copies)
+        if debug:
+            raise
+        if World.from_environment().is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return ExitStatus.DAMAGED
     except WriteFailed as error:  # every rank raises it together (src/distributed.py barrier); rank 0 says it
         if debug:
             raise

@@ -177,14 +177,15 @@ def computed_block_share(block_mask) -> float:
 @contextlib.contextmanager
 def flex_implementation(model):
     """`model` attends through FlexAttention while the block runs: transformers looks up a layer's attention function
-    from `config._attn_implementation` at every call, and its setter carries the value into the sub-configs."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = FLEX_IMPLEMENTATION
+    from the config's attention implementation at every call (src/private_api.py)."""
+    from src.private_api import attention_implementation, set_attention_implementation
+
+    before = attention_implementation(model.config)
+    set_attention_implementation(model.config, FLEX_IMPLEMENTATION)
     try:
         yield
     finally:
-        config._attn_implementation = before
+        set_attention_implementation(model.config, before)
 
 
 class CompileCounter:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from src.config import Config, TrainingArguments
 from src.config_error import ConfigError
-from src.config_parse import _BLOCK_PREFIXES, stage_config
+from src.config_parse import BLOCK_PREFIXES, stage_config
 from src.objectives import OBJECTIVES, PIPELINES, final_stage
 from src.redaction import redact_secrets
 from src.world import Devices, World
@@ -72,8 +73,6 @@ def with_batch_size(arguments: list[str], batch: int, base: int | None) -> list[
 def batch_split_command(error: BatchSplitError, arguments: list[str], processes: int,
                         environ: Mapping[str, str] | None = None) -> str:
     """The launch command with the nearest batch that splits: what the launcher's preflight proposes."""
-    import shlex
-
     environ = os.environ if environ is None else environ
     strategy = environ.get("STRATEGY", "torchrun")
     prefix = f"STRATEGY={shlex.quote(strategy)} " if strategy != "torchrun" else ""
@@ -309,7 +308,7 @@ def value_sources(config: Config, row_keys: Mapping[str, tuple[str, ...]], fallb
     settings, which otherwise come from src/config.py's default (or, where that is None, `fallbacks`)."""
     values = redact_secrets(config.values())
     found = {key: {"value": values.get(key), "from": where} for key, where in config.sources.items()
-             if not key.startswith(_BLOCK_PREFIXES) and key != "dry_run"}  # --dry_run is what this launch does, not a setting
+             if not key.startswith(BLOCK_PREFIXES) and key != "dry_run"}  # --dry_run is what this launch does, not a setting
     for key in (key for keys in row_keys.values() for key in keys):
         if key in found:
             continue

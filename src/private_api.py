@@ -1,7 +1,8 @@
 """The private names of TRL and transformers that the toolkit reads outside its trainers' overrides: one file, so a TRL
 or transformers upgrade starts here (docs/development.md lists every other place: the objectives' trainer modules and
-the Trainer internals in src/trainers/base.py and checkpointing.py). Each is imported when first asked for: both
-libraries cost seconds to import, and the preflight needs neither."""
+the Trainer internals in src/trainers/base.py and checkpointing.py; tests/test_private_api.py checks the list against
+the code). Each is imported when first asked for: both libraries cost seconds to import, and the preflight needs
+neither."""
 
 from __future__ import annotations
 
@@ -12,6 +13,20 @@ def trl_tokenize():
     from trl.data_utils import _tokenize
 
     return _tokenize
+
+
+def attention_implementation(config) -> str | None:
+    """`PretrainedConfig._attn_implementation` (transformers 5.23, no public accessor): the attention a model config
+    runs with ("sdpa", "eager", "flash_attention_2", a Hub kernel; None before one is set), which the packed DPO
+    forward's layout and allow-list (src/packed_dpo.py, packed_dpo_support.py) and the SFT forward depend on."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config, implementation: str | None) -> None:
+    """Sets `PretrainedConfig._attn_implementation` (its setter carries it into the sub-configs); every attention
+    layer of transformers 5.23 looks its function up from it at each call: src/packed_attention.py runs the packed
+    forward on `flex_attention` this way and restores the model's own afterwards."""
+    config._attn_implementation = implementation
 
 
 def compile_jinja_template():

@@ -1,6 +1,5 @@
-"""Secrets kept out of what a run writes: every value under a key named like a secret (token, key, password, ...) replaced,
-recursively, before training_info.json, reports and trackers see it.
-"""
+"""Secrets kept out of what a run writes: every value under a key named like a secret (token, key, password, ...)
+replaced, recursively, before training_info.json, reports and trackers see it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The world a run runs in: the accelerators one process sees (`Devices`), the processes of the job (`World`: ranks, world
-size, nodes, from torchrun's variables), and SageMaker's one-process-per-machine default when GPUs would idle.
-"""
+"""The world a run runs in: the accelerators one process sees (`Devices`), the processes of the job (`World`: ranks,
+world size, nodes, from torchrun's variables), and SageMaker's one-process-per-machine default when GPUs would idle."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from check_gpu import build_parser, options_from
+from src.diagnostics.check import check
 from src.diagnostics.inputs import parse_launch_arguments
 from src.diagnostics.model_shape import shape_from_param_count
 from src.diagnostics.render import render
-from src.diagnostics.check import check
 from src.diagnostics.system import InfinibandPort
 
 from fakes.fake_pynvml import real_pynvml
@@ -580,7 +580,7 @@ def test_the_memory_plan_takes_the_lengths_of_the_runs_prepared_data(tmp_path, t
     from src.config_parse import stage_config
     from src.data import prepare_data
     from src.diagnostics.data_lengths import find_data_lengths
-    from src.embedded.model import cache_root
+    from src.run_safety.build_once import cache_root
     from src.models import load_tokenizer
 
     data = write_jsonl(tmp_path / "reasoning.jsonl", thinking_rows(40))

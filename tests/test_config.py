@@ -266,6 +266,39 @@ def test_a_pipeline_recipe_runs_as_one_stage_without_its_sft_block():
     assert config.sft_stage_overrides == {} and config.training.max_steps == 60
 
 
+def test_a_stage_run_alone_from_a_recipe_gets_its_own_run_directory():
+    """`./run_distributed.sh 2 --stage dpo` takes configs/default.yaml (SFT then DPO) for all but the stage: its results
+    go to results/default-dpo, not into the default pipeline's results/default. The recipe's own stage, typed or not,
+    keeps the recipe's name, and the same command names the same directory (it resumes)."""
+    from src.main_distributed import plan_stages, run_name_for
+
+    launches = [[], ["--stage", "sft_then_dpo"], ["--stage", "dpo"], ["--stage", "sft"],
+                ["--stage", "dpo", "--run_name", "mine"], ["--config", "configs/kto.yaml"],
+                ["--config", "configs/kto.yaml", "--stage", "dpo"], ["--config", "configs/orpo.yaml", "--stage", "orpo"],
+                USER + ["--stage", "dpo"]]
+    assert [run_name_for(parse_config(argv)) for argv in launches] == [
+        "default", "default", "default-dpo", "default-sft", "mine", "kto", "kto-dpo", "orpo", "dpo-model"]
+    assert run_name_for(parse_config(["--stage", "dpo"])) == run_name_for(parse_config(["--stage", "dpo"]))
+    (stage,) = plan_stages(parse_config(["--stage", "dpo"]), World(), Devices("cpu"))
+    assert stage.run_dir == Path("results") / "default-dpo"
+
+
+def test_a_stage_says_what_it_starts_from_and_warns_on_the_untrained_embedded_model():
+    """The console's `starts from` line and training_info.json's `starts_from`: the untrained embedded model (a
+    warning for an objective that follows SFT: DPO on random weights), a model given by path, the stage before."""
+    from src.trainers.stage_plan import starting_model
+
+    embedded = parse_config(["--stage", "dpo"])
+    described, warning = starting_model("dpo", embedded, "/cache/embedded/model", None)
+    assert described == "the untrained embedded base model (randomly initialised: /cache/embedded/model)"
+    assert warning.startswith("DPO starts from the untrained embedded base model") and \
+        "--stage sft_then_dpo" in warning and "--model_name_or_path" in warning
+    assert starting_model("sft", parse_config(["--stage", "sft"]), "/cache/embedded/model", None)[1] is None
+    assert starting_model("dpo", embedded, "results/default/sft/model/final", "sft") == (
+        "the sft stage's final model (results/default/sft/model/final)", None)
+    assert starting_model("dpo", parse_config(USER + ["--stage", "dpo"]), "some/model", None) == ("some/model", None)
+
+
 def test_sft_stage_overrides_apply_to_the_sft_stage_only():
     config = parse_config(["--max_steps", "7", "--sft.max_steps", "3", "--sft.learning_rate", "0.01"])
     assert stage_config(config, "sft").training.max_steps == 3

@@ -268,7 +268,7 @@ def round_one_pairs_in_this_process(model_dir: Path, data: Path) -> list[dict]:
     from src.config import DataArguments, SFTArguments
     from src.world import World
     from src.data import PROMPTS, prepare_data
-    from src.embedded.model import cache_root
+    from src.run_safety.build_once import cache_root
     from src.judges import judge_for
     from src.rounds import RoundSettings, sample_and_judge, train_prompts
 

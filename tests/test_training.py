@@ -178,6 +178,11 @@ def test_qlora_runs_on_cpu_where_bitsandbytes_can(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     info = run_files.read_json(tmp_path / "results" / "qlora" / run_files.TRAINING_INFO)
     assert info["load_in_4bit"] is True and info["summary"]["completed_steps"] == 2
+    # DPO alone on the embedded model: what it starts from, said plainly (test_config.py has the rule)
+    assert info["starts_from"].startswith("the untrained embedded base model")
+    assert "starts from  the untrained embedded base model" in result.stdout
+    assert "warning: DPO starts from the untrained embedded base model" in result.stdout, result.stdout[-3000:]
+    assert any(warning.startswith("DPO starts from the untrained") for warning in info["warnings"])
     assert (tmp_path / "results" / "qlora" / "model" / "final" / "adapter_model.safetensors").exists()
 
 
@@ -258,6 +263,9 @@ def test_sft_then_dpo_then_grpo_of_a_base_model_with_chat_template_path_resumes_
     infos = {name: run_files.read_json(directory / run_files.TRAINING_INFO)
              for name, directory in (("sft", run_dir / "sft"), ("dpo", run_dir / "dpo"), ("grpo", run_dir))}
     assert infos["dpo"]["model_name_or_path"] == str(sft_final)
+    assert infos["sft"]["starts_from"] == str(base) and not any("untrained" in w for w in infos["dpo"]["warnings"])
+    assert infos["dpo"]["starts_from"] == f"the sft stage's final model ({sft_final})"
+    assert f"starts from  the dpo stage's final model ({run_dir / 'dpo' / 'model' / 'final'})" in result.stdout
     assert infos["grpo"]["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")
     assert [resume["from_step"] for resume in infos["dpo"]["resumes"]] == [1] and not infos["grpo"].get("resumes")
     assert AutoTokenizer.from_pretrained(run_dir / "model" / "final").chat_template

@@ -1,6 +1,5 @@
 """What the trained model now says: the held-out answers before and after a stage, measured.
 
-    record = answer_record(text, generated_ids, eos_ids)     # per answer, while generating (src/generation.py)
     audit = answers_audit(read_jsonl(run_dir / "samples_test.jsonl"))   # per split, from the samples file
 
 Longer answers after DPO are the commonest surprise: preference data often prefers the longer answer, and DPO
@@ -8,7 +7,9 @@ learns length faster than quality (Park et al. 2024, "Disentangling Length from 
 Optimization", arXiv 2403.19159). A cut answer ran to --max_new_tokens without ending. A degenerate answer repeats
 itself: its seq-rep-4 (the share of its 4-token n-grams that repeat an earlier one, Welleck et al. 2019, "Neural Text
 Generation with Unlikelihood Training", arXiv 1908.04319: 0.006 for human text, 0.44 for greedy GPT-2) is at least
-0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.reporting` recomputes them.
+0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.reporting` recomputes them; each answer's
+record (its tokens, whether it ended, its repetition, its reasoning) is written as it is generated (src/generation.py
+`answer_record`).
 """
 
 from __future__ import annotations
@@ -16,39 +17,9 @@ from __future__ import annotations
 import math
 import statistics
 
-REPETITION_N = 4
 DEGENERATE = 0.5  # seq-rep-4 at or above this: a phrase repeated over and over
 MIN_TOKENS = 16  # shorter answers have too few n-grams to call repetitive
 SIDES = ("reference", "trained")  # before and after the stage
-
-
-def repetition(tokens: list[int], n: int = REPETITION_N) -> float:
-    """seq-rep-n: 1 - distinct n-grams / n-grams (0 for an answer with no repeated n-gram)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def answer_record(text: str, generated_ids: list[int], eos_ids: set, close_ids: list[int] | None = None) -> dict:
-    """One generated answer: its text, the tokens before its end, whether it ended (an end-of-sequence token before
-    --max_new_tokens ran out), and its repetition. An answer that reasons (its text starts with <think>: the model's or
-    its generation prompt's, src/generation.py) adds its reasoning tokens (up to and with `close_ids`, the tokens of
-    </think>) and whether its reasoning closed."""
-    from src.chat_templates import THINK_CLOSE, split_reasoning
-
-    end = next((position for position, token in enumerate(generated_ids) if token in eos_ids), None)
-    tokens = generated_ids if end is None else generated_ids[:end]
-    record = {"text": text, "tokens": len(tokens), "ended": end is not None, "repetition": round(repetition(tokens), 4)}
-    parts = split_reasoning({"content": text})
-    if parts.reasoning is not None:
-        closed = THINK_CLOSE in text
-        width = len(close_ids or [])
-        at = next((i for i in range(len(tokens) - width + 1) if tokens[i:i + width] == close_ids), None) if width \
-            else None
-        record.update(reasoning_tokens=len(tokens) if not closed else (at + width if at is not None else
-                                                                        round(len(tokens) * text.find(THINK_CLOSE)
-                                                                              / max(len(text), 1))),
-                      closed=closed)
-    return record
 
 
 def is_degenerate(stats: dict) -> bool:
@@ -86,6 +57,7 @@ def answers_audit(samples: list[dict]) -> dict | None:
     for side, name in zip(SIDES, ("before", "after")):
         audit[f"cut_share_{name}"] = _share([not item["ended"] for item in stats[side]])
         audit.update(_reasoning(stats[side], name))
+        audit.update(_tool_use(stats[side], name))
         audit[f"repetition_share_{name}"] = _share([is_degenerate(item) for item in stats[side]])
         audit[f"empty_share_{name}"] = _share([not str(sample.get(f"{side}_answer") or "").strip()
                                                 for sample in measured])
@@ -106,6 +78,24 @@ def _reasoning(stats: list[dict], name: str) -> dict:
             f"unclosed_share_{name}": _share([not item.get("closed", True) for item in stats]),
             f"cut_in_reasoning_share_{name}": _share([not item.get("closed", True) and not item["ended"]
                                                       for item in stats])}
+
+
+def _tool_use(stats: list[dict], name: str) -> dict:
+    """A side's tool use, where its answers ran tools (--tools: src/tools.py's record per answer): calls per answer,
+    the share of calls that were valid (parsed, a known tool, within its schema, ran and returned text), the errors
+    by kind, the turns per answer. Empty without tools."""
+    used = [item for item in stats if "calls" in item]
+    if not used:
+        return {}
+    calls = sum(item["calls"] for item in used)
+    errors: dict[str, int] = {}
+    for item in used:
+        for kind, count in (item.get("tool_errors") or {}).items():
+            errors[kind] = errors.get(kind, 0) + count
+    return {f"tool_calls_per_answer_{name}": round(calls / len(used), 4),
+            f"tool_valid_share_{name}": round(sum(item["valid_calls"] for item in used) / calls, 6) if calls else None,
+            f"tool_errors_{name}": dict(sorted(errors.items())),
+            f"tool_turns_per_answer_{name}": round(statistics.fmean(item["turns"] for item in used), 4)}
 
 
 def _judged_by_length(samples: list[dict]) -> dict | None:

@@ -45,10 +45,10 @@ from src.data.mixtures import mixture_sources, source_names
 from src.data.prepare import prepare_data
 from src.data.prepared import SUMMARY_FILE, PreparedData, source_rows
 from src.data.shapes import normalize_row, parse_label
-from src.data.sources import (check_source, prompts_only, source_columns, source_files, source_fingerprint,
-                              source_location)
+from src.data.sources import check_source, prompts_only, source_columns, source_fingerprint, source_location
 from src.data.summary import format_summary
 from src.data.tokenization import sample_fields, tokenize_preference, tokenize_reward, tokenize_sft, tokenize_unpaired
+from src.data_file_kinds import source_files
 from src.objectives import PROMPTS  # the prompts-alone shape, which the rounds prepare under its own name
 
 __all__ = ["DataError", "PROMPTS", "PreparedData", "SUMMARY_FILE", "check_source", "format_summary", "kl_partners",

@@ -7,13 +7,21 @@ tests/test_data_files.py is the table of variants.
 
 from __future__ import annotations
 
+import bisect
+import bz2
+import csv
+import gzip
+import importlib.util
+import io
 import json
+import lzma
 import re
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
-from src.data_file_kinds import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, data_file_kind
 from src.data.errors import DataError
+from src.data_file_kinds import DATA_FILE_BUILDERS, DATA_FILE_COMPRESSIONS, data_file_kind
 
 
 UTF8_BOM = b"\xef\xbb\xbf"  # what Windows tools and spreadsheet exports put before UTF-8 text; datasets skips it
@@ -22,15 +30,13 @@ SUPPORTED_FILES = (".json, .jsonl, .parquet or .csv (or .ndjson, .tsv, .arrow), 
                    ", ".join(DATA_FILE_COMPRESSIONS) + ")")
 
 
-def _data_file_error(location: str, path: Path) -> DataError | None:
+def data_file_error(location: str, path: Path) -> DataError | None:
     """Why a data file cannot be read at all (its type, a decompressor not installed), or None."""
     kind = data_file_kind(path)
     if kind is None:
         return DataError(f"--dataset_name {location}: unsupported file type; use {SUPPORTED_FILES}")
     module = DATA_FILE_COMPRESSIONS.get(kind[1])
     if module:
-        import importlib.util
-
         if importlib.util.find_spec(module) is None:
             return DataError(f"--dataset_name {location}: a {kind[1]} file needs the {module} package, as datasets "
                              f"does: pip install {module} (or decompress it)")
@@ -39,17 +45,12 @@ def _data_file_error(location: str, path: Path) -> DataError | None:
 
 def _open_data_file(path: Path):
     """A data file as a binary stream of its (decompressed) bytes."""
-    import io
-
     compression = data_file_kind(path)[1]
     if compression in (".gz", ".gzip"):
-        import gzip
         return gzip.open(path, "rb")
     if compression == ".bz2":
-        import bz2
         return bz2.open(path, "rb")
     if compression == ".xz":
-        import lzma
         return lzma.open(path, "rb")
     if compression in (".zst", ".zstd"):
         import zstandard
@@ -61,12 +62,12 @@ def _open_data_file(path: Path):
     return open(path, "rb")
 
 
-def _first_columns(path: Path) -> list[str] | None:
+def first_columns(path: Path) -> list[str] | None:
     """A local data file's column names from its first row or schema, without loading it: every kind `data_file_kind`
     reads (compressed, with a byte-order mark, JSON Lines under a .json name). None where that is not cheap (a JSON
     array) or the file cannot be read (the preparation names why)."""
     kind = data_file_kind(path)
-    if kind is None or _data_file_error(str(path), path) is not None:
+    if kind is None or data_file_error(str(path), path) is not None:
         return None
     form = kind[0]
     if form == ".parquet":
@@ -76,14 +77,11 @@ def _first_columns(path: Path) -> list[str] | None:
     if form == ".arrow":
         try:
             return list(_arrow_reader(path).schema.names)
-        except Exception:  # not Arrow after all: datasets' reading of it says why (_load_files)
+        except Exception:  # not Arrow after all: datasets' reading of it says why (load_files)
             return None
     try:
         with _open_data_file(path) as handle:
             if form in (".csv", ".tsv"):
-                import csv
-                import io
-
                 lines = io.TextIOWrapper(handle, encoding="utf-8-sig", errors="replace", newline="")
                 return next(csv.reader(lines, delimiter="\t" if form == ".tsv" else ","), None)
             for number, raw in enumerate(handle):
@@ -130,9 +128,6 @@ def _check_text_lines(path: Path, json_lines: bool) -> int:
 @contextmanager
 def _unreadable_named(path: Path):
     """A file the system cannot read, or a truncated or corrupt archive (gzip, bz2, xz, zstd, lz4): one line."""
-    import lzma
-    import zlib
-
     try:
         yield
     except DataError:
@@ -161,7 +156,7 @@ def _check_data_file(path: Path) -> int | None:
 
         try:
             return pq.ParquetFile(path).metadata.num_rows
-        except Exception:  # not Parquet after all: datasets' reading of it says why (_load_files)
+        except Exception:  # not Parquet after all: datasets' reading of it says why (load_files)
             return None
     if form == ".arrow":
         try:
@@ -206,14 +201,14 @@ def _split_name(path: Path) -> str:
     return _SHARD_NAME.sub("", stem) or stem
 
 
-def _names_a_split(name: str) -> bool:
+def names_a_split(name: str) -> bool:
     """Whether a file's split name is one of datasets' split keywords (train, validation, dev, test, eval, ...)."""
     from datasets.data_files import SPLIT_KEYWORDS
 
     return any(name == keyword for keywords in SPLIT_KEYWORDS.values() for keyword in keywords)
 
 
-def _split_files(directory: Path) -> dict[str, list[str]]:
+def split_files(directory: Path) -> dict[str, list[str]]:
     """A directory's data files by split, in order. Files at its top are named by split (train.jsonl,
     validation.jsonl.gz, train-00000-of-00004.parquet, ...); with none there, the layouts of the Hub below it
     (data/train-00000-of-00004.parquet, train/*.jsonl, data/train-*.jsonl, ...) are found by datasets' own patterns."""
@@ -236,12 +231,12 @@ def _split_files(directory: Path) -> dict[str, list[str]]:
     return dict(sorted(files.items(), key=lambda item: item[0] != "train"))
 
 
-def _load_files(files: dict[str, list[str]], location: str):
+def load_files(files: dict[str, list[str]], location: str):
     """Data files by split → (DatasetDict, the files each split's rows come from), each file checked first."""
     import datasets
 
     for file in (file for found in files.values() for file in found):
-        error = _data_file_error(location if Path(location).is_file() else file, Path(file))
+        error = data_file_error(location if Path(location).is_file() else file, Path(file))
         if error:
             raise error
     builders = {DATA_FILE_BUILDERS[data_file_kind(file)[0]] for found in files.values() for file in found}
@@ -283,8 +278,6 @@ def _origins(files: list[str], rows: dict[str, int | None], total: int, builder:
 
 def row_origin(origins: list[tuple[str, int]] | None, where: str, number: int) -> tuple[str, int]:
     """(file, its row number) of a split's row `number` (1-based); (where, number) when the files are unknown."""
-    import bisect
-
     if not origins:
         return where, number
     index = bisect.bisect_right([start for _, start in origins], number - 1) - 1

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
-from src.data.pair_audit import NO_PROMPT, counts_of, split_audit
 from src.config import EMBEDDED, DataArguments, SFTArguments
 from src.data.cache_key import prepared_path
 from src.data.checks import EMPTY, IDENTICAL, KEPT, TOO_LONG, UNDESIRABLE
 from src.data.errors import DataError
 from src.data.kto import add_kl_completions, check_kto_classes
 from src.data.mixtures import mix_sources, take_fraction, mixture_sources
+from src.data.pair_audit import NO_PROMPT, counts_of, split_audit
 from src.data.pool import map_with_progress
 from src.data.prepared import (PreparedData, SUMMARY_FILE, open_split, prepared_columns, split_file, write_kept,
                                write_source_rows)
@@ -63,8 +64,6 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
 
 
 def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
-    import shutil
-
     num_proc = data.dataset_num_proc or usable_cores()  # a container's CPU quota too
     if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from src.data.pair_audit import AUDIT_COLUMNS, row_fields
 from src.config import DataArguments, SFTArguments
 from src.data.checks import IDENTICAL, KEPT, TOO_LONG, UNDESIRABLE, check_row
 from src.data.errors import DataError
 from src.data.files import row_origin
+from src.data.pair_audit import AUDIT_COLUMNS, row_fields
 from src.data.shapes import is_chat, stage_shape, normalize_row, unpaired_rows
 from src.data.templates import template_refusals
 from src.data.tokenization import (has_trainable_token, reward_ids, sample_fields, tokenize_preference, tokenize_sft,

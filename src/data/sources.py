@@ -8,11 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from src.config import EMBEDDED, DataArguments
-from src.data_file_kinds import data_file_kind
 from src.data.errors import DataError
-from src.data.files import _data_file_error, _first_columns, _load_files, _names_a_split, _split_files
+from src.data.files import data_file_error, first_columns, load_files, names_a_split, split_files
 from src.data.mixtures import mixture_sources
 from src.data.shapes import columns_after_mapping, holds_prompts_only
+from src.data_file_kinds import data_file_kind, source_files
+from src.embedded.generate import data_dir
+from src.hub_access import looks_like_hub_id
 from src.objectives import OBJECTIVES, ROUNDS_STAGE, objective
 
 
@@ -20,8 +22,6 @@ def source_location(data: DataArguments, stage: str) -> str:
     """Where the data comes from: the embedded default resolves to its shipped directory for the stage (a reward
     model learns from the DPO stage's preference pairs)."""
     if data.dataset_name == EMBEDDED:  # KTO converts the default's pairs (_prepare_source)
-        from src.embedded.generate import data_dir
-
         return str(data_dir(data.embedded_reasoning) / (objective(stage).embedded_data if stage in OBJECTIVES
                                                         else stage))
     return data.dataset_name
@@ -32,8 +32,6 @@ def source_columns(data: DataArguments, stage: str) -> list[str] | None:
     (or of a directory's train file), a save_to_disk directory's memory-mapped table, or a Hub dataset's card
     (`_hub_columns`). None where that is not known without loading the data (a JSON array) or the source cannot be
     read (a missing path, an unreachable Hub: the preparation names why)."""
-    from src.hub_access import looks_like_hub_id
-
     name = source_location(data, stage)
     location = Path(name)
     if looks_like_hub_id(name):
@@ -43,11 +41,11 @@ def source_columns(data: DataArguments, stage: str) -> list[str] | None:
             loaded = load_source(data, stage)  # memory-mapped: no rows read
             columns = loaded[data.dataset_split].column_names if data.dataset_split in loaded else None
         else:
-            files = _split_files(location)
+            files = split_files(location)
             shards = files.get(data.dataset_split) or next(iter(files.values()), None)
-            columns = _first_columns(Path(shards[0])) if shards else None
+            columns = first_columns(Path(shards[0])) if shards else None
     else:
-        columns = _first_columns(location) if location.is_file() else None
+        columns = first_columns(location) if location.is_file() else None
     return None if columns is None else columns_after_mapping(columns, data)
 
 
@@ -96,7 +94,7 @@ def check_source(data: DataArguments, stage: str) -> None:
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
-        error = _data_file_error(location, path)
+        error = data_file_error(location, path)
         if error:
             raise error
         if path.stat().st_size == 0:
@@ -120,21 +118,21 @@ def load_source_with_origins(data: DataArguments, stage: str):
     location = source_location(data, stage)
     path = Path(location)
     if path.is_file():
-        return _load_files({"train": [location]}, location)
+        return load_files({"train": [location]}, location)
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             loaded = datasets.load_from_disk(str(path))
             return (loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded}),
                     None)
-        files = _split_files(path)
-        if len(files) == 1 and data.dataset_split not in files and not _names_a_split(next(iter(files))):
+        files = split_files(path)
+        if len(files) == 1 and data.dataset_split not in files and not names_a_split(next(iter(files))):
             files = {data.dataset_split: next(iter(files.values()))}  # pairs.jsonl alone: the training rows, as datasets
         if not files:
             raise DataError(
                 f"--dataset_name {location}: the directory holds neither a save_to_disk dataset nor data files "
                 "(train.jsonl, validation.jsonl, data/train-00000-of-00001.parquet, ...)"
             )
-        return _load_files(files, location)
+        return load_files(files, location)
     try:
         loaded = datasets.load_dataset(location, data.dataset_config)
     except Exception as error:  # the Hub client raises many types; the user needs the reason, not the type
@@ -144,16 +142,6 @@ def load_source_with_origins(data: DataArguments, stage: str):
             "file or directory instead if this machine is offline"
         ) from None
     return loaded, None
-
-
-def source_files(location: str) -> list[Path] | None:
-    """The files of a local source (a file, or every file under a directory, sorted); None for a Hub id."""
-    path = Path(location)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(item for item in path.rglob("*") if item.is_file())
-    return None
 
 
 def source_fingerprint(location: str) -> list:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from src.config import EMBEDDED, Config
 from src.config_parse import stage_config
+from src.data import SUMMARY_FILE, prepared_path
+from src.models import ModelError, apply_chat_template_path, load_tokenizer
 from src.objectives import SEQUENCES, objective
+from src.run_safety.build_once import cache_root, is_complete
 
 
 @dataclass
@@ -64,11 +67,6 @@ def lengths_from_summary(summary: dict, path: Path, packed: bool) -> DataLengths
 def find_data_lengths(config: Config, stage: str) -> DataLengths | None:
     """The lengths of `stage`'s data as the launch of `config` would prepare it, when that preparation is in this
     machine's cache; else None (see the module doc)."""
-    from src.data import SUMMARY_FILE, prepared_path
-    from src.embedded.model import cache_root
-    from src.models import ModelError, apply_chat_template_path, load_tokenizer
-    from src.run_safety.build_once import is_complete
-
     staged = stage_config(config, stage)
     model, template = staged.model.model_name_or_path, staged.model.chat_template_path
     if not model or model == EMBEDDED or not staged.data.dataset_name:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from src.chat_templates import THINK_CLOSE, THINK_OPEN
 from src.embedded.generate import data_dir
-from src.run_safety.build_once import build_once
+from src.run_safety.build_once import build_once, cache_root
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|unk|>"]
 # Roles are marked by special tokens, so no newlines are needed; {% generation %} marks the assistant tokens for
@@ -58,10 +57,6 @@ MODEL_SHAPE = {
 VERSION = "embedded-model-v1"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("PREFKIT_CACHE", Path.home() / ".cache" / "prefkit"))
-
-
 def _model_data_files(reasoning: bool = False) -> list[Path]:
     """The files the tokenizer is trained on and the model's cache key reads: dpo/ and sft/ (prompts/ repeats dpo/'s
     questions, so the tokenizer and the cached model stay the ones those two have always built)."""
@@ -78,38 +73,41 @@ def _corpus(reasoning: bool = False) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str], reasoning: bool = False):
+def build_tokenizer(texts: list[str], reasoning: bool = False, chat_template: str | None = None,
+                    special_tokens: tuple[str, ...] = ()):
     """A character-level tokenizer: BPE trained with no room for merges, so every character is one token — digits
     and letters stay separate, which is what arithmetic and string tasks need. The reasoning variant's has the
-    reasoning tags as two added tokens and its own template (see the module doc)."""
+    reasoning tags as two added tokens and its own template (see the module doc); another task's (the tool task,
+    src/embedded/tools_task.py) its own template and special tokens."""
     from tokenizers import Tokenizer, decoders, models, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(set("".join(texts)))
     tokenizer = Tokenizer(models.BPE(unk_token="<|unk|>"))
     tokenizer.decoder = decoders.Fuse()
+    specials = SPECIAL_TOKENS + list(special_tokens)
     trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet,
+        vocab_size=len(alphabet) + len(specials), special_tokens=specials, initial_alphabet=alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>", unk_token="<|unk|>",
-        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>", *special_tokens],
     )
-    wrapped.chat_template = REASONING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE
+    wrapped.chat_template = chat_template or (REASONING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE)
     if reasoning:
         wrapped.add_tokens([THINK_OPEN, THINK_CLOSE])  # added, not special: decoding keeps them
     return wrapped
 
 
-def build_model(tokenizer, seed: int = 0):
+def build_model(tokenizer, seed: int = 0, shape: dict | None = None):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL_SHAPE,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **(shape or MODEL_SHAPE),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

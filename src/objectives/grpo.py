@@ -13,9 +13,10 @@ from src.config_error import ConfigError
 from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber
 from src.reporting.formatting import format_number
 
-# TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--beta 0.1, --loss_type sigmoid):
-# GRPO's KL weight is 0 (no reference model) and its loss dapo (normalised over the global batch's answer tokens)
-# unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the rounds sample).
+# TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--loss_type sigmoid), or none
+# (--beta: the row's default_beta): GRPO's KL weight is 0 (no reference model) and its loss dapo (normalised over the
+# global batch's answer tokens) unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the
+# rounds sample).
 DEFAULT_NUM_GENERATIONS = 8
 DEFAULT_BETA = 0.0
 DEFAULT_LOSS_TYPE = "dapo"
@@ -29,7 +30,7 @@ def num_generations_of(config) -> int:
 
 
 def beta_of(config) -> float:
-    return config.dpo.beta if "beta" in config.sources else DEFAULT_BETA
+    return config.dpo.beta  # the row's default_beta unless given (src/config_parse.py)
 
 
 def loss_type_of(config) -> str:
@@ -53,9 +54,9 @@ def judges_of(config) -> list[str]:
 
 
 def trainer_inputs(config) -> dict:
-    from src.trainers.grpo import judge_rewards  # the judges load torch (a reward model: its weights)
-
-    return {"reward_funcs": judge_rewards(judges_of(config), config.data.dataset_name)}
+    """The judges the trainer turns into its reward functions (src/trainers/grpo.py `judge_rewards`: they load torch,
+    a reward model its weights), named here and built there."""
+    return {"reward_judges": (judges_of(config), config.data.dataset_name)}
 
 
 def memory_setup(config) -> dict:
@@ -152,6 +153,7 @@ OBJECTIVE = Objective(
     trl_config="trl:GRPOConfig",
     trainer="src.trainers.grpo:PreparedGRPOTrainer",
     default_learning_rate=1e-6,
+    default_beta=DEFAULT_BETA,
     # TRL keeps a reference model only with --beta > 0 (the KL term); its default beta is 0
     needs_reference=False,
     sequences_per_example=1,

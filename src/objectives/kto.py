@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 from src.config_error import ConfigError
-from src.reporting.formatting import format_number
+from src.kto_weights import resolve_kto_weights
 from src.objectives.spec import UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
+from src.reporting.formatting import format_number
 
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
@@ -57,8 +58,6 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
 
 
 def data_settings(config, train_counts: dict) -> tuple[dict, str, str | None]:
-    from src.kto_weights import resolve_kto_weights  # src.config (which it reads) reads this table at import
-
     weights, line, warning = resolve_kto_weights(config, train_counts)
     return {"kto_weights": weights}, line, warning
 
@@ -86,6 +85,7 @@ OBJECTIVE = Objective(
     trl_config="trl:KTOConfig",
     trainer="src.trainers.kto:PreparedKTOTrainer",
     default_learning_rate=1e-6,
+    default_beta=0.1,  # TRL's KTOConfig default
     needs_reference=True,
     sequences_per_example=2,  # the completion and its KL partner
     sequences_with_grad=1,  # the KL sequence runs without gradients before the step (src/trainers/kto.py)

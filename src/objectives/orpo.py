@@ -15,7 +15,7 @@ DEFAULT_BETA = 0.1  # TRL's ORPOConfig default and the paper's lambda (its Mistr
 
 
 def beta_of(config) -> float:
-    return config.dpo.beta if "beta" in config.sources else DEFAULT_BETA
+    return config.dpo.beta  # the row's default_beta unless given (src/config_parse.py)
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
@@ -48,6 +48,7 @@ OBJECTIVE = Objective(
     trl_config="trl.experimental.orpo:ORPOConfig",
     trainer="src.trainers.orpo:PreparedORPOTrainer",
     **REFERENCE_FREE_PAIRS,
+    default_beta=DEFAULT_BETA,
     ends_pipeline=False,  # it replaces SFT: it starts from the model SFT would start from
     charts=(
         Chart("loss.png", "ORPO loss", (

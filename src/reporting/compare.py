@@ -25,13 +25,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from src.objectives import Metric, display_name, infer_stage, objective
+from src.objectives.dpo import dpo_loss_config, dpo_loss_terms
 from src.progress import format_duration
+from src.reporting.formatting import ci95, format_number, format_percent, metric_points, table_lines
 from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
-from src.reporting.formatting import ci95, format_number, format_percent, metric_points, table_lines
 from src.reporting.report import REPORT, judge_results
 from src.reporting.status import status_line
-from src.reporting.summary import dpo_loss_config, dpo_loss_terms, series, summarize
+from src.reporting.summary import series, summarize
 from src.run_files import TRAINING_INFO, atomic_path, write_text
 
 PAGE = "compare.md"

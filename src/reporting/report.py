@@ -22,6 +22,7 @@ from pathlib import Path
 from src.audit.answers import verdict_score
 from src.audit.findings import audit_alerts
 from src.objectives import display_name, infer_stage, objective
+from src.objectives.dpo import dpo_loss_config
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
 from src.reporting.formatting import (ci95, duration, format_judged, format_number, format_percent, metric_name,
@@ -29,12 +30,12 @@ from src.reporting.formatting import (ci95, duration, format_judged, format_numb
 from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
-from src.reporting.summary import dpo_loss_config, summarize
-from src.run_files import FORWARD, METRICS, OLD_FORWARD, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
+from src.reporting.summary import summarize
+from src.run_files import (FORWARD, METRICS, OLD_FORWARD, PLOTS_DIR, TRAINING_INFO, read_json, read_jsonl, samples_file,
+                           write_text)
 
 SPLITS = ("val", "test")
 REPORT = "report.md"
-PLOTS_DIR = "plots"
 EXAMPLES_IN_REPORT = 3
 # Longer answers are cut in report.md (the .txt files always hold the full text).
 REPORT_TEXT_LIMIT = 700

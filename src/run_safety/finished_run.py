@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from src import run_files, seams
-from src.data import source_files
+from src.data_file_kinds import source_files
 
 # Keys of a run's `config` that do not make it another run: what this launch does (--overwrite, --dry_run), where
 # results are found (--results_dir, --run_name: the directory itself, which may be moved or given another way), which

@@ -4,7 +4,7 @@ failure report.
 torchrun restarts a job whose worker exits non-zero (MAX_RESTARTS) and, once out of restarts, prints a ChildFailedError
 report after the worker's own line and exits 1. That is right for a crash a restart can mend; it is wrong for a stop
 the toolkit chose because a restart cannot mend it: a user error (2), a diverged run (4), a failed write on a full
-disk (5), a lost node (6). For those, each worker under the launcher records its status in the launcher's directory
+disk (5), a lost node (6), no intact checkpoint to resume from (8). For those, each worker under the launcher records its status in the launcher's directory
 (PREFKIT_EXIT_DIR, one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded
 status. A worker that torchrun restarts anyway (another rank crashed on the way out) finds the recorded status and exits 0 at
 once. Outside the launcher (plain torchrun, python -m src.main_distributed), exit statuses are unchanged.
