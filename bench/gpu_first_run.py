@@ -9,7 +9,10 @@ In this order, each step under its own time limit and all of them under --minute
 2. The GPU tests: python -m pytest -m gpu (every test with the marker, in one process: they share the GPU).
 3. The DPO benchmark against TRL's own CLI (bench/bench_dpo.py, the packed arms, a 12 x 768 Llama): pairs/s and GPU
    memory of `trl dpo` and of the toolkit, cold and warm reference cache, interleaved.
-4. The memory plan against the measured peak: check_gpu.py's plan of a DPO run (full fine-tune, then LoRA) on one
+4. The packed forward's attention (bench/bench_packed_attention.py, at most 8 minutes): `trl dpo`, the padded forward,
+   the packed forward on the dense mask and on FlexAttention's block-sparse mask, reference cold and cached, at the
+   125M, Qwen2.5-0.5B and 1.5B shapes on UltraFeedback-like and long-prompt lengths (its own table beside this one).
+5. The memory plan against the measured peak: check_gpu.py's plan of a DPO run (full fine-tune, then LoRA) on one
    GPU, of a generated 12 x 1024 Llama on pairs that fill --max_length, and then that run for a few steps; its peak
    (torch's most allocated, training_info.json) against the plan's model state + reference + activations.
 
@@ -38,6 +41,7 @@ GIB = 1024**3
 MEMORY_MODEL = {"hidden": 1024, "layers": 12}
 MEMORY_FLAGS = ["--stage", "dpo", "--batch_size", "8", "--max_length", "512"]
 MEMORY_METHODS = {"full fine-tune": ("full", []), "LoRA": ("lora", ["--use_lora"])}  # the plan's method, flags
+ATTENTION_MINUTES = 6  # starts no new model past this; the last one (1.5B) may take ~2 more
 BENCH_FLAGS = ["--hidden", "768", "--layers", "12", "--steps", "40", "--repeats", "2", "--arms", "packed"]
 
 
@@ -72,6 +76,11 @@ def bench_command(work: Path) -> list[str]:
     return [sys.executable, "bench/bench_dpo.py", *BENCH_FLAGS]
 
 
+def attention_command(work: Path) -> list[str]:
+    return [sys.executable, "bench/bench_packed_attention.py", "--minutes", str(ATTENTION_MINUTES),
+            "--out", str(OUT / "packed_attention.md")]
+
+
 def memory_flags(work: Path, method: str) -> list[str]:
     return ["--model_name_or_path", str(work / "memory" / "model"), "--dataset_name", str(work / "memory" / "data"),
             *MEMORY_FLAGS, *MEMORY_METHODS[method][1]]
@@ -92,6 +101,8 @@ def steps(gpus: int) -> list[Step]:
         Step("check_gpu", "check_gpu.py on the real driver", 180, lambda work: [check_gpu_command(work, gpus)]),
         Step("gpu_tests", "GPU tests (`pytest -m gpu`)", 600, lambda work: [gpu_tests_command(work)]),
         Step("bench", "DPO vs `trl dpo` (bench/bench_dpo.py)", 600, lambda work: [bench_command(work)]),
+        Step("attention", "packed attention: dense vs block-sparse (bench/bench_packed_attention.py)", 480,
+             lambda work: [attention_command(work)]),
         Step("memory", "memory plan vs measured peak", 360,
              lambda work: [command for method in MEMORY_METHODS for command in memory_commands(work, method)]),
     ]
@@ -160,6 +171,26 @@ def bench_rows(output: str) -> list[tuple[str, str, str]]:
     limit = re.search(r"^limit vs plain trl dpo.*$", output, re.M)
     if limit and rows:
         rows.append(("DPO vs trl dpo: the limit if time ~ tokens", limit.group(0).split(": ", 1)[-1], ""))
+    return rows
+
+
+def attention_rows(report: dict) -> list[tuple[str, str, str]]:
+    """bench_packed_attention.py's JSON: per model and lengths, each packed arm against `trl dpo`, cold and cached."""
+    rows = []
+    for result in report["results"]:
+        arms = result["arms"]
+        ratio = lambda key: f"{arms[key]['vs_trl_dpo']:.2f}x" if key in arms else "not run"  # noqa: E731
+        found = [name for name in ("packed flex", "packed dense", "padded") if f"{name}, cold" in arms]
+        numbers = "; ".join(f"{name}: cold {ratio(name + ', cold')}, cached {ratio(name + ', cached')}, peak "
+                            f"{arms[name + ', cached']['peak_memory_mb']} MB" for name in found)
+        flex = arms.get("packed flex, cached", {})
+        compiles = flex.get("compiles") or {}
+        rows.append((f"attention: {result['model']}, {result['lengths']}", numbers,
+                     f"trl dpo {arms['trl dpo, every step']['pairs_per_s']} pairs/s, peak "
+                     f"{arms['trl dpo, every step']['peak_memory_mb']} MB; flex compiles {compiles.get('count')} "
+                     f"({compiles.get('seconds')} s)"))
+    if report.get("skipped"):
+        rows.append(("attention: not run (time)", ", ".join(report["skipped"]), ""))
     return rows
 
 
@@ -245,6 +276,12 @@ def run_step(step: Step, work: Path, deadline: float, env: dict) -> None:
             result = run_logged(commands[0], OUT / "bench_dpo.log", limit(), env)
             step.rows = bench_rows(result.stdout)
             step.failed = result.returncode != 0 or not step.rows
+        elif step.key == "attention":
+            result = run_logged(commands[0], OUT / "packed_attention.log", limit(), env)
+            report_path = OUT / "packed_attention.json"
+            step.rows = attention_rows(json.loads(report_path.read_text())) if result.returncode == 0 else [
+                (step.title, "FAILED", f"exit {result.returncode}; see {OUT / 'packed_attention.log'}")]
+            step.failed = result.returncode != 0
         elif step.key == "memory":
             build_memory_assets(work)
             for method, (plan_command, run_command) in zip(MEMORY_METHODS, zip(commands[::2], commands[1::2])):
@@ -290,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry_run", action="store_true", help="list what it would run, run nothing")
     parser.add_argument("--minutes", type=float, default=30, help="the whole run's limit (default 30)")
-    parser.add_argument("--only", help="comma-separated steps to run: check_gpu, gpu_tests, bench, memory")
+    parser.add_argument("--only", help="comma-separated steps to run: check_gpu, gpu_tests, bench, attention, memory")
     args = parser.parse_args(argv)
     gpus = cuda_gpus()
     work = OUT / "work"

@@ -404,6 +404,14 @@ class DPOArguments:
                   "learning rate or world size reuses them): no reference model in memory, no reference forward "
                   "per step. Default: on, unless TRL's sync_ref_model (TR-DPO) moves the reference."},
     )
+    packed_attention: str = field(
+        default="auto",
+        metadata={"help": "The attention of the packed, prefix-shared forward (DPO, SimPO, ORPO, KTO; "
+                  "docs/speed.md): auto (FlexAttention's block-sparse mask on a CUDA GPU where a packed row is at least "
+                  "1,024 tokens wide, the dense 4D mask through sdpa/eager on shorter rows and on CPU; the choice and "
+                  "its reason are printed and recorded), dense (always the 4D mask), flex (always FlexAttention: a "
+                  "CUDA GPU only, it has no backward on CPU).", "choices": ["auto", "dense", "flex"]},
+    )
     rounds: int = field(
         default=0,
         metadata={"help": "On-policy rounds after the DPO stage (iterative DPO, src/rounds.py): each round the current "

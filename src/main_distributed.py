@@ -454,6 +454,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
                             metrics_path, plan, truncate_to=config.data.max_length
                             if getattr(trl_config, "max_length", None) is None else None,
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
+                            packed_attention=plan.packed_attention,
                             ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None,
                             trainer_inputs=row.trainer_inputs(config) if row.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight

@@ -13,7 +13,8 @@ loss code read it unchanged) and, next to it, the packed layout. During TRL's lo
 fused forward is redirected: it runs the packed tokens instead and scatters the per-token outputs back into the padded
 `(2 * pairs, len - 1)` layout TRL expects. Only those per-token scalars are ever padded, never a token's computation.
 
-Layout (sdpa / eager: a 4D mask): one segment per pair, `[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
+Layout (sdpa / eager: a 4D mask; on a GPU FlexAttention's BlockMask of the same rule where src/packed_attention.py
+picks it by row width, all segments then in one bucketed row): one segment per pair, `[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
 The last prompt token is the one position that predicts an answer's first token, and it must predict both answers'
 first tokens: it is written once per answer (same token, same position, same visible keys → the same hidden state),
 so each pair repeats exactly one prompt token. Position ids restart after the shared prompt for each answer; the mask
@@ -46,7 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from src.distributed import any_rank
+from src.distributed import any_rank, print0
+from src.packed_attention import DENSE, FLEX, AttentionPolicy, flex_implementation, flex_rows, policy_for, \
+    prefix_shared_block_mask
 from src.private_api import attention_implementation
 from src.packed_dpo_support import FLASH_PREFIX, announce_padded, refusal
 
@@ -117,6 +120,7 @@ class PackedPreferenceCollator:
     score_prompt: bool = False        # see pack_pairs
     answers: tuple[str, ...] = PAIR_ANSWERS
     prefix: str = ""                  # of the packed keys in the batch (another pass of the same batch: "KL_")
+    attention: AttentionPolicy | None = None  # dense mask or FlexAttention by row width (src/packed_attention.py)
 
     @property
     def pad_token_id(self) -> int:
@@ -129,7 +133,8 @@ class PackedPreferenceCollator:
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.padded_collator(examples)
         packed = pack_pairs(self.as_pairs(examples), self.max_length, self.pad_token_id, self.layout,
-                            self.padded_width(batch), self.attention_cost, self.score_prompt, self.answers)
+                            self.padded_width(batch), self.attention_cost, self.score_prompt, self.answers,
+                            self.attention)
         batch.update({self.prefix + key: value for key, value in packed.items()})
         return batch
 
@@ -140,15 +145,24 @@ def attention_cost_of(model) -> float:
     return 1 / (3 * model.config.get_text_config().hidden_size)
 
 
-def forward_plan(model, trl_config, peft_config, packed: bool = True) -> PackedDPOForward:
+def forward_plan(model, trl_config, peft_config, packed: bool = True, attention: str = "auto") -> PackedDPOForward:
     """The packed forward of a trainer: on unless `--padding_free false` or the model cannot honour it (then the
-    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here."""
+    padded forward, with one warning line saying why). Every objective whose row has `packed_forward` builds it here.
+    `attention`: --packed_attention (auto, dense or flex; src/packed_attention.py), for the prefix-shared layout."""
     if not packed:
         return PackedDPOForward("--padding_free false")
     reason = unsupported_reason(model, trl_config, peft_config)
     if reason:
         announce_padded(reason)
-    return PackedDPOForward(reason, attention_layout(model), half_precision=bool(trl_config.bf16 or trl_config.fp16))
+    layout = attention_layout(model)
+    policy = None
+    if layout == "prefix_shared":
+        on_cuda = not getattr(trl_config, "use_cpu", False) and torch.cuda.is_available()
+        policy = policy_for(model, attention, on_cuda)
+        if attention == FLEX and not policy.flex_possible:
+            print0(f"  warning: --packed_attention flex: FlexAttention cannot run here ({policy.why_not_flex}); the "
+                   "dense mask runs instead")
+    return PackedDPOForward(reason, layout, half_precision=bool(trl_config.bf16 or trl_config.fp16), attention=policy)
 
 
 def _truncated(example: dict, max_length: int | None, answers: tuple[str, ...]) -> tuple[list, list[list]]:
@@ -188,7 +202,7 @@ def _rows(sizes: list[int], attention_cost: float) -> tuple[int, list[list[int]]
 
 def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, layout: str,
                padded_length: int, attention_cost: float = 0.0, score_prompt: bool = False,
-               answers: tuple[str, ...] = PAIR_ANSWERS) -> dict:
+               answers: tuple[str, ...] = PAIR_ANSWERS, attention: AttentionPolicy | None = None) -> dict:
     """The packed tensors for a micro-batch of prompts with one or two answers each (`answers`: their keys, in the
     order of the padded rows: answer j of example i is padded row j * examples + i; see the module docstring for the
     layouts).
@@ -196,7 +210,8 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
     packed_source_index / padded_target_index: for every scored token, where its per-token outputs sit in the
     flattened packed `(rows, width)` output and in TRL's flattened padded `(answers * examples, padded_length - 1)`
     output. Scored: the answers' tokens, and with `score_prompt` also the prompt's (from its second token) in the first
-    answer's row (ORPO's NLL term covers prompt + chosen answer): the shared prompt's positions, computed once."""
+    answer's row (ORPO's NLL term covers prompt + chosen answer): the shared prompt's positions, computed once.
+    `attention`: where it picks FlexAttention for the dense layout's width, every segment goes in one bucketed row."""
     if len(answers) not in (1, 2):
         raise ValueError(f"the packed layout holds one or two answers per prompt, not {len(answers)}")
     pairs = len(examples)
@@ -236,6 +251,8 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
         width, rows = sum(sizes), [list(range(len(segments)))]
     else:
         width, rows = _rows(sizes, attention_cost)
+        if attention is not None and attention.kind_for(width) == FLEX:
+            width, rows = flex_rows(sizes)
 
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
@@ -320,8 +337,11 @@ class PackedDPOForward:
     """Decides whether the packed forward runs, redirects the fused forward while TRL's loss code runs, checks it
     once against the padded forward, and counts the tokens both ways."""
 
-    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False):
+    def __init__(self, reason_off: str | None, layout: str = "prefix_shared", half_precision: bool = False,
+                 attention: AttentionPolicy | None = None):
         self.enabled = reason_off is None
+        self.attention = attention or AttentionPolicy(DENSE, why_not_flex="no attention policy given",
+                                                      announce=False)
         self.padded_passes: tuple[str, ...] = ()  # its trainer's passes that stay padded while it packs (the summary)
         # bf16/fp16 mixed precision asked of the trainer: inside a training step accelerate's autocast is entered by
         # the model's own (wrapped) forward, below the check, so the ambient autocast state alone reads fp32 there
@@ -365,7 +385,11 @@ class PackedDPOForward:
     def cache_tag(self) -> str:
         """Which forward computes the log-probs, for the reference cache key: a cache written by one forward (or an
         older packing code) is never reused by another."""
-        return f"packed-{self.layout}-v{PACKED_FORMAT}" if self.enabled else "padded"
+        if not self.enabled:
+            return "padded"
+        flex = f"-flex{self.attention.requested}" if self.attention.flex_possible and self.attention.requested != \
+            "dense" else ""  # FlexAttention's sums round differently from the dense mask's
+        return f"packed-{self.layout}-v{PACKED_FORMAT}{flex}"
 
     def computed_tokens(self) -> tuple[int, int] | None:
         """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures."""
@@ -373,7 +397,9 @@ class PackedDPOForward:
         return (counts[0], counts[1]) if counts else None
 
     def summary(self) -> dict:
-        forward = ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
+        mask = {"dense": "4D mask", "flex": "FlexAttention BlockMask"}
+        masks = " / ".join(mask[kind] for kind in sorted(self.attention.chosen)) or "4D mask"
+        forward = (f"packed (prefix-shared: each prompt once, {masks})" if self.layout == "prefix_shared" else
                    "packed (varlen: no padding, prompt per answer)") if self.enabled else "padded (TRL)"
         if self.enabled and self.padded_passes:
             forward += f", TRL's padded forward for the {' and '.join(self.padded_passes)} pass"
@@ -381,6 +407,7 @@ class PackedDPOForward:
             "forward": forward,
             "reason": self.reason,
             "first_batch_check": self.check_result,
+            "attention": self.attention.summary() if self.enabled and self.layout == "prefix_shared" else None,
             "tokens": {kind: counts.as_dict() for kind, counts in self.counts.items() if counts.batches},
             "padded_forward_would_compute": {kind: counts.as_dict() for kind, counts in self.padded_equivalent.items()
                                              if counts.batches},
@@ -413,21 +440,36 @@ class PackedDPOForward:
         batch = {key: value.to(device) for key, value in plan.batch.items()}
         kwargs = {key: value for key, value in kwargs.items()
                   if key not in ("input_ids", "attention_mask", "labels", "position_ids", "shift_labels")}
+        attend = contextlib.nullcontext()
         if self.layout == "prefix_shared":
+            width = batch["packed_input_ids"].shape[1]
+            kind = self.attention.kind_for(width)
+            line = self.attention.note(kind, width)
+            if line and _is_main_process():
+                print(line, flush=True)
             eager = str(attention_implementation(module.config)) == "eager"  # eager adds the mask to the scores
             dtype = next(module.parameters()).dtype
             masks = {}
-            for kind, window in layer_windows(module.config).items():
+            for layer_kind, window in layer_windows(module.config).items():
+                if kind == FLEX:
+                    masks[layer_kind] = prefix_shared_block_mask(batch["packed_segment_ids"],
+                                                                 batch["packed_branch_ids"],
+                                                                 batch["packed_position_ids"], window)
+                    continue
                 mask = _prefix_shared_mask(batch["packed_segment_ids"], batch["packed_branch_ids"],
                                            batch["packed_position_ids"], window)
                 if eager:
                     mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-                masks[kind] = mask
+                masks[layer_kind] = mask
             kwargs["attention_mask"] = masks.pop(ONE_MASK) if ONE_MASK in masks else masks
+            if kind == FLEX:
+                self.attention.compiles.watch()
+                attend = flex_implementation(module)
         else:
             kwargs["attention_mask"] = None  # positions restarting at 0 → transformers' varlen path
-        outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
-                        shift_labels=batch["packed_shift_labels"], fused_lm_head=True, **kwargs)
+        with attend:
+            outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
+                            shift_labels=batch["packed_shift_labels"], fused_lm_head=True, **kwargs)
         rows, length = plan.padded_shape
         source, target = batch["packed_source_index"], batch["padded_target_index"]
 

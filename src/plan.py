@@ -101,6 +101,7 @@ class Plan:
     learning_rate: float
     precision: str
     ddp_comm_hook: str = "none"  # gradient compression DDP uses: none on one process, where nothing is all-reduced
+    packed_attention: str = "auto"  # --packed_attention as the packed forward takes it (src/packed_attention.py)
     # Where the settings came from: {key: {"value": ..., "from": ...}} for every setting not at its src/config.py
     # default (a recipe file, a --flag, a SageMaker variable) and for the settings the rows above are resolved from
     # ("src/config.py" for its default, or the built-in fallback when that default is None).
@@ -216,6 +217,14 @@ def resolve_precision(requested: str, devices: Devices) -> str:
     return {"no": "fp32"}.get(requested, requested)
 
 
+def resolve_packed_attention(requested: str, devices: Devices) -> str:
+    """--packed_attention as asked; FlexAttention forced where it cannot train (no backward on CPU) is refused."""
+    if requested == "flex" and devices.kind != "cuda":
+        raise ConfigError("--packed_attention flex needs a CUDA GPU: FlexAttention has no backward on CPU; use auto "
+                          "(the dense mask on CPU) or dense")
+    return requested
+
+
 def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> str:
     """The DDP communication hook to register: none on one process (no gradients are all-reduced)."""
     if requested == "bf16" and devices.kind != "cuda":
@@ -268,6 +277,7 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         learning_rate=learning_rate,
         precision=resolve_precision(training.mixed_precision, devices),
         ddp_comm_hook=resolve_ddp_comm_hook(training.ddp_comm_hook, world.world_size, devices),
+        packed_attention=resolve_packed_attention(config.dpo.packed_attention, devices),
         sources=value_sources(config, PLAN_ROW_KEYS, fallbacks),
     )
 

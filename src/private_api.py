@@ -22,6 +22,13 @@ def attention_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+def set_attention_implementation(config, implementation: str | None) -> None:
+    """Sets `PretrainedConfig._attn_implementation` (its setter carries it into the sub-configs); every attention
+    layer of transformers 5.23 looks its function up from it at each call: src/packed_attention.py runs the packed
+    forward on `flex_attention` this way and restores the model's own afterwards."""
+    config._attn_implementation = implementation
+
+
 def compile_jinja_template():
     """`transformers.utils.chat_template_utils._compile_jinja_template` (transformers 5.23): the Jinja environment
     transformers renders chat templates in ({% generation %} and loop controls are part of it)."""

@@ -37,6 +37,7 @@ def user_args(tiny_model, tmp_path):
 @pytest.mark.parametrize("extra, fragments", [
     (["--learnign_rate", "1e-4"], ["unknown key 'learnign_rate'", "did you mean 'learning_rate'"]),
     (["--batch_size", "-4"], ["--batch_size must be a positive whole number"]),
+    (["--packed_attention", "flex"], ["--packed_attention flex needs a CUDA GPU", "no backward on CPU"]),
     (["--config", "configs/nope.yaml"], ["configs/nope.yaml does not exist"]),
 ])
 def test_config_mistakes(extra, fragments, user_args):

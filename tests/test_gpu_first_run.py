@@ -15,6 +15,7 @@ sys.path.insert(0, str(PROJECT_ROOT / "bench"))
 
 import gpu_first_run  # noqa: E402
 from bench_dpo import build_parser as bench_parser  # noqa: E402
+from bench_packed_attention import build_parser as attention_parser  # noqa: E402
 from check_gpu import build_parser as check_gpu_parser  # noqa: E402
 from check_gpu import options_from  # noqa: E402
 from fakes.machines import a100_ecc, fake_sources, h100_nvswitch  # noqa: E402
@@ -32,10 +33,10 @@ def test_the_dry_run_lists_each_step_and_commands_that_parse(argv, reason, capsy
     assert gpu_first_run.main(argv) == 0
     output = capsys.readouterr().out
     assert f"dry run ({reason})" in output and "in 30 minutes at most" in output
-    titles = [line for line in output.splitlines() if line[:2] in ("1.", "2.", "3.", "4.")]
-    assert len(titles) == 4 and "check_gpu.py" in titles[0] and "pytest -m gpu" in titles[1]
+    titles = [line for line in output.splitlines() if line[:2] in ("1.", "2.", "3.", "4.", "5.")]
+    assert len(titles) == 5 and "check_gpu.py" in titles[0] and "pytest -m gpu" in titles[1]
     commands = [shlex.split(line.strip()[2:]) for line in output.splitlines() if line.strip().startswith("$ ")]
-    assert len(commands) == 7 and not (PROJECT_ROOT / "results" / "gpu-first-run" / "table.md").exists()
+    assert len(commands) == 8 and not (PROJECT_ROOT / "results" / "gpu-first-run" / "table.md").exists()
     for command in commands:
         if command[1] == "check_gpu.py":
             options = options_from(check_gpu_parser().parse_args(command[2:]))  # the launcher's parse of its flags
@@ -45,6 +46,9 @@ def test_the_dry_run_lists_each_step_and_commands_that_parse(argv, reason, capsy
             assert config.training.max_steps == 5 and config.data.max_length == 512
         elif command[1] == "bench/bench_dpo.py":
             assert bench_parser().parse_args(command[2:]).arms == "packed"
+        elif command[1] == "bench/bench_packed_attention.py":
+            attention = attention_parser().parse_args(command[2:])
+            assert attention.minutes + 2 <= 8 and attention.models == "125M,0.5B,1.5B" and not attention.dry_run
         else:
             assert command[1:5] == ["-m", "pytest", "-m", "gpu"] and "tests" in command
     assert "--use_lora" in commands[-1] and "--use_lora" not in commands[-3]
@@ -96,6 +100,27 @@ def test_the_table_from_recorded_outputs():
     table = gpu_first_run.render([step], machine, 1234.5).splitlines()
     assert table[0] == "| first run on GPU | result | numbers | s |" and table[2].startswith("| machine | 8 x NVIDIA")
     assert table[3].endswith("| 301 |") and table[4].endswith("|  |") and table[-1] == "| total | | | 1234 |"
+
+
+def test_the_attention_bench_dry_run_runs_every_cpu_arm_and_feeds_the_table(tmp_path, capsys):
+    """bench_packed_attention.py --dry_run: a tiny model on CPU through every arm but FlexAttention's (no backward on
+    CPU), its JSON read into gpu_first_run's rows."""
+    import json
+
+    import bench_packed_attention
+
+    out = tmp_path / "packed_attention.md"
+    assert bench_packed_attention.main(["--dry_run", "--lengths", "ultrafeedback", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    (result,) = report["results"]
+    assert set(result["arms"]) == {"trl dpo, every step", "padded, cold", "padded, cached", "packed dense, cold",
+                                   "packed dense, cached"}
+    dense = result["arms"]["packed dense, cached"]
+    assert dense["check_passed"] and dense["attention_batches"]["dense"] >= 1 and dense["token_limit"] > 1
+    assert all(arm["pairs_per_s"] > 0 for arm in result["arms"].values())
+    (row,) = gpu_first_run.attention_rows(report)
+    assert row[0] == "attention: tiny, ultrafeedback" and "packed dense: cold" in row[1] and "trl dpo" in row[2]
+    assert "| tiny | ultrafeedback | packed dense | cached |" in out.read_text()
 
 
 def test_the_memory_row_says_whether_the_plan_holds():

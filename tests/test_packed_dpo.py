@@ -58,6 +58,7 @@ def trainer_for(model, tokenizer, rows, tmp_path, packed: bool = True, **overrid
     from src.trainers.dpo import PreparedDPOTrainer, packed_dpo_forward
 
     peft_config = overrides.pop("peft_config", None)
+    attention = overrides.pop("packed_attention", "auto")
     ref_model = overrides.pop("ref_model", None) or (None if peft_config else copy.deepcopy(model))
     args = DPOConfig(**{"output_dir": str(tmp_path / ("packed" if packed else "padded")),
                         "per_device_train_batch_size": 4, "max_length": 40, "bf16": False, "use_cpu": True,
@@ -65,7 +66,7 @@ def trainer_for(model, tokenizer, rows, tmp_path, packed: bool = True, **overrid
                         "precompute_ref_log_probs": False, "learning_rate": 1e-3, "seed": 0, **overrides})
     return PreparedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, peft_config=peft_config,
-                              **packed_dpo_forward(model, tokenizer, args, peft_config, packed))
+                              **packed_dpo_forward(model, tokenizer, args, peft_config, packed, attention))
 
 
 def reference_logps(trainer, rows):

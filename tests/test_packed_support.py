@@ -1,7 +1,8 @@
 """The packed forward's allow-list (src/packed_dpo_support.py) against every causal LM of the pinned transformers:
 each model type is either exact — a tiny random model gives TRL's padded forward's per-token log-probs within 1e-5 on
 rows longer than every window it has — or refused before training with a cause. docs/speed.md's table is the
-registry's own."""
+registry's own. The same holds for the forward on FlexAttention's block-sparse mask (src/packed_attention.py): every
+allowed family transformers runs under flex_attention is exact there too (forward only, on CPU), or named."""
 
 from __future__ import annotations
 
@@ -22,19 +23,39 @@ def pair_rows(count: int = 6, seed: int = 0, vocab: int = 90) -> list[dict]:
     return [{"prompt_ids": ids(12, 30), "chosen_ids": ids(4, 30), "rejected_ids": ids(4, 30)} for _ in range(count)]
 
 
-def packed_and_padded_log_probs(model, rows: list[dict]):
+def flex_on_cpu(monkeypatch):
+    """FlexAttention on CPU the way the suite runs it: transformers' flex path calls torch's flex_attention uncompiled
+    (its CPU compile takes minutes for the families; the compiled kernel computes the same function on a GPU)."""
+    import transformers.integrations.flex_attention as transformers_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex_attention(query, key, value, **kwargs))
+
+
+def flex_policy():
+    """The attention policy with FlexAttention forced (what --packed_attention flex gives on a GPU)."""
+    from src.packed_attention import AttentionPolicy, CompileCounter
+
+    return AttentionPolicy("flex", flex_possible=True, compiles=CompileCounter())
+
+
+def packed_and_padded_log_probs(model, rows: list[dict], attention=None):
     """Per-token log-probs of TRL's padded batch, through TRL's fused LM head, computed the padded way and the packed
-    way (the trainer's own collator and redirect), no grad, eval mode."""
+    way (the trainer's own collator and redirect; `attention`: its attention policy, default the dense mask), no grad,
+    eval mode."""
     import torch
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from trl.trainer.utils import add_fused_lm_head
 
     from src.packed_dpo import PACKED_KEYS, PackedDPOForward, PackedPreferenceCollator, attention_layout
 
-    add_fused_lm_head(model, outputs=("log_probs",))
+    if not getattr(model, "_packed_dpo_installed", False):  # a second call: TRL's head would cover the redirect
+        add_fused_lm_head(model, outputs=("log_probs",))
     layout = attention_layout(model)
-    batch = PackedPreferenceCollator(DataCollatorForPreference(pad_token_id=0, max_length=None), layout, 1 / 192)(rows)
-    forward = PackedDPOForward(None, layout)
+    batch = PackedPreferenceCollator(DataCollatorForPreference(pad_token_id=0, max_length=None), layout, 1 / 192,
+                                     attention=attention)(rows)
+    forward = PackedDPOForward(None, layout, attention=attention)
     forward.checked = True  # compare here, not through the first-batch check
 
     def log_probs(inputs):
@@ -51,10 +72,11 @@ def packed_and_padded_log_probs(model, rows: list[dict]):
 
 
 @pytest.mark.parametrize("model_type", causal_lm_types())
-def test_every_causal_lm_is_exact_or_refused(model_type):
+def test_every_causal_lm_is_exact_or_refused(model_type, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from src.packed_attention import flex_refusal
     from src.packed_dpo_support import VERIFIED, refusal, router_aux_enabled
 
     try:
@@ -79,6 +101,19 @@ def test_every_causal_lm_is_exact_or_refused(model_type):
     assert (padded != 0).sum() > 100
     difference = (packed - padded).abs()
     assert (difference <= 1e-5 * padded.abs() + 1e-5).all(), f"{model_type}: max |difference| {difference.max():.3g}"
+    # The same rows on FlexAttention's block-sparse mask, where transformers runs the family under flex_attention
+    reason = flex_refusal(model)
+    if reason is not None:
+        assert model.config.model_type in reason  # one line naming the family (gpt-sw3's config says gpt2)
+        return
+    flex_on_cpu(monkeypatch)
+    policy = flex_policy()
+    # three pairs in one row (FlexAttention on CPU evaluates the whole row's scores: its cost grows with the width)
+    packed, padded = packed_and_padded_log_probs(model, pair_rows(3), policy)
+    assert policy.chosen == {"flex": 1}  # the flex row ran, not the dense one
+    difference = (packed - padded).abs()
+    assert (difference <= 1e-5 * padded.abs() + 1e-5).all(), \
+        f"{model_type} under flex: max |difference| {difference.max():.3g}"
 
 
 def test_the_registry_names_only_types_the_pinned_transformers_has():

@@ -20,11 +20,12 @@ from src.trainers.metrics_log import ConsoleLog, MetricsRecorder
 
 def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_config, metrics_path: Path,
                   plan: Plan, truncate_to: int | None = None, packed_dpo: bool = True, ref_model=None,
-                  trainer_inputs: dict | None = None):
+                  trainer_inputs: dict | None = None, packed_attention: str = "auto"):
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
     (`--padding_free false`, src/packed_dpo_support.padding_free_requested), and `ref_model` as the reference when given
-    (otherwise TRL's: the starting model). `trainer_inputs`: what the row's `trainer_inputs` gives its trainer
-    (GRPO's: the judges its reward functions are made of)."""
+    (otherwise TRL's: the starting model); `packed_attention`: --packed_attention (src/packed_attention.py).
+    `trainer_inputs`: what the row's `trainer_inputs` gives its trainer (GRPO's: the judges its reward functions are
+    made of)."""
     row = objective(stage)
     trainer_class = load(row.trainer)
     sequences = row.data_shape == SEQUENCES
@@ -32,7 +33,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     reference_forward = row.needs_reference and not trl_config.precompute_ref_log_probs and peft_config is None
     # A trainer with its own forward (the packed one, src/packed_dpo.py) says how it is built: `forward_for(model, ...)`.
     forward_for = getattr(trainer_class, "forward_for", None)
-    forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo) if forward_for else {}
+    forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo, packed_attention) if forward_for else {}
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
                             _device_name(plan.device), sequences_per_example=row.sequences_per_example)
     trainer = trainer_class(

@@ -39,9 +39,9 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     _reference_progress: Progress | None = None  # while the reference pass runs
 
     @staticmethod
-    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True, attention: str = "auto") -> dict:
         """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
-        return packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed)
+        return packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed, attention)
 
     def __init__(self, *args, packed_forward=None, **kwargs):
         # Set before TRL's __init__, which already runs the reference precompute pass through it.
@@ -259,10 +259,11 @@ def _map_noting_write_failures(dataset_map):
     return map_noted
 
 
-def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool = True, attention: str = "auto") -> dict:
     """The trainer arguments of the DPO forward: packed (src/packed_dpo.py) unless `--padding_free false` or the
-    model cannot honour it (then TRL's padded forward, with one warning line saying why)."""
-    forward = forward_plan(model, trl_config, peft_config, packed)
+    model cannot honour it (then TRL's padded forward, with one warning line saying why); `attention`:
+    --packed_attention."""
+    forward = forward_plan(model, trl_config, peft_config, packed, attention)
     if not forward.enabled:
         return {"packed_forward": forward}
     pad_token = trl_config.pad_token or tokenizer.pad_token or tokenizer.eos_token
@@ -270,4 +271,5 @@ def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool =
                                        max_length=trl_config.max_length, truncation_mode=trl_config.truncation_mode,
                                        pad_to_multiple_of=trl_config.pad_to_multiple_of)
     return {"packed_forward": forward,
-            "data_collator": PackedPreferenceCollator(padded, forward.layout, attention_cost_of(model))}
+            "data_collator": PackedPreferenceCollator(padded, forward.layout, attention_cost_of(model),
+                                                      attention=forward.attention)}

@@ -140,9 +140,9 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     reference_cache: dict | None = None
 
     @staticmethod
-    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True, attention: str = "auto") -> dict:
         """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
-        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed)}
+        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed, attention)}
 
     def __init__(self, *args, packed_forward=None, **kwargs):
         self.packed_forward = packed_forward  # before TRL's __init__, which runs the reference pass
@@ -253,8 +253,10 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         collator = self.padded_collator
         if self.calculate_KL:
             collator = PackedPreferenceCollator(collator, layout, cost, padded_width=kl_width,
-                                                answers=("KL_completion_ids",), prefix="KL_")
-        return PackedPreferenceCollator(collator, layout, cost, answers=("completion_ids",))
+                                                answers=("KL_completion_ids",), prefix="KL_",
+                                                attention=self.packed_forward.attention)
+        return PackedPreferenceCollator(collator, layout, cost, answers=("completion_ids",),
+                                        attention=self.packed_forward.attention)
 
     def packed_pass(self, batch: dict, prefix: str, kinds: tuple[str, ...]):
         """While the block runs, the fused forward of a padded pass of `batch` (prefix "": its completions; "KL_": its
@@ -388,7 +390,8 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         if not self._packs_reference():
             return padded
         return PackedPreferenceCollator(padded, self.packed_forward.layout, attention_cost_of(self.model),
-                                        padded_width=completions_width, answers=COMPLETIONS)
+                                        padded_width=completions_width, answers=COMPLETIONS,
+                                        attention=self.packed_forward.attention)
 
     def compute_ref_log_probs(self, model, inputs):
         with hang_watch.phase("reference", f"a batch of {inputs['input_ids'].shape[0]} rows"):

@@ -66,9 +66,9 @@ class PreparedPairsMixin:
     nll_covers_prompt = False  # ORPO: its NLL term is over prompt + chosen answer (CPO's over the chosen answer)
 
     @staticmethod
-    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True) -> dict:
+    def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True, attention: str = "auto") -> dict:
         """The trainer arguments of its forward (src/trainers/build.py asks every trainer class that has this)."""
-        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed)}
+        return {"packed_forward": forward_plan(model, trl_config, peft_config, packed, attention)}
 
     def __init__(self, *args, train_dataset=None, eval_dataset=None, packed_forward=None, **kwargs):
         self.packed_forward = packed_forward
@@ -81,7 +81,7 @@ class PreparedPairsMixin:
         if packed_forward is not None and packed_forward.enabled:
             self.data_collator = PackedPreferenceCollator(self.data_collator, packed_forward.layout,
                                                           attention_cost_of(self.model), cut_pairs, concatenated_width,
-                                                          self.nll_covers_prompt)
+                                                          self.nll_covers_prompt, attention=packed_forward.attention)
 
     def pad_value(self) -> int:
         """The token id that pads input ids (CPOTrainer's `pad_token_id`; ORPOTrainer calls it `padding_value`)."""
