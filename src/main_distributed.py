@@ -843,6 +843,8 @@ def run(argv: list[str] | None = None) -> int:
     hold = hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if hold is not None and world.is_main:  # what a killed launch's hang watch left (src/run_safety/hang_watch.py)
+        hang_watch.clear_earlier_boards(stages[-1].run_dir)
     finished = check_earlier_run(stages, overwrite)
     if finished:
         return finish_finished_run(stages, config, world, finished)

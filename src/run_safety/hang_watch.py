@@ -414,12 +414,14 @@ class _Watch:
         return record
 
     def tidy(self) -> None:
-        """Rank 0, leaving: once every rank of the launch is done, its board goes (otherwise the next launch's rank 0
-        removes it)."""
-        if self.rank != 0 or _me.stopping:
+        """Any rank, leaving: once every record on the board is done, the board goes (otherwise the next launch's rank
+        0 removes it). Every record it holds, not every rank's: on a node whose storage the others cannot see (a job
+        refused for it: src/distributed.py check_shared_storage), the board holds that node's ranks alone, and goes
+        with the last of them."""
+        if _me.stopping:
             return
-        records = [_read_json(self.board / f"rank{rank}.json") for rank in range(self.world_size)]
-        if all(record and record.get("mode") == DONE for record in records):
+        records = [_read_json(path) for path in self.board.glob("rank*.json")]
+        if records and all(record and record.get("mode") == DONE for record in records):
             shutil.rmtree(self.board, ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.board.parent.rmdir()  # the run's board folder, when no other launch's is left in it
@@ -656,6 +658,20 @@ def _forked_child() -> None:
         pass
 
 
+def clear_earlier_boards(run_dir: Path) -> None:
+    """Rank 0 of a job that holds the run directory: the boards earlier launches left (a killed job cannot remove its
+    own) go, also when this launch trains nothing (a finished run relaunched). This launch's own board stays: another
+    rank may have put its record there already."""
+    own = board_for(run_dir)
+    if not own.parent.is_dir():
+        return
+    for old in own.parent.iterdir():
+        if old != own and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        own.parent.rmdir()  # when nothing is left in it
+
+
 def start(run_dir: Path, rank: int, world_size: int, timeout_s: float, newest_checkpoint=None, hold=None,
           on_stop=None) -> None:
     """Watch this process and its job (a daemon thread) for --hang_timeout; nothing with a timeout of 0.
@@ -668,9 +684,7 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: float, newest_ch
     watch = _Watch(run_dir, rank, world_size, timeout_s, newest_checkpoint, hold, on_stop)
     _watch.append(watch)
     if rank == 0:  # earlier launches' boards: only this launch's is read
-        for old in watch.board.parent.iterdir():
-            if old != watch.board and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+        clear_earlier_boards(run_dir)
     doing("startup")
     watch.publish()
     atexit.register(stop_watching)  # a process that ends by itself is not stuck
