@@ -271,41 +271,45 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
     }
 
 
-def padded_counts(batch: dict, answers: int = 2) -> list[int]:
+def padded_counts(batch: dict, answers: int = 2) -> torch.Tensor:
     """computed, padding, repeated prompt, useful tokens of TRL's padded batch (rows [chosen; rejected]; with one
-    answer per prompt, no prompt is repeated)."""
-    computed = batch["input_ids"].numel()
-    real = int(batch["attention_mask"].sum())
+    answer per prompt, no prompt is repeated), on the batch's device: counted without a read (TokenCounts)."""
+    computed = batch["input_ids"].new_full((), batch["input_ids"].numel())
+    real = batch["attention_mask"].sum()
     pairs = batch["input_ids"].shape[0] // answers
-    repeated = int(batch["attention_mask"][pairs:].sum() - batch["completion_mask"][pairs:].sum())
-    return [computed, computed - real, repeated, real - repeated]
+    repeated = batch["attention_mask"][pairs:].sum() - batch["completion_mask"][pairs:].sum()
+    return torch.stack([computed, computed - real, repeated, real - repeated]).long()
 
 
 # --- the forward ------------------------------------------------------------------------------------------------
 
-@dataclass
 class TokenCounts:
     """Tokens the forward computed, and which of them were padding or a repeated prompt, over the batches this
-    process ran (each rank counts its own; the shares are what to compare)."""
+    process ran (each rank counts its own; the shares are what to compare). A step's counts are added on the device
+    they come from (no stall per step) and read when asked (`as_dict`, `totals`)."""
 
-    computed: int = 0
-    padding: int = 0
-    repeated_prompt: int = 0
-    useful: int = 0
-    batches: int = 0
+    def __init__(self):
+        self.batches = 0
+        self._host = [0, 0, 0, 0]
+        self._device: torch.Tensor | None = None  # the running sum of counts that came as tensors
 
     def add(self, counts) -> None:
-        computed, padding, repeated, useful = (int(value) for value in counts)
-        self.computed += computed
-        self.padding += padding
-        self.repeated_prompt += repeated
-        self.useful += useful
         self.batches += 1
+        if torch.is_tensor(counts):
+            self._device = counts.long() if self._device is None else self._device + counts.to(self._device.device)
+        else:
+            self._host = [total + int(value) for total, value in zip(self._host, counts)]
+
+    def totals(self) -> list[int]:
+        """computed, padding, repeated prompt, useful tokens."""
+        device = self._device.tolist() if self._device is not None else [0, 0, 0, 0]
+        return [host + on_device for host, on_device in zip(self._host, device)]
 
     def as_dict(self) -> dict:
-        share = lambda part: round(part / self.computed, 4) if self.computed else None  # noqa: E731
-        return {"batches": self.batches, "computed_tokens": self.computed, "padding_share": share(self.padding),
-                "repeated_prompt_share": share(self.repeated_prompt), "useful_share": share(self.useful)}
+        computed, padding, repeated, useful = self.totals()
+        share = lambda part: round(part / computed, 4) if computed else None  # noqa: E731
+        return {"batches": self.batches, "computed_tokens": computed, "padding_share": share(padding),
+                "repeated_prompt_share": share(repeated), "useful_share": share(useful)}
 
 
 @dataclass
@@ -332,11 +336,11 @@ class PackedDPOForward:
         # policy: the forwards with gradients; kl: the policy's without (KTO's KL completions); reference
         self.counts = {kind: TokenCounts() for kind in PASSES}
         self.padded_equivalent = {kind: TokenCounts() for kind in PASSES}
-        self.last_policy: list[int] | None = None  # computed, padding, repeated, useful of the last training forward
+        self.last_policy = None  # computed, padding, repeated, useful of the last training forward (a tensor)
 
     # Called by the trainer around TRL's loss / reference computation
     @contextlib.contextmanager
-    def running(self, inputs: dict, forwards: tuple[str, ...], modules, padded: list[int] | None = None):
+    def running(self, inputs: dict, forwards: tuple[str, ...], modules, padded=None):
         """`inputs` without the packed keys (TRL would hand them to the model), with the fused forward of `modules`
         redirected to the packed layout while the block runs. `padded`: what the trainer's own padded forward computes
         (computed, padding, repeated prompt, useful tokens) where that is not `inputs` as one padded batch (KTO's two
@@ -348,15 +352,15 @@ class PackedDPOForward:
             install(modules)
             plan = _Plan(packed, tuple(inputs["input_ids"].shape), verify=not self.checked)
         for kind in forwards:
-            self.padded_equivalent[kind].add(padded or padded_counts(inputs))
+            self.padded_equivalent[kind].add(padded if padded is not None else padded_counts(inputs))
         token = _ACTIVE.set((self, plan))
         try:
             yield inputs
         finally:
             _ACTIVE.reset(token)
         for kind in forwards:  # after the block: a failed first check falls back within it
-            counts = [int(value) for value in (packed["packed_counts"] if self.enabled and plan else
-                                               padded or padded_counts(inputs))]
+            counts = packed["packed_counts"] if self.enabled and plan else \
+                padded if padded is not None else padded_counts(inputs)
             self.counts[kind].add(counts)
             if kind == "policy":
                 self.last_policy = counts
@@ -366,10 +370,11 @@ class PackedDPOForward:
         older packing code) is never reused by another."""
         return f"packed-{self.layout}-v{PACKED_FORMAT}" if self.enabled else "padded"
 
-    def computed_tokens(self) -> tuple[int, int] | None:
-        """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures."""
+    def computed_tokens(self) -> tuple | None:
+        """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures (0-d
+        tensors, summed by the meter on the device until it logs)."""
         counts, self.last_policy = self.last_policy, None
-        return (counts[0], counts[1]) if counts else None
+        return (counts[0], counts[1]) if counts is not None else None
 
     def summary(self) -> dict:
         forward = ("packed (prefix-shared: each prompt once, 4D mask)" if self.layout == "prefix_shared" else
