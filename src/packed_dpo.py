@@ -6,7 +6,9 @@ changes them is this file's work:
   `completion_mask`), which `DPOTrainer._compute_loss` / `compute_ref_log_probs` read;
 - TRL's fused LM head (`add_fused_lm_head`: `model(..., labels=..., fused_lm_head=True)` → `FusedCausalLMOutput` with
   per-token `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs`, `label_mask`, each `(rows, len-1)`),
-  including its `shift_labels=` argument (labels already aligned with the positions that predict them).
+  including its `shift_labels=` argument (labels already aligned with the positions that predict them), and that it
+  calls the model's `base_model` (the backbone) before projecting its `last_hidden_state`: a hook there hands the
+  head only the positions whose log-prob is read (`_hidden_states_at`), so the LM head never runs over the prompt.
 
 How: the collator builds TRL's padded batch as usual (every loss type, `ld_alpha`, WPO weights and metric of TRL's
 loss code read it unchanged) and, next to it, the packed layout. During TRL's loss / reference computation the model's
@@ -430,15 +432,19 @@ class PackedDPOForward:
             kwargs["attention_mask"] = masks.pop(ONE_MASK) if ONE_MASK in masks else masks
         else:
             kwargs["attention_mask"] = None  # positions restarting at 0 → transformers' varlen path
-        outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
-                        shift_labels=batch["packed_shift_labels"], fused_lm_head=True, **kwargs)
-        rows, length = plan.padded_shape
         source, target = batch["packed_source_index"], batch["padded_target_index"]
+        # The LM head only where a log-prob is read (answers, the prompt token before each, ORPO's prompt): TRL's
+        # fused head projects the hidden states of those positions, in the order of `source`, not the whole prompt.
+        with _hidden_states_at(module, source):
+            outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
+                            shift_labels=batch["packed_shift_labels"].reshape(-1)[source][None], fused_lm_head=True,
+                            **kwargs)
+        rows, length = plan.padded_shape
 
         def unpack(values):
             if values is None:
                 return None
-            picked = values.reshape(-1)[source]
+            picked = values.reshape(-1)
             return picked.new_zeros(rows * (length - 1)).index_put((target,), picked).view(rows, length - 1)
 
         fields = {name: unpack(getattr(outputs, name)) for name in
@@ -479,6 +485,24 @@ class PackedDPOForward:
             return "its first batch's log-probs differ from the padded forward's on another rank"
         return (f"its first batch's log-probs differ from the padded forward's (max |difference| {worst:.3g} on this "
                 f"rank, tolerance {tolerance}); likely cause: {likely_cause(module.config)}")
+
+
+@contextlib.contextmanager
+def _hidden_states_at(module, positions: torch.Tensor):
+    """While the block runs, the backbone of `module` (what TRL's fused forward calls before its LM head) returns its
+    last hidden states at `positions` of the flattened `(rows, width)` output only, as one row `(1, positions, hidden)`:
+    the LM head then runs over those positions alone."""
+
+    def gather(backbone, args, output):
+        hidden = output.last_hidden_state
+        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)[None]
+        return output
+
+    handle = module.base_model.register_forward_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _prefix_shared_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor,
