@@ -4,9 +4,9 @@ gradient norm, agreed at the step's end), counted in real runs (tests/read_probe
 `bool()`, `float()`, `int()`, `.nonzero`, `.cpu`, `.numpy` from the second optimizer step to the one before the first
 log, evaluation or checkpoint).
 
-TRL 1.16's own trainers, counted the same way (bench/host_reads.py, docs/speed.md): `trl dpo` 21 reads per optimizer
-step of one micro-batch, SFT 5, CPO (SimPO) 9, ORPO 11; the toolkit's DPO made 25 before (its callbacks and token
-counters added 7 to TRL's metric reads).
+TRL 1.16's own trainers, counted the same way (bench/host_reads.py, docs/speed.md; one micro-batch per optimizer
+step): DPO 17.2 reads per step (+4 of the model's own), SFT 7.2, CPO (SimPO) 11.2, ORPO 13.2, KTO 16.2; the toolkit's
+DPO made 25 before (its callbacks and token counters added to TRL's metric reads).
 
 Reads the count leaves out: the model's own (transformers' sdpa mask check on a padded batch, `masking_utils`, two per
 forward, listed apart) and those C++ makes without a Python call (a boolean-mask index on a GPU): docs/speed.md.
@@ -46,7 +46,7 @@ def assert_one_read_per_step(window: dict, stage: str) -> None:
 
 def test_sft_then_dpo_steps_read_only_the_nan_stop(tiny_model, tmp_path):
     """SFT and DPO (packed forward, two micro-batches per optimizer step): one read per optimizer step, where TRL's
-    own SFT makes 5 and `trl dpo` 21 per micro-batch (bench/host_reads.py)."""
+    own SFT makes 7.2 and DPO 17.2 per micro-batch (bench/host_reads.py)."""
     windows = counted_run(tiny_model, tmp_path, "sft_then_dpo")
     assert set(windows) == {"sft", "dpo"}
     for stage, window in windows.items():
@@ -54,6 +54,6 @@ def test_sft_then_dpo_steps_read_only_the_nan_stop(tiny_model, tmp_path):
 
 
 def test_simpo_and_orpo_steps_read_only_the_nan_stop(tiny_model, tmp_path):
-    """SimPO (TRL's CPOTrainer, 9 reads per micro-batch of its own) and ORPO (11), both packed."""
+    """SimPO (TRL's CPOTrainer, 11.2 reads per micro-batch of its own) and ORPO (13.2), both packed."""
     for stage in ("simpo", "orpo"):
         assert_one_read_per_step(counted_run(tiny_model, tmp_path / stage, stage)[stage], stage)
