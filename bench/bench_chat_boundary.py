@@ -6,7 +6,7 @@
 Arms, interleaved in one process (this machine is shared and noisy: each round runs every arm on the same pairs, in
 alternating order): `trl` tokenizes a chat pair as TRL 1.16 does (the template on the prompt with its generation
 prompt and on prompt + each answer, the completion after their common prefix: the toolkit's tokenize_preference
-before issue 38); `toolkit` is src/data.py's tokenize_preference (src/chat_templates.py). Data kinds: `plain`,
+before issue 38); `toolkit` is src/data/'s tokenize_preference (src/chat_templates.py). Data kinds: `plain`,
 UltraFeedback-shaped pairs (bench/ultrafeedback_like.py) with the test suite's tiny template (ids equal in both
 arms); `reasoning`, the same pairs whose answers reason first (`<think>…</think>` in the content, a fifth of the
 answer's words), with DeepSeek-R1-Distill's template (tests/chat_templates/), where the toolkit splices the answer

@@ -131,7 +131,7 @@ def tokenizer_for_ids():
 
 def unpaired(pairs: list[dict]) -> list[dict]:
     """KTO's rows from pairs: chosen thumbs up, rejected down; each row's KL completion the next row's (a derangement,
-    as src/data.py fixes one per split)."""
+    as src/data/ fixes one per split)."""
     rows = [{"prompt_ids": pair["prompt_ids"], "completion_ids": pair[side], "label": side == "chosen_ids"}
             for pair in pairs for side in ("chosen_ids", "rejected_ids")]
     return [dict(row, KL_completion_ids=rows[(index + 1) % len(rows)]["completion_ids"])

@@ -1,4 +1,4 @@
-"""Data preparation at scale: this toolkit's (src/data.py) against TRL's own (DPOTrainer's `_prepare_dataset`), time
+"""Data preparation at scale: this toolkit's (src/data/) against TRL's own (DPOTrainer's `_prepare_dataset`), time
 and peak memory against the number of UltraFeedback-shaped preference pairs, on one process and on all cores.
 
     python bench/bench_prepare.py                               # 10k and 50k pairs, all four arms

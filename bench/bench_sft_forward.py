@@ -31,9 +31,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from src.config import parse_config, stage_config
+    from src.config_parse import parse_config, stage_config
     from src.data import prepare_data
-    from src.embedded.model import cache_root, ensure_embedded_model
+    from src.run_safety.build_once import cache_root
+    from src.embedded.model import ensure_embedded_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -15,7 +15,9 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from src.config import ConfigError, Plan, World
+from src.config_error import ConfigError
+from src.plan import Plan
+from src.world import World
 from src.resource_limits import threads_per_process
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 

@@ -11,10 +11,40 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from src.audit.answers import answer_record
-from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning
-from src.config import World
+from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning, split_reasoning
 from src.distributed import map_across_ranks
+from src.world import World
+
+
+# An answer's repetition: seq-rep-4 (Welleck et al. 2019; src/audit/answers.py says what it is read for).
+REPETITION_N = 4
+
+
+def repetition(tokens: list[int], n: int = REPETITION_N) -> float:
+    """seq-rep-n: 1 - distinct n-grams / n-grams (0 for an answer with no repeated n-gram)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def answer_record(text: str, generated_ids: list[int], eos_ids: set, close_ids: list[int] | None = None) -> dict:
+    """One generated answer: its text, the tokens before its end, whether it ended (an end-of-sequence token before
+    --max_new_tokens ran out), and its repetition. An answer that reasons (its text starts with <think>: the model's or
+    its generation prompt's, src/generation.py) adds its reasoning tokens (up to and with `close_ids`, the tokens of
+    </think>) and whether its reasoning closed."""
+    end = next((position for position, token in enumerate(generated_ids) if token in eos_ids), None)
+    tokens = generated_ids if end is None else generated_ids[:end]
+    record = {"text": text, "tokens": len(tokens), "ended": end is not None, "repetition": round(repetition(tokens), 4)}
+    parts = split_reasoning({"content": text})
+    if parts.reasoning is not None:
+        closed = THINK_CLOSE in text
+        width = len(close_ids or [])
+        at = next((i for i in range(len(tokens) - width + 1) if tokens[i:i + width] == close_ids), None) if width \
+            else None
+        record.update(reasoning_tokens=len(tokens) if not closed else (at + width if at is not None else
+                                                                        round(len(tokens) * text.find(THINK_CLOSE)
+                                                                              / max(len(text), 1))),
+                      closed=closed)
+    return record
 
 
 @dataclass(frozen=True)
@@ -68,7 +98,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
              details: bool = False) -> list:
     """This process's answers to `prompts` (token ids), in order: greedy, or sampled with one seed per prompt;
     `on_batch(count)` after every batch (a progress line). `details`: each answer as a dict with its text and what the
-    answer audit reads (src/audit/answers.py: tokens generated, whether it ended, its repetition)."""
+    answer audit reads (answer_record: tokens generated, whether it ended, its repetition)."""
     import torch
     from transformers import GenerationConfig, LogitsProcessorList
 

@@ -27,15 +27,15 @@ if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_di
 
 from src import packed_dpo_support, run_files  # noqa: E402
 from src.audit import run as data_audit  # noqa: E402
-from src.config import (
-    EMBEDDED, PROJECT_ROOT, BatchSplitError, Config, ConfigError, Devices, HelpRequested, Plan,
-    World, batch_split_command, format_help, format_plan, parse_config, sagemaker_process_hint,
-    stage_plans,
-)
+from src.config import EMBEDDED, PROJECT_ROOT, Config
+from src.config_error import ConfigError
+from src.config_parse import HelpRequested, format_help, parse_config
+from src.plan import BatchSplitError, Plan, batch_split_command, format_plan, stage_plans
+from src.world import Devices, World, sagemaker_process_hint
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
-from src.embedded.model import cache_root
+from src.run_safety.build_once import cache_root
 from src.generation import generate_answers
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_judge, check_model_inputs
@@ -44,6 +44,7 @@ from src.objectives import SEQUENCES, objective
 from src.models import (ModelError, apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer,
                         peft_config, resolve_model_path, save_final_model)
 from src.preflight_record import record, record_key, recorded
+from src.private_api import attention_implementation
 from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
@@ -63,7 +64,7 @@ from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged, install_signal_handlers
 from src.trackers import check_trackers, tracker_environment
 from src.trainers.judged_eval import JudgedEval, judge_rows
-from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings
+from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings, starting_model
 from src.unneeded_libraries import skip_imports, unneeded_libraries
 
 USER_ERRORS = (ConfigError, DataError, ModelError, JudgeError)
@@ -105,8 +106,9 @@ def stage_label_of(name: str, round_index: int) -> str:
 def run_name_for(config: Config) -> str:
     if config.training.run_name:
         return config.training.run_name
-    if config.recipe:
-        return Path(config.recipe).stem
+    if config.recipe:  # another stage than the recipe's (`--stage dpo` on the default's SFT then DPO): its own run
+        name = Path(config.recipe).stem
+        return name if config.training.stage == config.recipe_stage else f"{name}-{config.training.stage}"
     model = Path(config.model.model_name_or_path.rstrip("/")).name
     return f"{config.training.stage}-{model}"
 
@@ -389,7 +391,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     metrics_path = stage.run_dir / run_files.METRICS
     info_path = stage.run_dir / run_files.TRAINING_INFO
     total_steps = planned_steps(len(prepared.train), plan, config)
-    warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings
+    starts_from, start_warning = starting_model(stage.name, config, model_path, previous and previous["stage"])
+    warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings + \
+        ([start_warning] if start_warning else [])
     row = objective(stage.name)
     data_settings, data_line = {}, None
     if row.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
@@ -397,11 +401,12 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         warnings += [warning] if warning else []
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
-            open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings)
+            open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings, starts_from)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
-    print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n{format_plan(plan)}\n  steps      {total_steps}\n"
+    print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n  starts from  {starts_from}\n{format_plan(plan)}\n"
+           f"  steps      {total_steps}\n"
            f"{format_summary(prepared.summary)}")
     audit_lines = data_audit.format_data_audit(prepared.summary.get("audit") or {}, stage.name)
     if audit_lines:
@@ -498,12 +503,12 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
 
 
 def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, world: World, previous: dict | None,
-                      total_steps: int, warnings: list[str]) -> None:
+                      total_steps: int, warnings: list[str], starts_from: str) -> None:
     """Rank 0: training_info.json for a stage that starts (or resumes) now, half-written checkpoints removed."""
     info_path = stage.run_dir / run_files.TRAINING_INFO
     stage.run_dir.mkdir(parents=True, exist_ok=True)
-    info = training_info(stage, model_path, prepared, world) | {"planned_steps": total_steps, "warnings": warnings,
-                                                                  "status": Status.RUNNING}
+    info = training_info(stage, model_path, prepared, world) | {
+        "starts_from": starts_from, "planned_steps": total_steps, "warnings": warnings, "status": Status.RUNNING}
     if previous:  # its judged result in the measure this stage leads with (GRPO after SFT: the mean reward)
         judge = headline_judge(previous["judges"], stage.name) if previous.get("judges") else previous.get("judge")
         info["previous_stage"] = {"stage": previous["stage"], "judge": judge,
@@ -514,7 +519,7 @@ def open_stage_record(stage: Stage, model_path: str, prepared: PreparedData, wor
 
 def announce_sft_forward(config: Config, model, info_path: Path, warnings: list[str], world: World) -> dict:
     """Which SFT forward runs (packed, padding-free or padded), printed and recorded."""
-    sft_forward = resolve_sft_forward(config, model.config._attn_implementation)
+    sft_forward = resolve_sft_forward(config, attention_implementation(model.config))
     print0(f"  SFT forward: {sft_forward['forward']} ({sft_forward['reason']})")
     if sft_forward["warning"]:
         print0(f"  warning: {sft_forward['warning']}")
@@ -658,7 +663,7 @@ def stop_if_interrupted(trainer, stage: Stage, info_path: Path, world: World) ->
 
 def record_stop(stage: Stage, info_path: Path, world: World, status: str, message: str) -> None:
     """Rank 0: the stop and its reason into training_info.json, then the report and index as the run stopped. A job
-    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.report`)."""
+    whose launcher is gone frees its devices first: its pages wait for the relaunch (or `python -m src.reporting`)."""
     if world.is_main:
         run_files.update_json(info_path, status=status, stop_reason=message)
         if not launcher_gone():

@@ -15,7 +15,10 @@ import json
 import re
 from pathlib import Path
 
-from src.config import EMBEDDED, ConfigError, ModelArguments, Plan, World
+from src.config import EMBEDDED, ModelArguments
+from src.config_error import ConfigError
+from src.plan import Plan
+from src.world import World
 from src.distributed import barrier
 from src.embedded.model import ensure_embedded_model
 from src.run_safety.disk_space import fail_write_if_injected, noticed_write_failure, write_failures_noted

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from src.distributed import any_rank
+from src.private_api import attention_implementation
 from src.packed_dpo_support import FLASH_PREFIX, announce_padded, refusal
 
 PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels", "packed_segment_ids",
@@ -67,14 +68,14 @@ TAPE: contextvars.ContextVar = contextvars.ContextVar("fused_forward_tape", defa
 
 def attention_layout(model) -> str:
     """"prefix_shared" (a 4D mask) or "varlen" (flash-attention: sequences told apart by restarting positions)."""
-    implementation = str(getattr(model.config, "_attn_implementation", None) or "")
+    implementation = str(attention_implementation(model.config) or "")
     return "varlen" if FLASH_PREFIX in implementation else "prefix_shared"
 
 
 def unsupported_reason(model, args, peft_config=None) -> str | None:
     """Why the packed forward cannot be trusted for this model and configuration, or None: the allow-list and causes
     of src/packed_dpo_support.py. What is not refused is still checked against the padded forward on the first batch."""
-    return refusal(model.config, attn_implementation=getattr(model.config, "_attn_implementation", None),
+    return refusal(model.config, attn_implementation=attention_implementation(model.config),
                    router_aux_loss_coef=getattr(args, "router_aux_loss_coef", None),
                    truncation_mode=getattr(args, "truncation_mode", "keep_start"),  # legacy pair configs: none
                    prompt_learning=peft_config is not None and getattr(peft_config, "is_prompt_learning", False))
@@ -420,7 +421,7 @@ class PackedDPOForward:
         kwargs = {key: value for key, value in kwargs.items()
                   if key not in ("input_ids", "attention_mask", "labels", "position_ids", "shift_labels")}
         if self.layout == "prefix_shared":
-            eager = str(module.config._attn_implementation) == "eager"  # eager adds the mask to the scores
+            eager = str(attention_implementation(module.config)) == "eager"  # eager adds the mask to the scores
             dtype = next(module.parameters()).dtype
             masks = {}
             for kind, window in layer_windows(module.config).items():

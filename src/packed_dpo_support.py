@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from src.distributed import print0
 from src.models import ModelError
+from src.private_api import attention_implementation
 
 # Proven exact by tests/test_packed_support.py (sliding windows, where the family has them, are reproduced per
 # layer kind by src/packed_dpo.layer_windows).
@@ -76,7 +77,7 @@ def refusal(config, *, attn_implementation: str | None = None, router_aux_loss_c
     text = _text_config(config)
     if model_type not in VERIFIED:
         return f"{model_type}: {REFUSED.get(model_type, NOT_VERIFIED)}"
-    implementation = str(attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa")
+    implementation = str(attn_implementation or attention_implementation(config) or "sdpa")
     if implementation not in MASKED_IMPLEMENTATIONS and FLASH_PREFIX not in implementation:
         return f"{model_type} with attention implementation {implementation!r}: not known to honour a custom mask (sdpa, eager, flash)"
     other_kinds = sorted(set(getattr(text, "layer_types", None) or []) - set(MASKABLE_LAYER_KINDS))

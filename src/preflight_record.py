@@ -7,7 +7,7 @@ file in the cache, named by a hash of everything those steps read:
 - the toolkit's code (every src/**/*.py) and the versions of the libraries the checks run;
 - the whole configuration, and each stage's;
 - the model directory's files (name, size, modification time), the --chat_template_path file or directory, a reward
-  model --judge's directory, and the data sources as the prepared data's key sees them (src/data.py
+  model --judge's directory, and the data sources as the prepared data's key sees them (src/data/
   `source_fingerprint`).
 A launch whose inputs cannot all be read that way (a Hub model or template) is checked in full every time, as is
 every launch without a record. A `module:function` judge is no input of the recorded checks: run() imports it on

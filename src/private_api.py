@@ -1,17 +1,25 @@
 """The private names of TRL and transformers that the toolkit reads outside its trainers' overrides: one file, so a TRL
 or transformers upgrade starts here (docs/development.md lists every other place: the objectives' trainer modules and
-the Trainer internals in src/trainers/base.py and checkpointing.py). Each is imported when first asked for: both
-libraries cost seconds to import, and the preflight needs neither."""
+the Trainer internals in src/trainers/base.py and checkpointing.py; tests/test_private_api.py checks the list against
+the code). Each is imported when first asked for: both libraries cost seconds to import, and the preflight needs
+neither."""
 
 from __future__ import annotations
 
 
 def trl_tokenize():
     """`trl.data_utils._tokenize` (TRL 1.16): how TRL's trainers tokenize a prompt or a prompt + answer (chat template
-    or plain text), which src/data.py reproduces id for id (tests/prepared_digests.json)."""
+    or plain text), which src/data/ reproduces id for id (tests/prepared_digests.json)."""
     from trl.data_utils import _tokenize
 
     return _tokenize
+
+
+def attention_implementation(config) -> str | None:
+    """`PretrainedConfig._attn_implementation` (transformers 5.23, no public accessor): the attention a model config
+    runs with ("sdpa", "eager", "flash_attention_2", a Hub kernel; None before one is set), which the packed DPO
+    forward's layout and allow-list (src/packed_dpo.py, packed_dpo_support.py) and the SFT forward depend on."""
+    return getattr(config, "_attn_implementation", None)
 
 
 def compile_jinja_template():

@@ -1,6 +1,6 @@
 """What this process may use of the machine it runs on: its cores and its memory as a container, Slurm or `taskset`
 grants them, not as the machine has them. The one answer for everything that sizes a pool or a thread count: data
-preparation's workers (src/data.py), check_gpu's CPU process count (src/diagnostics/system.py), each CPU process's
+preparation's workers (src/data/), check_gpu's CPU process count (src/diagnostics/system.py), each CPU process's
 torch threads (src/distributed.py) and run_distributed.sh's OMP_NUM_THREADS (`python -m src.resource_limits N`).
 
 - Cores: the CPU affinity (what Slurm, `taskset`, `docker --cpuset-cpus` give), bounded by a cgroup CPU quota
@@ -13,8 +13,8 @@ torch threads (src/distributed.py) and run_distributed.sh's OMP_NUM_THREADS (`py
   limit winning: a Slurm job's or a systemd slice's limit sits on its own cgroup, deep in the host's tree; a
   container with its own cgroup namespace sees its limit at the root.
 
-Test seam: PREFKIT_TEST_CGROUP=<dir> reads `<dir>/proc_self_cgroup` for /proc/self/cgroup and `<dir>/sys_fs_cgroup/`
-for /sys/fs/cgroup (a fake quota); unset outside tests.
+The test seam cgroup_tree (src/seams.py): <dir> reads `<dir>/proc_self_cgroup` for /proc/self/cgroup and
+`<dir>/sys_fs_cgroup/` for /sys/fs/cgroup (a fake quota); not planted outside tests.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+from src import seams
 
 UNLIMITED_V1 = 1 << 60  # cgroup v1 writes "no limit" as a huge number (9223372036854771712)
 
@@ -35,7 +37,7 @@ def _read(path: Path) -> str | None:
 
 def _cgroup_dirs(controller: str) -> list[Path]:
     """The cgroup directories whose files limit this process for `controller` ("cpu", "memory"), innermost first."""
-    fake = os.environ.get("PREFKIT_TEST_CGROUP")
+    fake = seams.get("cgroup_tree")
     root = Path(fake) / "sys_fs_cgroup" if fake else Path("/sys/fs/cgroup")
     membership = _read(Path(fake) / "proc_self_cgroup" if fake else Path("/proc/self/cgroup")) or ""
     found: list[Path] = []

@@ -28,16 +28,17 @@ from pathlib import Path
 
 from src import run_files
 from src.chat_templates import split_reasoning
-from src.config import ConfigError, World
+from src.config_error import ConfigError
 from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
-from src.embedded.model import cache_root
 from src.generation import Sampling, answer_seed, generate
 from src.judges import JudgeError, judge_for
 from src.models import apply_chat_template_to_model, load_model
 from src.objectives import ROUNDS_STAGE
 from src.progress import Progress
+from src.run_safety.build_once import cache_root
 from src.run_safety.parent_watch import kill_starter_if_injected
+from src.world import World
 
 PAIRS_DIR = "pairs"
 ROUND_FILE = "round.json"  # beside pairs/, written after it: a round whose record exists has its pairs complete

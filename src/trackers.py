@@ -22,7 +22,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from src import run_files
-from src.config import TRACKERS, ConfigError
+from src.config import TRACKERS
+from src.config_error import ConfigError
 from src.hub_access import reachable
 from src.reporting.report import final_numbers_table, setup_table
 from src.run_safety.disk_space import fail_write_if_injected

@@ -161,6 +161,13 @@ def thinking_rows(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def plant(monkeypatch, **planted) -> None:
+    """Test seams planted in this process for one test (src/seams.py; a process it starts inherits them)."""
+    from src import seams
+
+    monkeypatch.setenv(seams.VARIABLE, seams.env(**planted)[seams.VARIABLE])
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

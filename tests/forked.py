@@ -108,7 +108,7 @@ def _as_fresh_process(environment: dict[str, str], cwd: Path, stdout: Path, stde
 def _new_process_state():
     import threading
 
-    from src.config import World
+    from src.world import World
 
     return [("src.distributed", "_world", World.from_environment()),
             ("src.run_safety.disk_space", "_noticed", []), ("src.run_safety.disk_space", "_output_dirs", []),

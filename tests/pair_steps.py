@@ -45,7 +45,7 @@ def assert_the_same_on_every_split(trainer, rows: list[dict], keys: tuple[str, .
 
 
 def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, packed: bool = False, **config) -> tuple:
-    """The objective's own trainer (its row in src/objectives/) on 24 pairs prepared by src/data.py for `stage`, its
+    """The objective's own trainer (its row in src/objectives/) on 24 pairs prepared by src/data/ for `stage`, its
     TRL config on CPU with `config`, with the packed forward as build_trainer gives it when `packed` (else TRL's padded
     one): (trainer, the first GLOBAL_BATCH training rows, the prepared data)."""
     from transformers import AutoModelForCausalLM

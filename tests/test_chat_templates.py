@@ -236,7 +236,7 @@ def _r1_pairs(count: int) -> list[dict]:
 
 @pytest.mark.parametrize("stage", ["dpo", "reward", "kto", "sft"])
 def test_every_stage_prepares_r1_answers_with_their_reasoning_and_audits_it(tokenizer, stage, tmp_path):
-    """Prepared through src/data.py as a run prepares them: every stage trains the reasoning after the generation
+    """Prepared through src/data/ as a run prepares them: every stage trains the reasoning after the generation
     prompt's <think>, and the data audit counts it."""
     from conftest import write_jsonl
     from src.config import DataArguments, SFTArguments
@@ -342,7 +342,8 @@ def test_chat_template_kwargs_render_training_and_generation_alike(tokenizer, tm
     held-out prompt generation starts from) ends with the empty reasoning block thinking-off writes, the answer trains
     after it; reasoning answers under it are refused in one line before training."""
     from conftest import write_jsonl
-    from src.config import DataArguments, SFTArguments, parse_config
+    from src.config import DataArguments, SFTArguments
+    from src.config_parse import parse_config
     from src.data import DataError, prepare_data
 
     assert parse_config(["--chat_template_kwargs", '{"enable_thinking": false}'],

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from check_gpu import build_parser, options_from
+from src.diagnostics.check import check
 from src.diagnostics.inputs import parse_launch_arguments
 from src.diagnostics.model_shape import shape_from_param_count
 from src.diagnostics.render import render
-from src.diagnostics.check import check
 from src.diagnostics.system import InfinibandPort
 
 from fakes.fake_pynvml import real_pynvml
@@ -495,7 +495,8 @@ def test_a_launch_line_checks_to_the_launchers_own_plan(capsys):
     """`./run_distributed.sh 2 --config <qwen recipe> --batch_size 128 --base_batch_size 64 --use_lora` as
     `check_gpu.py --num_procs 2 ...`: global 128 over 2 GPUs = 64 per process, capped by the recipe's
     micro_batch_size 8 -> 8 per device x 8 accumulation; learning rate 5e-7 x sqrt(128 / 64)."""
-    from src.config import Devices, World, parse_config
+    from src.config_parse import parse_config
+    from src.world import Devices, World
     from src.main_distributed import plan_stages  # the function --dry_run prints the plan of
 
     launch = ["--config", QWEN_RECIPE, "--batch_size", "128", "--base_batch_size", "64", "--use_lora"]
@@ -576,10 +577,10 @@ def test_the_memory_plan_takes_the_lengths_of_the_runs_prepared_data(tmp_path, t
     where that length came from; a --max_length that cuts the reasoning gets the audit's 99th percentile with its
     memory. Without prepared data, the plan is at --max_length, as before."""
     from conftest import thinking_rows, write_jsonl
-    from src.config import stage_config
+    from src.config_parse import stage_config
     from src.data import prepare_data
     from src.diagnostics.data_lengths import find_data_lengths
-    from src.embedded.model import cache_root
+    from src.run_safety.build_once import cache_root
     from src.models import load_tokenizer
 
     data = write_jsonl(tmp_path / "reasoning.jsonl", thinking_rows(40))

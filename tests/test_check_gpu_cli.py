@@ -217,7 +217,7 @@ def test_a_launch_line_checks_to_the_plan_the_launchers_dry_run_prints(tiny_mode
 
     from conftest import preference_rows, write_jsonl
     from fakes.machines import cpu_only, fake_sources
-    from src.config import Plan, format_plan
+    from src.plan import Plan, format_plan
     from src.diagnostics.model_shape import shape_from_param_count
 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))

@@ -10,7 +10,9 @@ import pytest
 
 from src.diagnostics.bandwidth import bus_bandwidth
 from src.diagnostics.devices import cuda_view
-from src.config import STAGES, Devices, World, final_stage, stage_plans
+from src.objectives import STAGES, final_stage
+from src.plan import stage_plans
+from src.world import Devices, World
 from src.diagnostics.inputs import (InputError, TrainingSetup, parse_launch_arguments, parse_param_count, training_setup,
                                    with_plan)
 from src.diagnostics.memory_plan import (
@@ -223,7 +225,7 @@ def test_the_data_audits_lengths_set_the_tokens_per_sequence_and_a_plan_that_fit
     from types import SimpleNamespace
 
     from src.diagnostics.data_lengths import DataLengths
-    from src.diagnostics.problems import max_length_cuts_data, memory_fit
+    from src.diagnostics.problems.run_request import max_length_cuts_data, memory_fit
 
     lengths = DataLengths(longest_tokens=40000, suggested_max_length=2048, truncated_share=0.002,
                           reasoning_share=1.0, reasoning_cut_share=0.001, reasoning="keep", packed=False,

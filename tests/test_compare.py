@@ -1,4 +1,4 @@
-"""`python -m src.compare` and results/index.md, on synthetic run directories (tests/report_fixtures.py)."""
+"""`python -m src.reporting.compare` and results/index.md, on synthetic run directories (tests/report_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -110,8 +110,8 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, arguments, mes
 
 def test_the_command_prints_the_page_path(tmp_path):
     runs = sweep(tmp_path / "results")
-    completed = subprocess.run([sys.executable, "-m", "src.compare", *map(str, runs), "--output", str(tmp_path / "o")],
-                               cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run([sys.executable, "-m", "src.reporting.compare", *map(str, runs), "--output",
+                                str(tmp_path / "o")], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == f"comparison: {tmp_path / 'o' / 'compare.md'}"
 

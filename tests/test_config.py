@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from src.config import (
-    PIPELINES, PROJECT_ROOT, BatchSplitError, ConfigError, Devices, World, batch_split_command, format_plan, parse_config,
-    resolve_batch, resolve_plan, resolve_precision, stage_config, with_batch_size,
-)
+from src.config import PROJECT_ROOT
+from src.config_error import ConfigError
+from src.config_parse import parse_config, stage_config
+from src.objectives import PIPELINES
+from src.plan import (BatchSplitError, batch_split_command, format_plan, resolve_batch, resolve_plan, resolve_precision,
+                      with_batch_size)
+from src.world import Devices, World
 
 USER = ["--model_name_or_path", "some/model", "--dataset_name", "some/data"]
 
@@ -173,7 +176,7 @@ def test_stage_default_learning_rates_are_trls():
 
     import trl
 
-    from src.config import TRL_DEFAULT_LEARNING_RATES, default_learning_rate
+    from src.plan import TRL_DEFAULT_LEARNING_RATES, default_learning_rate
 
     assert plan_for(["--stage", "dpo"], 1).learning_rate == pytest.approx(1e-6)
     assert plan_for(["--stage", "sft"], 1).learning_rate == pytest.approx(2e-5)
@@ -263,6 +266,39 @@ def test_a_pipeline_recipe_runs_as_one_stage_without_its_sft_block():
     assert config.sft_stage_overrides == {} and config.training.max_steps == 60
 
 
+def test_a_stage_run_alone_from_a_recipe_gets_its_own_run_directory():
+    """`./run_distributed.sh 2 --stage dpo` takes configs/default.yaml (SFT then DPO) for all but the stage: its results
+    go to results/default-dpo, not into the default pipeline's results/default. The recipe's own stage, typed or not,
+    keeps the recipe's name, and the same command names the same directory (it resumes)."""
+    from src.main_distributed import plan_stages, run_name_for
+
+    launches = [[], ["--stage", "sft_then_dpo"], ["--stage", "dpo"], ["--stage", "sft"],
+                ["--stage", "dpo", "--run_name", "mine"], ["--config", "configs/kto.yaml"],
+                ["--config", "configs/kto.yaml", "--stage", "dpo"], ["--config", "configs/orpo.yaml", "--stage", "orpo"],
+                USER + ["--stage", "dpo"]]
+    assert [run_name_for(parse_config(argv)) for argv in launches] == [
+        "default", "default", "default-dpo", "default-sft", "mine", "kto", "kto-dpo", "orpo", "dpo-model"]
+    assert run_name_for(parse_config(["--stage", "dpo"])) == run_name_for(parse_config(["--stage", "dpo"]))
+    (stage,) = plan_stages(parse_config(["--stage", "dpo"]), World(), Devices("cpu"))
+    assert stage.run_dir == Path("results") / "default-dpo"
+
+
+def test_a_stage_says_what_it_starts_from_and_warns_on_the_untrained_embedded_model():
+    """The console's `starts from` line and training_info.json's `starts_from`: the untrained embedded model (a
+    warning for an objective that follows SFT: DPO on random weights), a model given by path, the stage before."""
+    from src.trainers.stage_plan import starting_model
+
+    embedded = parse_config(["--stage", "dpo"])
+    described, warning = starting_model("dpo", embedded, "/cache/embedded/model", None)
+    assert described == "the untrained embedded base model (randomly initialised: /cache/embedded/model)"
+    assert warning.startswith("DPO starts from the untrained embedded base model") and \
+        "--stage sft_then_dpo" in warning and "--model_name_or_path" in warning
+    assert starting_model("sft", parse_config(["--stage", "sft"]), "/cache/embedded/model", None)[1] is None
+    assert starting_model("dpo", embedded, "results/default/sft/model/final", "sft") == (
+        "the sft stage's final model (results/default/sft/model/final)", None)
+    assert starting_model("dpo", parse_config(USER + ["--stage", "dpo"]), "some/model", None) == ("some/model", None)
+
+
 def test_sft_stage_overrides_apply_to_the_sft_stage_only():
     config = parse_config(["--max_steps", "7", "--sft.max_steps", "3", "--sft.learning_rate", "0.01"])
     assert stage_config(config, "sft").training.max_steps == 3
@@ -277,7 +313,7 @@ def test_sft_stage_overrides_apply_to_the_sft_stage_only():
     ({"name": "a.jsonl", "columns": {"question": "q"}}, "entry 1 (a.jsonl): columns maps prompt"),
 ])
 def test_dataset_mixture_entries_are_checked_by_name(entry, message):
-    from src.config import validate_mixture
+    from src.config_checks import validate_mixture
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_mixture([entry])
@@ -365,7 +401,9 @@ def test_a_src_config_default_edit_reaches_the_default_run(tmp_path):
         end = source.index(old, start) + len(old)
         source = source[:start] + source[start:end].replace(old, new) + source[end:]
     (copy / "src" / "config.py").write_text(source)
-    script = ("from src.config import *\n"
+    script = ("from src.config_parse import parse_config, stage_config\n"
+              "from src.plan import format_plan, resolve_plan\n"
+              "from src.world import Devices, World\n"
               "config = parse_config([])\n"
               "staged = stage_config(config, 'dpo')\n"
               "print(staged.training.gradient_checkpointing)\n"
@@ -381,7 +419,7 @@ def test_a_src_config_default_edit_reaches_the_default_run(tmp_path):
 def test_a_final_stage_trl_field_stays_with_the_final_stage_of_a_pipeline():
     """--undesirable_weight is KTOConfig's, not SFTConfig's: sft_then_kto's SFT stage runs without it (it refused it
     as an unknown key before)."""
-    from src.config import stage_config
+    from src.config_parse import stage_config
 
     config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
                            "--undesirable_weight", "1.2", "--lr_scheduler_type", "cosine"])

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src import resource_limits
+from conftest import PROJECT_ROOT, plant, preference_rows, write_jsonl
+from src import resource_limits, seams
 from src.diagnostics.system import collect_system
 from src.run_safety.run_lock import STALE_AFTER_S, RunDirectoryHeld, acquire, hold_path
 from test_resilience import job_args
@@ -150,7 +150,7 @@ def test_a_dead_holder_in_another_pid_namespace_is_taken_over_once_its_heartbeat
 # --- the cores and the memory this process may use -----------------------------------------------------------------
 
 def fake_cgroup(root: Path, membership: str, files: dict[str, str]) -> Path:
-    """A cgroup tree for PREFKIT_TEST_CGROUP: /proc/self/cgroup's text and files under /sys/fs/cgroup."""
+    """A cgroup tree for the seam cgroup_tree: /proc/self/cgroup's text and files under /sys/fs/cgroup."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "proc_self_cgroup").write_text(membership)
     for name, text in files.items():
@@ -174,7 +174,7 @@ def test_a_cgroup_quota_bounds_the_cores_v1_and_v2(tmp_path, monkeypatch):
         "memory/slurm/job_7/memory.limit_in_bytes": str(3 << 30)})
     unlimited = fake_cgroup(tmp_path / "none", "0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "max 100000"})
     for tree, quota, cores, memory in ((v2, 1.5, 1, 4 << 30), (v1, 0.5, 1, 3 << 30), (unlimited, None, affinity, None)):
-        monkeypatch.setenv("PREFKIT_TEST_CGROUP", str(tree))
+        plant(monkeypatch, cgroup_tree=str(tree))
         assert (resource_limits.cpu_quota(), resource_limits.usable_cores(), resource_limits.memory_limit_bytes()) \
             == (quota, min(cores, affinity), memory), tree
         facts = collect_system({})  # check_gpu's numbers are the same answer
@@ -183,7 +183,7 @@ def test_a_cgroup_quota_bounds_the_cores_v1_and_v2(tmp_path, monkeypatch):
             assert facts.memory_total_bytes == memory
     # A container without a cgroup namespace sees the host's path in /proc/self/cgroup but its own cgroup mounted at
     # the root: the path it cannot see is skipped and the root's limit counts.
-    monkeypatch.setenv("PREFKIT_TEST_CGROUP", str(fake_cgroup(tmp_path / "docker", "1:cpu:/docker/abc\n", {
+    plant(monkeypatch, cgroup_tree=str(fake_cgroup(tmp_path / "docker", "1:cpu:/docker/abc\n", {
         "cpu/cpu.cfs_quota_us": "100000", "cpu/cpu.cfs_period_us": "100000"})))
     assert resource_limits.cpu_quota() == 1.0 and resource_limits.usable_cores() == 1
 
@@ -192,7 +192,7 @@ def test_the_affinity_bounds_the_cores(tmp_path):
     """`taskset` (or Slurm's --cpus-per-task, docker --cpuset-cpus) leaves one core: one core, one thread each."""
     if shutil.which("taskset") is None:
         pytest.skip("taskset (util-linux) is not installed")
-    environ = {key: value for key, value in os.environ.items() if key != "PREFKIT_TEST_CGROUP"}
+    environ = {key: value for key, value in os.environ.items() if key != seams.VARIABLE}
     one = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "src.resource_limits"], cwd=PROJECT_ROOT,
                          capture_output=True, text=True, timeout=60, env=environ, check=True)
     assert one.stdout.strip() == "1"
@@ -202,24 +202,25 @@ def test_data_preparation_and_the_launcher_use_the_quota(tiny_tokenizer, tmp_pat
     """The pod limited to fewer CPUs than its node shows: preparation starts one worker per granted core, not per core
     of the node, and run_distributed.sh gives each process its share of the granted cores as OMP_NUM_THREADS."""
     import src.data as data_module
+    import src.data.prepare as preparation  # where prepare_data calls the map
     from src.config import DataArguments, SFTArguments
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to tell the quota from the affinity")
     one_cpu = fake_cgroup(tmp_path / "cgroup", "0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})
     workers = []  # the processes asked of each split's map, per preparation
-    real_map = data_module._map_with_progress
+    real_map = preparation.map_with_progress
 
     def counting(dataset, function, fn_kwargs, features, label, num_proc, work):
         workers.append(num_proc)
         return real_map(dataset, function, fn_kwargs, features, label, num_proc, work)
 
-    monkeypatch.setattr(data_module, "_map_with_progress", counting)
+    monkeypatch.setattr(preparation, "map_with_progress", counting)
     rows = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
     asked = {}
     for quota, cache in ((None, "free"), (one_cpu, "quota")):
         if quota:
-            monkeypatch.setenv("PREFKIT_TEST_CGROUP", str(quota))
+            plant(monkeypatch, cgroup_tree=str(quota))
         workers.clear()
         data_module.prepare_data(DataArguments(dataset_name=str(rows), max_length=64, val_size=2, test_size=2),
                                  SFTArguments(), "dpo", 0, tiny_tokenizer, tmp_path / cache)
@@ -235,9 +236,9 @@ case "$*" in
 esac
 """)
     fake.chmod(0o755)
-    environ = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "PREFKIT_TEST_CGROUP")}
+    environ = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", seams.VARIABLE)}
     threads = {}
-    for name, extra in (("free", {}), ("quota", {"PREFKIT_TEST_CGROUP": str(one_cpu)})):
+    for name, extra in (("free", {}), ("quota", seams.env({}, cgroup_tree=str(one_cpu)))):
         launched = subprocess.run(["bash", "run_distributed.sh", "1"], cwd=PROJECT_ROOT, capture_output=True,
                                   text=True, timeout=120, env=environ | {"PYTHON": str(fake), "TMPDIR": str(tmp_path)}
                                   | extra)
@@ -251,15 +252,15 @@ def test_each_process_takes_its_share_of_the_quota_as_torch_threads(tmp_path):
     size its thread pool by the node's cores; the process group's start gives it the quota's share instead."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to tell the quota from the affinity")
-    script = ("import types, torch; from src.config import World; from src.distributed import init; "
+    script = ("import types, torch; from src.world import World; from src.distributed import init; "
               "init(types.SimpleNamespace(device='cpu', backend='gloo'), World.from_environment()); "
               "print(torch.get_num_threads())")
     one_cpu = fake_cgroup(tmp_path / "cgroup", "0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})
     environ = {key: value for key, value in os.environ.items()
-               if key not in ("OMP_NUM_THREADS", "PREFKIT_TEST_CGROUP", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK")}
+               if key not in ("OMP_NUM_THREADS", seams.VARIABLE, "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK")}
     threads = [subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
                               timeout=120, env=environ | extra, check=True).stdout.split()[-1]
-               for extra in ({}, {"PREFKIT_TEST_CGROUP": str(one_cpu)})]
+               for extra in ({}, seams.env({}, cgroup_tree=str(one_cpu)))]
     assert threads == [str(len(os.sched_getaffinity(0))), "1"]
 
 

@@ -309,7 +309,8 @@ def test_kept_rows_are_written_without_keeping_the_tokenized_files_resident(tmp_
     from datasets import Dataset, Features, Value
     from datasets.arrow_writer import ArrowWriter
 
-    from src.data import KEPT, TOO_LONG, _write_kept
+    from src.data.checks import KEPT, TOO_LONG
+    from src.data.prepared import write_kept
 
     def resident_file_pages_mb() -> float:
         return int(re.search(r"RssFile:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
@@ -323,7 +324,7 @@ def test_kept_rows_are_written_without_keeping_the_tokenized_files_resident(tmp_
         writer.finalize()
     tokenized = Dataset.from_file(str(tmp_path / "chunk.arrow"))
     before = resident_file_pages_mb()
-    _write_kept([tokenized], ["text"], tmp_path / "train.arrow")
+    write_kept([tokenized], ["text"], tmp_path / "train.arrow")
     grown = resident_file_pages_mb() - before
     kept = Dataset.from_file(str(tmp_path / "train.arrow"))
     assert kept.column_names == ["text"] and kept.features["text"] == Value("string")
@@ -411,7 +412,8 @@ def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the
     import sys
 
     from conftest import PROJECT_ROOT
-    from test_resilience import TAG, kill_tagged, seconds_until_gone
+    from src import seams
+    from test_resilience import kill_tagged, seconds_until_gone
 
     def probe(workdir, num_proc: int, **env):
         log = tmp_path / f"{workdir}.log"
@@ -423,7 +425,7 @@ def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the
 
     killed, tag = tmp_path / "killed", f"{tmp_path}-preparation"
     try:
-        status, output = probe("run", 2, PREFKIT_TEST_KILL_STARTER=f"preparation:{killed}", **{TAG: tag})
+        status, output = probe("run", 2, **seams.env({}, kill_starter=f"preparation:{killed}", run_tag=tag))
         assert status == -9 and killed.exists(), output[-2000:]
         print(f"the preparation's pool workers ended {seconds_until_gone(tag):.1f} s after the kill")
     finally:

@@ -12,8 +12,9 @@ import pytest
 from conftest import write_jsonl
 from src import run_files
 from src.audit.__main__ import main as audit_main
-from src.audit.answers import answer_record, answers_audit, repetition
+from src.audit.answers import answers_audit
 from src.audit.findings import audit_alerts, data_alerts
+from src.generation import answer_record, repetition
 
 MAX_LENGTH = 128
 TAIL = " and so on," * 18  # ~200 characters: prompt + answer well past --max_length (the embedded tokenizer: characters)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import preference_rows
-from src.config import DataArguments, SFTArguments, data_file_kind
+from src.config import DataArguments, SFTArguments
+from src.data_file_kinds import data_file_kind
 from src.data import DataError, prepare_data, source_files
 
 ROWS = [{"prompt": row["prompt"][0]["content"], "chosen": row["chosen"][0]["content"],

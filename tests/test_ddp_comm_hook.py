@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from src import run_files
-from src.config import ConfigError, Devices, World, parse_config, resolve_plan
+from src.config_error import ConfigError
+from src.config_parse import parse_config
+from src.plan import resolve_plan
+from src.world import Devices, World
 from src.main_distributed import check_launcher_strategy
 from src.trainers.stage_plan import silent_no_op_warnings
 from test_training import assert_trained_as_one_job, common_args, launch, run_single

@@ -16,7 +16,7 @@ import pytest
 
 import forked
 from conftest import preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 from src.run_safety.disk_space import is_write_failure, write_failure_errno
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.build_once import COMPLETE_MARKER
@@ -101,7 +101,7 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
     # Stopped 3 steps after it resumed: SIGTERM to its process group from a seam (rank 0 sends it at that step's end).
     stopped = tmp_path / "stopped"
     relaunched = start_launcher(args, tmp_path / "relaunched.txt",
-                                PREFKIT_TEST_KILL_STARTER=f"step:{checkpoint_step(newest) + 3}:{stopped}:TERM")
+                                **seams.env({}, kill_starter=f"step:{checkpoint_step(newest) + 3}:{stopped}:TERM"))
     try:
         relaunched.wait(timeout=600)
     finally:
@@ -111,7 +111,7 @@ def test_a_disk_that_fills_up_stops_every_rank_in_one_line_and_the_relaunch_resu
     assert info["resumes"][0]["from_step"] == int(newest.name.split("-")[1]), (tmp_path / "relaunched.txt").read_text()
 
 
-# A failed write at each site, injected (PREFKIT_TEST_FAIL_WRITE: src/run_safety/disk_space.py fail_write_if_injected),
+# A failed write at each site, injected (the seam fail_write: src/run_safety/disk_space.py fail_write_if_injected),
 # one launch each: every launch but the first resumes from what the previous one's line named, and fails at the next
 # site. (what, which write fails: file-name glob[@rank][#n-th write of that process], more environment)
 FAILING_WRITES = [
@@ -142,15 +142,15 @@ def test_a_failed_write_at_any_site_stops_every_rank_in_one_line_and_the_relaunc
                 cache.unlink()
         if index == 0:  # the launcher's own preflight: under the launcher, which ends with the line, no restart
             log = tmp_path / f"launch-{index}.txt"
-            launch = start_launcher(args, log, PREFKIT_TEST_FAIL_WRITE=spec, **environment)
+            launch = start_launcher(args, log, **seams.env({}, fail_write=spec), **environment)
             try:
                 status = launch.wait(timeout=300)
             finally:
                 os.killpg(launch.pid, signal.SIGKILL) if launch.poll() is None else None
             output = log.read_text()
         else:  # the workers' sites: 2 processes as one job, forked (how the launcher takes exit 5: the test above)
-            job = forked.run_job(2, args, env=os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_TEST_FAIL_WRITE": spec}
-                                 | environment, timeout=300)
+            job = forked.run_job(2, args, env=seams.env(os.environ | {"OMP_NUM_THREADS": "1"} | environment,
+                                                              fail_write=spec), timeout=300)
             status, output = job.returncode, job.stdout + job.stderr
         assert status == ExitStatus.WRITE_FAILED, f"{what}: exit {status}\n{output[-4000:]}"
         assert "Traceback" not in output and "ChildFailedError" not in output, f"{what}:\n{output[-4000:]}"

@@ -125,7 +125,8 @@ def test_the_reasoning_variants_model_generates_as_r1_distill_and_its_judge_read
 
 
 def test_embedded_reasoning_takes_the_embedded_data():
-    from src.config import ConfigError, parse_config
+    from src.config_error import ConfigError
+    from src.config_parse import parse_config
 
     with pytest.raises(ConfigError, match="--embedded_reasoning .* takes --dataset_name embedded"):
         parse_config(["--model_name_or_path", "embedded", "--dataset_name", "pairs.jsonl", "--embedded_reasoning",

@@ -3,7 +3,7 @@ at each step of the end (src/run_safety/finished_run.py END_STEPS) is relaunched
 
 Two real training launches (one process, the tiny model, 4 steps), shared by every case: a run never killed, and one
 killed right after training finished. Each case copies the killed run, relaunches it killed at one end step
-(PREFKIT_KILL_AFTER: the process SIGKILLs itself there, no timing), then relaunches it plainly.
+(the seam kill_after_end_step: the process SIGKILLs itself there, no timing), then relaunches it plainly.
 
     python -m pytest -q -n 0 tests/test_finished_run.py
 """
@@ -22,8 +22,8 @@ import pytest
 
 import forked
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src import run_files
-from src.run_safety.finished_run import END_STEPS, KILL_AFTER
+from src import run_files, seams
+from src.run_safety.finished_run import END_STEPS
 from src.run_safety.run_lock import hold_path
 
 # What two runs of one command measure differently (times, speeds, memory, the launch's own history): not compared.
@@ -43,9 +43,9 @@ def job_args(model: Path, data: Path, results: Path) -> list[str]:
 
 def launch(args: list[str], kill_after: str | None = None, launcher: bool = False) -> subprocess.CompletedProcess:
     """python -m src.main_distributed ARGS (one process), or ./run_distributed.sh 1 ARGS."""
-    environ = {key: value for key, value in os.environ.items() if key != KILL_AFTER} | {"OMP_NUM_THREADS": "1"}
+    environ = {key: value for key, value in os.environ.items() if key != seams.VARIABLE} | {"OMP_NUM_THREADS": "1"}
     if kill_after:
-        environ[KILL_AFTER] = kill_after
+        environ = seams.env(environ, kill_after_end_step=kill_after)
     if not launcher:
         return forked.run_main(args, env=environ, timeout=300)
     return subprocess.run(["bash", "run_distributed.sh", "1", *args], cwd=PROJECT_ROOT,

@@ -45,7 +45,10 @@ def test_auto_precision_follows_the_gpus(cuda):
     """auto: bf16 where every GPU has compute capability 8.0+, fp16 otherwise; explicit bf16 refused on older GPUs."""
     import torch
 
-    from src.config import ConfigError, Devices, World, parse_config, resolve_plan
+    from src.config_error import ConfigError
+    from src.config_parse import parse_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
 
     devices = Devices.detect()
     assert devices.kind == "cuda" and len(devices.names) == torch.cuda.device_count()

@@ -18,7 +18,7 @@ from bench_dpo import build_parser as bench_parser  # noqa: E402
 from check_gpu import build_parser as check_gpu_parser  # noqa: E402
 from check_gpu import options_from  # noqa: E402
 from fakes.machines import a100_ecc, fake_sources, h100_nvswitch  # noqa: E402
-from src.config import parse_config  # noqa: E402
+from src.config_parse import parse_config  # noqa: E402
 from src.diagnostics.check import check  # noqa: E402
 
 

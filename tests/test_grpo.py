@@ -21,7 +21,7 @@ import pytest
 import forked
 import grpo_probe
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 
 JUDGE = "tests.round_judges:by_length"
 
@@ -48,7 +48,9 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     passed through to TRL; --beta and --loss_type are GRPO's when given (TRL's defaults 0 and dapo when not)."""
     from trl import GRPOConfig
 
-    from src.config import Devices, World, parse_config, resolve_plan, toolkit_fields, trl_fields
+    from src.config_parse import parse_config, toolkit_fields, trl_fields
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.trainers.trl_config import build_trl_config
 
     known = set(toolkit_fields()) | set(trl_fields("grpo"))
@@ -89,10 +91,14 @@ def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_b
     DPO and GRPO, each one's config its block's (`sft:`, `dpo:`, flags --sft.KEY / --dpo.KEY) over the top level's,
     the top level's loss settings GRPO's alone; each reads its own embedded data; every stage but the last hands its
     model on (merged under LoRA), each in its own directory."""
-    from src.config import ConfigError, Devices, World, parse_config, stage_plans
+    from src.config_error import ConfigError
+    from src.config_parse import parse_config
+    from src.plan import stage_plans
+    from src.world import Devices, World
     from src.data import source_location
     from src.main_distributed import plan_stages
-    from src.objectives import PIPELINES, STAGES
+    from src.objectives import PIPELINES, STAGES, objective
+    from src.objectives.spec import resolved_beta
     from src.trainers.trl_config import build_trl_config
 
     assert PIPELINES["sft_then_dpo_then_grpo"] == ("sft", "dpo", "grpo") and STAGES[-1] == "sft_then_dpo_then_grpo"
@@ -120,7 +126,8 @@ def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_b
     flags = ["--stage", "sft_then_dpo_then_grpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--judge",
              JUDGE, "--beta", "0.04", "--loss_type", "dapo"]
     dpo = dict((name, stage) for name, stage, _ in stage_plans(parse_config(flags), World(), Devices("cpu", 0, [])))
-    assert (dpo["dpo"].dpo.beta, dpo["dpo"].dpo.loss_type, dpo["grpo"].dpo.beta) == (0.1, ["sigmoid"], 0.04)
+    assert (resolved_beta(dpo["dpo"], objective("dpo")), dpo["dpo"].dpo.loss_type, dpo["grpo"].dpo.beta) == (
+        0.1, ["sigmoid"], 0.04)
     with pytest.raises(ConfigError, match=r"--dpo\.\* overrides apply only to --stage sft_then_dpo_then_grpo"):
         parse_config(flags[:1] + ["sft_then_grpo"] + flags[2:] + ["--dpo.max_steps", "3"])
 
@@ -129,7 +136,8 @@ def test_check_gpu_plans_the_kv_cache_of_sampling_and_a_reference_only_with_the_
     the KV cache of the sampled answers (per-device batch x accumulation sequences, each layers x 2 x kv_size per
     token, plus one row of fp32 logits) is the peak when larger than the step's activations; a reference copy only
     with --beta > 0 (full fine-tuning); --beta 0 is a setting."""
-    from src.config import Devices, World, resolve_plan
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.diagnostics.inputs import parse_launch_arguments, training_setup, with_plan
     from src.diagnostics.memory_plan import GIB, LOGITS_FP32_BYTES, plan_memory
     from src.diagnostics.model_shape import shape_from_param_count
@@ -236,7 +244,8 @@ def test_a_hub_math_set_maps_its_columns_into_meta_and_the_final_number_judge_re
     column the data lacks is one line naming the flag."""
     from transformers import AutoTokenizer
 
-    from src.config import DataArguments, SFTArguments, parse_config
+    from src.config import DataArguments, SFTArguments
+    from src.config_parse import parse_config
     from src.data import DataError, prepare_data, source_columns
     from src.judges import judge_for
 
@@ -279,7 +288,9 @@ def toolkit_trainer(tiny_model, tmp_path, *extra: str):
     """The trainer main_distributed builds for --stage grpo on 8 prompts (one process), ready to train."""
     from transformers import AutoTokenizer
 
-    from src.config import Devices, World, parse_config, resolve_plan
+    from src.config_parse import parse_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.data import prepare_data
     from src.models import load_model
     from src.objectives import objective
@@ -491,7 +502,7 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
                                             "--gradient_accumulation_steps", str(accumulation), "--max_steps", "3",
                                             "--save_steps", "1", "--eval_steps", "1", "--judged_eval_prompts", "2")]
         killed = tmp_path / f"killed-{name}"
-        seam = {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:*:{killed}"} if processes < 4 else {}
+        seam = seams.env({}, kill_at_checkpoint=f"after_complete:2:*:{killed}") if processes < 4 else {}
         environment = os.environ | {"OMP_NUM_THREADS": "1"}
         result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
         if processes < 4:  # the whole job killed (every process SIGKILLed): the same command again

@@ -191,7 +191,7 @@ def test_a_label_that_is_not_a_thumb_is_refused(value):
 
 
 def test_kto_weights_from_the_data_and_the_flags():
-    from src.config import parse_config
+    from src.config_parse import parse_config
     from src.kto_weights import resolve_kto_weights
 
     base = ["--stage", "kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl"]
@@ -209,8 +209,36 @@ def test_kto_weights_from_the_data_and_the_flags():
     assert "--undesirable_weight 3 gives 1.00" in warning
 
 
+def test_kto_weights_set_from_the_counts_are_never_warned_about():
+    """With no weights given the toolkit sets one from the counts: its weighted ratio is inside the paper's [1, 4/3] for
+    every count (21 desirable and 22 undesirable rows took 1.0476 before, a ratio of 0.99998, then warned "outside",
+    suggesting the same 1.0476). Weights a user typed outside are warned about, and the value the warning suggests is
+    inside."""
+    from src.config_parse import parse_config
+    from src.kto_weights import in_range, resolve_kto_weights, weighted_ratio
+
+    base = ["--stage", "kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl"]
+    config = parse_config(base)
+    weights, line, warning = resolve_kto_weights(config, {"desirable": 21, "undesirable": 22})
+    assert weights == {"desirable_weight": 1.0477, "undesirable_weight": 1.0} and warning is None, warning
+    assert "weighted ratio 1.00, inside" in line
+    for desirable in range(1, 121):
+        for undesirable in range(1, 121):
+            weights, line, warning = resolve_kto_weights(config, {"desirable": desirable, "undesirable": undesirable})
+            assert warning is None and in_range(weighted_ratio(**weights, desirable=desirable,
+                                                               undesirable=undesirable)), (desirable, undesirable)
+    for flag, value, counts in (("--desirable_weight", "1", (21, 22)), ("--undesirable_weight", "1", (300, 7)),
+                                ("--desirable_weight", "3", (100, 100))):
+        typed = resolve_kto_weights(parse_config(base + [flag, value]), dict(zip(("desirable", "undesirable"), counts)))
+        assert typed[2] and "outside the KTO paper's recommended [1, 4/3]" in typed[2]
+        suggested = typed[2].split("; ")[-1].split(" gives 1.00")[0].split()  # "--desirable_weight 1.0477"
+        again = resolve_kto_weights(parse_config(base + [flag, value] + suggested),
+                                    dict(zip(("desirable", "undesirable"), counts)))
+        assert again[2] is None and "inside" in again[1], (typed[2], again[1])
+
+
 def test_ktoconfig_fields_are_flags():
-    from src.config import parse_config
+    from src.config_parse import parse_config
 
     config = parse_config(["--stage", "sft_then_kto", "--model_name_or_path", "m", "--dataset_name", "d.jsonl",
                            "--undesirable_weight", "1.2", "--ref_model_sync_steps", "8", "--sft.packing", "true"])
@@ -300,7 +328,7 @@ def test_thumbs_rows_prepare_for_kto_and_for_the_sft_stage_before_it(tiny_tokeni
 
 
 def test_unpaired_rows_tokenize_as_trls_ktotrainer(tiny_tokenizer):
-    """src/data.py's KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
+    """src/data/'s KTO ids equal TRL 1.16 KTOTrainer._prepare_dataset's, for text and chat rows."""
     from types import SimpleNamespace
 
     from datasets import Dataset

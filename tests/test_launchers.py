@@ -13,7 +13,8 @@ import pytest
 
 from conftest import PROJECT_ROOT
 from src import run_files
-from src.config import ConfigError, Devices
+from src.config_error import ConfigError
+from src.world import Devices
 from src.main_distributed import check_launcher_strategy
 
 CONFIGS = sorted((PROJECT_ROOT / "configs" / "accelerate").glob("*.yaml"))

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 import forked
+from conftest import plant
 from report_fixtures import dpo_history, judged_run_dir, training_info, write_run_dir
-from src import run_files
+from src import run_files, seams
 from src.reporting.compare import compare
 from src.reporting.live import LiveReport, build_report_apart
 from src.reporting.report import ReportError, build_report
@@ -179,7 +180,7 @@ def test_what_a_refresh_raises_in_its_child_is_raised_in_rank_0(tmp_path, monkey
     # A full disk in the child is the parent's OSError, errno and all (the run then stops on every rank), and the
     # test seam counts writes across children as in one process: the second refresh's report.md is the one to fail.
     run_dir = write_run_dir(tmp_path / "run", dpo_history(steps=20, finished=False), training_info("dpo"))
-    monkeypatch.setenv("PREFKIT_TEST_FAIL_WRITE", "report.md#2")
+    plant(monkeypatch, fail_write="report.md#2")
     build_report_apart(run_dir, Live(step=20, total=40, elapsed_s=1.0, eta_s=1.0))
     with pytest.raises(OSError) as raised:
         build_report_apart(run_dir, Live(step=20, total=40, elapsed_s=1.0, eta_s=1.0))
@@ -260,10 +261,10 @@ def test_a_two_process_run_reports_running_after_its_first_evaluation_then_finis
                "--batch_size", "8", "--num_samples", "4", "--max_new_tokens", "6", "--judge", "none", "--seed", "3",
                "--val_size", "4", "--test_size", "4"]
     # No budget: this 8-step run would otherwise be too short to earn a refresh before its end. Every first line
-    # report.md showed while the job ran: each refresh's, from the seam (src/reporting/live.py REFRESH_LOG).
+    # report.md showed while the job ran: each refresh's, from the seam live_report_log (src/reporting/live.py).
     refreshes = tmp_path / "refreshes.txt"
-    environment = os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_LIVE_REPORT_SHARE": "1e9",
-                                "PREFKIT_TEST_LIVE_REPORT_LOG": str(refreshes)}
+    environment = seams.env(os.environ | {"OMP_NUM_THREADS": "1", "PREFKIT_LIVE_REPORT_SHARE": "1e9"},
+                            live_report_log=str(refreshes))
     job = forked.run_job(2, command, env=environment)  # 2 processes as one job (tests/forked.py)
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-4000:]

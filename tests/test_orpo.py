@@ -34,7 +34,7 @@ def test_orpo_step_is_the_same_on_any_split_of_the_global_batch(orpo_setup):
 def test_orpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     from trl.experimental.orpo import ORPOConfig
 
-    from src.config import parse_config, toolkit_fields, trl_fields
+    from src.config_parse import parse_config, toolkit_fields, trl_fields
 
     known = set(toolkit_fields()) | set(trl_fields("orpo"))
     assert {name for name, item in ORPOConfig.__dataclass_fields__.items() if item.init} <= known
@@ -48,7 +48,9 @@ def test_orpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
 
 
 def test_trl_config_is_orpo_without_a_reference(tmp_path):
-    from src.config import Devices, World, parse_config, resolve_plan
+    from src.config_parse import parse_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.trainers.trl_config import build_trl_config
 
     for flags, beta in (([], 0.1), (["--beta", "0.25"], 0.25)):

@@ -38,7 +38,7 @@ def tiny(architecture: str, tokenizer, attention: str = "sdpa", seed: int = 0):
 
 
 def pairs(count: int, seed: int = 0, vocab: int = 60) -> list[dict]:
-    """Token-id pairs of varied lengths (the columns src/data.py prepares); some answers share a first token."""
+    """Token-id pairs of varied lengths (the columns src/data/ prepares); some answers share a first token."""
     rng = random.Random(seed)
     ids = lambda low, high: [rng.randrange(8, vocab) for _ in range(rng.randint(low, high))]  # noqa: E731
     rows = []

@@ -11,7 +11,8 @@ import sys
 import time
 
 from conftest import PROJECT_ROOT
-from test_resilience import TAG, kill_tagged, seconds_until_gone, tagged_processes
+from src import seams
+from test_resilience import kill_tagged, seconds_until_gone, tagged_processes
 
 # A parent that starts a helper in a session of its own (as check_gpu starts its bandwidth worker), which starts a
 # child of its own (as the worker starts its ranks) and watches its parent; the parent then waits to be killed.
@@ -36,7 +37,7 @@ time.sleep(120)
 def test_a_helper_whose_parent_is_killed_exits_at_once_with_what_it_started(tmp_path):
     tag = f"{tmp_path}-helper"
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True,
-                              env=os.environ | {TAG: tag})
+                              env=seams.env(run_tag=tag))
     try:
         helper = int(parent.stdout.readline())
         assert len(tagged_processes(tag)) == 3  # the parent, the helper, its child

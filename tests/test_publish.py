@@ -13,7 +13,8 @@ import pytest
 import forked
 from report_fixtures import judged_run_dir
 from src import run_files
-from src.config import ConfigError, parse_config
+from src.config_error import ConfigError
+from src.config_parse import parse_config
 from src.publish import PublishError, push_to_hub, write_model_cards
 from src.reporting.report import build_report
 
@@ -166,7 +167,8 @@ def test_hub_flag_mistakes(flags, message):
 
 def test_trainer_own_push_stays_off(tiny_model, tmp_path):
     """The toolkit owns the push: TRL's config never gets push_to_hub, whatever the flags say."""
-    from src.config import Devices, World, resolve_plan
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.trainers.trl_config import build_trl_config
 
     config = parse_config(["--model_name_or_path", str(tiny_model), "--dataset_name", "d", "--push_to_hub",

@@ -76,7 +76,9 @@ def test_4bit_layers_keep_their_trainable_layout(tiny_qwen2, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from src.config import Devices, World, parse_config, resolve_plan
+    from src.config_parse import parse_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.models import load_model, quantization_config
 
     config = parse_config(["--stage", "dpo", "--model_name_or_path", str(tiny_qwen2), "--use_lora", "--load_in_4bit",

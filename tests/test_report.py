@@ -1,4 +1,4 @@
-"""The report: summary numbers, plots, sample text files, report.md, and `python -m src.report RUN_DIR`."""
+"""The report: summary numbers, plots, sample text files, report.md, and `python -m src.reporting RUN_DIR`."""
 
 import math
 import random
@@ -314,7 +314,7 @@ def test_cli_rebuilds_a_run_directory_copied_away_from_the_code(tmp_path):
     for name in (METRICS, TRAINING_INFO, samples_file("val"), samples_file("test")):
         shutil.copy(original / name, laptop / name)
     shutil.rmtree(tmp_path / "cluster")
-    completed = subprocess.run([sys.executable, "-m", "src.report", str(laptop)], cwd=PROJECT_ROOT,
+    completed = subprocess.run([sys.executable, "-m", "src.reporting", str(laptop)], cwd=PROJECT_ROOT,
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert f"report: {laptop / 'report.md'}" in completed.stdout and "Health checks: no alerts." in completed.stdout
@@ -341,7 +341,7 @@ def test_cli_rejects_a_bad_run_directory_in_one_line(metrics, message, tmp_path,
 
 
 def test_cli_error_has_no_traceback(tmp_path):
-    completed = subprocess.run([sys.executable, "-m", "src.report", str(tmp_path / "nope")], cwd=PROJECT_ROOT,
+    completed = subprocess.run([sys.executable, "-m", "src.reporting", str(tmp_path / "nope")], cwd=PROJECT_ROOT,
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
     assert completed.stderr.strip() == f"error: {tmp_path / 'nope'} is not a directory"

@@ -17,8 +17,10 @@ import pytest
 import forked
 import rank_probe
 from conftest import PROJECT_ROOT
-from src import run_files
-from src.config import ConfigError, parse_config, redact_secrets
+from src import run_files, seams
+from src.config_error import ConfigError
+from src.config_parse import parse_config
+from src.redaction import redact_secrets
 from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoints import checkpoint_step, checkpoints
 
@@ -62,7 +64,7 @@ def one_process_against_two_killed_and_resumed(args_for, results: Path, log: Pat
             killed = log.with_name("killed")
             environment = os.environ | {"OMP_NUM_THREADS": "1"}
             first = forked.run_job(2, args_for(name), timeout=600,
-                                   env=environment | {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:2:1:{killed}"})
+                                   env=seams.env(environment, kill_at_checkpoint=f"after_complete:2:1:{killed}"))
             again = forked.run_job(2, args_for(name), env=environment, timeout=600)
             log.write_text("".join((first.stdout, first.stderr, again.stdout, again.stderr)))
             assert killed.exists() and first.returncode != 0, "the seam never fired: the test proves nothing"
@@ -100,20 +102,27 @@ def worker_pid(rank: int, launcher: subprocess.Popen) -> int | None:
     return None
 
 
-TAG = "PREFKIT_TEST_RUN_TAG"  # set in a launch's environment: every process it starts inherits it
+def run_tag(environ: bytes) -> str | None:
+    """The seam run_tag in a process's /proc/<pid>/environ (None when it has none)."""
+    prefix = f"{seams.VARIABLE}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(prefix):
+            return json.loads(entry[len(prefix):]).get("run_tag")
+    return None
 
 
 def tagged_processes(tag: str) -> dict[int, str]:
-    """The live processes (pid: command line) whose environment carries TAG=tag: every process of that launch, those
-    that left its process group or session (torchrun's workers, pool workers) included. Zombies run nothing."""
+    """The live processes (pid: command line) whose environment carries the seam run_tag=tag (planted in a launch's
+    environment: every process it starts inherits it): every process of that launch, those that left its process
+    group or session (torchrun's workers, pool workers) included. Zombies run nothing."""
     found = {}
     for entry in Path("/proc").iterdir():
         try:
-            if (not entry.name.isdigit() or f"{TAG}={tag}".encode() not in (entry / "environ").read_bytes().split(b"\0")
+            if (not entry.name.isdigit() or run_tag((entry / "environ").read_bytes()) != tag
                     or (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")):
                 continue
             found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):  # gone, or not ours to read
             continue
     return found
 
@@ -184,7 +193,7 @@ def assert_finished_like_the_reference(run_dir: Path, reference: dict[int, float
 
 @pytest.fixture(scope="module")
 def twice_killed_run(tiny_model, reference_losses, tmp_path_factory):
-    """One launch whose workers are killed twice, each at a named moment (seams, PREFKIT_TEST_KILL_AT_CHECKPOINT: the
+    """One launch whose workers are killed twice, each at a named moment (the seam kill_at_checkpoint: the
     same moment on every run, not a race with a polling test), and that torchrun restarts each time: rank 0 dies with
     checkpoint-10's pieces written and its completion marker not yet; after that restart, rank 1 dies right after
     checkpoint-20 is complete. Serves the two tests below. (the run directory, its training_info.json)"""
@@ -192,8 +201,8 @@ def twice_killed_run(tiny_model, reference_losses, tmp_path_factory):
     root = tmp_path_factory.mktemp("twice_killed")
     mid_save, after_save = root / "killed-mid-save", root / "killed-after-save"
     process = start_launcher(job_args(tiny_model, data, root / "results", save_steps=5), root / "log.txt",
-                             PREFKIT_TEST_KILL_AT_CHECKPOINT=f"before_complete:10:0:{mid_save},"
-                                                            f"after_complete:20:1:{after_save}")
+                             **seams.env({}, kill_at_checkpoint=f"before_complete:10:0:{mid_save},"
+                                                                f"after_complete:20:1:{after_save}"))
     try:
         assert process.wait(timeout=600) == 0, (root / "log.txt").read_text()[-3000:]
     finally:
@@ -241,7 +250,7 @@ def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
     logs = [root / f"log{number}.txt" for number in (1, 2, 3)]
     launches = []
     try:
-        launches.append(start_launcher(args, logs[0], PREFKIT_TEST_KILL_STARTER=f"step:12:{signalled}:TERM",
+        launches.append(start_launcher(args, logs[0], **seams.env({}, kill_starter=f"step:12:{signalled}:TERM"),
                                        **SECRETS))
         launches[0].wait(timeout=600)
         assert signalled.exists(), "the seam never fired: the test proves nothing"
@@ -250,11 +259,12 @@ def stopped_twice_run(tiny_model, reference_losses, tmp_path_factory):
         complete_after_sigterm = [checkpoint_step(path) for path in checkpoints(run_dir / "model")
                                   if (path / COMPLETE_MARKER).exists()]
 
-        launches.append(start_launcher(args, logs[1], PREFKIT_TEST_KILL_STARTER=f"step:{TERM_THEN_KILL_AT}:{killed}",
-                                       **{TAG: f"{root}-second"}, **SECRETS))
+        launches.append(start_launcher(args, logs[1], **seams.env({}, kill_starter=f"step:{TERM_THEN_KILL_AT}:{killed}",
+                                                                         run_tag=f"{root}-second"), **SECRETS))
         launches[1].wait(timeout=600)
         assert killed.exists(), "the seam never fired: the test proves nothing"
-        launches.append(start_launcher(args, logs[2], **{TAG: f"{root}-third"}, **SECRETS))  # right away
+        third = seams.env({}, run_tag=f"{root}-third")
+        launches.append(start_launcher(args, logs[2], **third, **SECRETS))  # right away
         gone_after = seconds_until_gone(f"{root}-second")
         assert launches[2].wait(timeout=600) == 0, logs[2].read_text()[-3000:]
     finally:

@@ -16,10 +16,10 @@ import pytest
 
 import forked
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 from src.generation import Sampling, answer_seed, generate
 from src.rounds import form_pairs
-from test_resilience import TAG, kill_tagged, seconds_until_gone, start_launcher
+from test_resilience import kill_tagged, seconds_until_gone, start_launcher
 
 JUDGE = "tests.round_judges:by_length"
 
@@ -223,8 +223,8 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
     for moment in ("sampling", "reference"):
         killed, tag = tmp_path / f"killed-{moment}", f"{tmp_path}-{moment}"
         started = time.monotonic()
-        job = start_launcher(args, tmp_path / f"{moment}.log", PREFKIT_TEST_KILL_STARTER=f"{moment}:{killed}",
-                             **{TAG: tag})
+        planted = seams.env({}, kill_starter=f"{moment}:{killed}", run_tag=tag)
+        job = start_launcher(args, tmp_path / f"{moment}.log", **planted)
         try:
             job.wait(timeout=600)
             assert killed.exists(), (tmp_path / f"{moment}.log").read_text()[-3000:]
@@ -237,7 +237,7 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
     # Stopped by SIGTERM to the launcher's process group at the end of round 1's third training step (its pairs
     # written; a seam: rank 0 sends it, the offline stage has 2 steps), then the same command again.
     log, signalled = tmp_path / "two.log", tmp_path / "signalled"
-    job = start_launcher(args, log, PREFKIT_TEST_KILL_STARTER=f"step:3:{signalled}:TERM")
+    job = start_launcher(args, log, **seams.env({}, kill_starter=f"step:3:{signalled}:TERM"))
     try:
         job.wait(timeout=600)
     finally:
@@ -265,9 +265,10 @@ def round_one_pairs_in_this_process(model_dir: Path, data: Path) -> list[dict]:
     the train prompts with the round's seeds, by_length scores them, best against worst."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from src.config import DataArguments, SFTArguments, World
+    from src.config import DataArguments, SFTArguments
+    from src.world import World
     from src.data import PROMPTS, prepare_data
-    from src.embedded.model import cache_root
+    from src.run_safety.build_once import cache_root
     from src.judges import judge_for
     from src.rounds import RoundSettings, sample_and_judge, train_prompts
 

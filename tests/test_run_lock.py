@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
 from src.run_safety.run_lock import STALE_AFTER_S, RunDirectoryHeld, acquire, hold_path, identity
@@ -67,7 +67,7 @@ def test_a_second_launch_into_a_live_run_is_refused_and_a_dead_holder_is_taken_o
     # Stopped the clean way 3 steps after it resumed: SIGTERM to its process group from a seam (rank 0, that step's end).
     stopped = tmp_path / "stopped"
     relaunched = start_launcher(args, tmp_path / "relaunched.txt",
-                                PREFKIT_TEST_KILL_STARTER=f"step:{newest + 3}:{stopped}:TERM")
+                                **seams.env({}, kill_starter=f"step:{newest + 3}:{stopped}:TERM"))
     try:
         relaunched.wait(timeout=600)
     finally:

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src import run_files
-from src.config import World, parse_config, sagemaker_defaults, sagemaker_process_hint
+from src.config_parse import parse_config, sagemaker_defaults
+from src.world import World, sagemaker_process_hint
 
 
 @pytest.fixture

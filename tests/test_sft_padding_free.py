@@ -9,7 +9,7 @@ import pytest
 import forked
 from conftest import write_jsonl
 from src import run_files
-from src.config import parse_config
+from src.config_parse import parse_config
 from src.trainers.stage_plan import resolve_sft_forward
 
 LENGTHS = (5, 13, 3, 9)

@@ -31,7 +31,7 @@ def test_simpo_step_is_the_same_on_any_split_of_the_global_batch(simpo_setup):
 
 
 def test_prepared_pairs_are_laid_out_as_cpo_tokenizes_them(simpo_setup, tiny_tokenizer):
-    """The ids are DPO's (src/data.py: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
+    """The ids are DPO's (src/data/: TRL's DPOTrainer tokenization); CPO's layout: prompt + answer, prompt labels
     -100, the answer cut at max_length."""
     from src.trainers.legacy_pairs import LABEL_PAD, pair_row
 
@@ -50,7 +50,7 @@ def test_cpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     passed through to TRL."""
     from trl.experimental.cpo import CPOConfig
 
-    from src.config import parse_config, toolkit_fields, trl_fields
+    from src.config_parse import parse_config, toolkit_fields, trl_fields
 
     known = set(toolkit_fields()) | set(trl_fields("simpo"))
     assert set(CPOConfig.__dataclass_fields__) - {"_n_gpu"} <= known | {name for name, item in
@@ -68,7 +68,9 @@ def test_cpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
 
 
 def test_trl_config_is_simpo_without_a_reference(tmp_path):
-    from src.config import Devices, World, parse_config, resolve_plan
+    from src.config_parse import parse_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
     from src.trainers.trl_config import build_trl_config
 
     config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--beta",
@@ -86,7 +88,7 @@ def test_trl_config_is_simpo_without_a_reference(tmp_path):
     ([], []),  # the defaults: beta 2, gamma beta / 2
 ])
 def test_beta_and_gamma_outside_the_papers_ranges_are_warned_with_why(flags, warned):
-    from src.config import parse_config
+    from src.config_parse import parse_config
     from src.objectives import objective
 
     config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", *flags])
@@ -94,6 +96,38 @@ def test_beta_and_gamma_outside_the_papers_ranges_are_warned_with_why(flags, war
     assert len(warnings) == len(warned)
     for warning, start in zip(warnings, warned):
         assert warning.startswith(start) and ":" in warning  # then why
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto", "simpo", "orpo", "grpo", "sft_then_simpo"])
+def test_a_beta_default_is_the_objectives_value_not_whether_the_flag_was_typed(stage, tmp_path):
+    """--beta left out trains with the row's default_beta, exactly as --beta typed with that value does (SimPO's 2.0,
+    not DPO's 0.1: before, SimPO's beta was 2.0 unless a --beta was typed, even --beta 0.1, the value --help showed
+    as the default); a recipe's `beta:` is a value given like the flag's. Settings and what training_info records."""
+    import dataclasses
+
+    from src.config import DPOArguments
+    from src.config_parse import parse_config, stage_config
+    from src.plan import resolve_plan
+    from src.world import Devices, World
+    from src.objectives import final_stage, objective
+    from src.trainers.trl_config import build_trl_config
+
+    row = objective(stage)
+    base = ["--stage", stage, "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--judge",
+            "tests.round_judges:by_length"]
+    built = []
+    for flags in ([], ["--beta", f"{row.default_beta:g}"]):
+        config = stage_config(parse_config(base + flags), final_stage(stage))
+        plan = resolve_plan(config, World(), Devices("cpu", 0, []), final_stage(stage))
+        args = build_trl_config(final_stage(stage), config, plan, tmp_path, False, 10)
+        built.append((args.beta, getattr(args, "simpo_gamma", None), row.run_info(config, {})["beta"]))
+    assert built[0] == built[1] and built[0][0] == row.default_beta
+    beta_help = next(field for field in dataclasses.fields(DPOArguments) if field.name == "beta").metadata["help"]
+    assert f"{row.display_name} {row.default_beta:g}" in beta_help  # --help says the default each one trains with
+    assert objective("simpo").default_beta == 2.0 and objective("dpo").default_beta == 0.1
+    recipe = tmp_path / "simpo.yaml"
+    recipe.write_text("stage: simpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\nbeta: 0.1\n")
+    assert objective("simpo").run_info(parse_config(["--config", str(recipe)]), {})["beta"] == 0.1
 
 
 def test_memory_plan_keeps_no_reference_and_says_what_that_saves():

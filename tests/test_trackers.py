@@ -17,7 +17,8 @@ import pytest
 import forked
 from conftest import PROJECT_ROOT
 from src import run_files
-from src.config import ConfigError, parse_config
+from src.config_error import ConfigError
+from src.config_parse import parse_config
 
 
 def tracked_run(tiny_model, preference_file, results: Path, run_name: str, trackers: list[str], env: dict,

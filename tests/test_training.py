@@ -13,7 +13,7 @@ import pytest
 import forked
 import rank_probe
 from conftest import preference_rows, write_jsonl
-from src import run_files
+from src import run_files, seams
 
 
 def launch(nproc: int, args: list[str], probe_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -178,6 +178,11 @@ def test_qlora_runs_on_cpu_where_bitsandbytes_can(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     info = run_files.read_json(tmp_path / "results" / "qlora" / run_files.TRAINING_INFO)
     assert info["load_in_4bit"] is True and info["summary"]["completed_steps"] == 2
+    # DPO alone on the embedded model: what it starts from, said plainly (test_config.py has the rule)
+    assert info["starts_from"].startswith("the untrained embedded base model")
+    assert "starts from  the untrained embedded base model" in result.stdout
+    assert "warning: DPO starts from the untrained embedded base model" in result.stdout, result.stdout[-3000:]
+    assert any(warning.startswith("DPO starts from the untrained") for warning in info["warnings"])
     assert (tmp_path / "results" / "qlora" / "model" / "final" / "adapter_model.safetensors").exists()
 
 
@@ -244,7 +249,7 @@ def test_sft_then_dpo_then_grpo_of_a_base_model_with_chat_template_path_resumes_
     assert refused.returncode == 2 and "--chat_template_path" in refused.stderr, refused.stderr[-2000:]
     args += ["--chat_template_path", str(tmp_path / "instruct")]
     killed = tmp_path / "killed"
-    first = forked.run_main(args, env=os.environ | {"PREFKIT_TEST_KILL_AT_CHECKPOINT": f"after_complete:1:0:{killed}"})
+    first = forked.run_main(args, env=seams.env(kill_at_checkpoint=f"after_complete:1:0:{killed}"))
     assert killed.exists() and first.returncode == -9, first.stderr[-3000:]
     result = run_single(args)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -258,6 +263,9 @@ def test_sft_then_dpo_then_grpo_of_a_base_model_with_chat_template_path_resumes_
     infos = {name: run_files.read_json(directory / run_files.TRAINING_INFO)
              for name, directory in (("sft", run_dir / "sft"), ("dpo", run_dir / "dpo"), ("grpo", run_dir))}
     assert infos["dpo"]["model_name_or_path"] == str(sft_final)
+    assert infos["sft"]["starts_from"] == str(base) and not any("untrained" in w for w in infos["dpo"]["warnings"])
+    assert infos["dpo"]["starts_from"] == f"the sft stage's final model ({sft_final})"
+    assert f"starts from  the dpo stage's final model ({run_dir / 'dpo' / 'model' / 'final'})" in result.stdout
     assert infos["grpo"]["model_name_or_path"] == str(run_dir / "dpo" / "model" / "final")
     assert [resume["from_step"] for resume in infos["dpo"]["resumes"]] == [1] and not infos["grpo"].get("resumes")
     assert AutoTokenizer.from_pretrained(run_dir / "model" / "final").chat_template

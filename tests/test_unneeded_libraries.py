@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
-from src.config import parse_config
+from src.config_parse import parse_config
 from src.unneeded_libraries import unneeded_libraries
 
 

@@ -207,7 +207,8 @@ def _mixed_split_files(ws: Workspace) -> list[str]:
 
 def _finished_run(ws: Workspace) -> list[str]:
     """A run finished with --beta 0.5, relaunched without it: what the finished run recorded, made as a run makes it."""
-    from src.config import Devices, World, parse_config
+    from src.config_parse import parse_config
+    from src.world import Devices, World
     from src.main_distributed import data_locations, git_commit, plan_stages
     from src.run_safety.finished_run import data_fingerprint
 

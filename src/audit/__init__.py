@@ -2,8 +2,9 @@
 
     python -m src.audit [--config R.yaml] [launcher flags]     # audit a dataset without training (src/audit/__main__.py)
 
-- pairs.py      what the pairs can teach, from the preparation pass src/data.py makes anyway: counts, duplicates,
-                lengths, truncation, chosen/rejected overlap (per split, bounded memory: a few numbers a row)
+- src/data/pair_audit.py  what the pairs can teach, from the preparation pass the data makes anyway: counts,
+                duplicates, lengths, truncation, chosen/rejected overlap (per split, bounded memory: a few numbers a
+                row); it lives with the data, which computes it while tokenizing
 - reference.py  how the reference model already ranks the training pairs, from the reference log-probs the DPO
                 trainer computes or reuses (or, standalone, from a sample)
 - judged.py     a judge's verdict on the data's own chosen and rejected answers: labels it ranks the other way
@@ -12,5 +13,5 @@
 
 Light modules (no torch, no TRL trainer) but reference.py's forward and judged.py's scoring, which take a model
 already loaded. The numbers land in training_info.json (`data_audit`, `answers`), report.md's Data and Answers
-sections, plots/data.png, the console's end-of-run lines and `python -m src.compare`.
+sections, plots/data.png, the console's end-of-run lines and `python -m src.reporting.compare`.
 """

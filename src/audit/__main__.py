@@ -22,20 +22,23 @@ from pathlib import Path
 from src import run_files
 from src.audit.findings import data_alerts
 from src.audit.judged import INVERTED_FILE, drawn_rows, judge_pairs
-from src.audit.run import opening
 from src.audit.reference import agreement, answer_tokens, sample_logps
-from src.objectives import SEQUENCES, objective
-from src.config import (EMBEDDED, PIPELINES, ConfigError, HelpRequested, World, format_help, parse_config,
-                        stage_config)
+from src.audit.run import opening
+from src.config import EMBEDDED
+from src.config_error import ConfigError
+from src.config_parse import HelpRequested, format_help, parse_config, stage_config
 from src.data import DataError, check_source, prepare_data, source_rows
-from src.embedded.model import cache_root
 from src.hub_access import needs_hub, use_local_files_only
 from src.judges import JudgeError, judge_for
 from src.models import ModelError, apply_chat_template_path, load_model_for_audit, load_tokenizer, resolve_model_path
+from src.objectives import SEQUENCES, objective
+from src.objectives import PIPELINES
 from src.reporting.alerts import format_alerts
 from src.reporting.audit import data_section
+from src.run_safety.build_once import cache_root
 from src.run_safety.exit_status import ExitStatus
 from src.unneeded_libraries import without_torch
+from src.world import World
 
 WARNINGS = 1  # the exit status when any warning fired (as check_gpu.py's READY WITH WARNINGS)
 

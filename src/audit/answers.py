@@ -1,6 +1,5 @@
 """What the trained model now says: the held-out answers before and after a stage, measured.
 
-    record = answer_record(text, generated_ids, eos_ids)     # per answer, while generating (src/generation.py)
     audit = answers_audit(read_jsonl(run_dir / "samples_test.jsonl"))   # per split, from the samples file
 
 Longer answers after DPO are the commonest surprise: preference data often prefers the longer answer, and DPO
@@ -8,7 +7,9 @@ learns length faster than quality (Park et al. 2024, "Disentangling Length from 
 Optimization", arXiv 2403.19159). A cut answer ran to --max_new_tokens without ending. A degenerate answer repeats
 itself: its seq-rep-4 (the share of its 4-token n-grams that repeat an earlier one, Welleck et al. 2019, "Neural Text
 Generation with Unlikelihood Training", arXiv 1908.04319: 0.006 for human text, 0.44 for greedy GPT-2) is at least
-0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.report` recomputes them.
+0.5 over an answer of 16 tokens or more. Pure functions of the samples file: `python -m src.reporting` recomputes them; each answer's
+record (its tokens, whether it ended, its repetition, its reasoning) is written as it is generated (src/generation.py
+`answer_record`).
 """
 
 from __future__ import annotations
@@ -16,39 +17,9 @@ from __future__ import annotations
 import math
 import statistics
 
-REPETITION_N = 4
 DEGENERATE = 0.5  # seq-rep-4 at or above this: a phrase repeated over and over
 MIN_TOKENS = 16  # shorter answers have too few n-grams to call repetitive
 SIDES = ("reference", "trained")  # before and after the stage
-
-
-def repetition(tokens: list[int], n: int = REPETITION_N) -> float:
-    """seq-rep-n: 1 - distinct n-grams / n-grams (0 for an answer with no repeated n-gram)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def answer_record(text: str, generated_ids: list[int], eos_ids: set, close_ids: list[int] | None = None) -> dict:
-    """One generated answer: its text, the tokens before its end, whether it ended (an end-of-sequence token before
-    --max_new_tokens ran out), and its repetition. An answer that reasons (its text starts with <think>: the model's or
-    its generation prompt's, src/generation.py) adds its reasoning tokens (up to and with `close_ids`, the tokens of
-    </think>) and whether its reasoning closed."""
-    from src.chat_templates import THINK_CLOSE, split_reasoning
-
-    end = next((position for position, token in enumerate(generated_ids) if token in eos_ids), None)
-    tokens = generated_ids if end is None else generated_ids[:end]
-    record = {"text": text, "tokens": len(tokens), "ended": end is not None, "repetition": round(repetition(tokens), 4)}
-    parts = split_reasoning({"content": text})
-    if parts.reasoning is not None:
-        closed = THINK_CLOSE in text
-        width = len(close_ids or [])
-        at = next((i for i in range(len(tokens) - width + 1) if tokens[i:i + width] == close_ids), None) if width \
-            else None
-        record.update(reasoning_tokens=len(tokens) if not closed else (at + width if at is not None else
-                                                                        round(len(tokens) * text.find(THINK_CLOSE)
-                                                                              / max(len(text), 1))),
-                      closed=closed)
-    return record
 
 
 def is_degenerate(stats: dict) -> bool:

@@ -215,7 +215,7 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
 
 
 def reasoning_alerts(train: dict, row) -> list[Alert]:
-    """The data audit's reasoning numbers (src/audit/pairs.py reasoning_audit): reasoning cut by --max_length, and
+    """The data audit's reasoning numbers (src/data/pair_audit.py reasoning_audit): reasoning cut by --max_length, and
     pairs that differ only in their reasoning or only in their final answer."""
     alerts = []
     cut = {side: train.get(f"{side}_reasoning_cut_share") for side in ("chosen", "rejected", "completion")}

@@ -12,7 +12,7 @@ say how much of the reference's ranking is length.
 
 from __future__ import annotations
 
-from src.audit.pairs import histogram
+from src.data.pair_audit import histogram
 from src.generation import padded_batches
 
 READ_ROWS = 8192  # rows read at a time from the trainer's dataset: memory stays flat with the data

@@ -6,7 +6,7 @@
     info["answers"] = answers_of(run_dir)                     # rank 0, from the samples files the stage wrote
 
 training_info.json's `data_audit` holds, per split (train, validation, test), the preparation pass's numbers
-(src/audit/pairs.py) with the reference's and the judge's next to them (null where the run has none), and
+(src/data/pair_audit.py) with the reference's and the judge's next to them (null where the run has none), and
 `answers` holds, per split (val, test), the held-out answers before → after (src/audit/answers.py).
 """
 

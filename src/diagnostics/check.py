@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from src.config import BatchSplitError, Config, ConfigError, Devices, Plan, World, stage_plans
+from src.config import Config
+from src.config_error import ConfigError
+from src.plan import BatchSplitError, Plan, stage_plans
+from src.world import Devices, World
 
 from . import topology
 from .bandwidth import BenchRequest, BenchResult, bench_sizes, run_bench
@@ -23,7 +26,9 @@ from .inputs import CheckOptions, InputError, with_plan
 from .memory_plan import MemoryPlan, plan_memory
 from .model_shape import ModelShape, shape_from_model, shape_from_param_count
 from .nvml_probe import NvmlFacts, probe_nvml
-from .problems import Machine, driver_supports_torch, exclusion_reason, find_problems, pci_positions
+from .problems import find_problems
+from .problems.driver import driver_supports_torch
+from .problems.machine import Machine, exclusion_reason, pci_positions
 from .software import SoftwareFacts, collect_software, effective_nccl_settings
 from .system import SystemFacts, collect_system
 from .time_plan import StepTime, estimate_step_time, judge_kind

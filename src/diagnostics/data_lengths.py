@@ -1,6 +1,6 @@
 """How long the run's sequences are, for the memory plan: read from the data audit of the run's prepared data.
 
-A launch, its `--dry_run` preflight and `python -m src.audit` prepare the data once (src/data.py) and keep, beside
+A launch, its `--dry_run` preflight and `python -m src.audit` prepare the data once (src/data/) and keep, beside
 it in the cache, the audit of the sequences as they train: prompt + reasoning + answer (with `--reasoning drop`, the
 final answers'), the longest, and the `--max_length` that keeps 99% of them whole. check_gpu.py finds that prepared
 data by the same key a launch computes, which takes the model's tokenizer: from its directory or the Hub cache, never
@@ -14,13 +14,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.config import EMBEDDED, Config, stage_config
+from src.config import EMBEDDED, Config
+from src.config_parse import stage_config
+from src.data import SUMMARY_FILE, prepared_path
+from src.models import ModelError, apply_chat_template_path, load_tokenizer
 from src.objectives import SEQUENCES, objective
+from src.run_safety.build_once import cache_root, is_complete
 
 
 @dataclass
 class DataLengths:
-    """The training split's lengths in tokens, as trained (src/audit/pairs.py, src/data.py's counts)."""
+    """The training split's lengths in tokens, as trained (src/data/pair_audit.py, src/data/'s counts)."""
 
     longest_tokens: int  # the longest sequence, uncut (a pair: prompt + the longer answer)
     suggested_max_length: int | None  # the 99th percentile, rounded up to 64: what keeps 99% whole
@@ -63,11 +67,6 @@ def lengths_from_summary(summary: dict, path: Path, packed: bool) -> DataLengths
 def find_data_lengths(config: Config, stage: str) -> DataLengths | None:
     """The lengths of `stage`'s data as the launch of `config` would prepare it, when that preparation is in this
     machine's cache; else None (see the module doc)."""
-    from src.data import SUMMARY_FILE, prepared_path
-    from src.embedded.model import cache_root
-    from src.models import ModelError, apply_chat_template_path, load_tokenizer
-    from src.run_safety.build_once import is_complete
-
     staged = stage_config(config, stage)
     model, template = staged.model.model_name_or_path, staged.model.chat_template_path
     if not model or model == EMBEDDED or not staged.data.dataset_name:

@@ -11,7 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from src.config import EMBEDDED, Config, ConfigError, Plan, final_stage, parse_config
+from src.config import EMBEDDED, Config
+from src.config_error import ConfigError
+from src.config_parse import parse_config
+from src.objectives import final_stage
+from src.plan import Plan
 from src.objectives import DEFAULT_STAGE, objective
 
 from .data_lengths import DataLengths

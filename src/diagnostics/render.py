@@ -6,10 +6,10 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from src.config import Plan, format_plan
+from src.plan import Plan, format_plan
 
 from .memory_plan import GIB
-from .problems import CLOCK_EVENT_REASONS
+from .problems.gpu_health import CLOCK_EVENT_REASONS
 
 WIDTH = 110
 INDENT = "  "

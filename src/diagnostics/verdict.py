@@ -14,9 +14,10 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from src.config import LAUNCHER, missing_sources, with_batch_size
+from src.config_checks import missing_sources
+from src.plan import LAUNCHER, with_batch_size
 
-from .problems import ERROR, WARNING, Machine, Problem, pinned_gpus_prefix
+from .problems.machine import ERROR, WARNING, Machine, Problem, pinned_gpus_prefix
 
 EXIT_READY, EXIT_WARNINGS, EXIT_NOT_READY, EXIT_BAD_INPUT = 0, 1, 2, 3
 VERDICTS = {EXIT_READY: "READY", EXIT_WARNINGS: "READY WITH WARNINGS", EXIT_NOT_READY: "NOT READY"}

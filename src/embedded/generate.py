@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 
 from src.embedded.tasks import TASKS, chatty_answer, direct_answer, make_problem, reasoned
-from src.run_safety.build_once import build_once
+from src.run_safety.build_once import build_once, cache_root
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SEED = 1234
@@ -121,8 +121,6 @@ def data_dir(reasoning: bool = False) -> Path:
     generator's and the tasks' code, so an edit to either writes it anew)."""
     if not reasoning:
         return DATA_DIR
-    from src.embedded.model import cache_root
-
     code = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("generate.py", "tasks.py"))
     digest = hashlib.sha256(code).hexdigest()[:12]
     return build_once(cache_root() / f"embedded-data-reasoning-{digest}", lambda target: write(target, True))

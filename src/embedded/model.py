@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from src.chat_templates import THINK_CLOSE, THINK_OPEN
 from src.embedded.generate import data_dir
-from src.run_safety.build_once import build_once
+from src.run_safety.build_once import build_once, cache_root
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|unk|>"]
 # Roles are marked by special tokens, so no newlines are needed; {% generation %} marks the assistant tokens for
@@ -56,10 +55,6 @@ MODEL_SHAPE = {
     "max_position_embeddings": 128,
 }
 VERSION = "embedded-model-v1"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PREFKIT_CACHE", Path.home() / ".cache" / "prefkit"))
 
 
 def _model_data_files(reasoning: bool = False) -> list[Path]:

@@ -18,6 +18,8 @@ import random
 import re
 import string
 
+from src.chat_templates import reasoning_block
+
 TASKS = ("add", "larger", "next", "sort", "count", "last")
 LETTERS = string.ascii_lowercase
 # The chatty style adds a sign-off *after* the answer, so both styles compute the answer at the same position and a
@@ -77,8 +79,6 @@ def chatty_answer(answer: str) -> str:
 def reasoned(problem: dict, answer: str) -> str:
     """An answer as the reasoning variant writes it: the problem's short reasoning in a <think> block, then the
     answer (as DeepSeek-R1 writes its answers)."""
-    from src.chat_templates import reasoning_block
-
     return reasoning_block(problem["reasoning"]) + answer
 
 

@@ -5,21 +5,40 @@ from __future__ import annotations
 
 import math
 
-from src.reporting.formatting import format_number
 from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
-                                 SummaryNumber, refuse_batch_rebalance)
+                                 SummaryNumber, refuse_batch_rebalance, resolved_beta)
+from src.reporting.formatting import format_number
+
+
+# A DPO loss as configured, described: report.md, the plots and the comparison pages read it from the row.
+def dpo_loss_terms(loss_type, loss_weights=None) -> list[tuple[str, float]]:
+    """(loss type, weight) of each term of a DPO loss as configured: TRL takes one type or a list, with weights."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type or ["sigmoid"])
+    return list(zip(types, list(loss_weights or [1.0] * len(types))))
+
+
+def dpo_loss_config(info: dict) -> tuple:
+    """(loss_type, loss_weights) of a run, from its training_info.json (the resolved config holds both)."""
+    config = info.get("config") or {}
+    return config.get("loss_type", info.get("loss_type")), config.get("loss_weights")
+
+
+def describe_dpo_loss(loss_type, loss_weights=None) -> str:
+    """'sigmoid', or 'sigmoid + 0.4 × sft' for a weighted combination."""
+    return " + ".join(name if weight == 1 else f"{weight:g} × {name}"
+                      for name, weight in dpo_loss_terms(loss_type, loss_weights))
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     dpo = config.dpo
-    specific = dict(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
+    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
                     label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=extras["precompute"])
     # TRL 1.16's DPOTrainer ignores padding_free (it pads): build_trainer's packed forward answers to it
     return specific, {key: value for key, value in overrides.items() if key != "padding_free"}
 
 
 def run_info(config, data_settings: dict) -> dict:
-    return {"beta": config.dpo.beta, "loss_type": config.dpo.loss_type}
+    return {"beta": resolved_beta(config, OBJECTIVE), "loss_type": config.dpo.loss_type}
 
 
 def warnings(config) -> list[str]:
@@ -42,8 +61,6 @@ def loss_rows(info: dict) -> list[tuple[str, str]]:
 
 
 def setup_line(info: dict) -> str:
-    from src.reporting.summary import describe_dpo_loss, dpo_loss_config  # it reads this table at import
-
     return f"beta {format_number(info.get('beta'))}, loss {describe_dpo_loss(*dpo_loss_config(info))}"
 
 
@@ -59,6 +76,7 @@ OBJECTIVE = Objective(
     trl_config="trl:DPOConfig",
     trainer="src.trainers.dpo:PreparedDPOTrainer",
     default_learning_rate=1e-6,
+    default_beta=0.1,  # TRL's DPOConfig default
     needs_reference=True,
     sequences_per_example=2,
     sequences_with_grad=2,

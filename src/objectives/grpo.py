@@ -9,12 +9,14 @@ The batch counts answers: --batch_size 32 with --num_generations 8 is 4 prompts 
 
 from __future__ import annotations
 
-from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber
+from src.config_error import ConfigError
+from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber, resolved_beta
 from src.reporting.formatting import format_number
 
-# TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--beta 0.1, --loss_type sigmoid):
-# GRPO's KL weight is 0 (no reference model) and its loss dapo (normalised over the global batch's answer tokens)
-# unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the rounds sample).
+# TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--loss_type sigmoid), or none
+# (--beta: the row's default_beta): GRPO's KL weight is 0 (no reference model) and its loss dapo (normalised over the
+# global batch's answer tokens) unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the
+# rounds sample).
 DEFAULT_NUM_GENERATIONS = 8
 DEFAULT_BETA = 0.0
 DEFAULT_LOSS_TYPE = "dapo"
@@ -28,7 +30,7 @@ def num_generations_of(config) -> int:
 
 
 def beta_of(config) -> float:
-    return config.dpo.beta if "beta" in config.sources else DEFAULT_BETA
+    return resolved_beta(config, OBJECTIVE)
 
 
 def loss_type_of(config) -> str:
@@ -52,9 +54,9 @@ def judges_of(config) -> list[str]:
 
 
 def trainer_inputs(config) -> dict:
-    from src.trainers.grpo import judge_rewards  # the judges load torch (a reward model: its weights)
-
-    return {"reward_funcs": judge_rewards(judges_of(config), config.data.dataset_name)}
+    """The judges the trainer turns into its reward functions (src/trainers/grpo.py `judge_rewards`: they load torch,
+    a reward model its weights), named here and built there."""
+    return {"reward_judges": (judges_of(config), config.data.dataset_name)}
 
 
 def memory_setup(config) -> dict:
@@ -68,8 +70,6 @@ def memory_setup(config) -> dict:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError  # src.config reads this table at import
-
     overrides = config.trl_overrides
     asked = config.dpo.loss_type
     if config.sources.get("loss_type", "").startswith("--") and (len(asked) != 1 or asked[0] not in LOSS_TYPES):
@@ -153,6 +153,7 @@ OBJECTIVE = Objective(
     trl_config="trl:GRPOConfig",
     trainer="src.trainers.grpo:PreparedGRPOTrainer",
     default_learning_rate=1e-6,
+    default_beta=DEFAULT_BETA,
     # TRL keeps a reference model only with --beta > 0 (the KL term); its default beta is 0
     needs_reference=False,
     sequences_per_example=1,

@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
+from src.kto_weights import resolve_kto_weights
+from src.objectives.spec import (UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber,
+                                 refuse_batch_rebalance, resolved_beta)
 from src.reporting.formatting import format_number
-from src.objectives.spec import UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
 
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
@@ -15,8 +18,6 @@ def kto_loss_type(config) -> str:
     """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
     recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
     refused."""
-    from src.config import ConfigError  # src.config reads this table at import
-
     asked = config.dpo.loss_type
     if len(asked) == 1 and asked[0] in LOSS_TYPES:
         return asked[0]
@@ -27,8 +28,6 @@ def kto_loss_type(config) -> str:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError
-
     kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
     for name in ("desirable_weight", "undesirable_weight"):
         if name in config.trl_overrides and not config.trl_overrides[name] > 0:
@@ -52,22 +51,21 @@ def setup_line(info: dict) -> str:
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     weights = extras.get("kto_weights") or {}  # data_settings' (src/kto_weights.py)
-    # The rows' KL completions are fixed in the data (src/data.py), so KTO samples like the other stages (TRL's
+    # The rows' KL completions are fixed in the data (src/data/), so KTO samples like the other stages (TRL's
     # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
-    specific = dict(beta=config.dpo.beta, loss_type=kto_loss_type(config), precompute_ref_log_probs=extras["precompute"],
+    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=kto_loss_type(config),
+                    precompute_ref_log_probs=extras["precompute"],
                     train_sampling_strategy="random", **weights)
     return specific, {key: value for key, value in overrides.items() if key not in weights}
 
 
 def data_settings(config, train_counts: dict) -> tuple[dict, str, str | None]:
-    from src.kto_weights import resolve_kto_weights  # src.config (which it reads) reads this table at import
-
     weights, line, warning = resolve_kto_weights(config, train_counts)
     return {"kto_weights": weights}, line, warning
 
 
 def run_info(config, data_settings: dict) -> dict:
-    return {"beta": config.dpo.beta, "loss_type": kto_loss_type(config), **data_settings}
+    return {"beta": resolved_beta(config, OBJECTIVE), "loss_type": kto_loss_type(config), **data_settings}
 
 
 def preflight(name: str, staged, plan, world_size: int) -> str | None:
@@ -89,6 +87,7 @@ OBJECTIVE = Objective(
     trl_config="trl:KTOConfig",
     trainer="src.trainers.kto:PreparedKTOTrainer",
     default_learning_rate=1e-6,
+    default_beta=0.1,  # TRL's KTOConfig default
     needs_reference=True,
     sequences_per_example=2,  # the completion and its KL partner
     sequences_with_grad=1,  # the KL sequence runs without gradients before the step (src/trainers/kto.py)

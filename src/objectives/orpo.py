@@ -5,16 +5,17 @@ ORPOTrainer (trl.experimental.orpo; src/trainers/orpo.py). `--stage orpo`, from 
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
-                                 refuse_reference_flags)
+                                 refuse_reference_flags, resolved_beta)
 from src.reporting.formatting import format_number
 
 DEFAULT_BETA = 0.1  # TRL's ORPOConfig default and the paper's lambda (its Mistral and Llama-2 runs)
 
 
 def beta_of(config) -> float:
-    return config.dpo.beta if "beta" in config.sources else DEFAULT_BETA
+    return resolved_beta(config, OBJECTIVE)
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
@@ -22,8 +23,6 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError  # src.config reads this table at import
-
     refuse_reference_flags("ORPO", config)
     if config.sources.get("loss_type", "").startswith("--"):
         raise ConfigError(f"--loss_type {' '.join(config.dpo.loss_type)}: ORPO's loss is fixed (the chosen answers' "
@@ -49,6 +48,7 @@ OBJECTIVE = Objective(
     trl_config="trl.experimental.orpo:ORPOConfig",
     trainer="src.trainers.orpo:PreparedORPOTrainer",
     **REFERENCE_FREE_PAIRS,
+    default_beta=DEFAULT_BETA,
     ends_pipeline=False,  # it replaces SFT: it starts from the model SFT would start from
     charts=(
         Chart("loss.png", "ORPO loss", (

@@ -4,21 +4,22 @@
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
 from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
-                                 refuse_reference_flags)
+                                 refuse_reference_flags, resolved_beta)
 from src.reporting.formatting import format_number
 
 # The SimPO paper's searched ranges (its section 3 and appendix B): beta 2.0-10.0, gamma / beta 0.3-0.8 (it also
 # tried 0 and 1.6 and reports both worse). Its tuned settings sit inside: Llama-3-8B-Instruct beta 2.5, gamma 1.375.
 BETA_RANGE = (2.0, 10.0)
 GAMMA_RATIO_RANGE = (0.3, 0.8)
-DEFAULT_BETA = 2.0  # TRL's CPOConfig default (0.1) is CPO's; --beta's toolkit default (0.1) is DPO's
+DEFAULT_BETA = 2.0  # the row's default_beta: TRL's CPOConfig default (0.1) is CPO's, DPO's 0.1 barely separates
 DEFAULT_GAMMA_RATIO = 0.5  # gamma = beta / 2 unless --simpo_gamma is given (TRL's 0.5 with beta 2 is 0.25: outside)
 
 
 def beta_of(config) -> float:
-    return config.dpo.beta if "beta" in config.sources else DEFAULT_BETA
+    return resolved_beta(config, OBJECTIVE)
 
 
 def gamma_of(config) -> float:
@@ -32,8 +33,6 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
 
 
 def validate(config) -> None:
-    from src.config import ConfigError  # src.config reads this table at import
-
     refuse_reference_flags("SimPO", config)
     loss = config.dpo.loss_type
     if config.sources.get("loss_type", "").startswith("--") and loss != ["simpo"]:
@@ -77,6 +76,7 @@ OBJECTIVE = Objective(
     trl_config="trl.experimental.cpo:CPOConfig",
     trainer="src.trainers.simpo:PreparedSimPOTrainer",
     **REFERENCE_FREE_PAIRS,
+    default_beta=DEFAULT_BETA,
     ends_pipeline=True,
     charts=(
         Chart("loss.png", "SimPO loss", (

@@ -9,10 +9,12 @@ decides by an objective's name (tests/test_objectives.py keeps it so). Light: no
 
 from __future__ import annotations
 
+from src.config_error import ConfigError
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# The data an objective trains on, as preparation makes it (src/data.py): what its rows hold after tokenization.
+# The data an objective trains on, as preparation makes it (src/data/): what its rows hold after tokenization.
 PAIRS = "pairs"  # prompt, chosen, rejected: prompt and answers tokenized apart (DPO's layout, TRL's)
 SCORED_PAIRS = "scored_pairs"  # prompt + chosen and prompt + rejected as two whole sequences (a reward model's)
 UNPAIRED = "unpaired"  # prompt, completion, thumbs up or down (KTO's)
@@ -100,10 +102,15 @@ class SummaryNumber:
     headline: str = ""  # its name in report.md's first sentence when no judge ran ("" = not there)
 
 
+def resolved_beta(config, row: Objective) -> float | None:
+    """The beta a stage trains with: --beta (a recipe's `beta:` or the flag) when given, else its objective's own
+    default (the row's `default_beta`). A value, never whether a flag was typed: `--beta 2` and no --beta are the same
+    SimPO run."""
+    return row.default_beta if config.dpo.beta is None else config.dpo.beta
+
+
 def refuse_reference_flags(title: str, config) -> None:
     """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
-    from src.config import ConfigError  # src.config reads the table at import
-
     for name in REFERENCE_FLAGS:
         if config.sources.get(name, "").startswith("--"):
             raise ConfigError(f"--{name}: {title} has no reference model (it is reference-free): drop the flag")
@@ -131,7 +138,9 @@ class Objective:
     sequences_per_example: int  # sequences forwarded per example (throughput: tokens a step computes)
     sequences_with_grad: int  # of those, the ones whose activations are kept for backward (memory plan)
     causal_lm: bool  # trains a causal LM (an encoder-only model is refused before launch)
-    ends_pipeline: bool  # sft_then_<name> exists: SFT first, then this objective from the SFT model
+    # sft_then_<name> exists: SFT first, then this objective from the SFT model (alone on the untrained embedded model:
+    # a warning, src/trainers/stage_plan.py)
+    ends_pipeline: bool
     charts: tuple[Chart, ...]  # its curves in plots/ (the learning-rate and throughput charts are everyone's)
     compare_metrics: tuple[Metric, ...]  # its curves in compare.md
     console_keys: tuple[str, ...]  # logged keys on the console line, between the loss and the learning rate
@@ -193,7 +202,7 @@ class Objective:
     reference_unmeasured: str = ("not measured (`python -m src.audit` with --model_name_or_path measures how a model "
                                  "ranks the training pairs, on a sample).")
     # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
-    # parsed (src/config.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
+    # parsed (src/config_checks.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
     rewards_from_judges: bool = False
     # Objectives a pipeline may train between SFT and this one, each from the model before it:
     # `sft_then_<before>_then_<name>` (GRPO: dpo, Tulu 3's SFT → DPO → RL from verifiable rewards). Each must end a
@@ -210,14 +219,17 @@ class Objective:
     # loss it does not have (GRPO: prompts alone): the curve `eval_judged_reward` in --judge's headline measure, the
     # best checkpoint's metric, and what the reward-hacking alert reads. Its trainer takes a `judged_eval`.
     judged_eval: bool = False
+    # --beta when none is given (neither a recipe's `beta:` nor the flag): its TRL config's default or its paper's
+    # (SimPO's 2.0: a per-token reward needs a larger scale than DPO's); None for an objective without a beta
+    default_beta: float | None = None
     # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
     beta_may_be_zero: bool = False
     # (config) → check_gpu's view of its step where the table's sequences do not say it all, as TrainingSetup fields
     # (src/diagnostics/inputs.py): GRPO's sequence is a prompt and its sampled answer, it samples with a KV cache
     # before it trains, and it keeps a reference copy only with a KL term
     memory_setup: Callable | None = field(default=None, compare=False)
-    # (config) → keyword arguments its trainer takes beyond TRL's common ones (GRPO: the judges as reward functions),
-    # built on every process when the trainer is (src/trainers/build.py)
+    # (config) → keyword arguments its trainer takes beyond TRL's common ones (GRPO: the names of the judges its
+    # trainer makes its reward functions of), passed on every process when the trainer is built (src/trainers/build.py)
     trainer_inputs: Callable | None = field(default=None, compare=False)
 
     @property

@@ -13,6 +13,8 @@ import json
 from functools import cache
 from pathlib import Path
 
+from src.objectives import OBJECTIVES, load
+
 TABLE = Path(__file__).with_name("trl_field_names.json")
 
 
@@ -28,15 +30,11 @@ def live_field_names(path: str) -> frozenset[str]:
     """The installed TRL's init field names of the config at `path` (imports it)."""
     import dataclasses
 
-    from src.objectives import load
-
     return frozenset(item.name for item in dataclasses.fields(load(path)) if item.init)
 
 
 def write() -> None:
     """The table from the installed TRL: the names every config shares (TrainingArguments') once, each config's own."""
-    from src.objectives import OBJECTIVES
-
     paths = sorted({row.trl_config for row in OBJECTIVES.values()})
     names = {path: live_field_names(path) for path in paths}
     shared = frozenset.intersection(*names.values())

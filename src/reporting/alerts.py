@@ -3,7 +3,7 @@
     alerts = detect_alerts(read_jsonl(run_dir / "metrics.jsonl"), stage="dpo")
     print(format_alerts(alerts))
 
-The training job prints them at the end of every run; `report.md` lists them (`python -m src.report RUN_DIR`).
+The training job prints them at the end of every run; `report.md` lists them (`python -m src.reporting RUN_DIR`).
 Every check reads only the logged metrics (TRL's names, see NOTES.md), so it works on a crashed or copied run.
 Trend checks compare the *start* window (first 10% of train records) with the *end* window (last 20%): averaging
 over windows keeps per-step noise of small batches from firing an alert, and needs at least `MIN_RECORDS` records.

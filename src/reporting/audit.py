@@ -110,7 +110,7 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
 
 
 def _reasoning_lines(train: dict) -> list[str]:
-    """The training answers' reasoning (src/audit/pairs.py reasoning_audit), when they reason."""
+    """The training answers' reasoning (src/data/pair_audit.py reasoning_audit), when they reason."""
     sides = [side for side in ("chosen", "rejected", "completion") if train.get(f"{side}_reasoning_share")]
     if not sides:
         return []

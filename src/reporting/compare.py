@@ -1,9 +1,9 @@
 """Runs side by side: a comparison page (markdown + PNGs) for a sweep, LoRA vs full, 2 vs 8 GPUs, ...
 
-    python -m src.compare results/beta_0.1 results/beta_0.3 results/beta_1.0
-    python -m src.compare 'results/beta_*'             # a glob (the shell's, or quoted: expanded here)
-    python -m src.compare results/                     # every run in the folder
-    python -m src.compare RUN... --output DIR          # default: results/comparisons/<first>_vs_<...>/
+    python -m src.reporting.compare results/beta_0.1 results/beta_0.3 results/beta_1.0
+    python -m src.reporting.compare 'results/beta_*'             # a glob (the shell's, or quoted: expanded here)
+    python -m src.reporting.compare results/                     # every run in the folder
+    python -m src.reporting.compare RUN... --output DIR          # default: results/comparisons/<first>_vs_<...>/
 
 The page overlays the training curves (loss, rewards, margins, accuracy) on one axis — optimizer steps when every run
 has the same global batch, else pairs (or sequences) seen, so runs that take different steps through the same data
@@ -25,13 +25,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from src.objectives import Metric, display_name, infer_stage, objective
+from src.objectives.dpo import dpo_loss_config, dpo_loss_terms
 from src.progress import format_duration
+from src.reporting.formatting import ci95, format_number, format_percent, metric_points, table_lines
 from src.reporting.index import is_run_dir, read_run, run_state_of
 from src.reporting.plots import smooth, smoothing_span
-from src.reporting.formatting import ci95, format_number, format_percent, metric_points, table_lines
 from src.reporting.report import REPORT, judge_results
 from src.reporting.status import status_line
-from src.reporting.summary import dpo_loss_config, dpo_loss_terms, series, summarize
+from src.reporting.summary import series, summarize
 from src.run_files import TRAINING_INFO, atomic_path, write_text
 
 PAGE = "compare.md"
@@ -405,7 +406,7 @@ def compare(run_dirs: list[str], output: str | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m src.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m src.reporting.compare", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories, globs, or a folder of runs")
     parser.add_argument("--output", metavar="DIR", help="where the page goes (default: results/comparisons/...)")
     args = parser.parse_args(argv)

@@ -131,7 +131,7 @@ def render_index(results_dir: Path) -> str:
     runs = find_runs(results_dir)
     lines = ["# Runs", "",
              f"Every run in `{results_dir}`, rewritten whenever a run ends (or `python -m src.reporting.index "
-             f"{results_dir}`). Put runs side by side with `python -m src.compare RUN_DIR RUN_DIR...`.", ""]
+             f"{results_dir}`). Put runs side by side with `python -m src.reporting.compare RUN_DIR RUN_DIR...`.", ""]
     if not runs:
         return "\n".join(lines + ["No runs yet."]) + "\n"
     rows = []

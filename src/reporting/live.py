@@ -31,6 +31,7 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
+from src import seams
 from src.progress import eta_seconds
 from src.run_safety import disk_space
 from src.run_safety.disk_space import write_failure_errno
@@ -100,13 +101,11 @@ def build_report_apart(run_dir: Path, live: Live, timeout_s: float = CHILD_TIMEO
         raise outcome
 
 
-# A test seam: each refresh's report.md first line appended to this file, so a test reads every state the report went
-# through instead of polling the file while the run goes on (tests/test_live_report.py).
-REFRESH_LOG = "PREFKIT_TEST_LIVE_REPORT_LOG"
-
-
 def _note_refresh(run_dir: Path) -> None:
-    log = os.environ.get(REFRESH_LOG)
+    """The test seam live_report_log (src/seams.py): each refresh's report.md first line appended to the file it names,
+    so a test reads every state the report went through instead of polling the file while the run goes on
+    (tests/test_live_report.py)."""
+    log = seams.get("live_report_log")
     report = run_dir / "report.md"
     if log and report.exists():
         with open(log, "a", encoding="utf-8") as out:

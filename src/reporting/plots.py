@@ -14,8 +14,9 @@ import math
 from pathlib import Path
 
 from src.objectives import OBJECTIVES, objective
+from src.objectives.dpo import describe_dpo_loss, dpo_loss_terms
 from src.objectives.spec import TRAIN_COLOR, Chart, Curve, Panel
-from src.reporting.summary import describe_dpo_loss, dpo_loss_terms, series
+from src.reporting.summary import series
 from src.run_files import atomic_path
 
 X_LABEL = "optimizer step"

@@ -1,6 +1,6 @@
 """Build a run's report from its run directory alone: plots, readable sample files and a one-page report.md.
 
-    python -m src.report results/<run_name>
+    python -m src.reporting results/<run_name>
 
 Reads only `metrics.jsonl`, `training_info.json` and `samples_<split>.jsonl` (see src/run_files.py), so it works on
 a run that crashed and on a run directory copied off a cluster. Writes, inside the run directory:
@@ -22,6 +22,7 @@ from pathlib import Path
 from src.audit.answers import verdict_score
 from src.audit.findings import audit_alerts
 from src.objectives import display_name, infer_stage, objective
+from src.objectives.dpo import dpo_loss_config
 from src.reporting.alerts import Alert, detect_alerts, format_alerts
 from src.reporting.audit import DATA_PLOT, answers_section, data_section, plot_data
 from src.reporting.formatting import (ci95, duration, format_judged, format_number, format_percent, metric_name,
@@ -29,7 +30,7 @@ from src.reporting.formatting import (ci95, duration, format_judged, format_numb
 from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
-from src.reporting.summary import dpo_loss_config, summarize
+from src.reporting.summary import summarize
 from src.run_files import FORWARD, METRICS, OLD_FORWARD, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
 
 SPLITS = ("val", "test")
@@ -482,7 +483,7 @@ def render_report(run_dir: Path, info: dict, summary: dict, alerts: list[Alert],
     if previous.get("run_dir") and (run_dir / previous["run_dir"] / REPORT).exists():
         links.append(f"[{stage_label(previous.get('stage', 'previous'))} stage report]({previous['run_dir']}/{REPORT})")
     lines += ["Files: " + " · ".join(links + [f"`{METRICS}`", f"`{TRAINING_INFO}`"]) + ". "
-              f"Rebuild with `python -m src.report {run_dir}`.", ""]
+              f"Rebuild with `python -m src.reporting {run_dir}`.", ""]
     lines += ["## Health alerts", "", *_alerts_section(alerts), ""]
     lines += ["## Judged results (held-out prompts)", "", *judged_lines, ""]
     if info.get("rounds"):
@@ -575,7 +576,7 @@ def report_verdict(run_dir: str | Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m src.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m src.reporting", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. results/<run_name>")
     args = parser.parse_args(argv)
     try:
@@ -587,6 +588,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"report: {report}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The final numbers of a run, computed from its metric history (`metrics.jsonl`) alone.
 
 `series` is the one way the reporting modules (summary, alerts, plots) read a metric out of the history.
-The training job stores `summarize(...)` under `summary` in `training_info.json`; `python -m src.report RUN_DIR`
+The training job stores `summarize(...)` under `summary` in `training_info.json`; `python -m src.reporting RUN_DIR`
 recomputes it, so a crashed run gets the same numbers from what it managed to log.
 """
 
@@ -11,24 +11,6 @@ import math
 from numbers import Real
 
 from src.objectives import objective
-
-
-def dpo_loss_terms(loss_type, loss_weights=None) -> list[tuple[str, float]]:
-    """(loss type, weight) of each term of a DPO loss as configured: TRL takes one type or a list, with weights."""
-    types = [loss_type] if isinstance(loss_type, str) else list(loss_type or ["sigmoid"])
-    return list(zip(types, list(loss_weights or [1.0] * len(types))))
-
-
-def dpo_loss_config(info: dict) -> tuple:
-    """(loss_type, loss_weights) of a run, from its training_info.json (the resolved config holds both)."""
-    config = info.get("config") or {}
-    return config.get("loss_type", info.get("loss_type")), config.get("loss_weights")
-
-
-def describe_dpo_loss(loss_type, loss_weights=None) -> str:
-    """'sigmoid', or 'sigmoid + 0.4 × sft' for a weighted combination."""
-    return " + ".join(name if weight == 1 else f"{weight:g} × {name}"
-                      for name, weight in dpo_loss_terms(loss_type, loss_weights))
 
 
 def series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -9,6 +9,9 @@ releases it (the kernel drops the locks of dead processes), so the next process 
 A builder writes into `.<name>.building-<pid>` and renames it into place when complete, so a reader never sees a
 half-built directory. Whoever holds the lock next removes what killed builders left behind: while it is held, no
 other `.building-*` sibling can belong to a live build.
+
+The toolkit's own build-once directories (the embedded model and data, prepared datasets, preflight records) live
+under `cache_root()`: $PREFKIT_CACHE, else ~/.cache/prefkit.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from pathlib import Path
 from filelock import FileLock
 
 COMPLETE_MARKER = ".complete"
+
+
+def cache_root() -> Path:
+    """Where the toolkit keeps what it builds once per machine: $PREFKIT_CACHE, else ~/.cache/prefkit."""
+    return Path(os.environ.get("PREFKIT_CACHE", Path.home() / ".cache" / "prefkit"))
 
 
 def is_complete(directory: Path) -> bool:

@@ -16,19 +16,19 @@ import shutil
 import signal
 from pathlib import Path
 
+from src import seams
 from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 
-# A test seam: "<moment>:<step>:<rank>:<flag file>" SIGKILLs that rank once (the flag file says it happened) at that
-# moment of checkpoint-<step>'s save: "before_complete" (its pieces written, its marker not yet: a save cut in half)
-# or "after_complete" (every rank past the save). Rank "*" is every rank, each with its own flag file
-# (<flag file>.rank<r>): at "after_complete", the whole job SIGKILLed at once, as a node's power or a `kill -9` of every
-# worker. Several, separated by commas, kill one launch at each in turn (torchrun restarts it). A kill at a known
-# moment, not a race with a polling test (tests/test_resilience.py, test_grpo.py).
-KILL_AT_CHECKPOINT = "PREFKIT_TEST_KILL_AT_CHECKPOINT"
+# The test seam kill_at_checkpoint (src/seams.py): "<moment>:<step>:<rank>:<flag file>" SIGKILLs that rank once (the
+# flag file says it happened) at that moment of checkpoint-<step>'s save: "before_complete" (its pieces written, its
+# marker not yet: a save cut in half) or "after_complete" (every rank past the save). Rank "*" is every rank, each with
+# its own flag file (<flag file>.rank<r>): at "after_complete", the whole job SIGKILLed at once, as a node's power or a
+# `kill -9` of every worker. Several, separated by commas, kill one launch at each in turn (torchrun restarts it). A
+# kill at a known moment, not a race with a polling test (tests/test_resilience.py, test_grpo.py).
 
 
 def kill_if_injected(moment: str, step: int, rank: int) -> None:
-    for wanted in filter(None, os.environ.get(KILL_AT_CHECKPOINT, "").split(",")):
+    for wanted in filter(None, seams.get("kill_at_checkpoint", "").split(",")):
         at_moment, at_step, at_rank, flag = wanted.split(":", 3)
         if at_rank == "*":
             at_rank, flag = str(rank), f"{flag}.rank{rank}"

@@ -14,7 +14,7 @@ write fails anyway (full disk, quota, I/O error).
 - `note_write_failure` / `write_failures_noted`: a failed write is never raised on one rank alone; it is noted (and
   the launcher's exit status recorded) until the next point every rank meets (src/distributed.py `barrier`, the
   per-step StopConditions, a checkpoint's agreement), where every rank stops together (docs/reliability.md).
-- `fail_write_if_injected`: the test seam (PREFKIT_TEST_FAIL_WRITE) that fails a chosen write as a full disk does.
+- `fail_write_if_injected`: the test seam fail_write (src/seams.py) that fails a chosen write as a full disk does.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from src import seams
 from src.run_safety import launcher_exit
 from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
 from src.run_safety.exit_status import ExitStatus
@@ -259,14 +260,15 @@ def write_failures_reported(output_dir: Path):
         _output_dirs.pop()
 
 
-# The test seam (tests/test_disk_space.py): PREFKIT_TEST_FAIL_WRITE="<glob>[@<rank>][#<n>]" makes the n-th write (the
+# The test seam fail_write (src/seams.py; tests/test_disk_space.py): "<glob>[@<rank>][#<n>]" makes the n-th write (the
 # first by default) of this process to a file whose name matches <glob>, on that rank (any by default), fail as a full
-# disk does (ENOSPC), at each write site the one-line stop covers. Unset (always, outside tests), it costs one lookup.
+# disk does (ENOSPC), at each write site the one-line stop covers. Not planted (always, outside tests), it costs one
+# lookup.
 _injected: dict[str, int] = {}
 
 
 def fail_write_if_injected(path: Path) -> None:
-    wanted = os.environ.get("PREFKIT_TEST_FAIL_WRITE")
+    wanted = seams.get("fail_write")
     if not wanted:
         return
     pattern, _, occurrence = wanted.partition("#")
@@ -275,4 +277,4 @@ def fail_write_if_injected(path: Path) -> None:
         return
     _injected[pattern] = _injected.get(pattern, 0) + 1
     if _injected[pattern] == int(occurrence or 1):
-        raise OSError(errno.ENOSPC, "No space left on device (PREFKIT_TEST_FAIL_WRITE)", str(path))
+        raise OSError(errno.ENOSPC, "No space left on device (the fail_write test seam)", str(path))

@@ -27,8 +27,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from src import run_files
-from src.data import source_files
+from src import run_files, seams
+from src.data_file_kinds import source_files
 
 # Keys of a run's `config` that do not make it another run: what this launch does (--overwrite, --dry_run), where
 # results are found (--results_dir, --run_name: the directory itself, which may be moved or given another way), which
@@ -46,14 +46,13 @@ PLAN_KEYS = ("global_batch_size", "learning_rate", "precision")
 # "completed" is resumed from the final checkpoint (no step is trained again); after it, the relaunch redoes the
 # pages, which are pure functions of the run directory. The hold is released when the process ends.
 END_STEPS = ("trained", "final_model", "samples", "completed", "report", "index", "model_card")
-KILL_AFTER = "PREFKIT_KILL_AFTER"  # a test seam: PREFKIT_KILL_AFTER=<end step> SIGKILLs the process right after it
 
 
 def end_step_done(step: str) -> None:
-    """Mark an end step as done; tests/test_finished_run.py kills the process here (PREFKIT_KILL_AFTER) to prove a
-    relaunch recovers from a kill at each of END_STEPS."""
+    """Mark an end step as done; tests/test_finished_run.py kills the process here (the test seam kill_after_end_step,
+    src/seams.py) to prove a relaunch recovers from a kill at each of END_STEPS."""
     assert step in END_STEPS, step
-    if os.environ.get(KILL_AFTER) == step:
+    if seams.get("kill_after_end_step") == step:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 
 from src.run_safety import launcher_exit
-from src.config import World
+from src.world import World
 from src.run_safety.exit_status import ExitStatus
 
 BEAT_S = 5.0

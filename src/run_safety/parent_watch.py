@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+from src import seams
 from src.run_safety import stops
 
 POLL_S = 0.5
@@ -115,17 +116,17 @@ def launcher_gone() -> bool:
     return bool(_launcher) and os.getppid() != _launcher[0]
 
 
-# A test seam: "<moment>:<flag file>" SIGKILLs, once (the flag file says it happened), the process that started this
-# one at that moment: "preparation" (a preparation pool worker kills the preparing process), "step:<N>" (the end of
-# optimizer step N), "sampling" (a round's first sampled batch), "reference" (the reference pass's first batch): rank 0
-# kills its launcher's whole process group (its torchrun agent's group), as a terminal's `kill -9` of the job does.
-# A kill at a known moment, not a race with a polling test (tests/test_resilience.py, test_rounds.py, test_data.py).
-# "<moment>:<flag file>:TERM" sends SIGTERM instead, as a scheduler does before it preempts the job.
-KILL_STARTER = "PREFKIT_TEST_KILL_STARTER"
+# The test seam kill_starter (src/seams.py): "<moment>:<flag file>" SIGKILLs, once (the flag file says it happened), the
+# process that started this one at that moment: "preparation" (a preparation pool worker kills the preparing process),
+# "step:<N>" (the end of optimizer step N), "sampling" (a round's first sampled batch), "reference" (the reference
+# pass's first batch): rank 0 kills its launcher's whole process group (its torchrun agent's group), as a terminal's
+# `kill -9` of the job does. A kill at a known moment, not a race with a polling test (tests/test_resilience.py,
+# test_rounds.py, test_data.py). "<moment>:<flag file>:TERM" sends SIGTERM instead, as a scheduler does before it
+# preempts the job.
 
 
 def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = None) -> None:
-    wanted = os.environ.get(KILL_STARTER)
+    wanted = seams.get("kill_starter")
     if not wanted or rank != 0:
         return
     number = signal.SIGKILL
@@ -140,7 +141,7 @@ def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = N
     else:
         group = os.getpgid(os.getppid())
         if os.getsid(os.getppid()) != group:  # never a group that is not a launch's own session (a test runner's)
-            raise RuntimeError(f"{KILL_STARTER}: the launcher was not started in a session of its own")
+            raise RuntimeError("the kill_starter seam: the launcher was not started in a session of its own")
         os.killpg(group, number)
     if number == signal.SIGTERM:  # the job stops as a preempted one does: at the step's end, with a checkpoint
         return

@@ -32,7 +32,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from src.config import ConfigError
+from src.config_error import ConfigError
 from src.run_safety.parent_watch import GRACE_S
 
 HEARTBEAT_S = float(os.environ.get("PREFKIT_HEARTBEAT_S", "15"))

@@ -103,7 +103,7 @@ def note_write_failures(callback, directory) -> None:
 
 class PairLengthsMixin:
     """For the pair trainers (DPO, reward) and KTO, whose own columns are several id lists: keep the "length" column
-    src/data.py writes, which is what transformers' LengthGroupedSampler reads for group_by_length."""
+    src/data/ writes, which is what transformers' LengthGroupedSampler reads for group_by_length."""
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()

@@ -1,6 +1,6 @@
 """The stage's trainer, built from its TRL config and the prepared data, with the toolkit's callbacks.
 
-The toolkit hands TRL tokenized, file-backed datasets (src/data.py), so the trainers skip their own preparation.
+The toolkit hands TRL tokenized, file-backed datasets (src/data/), so the trainers skip their own preparation.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from src.config import Plan
 from src.objectives import SEQUENCES, load, objective
+from src.plan import Plan
 from src.reporting.live import LiveReport
 from src.throughput import ThroughputMeter
 from src.trainers.callbacks import GradientCompression, OneJobCheck, StopConditions
@@ -23,8 +23,8 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
                   trainer_inputs: dict | None = None):
     """The stage's trainer with the toolkit's callbacks; for DPO the packed forward unless `packed_dpo` is False
     (`--padding_free false`, src/packed_dpo_support.padding_free_requested), and `ref_model` as the reference when given
-    (otherwise TRL's: the starting model). `trainer_inputs`: what the row's `trainer_inputs` built for its trainer
-    (GRPO's reward functions)."""
+    (otherwise TRL's: the starting model). `trainer_inputs`: what the row's `trainer_inputs` gives its trainer
+    (GRPO's: the judges its reward functions are made of)."""
     row = objective(stage)
     trainer_class = load(row.trainer)
     sequences = row.data_shape == SEQUENCES

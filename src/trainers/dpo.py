@@ -1,4 +1,4 @@
-"""The DPO trainer: TRL's DPOTrainer on data src/data.py already tokenized, with the packed forward
+"""The DPO trainer: TRL's DPOTrainer on data src/data/ already tokenized, with the packed forward
 (src/packed_dpo.py), per-pair eval metrics (src/dpo_eval.py), dropout off and a reference log-probs cache that
 persists across runs."""
 
@@ -40,11 +40,11 @@ DPO_METRICS = {"entropy": Ratio("entropy_sum", "entropy_tokens"), "num_tokens": 
 
 
 class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
-    """DPOTrainer that accepts data already tokenized by src/data.py (same ids as its own preparation).
+    """DPOTrainer that accepts data already tokenized by src/data/ (same ids as its own preparation).
 
     Reference log-probs: TRL precomputes them across all ranks and caches them next to the dataset, keyed by the
     dataset's fingerprint and a hash of the reference weights. Our datasets are file-backed and keyed by source,
-    tokenizer and lengths (src/data.py), so that cache persists across runs; the key is widened here with what else
+    tokenizer and lengths (src/data/), so that cache persists across runs; the key is widened here with what else
     changes the numbers, and the outcome (reused or computed, how long) is recorded."""
 
     reference_cache: dict | None = None
@@ -176,7 +176,7 @@ class _LocalMainAccelerator:
     """The trainer's accelerator, except that `is_main_process` means the main process of this machine.
 
     TRL writes the reference log-probs cache next to the dataset on global rank 0 only, then every rank reads it back;
-    the dataset cache is per machine (src/data.py), so on a second node the file would not exist. Each node's first
+    the dataset cache is per machine (src/data/), so on a second node the file would not exist. Each node's first
     process writes its own copy (the same gathered numbers; an atomic rename if the cache is shared storage)."""
 
     def __init__(self, accelerator):

@@ -1,4 +1,4 @@
-"""GRPO's trainer: TRL's GRPOTrainer with the toolkit's additions, on the prompts src/data.py prepared (a `prompt`,
+"""GRPO's trainer: TRL's GRPOTrainer with the toolkit's additions, on the prompts src/data/ prepared (a `prompt`,
 its `meta` for the judges, `prompt_ids` as generation sees them), with the toolkit's judges as reward functions.
 
 What it changes in TRL's step, and why:
@@ -105,7 +105,9 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
     """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards; its
     evaluations judge held-out prompts (src/trainers/judged_eval.py), not TRL's sampled-answer loss."""
 
-    def __init__(self, *args, train_dataset=None, **kwargs):
+    def __init__(self, *args, train_dataset=None, reward_judges: tuple[list[str], str | None] | None = None, **kwargs):
+        if reward_judges is not None:  # the row's trainer_inputs: (the judges' names, the dataset they judge)
+            kwargs["reward_funcs"] = judge_rewards(*reward_judges)
         if train_dataset is not None and PROMPT_INDEX not in train_dataset.column_names:
             train_dataset = train_dataset.add_column(PROMPT_INDEX, list(range(len(train_dataset))))
         self._generation_inputs: list[dict] = []

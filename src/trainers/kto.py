@@ -1,4 +1,4 @@
-"""The KTO trainer: TRL's KTOTrainer on data src/data.py prepared, made world-size invariant. Everything that reaches
+"""The KTO trainer: TRL's KTOTrainer on data src/data/ prepared, made world-size invariant. Everything that reaches
 into KTOTrainer's internals lives in this file (a TRL upgrade is this file's work).
 
 Why: TRL 1.16 forms the KL term of KTO's loss from completions cycled inside each device's micro-batch (row i's KL
@@ -7,7 +7,7 @@ as a mean of per-micro-batch means. The same global batch on 1, 2 or 4 processes
 steps) then pairs other completions, gives another KL, another loss and other rewards.
 
 How, keeping TRL's loss code (both loss types, the weights, the metrics):
-1. each row's KL completion is fixed at preparation by a seeded derangement over the split (src/data.py
+1. each row's KL completion is fixed at preparation by a seeded derangement over the split (src/data/
    `kl_partners`: the `KL_completion_ids` column), so it depends on the data and the seed only;
 2. the KL estimate of an optimizer step is taken over the step's whole global batch, before its micro-steps: the
    step's micro-batches are fetched up front by transformers' loop (`get_batch_samples`), their KL log-ratios computed
@@ -133,7 +133,7 @@ def two_pass_counts(batch: dict) -> list[int]:
 
 
 class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
-    """KTOTrainer on data tokenized by src/data.py (same ids as its own preparation, plus the fixed KL completions),
+    """KTOTrainer on data tokenized by src/data/ (same ids as its own preparation, plus the fixed KL completions),
     with the step's KL over its global batch, weighted train metrics and per-row eval metrics."""
 
     reference_cache: dict | None = None
@@ -365,7 +365,7 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         """TRL's cache of the reference log-probs (completion and KL completion) next to the prepared split, keyed by
-        the split's fingerprint (src/data.py: source, tokenizer, lengths, seed, so the KL partners), the reference's
+        the split's fingerprint (src/data/: source, tokenizer, lengths, seed, so the KL partners), the reference's
         weights, and here also what else changes the numbers: precision, device kind, max_length."""
         how = ("kto", self.args.bf16, self.args.fp16, self.accelerator.device.type, self.args.max_length)
         padded_collator = self.data_collator

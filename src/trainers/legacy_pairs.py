@@ -1,5 +1,5 @@
 """The toolkit's prepared pairs for TRL's reference-free pair trainers (trl.experimental: CPOTrainer for SimPO,
-ORPOTrainer), which tokenize the text themselves, padded, in their constructors. Here they take the ids src/data.py
+ORPOTrainer), which tokenize the text themselves, padded, in their constructors. Here they take the ids src/data/
 prepared (the same prompt / chosen / rejected ids as DPO's, TRL's DPOTrainer's tokenization) and lay them out as
 their `tokenize_row` does: prompt + answer, the prompt's labels -100, the answer cut where prompt + answer passes
 max_length (a prompt that fills max_length was already dropped in preparation, TRL's DPO rule).

@@ -8,7 +8,7 @@ from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 
 
 class ToolkitRewardTrainer(PairLengthsMixin, ToolkitTrainerMixin, RewardTrainer):
-    """RewardTrainer with the toolkit's additions, on data already tokenized by src/data.py (same ids as its own
+    """RewardTrainer with the toolkit's additions, on data already tokenized by src/data/ (same ids as its own
     preparation, pairs over max_length already dropped and counted there, so its length filter has nothing to do)."""
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

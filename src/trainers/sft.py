@@ -20,7 +20,7 @@ class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
 
     Padding-free without packing: TRL then refuses a max_length (it would not enforce it), so the SFTConfig gets none
     and the rows are cut here to `truncate_to`, as TRL's own truncation cuts them (rows left with no trained token
-    were already dropped by src/data.py)."""
+    were already dropped by src/data/)."""
 
     TRUNCATED_COLUMNS = ("input_ids", "assistant_masks", "completion_mask")
 

@@ -1,5 +1,5 @@
 """SimPO's trainer: TRL's CPOTrainer (trl.experimental.cpo, loss_type "simpo", cpo_alpha 0) with the toolkit's
-additions, on the pairs src/data.py prepared (src/trainers/legacy_pairs.py). SimPO has no reference model: no
+additions, on the pairs src/data/ prepared (src/trainers/legacy_pairs.py). SimPO has no reference model: no
 reference pass, no reference cache. Its step is the mean over the micro-batch's pairs, so equal micro-batches give the
 same update on any split of the global batch into processes x accumulation steps (tests/test_simpo.py)."""
 

@@ -1,11 +1,13 @@
-"""What a stage's training will do, decided from the config alone, before the training stack is imported: the optimizer
-steps it plans, which SFT forward runs, and the options TRL (or the toolkit) would accept and then ignore."""
+"""What a stage's training will do, decided from the config alone, before the training stack is imported: the model
+it starts from, the optimizer steps it plans, which SFT forward runs, and the options TRL (or the toolkit) would accept
+and then ignore."""
 
 from __future__ import annotations
 
 import math
 
-from src.config import Config, Plan
+from src.config import EMBEDDED, Config
+from src.plan import Plan
 from src.objectives import objective
 
 
@@ -19,6 +21,23 @@ from src.objectives import objective
 # (bench/bench_sft_forward.py), so it is not their default.
 PADDING_FREE_LINEAR = ("flash_attention_2", "flash_attention_3")
 PADDING_FREE_EXACT = PADDING_FREE_LINEAR + ("sdpa", "eager")
+
+
+def starting_model(stage: str, config: Config, model_path: str, previous_stage: str | None) -> tuple[str, str | None]:
+    """The model a stage starts from, in words (the console's `starts from` line, training_info.json's
+    `starts_from`), and a warning when it is the embedded default's untrained base model and the stage's objective is
+    one that follows SFT (its row's `ends_pipeline`: DPO, KTO, SimPO, GRPO): on random weights it has nothing to
+    adjust, and `--stage dpo` alone on the embedded default would otherwise say so nowhere."""
+    if previous_stage:
+        return f"the {previous_stage} stage's final model ({model_path})", None
+    if config.model.model_name_or_path != EMBEDDED:
+        return model_path, None
+    described = f"the untrained embedded base model (randomly initialised: {model_path})"
+    if not objective(stage).ends_pipeline:
+        return described, None
+    return described, (f"{stage.upper()} starts from the untrained embedded base model, which has learned nothing for "
+                       f"it to adjust: run --stage sft_then_{stage} (SFT first, as the embedded default does), or give "
+                       "--model_name_or_path a trained model")
 
 
 def _exact_padding_free(attn_implementation: str) -> bool:

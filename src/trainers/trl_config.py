@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from src.config import Config, Plan
+from src.config import Config
+from src.plan import Plan
 from src.objectives import load, objective
 from src.objectives.spec import JUDGED_CURVE
 

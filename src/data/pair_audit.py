@@ -1,4 +1,4 @@
-"""What the pairs can teach, per split, from the preparation pass src/data.py makes anyway.
+"""What the pairs can teach, per split, from the preparation pass (src/data/prepare.py) makes anyway.
 
     fields = row_fields(row, item, stage)            # inside the tokenizing map: a few numbers a row
     audit = split_audit(tokenized_pieces, stage, max_length, train_prompts)   # after it: the split's statistics
@@ -16,9 +16,10 @@ import hashlib
 import json
 import math
 
+from src.chat_templates import split_reasoning
 from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
 
-# column → Arrow type, in the tokenizing map's output (src/data.py leaves every "_" column out of the prepared files)
+# column → Arrow type, in the tokenizing map's output (src/data/prepared.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
                  "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8",
                  "_chosen_reasoning_tokens": "int32", "_rejected_reasoning_tokens": "int32", "_pair_difference": "int8"}
@@ -62,8 +63,6 @@ def prompt_of(row: dict):
 
 def _parts(value) -> tuple[str, str]:
     """An answer's reasoning and final answer (text, or the assistant messages of a chat)."""
-    from src.chat_templates import split_reasoning
-
     messages = value if isinstance(value, list) else [{"role": "assistant", "content": value}]
     parts = [split_reasoning(message) for message in messages
              if isinstance(message, dict) and message.get("role") == "assistant"]
@@ -270,7 +269,7 @@ def _suggested_max_length(lengths) -> int | None:
 
 
 def counts_of(splits: dict) -> dict:
-    """The counts src/data.py's summary already names, carried into the audit of each split (dropped rows)."""
+    """The counts the prepared summary already names, carried into the audit of each split (dropped rows)."""
     return {kind: {"identical_pairs": counts["identical_pairs"], "empty_answers": counts["empty_answers"],
                    "prompts_dropped": counts.get("dropped_prompt_too_long", counts.get("dropped_too_long", 0)),
                    "identical_share": _share(counts["identical_pairs"], counts["rows"])}

@@ -1,5 +1,0 @@
-import sys
-
-from src.reporting.report import main
-
-sys.exit(main())
