@@ -3,7 +3,7 @@ vocabulary (Qwen2.5's), TRL's padded forward vs the packed one with the head ove
 --before, a git revision) vs the packed one with the head over the answers and the prompt token before each (this
 tree), at two prompt lengths.
 
-    python bench/bench_lm_head.py --before f554549                # ~3 minutes on 2 CPU cores
+    python bench/bench_lm_head.py --before f554549 --pairs 2 --repeats 1 --steps 2   # ~10 minutes on 2 loaded CPU cores
     python bench/bench_lm_head.py --before f554549 --prompts 128 1024 --answer 64 --pairs 4 --repeats 2
 
 The model: a Qwen2-shaped model built locally with random weights (2 layers, hidden 128, 4 heads / 2 key-value heads,
