@@ -51,17 +51,9 @@ STRATEGY=${STRATEGY:-torchrun}
 case $STRATEGY in
   torchrun) ;;
   ddp|zero1|zero2|zero3|fsdp)
-    if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
-      if [[ $STRATEGY == zero* ]] && ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
-        echo "error: STRATEGY=$STRATEGY needs DeepSpeed: pip install deepspeed (it runs on CUDA GPUs)" >&2
-        exit 2
-      fi
-      if [[ $STRATEGY != ddp ]] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-        echo "error: STRATEGY=$STRATEGY shards the model over CUDA GPUs and this machine has none; use" \
-             "STRATEGY=ddp or the default (torchrun), which run on CPU too" >&2
-        exit 2
-      fi
-    fi ;;
+    # DeepSpeed (zero1-3) runs on CUDA GPUs and on CPU processes alike; what a strategy needs and cannot combine
+    # with is checked by the preflight below (src/engines.py, with the config), before any worker starts.
+    ;;
   *)
     echo "error: STRATEGY=$STRATEGY: use torchrun (default), ddp, zero1, zero2, zero3 or fsdp" >&2
     exit 2 ;;

@@ -173,6 +173,11 @@ def answer_texts(tokenizer, prompt: list[dict], answers: list[list[dict]], keep_
     generation_prompt = _render(tokenizer, prompt, add_generation_prompt=True, **kwargs)
     texts = []
     for answer in answers:
+        if any(message.get("role") == "tool" for message in answer):
+            raise TemplateCannotExpress(
+                "the answer holds a tool's result (a 'tool' message), which would be trained as if the model wrote "
+                "it: end the answer at its tool call, and put the turns up to the last tool result in the prompt (one "
+                "row per assistant turn; sampled trajectories with --tools mask the results themselves)")
         answer = [placed(message, syntax, keep_reasoning) for message in answer]
         full = _render(tokenizer, prompt + answer, **kwargs)
         if full.startswith(generation_prompt) and _holds(full[len(generation_prompt):], answer):
@@ -182,7 +187,7 @@ def answer_texts(tokenizer, prompt: list[dict], answers: list[list[dict]], keep_
             texts.append(_spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs))
         except _Rewritten:
             raise TemplateCannotExpress(_rewrite_message(full[_common_prefix_length(full, generation_prompt):],
-                                                         answer)) from None
+                                                         prompt, answer)) from None
     return generation_prompt, texts
 
 
@@ -231,12 +236,18 @@ def _spliced(tokenizer, prompt, answer, generation_prompt, syntax, kwargs) -> st
     return text
 
 
-def _rewrite_message(rendered_answer: str, answer: list[dict]) -> str:
+def _rewrite_message(rendered_answer: str, prompt: list[dict], answer: list[dict]) -> str:
     """What the template does to the answer (`rendered_answer`: its rendering past the prompt), and the fix."""
     calls = [call for message in answer for call in message.get("tool_calls") or []]
     if calls and not _holds(rendered_answer, [{"role": "assistant", "content": "", "tool_calls": calls}]):
         return ("it drops the answer's tool calls (it has no syntax for them, or none for this message's shape): use "
                 "a template with tool syntax (--chat_template_path)")
+    if calls and any(message.get("tool_calls") for message in prompt if message.get("role") == "assistant"):
+        # DeepSeek-R1's template sets its first-call flag once per conversation: a later turn's calls are written as
+        # a continuation of the first turn's block, without the block's opening, which the model never generates.
+        return ("it writes a tool call that follows earlier calls in the conversation without its call block's "
+                "opening (DeepSeek-R1's template: its first-call flag never resets): train that turn from a prompt "
+                "without the earlier calls, or use a template that opens every turn's calls (--chat_template_path)")
     return ("it renders the answer other than as the model continues its generation prompt (it drops or moves part "
             "of it): use a template that renders the answer as written (--chat_template_path), or train on the final "
             "answers alone (--reasoning drop)")

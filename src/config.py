@@ -321,6 +321,28 @@ class TrainingArguments:
                   "reward model's path or Hub id), each a reward function logged apart (rewards/<judge>/mean), summed "
                   "with --reward_weights (one per judge; default all 1). Empty: --judge. docs/grpo.md."},
     )
+    tools: str | None = field(
+        default=None,
+        metadata={"help": "Tools the model may call while GRPO samples and while any stage answers its held-out "
+                  "prompts: module:registry, a module attribute holding a dict or list of plain Python functions (schemas "
+                  "from their type hints and docstrings, or given: {'function': f, 'schema': {...}}; the prompt shows "
+                  "the row's `tools` column). Each call runs in a worker process; its result is fed back in the "
+                  "template's tool role and masked from the loss (docs/tools.md)."},
+    )
+    max_tool_turns: int = field(
+        default=4, metadata={"help": "With --tools: rounds of tool calls an answer may make before it must answer."})
+    tool_timeout: float = field(
+        default=10.0,
+        metadata={"help": "With --tools: seconds a call may run; past it the tool is killed and the model reads an "
+                  "error result (counted, never a stop)."},
+    )
+    turn_credit: float = field(
+        default=0.0,
+        metadata={"help": "GRPO with --tools: the weight w of per-turn credit. Each token of an answer's turn t gets "
+                  "its trajectory's advantage plus w x that turn's score (the judge's verdict's `turn_rewards`) "
+                  "normalised over its prompt's group; 0 (the default): the trajectory's reward alone "
+                  "(docs/tools.md)."},
+    )
     audit_judge_pairs: int = field(
         default=2000,
         metadata={"help": "Training pairs (drawn with the seed) whose own chosen and rejected answers --judge scores "
@@ -337,6 +359,15 @@ class TrainingArguments:
         metadata={"help": "With several nodes: seconds without a sign of life from another node's processes before "
                   "this node stops with one line naming the silent node (src/run_safety/node_watch.py), instead of waiting on "
                   "a collective for the 60-minute process-group timeout. 0 turns the watch off."},
+    )
+    hang_timeout: int = field(
+        default=600,
+        metadata={"help": "Seconds a rank may make no progress (no step, generation or judged batch, preparation "
+                  "chunk, save or evaluation batch) before every process stops with one line naming the stuck rank, "
+                  "its phase and its Python stack (in <run dir>/hang/), exit 7 (src/run_safety/hang_watch.py), "
+                  "instead of waiting on a collective for the 60-minute process-group timeout. At least 3x the longest "
+                  "pause the run has measured so far (a first step's compile, a save): honest pauses never stop it. "
+                  "Default 10 minutes: a first step's compile or a large save on a big model; 0 turns the watch off."},
     )
     report_to: list[str] = field(
         default_factory=lambda: ["none"],

@@ -10,6 +10,7 @@ from pathlib import Path
 from src.config import EMBEDDED, TRACKERS, Config
 from src.config_error import ConfigError
 from src.objectives import STAGES, objective
+from src.tool_calls import validate_config as validate_tools
 
 
 def closest_name(name: str, candidates) -> str:
@@ -78,6 +79,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--beta must be positive, got {beta}")
     validate_rounds(config)
     validate_judges(config)
+    validate_tools(config)
     if config.model.merge_adapter and config.model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")

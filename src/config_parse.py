@@ -384,6 +384,8 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         trl_overrides=trl_overrides,
         stage_overrides=stage_overrides,
     )
+    if config.dpo.beta is None:  # not given: the objective's own, a value in its row (SimPO 2.0, DPO 0.1, GRPO 0)
+        config.dpo.beta = objective(stage).default_beta
     validate(config)
     return config
 

@@ -4,9 +4,11 @@
     init(plan, world)  starts the process group the way TRL's Trainer will find it (accelerate's PartialState), with
                        each process's share of the cores this machine grants as torch's threads
     map_across_ranks   splits work over the ranks and gathers the results in order
+    manifest_across_ranks  what a save wrote, hashed by every rank (its share of the blocks) right after it
 
 On CPU, accelerate runs every torchrun rank alone (distributed type NO, world size 1, no error) unless told to use the
-CPU; `init` tells it, and `check_world_size` makes the silent failure loud.
+CPU; `init` tells it (but under DeepSpeed, which it would then quietly drop: src/engines.py), and `check_world_size`
+makes the silent failure loud.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from src.config_error import ConfigError
+from src.engines import accelerate_cpu
 from src.plan import Plan
 from src.world import World
 from src.resource_limits import threads_per_process
+from src.run_safety import hang_watch
+from src.run_safety.checkpoint_manifest import blocks, checksums, listing, manifest
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 
 # Long enough for the slowest legitimate wait between collectives (saving a large checkpoint, a long evaluation);
@@ -41,13 +46,14 @@ def init(plan: Plan, world: World):
         import torch
 
         torch.set_num_threads(threads_per_process(world.local_world_size))  # a container's quota counted
-    if plan.device == "cpu":
+    cpu = accelerate_cpu(plan.device)  # not under DeepSpeed, which accelerate would then quietly drop
+    if cpu:
         # ACCELERATE_USE_CPU is what TrainingArguments(use_cpu=True) sets too; set it before the first PartialState.
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if world.world_size == 1:
-        return PartialState(cpu=plan.device == "cpu")
+        return PartialState(cpu=cpu)
     _init_process_group(plan.backend, world)  # accelerate finds it initialized and adopts it
-    return PartialState(cpu=plan.device == "cpu", backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+    return PartialState(cpu=cpu, backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
 
 
 def _init_process_group(backend: str, world: World) -> None:
@@ -102,7 +108,10 @@ def any_rank(*flags) -> list[bool]:
     values = torch.stack([flag.detach().float().to(device).reshape(()) if torch.is_tensor(flag) else
                           torch.full((), float(flag), device=device) for flag in flags])
     if distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        # A stuck peer is not this rank. The read is inside: NCCL's all_reduce returns at once, the wait is there.
+        with hang_watch.waiting("an agreement between the ranks"):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            return [bool(value) for value in values.tolist()]
     return [bool(value) for value in values.tolist()]
 
 
@@ -132,6 +141,7 @@ def finish() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    hang_watch.stop_watching()  # no peer waits for this rank any more; rank 0's Hub push alone is not judged
 
 
 def gather_objects(local: list) -> list[list]:
@@ -141,7 +151,8 @@ def gather_objects(local: list) -> list[list]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    with hang_watch.waiting("a gather from every rank"):  # a stuck peer is not this rank
+        dist.all_gather_object(gathered, local)
     return gathered
 
 
@@ -159,3 +170,28 @@ def map_across_ranks(items: list, work, world: World) -> list:
             ordered[index] = result
     return ordered
 
+
+
+def manifest_across_ranks(directory: Path, world: World,
+                          leave_out: tuple[str, ...] = ()) -> tuple[dict | None, str | None]:
+    """The manifest of what every rank just saved into `directory` (src/run_safety/checkpoint_manifest.py), on every
+    rank: (manifest, None), or (None, the first file some rank could not read back). Every rank lists the directory
+    (on shared storage another node's new files can be missing from one rank's listing for a while, never from their
+    writer's: the union has them all), the blocks are dealt round the ranks, and each hashes its share on its share of
+    the machine's cores, mostly from the page cache the write left. Every rank must call it, after all have saved.
+    `leave_out`: names at the directory's top that are rewritten after the save (checkpoint_manifest.listing)."""
+    files: dict[str, int] = {}
+    for (seen,) in gather_objects([listing(directory, leave_out)]):
+        for name, size in seen.items():
+            files[name] = max(size, files.get(name, 0))
+    threads = threads_per_process(world.local_world_size)
+
+    def hash_share(share):  # never raises: every rank must reach the gather
+        try:
+            return [(checksum, None) for checksum in checksums(directory, share, threads)]
+        except OSError as error:
+            return [(None, f"{error.filename or directory}: {error.strerror or error}")] * len(share)
+
+    hashed = map_across_ranks(blocks(files), hash_share, world)
+    problem = next((problem for _checksum, problem in hashed if problem), None)
+    return (None, problem) if problem else (manifest(files, [checksum for checksum, _ in hashed]), None)

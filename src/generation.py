@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning, split_reasoning
 from src.distributed import map_across_ranks
+from src.tools import sample_with_tools
+from src.run_safety import hang_watch
 from src.world import World
 
 
@@ -95,20 +97,67 @@ class SeededSampling:
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None,
-             details: bool = False) -> list:
+             details: bool = False, tools=None) -> list:
     """This process's answers to `prompts` (token ids), in order: greedy, or sampled with one seed per prompt;
     `on_batch(count)` after every batch (a progress line). `details`: each answer as a dict with its text and what the
-    answer audit reads (answer_record: tokens generated, whether it ended, its repetition)."""
+    answer audit reads (answer_record: tokens generated, whether it ended, its repetition). `tools` (a
+    src/tools.py ToolSession): each answer is a trajectory whose calls are run and their results fed back
+    (src/tools.py sample_with_tools), every turn of an answer from its own seed; its text is the whole trajectory."""
+    eos_ids = stop_ids(model, tokenizer)
+    close_ids = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]  # where an answer's reasoning ends
+    if tools is not None:
+        def sample(indices, contexts, turn, budgets):
+            turn_seeds = None if seeds is None else [answer_seed(seeds[index], "turn", turn) for index in indices]
+            written = sample_ids(model, tokenizer, contexts, max(budgets), batch_size, eos_ids, sampling, turn_seeds)
+            return [ids[:budget] for ids, budget in zip(written, budgets)]
+
+        trajectories = sample_with_tools(sample, tokenizer, prompts, tools, max_new_tokens, eos_ids)
+        if on_batch:
+            on_batch(len(prompts))
+        answers = []
+        for prompt, trajectory in zip(prompts, trajectories):
+            text = opened_reasoning(tokenizer, prompt) + trajectory.text(tokenizer)
+            # The audit's length, end and repetition are of what the model wrote, every turn (the results apart).
+            written = [token for token, own in zip(trajectory.ids, trajectory.mask) if own and token not in eos_ids]
+            ending = [min(eos_ids)] if trajectory.ended else []
+            answers.append(answer_record(text, written + ending, eos_ids, close_ids) | trajectory.record()
+                           if details else text)
+        return answers
+    answers: list = [""] * len(prompts)
+
+    def batch_done(batch: list[int], written: list[list[int]]) -> None:
+        # An answer continuing a reasoning block its prompt opened (DeepSeek-R1's "<think>\n") starts with it, so
+        # judges, audits and round pairs see where its reasoning starts and whether it closed.
+        for index, ids in zip(batch, written):
+            text = opened_reasoning(tokenizer, prompts[index]) + decoded_answer(tokenizer, ids)
+            answers[index] = answer_record(text, ids, eos_ids, close_ids) if details else text
+        if on_batch:
+            on_batch(len(batch))
+
+    sample_ids(model, tokenizer, prompts, max_new_tokens, batch_size, eos_ids, sampling, seeds, batch_done,
+               trim=False)
+    return answers
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """The tokens an answer (or a turn of one) ends at: the tokenizer's EOS and the model's generation config's."""
+    eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+    return {token for token in eos_ids if token is not None}
+
+
+def sample_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos_ids: set[int],
+               sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None,
+               trim: bool = True) -> list[list[int]]:
+    """The ids generated after each prompt, in order (greedy, or sampled with one seed per prompt), each cut after its
+    first stop token (`trim`; else as the batch padded them); `on_batch(indices, ids)` after every batch."""
     import torch
     from transformers import GenerationConfig, LogitsProcessorList
 
-    eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
     generation = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-        eos_token_id=sorted(i for i in eos_ids if i is not None), pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=sorted(eos_ids), pad_token_id=tokenizer.pad_token_id,
     )
-    answers: list = [""] * len(prompts)
-    close_ids = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]  # where an answer's reasoning ends
+    written: list[list[int]] = [[] for _ in prompts]
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -117,20 +166,19 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
                                                                left=True):
             processors = LogitsProcessorList(
                 [SeededSampling([seeds[index] for index in batch], sampling, input_ids.device)] if sampling else [])
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
-                                    logits_processor=processors)
-            width = input_ids.shape[1]
-            texts = [decoded_answer(tokenizer, ids) for ids in output[:, width:].tolist()]
-            # An answer continuing a reasoning block its prompt opened (DeepSeek-R1's "<think>\n") starts with it, so
-            # judges, audits and round pairs see where its reasoning starts and whether it closed.
-            texts = [opened_reasoning(tokenizer, prompts[index]) + text for index, text in zip(batch, texts)]
-            for row, (index, text) in enumerate(zip(batch, texts)):
-                answers[index] = answer_record(text, output[row, width:].tolist(), eos_ids, close_ids) if details \
-                    else text
+            with hang_watch.phase("generation", f"{len(batch)} prompts, up to {max_new_tokens} new tokens"):
+                output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        generation_config=generation, logits_processor=processors)
+            rows = output[:, input_ids.shape[1]:].tolist()
+            if trim:
+                rows = [row[:next((at + 1 for at, token in enumerate(row) if token in eos_ids), len(row))]
+                        for row in rows]
+            for index, row in zip(batch, rows):
+                written[index] = row
             if on_batch:
-                on_batch(len(batch))
+                on_batch(batch, rows)
     model.train(was_training)
-    return answers
+    return written
 
 
 def padded_batches(model, sequences: list[list[int]], batch_size: int, pad_token_id: int, left: bool):
@@ -152,11 +200,12 @@ def padded_batches(model, sequences: list[list[int]], batch_size: int, pad_token
 
 
 def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                     world: World) -> list[dict]:
+                     world: World, tools=None) -> list[dict]:
     """The model's greedy answer to each prompt (token ids), identical on every rank, in prompt order: its text and
-    the answer audit's numbers (answer_record)."""
+    the answer audit's numbers (answer_record; with `tools`, a trajectory's tool record too)."""
     return map_across_ranks(
-        prompts, lambda share: generate(model, tokenizer, share, max_new_tokens, batch_size, details=True), world)
+        prompts, lambda share: generate(model, tokenizer, share, max_new_tokens, batch_size, details=True,
+                                        tools=tools), world)
 
 
 def _as_list(value) -> list:

@@ -34,6 +34,7 @@ from src.config import EMBEDDED
 from src.distributed import map_across_ranks
 from src.embedded.tasks import check as check_embedded_answer
 from src.generation import padded_batches
+from src.run_safety import hang_watch
 
 
 FUNCTION_JUDGE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # --judge module:function
@@ -112,7 +113,8 @@ class Judge(abc.ABC):
     def judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         """Verdicts for the reference and the trained answer to every row, and their aggregates."""
         try:
-            return self._judge(rows, reference_answers, trained_answers)
+            with hang_watch.phase("judge", f"{self.name}: {len(rows)} prompts"):
+                return self._judge(rows, reference_answers, trained_answers)
         except JudgeError:
             raise
         except JUDGE_FAILURES as error:
@@ -122,7 +124,8 @@ class Judge(abc.ABC):
         """One number per (row, answer), higher is better: how GRPO rewards an answer and on-policy rounds rank a
         prompt's answers."""
         try:
-            scores = list(self._scores(rows, answers))
+            with hang_watch.phase("judge", f"{self.name}: {len(answers)} answers"):
+                scores = list(self._scores(rows, answers))
         except JudgeError:
             raise
         except JUDGE_FAILURES as error:
@@ -184,6 +187,15 @@ class ProgrammaticJudge(Judge):
     def _scores(self, rows: list[dict], answers: list[str]) -> list[float]:
         """The verdict's "reward" where the check ranks answers more finely than its score, else the score."""
         return [_reward(self._verdict(row, answer)) for row, answer in zip(rows, answers)]
+
+    def scores_and_turns(self, rows: list[dict], answers: list[str]) -> tuple[list[float], list[list[float] | None]]:
+        """`scores`, and each verdict's per-turn scores (`turn_rewards`: one number per turn the model wrote, for
+        GRPO's per-turn credit with --tools; None where the check gives none)."""
+        with hang_watch.phase("judge", f"{self.name}: {len(answers)} answers"):
+            verdicts = [self._verdict(row, answer) for row, answer in zip(rows, answers)]
+        turns = [verdict.get("turn_rewards") for verdict in verdicts]
+        return [_reward(verdict) for verdict in verdicts], [
+            [float(value) for value in turn] if isinstance(turn, (list, tuple)) else None for turn in turns]
 
     def _judge(self, rows: list[dict], reference_answers: list[str], trained_answers: list[str]) -> JudgeResult:
         _check_lengths(rows, reference_answers, trained_answers)

@@ -35,8 +35,9 @@ from src.world import Devices, World, sagemaker_process_hint
 from src.data import (PROMPTS, DataError, PreparedData, check_source, format_summary, mixture_sources, prepare_data,
                       prompts_only, source_location, source_names)
 from src.distributed import barrier, check_shared_storage, check_world_size, finish, gather_objects, init, print0
+from src.engines import check_engine, engine_record, requested as requested_engine
 from src.run_safety.build_once import cache_root
-from src.generation import generate_answers
+from src.generation import generate_answers, stop_ids
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.input_checks import check_judge, check_model_inputs
 from src.judges import JudgeError, judge_for, names_a_reward_model, pair_accuracy, score_pairs
@@ -45,15 +46,19 @@ from src.models import (ModelError, apply_chat_template_path, apply_chat_templat
                         peft_config, resolve_model_path, save_final_model)
 from src.preflight_record import record, record_key, recorded
 from src.private_api import attention_implementation
-from src.publish import PublishError, model_dirs, push_problem, push_to_hub, write_model_cards
+from src.publish import PublishError, damaged_model, model_dirs, push_problem, push_to_hub, write_model_cards
 from src.reporting.alerts import format_alerts
 from src.reporting.index import write_index
 from src.reporting.report import ReportError, build_report, headline_judge, health_alerts, report_verdict
 from src.reporting.summary import summarize
 from src.rounds import round_stage_config, rounds_summary, start_round
-from src.run_safety import launcher_exit
-from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, remove_incomplete_checkpoints,
-                                        trim_metrics)
+from src.tool_calls import ToolsError
+from src.tools import check_template, session_for
+from src.run_safety import hang_watch, launcher_exit
+from src.resource_limits import usable_cores
+from src.run_safety.checkpoint_manifest import Damaged
+from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, newest_intact_checkpoint,
+                                        remove_incomplete_checkpoints, trim_metrics)
 from src.run_safety.disk_space import (WriteFailed, check_space, estimate_writes, noticed_write_failure, stop_message,
                                        write_failures_noted, write_failures_reported)
 from src.run_safety.exit_status import ExitStatus
@@ -111,28 +116,6 @@ def run_name_for(config: Config) -> str:
         return name if config.training.stage == config.recipe_stage else f"{name}-{config.training.stage}"
     model = Path(config.model.model_name_or_path.rstrip("/")).name
     return f"{config.training.stage}-{model}"
-
-
-def check_launcher_strategy(devices: Devices, ddp_comm_hook: str = "none", environ=None) -> str | None:
-    """The sharding strategy an `accelerate launch` config asked for, refused where accelerate would silently run
-    plain data parallelism instead (it runs FSDP and DeepSpeed only on CUDA GPUs), or with a DDP communication hook,
-    which a sharded model never calls."""
-    environ = os.environ if environ is None else environ
-    requested = ("DeepSpeed" if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else
-                 "FSDP" if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" else None)
-    if requested and ddp_comm_hook != "none":
-        raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {requested} reduces "
-                          "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "
-                          "config), or launch plain DDP")
-    if requested and devices.kind != "cuda":
-        raise ConfigError(f"the accelerate config asks for {requested}, which accelerate runs only on CUDA GPUs, and "
-                          "this machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp)")
-    if requested == "DeepSpeed":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise ConfigError("the accelerate config asks for DeepSpeed: pip install deepspeed") from None
-    return requested
 
 
 def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bool = False) -> list[Stage]:
@@ -298,10 +281,10 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
-                    plan: Plan, world: World) -> dict[str, list[str]]:
+                    plan: Plan, world: World, tools=None) -> dict[str, list[str]]:
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
-                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world)
+                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools)
         for split, rows in rows_by_split.items()
     }
 
@@ -346,7 +329,21 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
     return results
 
 
-def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World):
+def tool_session(config: Config, tokenizer, model):
+    """The stage's tools (--tools: src/tools.py), checked against the chat template and the model's end tokens before
+    anything is sampled; None without --tools."""
+    session = session_for(config)
+    if session is not None:
+        try:
+            check_template(tokenizer, stop_ids(model, tokenizer), config.data.chat_template_kwargs)
+        except ToolsError as error:
+            session.close()
+            raise ConfigError(str(error)) from None
+    return session
+
+
+def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dict, tokenizer, world: World,
+                   tools=None):
     """The held-out prompts an objective whose row sets `judged_eval` (GRPO) judges at the start and each evaluation
     (src/trainers/judged_eval.py): the first --judged_eval_prompts validation prompts, scored by --judge; None without
     them or a judge. Its start reuses the answers judged before training when they are to the same prompts."""
@@ -360,7 +357,7 @@ def judged_eval_of(stage: Stage, prepared: PreparedData, rows: dict, before: dic
     start = [answer["text"] for answer in before.get("val", [])][:len(ids)]
     same = [row["sample_prompt_ids"] for row in rows.get("val", [])][:len(ids)] == ids and len(start) == len(ids)
     return JudgedEval(curve_rows, judge, tokenizer, config.training.max_new_tokens,
-                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None)
+                      max(8, stage.plan.per_device_batch_size * 4), world, start if same else None, tools)
 
 
 def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict, world: World, previous: dict | None,
@@ -399,10 +396,17 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     if row.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
         data_settings, data_line, warning = row.data_settings(config, prepared.summary["splits"]["train"])
         warnings += [warning] if warning else []
+    no_intact_checkpoint = None
     if world.is_main:
         with write_failures_noted(stage.run_dir):  # rank 0's files: a failed write stops every rank at the barrier
-            open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings, starts_from)
+            try:
+                open_stage_record(stage, model_path, prepared, world, previous, total_steps, warnings, starts_from)
+            except Damaged as error:  # said by every rank together, below
+                no_intact_checkpoint = str(error)
     barrier()  # rank 0 has removed half-written checkpoints: every rank now sees the same newest complete one
+    no_intact_checkpoint = gather_objects([no_intact_checkpoint])[0][0]
+    if no_intact_checkpoint:
+        raise Damaged(no_intact_checkpoint)
     check_shared_storage(info_path, world)
     resume_from = newest_complete_checkpoint(stage.output_dir) if _resuming(info_path) else None
     print0(f"\n== {stage_title(stage)} → {stage.run_dir}\n  starts from  {starts_from}\n{format_plan(plan)}\n"
@@ -432,7 +436,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     rows = {} if reward else {split: held_out_rows(prepared, split, config.training.num_samples)
                               for split in ("validation", "test")}
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
-    before = answer_held_out(model, tokenizer, rows, config, plan, world)
+    tools = tool_session(config, tokenizer, model)
+    before = answer_held_out(model, tokenizer, rows, config, plan, world, tools)
     pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     if data_audit.judged(stage):
         data_audit.judge_training_pairs(prepared, stage, world)
@@ -440,7 +445,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on a
     # loss; an objective whose evaluation is judged (GRPO) judges some of them at each evaluation as well.
-    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world)
+    judged_eval = judged_eval_of(stage, prepared, rows, before, tokenizer, world, tools)
     evaluated = judged_eval is not None or (prepared.validation is not None and not {
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, total_steps, sft_forward,
@@ -457,6 +462,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     trainer.add_callback(trackers)
     if judged_eval is not None:
         trainer.judged_eval = judged_eval
+    if tools is not None and hasattr(trainer, "use_tools"):
+        trainer.use_tools(tools)
+        trainer.turn_credit = config.training.turn_credit
     if world.is_main and row.needs_reference and "reference" in row.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
@@ -474,7 +482,8 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     check_world_size(trainer.args.world_size, world)
     if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
         with write_failures_noted(stage.run_dir):
-            run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value))
+            run_files.update_json(info_path, distributed_type=str(trainer.accelerator.distributed_type.value),
+                                  **engine_record(trainer.accelerator))
     if resume_from:
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {total_steps})")
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -483,7 +492,9 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
-    after = answer_held_out(trained, tokenizer, rows, config, plan, world)
+    after = answer_held_out(trained, tokenizer, rows, config, plan, world, tools)
+    if tools is not None:
+        tools.close()
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, plan, world) if reward else {}
     saved = save_final_model(trainer, tokenizer, stage.output_dir, merge, world.is_main)
     end_step_done("final_model")
@@ -609,15 +620,18 @@ def _resuming(info_path: Path) -> bool:
 
 
 def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[dict]:
-    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest complete
-    checkpoint (half-written ones are deleted) and its metric history is cut back to that step; otherwise the stage
-    starts afresh. Returns the resume history to keep in training_info.json."""
+    """On rank 0, before a stage starts: a stage that ran before and did not finish resumes from its newest intact
+    checkpoint (half-written ones are deleted, newer damaged ones set aside, each said in one line) and its metric
+    history is cut back to that step; otherwise the stage starts afresh. Returns the resume history to keep in
+    training_info.json. Damaged when it has checkpoints and none is intact (nothing changed then)."""
     earlier = run_files.read_json(info_path) if info_path.exists() else {}
     if earlier.get("status") not in (Status.RUNNING, Status.STOPPED):
         metrics_path.unlink(missing_ok=True)
         return []
-    removed = remove_incomplete_checkpoints(stage.output_dir)
-    checkpoint = newest_complete_checkpoint(stage.output_dir)
+    checkpoint, lines = newest_intact_checkpoint(stage.output_dir, usable_cores())  # the other ranks wait: all cores
+    removed = remove_incomplete_checkpoints(stage.output_dir)  # after it: with none intact, nothing is changed
+    for line in lines:
+        print0(f"  {line}")
     step = checkpoint_step(checkpoint) if checkpoint else 0
     kept = trim_metrics(run_files.read_jsonl(metrics_path), step)
     metrics_path.unlink(missing_ok=True)
@@ -629,6 +643,7 @@ def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[di
         "from_step": step,
         "previous_status": earlier.get("status"),
         "removed_incomplete_checkpoints": [str(path) for path in removed],
+        "damaged_checkpoints_set_aside": [line for line in lines if line.startswith("warning:")],
     }]
 
 
@@ -668,6 +683,14 @@ def record_stop(stage: Stage, info_path: Path, world: World, status: str, messag
         run_files.update_json(info_path, status=status, stop_reason=message)
         if not launcher_gone():
             publish_pages_after_stop(stage)
+
+
+def record_hang(stages: list[Stage], world: World, reason: str) -> None:
+    """Rank 0, from the hang watch as it stops the job (src/run_safety/hang_watch.py): the stop in the stage that was
+    running, its report and the index."""
+    running = [stage for stage in stages if stage_status(stage.run_dir).get("status") == Status.RUNNING]
+    if running:
+        record_stop(running[0], running[0].run_dir / run_files.TRAINING_INFO, world, Status.STOPPED, reason)
 
 
 def publish_report(run_dir: Path, stage: str, announce: bool = True) -> None:
@@ -711,9 +734,15 @@ def make_copies(stage: Stage, config: Config) -> None:
     (a relaunch of a finished run makes what a kill left unmade)."""
     info = stage_status(stage.run_dir)
     target = config.training.final_model_dir
-    if target and info.get("final_model_dir") != str(Path(target).resolve()):
+    export = target and info.get("final_model_dir") != str(Path(target).resolve())
+    push = config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed")
+    damaged = damaged_model(stage.run_dir) if export or push else None  # one read of the model, checked once
+    if damaged:
+        asked = " and ".join(flag for flag, wanted in (("--final_model_dir", export), ("--push_to_hub", push)) if wanted)
+        raise Damaged(f"{asked} refused: {damaged}")
+    if export:
         export_final_model(stage, Path(target))
-    if config.hub.push_to_hub and not (info.get("hub") or {}).get("pushed"):
+    if push:
         push_final_model(stage, config)
 
 
@@ -783,10 +812,12 @@ def finish_finished_run(stages: list[Stage], config: Config, world: World, recor
     launcher_preflight = config.training.dry_run and os.environ.get("PREFKIT_QUIET_DRY_RUN") == "1"
     if world.is_main and (launcher_preflight or not config.training.dry_run):
         hold = take_hold(stage.run_dir) if launcher_preflight else None
-        publish_end(stage, announce=False)
-        make_copies(stage, config)
-        if hold is not None:
-            hold.release()
+        try:
+            publish_end(stage, announce=False)
+            make_copies(stage, config)  # a damaged final model stops here (Damaged): the hold is released all the same
+        finally:
+            if hold is not None:
+                hold.release()
     print0(f"  {finished_line(stage.run_dir, record, report_verdict(stage.run_dir))}")
     if launcher_preflight:
         launcher_exit.record_finished()
@@ -800,7 +831,7 @@ def run(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     world = World.from_environment()
     devices = Devices.detect()
-    check_launcher_strategy(devices, config.training.ddp_comm_hook)
+    check_engine(requested_engine(), devices.kind, config.training.ddp_comm_hook)  # src/engines.py
     idle_gpus = sagemaker_process_hint(world)
     if idle_gpus:
         print0(f"  warning: {idle_gpus}")
@@ -817,8 +848,11 @@ def run(argv: list[str] | None = None) -> int:
     if hold is not None and hold.took_over:  # said only for a run that goes on: a finished one says one line
         print0(f"  {stages[-1].run_dir}: took over the hold of a job that is gone ({hold.took_over})")
     if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
-        watch(world, config.training.node_timeout, lambda: next(filter(None, (
-            newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None))
+        newest = lambda: next(filter(None, (  # noqa: E731
+            newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None)
+        watch(world, config.training.node_timeout, newest)
+        hang_watch.start(stages[-1].run_dir, world.rank, world.world_size, config.training.hang_timeout, newest, hold,
+                         on_stop=lambda reason, verdict: record_hang(stages, world, reason))
     for stage in stages:
         check_source(stage.config.data, stage.data_stage)
     check_judge(config.training.judge)
@@ -926,6 +960,12 @@ def exit_status(argv: list[str] | None = None) -> int:
     except StoppedBySignal as stop:
         print0(f"  {stop}")
         return stop.exit_code
+    except Damaged as error:  # every rank raises it together (train_stage), or rank 0 alone after the run (make_copies)
+        if debug:
+            raise
+        if World.from_environment().is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return ExitStatus.DAMAGED
     except WriteFailed as error:  # every rank raises it together (src/distributed.py barrier); rank 0 says it
         if debug:
             raise
@@ -935,6 +975,7 @@ def exit_status(argv: list[str] | None = None) -> int:
     except Exception:
         # A stop already chosen (a write that failed here, or another rank's recorded exit status): this error is its
         # echo (a peer gone from a collective: gloo's "Connection closed by peer"), not news. One line, no traceback.
+        hang_watch.wait_if_stopping()  # a hang's stop: the watch ends this process (src/run_safety/hang_watch.py)
         chosen, failure = launcher_exit.recorded(), noticed_write_failure()
         if debug or (chosen is None and failure is None):
             raise

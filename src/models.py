@@ -19,9 +19,12 @@ from src.config import EMBEDDED, ModelArguments
 from src.config_error import ConfigError
 from src.plan import Plan
 from src.world import World
-from src.distributed import barrier
+from src.distributed import barrier, manifest_across_ranks
 from src.embedded.model import ensure_embedded_model
-from src.run_safety.disk_space import fail_write_if_injected, noticed_write_failure, write_failures_noted
+from src.run_safety import hang_watch
+from src.run_files import MODEL_CARD, PLOTS_DIR
+from src.run_safety.checkpoint_manifest import remove_marker, write_marker
+from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
 class ModelError(ValueError):
@@ -246,7 +249,7 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     try:
-        with loading:
+        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):  # a download takes what it takes
             loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)})") from None
@@ -376,27 +379,43 @@ def _is_probability(name: str, value) -> bool:
 
 def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:
     """Save the trained model (adapter only under LoRA) with its tokenizer, and a merged copy on request; return
-    where each went. Every rank must call this (saving can gather sharded weights); rank 0 writes."""
+    where each went. Each directory gets a `.complete` marker with its manifest, as a checkpoint does, which guards
+    its copy and push (src/publish.py). Every rank must call this (saving can gather sharded weights, every rank
+    hashes its share of what was saved); rank 0 writes."""
     from peft import PeftModel
 
-    final_dir = output_dir / "final"
-    paths = {"final_model": str(final_dir)}
+    final_dir, merged_dir = output_dir / "final", output_dir / "merged"
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    merge = merge_adapter and isinstance(model, PeftModel)
+    saved = [final_dir, merged_dir] if merge else [final_dir]
+    paths = {"final_model": str(final_dir)} | ({"merged_model": str(merged_dir)} if merge else {})
     # Rank 0's failed write is noted, not raised alone: every rank stops together at the barrier below.
     with write_failures_noted(final_dir):
         if is_main:
+            for directory in saved:  # saved again after a resumed end: the old manifest would not describe it
+                if directory.is_dir():
+                    remove_marker(directory)
             fail_write_if_injected(final_dir / "model.safetensors")
         trainer.save_model(str(final_dir))
-    model = trainer.accelerator.unwrap_model(trainer.model)
     if is_main and noticed_write_failure() is None:
         with write_failures_noted(final_dir):
             tokenizer.save_pretrained(final_dir)
             if isinstance(model, PeftModel):
                 verify_adapter(final_dir, model)
-            if merge_adapter and isinstance(model, PeftModel):
-                merged_dir = output_dir / "merged"
+            if merge:
                 merged = model.merge_and_unload(safe_merge=True)
                 merged.save_pretrained(merged_dir)
                 tokenizer.save_pretrained(merged_dir)
-                paths["merged_model"] = str(merged_dir)
+    barrier()
+    for directory in saved:
+        # Not its card and plots (PEFT writes a card of its own here): the run's card replaces it, and is rewritten
+        # at each relaunch and publish (src/reporting/model_card.py).
+        manifest, unreadable = manifest_across_ranks(directory, World.from_environment(), (MODEL_CARD, PLOTS_DIR))
+        if unreadable:
+            raise WriteFailed(f"reading back {directory} to record its checksums failed ({unreadable}): check the "
+                              "storage, then relaunch the same command")
+        if is_main:
+            with write_failures_noted(directory):
+                write_marker(directory, manifest)
     barrier()
     return paths

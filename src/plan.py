@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +73,6 @@ def with_batch_size(arguments: list[str], batch: int, base: int | None) -> list[
 def batch_split_command(error: BatchSplitError, arguments: list[str], processes: int,
                         environ: Mapping[str, str] | None = None) -> str:
     """The launch command with the nearest batch that splits: what the launcher's preflight proposes."""
-    import shlex
-
     environ = os.environ if environ is None else environ
     strategy = environ.get("STRATEGY", "torchrun")
     prefix = f"STRATEGY={shlex.quote(strategy)} " if strategy != "torchrun" else ""

@@ -10,6 +10,10 @@ and the card, from rank 0, of the adapter (or full model) to --hub_model_id and 
 `<hub_model_id>-merged` — a repository of its own, so `from_pretrained(repo)` loads either without a subfolder.
 Trainer's push would create the repository when the trainer is built (failing an offline run before it trains),
 upload every checkpoint from a background thread, and write a card that knows nothing of the judged results.
+
+Nothing damaged is published: each saved model directory is verified against the manifest its save recorded
+(src/run_safety/checkpoint_manifest.py) before it is pushed or copied out (`damaged_model`); a damaged one is refused
+in one line, exit status 8 (ExitStatus.DAMAGED). The manifest itself (`.complete`) is not uploaded.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import sys
 from pathlib import Path
 
 from src.hub_access import hub_reachable, is_offline
+from src.resource_limits import usable_cores
+from src.run_safety.build_once import COMPLETE_MARKER
+from src.run_safety.checkpoint_manifest import verify
+from src.run_safety.exit_status import ExitStatus
 from src.reporting.model_card import CARD, MERGED_SUFFIX, model_dirs, write_model_cards  # noqa: F401 (main_distributed imports them from here)
 from src.run_files import TRAINING_INFO, read_json
 
@@ -37,6 +45,18 @@ def push_problem() -> str | None:
         return "the Hub is switched off for this process (HF_HUB_OFFLINE=1, set when it was unreachable at start)"
     if not hub_reachable():
         return "cannot reach the Hugging Face Hub (huggingface.co, or HF_ENDPOINT)"
+    return None
+
+
+def damaged_model(run_dir: str | Path) -> str | None:
+    """The line that refuses to publish the run's saved model when a directory of it (the final model, the merged
+    copy) is not what its save recorded; None when each is intact or was saved before manifests. Costs one read of
+    them, on every core."""
+    run_dir = Path(run_dir)
+    for directory in model_dirs(run_dir, read_json(run_dir / TRAINING_INFO)).values():
+        problem = verify(directory, usable_cores())
+        if problem:
+            return f"{directory} is damaged ({problem}): restore it from a copy, or train it again (--overwrite)"
     return None
 
 
@@ -60,6 +80,7 @@ def push_to_hub(run_dir: str | Path, hub_model_id: str, private: bool | None = N
         try:
             url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
             api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=str(folder),
+                              ignore_patterns=[COMPLETE_MARKER],
                               commit_message=f"prefkit {info.get('stage', '')} run {info.get('run_name', '')}")
         except Exception as error:  # any client or network failure: the run is saved, say why it was not pushed
             detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -84,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         if not written:
             print(f"error: {args.run_dir} holds no saved final model (model/final/)", file=sys.stderr)
         return 0 if written else 1
+    damaged = damaged_model(args.run_dir)
+    if damaged:
+        print(f"error: not pushed: {damaged}", file=sys.stderr)
+        return ExitStatus.DAMAGED
     try:
         pushed = push_to_hub(args.run_dir, args.hub_model_id, args.hub_private_repo or None)
     except PublishError as error:

@@ -28,6 +28,8 @@ TRAINING_INFO = "training_info.json"
 FORWARD = "forward"
 OLD_FORWARD = "dpo_forward"
 METRICS = "metrics.jsonl"
+PLOTS_DIR = "plots"  # the run's charts; a copy goes beside each saved model, with its card
+MODEL_CARD = "README.md"  # beside each saved model (src/reporting/model_card.py)
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 

@@ -228,10 +228,10 @@ def pytest_xdist_auto_num_workers(config):
 # starting last and running alone. Order from `--junitxml` per-file times of a whole run (docs/development.md);
 # a new file that starts several launches goes in by its time.
 LONG_FILES = ("test_disk_space.py", "test_rounds.py", "test_training.py", "test_resilience.py", "test_two_hosts.py",
-              "test_cli.py", "test_eval_metrics.py", "test_trackers.py", "test_finished_run.py", "test_simpo.py",
-              "test_reference_cache.py", "test_grpo.py", "test_orpo.py", "test_reward.py", "test_ddp_comm_hook.py",
-              "test_launchers.py", "test_run_lock.py", "test_publish.py", "test_kto.py", "test_data.py",
-              "test_packed_support.py")
+              "test_engines.py", "test_cli.py", "test_eval_metrics.py", "test_trackers.py", "test_finished_run.py",
+              "test_hang_watch.py", "test_simpo.py", "test_reference_cache.py", "test_grpo.py", "test_orpo.py",
+              "test_reward.py", "test_ddp_comm_hook.py", "test_launchers.py", "test_run_lock.py", "test_publish.py",
+              "test_kto.py", "test_data.py", "test_packed_support.py")
 
 
 # Tests that run only when a -m expression names their marker: a plain `pytest` (and CI) deselects them.

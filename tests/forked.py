@@ -116,7 +116,14 @@ def _new_process_state():
             ("src.run_safety.stops", "_stop_signal", []), ("src.run_safety.stops", "_clean_stop_point", [False]),
             ("src.run_safety.parent_watch", "_watching", []), ("src.run_safety.parent_watch", "_fork_hook", []),
             ("src.run_safety.parent_watch", "_launcher", []),
-            ("src.run_safety.node_watch", "_finished", threading.Event())]
+            ("src.run_safety.node_watch", "_finished", threading.Event()),
+            ("src.run_safety.hang_watch", "_watch", []), ("src.run_safety.hang_watch", "_me", _new_hang_state())]
+
+
+def _new_hang_state():
+    from src.run_safety.hang_watch import _Process
+
+    return _Process()
 
 
 def _toolkit_as_in_a_new_process() -> None:

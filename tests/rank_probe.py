@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 tests/rank_probe.py PROBE_DIR [main_distributed flags...]
 
 Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw, a digest of every training row it
-was fed (per optimizer step) and a digest of its weights when training ended.
+was fed (per optimizer step), a digest of its weights when training ended (the whole weights under ZeRO-3) and what
+it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share).
 
 Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
 optimizer step K+1 — what a bad kernel or an overflow does to a real run.
@@ -23,11 +24,35 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from src import main_distributed  # noqa: E402
+from src.engines import gathered  # noqa: E402
 from src.trainers import build  # noqa: E402
 
 
 def _digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer that holds the states, under accelerate's and DeepSpeed's wrappers."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def held_numbers(trainer, parameters) -> dict:
+    """What this rank holds, in elements: the model's weights (ZeRO-3: its partition), a live reference model's, and
+    its optimizer's states (one moment tensor or flat partition per parameter group, step counters left out)."""
+    states = _torch_optimizer(trainer.optimizer).state.values()
+    reference = getattr(trainer, "ref_model", None)
+    return {"weights": sum(getattr(p, "ds_tensor", p).numel() for p in parameters),
+            "reference_weights": sum(getattr(p, "ds_tensor", p).numel() for p in reference.parameters())
+            if reference is not None else None,
+            "full_weights": sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
+            "optimizer_states": sum(value.numel() for state in states for value in state.values()
+                                    if torch.is_tensor(value) and value.dim() > 0),
+            # DeepSpeed's gradient reduce bucket as its engine sized it (elements; a ZeRO-3 rank allocates it whole)
+            "reduce_bucket": engine.zero_reduce_bucket_size() if hasattr(
+                engine := trainer.model_wrapped, "zero_reduce_bucket_size") else None}
 
 
 def instrument(build_trainer, probe_dir: Path):
@@ -37,19 +62,22 @@ def instrument(build_trainer, probe_dir: Path):
         compute_loss = trainer.compute_loss
 
         def recording_compute_loss(model, inputs, *more, **options):
-            if model.training:
+            ids = inputs.get("input_ids", inputs.get("chosen_input_ids"))  # SimPO's and ORPO's pairs: the chosen
+            if model.training and ids is not None:
                 rows = seen.setdefault(trainer.state.global_step, [])
-                rows.extend(_digest(row[row != trainer.processing_class.pad_token_id]) for row in inputs["input_ids"])
+                rows.extend(_digest(row[row != trainer.processing_class.pad_token_id]) for row in ids)
             return compute_loss(model, inputs, *more, **options)
 
         trainer.compute_loss = recording_compute_loss
 
         class WriteProbe(TrainerCallback):
             def on_train_end(self, args, state, control, model=None, **kw):
-                weights = torch.cat([p.detach().float().flatten() for p in trainer.accelerator.unwrap_model(
-                    trainer.model).parameters()])
+                parameters = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
+                with gathered(parameters):  # ZeRO-3: each rank holds a share; the digest is of the whole
+                    weights = torch.cat([p.detach().float().flatten() for p in parameters])
                 record = {"rank": int(os.environ.get("RANK", 0)), "world_size": trainer.args.world_size,
-                          "seen": seen, "weights": _digest(weights), "steps": state.global_step}
+                          "seen": seen, "weights": _digest(weights), "steps": state.global_step,
+                          "held": held_numbers(trainer, parameters)}
                 path = probe_dir / f"{stage}_rank{record['rank']}.json"
                 path.write_text(json.dumps(record))
 

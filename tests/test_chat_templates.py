@@ -29,6 +29,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
 EARLIER = [QUESTION, {"role": "assistant", "content": "<think>\nfirst\n</think>\n\nIt is 42."},
            {"role": "user", "content": "And 40 plus 3?"}]
 AFTER_TOOL = [QUESTION, {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "42"}]
+SECOND_CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 42, "b": 3}}}
 
 # case → (prompt, answer message): a plain answer; reasoning inside the content; reasoning in a field; a tool call with
 # and without reasoning; multi-turn (earlier reasoning in the prompt); the answer after a tool's result.
@@ -41,7 +42,12 @@ CASES = {
                                          "tool_calls": [CALL]}),
     "multi_turn": (EARLIER, {"role": "assistant", "content": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43."}),
     "after_tool": (AFTER_TOOL, {"role": "assistant", "content": f"<think>\n{REASONING}\n</think>\n\n{FINAL}"}),
+    # A tool call after a tool's result (the prompt holds the earlier call, its result and the schemas).
+    "call_after_tool": (AFTER_TOOL, {"role": "assistant", "content": "", "tool_calls": [SECOND_CALL]}),
 }
+# An answer that holds a tool's result: refused by every template (the result would train as the model's words).
+TRAJECTORY = [{"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "42"},
+              {"role": "assistant", "content": FINAL}]
 
 R1_EOS = "<｜end▁of▁sentence｜>"
 R1_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": 40, \"b\": 2}\n```"
@@ -49,7 +55,10 @@ R1_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜t
 QWEN_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call><|im_end|>\n'
 GPT_OSS_ANALYSIS = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant"
 GPT_OSS_CALL = ' to=functions.add<|channel|>commentary json<|message|>{"a": 40, "b": 2}<|call|>'
+QWEN_CALL_2 = '<tool_call>\n{"name": "add", "arguments": {"a": 42, "b": 3}}\n</tool_call><|im_end|>\n'
+GPT_OSS_CALL_2 = ' to=functions.add<|channel|>commentary json<|message|>{"a": 42, "b": 3}<|call|>'
 THINKING_OFF = "its generation prompt closes the reasoning block"
+LATER_CALL = "writes a tool call that follows earlier calls"
 NO_FIELD = "'reasoning_content' field, which this template ignores"
 NO_TOOLS = "drops the answer's tool calls"
 
@@ -64,6 +73,7 @@ EXPECTED = {
         "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
         # After a tool's output R1's generation prompt is "<｜tool▁outputs▁end｜>" alone: the model writes the block.
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "call_after_tool": TemplateCannotExpress(LATER_CALL),
     },
     "deepseek-r1-distill": {
         "plain": f"\n</think>\n\n{FINAL}{R1_EOS}",
@@ -73,6 +83,7 @@ EXPECTED = {
         "tool_call_reasoning": TemplateCannotExpress(NO_TOOLS),
         "multi_turn": f"Add 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "call_after_tool": TemplateCannotExpress(NO_TOOLS),
     },
     # The distills' template as first released: its generation prompt without <think>.
     "deepseek-r1-distill-first-release": {
@@ -83,6 +94,7 @@ EXPECTED = {
         "tool_call_reasoning": TemplateCannotExpress(NO_TOOLS),
         "multi_turn": f"<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.{R1_EOS}",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}{R1_EOS}",
+        "call_after_tool": TemplateCannotExpress(NO_TOOLS),
     },
     "qwen3": {
         "plain": f"<think>\n\n</think>\n\n{FINAL}<|im_end|>\n",
@@ -92,6 +104,7 @@ EXPECTED = {
         "tool_call_reasoning": f"<think>\n{REASONING}\n</think>\n\n{QWEN_CALL}",
         "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "call_after_tool": f"<think>\n\n</think>\n\n{QWEN_CALL_2}",
     },
     "qwen3/thinking-off": {  # the generation prompt ends with an empty <think>\n\n</think>\n\n
         "plain": f"{FINAL}<|im_end|>\n",
@@ -101,6 +114,7 @@ EXPECTED = {
         "tool_call_reasoning": TemplateCannotExpress(THINKING_OFF),
         "multi_turn": TemplateCannotExpress(THINKING_OFF),
         "after_tool": TemplateCannotExpress(THINKING_OFF),
+        "call_after_tool": QWEN_CALL_2,
     },
     "gpt-oss": {  # reasoning in any shape goes to the `thinking` field, which gpt-oss writes as its analysis channel
         "plain": f"<|channel|>final<|message|>{FINAL}<|return|>",
@@ -111,6 +125,7 @@ EXPECTED = {
         "multi_turn": "<|channel|>analysis<|message|>Add 40 and 3.<|end|><|start|>assistant<|channel|>final<|message|>"
                       "It is 43.<|return|>",
         "after_tool": f"{GPT_OSS_ANALYSIS}<|channel|>final<|message|>{FINAL}<|return|>",
+        "call_after_tool": GPT_OSS_CALL_2,
     },
     "chatml-qwen2.5": {  # no reasoning syntax: reasoning inside the content is trained as the data writes it
         "plain": f"{FINAL}<|im_end|>\n",
@@ -120,6 +135,7 @@ EXPECTED = {
         "tool_call_reasoning": TemplateCannotExpress(NO_FIELD),
         "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|im_end|>\n",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|im_end|>\n",
+        "call_after_tool": QWEN_CALL_2,
     },
     "llama-3.1": {
         "plain": f"{FINAL}<|eot_id|>",
@@ -129,6 +145,7 @@ EXPECTED = {
         "tool_call_reasoning": TemplateCannotExpress(NO_FIELD),
         "multi_turn": "<think>\nAdd 40 and 3.\n</think>\n\nIt is 43.<|eot_id|>",
         "after_tool": f"<think>\n{REASONING}\n</think>\n\n{FINAL}<|eot_id|>",
+        "call_after_tool": '{"name": "add", "parameters": {"a": 42, "b": 3}}<|eot_id|>',
     },
 }
 EXPECTED["qwen3-generation-markers"] = EXPECTED["qwen3"]  # the markers change no text: the same answers
@@ -396,3 +413,61 @@ def test_a_generated_gpt_oss_answer_keeps_its_channels_apart_and_trains_back_as_
     _use(tokenizer, "deepseek-r1-distill")  # any other template: as skip_special_tokens decodes it
     plain = tokenizer(f"{FINAL}<｜end▁of▁sentence｜>", add_special_tokens=False)["input_ids"]
     assert decoded_answer(tokenizer, plain) == FINAL
+
+
+@pytest.mark.parametrize("template", sorted(EXPECTED))
+def test_an_answer_holding_a_tools_result_is_refused_by_every_template(tokenizer, template):
+    """A tool's result is never trained as the model's words: an answer that holds one ([call, result, answer]) is
+    refused in one line naming the fix, whatever the template renders."""
+    kwargs = _use(tokenizer, template)
+    trajectory = json.loads(json.dumps(TRAJECTORY))
+    if template.startswith("deepseek"):
+        trajectory[0]["tool_calls"][0]["function"]["arguments"] = json.dumps(CALL["function"]["arguments"])
+    with pytest.raises(TemplateCannotExpress, match="holds a tool's result.*put the turns up to the last tool result"):
+        conversation_ids(tokenizer, [QUESTION], trajectory, tools=TOOLS, **kwargs)
+
+
+def _tool_rows(shape: str) -> list[dict]:
+    """Rows whose prompt holds an earlier call, its result and the schemas: pairs (a right and a wrong second call),
+    thumbs rows, prompts alone."""
+    prompt = AFTER_TOOL
+    right = [{"role": "assistant", "content": "", "tool_calls": [SECOND_CALL]}]
+    wrong = [{"role": "assistant", "content": "", "tool_calls": [CALL]}]  # calls add(40, 2) again
+    rows = []
+    for index in range(12):
+        row = {"prompt": [{"role": "user", "content": f"What is 40 plus 2 plus 3? ({index})"}] + prompt[1:],
+               "tools": json.dumps(TOOLS)}
+        if shape == "pairs":
+            row |= {"chosen": right, "rejected": wrong}
+        elif shape == "thumbs":
+            row |= {"completion": right if index % 2 else wrong, "label": bool(index % 2)}
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("shape,stage", [("pairs", "dpo"), ("thumbs", "kto"), ("prompts", "grpo")])
+def test_rows_after_a_tool_result_train_the_next_call_and_never_the_result(tokenizer, tmp_path, shape, stage):
+    """Preference pairs, thumbs rows and prompts whose conversation holds an earlier call, its result and a `tools`
+    column, prepared as a run prepares them (Qwen3's template): the prompt is exactly what generation starts from (the
+    schemas, the earlier call, the result in the template's tool role, the generation prompt), and what trains is the
+    next call as the model writes it; the tool's result is in no answer's ids."""
+    from conftest import write_jsonl
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+
+    _use(tokenizer, "qwen3")
+    path = write_jsonl(tmp_path / f"{shape}.jsonl", _tool_rows(shape))
+    prepared = prepare_data(DataArguments(dataset_name=str(path), val_size=2, test_size=2, max_length=4096),
+                            SFTArguments(), stage, 0, tokenizer, tmp_path / "cache")
+    result = "<tool_response>\n42\n</tool_response>"
+    for row in prepared.train:
+        prompt = tokenizer.decode(row["prompt_ids"])
+        assert '"name": "add"' in prompt.split("<|im_start|>user")[0]  # the schemas, in the system turn
+        assert prompt.endswith(f"{result}<|im_end|>\n<|im_start|>assistant\n")
+        answers = [row[key] for key in ("chosen_ids", "rejected_ids", "completion_ids") if key in row]
+        assert (not answers) == (shape == "prompts")
+        for ids in answers:
+            text = tokenizer.decode(ids)
+            assert text.startswith("<think>\n\n</think>\n\n<tool_call>\n") and result not in text
+    if shape == "pairs":
+        assert tokenizer.decode(prepared.train[0]["chosen_ids"]) == f"<think>\n\n</think>\n\n{QWEN_CALL_2}"

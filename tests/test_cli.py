@@ -64,7 +64,7 @@ def test_dry_run_prints_the_plan_and_trains_nothing(user_args, tmp_path):
 def test_the_preflight_does_not_import_the_training_stack(user_args):
     # run_distributed.sh runs this check before every launch: transformers' trainer utilities pull in peft and
     # bitsandbytes (8 s of CPU on this machine), matplotlib another second, and the check needs none of them.
-    heavy = ("peft", "bitsandbytes", "matplotlib", "transformers.trainer_utils", "trl.trainer.dpo_trainer")
+    heavy = ("peft", "bitsandbytes", "matplotlib", "transformers.trainer_utils", "trl.trainer.dpo_trainer", "deepspeed")
     script = ("import json, sys\nfrom src.main_distributed import main\n"
               f"code = main({[*user_args, '--stage', 'dpo', '--dry_run']!r})\n"
               f"print(json.dumps([code, [name for name in {heavy!r} if name in sys.modules]]))")

@@ -7,9 +7,9 @@ import pytest
 from src import run_files
 from src.config_error import ConfigError
 from src.config_parse import parse_config
+from src.engines import check_engine, requested
 from src.plan import resolve_plan
 from src.world import Devices, World
-from src.main_distributed import check_launcher_strategy
 from src.trainers.stage_plan import silent_no_op_warnings
 from test_training import assert_trained_as_one_job, common_args, launch, run_single
 
@@ -59,10 +59,9 @@ def test_bf16_compression_on_cpu_is_refused_in_one_line(tiny_model, preference_f
 
 
 def test_compression_is_refused_under_sharding_and_ignored_on_one_process():
-    for strategy in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+    for strategy in ("zero1", "zero3", "fsdp"):
         with pytest.raises(ConfigError, match="--ddp_comm_hook fp16 compresses DDP's all-reduce"):
-            check_launcher_strategy(Devices(kind="cuda", names=("H100",), compute_capabilities=((9, 0),)), "fp16",
-                                    environ={strategy: "true"})
+            check_engine(requested({"STRATEGY": strategy}), "cuda", "fp16")
     config = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--ddp_comm_hook", "fp16"])
     single = resolve_plan(config, World(), Devices(kind="cpu"))
     assert single.ddp_comm_hook == "none"

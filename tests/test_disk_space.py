@@ -185,8 +185,8 @@ def fill_after_checkpoint_10_then_run(argv: list[str]) -> int:
 
     mark_complete = checkpoints.mark_complete
 
-    def mark_then_fill(path: Path) -> None:
-        mark_complete(path)
+    def mark_then_fill(path: Path, manifest: dict | None) -> None:
+        mark_complete(path, manifest)
         if path.name == "checkpoint-10":
             with open(path.parent.parent.parent / "filler", "wb") as filler:
                 try:

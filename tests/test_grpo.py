@@ -97,8 +97,7 @@ def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_b
     from src.world import Devices, World
     from src.data import source_location
     from src.main_distributed import plan_stages
-    from src.objectives import PIPELINES, STAGES, objective
-    from src.objectives.spec import resolved_beta
+    from src.objectives import PIPELINES, STAGES
     from src.trainers.trl_config import build_trl_config
 
     assert PIPELINES["sft_then_dpo_then_grpo"] == ("sft", "dpo", "grpo") and STAGES[-1] == "sft_then_dpo_then_grpo"
@@ -126,8 +125,7 @@ def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_b
     flags = ["--stage", "sft_then_dpo_then_grpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--judge",
              JUDGE, "--beta", "0.04", "--loss_type", "dapo"]
     dpo = dict((name, stage) for name, stage, _ in stage_plans(parse_config(flags), World(), Devices("cpu", 0, [])))
-    assert (resolved_beta(dpo["dpo"], objective("dpo")), dpo["dpo"].dpo.loss_type, dpo["grpo"].dpo.beta) == (
-        0.1, ["sigmoid"], 0.04)
+    assert (dpo["dpo"].dpo.beta, dpo["dpo"].dpo.loss_type, dpo["grpo"].dpo.beta) == (0.1, ["sigmoid"], 0.04)
     with pytest.raises(ConfigError, match=r"--dpo\.\* overrides apply only to --stage sft_then_dpo_then_grpo"):
         parse_config(flags[:1] + ["sft_then_grpo"] + flags[2:] + ["--dpo.max_steps", "3"])
 

@@ -14,8 +14,7 @@ import pytest
 from conftest import PROJECT_ROOT
 from src import run_files
 from src.config_error import ConfigError
-from src.world import Devices
-from src.main_distributed import check_launcher_strategy
+from src.engines import check_engine, requested
 
 CONFIGS = sorted((PROJECT_ROOT / "configs" / "accelerate").glob("*.yaml"))
 EXPECTED = {"ddp": ("MULTI_GPU", None), "zero1": ("DEEPSPEED", 1), "zero2": ("DEEPSPEED", 2),
@@ -66,8 +65,7 @@ def test_default_strategy_is_torchrun_with_the_flags_unchanged():
 
 
 @pytest.mark.parametrize("strategy, message", [
-    ("zero2", "STRATEGY=zero2 needs DeepSpeed: pip install deepspeed"),
-    ("fsdp", "STRATEGY=fsdp shards the model over CUDA GPUs and this machine has none"),
+    ("fsdp", "the accelerate config asks for FSDP, which accelerate runs only on CUDA GPUs"),
     ("zero9", "STRATEGY=zero9: use torchrun (default), ddp, zero1, zero2, zero3 or fsdp"),
 ])
 def test_a_strategy_this_machine_cannot_run_is_one_clear_line(strategy, message):
@@ -77,14 +75,17 @@ def test_a_strategy_this_machine_cannot_run_is_one_clear_line(strategy, message)
 
 
 def test_the_entry_point_refuses_sharding_accelerate_would_silently_drop():
-    cpu = Devices(kind="cpu")
-    assert check_launcher_strategy(cpu, environ={}) is None
+    """FSDP through accelerate on CPU processes would build no FSDP state (each rank training alone); DeepSpeed runs
+    there (tests/test_engines.py). The engine is read from accelerate launch's environment in the workers and from
+    STRATEGY in run_distributed.sh's preflight."""
+    assert requested({}) is None and requested({"STRATEGY": "ddp"}) is None
+    assert requested({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}).title == (
+        "DeepSpeed ZeRO-3")
+    assert requested({"STRATEGY": "zero2"}).title == "DeepSpeed ZeRO-2"
     with pytest.raises(ConfigError, match="asks for FSDP, which accelerate runs only on CUDA GPUs"):
-        check_launcher_strategy(cpu, environ={"ACCELERATE_USE_FSDP": "true"})
-    with pytest.raises(ConfigError, match="asks for DeepSpeed"):
-        check_launcher_strategy(cpu, environ={"ACCELERATE_USE_DEEPSPEED": "true"})
-    gpu = Devices(kind="cuda", names=("NVIDIA H100",), compute_capabilities=((9, 0),))
-    assert check_launcher_strategy(gpu, environ={"ACCELERATE_USE_FSDP": "true"}) == "FSDP"
+        check_engine(requested({"ACCELERATE_USE_FSDP": "true"}), "cpu")
+    check_engine(requested({"STRATEGY": "zero3"}), "cpu")
+    check_engine(requested({"STRATEGY": "fsdp"}), "cuda")
 
 
 def test_ddp_through_accelerate_launch_trains_as_one_job(tiny_model, preference_file, tmp_path):

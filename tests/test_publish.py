@@ -16,6 +16,7 @@ from src import run_files
 from src.config_error import ConfigError
 from src.config_parse import parse_config
 from src.publish import PublishError, push_to_hub, write_model_cards
+from src.run_safety.checkpoint_manifest import read_manifest, verify
 from src.reporting.report import build_report
 
 LORA_CONFIG = {"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "dataset_name": "trl-lib/ultrafeedback_binarized",
@@ -86,6 +87,9 @@ def test_a_run_writes_its_card_and_keeps_its_model_when_it_cannot_push(lora_run)
     assert "| optimizer steps | 3 of 3" in card
     assert "library_name: transformers" in (merged / "README.md").read_text()
     assert "merged into the base weights" in (merged / "README.md").read_text()
+    for saved in (final, merged):  # each saved with its manifest, which the card and plots written since leave intact
+        files = read_manifest(saved)["files"]
+        assert "tokenizer.json" in files and "README.md" not in files and verify(saved, threads=1) is None
 
 
 def test_push_uploads_adapter_and_merged_model_with_cards_and_plots_and_writes_no_token(lora_run, tmp_path,

@@ -22,7 +22,9 @@ from src.config_error import ConfigError
 from src.config_parse import parse_config
 from src.redaction import redact_secrets
 from src.run_safety.build_once import COMPLETE_MARKER
+from src.run_safety.checkpoint_manifest import read_manifest, verify
 from src.run_safety.checkpoints import checkpoint_step, checkpoints
+from src.run_safety.exit_status import ExitStatus
 
 
 STEPS = 40  # kills land at steps 10-22 (seams: the moment named, on every run): the job is still training
@@ -329,6 +331,52 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, refe
     again = forked.run_main(job_args(tiny_model, data, results, save_steps=5), timeout=120)
     assert again.returncode == 4 and "Traceback" not in again.stderr
     assert "training diverged at step 13" in again.stderr
+
+
+def test_a_damaged_checkpoint_is_named_and_skipped_for_the_newest_intact_one(tiny_model, reference_losses, tmp_path):
+    """The issue's reproduction on a real 2-process job (forked): killed whole right after checkpoint-15 (saving every
+    5 steps, 2 kept: checkpoints 10 and 15), then checkpoint-15's weights cut to half.
+    1. With checkpoint-10's optimizer state altered by one byte too, no checkpoint is intact: the relaunch stops in one
+       line naming both, exit status 8, no traceback, nothing changed (a copy can still be restored).
+    2. With that byte put back, the relaunch names checkpoint-15 in one line, sets it aside, resumes from checkpoint-10
+       and finishes with the curve of the job never interrupted; its final model carries a manifest too."""
+    data, reference = reference_losses
+    results = tmp_path / "results"
+    run_dir, model = results / "job", results / "job" / "model"
+    args = job_args(tiny_model, data, results, save_steps=5)
+    environ = os.environ | {"OMP_NUM_THREADS": "1"}
+    killed = tmp_path / "killed"
+    first = forked.run_job(2, args, env=seams.env(environ, kill_at_checkpoint=f"after_complete:15:*:{killed}"))
+    assert first.returncode != 0 and Path(f"{killed}.rank1").exists(), "the seam never fired: the test proves nothing"
+    assert [checkpoint_step(path) for path in checkpoints(model)] == [10, 15]
+    recorded = read_manifest(model / "checkpoint-15")["files"]  # each rank's files: rank 1's RNG state among them
+    assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= set(recorded)
+
+    weights, optimizer = model / "checkpoint-15" / "model.safetensors", model / "checkpoint-10" / "optimizer.pt"
+    os.truncate(weights, weights.stat().st_size // 2)
+    intact = optimizer.read_bytes()
+    optimizer.write_bytes(intact[:1000] + bytes([intact[1000] ^ 1]) + intact[1001:])
+    metrics = (run_dir / run_files.METRICS).read_text()
+
+    refused = forked.run_job(2, args, env=environ)
+    assert refused.returncode == ExitStatus.DAMAGED and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: {model} has no intact checkpoint to resume from: checkpoint-15: model.safetensors has ")
+    assert "(cut short); checkpoint-10: optimizer.pt differs from what was saved (bytes 0 to " in errors[0]
+    assert [checkpoint_step(path) for path in checkpoints(model)] == [10, 15]
+    assert (run_dir / run_files.METRICS).read_text() == metrics
+
+    optimizer.write_bytes(intact)
+    resumed = forked.run_job(2, args, env=environ)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    saved = recorded["model.safetensors"]["bytes"]
+    assert (f"  warning: {model / 'checkpoint-15'} is damaged (model.safetensors has {saved // 2:,} bytes of the "
+            f"{saved:,} saved (cut short)): set aside as damaged-checkpoint-15; resuming from checkpoint-10, the "
+            "newest intact checkpoint\n") in resumed.stdout
+    info = assert_finished_like_the_reference(run_dir, reference)
+    assert info["resumes"][-1]["from_step"] == 10 and (model / "damaged-checkpoint-15").is_dir()
+    assert read_manifest(model / "final") is not None and verify(model / "final", threads=1) is None
 
 
 def test_secrets_never_reach_the_run_directory(stopped_twice_run):

@@ -57,6 +57,7 @@ def answers_audit(samples: list[dict]) -> dict | None:
     for side, name in zip(SIDES, ("before", "after")):
         audit[f"cut_share_{name}"] = _share([not item["ended"] for item in stats[side]])
         audit.update(_reasoning(stats[side], name))
+        audit.update(_tool_use(stats[side], name))
         audit[f"repetition_share_{name}"] = _share([is_degenerate(item) for item in stats[side]])
         audit[f"empty_share_{name}"] = _share([not str(sample.get(f"{side}_answer") or "").strip()
                                                 for sample in measured])
@@ -77,6 +78,24 @@ def _reasoning(stats: list[dict], name: str) -> dict:
             f"unclosed_share_{name}": _share([not item.get("closed", True) for item in stats]),
             f"cut_in_reasoning_share_{name}": _share([not item.get("closed", True) and not item["ended"]
                                                       for item in stats])}
+
+
+def _tool_use(stats: list[dict], name: str) -> dict:
+    """A side's tool use, where its answers ran tools (--tools: src/tools.py's record per answer): calls per answer,
+    the share of calls that were valid (parsed, a known tool, within its schema, ran and returned text), the errors
+    by kind, the turns per answer. Empty without tools."""
+    used = [item for item in stats if "calls" in item]
+    if not used:
+        return {}
+    calls = sum(item["calls"] for item in used)
+    errors: dict[str, int] = {}
+    for item in used:
+        for kind, count in (item.get("tool_errors") or {}).items():
+            errors[kind] = errors.get(kind, 0) + count
+    return {f"tool_calls_per_answer_{name}": round(calls / len(used), 4),
+            f"tool_valid_share_{name}": round(sum(item["valid_calls"] for item in used) / calls, 6) if calls else None,
+            f"tool_errors_{name}": dict(sorted(errors.items())),
+            f"tool_turns_per_answer_{name}": round(statistics.fmean(item["turns"] for item in used), 4)}
 
 
 def _judged_by_length(samples: list[dict]) -> dict | None:

@@ -117,10 +117,30 @@ def print_answers(answers: dict) -> None:
                f"(x{audit['length_ratio']}), cut {format_percent(audit['cut_share_before'])} → "
                f"{format_percent(audit['cut_share_after'])}, repetitive {format_percent(audit['repetition_share_before'])}"
                f" → {format_percent(audit['repetition_share_after'])}")
+        if "tool_calls_per_answer_after" in audit:  # --tools: the answers' tool use (src/tools.py)
+            errors = {side: ", ".join(f"{kind} {count}" for kind, count in audit[f"tool_errors_{side}"].items())
+                      or "none" for side in ("before", "after")}
+            print0(f"  tool use ({split}): calls per answer {audit['tool_calls_per_answer_before']} → "
+                   f"{audit['tool_calls_per_answer_after']}, valid {format_percent(audit['tool_valid_share_before'])}"
+                   f" → {format_percent(audit['tool_valid_share_after'])}, errors {errors['before']} → "
+                   f"{errors['after']}, turns per answer {audit['tool_turns_per_answer_before']} → "
+                   f"{audit['tool_turns_per_answer_after']}")
 
 
 def format_data_audit(audit: dict, stage: str) -> str:
-    """A few console lines for the training split, as the stage opens."""
+    """A few console lines for the training split, as the stage opens (its tool calls' problems last, where it has
+    calls)."""
+    lines = _data_audit_lines(audit, stage)
+    train = audit.get("train") or {}
+    if lines and train.get("tool_calls"):
+        lines += (f"\n  data audit (train): {format_number(train['tool_calls'])} tool calls; "
+                  f"{format_number(train['tool_unparsed'])} with arguments that do not parse, "
+                  f"{format_number(train['tool_unknown'])} naming a tool the row's `tools` lack, "
+                  f"{format_number(train['tool_schema'])} breaking its schema")
+    return lines
+
+
+def _data_audit_lines(audit: dict, stage: str) -> str:
     train = audit.get("train")
     if not train:
         return ""

@@ -17,8 +17,8 @@ from src.objectives import SEQUENCES, UNPAIRED
 
 
 # Bump when the prepared layout or ids change, so old caches are not reused (8: chat answers as generation writes them,
-# src/chat_templates.py).
-PREPARED_FORMAT = 8
+# src/chat_templates.py; 9: a tool chat's held-out prompt is its question, the audit counts tool calls).
+PREPARED_FORMAT = 9
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -7,8 +7,16 @@ tests/test_data_files.py is the table of variants.
 
 from __future__ import annotations
 
+import bisect
+import bz2
+import csv
+import gzip
+import importlib.util
+import io
 import json
+import lzma
 import re
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,8 +37,6 @@ def data_file_error(location: str, path: Path) -> DataError | None:
         return DataError(f"--dataset_name {location}: unsupported file type; use {SUPPORTED_FILES}")
     module = DATA_FILE_COMPRESSIONS.get(kind[1])
     if module:
-        import importlib.util
-
         if importlib.util.find_spec(module) is None:
             return DataError(f"--dataset_name {location}: a {kind[1]} file needs the {module} package, as datasets "
                              f"does: pip install {module} (or decompress it)")
@@ -39,17 +45,12 @@ def data_file_error(location: str, path: Path) -> DataError | None:
 
 def _open_data_file(path: Path):
     """A data file as a binary stream of its (decompressed) bytes."""
-    import io
-
     compression = data_file_kind(path)[1]
     if compression in (".gz", ".gzip"):
-        import gzip
         return gzip.open(path, "rb")
     if compression == ".bz2":
-        import bz2
         return bz2.open(path, "rb")
     if compression == ".xz":
-        import lzma
         return lzma.open(path, "rb")
     if compression in (".zst", ".zstd"):
         import zstandard
@@ -81,9 +82,6 @@ def first_columns(path: Path) -> list[str] | None:
     try:
         with _open_data_file(path) as handle:
             if form in (".csv", ".tsv"):
-                import csv
-                import io
-
                 lines = io.TextIOWrapper(handle, encoding="utf-8-sig", errors="replace", newline="")
                 return next(csv.reader(lines, delimiter="\t" if form == ".tsv" else ","), None)
             for number, raw in enumerate(handle):
@@ -130,9 +128,6 @@ def _check_text_lines(path: Path, json_lines: bool) -> int:
 @contextmanager
 def _unreadable_named(path: Path):
     """A file the system cannot read, or a truncated or corrupt archive (gzip, bz2, xz, zstd, lz4): one line."""
-    import lzma
-    import zlib
-
     try:
         yield
     except DataError:
@@ -283,8 +278,6 @@ def _origins(files: list[str], rows: dict[str, int | None], total: int, builder:
 
 def row_origin(origins: list[tuple[str, int]] | None, where: str, number: int) -> tuple[str, int]:
     """(file, its row number) of a split's row `number` (1-based); (where, number) when the files are unknown."""
-    import bisect
-
     if not origins:
         return where, number
     index = bisect.bisect_right([start for _, start in origins], number - 1) - 1

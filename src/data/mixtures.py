@@ -4,6 +4,7 @@ one (each source's fraction of rows taken with the run's seed).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from src.config import DataArguments
@@ -14,8 +15,6 @@ from src.data.prepared import prepared_columns, split_file, write_kept
 def mixture_sources(data: DataArguments) -> list[tuple[DataArguments, float]]:
     """--dataset_mixture as one DataArguments per source (its name, config, split and column mapping; the rest
     shared) and the fraction of its training rows to take. Empty without a mixture."""
-    import dataclasses
-
     sources = []
     for entry in data.dataset_mixture or []:
         columns = {f"{canonical}_column": column for canonical, column in (entry.get("columns") or {}).items()}

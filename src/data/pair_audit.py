@@ -16,13 +16,16 @@ import hashlib
 import json
 import math
 
-from src.chat_templates import split_reasoning
+from src.chat_templates import split_reasoning, tools_argument
 from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
+from src.tool_calls import schema_problem
 
 # column → Arrow type, in the tokenizing map's output (src/data/prepared.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
                  "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8",
-                 "_chosen_reasoning_tokens": "int32", "_rejected_reasoning_tokens": "int32", "_pair_difference": "int8"}
+                 "_chosen_reasoning_tokens": "int32", "_rejected_reasoning_tokens": "int32", "_pair_difference": "int8",
+                 "_tool_calls": "int32", "_tool_unparsed": "int32", "_tool_unknown": "int32", "_tool_schema": "int32"}
+TOOL_PROBLEMS = ("unparsed", "unknown", "schema")  # what the data audit counts of the rows' tool calls
 # How a pair's answers differ when either reasons (_pair_difference): a pair that differs only in its reasoning
 # teaches which reasoning, not which answer (and --reasoning drop leaves it identical); one that differs only in its
 # final answer rests on the last tokens after a shared reasoning.
@@ -85,6 +88,37 @@ def reasoning_fields(row: dict, tokenizer) -> dict:
     return fields
 
 
+def tool_fields(row: dict) -> dict:
+    """The row's tool calls (in every message: the prompt's earlier turns and the answers) and their problems: the
+    arguments are text that does not parse as JSON, the call names a tool the row's `tools` schemas lack, or its
+    arguments break that tool's schema (src/tool_calls.py schema_problem). Without a `tools` column only the first is
+    checked."""
+
+    tools = tools_argument(row)["tools"] or []
+    schemas = {(tool.get("function") or tool).get("name"): tool for tool in tools if isinstance(tool, dict)}
+    counts = dict.fromkeys(("calls", *TOOL_PROBLEMS), 0)
+    for key in ("prompt", "chosen", "rejected", "completion", "messages"):
+        messages = row.get(key)
+        for message in messages if isinstance(messages, list) else []:
+            for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+                counts["calls"] += 1
+                function = (call.get("function") or call) if isinstance(call, dict) else {}
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        counts["unparsed"] += 1
+                        continue
+                if not schemas:
+                    continue
+                if function.get("name") not in schemas:
+                    counts["unknown"] += 1
+                elif schema_problem(schemas[function["name"]], arguments):
+                    counts["schema"] += 1
+    return {f"_tool_{name}": count for name, count in counts.items()}
+
+
 def row_fields(row: dict, ids: dict, source_row: int, tokenizer=None) -> dict:
     """The audit columns of one normalised row and its token ids (`ids`: a pair's prompt_ids / chosen_ids /
     rejected_ids, an SFT row's input_ids and completion_mask, or nothing for a row dropped before tokenizing);
@@ -95,7 +129,7 @@ def row_fields(row: dict, ids: dict, source_row: int, tokenizer=None) -> dict:
               _hash(prompt),
               "_prompt_tokens": 0, "_chosen_tokens": 0, "_rejected_tokens": 0, "_shared_tokens": 0,
               "_source_row": source_row, "_label": NO_LABEL if row.get("label") is None else int(bool(row["label"])),
-              **reasoning_fields(row, tokenizer)}
+              **reasoning_fields(row, tokenizer), **tool_fields(row)}
     if "completion_ids" in ids:  # a KTO row: its completion's tokens count as "chosen"
         fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["completion_ids"]))
     elif "chosen_ids" in ids:
@@ -165,6 +199,10 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     if train_prompts is not None and asked.any():
         held_out = prompts[kept & asked]
         audit["prompts_in_train_share"] = _share(np.isin(held_out, train_prompts).sum(), len(held_out))
+    calls = int(_column(pieces, "_tool_calls").sum()) if pieces and "_tool_calls" in pieces[0].column_names else 0
+    if calls:  # the rows' tool calls, and what is wrong with them (every row, kept or not)
+        audit["tool_calls"] = calls
+        audit.update({f"tool_{name}": int(_column(pieces, f"_tool_{name}").sum()) for name in TOOL_PROBLEMS})
     prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
     chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)
     shape = shape_of(stage)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from src.progress import Progress
+from src.run_safety import hang_watch
 from src.run_safety.parent_watch import (exit_with_parent, forked_children_exit_with_this_process,
                                          kill_starter_if_injected)
 
@@ -22,6 +23,7 @@ def _in_pool(batch: dict, *, _function, _starter: int, **kwargs) -> dict:
     workers outlive a killed parent otherwise: src/run_safety/parent_watch.py)."""
     exit_with_parent(_starter)  # forked_children_exit_with_this_process watches it already where pools fork
     kill_starter_if_injected("preparation", starter=_starter)  # a test seam
+    hang_watch.stall_if_planted("data_worker")  # a test seam: a worker that blocks
     return _function(batch, **kwargs)
 
 
@@ -40,6 +42,8 @@ def map_with_progress(dataset, function, fn_kwargs: dict, features, label: str, 
     for number, start in enumerate(range(0, len(dataset), chunk_rows)):
         chunk = dataset.select(range(start, min(start + chunk_rows, len(dataset))))
         processes = min(num_proc, max(1, len(chunk) // MIN_ROWS_PER_PROCESS))
+        hang_watch.beat(f"{label}: rows {start + 1:,}-{start + len(chunk):,} of {len(dataset):,}"
+                        + (f" in {processes} pool workers" if processes > 1 else ""))
         pieces.append(chunk.map(
             _in_pool if processes > 1 else function,
             fn_kwargs=fn_kwargs | {"_function": function, "_starter": os.getpid()} if processes > 1 else fn_kwargs,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from src.config import EMBEDDED, DataArguments, SFTArguments
@@ -28,6 +29,7 @@ from src.data.templates import check_chat_messages
 from src.data.tokenization import token_columns_of, sft_chat_template
 from src.objectives import PAIRS, SCORED_PAIRS, SEQUENCES, UNPAIRED
 from src.resource_limits import usable_cores
+from src.run_safety import hang_watch
 from src.run_safety.build_once import build_once
 from src.run_safety.disk_space import fail_write_if_injected
 
@@ -63,8 +65,6 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
 
 
 def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
-    import shutil
-
     num_proc = data.dataset_num_proc or usable_cores()  # a container's CPU quota too
     if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -113,7 +113,8 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
 
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
-    raw, origins = load_source_with_origins(data, stage)
+    with hang_watch.phase("data", f"loading {location}", hang_watch.UNWATCHED):  # a download: not judged
+        raw, origins = load_source_with_origins(data, stage)
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
         raise DataError(f"--dataset_name {location}: the data has no rows")
@@ -196,7 +197,8 @@ def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
         fail_write_if_injected(path)
         _build(temporary, data, sft, stage, seed, tokenizer)
 
-    target = build_once(path, build)
+    with hang_watch.phase("data", f"the {stage} data"):
+        target = build_once(path, build)
     summary = json.loads((target / SUMMARY_FILE).read_text())
     splits = datasets.DatasetDict({kind: open_split(target, kind) for kind in summary["splits"]})
     return PreparedData(path=target, splits=splits, summary=summary)

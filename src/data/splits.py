@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import random
+
 from src.config import DataArguments
 from src.data.errors import DataError
 
@@ -25,8 +27,6 @@ def split_datasets(raw, data: DataArguments, seed: int) -> dict:
 
     Carving selects row indices (the rows stay in their memory-mapped Arrow files); the order is that of
     `random.Random(seed).shuffle`, so a seed carves the same rows it always has."""
-    import random
-
     import numpy as np
 
     names = list(raw.keys())

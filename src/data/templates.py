@@ -5,6 +5,7 @@ template's refusal while rendering a row turned into one line.
 
 from __future__ import annotations
 
+import difflib
 import re
 from contextlib import contextmanager
 
@@ -45,8 +46,6 @@ def check_chat_messages(raw, columns: dict[str, str], tokenizer, location: str, 
     valid, or not at all, and content given as a list of parts reaches a text-only template as a Python repr: either
     way the run trains to the end on it. Checked on the source's Arrow columns before any row is normalized (no row
     reaches Python): the row named is the source file's (`origins`: load_source_with_origins's)."""
-    import difflib
-
     import pyarrow as pa
     import pyarrow.compute as pc
     from datasets import Value

@@ -148,8 +148,13 @@ def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> 
     elif "prompt" in row and "messages" not in row:  # prompts alone (rounds from prompts): no answer to show
         prompt, reference, rejected = row["prompt"], None, None
     elif "messages" in row and any(message["role"] == "assistant" for message in row["messages"]):
-        last_assistant = max(i for i, message in enumerate(row["messages"]) if message["role"] == "assistant")
-        prompt, reference, rejected = row["messages"][:last_assistant], row["messages"][last_assistant:], None
+        # The reference is the whole reply to the last user turn: a tool-using reply (call, result, answer) is
+        # answered from the question, as sampling with --tools answers it (src/tools.py), not from its last result.
+        messages = row["messages"]
+        last_user = max((i for i, message in enumerate(messages) if message["role"] == "user"), default=-1)
+        start = next((i for i in range(last_user + 1, len(messages)) if messages[i]["role"] == "assistant"),
+                     max(i for i, message in enumerate(messages) if message["role"] == "assistant"))
+        prompt, reference, rejected = messages[:start], messages[start:], None
     elif "messages" in row:  # a chat with no assistant turn trains as text; nothing to answer
         return {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": text_of(row["messages"]),
                 "sample_rejected": None, "judge_prompt": None}

@@ -63,7 +63,7 @@ class MethodEstimate:
     activation_bytes: int  # at the configured per-device batch
     margin_bytes: int
     total_bytes: int
-    runs_here: bool  # QLoRA and ZeRO need CUDA GPUs
+    runs_here: bool  # QLoRA needs CUDA GPUs
     fits: bool
     max_per_device_batch: int  # 0 when even the model state does not fit
     chosen: bool = False  # the method of the user's recipe
@@ -207,7 +207,7 @@ def largest_batch(static_bytes: int, per_sample_bytes: int, budget_bytes: int) -
 
 def _note(method: str, device_kind: str, num_devices: int, deepspeed_installed: bool) -> str | None:
     """Why a method cannot run here, or a caveat about it."""
-    if method in ("qlora", "zero2", "zero3") and device_kind == "cpu":
+    if method == "qlora" and device_kind == "cpu":
         return "needs CUDA GPUs"
     if method in ("zero2", "zero3") and not deepspeed_installed:
         return "needs deepspeed (not installed)"
@@ -264,7 +264,8 @@ def plan_memory(
         method_per_sample = max(per_sample + (adapter_per_sample if adapters else 0), plan.generation_bytes_per_sample)
         activations = batch * method_per_sample
         total = with_margin(state + reference + activations)
-        runs_here = not (device_kind == "cpu" and method in ("qlora", "zero2", "zero3"))
+        # DeepSpeed runs on CPU processes too (src/engines.py); bitsandbytes' 4-bit training needs CUDA
+        runs_here = not (device_kind == "cpu" and method == "qlora")
         plan.estimates.append(
             MethodEstimate(
                 method=method,

@@ -73,38 +73,41 @@ def _corpus(reasoning: bool = False) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str], reasoning: bool = False):
+def build_tokenizer(texts: list[str], reasoning: bool = False, chat_template: str | None = None,
+                    special_tokens: tuple[str, ...] = ()):
     """A character-level tokenizer: BPE trained with no room for merges, so every character is one token — digits
     and letters stay separate, which is what arithmetic and string tasks need. The reasoning variant's has the
-    reasoning tags as two added tokens and its own template (see the module doc)."""
+    reasoning tags as two added tokens and its own template (see the module doc); another task's (the tool task,
+    src/embedded/tools_task.py) its own template and special tokens."""
     from tokenizers import Tokenizer, decoders, models, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(set("".join(texts)))
     tokenizer = Tokenizer(models.BPE(unk_token="<|unk|>"))
     tokenizer.decoder = decoders.Fuse()
+    specials = SPECIAL_TOKENS + list(special_tokens)
     trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet,
+        vocab_size=len(alphabet) + len(specials), special_tokens=specials, initial_alphabet=alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>", unk_token="<|unk|>",
-        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>", *special_tokens],
     )
-    wrapped.chat_template = REASONING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE
+    wrapped.chat_template = chat_template or (REASONING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE)
     if reasoning:
         wrapped.add_tokens([THINK_OPEN, THINK_CLOSE])  # added, not special: decoding keeps them
     return wrapped
 
 
-def build_model(tokenizer, seed: int = 0):
+def build_model(tokenizer, seed: int = 0, shape: dict | None = None):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL_SHAPE,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **(shape or MODEL_SHAPE),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

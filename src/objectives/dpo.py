@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
-                                 SummaryNumber, refuse_batch_rebalance, resolved_beta)
+                                 SummaryNumber, refuse_batch_rebalance)
 from src.reporting.formatting import format_number
 
 
@@ -31,14 +31,14 @@ def describe_dpo_loss(loss_type, loss_weights=None) -> str:
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     dpo = config.dpo
-    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
+    specific = dict(beta=dpo.beta, loss_type=dpo.loss_type, loss_weights=dpo.loss_weights,
                     label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=extras["precompute"])
     # TRL 1.16's DPOTrainer ignores padding_free (it pads): build_trainer's packed forward answers to it
     return specific, {key: value for key, value in overrides.items() if key != "padding_free"}
 
 
 def run_info(config, data_settings: dict) -> dict:
-    return {"beta": resolved_beta(config, OBJECTIVE), "loss_type": config.dpo.loss_type}
+    return {"beta": config.dpo.beta, "loss_type": config.dpo.loss_type}
 
 
 def warnings(config) -> list[str]:

@@ -10,7 +10,7 @@ The batch counts answers: --batch_size 32 with --num_generations 8 is 4 prompts 
 from __future__ import annotations
 
 from src.config_error import ConfigError
-from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber, resolved_beta
+from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber
 from src.reporting.formatting import format_number
 
 # TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--loss_type sigmoid), or none
@@ -30,7 +30,7 @@ def num_generations_of(config) -> int:
 
 
 def beta_of(config) -> float:
-    return resolved_beta(config, OBJECTIVE)
+    return config.dpo.beta  # the row's default_beta unless given (src/config_parse.py)
 
 
 def loss_type_of(config) -> str:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from src.config_error import ConfigError
 from src.kto_weights import resolve_kto_weights
-from src.objectives.spec import (UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber,
-                                 refuse_batch_rebalance, resolved_beta)
+from src.objectives.spec import UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
 from src.reporting.formatting import format_number
 
 
@@ -53,8 +52,7 @@ def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
     weights = extras.get("kto_weights") or {}  # data_settings' (src/kto_weights.py)
     # The rows' KL completions are fixed in the data (src/data/), so KTO samples like the other stages (TRL's
     # KTOConfig defaults to sequential for its in-batch pairing: src/trainers/kto.py).
-    specific = dict(beta=resolved_beta(config, OBJECTIVE), loss_type=kto_loss_type(config),
-                    precompute_ref_log_probs=extras["precompute"],
+    specific = dict(beta=config.dpo.beta, loss_type=kto_loss_type(config), precompute_ref_log_probs=extras["precompute"],
                     train_sampling_strategy="random", **weights)
     return specific, {key: value for key, value in overrides.items() if key not in weights}
 
@@ -65,7 +63,7 @@ def data_settings(config, train_counts: dict) -> tuple[dict, str, str | None]:
 
 
 def run_info(config, data_settings: dict) -> dict:
-    return {"beta": resolved_beta(config, OBJECTIVE), "loss_type": kto_loss_type(config), **data_settings}
+    return {"beta": config.dpo.beta, "loss_type": kto_loss_type(config), **data_settings}
 
 
 def preflight(name: str, staged, plan, world_size: int) -> str | None:

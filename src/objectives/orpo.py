@@ -8,14 +8,14 @@ from __future__ import annotations
 from src.config_error import ConfigError
 from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
-                                 refuse_reference_flags, resolved_beta)
+                                 refuse_reference_flags)
 from src.reporting.formatting import format_number
 
 DEFAULT_BETA = 0.1  # TRL's ORPOConfig default and the paper's lambda (its Mistral and Llama-2 runs)
 
 
 def beta_of(config) -> float:
-    return resolved_beta(config, OBJECTIVE)
+    return config.dpo.beta  # the row's default_beta unless given (src/config_parse.py)
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from src.config_error import ConfigError
 from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
                                  SummaryNumber, refuse_batch_rebalance,
-                                 refuse_reference_flags, resolved_beta)
+                                 refuse_reference_flags)
 from src.reporting.formatting import format_number
 
 # The SimPO paper's searched ranges (its section 3 and appendix B): beta 2.0-10.0, gamma / beta 0.3-0.8 (it also
@@ -19,7 +19,7 @@ DEFAULT_GAMMA_RATIO = 0.5  # gamma = beta / 2 unless --simpo_gamma is given (TRL
 
 
 def beta_of(config) -> float:
-    return resolved_beta(config, OBJECTIVE)
+    return config.dpo.beta  # the row's default_beta unless given (src/config_parse.py)
 
 
 def gamma_of(config) -> float:

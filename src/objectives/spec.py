@@ -102,13 +102,6 @@ class SummaryNumber:
     headline: str = ""  # its name in report.md's first sentence when no judge ran ("" = not there)
 
 
-def resolved_beta(config, row: Objective) -> float | None:
-    """The beta a stage trains with: --beta (a recipe's `beta:` or the flag) when given, else its objective's own
-    default (the row's `default_beta`). A value, never whether a flag was typed: `--beta 2` and no --beta are the same
-    SimPO run."""
-    return row.default_beta if config.dpo.beta is None else config.dpo.beta
-
-
 def refuse_reference_flags(title: str, config) -> None:
     """A reference-free objective asked for a reference model by flag: one line, naming the flag."""
     for name in REFERENCE_FLAGS:
@@ -219,8 +212,9 @@ class Objective:
     # loss it does not have (GRPO: prompts alone): the curve `eval_judged_reward` in --judge's headline measure, the
     # best checkpoint's metric, and what the reward-hacking alert reads. Its trainer takes a `judged_eval`.
     judged_eval: bool = False
-    # --beta when none is given (neither a recipe's `beta:` nor the flag): its TRL config's default or its paper's
-    # (SimPO's 2.0: a per-token reward needs a larger scale than DPO's); None for an objective without a beta
+    # --beta when none is given (neither a recipe's `beta:` nor the flag), set when the config is built
+    # (src/config_parse.py): its TRL config's default or its paper's (SimPO's 2.0: a per-token reward needs a larger
+    # scale than DPO's); None for an objective without a beta. `--beta 2` and no --beta are the same SimPO run.
     default_beta: float | None = None
     # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
     beta_may_be_zero: bool = False

@@ -9,6 +9,7 @@ tests/test_config.py checks the table against the installed TRL; after a TRL upg
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cache
 from pathlib import Path
@@ -28,8 +29,6 @@ def field_names() -> dict[str, frozenset[str]]:
 
 def live_field_names(path: str) -> frozenset[str]:
     """The installed TRL's init field names of the config at `path` (imports it)."""
-    import dataclasses
-
     return frozenset(item.name for item in dataclasses.fields(load(path)) if item.init)
 
 

@@ -180,6 +180,19 @@ def answers_section(answers: dict) -> list[str]:
                          for name in ("reasoning_length", "final_answer_length")),
                        *(f"{format_percent(item.get(f'{name}_before'))} → {format_percent(item.get(f'{name}_after'))}"
                          for name in ("unclosed_share", "cut_in_reasoning_share"))]
+    if any("tool_calls_per_answer_after" in answers[split] for split in splits):  # --tools (src/tools.py)
+        names += ["tool calls per answer", "valid calls", "tool errors", "turns per answer"]
+        for split, column in zip(splits, columns):
+            item = answers[split]
+            errors = {side: ", ".join(f"{kind} {count}" for kind, count in (item.get(f"tool_errors_{side}") or {})
+                                      .items()) or "none" for side in ("before", "after")}
+            column += [f"{_fixed(item.get('tool_calls_per_answer_before'), 2)} → "
+                       f"{_fixed(item.get('tool_calls_per_answer_after'), 2)}",
+                       f"{format_percent(item.get('tool_valid_share_before'))} → "
+                       f"{format_percent(item.get('tool_valid_share_after'))}",
+                       f"{errors['before']} → {errors['after']}",
+                       f"{_fixed(item.get('tool_turns_per_answer_before'), 2)} → "
+                       f"{_fixed(item.get('tool_turns_per_answer_after'), 2)}"]
     lines = table_lines(["", *splits], [[name, *(column[index] for column in columns)]
                                         for index, name in enumerate(names)])
     judged = (answers.get("test") or answers[splits[0]]).get("judged_by_length")

@@ -31,12 +31,12 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
-from src import seams
+from src import run_files, seams
 from src.progress import eta_seconds
-from src.run_safety import disk_space
+from src.run_safety import disk_space, hang_watch
 from src.run_safety.disk_space import write_failure_errno
 from src.reporting.report import ReportError, build_report
-from src.reporting.status import Live
+from src.reporting.status import Live, run_state, status_line
 
 REFRESH_EVERY_S = 300.0
 MAX_SHARE = 0.01  # of the training time, at most spent refreshing
@@ -133,10 +133,14 @@ class LiveReport(TrainerCallback):
         self.refreshes = 0
         self.seconds = 0.0
         self.failed = False
+        self.state = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = self.last_end = self.clock()
         self.start_step = state.global_step  # a resumed run's ETA goes at the rate since the resume
+        self.state = state
+        if state.is_world_process_zero:
+            hang_watch.on_stall(self.stalled)
 
     def on_evaluate(self, args, state, control, **kwargs):
         self.due = True
@@ -148,8 +152,29 @@ class LiveReport(TrainerCallback):
         self._maybe_refresh(state)
 
     def on_train_end(self, args, state, control, **kwargs):
+        hang_watch.remove_on_stall(self.stalled)
         self._maybe_refresh(state)  # the last evaluation's record, while the model is saved and judged
         self.ended = self.clock()
+
+    def stalled(self, line: str) -> None:
+        """The hang watch, on rank 0: no step has finished for a few step times. Only report.md's status line is
+        rewritten ("no step for 4 min 10 s; rank 1 in the judge" instead of an ETA): this runs beside a main thread
+        that is stuck or waiting, and draws nothing."""
+        report = self.run_dir / "report.md"
+        if self.state is None:
+            return
+        live = Live(step=self.state.global_step, total=self.state.max_steps, elapsed_s=self.clock() - self.started,
+                    eta_s=None, stalled=line)
+        if report.exists():
+            info = run_files.read_json(self.run_dir / run_files.TRAINING_INFO)
+            rest = report.read_text(encoding="utf-8").split("\n", 1)
+            run_files.write_text(report, "\n".join([status_line(run_state(info, [], live))] + rest[1:]))
+        else:  # none refreshed yet (a short run): the whole report, once, in this thread
+            try:
+                build_report(self.run_dir, live)
+            except ReportError:  # nothing logged yet: the console line says it
+                return
+        _note_refresh(self.run_dir)
 
     def _maybe_refresh(self, state) -> None:
         if not state.is_world_process_zero or self.failed:

@@ -18,10 +18,10 @@ from src.hub_access import looks_like_hub_id
 from src.objectives import DEFAULT_STAGE, OBJECTIVES, display_name, objective
 from src.reporting.plots import CHARTS
 from src.reporting.formatting import format_number
-from src.reporting.report import PLOTS_DIR, final_numbers_table, judged_section, setup_table
-from src.run_files import TRAINING_INFO, read_json
+from src.reporting.report import final_numbers_table, judged_section, setup_table
+from src.run_files import MODEL_CARD, PLOTS_DIR, TRAINING_INFO, read_json
 
-CARD = "README.md"
+CARD = MODEL_CARD
 # The merged copy goes to a repository of its own (<hub_model_id>-merged), so its card names that id.
 MERGED_SUFFIX = "-merged"
 

@@ -31,11 +31,11 @@ from src.reporting.plots import plot_history
 from src.reporting.rounds import ROUNDS_PLOT, plot_rounds, rounds_section
 from src.reporting.status import RUNNING, Live, RunState, run_state, status_line
 from src.reporting.summary import summarize
-from src.run_files import FORWARD, METRICS, OLD_FORWARD, TRAINING_INFO, read_json, read_jsonl, samples_file, write_text
+from src.run_files import (FORWARD, METRICS, OLD_FORWARD, PLOTS_DIR, TRAINING_INFO, read_json, read_jsonl, samples_file,
+                           write_text)
 
 SPLITS = ("val", "test")
 REPORT = "report.md"
-PLOTS_DIR = "plots"
 EXAMPLES_IN_REPORT = 3
 # Longer answers are cut in report.md (the .txt files always hold the full text).
 REPORT_TEXT_LIMIT = 700

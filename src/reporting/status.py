@@ -29,6 +29,7 @@ class Live:
     total: int
     elapsed_s: float
     eta_s: float | None
+    stalled: str | None = None  # "no step for 4 min 10 s; rank 1 in the judge" (src/run_safety/hang_watch.py)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RunState:
     reason: str | None          # stopped / diverged: why, in a few words
     live: bool                  # from the training loop itself (False: rebuilt from the files)
     as_of: datetime             # when the line was written (live) or when the last record was written (files)
+    stalled: str | None = None  # running, no step for a few step times: says so instead of an ETA
 
 
 def _number(value) -> float | None:
@@ -85,7 +87,8 @@ def run_state(info: dict, metrics: list[dict], live: Live | None = None, last_wr
         state = FINISHED if finished_training else UNFINISHED
     total = recorded_total_steps(info)
     if live is not None and state == RUNNING:
-        return RunState(RUNNING, live.step, live.total or total, live.elapsed_s, live.eta_s, None, True, now)
+        return RunState(RUNNING, live.step, live.total or total, live.elapsed_s, live.eta_s, None, True, now,
+                        live.stalled)
 
     steps = [int(record["step"]) for record in metrics if _number(record.get("step")) is not None]
     step = max(steps) if steps else None
@@ -128,7 +131,8 @@ def status_line(state: RunState) -> str:
     parts.append(f"elapsed {format_duration(state.elapsed_s)}")
     if state.state == RUNNING:
         done = state.step is not None and state.total and state.step >= state.total
-        parts.append("training done; saving and judging" if done else f"ETA {format_duration(state.eta_s)}")
+        parts.append(state.stalled or ("training done; saving and judging" if done else
+                                       f"ETA {format_duration(state.eta_s)}"))
         parts.append(f"updated {_when(state.as_of)}" if state.live else
                      f"last record {_when(state.as_of)} (no end recorded: if the job is gone, it was interrupted)")
     elif state.state == STOPPED:

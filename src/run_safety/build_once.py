@@ -23,6 +23,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from src.run_safety import hang_watch
+
 COMPLETE_MARKER = ".complete"
 
 
@@ -50,7 +52,10 @@ def build_once(directory: Path, build: Callable[[Path], None]) -> Path:
     if is_complete(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(directory.parent / f".{directory.name}.lock"):  # waits, without a timeout, for the builder
+    lock = FileLock(directory.parent / f".{directory.name}.lock")
+    with hang_watch.phase("data", f"waiting for another process building {directory.name}", hang_watch.WAITING):
+        lock.acquire()  # waits, without a timeout, for the builder
+    try:
         remove_leftovers(directory)
         if is_complete(directory):
             return directory
@@ -62,3 +67,5 @@ def build_once(directory: Path, build: Callable[[Path], None]) -> Path:
             shutil.rmtree(directory)
         os.replace(temporary, directory)
         return directory
+    finally:
+        lock.release()

@@ -3,9 +3,12 @@ lives in src/trainers/checkpointing.py; this module stays light so errors are re
 
 - A checkpoint counts once every rank has written its part and rank 0 has added a `.complete` marker; older ones
   are rotated out only after that, so a crash at any moment leaves the previous checkpoint whole.
-- On start, a run whose training_info.json says it did not finish resumes from its newest complete checkpoint (same
+- The marker holds the checkpoint's manifest: every file's size and checksums (src/run_safety/checkpoint_manifest.py).
+- On start, a run whose training_info.json says it did not finish resumes from its newest intact checkpoint (same
   data order, optimizer, scheduler and step: transformers' own resume), and its metric history is cut back to that
-  step so the curve continues instead of restarting.
+  step so the curve continues instead of restarting. Intact: complete, and its files as the manifest says; newer
+  complete ones that are not are set aside (`damaged-checkpoint-N`) with one line each; with none intact, nothing is
+  touched and the run stops in one line (`Damaged`, ExitStatus.DAMAGED).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import signal
 from pathlib import Path
 
 from src import seams
-from src.run_safety.build_once import COMPLETE_MARKER, is_complete
+from src.run_safety.build_once import is_complete
+from src.run_safety.checkpoint_manifest import Damaged, read_manifest, verify, write_marker
 
 # The test seam kill_at_checkpoint (src/seams.py): "<moment>:<step>:<rank>:<flag file>" SIGKILLs that rank once (the
 # flag file says it happened) at that moment of checkpoint-<step>'s save: "before_complete" (its pieces written, its
@@ -67,11 +71,41 @@ def remove_incomplete_checkpoints(output_dir: Path) -> list[Path]:
     return removed
 
 
-def mark_complete(checkpoint: Path) -> None:
-    marker = Path(checkpoint) / COMPLETE_MARKER
-    with open(marker, "w") as handle:
-        handle.flush()
-        os.fsync(handle.fileno())
+def mark_complete(checkpoint: Path, manifest: dict | None) -> None:
+    write_marker(checkpoint, manifest)
+
+
+DAMAGED_PREFIX = "damaged-"  # out of the checkpoint-N names: never resumed from, counted or rotated out by transformers
+
+
+def newest_intact_checkpoint(output_dir: Path, threads: int) -> tuple[Path | None, list[str]]:
+    """Rank 0, before a resume: the newest complete checkpoint whose files are as its manifest says (None when no
+    checkpoint is complete), and the lines to print. Newer complete ones that are damaged are renamed
+    `damaged-checkpoint-N` (kept to be looked at, and so every rank's newest complete checkpoint is the intact one).
+    With complete checkpoints and none intact, nothing is touched: Damaged, naming each and what is wrong."""
+    damaged = []
+    for checkpoint in reversed([path for path in checkpoints(output_dir) if is_complete(path)]):
+        problem = verify(checkpoint, threads)
+        if problem is None:
+            break
+        damaged.append((checkpoint, problem))
+    else:
+        if damaged:
+            raise Damaged(f"{output_dir} has no intact checkpoint to resume from: " + "; ".join(
+                f"{path.name}: {problem}" for path, problem in damaged) + ". Nothing was changed: restore them from a "
+                "copy and run the same command, or start afresh with --overwrite")
+        return None, []
+    lines = []
+    for path, problem in damaged:
+        aside = path.with_name(DAMAGED_PREFIX + path.name)
+        shutil.rmtree(aside, ignore_errors=True)  # one set aside earlier at the same step
+        os.replace(path, aside)
+        lines.append(f"warning: {path} is damaged ({problem}): set aside as {aside.name}; resuming from "
+                     f"{checkpoint.name}, the newest intact checkpoint")
+    if read_manifest(checkpoint) is None:
+        lines.append(f"note: {checkpoint.name} was saved before checkpoints recorded their checksums: resumed from "
+                     "without verifying it")
+    return checkpoint, lines
 
 
 def trim_metrics(records: list[dict], last_step: int) -> list[dict]:

@@ -12,9 +12,13 @@ class ExitStatus(IntEnum):
     DIVERGED = 4         # NaN/inf loss or gradient (src/run_safety/stops.py)
     WRITE_FAILED = 5     # no space left, quota, I/O error while writing (src/run_safety/disk_space.py); resumable
     NODE_LOST = 6        # a node of a multi-node job stopped answering (src/run_safety/node_watch.py); resumable
+    HUNG = 7             # a rank made no progress for --hang_timeout (src/run_safety/hang_watch.py); resumable
+    DAMAGED = 8          # a saved checkpoint or final model is not what was saved, nothing intact stands in for it
+                         # (src/run_safety/checkpoint_manifest.py)
     SIGINT = 130         # stopped by a signal after saving a checkpoint (src/run_safety/stops.py); resumable
     SIGTERM = 143
 
 
 # Stops a restart cannot mend: under run_distributed.sh the launcher exits with them, not torchrun (launcher_exit.py)
-FINAL = (ExitStatus.USER_ERROR, ExitStatus.DIVERGED, ExitStatus.WRITE_FAILED, ExitStatus.NODE_LOST)
+FINAL = (ExitStatus.USER_ERROR, ExitStatus.DIVERGED, ExitStatus.WRITE_FAILED, ExitStatus.NODE_LOST, ExitStatus.HUNG,
+         ExitStatus.DAMAGED)

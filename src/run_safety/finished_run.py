@@ -35,7 +35,7 @@ from src.data_file_kinds import source_files
 # trackers watch it, how long a lost node is waited for, how many processes tokenize (the same prepared data), and
 # the copies made after the run (--final_model_dir, --push_to_hub and its repository): a relaunch makes those.
 LAUNCH_ONLY_KEYS = frozenset({
-    "overwrite", "dry_run", "results_dir", "run_name", "report_to", "node_timeout", "dataset_num_proc",
+    "overwrite", "dry_run", "results_dir", "run_name", "report_to", "node_timeout", "hang_timeout", "dataset_num_proc",
     "final_model_dir", "push_to_hub", "hub_model_id", "hub_private_repo",
 })
 # The plan's resolved values (src/config.py Plan) that change what is trained.

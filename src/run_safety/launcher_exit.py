@@ -4,10 +4,11 @@ failure report.
 torchrun restarts a job whose worker exits non-zero (MAX_RESTARTS) and, once out of restarts, prints a ChildFailedError
 report after the worker's own line and exits 1. That is right for a crash a restart can mend; it is wrong for a stop
 the toolkit chose because a restart cannot mend it: a user error (2), a diverged run (4), a failed write on a full
-disk (5), a lost node (6). For those, each worker under the launcher records its status in the launcher's directory
-(PREFKIT_EXIT_DIR, one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded
-status. A worker that torchrun restarts anyway (another rank crashed on the way out) finds the recorded status and exits 0 at
-once. Outside the launcher (plain torchrun, python -m src.main_distributed), exit statuses are unchanged.
+disk (5), a lost node (6), a hang (7: a restart would stick at the same place again), no intact checkpoint to resume
+from (8). For those, each worker under the launcher records its status in the launcher's directory (PREFKIT_EXIT_DIR,
+one per launch) and exits 0, so torchrun ends quietly; the launcher then exits with the recorded status. A worker that
+torchrun restarts anyway (another rank crashed on the way out) finds the recorded status and exits 0 at once. Outside
+the launcher (plain torchrun, python -m src.main_distributed), exit statuses are unchanged.
 
 The launcher's preflight (one process, before torchrun) also finds a run that is already finished, relaunched by the
 same command (src/run_safety/finished_run.py): it finishes the run's end itself and records FINISHED, and the launcher
@@ -17,6 +18,8 @@ exits 0 without starting torchrun.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from pathlib import Path
 
 from src.run_safety.exit_status import FINAL
@@ -41,6 +44,23 @@ def record(code: int) -> bool:
     except OSError:  # the launcher is already gone (another rank's record ended it): the status is this worker's own
         return False
     return True
+
+
+def end_job(code: int, local_rank: int) -> None:
+    """End this worker now with `code`, from a watch thread (a lost node, a hang), recorded for the launcher. Local
+    rank 0 ends its torchrun agent too: a restart would wait for a lost node again (a static multi-node job cannot
+    re-form without it) or stick where the job stuck, and a finished agent would wait for the others at its exit
+    barrier. Under run_distributed.sh (the status recorded) the agent is killed without its SIGTERM traceback; under
+    plain torchrun, SIGTERM lets it stop its workers."""
+    under_launcher = record(code)
+    if local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            os.kill(os.getppid(), signal.SIGKILL if under_launcher else signal.SIGTERM)
+        except OSError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def settle(code: int) -> int:

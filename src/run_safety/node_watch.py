@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import sys
 import threading
 import time
@@ -110,13 +109,4 @@ def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str
                   "no complete checkpoint was saved yet")
         print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
               f"stopping this node; {resume}", file=sys.stderr, flush=True)
-    under_launcher = launcher_exit.record(ExitStatus.NODE_LOST)
-    if world.local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
-        # The agent must end: a restart would wait for the lost node again, and a finished agent would wait for it at
-        # its exit barrier. run_distributed.sh reports the recorded status, so there the agent ends without its
-        # SIGTERM traceback; under plain torchrun, SIGTERM lets it stop its workers.
-        try:
-            os.kill(os.getppid(), signal.SIGKILL if under_launcher else signal.SIGTERM)
-        except OSError:
-            pass
-    os._exit(ExitStatus.NODE_LOST)
+    launcher_exit.end_job(ExitStatus.NODE_LOST, world.local_rank)  # its torchrun agent too: a restart would wait

@@ -69,7 +69,7 @@ def _process_tag() -> str:
     return f"{socket.gethostname()}-{_pid_namespace()}-{os.getpid()}"
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot: with the pid, it names one process (pids are reused).
     None for a process that is gone, a zombie included: a killed process whose parent died too stays a zombie
     where nothing reaps orphans (a container whose first process is not an init), and it trains nothing."""
@@ -86,12 +86,12 @@ def identity(environ=None) -> dict:
     """Who this process is, as the hold records it."""
     environ = os.environ if environ is None else environ
     pid, host, namespace = os.getpid(), socket.gethostname(), _pid_namespace()
-    me = {"host": host, "boot_id": _boot_id(), "pid_ns": namespace, "pid": pid, "pid_start": _start_time(pid),
+    me = {"host": host, "boot_id": _boot_id(), "pid_ns": namespace, "pid": pid, "pid_start": process_start_time(pid),
           "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     where = f"{host} ({me['boot_id'][:8]}, pid namespace {namespace})"  # its pids: those of this PID namespace
     if "TORCHELASTIC_RUN_ID" in environ:  # a torchrun worker: the job is its agent, which outlives restarts
         agent = os.getppid()
-        me.update(agent_pid=agent, agent_start=_start_time(agent))
+        me.update(agent_pid=agent, agent_start=process_start_time(agent))
         run_id = environ["TORCHELASTIC_RUN_ID"]
         me["job"] = (f"torchrun {run_id} at {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
                      if run_id not in ("", "none") else f"torchrun pid {agent} on {where}")
@@ -108,7 +108,7 @@ def _read(path: Path) -> dict | None:
 
 
 def _alive(pid: int | None, start: str | None) -> bool:
-    return bool(pid) and _start_time(pid) is not None and _start_time(pid) == start
+    return bool(pid) and process_start_time(pid) is not None and process_start_time(pid) == start
 
 
 def storage_now(directory: Path) -> float:
@@ -227,6 +227,18 @@ class Hold:
                 self.path.unlink()
         except OSError:
             pass
+
+
+def release_if_held_by(run_dir: Path, pid, host) -> bool:
+    """Remove the hold of a job whose rank 0 (`pid` on `host`) cannot release it itself (frozen, and being stopped by
+    the hang watch: src/run_safety/hang_watch.py), so the same command relaunched is not refused until its heartbeat
+    goes stale. True when removed."""
+    path = hold_path(run_dir)
+    holder = _read(path)
+    if not holder or holder.get("pid") != pid or holder.get("host") != host:
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def _create(path: Path, me: dict) -> bool:

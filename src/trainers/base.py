@@ -8,6 +8,7 @@ import time
 
 from transformers import TrainerCallback
 
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import write_failures_noted
 from src.trainers.checkpointing import CompleteCheckpointsMixin
 
@@ -61,11 +62,11 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
         return inputs
 
     def evaluate(self, *args, **kwargs):
-        with self.pause():
+        with self.pause(), hang_watch.phase("evaluation", f"after step {self.state.global_step}"):
             return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
-        with self.pause():
+        with self.pause(), hang_watch.phase("checkpoint", f"checkpoint-{self.state.global_step}"):
             super()._save_checkpoint(model, trial)
 
     @contextlib.contextmanager

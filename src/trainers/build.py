@@ -14,7 +14,7 @@ from src.objectives import SEQUENCES, load, objective
 from src.plan import Plan
 from src.reporting.live import LiveReport
 from src.throughput import ThroughputMeter
-from src.trainers.callbacks import GradientCompression, OneJobCheck, StopConditions
+from src.trainers.callbacks import GradientCompression, HangBeats, OneJobCheck, StopConditions
 from src.trainers.metrics_log import ConsoleLog, MetricsRecorder
 
 
@@ -43,7 +43,8 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(row.console_keys), StopConditions(), OneJobCheck(),
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(row.console_keys), StopConditions(), HangBeats(),
+                   OneJobCheck(),
                    LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),
         **extra,

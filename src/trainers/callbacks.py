@@ -13,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
+from src.engines import gathered
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 from src.run_safety.parent_watch import LAUNCHER_GONE, kill_starter_if_injected, launcher_gone
 from src.run_safety.stops import set_clean_stop_point, stop_signal
@@ -104,6 +106,30 @@ class StopConditions(TrainerCallback):
         return control
 
 
+class HangBeats(TrainerCallback):
+    """Training's beats for the hang watch (src/run_safety/hang_watch.py): each step, micro-batch and evaluation
+    batch, and the step times its "no step for ..." line compares with."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        hang_watch.training_started(state.global_step)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        hang_watch.doing("step", f"step {state.global_step + 1} of {state.max_steps}", state.global_step + 1)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        hang_watch.beat()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        hang_watch.step_done(state.global_step)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        hang_watch.beat()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        hang_watch.training_ended()
+        hang_watch.doing("final", "after training")
+
+
 class OneJobCheck(TrainerCallback):
     """Evidence that the ranks trained as one job, checked at the end of training and recorded: the same weights
     on every rank (a DDP desync, or ranks each training alone, would differ) and, within each optimizer step,
@@ -155,10 +181,13 @@ class OneJobCheck(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         digest = hashlib.blake2b(digest_size=16)
-        for name, parameter in sorted(model.state_dict().items()):
-            flat = parameter.detach().reshape(-1)
-            stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
-            digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
+        parameters = dict(model.named_parameters())
+        for name, tensor in sorted(model.state_dict().items()):
+            # ZeRO-3: the whole of each parameter, one at a time (a state_dict entry is this rank's empty stand-in)
+            with gathered([parameters[name]] if name in parameters else []):
+                flat = parameters.get(name, tensor).detach().reshape(-1)
+                stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
+                digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
         everyone = gather_objects([(digest.hexdigest(), self.rows)])
         weights = {weights for (weights, _), in everyone}
         shared = steps_with_shared_rows([rows for ((_, rows),) in everyone])

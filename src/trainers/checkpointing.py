@@ -1,5 +1,6 @@
-"""Complete-only checkpoints for the trainers (the trainer side of src/run_safety/checkpoints.py), and a failed write
-on any rank stopping every rank (src/run_safety/disk_space.py)."""
+"""Complete-only checkpoints for the trainers (the trainer side of src/run_safety/checkpoints.py), each with its
+manifest (every file's size and checksums, hashed by every rank: src/distributed.py `manifest_across_ranks`), and a
+failed write on any rank stopping every rank (src/run_safety/disk_space.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from pathlib import Path
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from src.distributed import barrier, write_failure_on_any_rank
+from src.distributed import barrier, manifest_across_ranks, write_failure_on_any_rank
+from src.run_safety import hang_watch
 from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 from src.run_safety.checkpoints import kill_if_injected, mark_complete
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
+from src.world import World
 
 
 class CompleteCheckpointsMixin:
-    """For transformers Trainers: a checkpoint is marked complete once every rank has saved, and older checkpoints
-    are rotated only then (transformers rotates inside the save, so a crash mid-save could leave none whole). A write
+    """For transformers Trainers: a checkpoint is marked complete once every rank has saved, its marker holding the
+    manifest of what they wrote, and older checkpoints are rotated only then (transformers rotates inside the save, so
+    a crash mid-save could leave none whole). A write
     that fails (full disk, quota, I/O error: src/run_safety/disk_space.py) on any rank stops every rank in the same
     collective, with the half-written checkpoint removed and one line naming the newest complete one."""
 
@@ -31,6 +35,7 @@ class CompleteCheckpointsMixin:
 
     def _save_piece(self, save, output_dir, name: str) -> None:
         if noticed_write_failure() is None:  # after one failure the rest of this checkpoint is not attempted
+            hang_watch.beat(f"writing {Path(output_dir).name}/{name}")
             with write_failures_noted(output_dir):
                 if self.args.should_save or name.startswith("rng_state"):
                     fail_write_if_injected(Path(output_dir) / name)
@@ -58,6 +63,10 @@ class CompleteCheckpointsMixin:
         # Every rank's RNG state and shards are on disk, or some rank could not write its share (or an earlier write
         # failed since the last step's agreement: rank 0's metrics line).
         message = write_failure_on_any_rank()
+        manifest, unreadable = (None, None) if message else manifest_across_ranks(checkpoint, World.from_environment())
+        if unreadable:
+            message = (f"reading back {checkpoint} to record its checksums failed ({unreadable}): check the storage, "
+                       "then relaunch the same command (it resumes from the newest intact checkpoint)")
         if message:
             if self.args.should_save:
                 shutil.rmtree(checkpoint, ignore_errors=True)  # never complete: its space goes back
@@ -66,7 +75,7 @@ class CompleteCheckpointsMixin:
             kill_if_injected("before_complete", self.state.global_step, self.args.process_index)
             with write_failures_noted(checkpoint):
                 fail_write_if_injected(checkpoint / COMPLETE_MARKER)
-                mark_complete(checkpoint)
+                mark_complete(checkpoint, manifest)
                 rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                    best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
             if not is_complete(checkpoint):

@@ -21,6 +21,7 @@ from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
 from src.progress import Progress
+from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
 from src.run_safety.parent_watch import kill_starter_if_injected
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
@@ -146,10 +147,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             pairs = inputs["input_ids"].shape[0] // 2 * self.accelerator.num_processes
             progress.update(min(pairs, progress.total - progress.done))
         kill_starter_if_injected("reference", self.accelerator.process_index)  # a test seam
-        if self.packed_forward is None:
-            return super().compute_ref_log_probs(model, inputs)
-        with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
-            return super().compute_ref_log_probs(model, inputs)
+        with hang_watch.phase("reference", f"a batch of {inputs['input_ids'].shape[0] // 2} pairs"):
+            if self.packed_forward is None:
+                return super().compute_ref_log_probs(model, inputs)
+            with self.packed_forward.running(inputs, ("reference",), fused_modules(self)) as inputs:
+                return super().compute_ref_log_probs(model, inputs)
 
 
 def dropout_still_on(model, gradient_checkpointing_kwargs: dict | None = None) -> bool:
@@ -225,6 +227,7 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     finally:
         dataset._fingerprint = original
         trainer.accelerator = accelerator
+        _release_inference_engine(trainer)
         if quiet is None:
             del os.environ["TQDM_DISABLE"]
         else:
@@ -236,6 +239,17 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
         "rows": len(dataset),
         "file": str(created[0]) if created else None,
     }}
+
+
+def _release_inference_engine(trainer) -> None:
+    """Under DeepSpeed TRL runs the pass through an inference engine of its own built on the policy's modules
+    (`_precompute_engine`); under ZeRO-3 its parameter hooks would stay on them next to the training engine's, whose
+    first step then fails inside DeepSpeed ("IndexError: pop from an empty deque"). Released after the pass (its
+    hooks removed; the weights stay partitioned for the training engine); a later pass builds another."""
+    engine = getattr(trainer, "_precompute_engine", None)
+    if engine is not None:
+        engine.destroy()
+        trainer._precompute_engine = None
 
 
 def _same_cache_on_every_machine(trainer, dataset, trl_key: tuple) -> None:

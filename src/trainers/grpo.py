@@ -32,6 +32,8 @@ from trl import GRPOTrainer
 from src.distributed import gather_objects
 from src.generation import Sampling, SeededSampling, answer_seed
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
+from src.tools import sample_with_tools, summary
+from src.run_safety import hang_watch
 from src.trainers.base import ToolkitTrainerMixin
 from src.trainers.judged_eval import JudgedEvalMixin
 
@@ -56,12 +58,19 @@ class JudgeReward:
         self.judge = judge
         self.__name__ = name  # TRL's name for the reward function: its curves' key
         self.error: str | None = None
+        self.turn_rewards: list | None = None  # the last call's per-turn scores (a judge that gives them: --turn_credit)
 
     def __call__(self, prompts, completions, meta=None, **columns) -> list[float]:
         metas = meta if meta is not None else [None] * len(prompts)
         rows = [{"prompt": prompt, "meta": row_meta or {}} for prompt, row_meta in zip(prompts, metas)]
         answers = [answer[-1]["content"] if isinstance(answer, list) else answer for answer in completions]
+        if columns.get("trajectory") is not None:  # --tools: the whole trajectory, its turns apart (src/tools.py)
+            answers = list(columns["trajectory"])
+        self.turn_rewards = None
         try:
+            if hasattr(self.judge, "scores_and_turns"):
+                scores, self.turn_rewards = self.judge.scores_and_turns(rows, answers)
+                return [float(score) for score in scores]
             return [float(score) for score in self.judge.scores(rows, answers)]
         except JudgeError as error:
             self.error = self.error or str(error)
@@ -105,6 +114,13 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
     """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards; its
     evaluations judge held-out prompts (src/trainers/judged_eval.py), not TRL's sampled-answer loss."""
 
+    tool_session = None  # src/tools.py ToolSession with --tools: set with use_tools
+
+    def use_tools(self, session) -> None:
+        """Sample through tool trajectories (rollout_with_tools) from now on."""
+        self.tool_session = session
+        self.rollout_func = self.rollout_with_tools
+
     def __init__(self, *args, train_dataset=None, reward_judges: tuple[list[str], str | None] | None = None, **kwargs):
         if reward_judges is not None:  # the row's trainer_inputs: (the judges' names, the dataset they judge)
             kwargs["reward_funcs"] = judge_rewards(*reward_judges)
@@ -131,28 +147,83 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         return {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
                 "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)}
 
+    turn_credit = 0.0  # --turn_credit: the weight of the per-turn advantage (0: the trajectory's reward alone)
+
     def _generate_and_score_completions(self, inputs):
         self._generation_inputs = inputs  # the prepared rows: their prompt ids and train row numbers
-        return super()._generate_and_score_completions(inputs)
+        output = super()._generate_and_score_completions(inputs)
+        if self.turn_credit and "tool_mask" in output:
+            output["advantages"] = self._with_turn_credit(output)
+        return output
+
+    def _with_turn_credit(self, output: dict) -> torch.Tensor:
+        """Per-token advantages (B, T), which TRL's loss takes as given: each token of turn t of answer i gets
+            A_i + w * (r_it - mean_g r) / (std_g r + 1e-4)
+        where A_i is TRL's advantage of the trajectory's reward, r_it the judge's score of that turn (its verdict's
+        `turn_rewards`), mean_g and std_g (unbiased, as TRL's) over every turn of every answer to the same prompt (its
+        group, gathered from every process), and w --turn_credit. A turn is a run of the model's own tokens (the tool
+        results between them are masked anyway). Answers whose judge gave no turn scores keep A_i."""
+        local = [None] * len(output["advantages"])
+        for reward in self.reward_funcs:  # the first judge that gives turn scores
+            if getattr(reward, "turn_rewards", None):
+                local = reward.turn_rewards
+                break
+        everyone = [turns for (share,) in gather_objects([local]) for turns in share]
+        groups = self.num_generations if self.model.training else self.num_generations_eval
+        turn_advantage: list[list[float] | None] = []
+        for start in range(0, len(everyone), groups):
+            group = everyone[start:start + groups]
+            values = [value for turns in group if turns for value in turns]
+            mean = sum(values) / len(values) if values else 0.0
+            spread = math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1)) if len(values) > 1 \
+                else 0.0
+            turn_advantage += [[(value - mean) / (spread + 1e-4) for value in turns] if turns else None
+                               for turns in group]
+        start = self.accelerator.process_index * len(local)
+        mine = turn_advantage[start:start + len(local)]
+        advantages = output["advantages"].unsqueeze(1).repeat(1, output["completion_ids"].size(1)).float()
+        written = (output["tool_mask"] * output["completion_mask"]).tolist()
+        for row, (mask, turns) in enumerate(zip(written, mine)):
+            if not turns:
+                continue
+            turn = -1
+            for position, (token, before) in enumerate(zip(mask, [0] + mask[:-1])):
+                if token and not before:
+                    turn += 1
+                if token and turn < len(turns):
+                    advantages[row, position] += self.turn_credit * turns[turn]
+        return advantages
 
     def _tokenize_prompts(self, prompts: list):
         return [list(row["prompt_ids"]) for row in self._generation_inputs], None, {}
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _answer_seeds(self) -> list[int]:
+        """Each answer's seed: (seed, step, prompt row, answer number), the same on any number of processes (a
+        collective: every process asks once per generation batch)."""
+        rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
+        numbers = answer_numbers(rows, self.accelerator.process_index)
+        return [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
+                for row, number in zip(rows, numbers)]
+
+    def _generate_single_turn(self, *args, **kwargs):
+        with hang_watch.phase("generation", f"step {self.state.global_step + 1}'s answers"):
+            return self._seeded_single_turn(*args, **kwargs)
+
+    def _seeded_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Each answer from its own stream seeded by (seed, step, prompt row, answer number): greedy decoding of the
         logits plus per-row Gumbel noise (SeededSampling), as the on-policy rounds sample."""
+        return self._sampled(prompt_ids, self._answer_seeds(), self.max_completion_length), None
+
+    def _sampled(self, prompt_ids: list[list[int]], seeds: list[int], max_new_tokens: int) -> list[list[int]]:
+        """Each prompt's answer (ids up to and including its first end token, as TRL keeps them), from its seed."""
         from transformers import GenerationConfig, LogitsProcessorList
         from trl.models import unwrap_model_for_generation
         from trl.trainer.utils import pad
 
         started = time.perf_counter()
         device = self.accelerator.device
-        rows = [int(row.get(PROMPT_INDEX, -1)) for row in self._generation_inputs]
-        numbers = answer_numbers(rows, self.accelerator.process_index)
-        seeds = [answer_seed(self.args.seed, SEED_SALT, self.state.global_step, row, number)
-                 for row, number in zip(rows, numbers)]
         sampling = Sampling(self.temperature, self.top_p, self.top_k or 0)
-        generation = GenerationConfig(max_new_tokens=self.max_completion_length, do_sample=False, num_beams=1,
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                       pad_token_id=self._tokenizer.pad_token_id, eos_token_id=self.eos_token_ids,
                                       repetition_penalty=self.repetition_penalty,
                                       cache_implementation=self.args.cache_implementation, disable_compile=True)
@@ -172,7 +243,32 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         for row in completions.tolist():  # up to and including the first end token, as TRL keeps them
             end = next((index for index, token in enumerate(row) if token in self.eos_token_ids), len(row) - 1)
             answers.append(row[:end + 1])
-        return answers, None
+        return answers
+
+    def rollout_with_tools(self, prompts, trainer=None) -> dict:
+        """TRL's `rollout_func` with --tools: each answer a trajectory (src/tools.py), every turn from the answer's
+        seed and the turn, the tool results masked from the loss (TRL's `env_mask`); the judges read the whole
+        trajectory, and its tool record (`tool_record`: calls, valid calls, errors, turns) as a column. Tool use is
+        logged as tools/* means over the answers."""
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        seeds = self._answer_seeds()
+
+        def sample(indices, contexts, turn, budgets):
+            written = self._sampled(contexts, [answer_seed(seeds[index], "turn", turn) for index in indices],
+                                    max(budgets))
+            return [ids[:budget] for ids, budget in zip(written, budgets)]
+
+        trajectories = sample_with_tools(sample, self._tokenizer, prompt_ids, self.tool_session,
+                                         self.max_completion_length, set(self.eos_token_ids))
+        used = summary(trajectories)
+        mode = "train" if self.model.training else "eval"
+        for key in ("calls_per_answer", "turns_per_answer"):
+            self._metrics[mode][f"tools/{key}"].append(used[key])
+        self._metrics[mode]["tools/errors_per_answer"].append(sum(used["errors"].values()) / max(1, used["answers"]))
+        return {"prompt_ids": prompt_ids, "completion_ids": [trajectory.ids for trajectory in trajectories],
+                "logprobs": None, "env_mask": [trajectory.mask for trajectory in trajectories],
+                "tool_record": [trajectory.record() for trajectory in trajectories],
+                "trajectory": [trajectory.text(self._tokenizer) for trajectory in trajectories]}
 
     def _note_seconds(self, key: str, started: float) -> None:
         """Seconds of a phase of the step on this process (rank 0's are logged): where a step's time goes, beside

@@ -38,8 +38,9 @@ class JudgedEval:
     the start's point."""
 
     def __init__(self, rows: list[dict], judge, tokenizer, max_new_tokens: int, batch_size: int, world: World,
-                 start_answers: list[str] | None = None):
+                 start_answers: list[str] | None = None, tools=None):
         self.rows, self.judge, self.tokenizer, self.world = rows, judge, tokenizer, world
+        self.tools = tools  # --tools: the answers are trajectories whose calls run (src/tools.py)
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
         self.start_answers = start_answers
 
@@ -50,7 +51,7 @@ class JudgedEval:
             if share and any(text is None for text in texts):
                 texts = [answer["text"] for answer in generate(
                     model, self.tokenizer, [row["sample_prompt_ids"] for row, _ in share], self.max_new_tokens,
-                    self.batch_size, details=True)]
+                    self.batch_size, details=True, tools=self.tools)]
             try:
                 return [{"score": score} for score in self.judge.scores(judge_rows([row for row, _ in share]), texts)]
             except JudgeError as error:  # said by every rank, whichever rank's share it was in

@@ -48,6 +48,7 @@ from trl.trainer.utils import use_adapter
 
 from src.packed_dpo import (PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules,
                              padded_counts)
+from src.run_safety import hang_watch
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.dpo import reference_cache_pass
 
@@ -390,6 +391,10 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
                                         padded_width=completions_width, answers=COMPLETIONS)
 
     def compute_ref_log_probs(self, model, inputs):
+        with hang_watch.phase("reference", f"a batch of {inputs['input_ids'].shape[0]} rows"):
+            return self._reference_log_probs(model, inputs)
+
+    def _reference_log_probs(self, model, inputs):
         """The reference's summed log-probs of each row's completion and KL completion: TRL's two padded forwards, or
         one packed forward (each prompt once) standing in for their stacked padded batch."""
         if "packed_input_ids" not in inputs:

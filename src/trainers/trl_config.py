@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from src.config import Config
+from src.engines import accelerate_cpu, size_buffers_by_model
 from src.plan import Plan
 from src.objectives import load, objective
 from src.objectives.spec import JUDGED_CURVE
@@ -45,7 +46,8 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         num_train_epochs=training.num_epochs,
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
-        use_cpu=plan.device == "cpu",
+        use_cpu=accelerate_cpu(plan.device),  # not under DeepSpeed, which accelerate would then quietly drop
+        dataloader_pin_memory=plan.device != "cpu",
         ddp_backend=plan.backend if plan.world_size > 1 else None,
         ddp_find_unused_parameters=False,
         ddp_timeout=3600,
@@ -76,4 +78,6 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     specific, overrides = row.trl_settings(config, overrides, extras)
     # A field TRL's config for this objective does not have (GRPOConfig: max_length, dataset_num_proc) is not passed
     common = {key: value for key, value in common.items() if key in config_class.__dataclass_fields__}
-    return config_class(**{**common, **specific, **overrides})
+    trl_config = config_class(**{**common, **specific, **overrides})
+    size_buffers_by_model(trl_config)  # DeepSpeed only: its buffers by the model's size, not its 2 GB defaults
+    return trl_config

@@ -1,0 +1,125 @@
+"""The engine that spreads a job over its processes: plain data parallelism (DDP), DeepSpeed ZeRO stage 1, 2 or 3, or
+FSDP2. This module owns which engine a launch asked for (`requested`: accelerate's launch environment, or the
+launcher's STRATEGY in its preflight), the refusals of what cannot work with it (`check_engine`, before any process
+group), what the process group and TRL's config need so that the engine runs on CPU processes too (`accelerate_cpu`),
+what training_info.json records of the engine that actually ran (`engine_record`, read from the trainer's
+accelerator, never assumed), DeepSpeed's buffers sized by the model (`size_buffers_by_model`), and whole weights
+for code that reads them under ZeRO-3 (`gathered`).
+
+    STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
+
+Why `accelerate_cpu` exists: accelerate 1.15 runs DeepSpeed only when it is not told to use the CPU; told so (what
+TRL's `use_cpu=True` does), it silently trains plain DDP (`MULTI_CPU`) and reports success. Without it, on a machine
+without CUDA, DeepSpeed picks its CPU accelerator and trains with gloo on the process group the toolkit started.
+
+Light: no torch, no deepspeed (the preflight reads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from src.config_error import ConfigError
+
+DEEPSPEED, FSDP, DDP = "deepspeed", "fsdp", "ddp"
+# run_distributed.sh's STRATEGY values that shard (configs/accelerate/<STRATEGY>.yaml): the engine and ZeRO stage.
+STRATEGIES = {"zero1": (DEEPSPEED, 1), "zero2": (DEEPSPEED, 2), "zero3": (DEEPSPEED, 3), "fsdp": (FSDP, None)}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A sharding engine: DeepSpeed with its ZeRO stage, or FSDP."""
+
+    name: str
+    zero_stage: int | None = None
+
+    @property
+    def title(self) -> str:
+        return f"DeepSpeed ZeRO-{self.zero_stage}" if self.name == DEEPSPEED else "FSDP"
+
+
+def launched(environ: Mapping[str, str] | None = None) -> Engine | None:
+    """The sharding engine accelerate launch set up for this process (a config with `distributed_type: DEEPSPEED` or
+    `FSDP`: its environment variables); None for plain DDP."""
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+        return Engine(DEEPSPEED, int(stage) if stage.isdigit() else None)
+    if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return Engine(FSDP)
+    return None
+
+
+def requested(environ: Mapping[str, str] | None = None) -> Engine | None:
+    """The sharding engine this launch asks for: accelerate launch's in the workers, run_distributed.sh's STRATEGY in
+    its preflight (which runs before accelerate launch); None for plain DDP."""
+    environ = os.environ if environ is None else environ
+    strategy = STRATEGIES.get(environ.get("STRATEGY", ""))
+    return launched(environ) or (Engine(*strategy) if strategy else None)
+
+
+def check_engine(engine: Engine | None, device_kind: str, ddp_comm_hook: str = "none") -> None:
+    """Combinations that cannot work, refused in one line before any process starts."""
+    if engine is None:
+        return
+    if ddp_comm_hook != "none":
+        raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {engine.title} reduces "
+                          "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "
+                          "config), or launch plain DDP")
+    if engine.name == FSDP and device_kind != "cuda":
+        # accelerate 1.15 builds no FSDP state on CPU processes (distributed type NO: each rank would train alone)
+        raise ConfigError("the accelerate config asks for FSDP, which accelerate runs only on CUDA GPUs, and this "
+                          "machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp or zero3)")
+    if engine.name == DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"{engine.title} needs DeepSpeed: pip install -r requirements.txt (deepspeed)")
+
+
+def accelerate_cpu(device_kind: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether accelerate and TRL are told to use the CPU (`use_cpu`): on a machine without CUDA, except under
+    DeepSpeed, which accelerate would then silently replace by plain DDP."""
+    engine = launched(environ)
+    return device_kind == "cpu" and not (engine is not None and engine.name == DEEPSPEED)
+
+
+def engine_record(accelerator) -> dict:
+    """What training_info.json says of the engine that ran, read from the trainer's accelerator: `engine` (ddp,
+    deepspeed, fsdp, or none on one process) and `zero_stage` / `fsdp_version` where they apply."""
+    kind = str(accelerator.distributed_type.value)
+    if kind == "DEEPSPEED":
+        return {"engine": DEEPSPEED, "zero_stage": accelerator.state.deepspeed_plugin.zero_stage}
+    if kind == "FSDP":
+        return {"engine": FSDP, "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version}
+    return {"engine": DDP if accelerator.num_processes > 1 else "none"}
+
+
+def gathered(parameters):
+    """A block in which `parameters` are whole on every rank: DeepSpeed's own gather where ZeRO-3 partitioned them
+    (each rank otherwise holds an empty tensor and its share in `ds_tensor`), nothing to do elsewhere."""
+    parameters = [parameter for parameter in parameters if hasattr(parameter, "ds_id")]
+    if not parameters:
+        return contextlib.nullcontext()
+    import deepspeed  # only where ZeRO-3 partitioned the weights: deepspeed is imported already
+
+    return deepspeed.zero.GatheredParameters(parameters)
+
+
+# DeepSpeed's communication buffers, sized by accelerate from the model's hidden size where the config says "auto"
+# (hidden^2, 0.9 hidden^2, 10 hidden: accelerate's Accelerator._prepare_deepspeed).
+BUFFERS_SIZED_BY_MODEL = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def size_buffers_by_model(trl_config) -> None:
+    """The DeepSpeed config accelerate builds from a launch config without a DeepSpeed JSON (configs/accelerate/
+    zero*.yaml) leaves the buffer sizes to DeepSpeed's defaults: a ZeRO-3 rank then allocates a 500M-element fp32
+    reduce bucket (2 GB, measured on a 33k-parameter model) whatever the model. Marked "auto" where unset, accelerate
+    sizes them by the model, as with TRL's and the Hub's example DeepSpeed configs."""
+    plugin = getattr(trl_config, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    for key in BUFFERS_SIZED_BY_MODEL:
+        zero.setdefault(key, "auto")

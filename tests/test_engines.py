@@ -1,0 +1,174 @@
+"""The sharding engines on CPU processes (src/engines.py): DeepSpeed ZeRO-1/2/3 through accelerate's launch
+configs (configs/accelerate/zero*.yaml, the environment accelerate launch gives its workers: tests/engine_launch.py),
+each a forked 2-process job on gloo. One job per engine and objective carries every assertion: the engine that ran
+(training_info.json, read from the trainer's accelerator), the same loss curve as plain DDP at the same global batch
+(fp32, 1e-5), each rank's share (tests/rank_probe.py: optimizer states halved, under ZeRO-3 the weights and a live
+reference too), and the final model consolidated into ordinary safetensors equal to DDP's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import forked
+import rank_probe
+from conftest import preference_rows, write_jsonl
+from engine_launch import accelerate_environment
+from src import run_files, seams
+from test_training import assert_reloads_generates_and_changed, common_args, probes
+
+pytest.importorskip("deepspeed")
+
+
+def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: int | None = None) -> dict:
+    """A forked 2-process job as `STRATEGY=<strategy> ./run_distributed.sh 2` starts its workers (ddp: torchrun's
+    plain DDP); its training_info.json, loss curve and per-rank probes. `killed_after`: rank 1 is killed right after
+    that checkpoint is complete (the seam in src/run_safety/checkpoints.py), then the same job is launched again."""
+    environment = (accelerate_environment(strategy) if strategy != "ddp" else dict(os.environ)) | {
+        "OMP_NUM_THREADS": "1"}
+    if killed_after is not None:
+        killed = probe_dir.with_name(f"{probe_dir.name}_killed")
+        first = forked.run_job(2, [str(probe_dir), *args], entry=rank_probe.entry, env=seams.env(
+            environment, kill_at_checkpoint=f"after_complete:{killed_after}:1:{killed}"))
+        assert killed.exists() and first.returncode != 0, "the seam never fired: the test proves nothing"
+    result = forked.run_job(2, [str(probe_dir), *args], env=environment, entry=rank_probe.entry)
+    assert result.returncode == 0, (f"{strategy}: exit {result.returncode}\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-4000:]}")
+    run_dir = Path(args[args.index("--results_dir") + 1]) / args[args.index("--run_name") + 1]
+    info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+    losses = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
+    stage = args[args.index("--stage") + 1]
+    return {"info": info, "losses": losses, "ranks": probes(probe_dir, stage, 2), "final": run_dir / "model" / "final"}
+
+
+def final_weights(path: Path) -> dict:
+    """The saved model's weights as from_pretrained loads them (a tied head saved separately or not alike)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_share(tiny_model, preference_file,
+                                                                                   tmp_path):
+    """DPO (packed forward), global batch 8 = 2 per device x 2 accumulation x 2 processes, 3 steps: DDP, ZeRO-2 and
+    ZeRO-3 with the reference log-probs precomputed (TRL's inference engine under DeepSpeed, released before
+    training: src/trainers/dpo.py), ZeRO-3 with the live reference (prepared by TRL as a sharded engine too). The
+    ZeRO-3 job loses a worker right after checkpoint-2 and is launched again: it resumes from its sharded checkpoint
+    (each rank's own partition of weights and optimizer states) to the uninterrupted DDP curve."""
+    runs = {}
+    for name, strategy, extra, killed_after in (
+            ("ddp", "ddp", [], None), ("zero2", "zero2", [], None), ("zero3", "zero3", [], 2),
+            ("zero3_live", "zero3", ["--precompute_ref_log_probs", "false"], None)):
+        args = common_args(tiny_model, preference_file, tmp_path / "results", name, "dpo") + [
+            "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
+            "--save_steps", "2", *extra]
+        runs[name] = run_engine(strategy, args, tmp_path / f"probe_{name}", killed_after)
+    assert [resume["from_step"] for resume in runs["zero3"]["info"]["resumes"]] == [2]
+    checkpoint = tmp_path / "results" / "zero3" / "model" / "checkpoint-2"
+    assert sorted(path.name for path in checkpoint.glob("global_step2/*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    ddp = runs["ddp"]
+    assert (ddp["info"]["engine"], ddp["info"]["distributed_type"]) == ("ddp", "MULTI_CPU")
+    assert len(ddp["losses"]) == 3 and ddp["losses"][0] > ddp["losses"][-1]
+    whole = ddp["ranks"][0]["held"]
+    assert whole["weights"] == whole["full_weights"] and whole["optimizer_states"] == 2 * whole["weights"]  # AdamW
+    for name, stage in (("zero2", 2), ("zero3", 3), ("zero3_live", 3)):
+        run = runs[name]
+        assert (run["info"]["distributed_type"], run["info"]["engine"], run["info"]["zero_stage"]) == (
+            "DEEPSPEED", "deepspeed", stage), name
+        assert run["losses"] == pytest.approx(ddp["losses"], rel=1e-5), name
+        assert run["info"]["one_job"]["identical_weights"] and run["info"]["one_job"]["disjoint_rows_per_step"]
+        for rank in run["ranks"]:
+            held = rank["held"]
+            assert held["full_weights"] == whole["weights"], name
+            assert held["optimizer_states"] == whole["optimizer_states"] // 2, name  # each rank its half
+            assert held["weights"] == (whole["weights"] // 2 if stage == 3 else whole["weights"]), name
+            # sized by the model (hidden 32: 32 x 32), not DeepSpeed's 5e8 default (2 GB per ZeRO-3 rank)
+            assert held["reduce_bucket"] == 32 * 32, name
+        if name == "zero3_live":
+            assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [whole["weights"] // 2] * 2
+        else:
+            assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [None, None]
+    # ZeRO-3's final model: the partitions gathered into ordinary safetensors, DDP's weights to fp32 noise
+    import torch
+
+    assert_reloads_generates_and_changed(runs["zero3"]["final"], tiny_model)
+    expected = final_weights(ddp["final"])
+    for name in ("zero2", "zero3"):
+        saved = final_weights(runs[name]["final"])
+        assert saved.keys() == expected.keys()
+        for key, tensor in expected.items():
+            torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+
+
+def test_lora_sft_under_zero1_and_zero3_trains_and_saves_the_adapter_ddp_does(tiny_model, tmp_path):
+    """LoRA SFT, the same global batch on DDP, ZeRO-1 and ZeRO-3: the same loss curve, each rank half the adapter's
+    optimizer states (ZeRO-3: half of every weight), and a saved adapter with every tensor whole and equal to DDP's
+    (the empty adapter_model.safetensors ZeRO-3 leaves without its 16-bit gather)."""
+    import torch
+    from safetensors.torch import load_file
+
+    rows = [{"messages": row["prompt"] + row["chosen"]} for row in preference_rows(48)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    runs = {}
+    for strategy in ("ddp", "zero1", "zero3"):
+        args = common_args(tiny_model, data, tmp_path / "results", strategy, "sft") + [
+            "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
+            "--use_lora", "true"]
+        runs[strategy] = run_engine(strategy, args, tmp_path / f"probe_{strategy}")
+    whole = runs["ddp"]["ranks"][0]["held"]
+    adapter = load_file(runs["ddp"]["final"] / "adapter_model.safetensors")
+    assert adapter and all(tensor.numel() for tensor in adapter.values())
+    assert all(tensor.abs().max() > 0 for key, tensor in adapter.items() if "lora_B" in key)  # trained: B starts at 0
+    for strategy, stage in (("zero1", 1), ("zero3", 3)):
+        run = runs[strategy]
+        assert (run["info"]["engine"], run["info"]["zero_stage"]) == ("deepspeed", stage)
+        assert run["losses"] == pytest.approx(runs["ddp"]["losses"], rel=1e-5), strategy
+        assert [rank["held"]["optimizer_states"] for rank in run["ranks"]] == [whole["optimizer_states"] // 2] * 2
+        assert run["ranks"][0]["held"]["weights"] == whole["weights"] // (2 if stage == 3 else 1)
+        saved = load_file(run["final"] / "adapter_model.safetensors")
+        assert saved.keys() == adapter.keys(), strategy
+        for key, tensor in adapter.items():
+            # Adam divides each update by the gradient's own size: an element whose gradient is fp32 noise, summed
+            # in another order, moves by more than fp32 rounding (measured: 1.1e-7 here, 8e-6 at a 1e-2 rate)
+            torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-5, msg=f"{strategy} {key}")
+
+
+def test_kto_simpo_orpo_and_grpo_under_zero3_train_as_ddp_does(tiny_model, tmp_path):
+    """Each objective's own trainer under ZeRO-3 against plain DDP, 2 steps at the same global batch: the same loss
+    curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and optimizer
+    states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live)."""
+    from test_grpo import grpo_args, prompt_rows
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    short = ["--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-3",
+             "--num_samples", "0"]
+    arguments = {
+        "kto": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "kto") + short + [
+            "--kto_from_pairs", "true"],
+        "simpo": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "simpo") + short,
+        "orpo": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "orpo") + short,
+        "grpo": lambda name: grpo_args(tiny_model, prompts, tmp_path / "results", name, "--num_samples", "0"),
+    }
+    for stage, args_for in arguments.items():
+        runs = {strategy: run_engine(strategy, args_for(f"{stage}_{strategy}"), tmp_path / f"probe_{stage}_{strategy}")
+                for strategy in ("ddp", "zero3")}
+        ddp, zero3 = runs["ddp"], runs["zero3"]
+        assert (zero3["info"]["engine"], zero3["info"]["zero_stage"]) == ("deepspeed", 3), stage
+        assert len(ddp["losses"]) == 2 and zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), stage
+        whole = ddp["ranks"][0]["held"]
+        for rank in zero3["ranks"]:
+            held = rank["held"]
+            assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
+                                                                   whole["optimizer_states"] // 2), stage
+            assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]
+                                                 else None), stage
+        if stage == "grpo":
+            metrics = {strategy: [record for record in run_files.read_jsonl(
+                run["final"].parent.parent / run_files.METRICS) if "loss" in record] for strategy, run in runs.items()}
+            assert [record["reward"] for record in metrics["zero3"]] == [record["reward"] for record in metrics["ddp"]]
+            assert [record["kl"] for record in metrics["zero3"]] == pytest.approx(
+                [record["kl"] for record in metrics["ddp"]], rel=1e-5, abs=1e-9)

@@ -1,0 +1,451 @@
+"""Tools run while sampling (src/tool_calls.py, src/tools.py): the registry and its schemas, each template's call syntax, a misbehaving
+tool as a counted error result, the result fed back in the template's tool role, and the trajectory's mask.
+
+All in the test process (the tool worker is the one process started): a scripted sampler stands in for the model, so
+each turn's text is written by hand, as the model of that template writes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import TEMPLATES, build_template_tokenizer
+from src.tool_calls import (DEEPSEEK, HARMONY, HERMES, LLAMA_JSON, Call, ToolsError, call_syntax, load_toolbox,
+                            parse_calls, schema_problem, validate)
+from src.tools import ToolRunner, ToolSession, sample_with_tools, summary, tool_result_text
+
+REGISTRY = "tool_registry:TOOLS"
+QUESTION = [{"role": "user", "content": "What is 123 times 456?"}]
+ARGUMENTS = {"a": 123, "b": 456}
+# template → (the call turn as its model writes it after the generation prompt, its stop token, its final turn)
+TURNS = {
+    "chatml-qwen2.5": ('<tool_call>\n{"name": "multiply", "arguments": {"a": 123, "b": 456}}\n</tool_call><|im_end|>',
+                       "<|im_end|>", "It is 56088.<|im_end|>"),
+    "qwen3": ('<think>\n\n</think>\n\n<tool_call>\n{"name": "multiply", "arguments": {"a": 123, "b": 456}}\n'
+              '</tool_call><|im_end|>', "<|im_end|>", "<think>\n\n</think>\n\nIt is 56088.<|im_end|>"),
+    "deepseek-r1": ('\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>multiply\n```json\n'
+                    '{"a": 123, "b": 456}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+                    "<｜end▁of▁sentence｜>", "It is 56088.<｜end▁of▁sentence｜>"),
+    "llama-3.1": ('{"name": "multiply", "parameters": {"a": 123, "b": 456}}<|eot_id|>', "<|eot_id|>",
+                  "It is 56088.<|eot_id|>"),
+    "gpt-oss": (' to=functions.multiply<|channel|>commentary json<|message|>{"a": 123, "b": 456}<|call|>', "<|call|>",
+                "<|channel|>final<|message|>It is 56088.<|return|>"),
+}
+# What each template writes after the call turn: the result in its tool role, then its generation prompt (copied from
+# the templates' renderings of a conversation with a tool message, by hand).
+RESULTS = {
+    "chatml-qwen2.5": "\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    "qwen3": "\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    "deepseek-r1": "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>56088<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
+    "llama-3.1": "<|start_header_id|>ipython<|end_header_id|>\n\n\"56088\"<|eot_id|><|start_header_id|>assistant"
+                 "<|end_header_id|>\n\n",
+    "gpt-oss": '<|start|>functions.multiply to=assistant<|channel|>commentary<|message|>"56088"<|end|><|start|>assistant',
+}
+SYNTAX = {"chatml-qwen2.5": HERMES, "qwen3": HERMES, "deepseek-r1": DEEPSEEK, "llama-3.1": LLAMA_JSON,
+          "gpt-oss": HARMONY}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_template_tokenizer(["What is 123 times 456? It is 56088. multiply"])
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with ToolRunner(load_toolbox(REGISTRY), timeout_s=2.0) as running:
+        yield running
+
+
+def _use(tokenizer, template: str) -> None:
+    tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    tokenizer.bos_token = "<|begin_of_text|>" if template.startswith("llama") else "<｜begin▁of▁sentence｜>"
+
+
+def _session(runner, max_tool_turns: int) -> ToolSession:
+    return ToolSession(runner.toolbox, runner, max_tool_turns)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_registry_gives_each_function_its_schema_and_refuses_what_it_cannot_run_in_one_line():
+    toolbox = load_toolbox(REGISTRY)
+    assert sorted(toolbox.schemas) == ["crash", "hang", "multiply", "noisy", "number"]
+    parameters = toolbox.schemas["multiply"]["function"]["parameters"]
+    assert parameters["properties"]["a"] == {"type": "integer", "description": "The first factor."}
+    assert parameters["required"] == ["a", "b"]
+    explicit = load_toolbox("tool_registry:EXPLICIT").schemas["lookup"]["function"]
+    assert explicit["name"] == "lookup" and explicit["parameters"]["required"] == ["key"]
+    for spec, message in [("tool_registry", "expected module:registry"), ("no_such_module:TOOLS", "cannot import"),
+                          ("tool_registry:MISSING", "has no attribute MISSING"),
+                          ("tool_registry:NOT_A_REGISTRY", "the registry is a int"),
+                          ("tool_registry:UNTYPED", "no schema for untyped from its signature.*type hint")]:
+        with pytest.raises(ToolsError, match=message) as raised:
+            validate(spec, 4, 5.0)
+        assert "\n" not in str(raised.value) and str(raised.value).startswith(f"--tools {spec}")
+    with pytest.raises(ToolsError, match="--max_tool_turns 0"):
+        validate(None, 0, 5.0)
+    with pytest.raises(ToolsError, match="--tool_timeout 0"):
+        validate(None, 2, 0)
+
+
+@pytest.mark.parametrize("template", sorted(TURNS))
+def test_each_templates_call_syntax_parses_the_call_its_model_writes(tokenizer, template):
+    _use(tokenizer, template)
+    assert call_syntax(tokenizer) == SYNTAX[template]
+    assert parse_calls(SYNTAX[template], TURNS[template][0]) == [Call("multiply", ARGUMENTS)]
+    assert parse_calls(SYNTAX[template], TURNS[template][2]) == []  # a final answer calls nothing
+
+
+def test_calls_that_do_not_parse_or_break_the_schema_are_named():
+    assert parse_calls(HERMES, "<tool_call>\n{not json}\n</tool_call>")[0].problem.startswith("the call is not JSON")
+    assert parse_calls(HARMONY, "<|channel|>commentary to=functions.multiply <|constrain|>json<|message|>{\"a\": 1"
+                                "<|call|>")[0].problem.startswith("the arguments are not JSON")
+    assert parse_calls(HARMONY, '<|channel|>commentary to=functions.multiply <|constrain|>json<|message|>{"a": 1}'
+                                "<|call|>") == [Call("multiply", {"a": 1})]  # the recipient after the channel
+    assert parse_calls(DEEPSEEK, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function")[0].problem
+    schema = load_toolbox(REGISTRY).schemas["multiply"]
+    assert schema_problem(schema, ARGUMENTS) is None
+    assert schema_problem(schema, {"a": 1}) == "missing argument(s) b"
+    assert schema_problem(schema, {"a": 1, "b": 2, "c": 3}) == "unknown argument(s) c"
+    assert schema_problem(schema, {"a": "1", "b": 2}) == "argument a is str, not integer"
+    assert schema_problem(schema, {"a": True, "b": 2}) == "argument a is bool, not integer"
+
+
+def test_a_tool_that_raises_returns_no_text_or_hangs_gives_an_error_result_and_the_next_call_still_runs(runner):
+    assert runner.run("multiply", ARGUMENTS) == ("56088", None)
+    text, error = runner.run("crash", {"a": 1})
+    assert error == "raised" and json.loads(text) == {"error": "crash raised RuntimeError: tool exploded"}
+    assert runner.run("number", {"a": 1})[1] == "not_text"
+    assert runner.run("noisy", {"a": 2}) == ("echo 2", None)  # its print goes to stderr, not into the result
+    worker = runner.worker.pid
+    text, error = runner.run("hang", {"a": 1})
+    assert error == "timeout" and "ran past --tool_timeout 2 s" in json.loads(text)["error"]
+    with pytest.raises(ProcessLookupError):  # the hung worker was killed, not left behind
+        os.kill(worker, 0)
+    assert runner.run("multiply", {"a": 2, "b": 3}) == ("6", None)  # a fresh worker
+    os.kill(runner.worker.pid, signal.SIGKILL)  # a worker that dies: an error result, then a fresh one
+    runner.worker.wait()
+    assert runner.run("multiply", {"a": 2, "b": 4}) == ("8", None)
+
+
+def test_the_tool_worker_exits_with_the_process_that_started_it(tmp_path):
+    """A job killed with -9 leaves no tool worker behind: the worker watches its parent (parent_watch)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "starter.py"
+    script.write_text("import sys, time\nsys.path[:0] = sys.argv[1:3]\nfrom src.tool_calls import load_toolbox\nfrom src.tools import ToolRunner\n"
+                      f"runner = ToolRunner(load_toolbox({REGISTRY!r}), 5.0)\nrunner.run('multiply', {{'a': 1, 'b': 2}})\n"
+                      "print(runner.worker.pid, flush=True)\ntime.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    starter = subprocess.Popen([sys.executable, str(script), root, os.path.join(root, "tests")], stdout=subprocess.PIPE,
+                               text=True)
+    worker = int(starter.stdout.readline())
+    starter.kill()
+    starter.wait()
+    for _ in range(100):  # parent_watch polls every 0.5 s
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the tool worker outlived the process that started it")
+
+
+@pytest.mark.parametrize("template", sorted(TURNS))
+def test_a_trajectory_feeds_the_result_back_in_the_templates_tool_role_and_masks_it(tokenizer, runner, template):
+    """The call runs, its result comes back as the template writes a tool message, the model answers; the trajectory
+    is exactly the turns written (mask 1) and the result with the template's text around it (mask 0)."""
+    _use(tokenizer, template)
+    call, stop, final = TURNS[template]
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True, tools=load_toolbox(REGISTRY).template_tools())["input_ids"]
+    asked = []
+
+    def sample(indices, contexts, turn, budgets):
+        asked.append((turn, [tokenizer.decode(context) for context in contexts], budgets))
+        return [_ids(tokenizer, call if turn == 0 else final) for _ in contexts]
+
+    (trajectory,) = sample_with_tools(sample, tokenizer, [prompt], _session(runner, 3), max_new_tokens=400,
+                                      stop_ids=set(_ids(tokenizer, stop)))
+    call_ids, result_ids, final_ids = _ids(tokenizer, call), _ids(tokenizer, RESULTS[template]), _ids(tokenizer, final)
+    assert trajectory.ids == call_ids + result_ids + final_ids
+    assert trajectory.mask == [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(final_ids)
+    assert trajectory.record() == {"calls": 1, "valid_calls": 1, "tool_errors": {}, "turns": 2}
+    # The second turn is asked from the prompt, the call and the result: the context the model continues.
+    assert asked[1][1] == [tokenizer.decode(prompt + call_ids + result_ids)]
+    assert asked[1][2] == [400 - len(call_ids) - len(result_ids)]
+    # Where the template renders the earlier turn as written, the whole context is its rendering of the conversation
+    # with a tool message (Qwen3 and DeepSeek-R1 drop a call turn's reasoning block once a result follows it).
+    if template in ("chatml-qwen2.5", "llama-3.1", "gpt-oss"):
+        conversation = QUESTION + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "multiply", "arguments": ARGUMENTS}}]},
+            {"role": "tool", "name": "multiply", "content": "56088"}]
+        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False,
+                                                 tools=load_toolbox(REGISTRY).template_tools())
+        decoded = tokenizer.decode(prompt + call_ids + result_ids)
+        assert decoded == rendered
+
+
+def test_bad_calls_are_counted_errors_the_model_reads_and_turns_and_budget_are_bounded(tokenizer, runner):
+    _use(tokenizer, "chatml-qwen2.5")
+    turns = ['<tool_call>\n{"name": "divide", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
+             '<tool_call>\n{"name": "multiply", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
+             '<tool_call>\n{"name": "crash", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
+             '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>']
+    seen = []
+
+    def sample(indices, contexts, turn, budgets):
+        seen.append(tokenizer.decode(contexts[0]))
+        return [_ids(tokenizer, turns[turn])]
+
+    (trajectory,) = sample_with_tools(sample, tokenizer, [[]], _session(runner, 3), max_new_tokens=2000,
+                                      stop_ids=set(_ids(tokenizer, "<|im_end|>")))
+    assert trajectory.turns == 4 and trajectory.calls == 3  # the fourth turn's call is past --max_tool_turns: not run
+    assert trajectory.errors == {"unknown": 1, "schema": 1, "raised": 1} and trajectory.valid == 0
+    assert "unknown tool divide; the tools are crash, hang, multiply, noisy, number" in seen[1]
+    assert "missing argument(s) b" in seen[2] and "crash raised RuntimeError" in seen[3]
+    assert summary([trajectory])["errors"] == {"unknown": 1, "schema": 1, "raised": 1}
+    # A budget that the result would overrun: the answer ends at its call, counted.
+    (short,) = sample_with_tools(lambda indices, contexts, turn, budgets: [_ids(tokenizer, turns[3])], tokenizer,
+                                 [[]], _session(runner, 3), max_new_tokens=len(_ids(tokenizer, turns[3])) + 3,
+                                 stop_ids=set(_ids(tokenizer, "<|im_end|>")))
+    assert short.turns == 1 and short.errors == {"no_budget": 1} and short.mask == [1] * len(short.ids)
+
+
+def test_a_template_with_no_tool_syntax_or_no_result_after_the_models_end_token_is_refused_in_one_line(tokenizer):
+    from src.tools import check_template
+
+    tokenizer.chat_template = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                               "{% endfor %}")
+    with pytest.raises(ToolsError, match="^--tools: the chat template has no tool-call syntax"):
+        call_syntax(tokenizer)
+    _use(tokenizer, "gpt-oss")  # its call turns end with <|call|>: a model whose end tokens lack it cannot continue
+    assert check_template(tokenizer, set(_ids(tokenizer, "<|call|><|return|>"))) == HARMONY
+    with pytest.raises(ToolsError, match="no tool result after a turn that ends with any of the model's end tokens "
+                                         r"\(<\|return\|>\)"):
+        check_template(tokenizer, set(_ids(tokenizer, "<|return|>")))
+    _use(tokenizer, "chatml-qwen2.5")
+    assert tool_result_text(tokenizer, "<|im_end|>", [("multiply", "6")]) == RESULTS["chatml-qwen2.5"].replace(
+        "56088", "6")
+
+
+def test_grpo_trains_the_turns_the_model_wrote_and_never_the_tools_result_with_credit_per_turn(tmp_path):
+    """GRPO with --tools, in this process on a tiny model with Qwen2.5's template, its sampling scripted (a call, then
+    the answer once the result is in the context; every other answer's seed calls a tool that does not exist): the
+    tool runs, TRL's loss mask (tool_mask, from the rollout's env_mask) is 0 exactly over the result and the
+    template's text around it, the judge reads the whole trajectory, tool use is logged; with --turn_credit 0.5 each
+    turn's tokens get the trajectory's advantage plus 0.5 x the turn's score normalised over the group (every answer
+    ends right, so the trajectory's advantage is 0 and only the call's turn tells the answers apart)."""
+    import statistics
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from conftest import build_tiny_model
+    from src.judges import ProgrammaticJudge
+    from src.tools import ToolSession
+    from src.trainers.grpo import JudgeReward, PreparedGRPOTrainer
+    from tool_registry import product_judge
+
+    path = build_tiny_model(tmp_path / "model", ["What is 123 times 456? It is 56088. multiply"],
+                            template="chatml-qwen2.5")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, im_end]
+    prompt_ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    rows = [{"prompt": QUESTION, "prompt_ids": prompt_ids, "meta": {"product": 56088}}] * 4
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], max_steps=1,
+                      per_device_train_batch_size=4, num_generations=4, max_completion_length=200, logging_steps=1,
+                      save_strategy="no", remove_unused_columns=False, learning_rate=1e-3, beta=0.0)
+    trainer = PreparedGRPOTrainer(model=model, processing_class=tokenizer, args=args,
+                                  train_dataset=datasets.Dataset.from_list(rows),
+                                  reward_funcs=[JudgeReward(ProgrammaticJudge(product_judge), "product")])
+    toolbox = load_toolbox("tool_registry:MULTIPLY")
+    call, final = TURNS["chatml-qwen2.5"][0], TURNS["chatml-qwen2.5"][2]
+    with ToolRunner(toolbox, timeout_s=5.0) as runner:
+        trainer.use_tools(ToolSession(toolbox, runner, max_tool_turns=2))
+        trainer.turn_credit = 0.5
+        wrong = call.replace("multiply", "divide")
+        trainer._sampled = lambda contexts, seeds, budget: [  # noqa: SLF001 - the sampling seam of this test
+            _ids(tokenizer, final if "<tool_response>" in tokenizer.decode(context) else
+                 call if seed % 2 else wrong) for context, seed in zip(contexts, seeds)]
+        seen = {}
+        compute_loss = trainer._compute_loss
+
+        def recording(model, inputs):
+            seen.update(inputs)
+            return compute_loss(model, inputs)
+
+        trainer._compute_loss = recording
+        trainer.train()
+    call_ids, result_ids, final_ids = _ids(tokenizer, call), _ids(tokenizer, RESULTS["chatml-qwen2.5"]), _ids(
+        tokenizer, final)
+    expected = [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(final_ids)
+    completions = [row.tolist() for row in seen["completion_ids"]]
+    right = [index for index, row in enumerate(completions) if row[:len(expected)] == call_ids + result_ids + final_ids]
+    assert right and len(right) < 4  # both kinds of answer were sampled
+    assert seen["tool_mask"][right[0], :len(expected)].tolist() == expected
+    history = trainer.state.log_history[0]
+    assert history["rewards/product/mean"] == 1.0  # the judge read the final turn after the tool's result
+    assert history["tools/calls_per_answer"] == 1.0 and history["tools/errors_per_answer"] == (4 - len(right)) / 4
+    turns = [[1.0 if index in right else 0.0, 1.0] for index in range(4)]  # the call's score, the answer's
+    values = [value for answer in turns for value in answer]
+    mean, spread = statistics.fmean(values), statistics.stdev(values)
+    for index in range(4):
+        mask = (seen["tool_mask"][index] * seen["completion_mask"][index]).tolist()
+        first_turn_end = mask.index(0)
+        advantages = seen["advantages"][index]
+        assert advantages[0].item() == pytest.approx(0.5 * (turns[index][0] - mean) / (spread + 1e-4), abs=1e-5)
+        assert advantages[first_turn_end - 1].item() == advantages[0].item()
+        last = max(position for position, token in enumerate(mask) if token)
+        assert advantages[last].item() == pytest.approx(0.5 * (1.0 - mean) / (spread + 1e-4), abs=1e-5)
+
+
+def test_the_answer_audit_reports_tool_use_before_and_after():
+    """Held-out answers with --tools carry their tool record (src/generation.py): the audit's calls per answer, valid
+    share, errors by kind and turns, before → after, in the console line and the report's table."""
+    from src.audit.answers import answers_audit
+    from src.reporting.audit import answers_section
+
+    def stats(calls, valid, errors, turns):
+        return {"tokens": 20, "ended": True, "repetition": 0.0, "calls": calls, "valid_calls": valid,
+                "tool_errors": errors, "turns": turns}
+
+    samples = [{"reference_answer": "x", "trained_answer": "y", "answer_stats": {
+        "reference": stats(1, 0, {"unparsed": 1}, 2), "trained": stats(1, 1, {}, 2)}},
+        {"reference_answer": "x", "trained_answer": "y", "answer_stats": {
+            "reference": stats(0, 0, {}, 1), "trained": stats(2, 1, {"timeout": 1}, 3)}}]
+    audit = answers_audit(samples)
+    assert audit["tool_calls_per_answer_before"] == 0.5 and audit["tool_calls_per_answer_after"] == 1.5
+    assert audit["tool_valid_share_before"] == 0.0 and audit["tool_valid_share_after"] == pytest.approx(2 / 3, abs=1e-6)
+    assert audit["tool_errors_before"] == {"unparsed": 1} and audit["tool_errors_after"] == {"timeout": 1}
+    assert audit["tool_turns_per_answer_after"] == 2.5
+    table = "\n".join(answers_section({"test": audit}))
+    assert "| valid calls | 0.0% → 66.7% |" in table and "unparsed 1 → timeout 1" in table
+    plain = answers_audit([{"reference_answer": "x", "trained_answer": "y", "answer_stats": {
+        "reference": {"tokens": 3, "ended": True, "repetition": 0.0}, "trained": {"tokens": 3, "ended": True,
+                                                                                    "repetition": 0.0}}}])
+    assert not any(key.startswith("tool_") for key in plain)  # no tools: no tool rows
+
+
+def test_the_data_audit_counts_calls_that_do_not_parse_name_an_unknown_tool_or_break_the_schema(tmp_path):
+    """Rows' tool calls, prepared as a run prepares them (Qwen2.5's template, DeepSeek-style arguments as text too):
+    the audit counts every call and each problem, and says so as the stage opens."""
+    from conftest import write_jsonl
+    from src.audit.run import format_data_audit
+    from src.config import DataArguments, SFTArguments
+    from src.data import prepare_data
+
+    tokenizer = build_template_tokenizer(["What is 123 times 456? It is 56088. multiply"], "chatml-qwen2.5")
+    schemas = json.dumps(load_toolbox("tool_registry:MULTIPLY").template_tools())
+
+    def call(name, arguments):
+        return [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": name, "arguments": arguments}}]}]
+
+    answers = [call("multiply", {"a": 1, "b": 2}), call("multiply", '{"a": 1, "b": 2}'), call("multiply", "{oops"),
+               call("divide", {"a": 1}), call("multiply", {"a": "one", "b": 2})]
+    rows = [{"prompt": [{"role": "user", "content": f"What is {index} times 2? ({index})"}], "tools": schemas,
+             "chosen": answers[index % 5], "rejected": [{"role": "assistant", "content": "No idea."}]}
+            for index in range(20)]
+    prepared = prepare_data(DataArguments(dataset_name=str(write_jsonl(tmp_path / "calls.jsonl", rows)), val_size=0,
+                                          test_size=0, max_length=4096), SFTArguments(), "dpo", 0, tokenizer,
+                            tmp_path / "cache")
+    train = prepared.summary["audit"]["train"]
+    assert (train["tool_calls"], train["tool_unparsed"], train["tool_unknown"], train["tool_schema"]) == (20, 4, 4, 4)
+    assert "20 tool calls; 4 with arguments that do not parse, 4 naming a tool the row's `tools` lack, 4 breaking " \
+           "its schema" in format_data_audit(prepared.summary["audit"], "dpo")
+
+
+def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(tmp_path):
+    """src/embedded/tools_task.py: held-out questions asked in no training split, SFT calls careless in about
+    SFT_WRONG_CALLS of the chats, pairs preferring the right call; its template is Hermes-style with the result in its
+    tool role; the judge reads a trajectory's final turn and first call; `measure` tables each stage with intervals."""
+    from src.embedded import tools_task
+    from src.embedded.model import build_tokenizer
+
+    files = tools_task.build()
+    held_out = {row["prompt"][0]["content"] for split in ("validation", "test") for row in files[f"prompts/{split}"]}
+    asked = {row["messages"][0]["content"] for row in files["sft/train"]} | {
+        row["prompt"][0]["content"] for name in ("dpo/train", "prompts/train") for row in files[name]}
+    assert len(held_out) == 300 and not held_out & asked
+    careless = [row["messages"][1]["tool_calls"][0]["function"]["arguments"]["b"] != row["meta"]["b"]
+                for row in files["sft/train"]]
+    assert abs(sum(careless) / len(careless) - tools_task.SFT_WRONG_CALLS) < 0.03
+    pair = files["dpo/train"][0]
+    assert pair["chosen"][0]["tool_calls"][0]["function"]["arguments"]["b"] == pair["meta"]["b"]
+    tokenizer = build_tokenizer(["What is 123 * 456? 56088 multiply {}:,\"ab"], chat_template=tools_task.CHAT_TEMPLATE,
+                                special_tokens=tools_task.TOOL_SPECIALS)
+    assert call_syntax(tokenizer) == HERMES
+    assert tool_result_text(tokenizer, "<|end|>", [("multiply", "56088")]) == "<|tool|>56088<|assistant|>"
+    row = {"meta": {"a": 123, "b": 456, "answer": "56088"}}
+    right = '<tool_call>{"name":"multiply","arguments":{"a":123,"b":456}}</tool_call><|end|><|tool|>56088<|assistant|>56088<|end|>'
+    careless_call = right.replace('"b":456', '"b":45').replace("56088", "5535")
+    assert tools_task.check(row, right) | {"reward": 0} == {"score": 1.0, "correct": True, "called": True,
+                                                             "right_call": True, "reward": 0,
+                                                             "turn_rewards": [1.0, 1.0]}
+    assert tools_task.check(row, careless_call)["turn_rewards"] == [0.0, 0.0]
+    assert tools_task.check(row, "56088<|end|>")["correct"] and not tools_task.check(row, "56088")["called"]
+    for stage, directory in (("sft", tmp_path / "sft"), ("dpo", tmp_path / "dpo"), ("grpo", tmp_path)):
+        directory.mkdir(exist_ok=True)
+        verdicts = [{"reference": tools_task.check(row, careless_call), "trained": tools_task.check(
+            row, right if stage == "grpo" or index % 2 else careless_call)} for index in range(10)]
+        (directory / "samples_test.jsonl").write_text("".join(json.dumps({"verdict": verdict}) + "\n"
+                                                              for verdict in verdicts))
+    table = tools_task.measure(tmp_path)
+    assert "| untrained | 10 | 0.0% ±0.0 | 100.0% ±0.0 | 0.0% ±0.0 |" in table
+    assert "| after SFT | 10 | 50.0% ±31.0 | 100.0% ±0.0 | 50.0% ±31.0 |" in table
+    assert "| after GRPO | 10 | 100.0% ±0.0 | 100.0% ±0.0 | 100.0% ±0.0 |" in table
+
+
+def test_held_out_answers_with_tools_are_trajectories_with_their_tool_record(tokenizer, runner, monkeypatch):
+    """src/generation.py's generate with a ToolSession (every stage's held-out answers): the text is the trajectory
+    as the template wrote it, the audit's tokens are the model's own (both turns, not the result), and the record
+    carries the tool use."""
+    import src.generation as generation
+
+    _use(tokenizer, "chatml-qwen2.5")
+    call, stop, final = TURNS["chatml-qwen2.5"]
+    stop_ids = set(_ids(tokenizer, stop))
+
+    def scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None, *rest, **kw):
+        assert eos_ids == stop_ids
+        return [_ids(tokenizer, final if "<tool_response>" in tokenizer.decode(context) else call)
+                for context in contexts]
+
+    monkeypatch.setattr(generation, "sample_ids", scripted)
+    monkeypatch.setattr(generation, "stop_ids", lambda model, tok: stop_ids)
+    (answer,) = generation.generate(None, tokenizer, [[]], 200, 4, details=True, tools=_session(runner, 2))
+    assert answer["text"] == call + RESULTS["chatml-qwen2.5"] + final
+    assert answer["tokens"] == len(_ids(tokenizer, call)) - 1 + len(_ids(tokenizer, final)) - 1 and answer["ended"]
+    assert (answer["calls"], answer["valid_calls"], answer["turns"], answer["tool_errors"]) == (1, 1, 2, {})
+
+
+def test_the_tools_flags_are_checked_with_the_configuration_in_one_line_each():
+    from src.config_error import ConfigError
+    from src.config_parse import parse_config
+
+    for flags, message in [(["--tools", "x"], "^--tools x: expected module:registry"),
+                           (["--max_tool_turns", "0"], "^--max_tool_turns 0: at least 1"),
+                           (["--turn_credit", "0.5"], "^--turn_credit 0.5: .* with --tools"),
+                           (["--tools", REGISTRY, "--turn_credit", "-1"], "^--turn_credit -1"),
+                           (["--tools", REGISTRY, "--rounds", "1", "--judge", "tool_registry:product_judge"],
+                            "^--tools with --rounds: round pairs of tool trajectories are not trained yet")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(flags, require_sources=False)
+    from conftest import PROJECT_ROOT
+
+    config = parse_config(["--config", str(PROJECT_ROOT / "configs" / "sft_dpo_grpo_tools.yaml")],
+                          require_sources=False)
+    assert (config.training.tools, config.training.max_tool_turns, config.training.turn_credit) == (
+        "src.embedded.tools_task:TOOLS", 2, 0.0)
