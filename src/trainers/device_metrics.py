@@ -85,10 +85,10 @@ class _RecordingAccelerator:
 class MetricWindow:
     """The metrics of the micro-batches since the last flush, as device rows: for each gathered value (named by
     `gathered`, in the order TRL's loss code gathers them) its sum, then its element count. `metrics`: name → Ratio,
-    Mean or RunningTokens of those names, in the order TRL appends them; `store`: the trainer's attribute TRL appends
-    them to (`_metrics`; the trl.experimental pair trainers' `_stored_metrics`)."""
+    Mean or RunningTokens of those names, in the order TRL appends them; `store`: the trainer → the dict TRL appends
+    them to by mode (`_metrics`; the trl.experimental pair trainers' `_stored_metrics`)."""
 
-    def __init__(self, gathered: tuple[str, ...], metrics: dict, what: str = "TRL", store: str = "_metrics"):
+    def __init__(self, gathered: tuple[str, ...], metrics: dict, what: str, store):
         self.gathered = gathered
         self.metrics = metrics
         self.what = what
@@ -98,7 +98,7 @@ class MetricWindow:
     @contextlib.contextmanager
     def recording(self, trainer):
         """TRL's loss code of one training micro-batch, its metrics kept on the device."""
-        store = getattr(trainer, self.store)
+        store = self.store(trainer)
         accelerator, metrics = trainer.accelerator, store["train"]
         recorder = trainer.accelerator = _RecordingAccelerator(accelerator)
         store["train"] = defaultdict(list)  # TRL's stand-in zeros go here, and are dropped
@@ -120,7 +120,7 @@ class MetricWindow:
         and appended to the trainer's `_metrics["train"]` (or `store`) as TRL appends them."""
         if not self.rows:
             return
-        logged = getattr(trainer, self.store)["train"]
+        logged = self.store(trainer)["train"]
         table = trainer.accelerator.reduce(torch.stack(self.rows), reduction="sum")
         self.rows = []
         width = len(self.gathered)

@@ -67,7 +67,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         super().__init__(*args, **kwargs)
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(aux + DPO_GATHERED, {**{name: Mean(name) for name in aux}, **DPO_METRICS},
-                                          "TRL's DPOTrainer")
+                                          "TRL's DPOTrainer", lambda trainer: trainer._metrics)
         if self.args.disable_dropout:
             if self.ref_model is not None and kwargs.get("ref_model") is None:  # TRL loaded it
                 self.dropout_off.append(DropoutOff(self.ref_model))

@@ -85,7 +85,7 @@ class PreparedPairsMixin:
         super().__init__(*args, train_dataset=pairs_only(train_dataset), eval_dataset=pairs_only(eval_dataset),
                          **kwargs)
         self.metric_window = MetricWindow(self.gathered_metrics, {name: Mean(name) for name in self.gathered_metrics},
-                                          "trl.experimental's pair trainer", store="_stored_metrics")
+                                          "trl.experimental's pair trainer", lambda trainer: trainer._stored_metrics)
         if packed_forward is not None and packed_forward.enabled:
             self.data_collator = PackedPreferenceCollator(self.data_collator, packed_forward.layout,
                                                           attention_cost_of(self.model), cut_pairs, concatenated_width,

@@ -29,7 +29,7 @@ class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(SFT_GATHERED + aux, {**SFT_METRICS, **{name: Mean(name) for name in aux}},
-                                          "TRL's SFTTrainer")
+                                          "TRL's SFTTrainer", lambda trainer: trainer._metrics)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if not self.model.training:
