@@ -96,15 +96,18 @@ def check_shared_storage(written_by_rank_0: Path, world: World) -> None:
                           "every node shares (NFS, Lustre, ...), so checkpoints can be resumed on every node")
 
 
-def any_rank(*flags: bool) -> list[bool]:
-    """Each flag OR-ed over all ranks (itself when there is no process group)."""
+def any_rank(*flags) -> list[bool]:
+    """Each flag OR-ed over all ranks (itself when there is no process group). A flag may be a 0-d tensor on the
+    device, not read before the others: one host read for all of them, after the all-reduce."""
     import torch
     import torch.distributed as dist
 
-    values = torch.tensor([float(flag) for flag in flags])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            values = values.cuda()
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    device = "cuda" if distributed and dist.get_backend() == "nccl" else \
+        next((flag.device for flag in flags if torch.is_tensor(flag)), "cpu")
+    values = torch.stack([flag.detach().float().to(device).reshape(()) if torch.is_tensor(flag) else
+                          torch.full((), float(flag), device=device) for flag in flags])
+    if distributed:
         # A stuck peer is not this rank. The read is inside: NCCL's all_reduce returns at once, the wait is there.
         with hang_watch.waiting("an agreement between the ranks"):
             dist.all_reduce(values, op=dist.ReduceOp.MAX)

@@ -6,7 +6,9 @@ changes them is this file's work:
   `completion_mask`), which `DPOTrainer._compute_loss` / `compute_ref_log_probs` read;
 - TRL's fused LM head (`add_fused_lm_head`: `model(..., labels=..., fused_lm_head=True)` → `FusedCausalLMOutput` with
   per-token `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs`, `label_mask`, each `(rows, len-1)`),
-  including its `shift_labels=` argument (labels already aligned with the positions that predict them).
+  including its `shift_labels=` argument (labels already aligned with the positions that predict them), and that it
+  calls the model's `base_model` (the backbone) before projecting its `last_hidden_state`: a hook there hands the
+  head only the positions whose log-prob is read (`_hidden_states_at`), so the LM head never runs over the prompt.
 
 How: the collator builds TRL's padded batch as usual (every loss type, `ld_alpha`, WPO weights and metric of TRL's
 loss code read it unchanged) and, next to it, the packed layout. During TRL's loss / reference computation the model's
@@ -289,41 +291,45 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
     }
 
 
-def padded_counts(batch: dict, answers: int = 2) -> list[int]:
+def padded_counts(batch: dict, answers: int = 2) -> torch.Tensor:
     """computed, padding, repeated prompt, useful tokens of TRL's padded batch (rows [chosen; rejected]; with one
-    answer per prompt, no prompt is repeated)."""
-    computed = batch["input_ids"].numel()
-    real = int(batch["attention_mask"].sum())
+    answer per prompt, no prompt is repeated), on the batch's device: counted without a read (TokenCounts)."""
+    computed = batch["input_ids"].new_full((), batch["input_ids"].numel())
+    real = batch["attention_mask"].sum()
     pairs = batch["input_ids"].shape[0] // answers
-    repeated = int(batch["attention_mask"][pairs:].sum() - batch["completion_mask"][pairs:].sum())
-    return [computed, computed - real, repeated, real - repeated]
+    repeated = batch["attention_mask"][pairs:].sum() - batch["completion_mask"][pairs:].sum()
+    return torch.stack([computed, computed - real, repeated, real - repeated]).long()
 
 
 # --- the forward ------------------------------------------------------------------------------------------------
 
-@dataclass
 class TokenCounts:
     """Tokens the forward computed, and which of them were padding or a repeated prompt, over the batches this
-    process ran (each rank counts its own; the shares are what to compare)."""
+    process ran (each rank counts its own; the shares are what to compare). A step's counts are added on the device
+    they come from (no stall per step) and read when asked (`as_dict`, `totals`)."""
 
-    computed: int = 0
-    padding: int = 0
-    repeated_prompt: int = 0
-    useful: int = 0
-    batches: int = 0
+    def __init__(self):
+        self.batches = 0
+        self._host = [0, 0, 0, 0]
+        self._device: torch.Tensor | None = None  # the running sum of counts that came as tensors
 
     def add(self, counts) -> None:
-        computed, padding, repeated, useful = (int(value) for value in counts)
-        self.computed += computed
-        self.padding += padding
-        self.repeated_prompt += repeated
-        self.useful += useful
         self.batches += 1
+        if torch.is_tensor(counts):
+            self._device = counts.long() if self._device is None else self._device + counts.to(self._device.device)
+        else:
+            self._host = [total + int(value) for total, value in zip(self._host, counts)]
+
+    def totals(self) -> list[int]:
+        """computed, padding, repeated prompt, useful tokens."""
+        device = self._device.tolist() if self._device is not None else [0, 0, 0, 0]
+        return [host + on_device for host, on_device in zip(self._host, device)]
 
     def as_dict(self) -> dict:
-        share = lambda part: round(part / self.computed, 4) if self.computed else None  # noqa: E731
-        return {"batches": self.batches, "computed_tokens": self.computed, "padding_share": share(self.padding),
-                "repeated_prompt_share": share(self.repeated_prompt), "useful_share": share(self.useful)}
+        computed, padding, repeated, useful = self.totals()
+        share = lambda part: round(part / computed, 4) if computed else None  # noqa: E731
+        return {"batches": self.batches, "computed_tokens": computed, "padding_share": share(padding),
+                "repeated_prompt_share": share(repeated), "useful_share": share(useful)}
 
 
 @dataclass
@@ -353,11 +359,11 @@ class PackedDPOForward:
         # policy: the forwards with gradients; kl: the policy's without (KTO's KL completions); reference
         self.counts = {kind: TokenCounts() for kind in PASSES}
         self.padded_equivalent = {kind: TokenCounts() for kind in PASSES}
-        self.last_policy: list[int] | None = None  # computed, padding, repeated, useful of the last training forward
+        self.last_policy = None  # computed, padding, repeated, useful of the last training forward (a tensor)
 
     # Called by the trainer around TRL's loss / reference computation
     @contextlib.contextmanager
-    def running(self, inputs: dict, forwards: tuple[str, ...], modules, padded: list[int] | None = None):
+    def running(self, inputs: dict, forwards: tuple[str, ...], modules, padded=None):
         """`inputs` without the packed keys (TRL would hand them to the model), with the fused forward of `modules`
         redirected to the packed layout while the block runs. `padded`: what the trainer's own padded forward computes
         (computed, padding, repeated prompt, useful tokens) where that is not `inputs` as one padded batch (KTO's two
@@ -369,15 +375,15 @@ class PackedDPOForward:
             install(modules)
             plan = _Plan(packed, tuple(inputs["input_ids"].shape), verify=not self.checked)
         for kind in forwards:
-            self.padded_equivalent[kind].add(padded or padded_counts(inputs))
+            self.padded_equivalent[kind].add(padded if padded is not None else padded_counts(inputs))
         token = _ACTIVE.set((self, plan))
         try:
             yield inputs
         finally:
             _ACTIVE.reset(token)
         for kind in forwards:  # after the block: a failed first check falls back within it
-            counts = [int(value) for value in (packed["packed_counts"] if self.enabled and plan else
-                                               padded or padded_counts(inputs))]
+            counts = packed["packed_counts"] if self.enabled and plan else \
+                padded if padded is not None else padded_counts(inputs)
             self.counts[kind].add(counts)
             if kind == "policy":
                 self.last_policy = counts
@@ -391,10 +397,11 @@ class PackedDPOForward:
             "dense" else ""  # FlexAttention's sums round differently from the dense mask's
         return f"packed-{self.layout}-v{PACKED_FORMAT}{flex}"
 
-    def computed_tokens(self) -> tuple[int, int] | None:
-        """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures."""
+    def computed_tokens(self) -> tuple | None:
+        """(computed, padding) tokens of the last policy forward, once: the throughput meter's layout figures (0-d
+        tensors, summed by the meter on the device until it logs)."""
         counts, self.last_policy = self.last_policy, None
-        return (counts[0], counts[1]) if counts else None
+        return (counts[0], counts[1]) if counts is not None else None
 
     def summary(self) -> dict:
         mask = {"dense": "4D mask", "flex": "FlexAttention BlockMask"}
@@ -467,16 +474,19 @@ class PackedDPOForward:
                 attend = flex_implementation(module)
         else:
             kwargs["attention_mask"] = None  # positions restarting at 0 → transformers' varlen path
-        with attend:
-            outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
-                            shift_labels=batch["packed_shift_labels"], fused_lm_head=True, **kwargs)
-        rows, length = plan.padded_shape
         source, target = batch["packed_source_index"], batch["padded_target_index"]
+        # The LM head only where a log-prob is read (answers, the prompt token before each, ORPO's prompt): TRL's
+        # fused head projects the hidden states of those positions, in the order of `source`, not the whole prompt.
+        with attend, _hidden_states_at(module, source):
+            outputs = fused(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
+                            shift_labels=batch["packed_shift_labels"].reshape(-1)[source][None], fused_lm_head=True,
+                            **kwargs)
+        rows, length = plan.padded_shape
 
         def unpack(values):
             if values is None:
                 return None
-            picked = values.reshape(-1)[source]
+            picked = values.reshape(-1)
             return picked.new_zeros(rows * (length - 1)).index_put((target,), picked).view(rows, length - 1)
 
         fields = {name: unpack(getattr(outputs, name)) for name in
@@ -517,6 +527,24 @@ class PackedDPOForward:
             return "its first batch's log-probs differ from the padded forward's on another rank"
         return (f"its first batch's log-probs differ from the padded forward's (max |difference| {worst:.3g} on this "
                 f"rank, tolerance {tolerance}); likely cause: {likely_cause(module.config)}")
+
+
+@contextlib.contextmanager
+def _hidden_states_at(module, positions: torch.Tensor):
+    """While the block runs, the backbone of `module` (what TRL's fused forward calls before its LM head) returns its
+    last hidden states at `positions` of the flattened `(rows, width)` output only, as one row `(1, positions, hidden)`:
+    the LM head then runs over those positions alone."""
+
+    def gather(backbone, args, output):
+        hidden = output.last_hidden_state
+        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)[None]
+        return output
+
+    handle = module.base_model.register_forward_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _prefix_shared_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -7,7 +7,8 @@ pause (`on_pause`, src/trainers/base.py) and the meter leaves it out of the wind
 dip after every evaluation. Wall time, which includes them, is in the report separately.
 
 Token counts come from the batches themselves (attention mask: real tokens; input_ids: real + padding), so DPO
-counts chosen and rejected sequences, and the padding fraction is what the collator actually produced.
+counts chosen and rejected sequences, and the padding fraction is what the collator actually produced. They are summed
+on the device and read when logged: a training step reads no device value (each read a GPU stall).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ThroughputMeter(TrainerCallback):
         ids = inputs.get("input_ids")
         if ids is None:
             return
-        tokens = float(mask.sum()) if mask is not None else ids.numel()
+        tokens = mask.sum() if mask is not None else ids.numel()  # on the device: read when logged
         self.tokens += tokens
         # The tokens the forward computed: the collated batch's, unless the forward lays them out itself (the packed
         # DPO forward: each prompt once, little padding), which says what it computed.
@@ -66,7 +67,7 @@ class ThroughputMeter(TrainerCallback):
         self.padding += computed[1] if computed else ids.numel() - tokens
         positions = inputs.get("position_ids")
         # A padding-free batch is one row of several sequences, each starting again at position 0.
-        rows = int((positions == 0).sum()) if mask is None and positions is not None else ids.shape[0]
+        rows = (positions == 0).sum() if mask is None and positions is not None else ids.shape[0]
         self.samples += rows / self.sequences_per_example
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -86,7 +87,8 @@ class ThroughputMeter(TrainerCallback):
             return
         seconds = time.perf_counter() - self.window_start
         tokens, computed, padding, samples, memory = _sum_and_max_over_ranks(
-            self.tokens, self.computed, self.padding, self.samples, peak_memory_mb(self.device))
+            *(float(value) for value in (self.tokens, self.computed, self.padding, self.samples)),  # the reads
+            peak_memory_mb(self.device))
         world = self.world_size = max(1, args.world_size)
         logs["perf/tokens_per_second"] = tokens / seconds
         logs["perf/tokens_per_second_per_process"] = tokens / seconds / world

@@ -25,6 +25,7 @@ def one_step(trainer, rows: list[dict], processes: int, accumulation: int) -> di
         loss = trainer.compute_loss(model, batch)
         (loss / (processes * accumulation)).backward()  # DDP's mean over ranks, accumulation's 1/A
         losses.append(float(loss.detach()))
+    trainer.metric_window.flush(trainer)  # the micro-batches' metrics, kept on the device until a log
     stored = trainer._stored_metrics["train"]
     result = {key: sum(float(value) for value in values) / len(values) for key, values in stored.items()}
     result["loss"] = sum(losses) / len(losses)

@@ -118,6 +118,29 @@ def test_per_pair_log_probs_equal_the_padded_forward(architecture, attention, to
     assert not (packed_ld - packed).abs().max() < 1e-3  # ld_alpha changed something: the check above had teeth
 
 
+def test_the_lm_head_projects_only_the_positions_whose_log_prob_is_read(tokenizer, tmp_path, monkeypatch):
+    """Issue 50 point 3: TRL's fused head gets the hidden states of each answer's tokens' predecessors (the answer's
+    positions and the prompt token before it), not the packed rows' every position (the log-probs themselves: the
+    tests above and below)."""
+    from trl.trainer import utils as trl_utils
+
+    projected = []
+    original = trl_utils._ChunkedLogProbFunction.apply
+
+    def counted(hidden_states, *rest):
+        projected.append(hidden_states.shape[0])
+        return original(hidden_states, *rest)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", staticmethod(counted))
+    rows = pairs(6, seed=3)
+    trainer = trainer_for(tiny("llama", tokenizer), tokenizer, rows, tmp_path)
+    trainer.packed_forward.checked = True  # the first-batch check would run the padded forward too
+    reference_logps(trainer, rows)
+    answers = sum(len(row["chosen_ids"]) + len(row["rejected_ids"]) for row in rows)
+    computed = trainer.packed_forward.counts["reference"].as_dict()["computed_tokens"]
+    assert projected == [answers] and answers < computed, (projected, answers, computed)
+
+
 def test_truncation_at_max_length_matches_the_padded_forward(tokenizer, tmp_path):
     rows = pairs(8, seed=2)
     model = tiny("llama", tokenizer)

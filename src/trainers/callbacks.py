@@ -25,13 +25,20 @@ class StopConditions(TrainerCallback):
     - a stop signal reached any rank: save a checkpoint now and stop;
     - a loss or gradient norm was non-finite on any rank: stop without saving, before the step can be checkpointed.
     Gradients are checked just before the optimizer applies them, and zeroed when non-finite so the in-memory
-    weights stay finite too."""
+    weights stay finite too.
+
+    No stall per micro-batch: whether a loss or gradient norm was non-finite, and the first such value, are kept on the
+    device; the agreement at the step's end is the one host read of a device value per optimizer step in a training
+    step outside logging steps (what this guarantee costs; docs/speed.md)."""
+
+    LOSS, GRADIENT_NORM = 1.0, 2.0  # which value went non-finite first, on the device
 
     def __init__(self):
         self.non_finite: str | None = None   # what went non-finite, e.g. "loss nan"
         self.diverged_at: int | None = None
         self.stopped_by: str | None = None
         self.stopped_at: int | None = None
+        self._first_non_finite: torch.Tensor | None = None  # (kind, value) on the device; kind 0: none yet
 
     def on_train_begin(self, args, state, control, **kwargs):
         set_clean_stop_point(True)  # a stop asked for from now on (the launcher gone) is taken at a step's end
@@ -39,30 +46,52 @@ class StopConditions(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         set_clean_stop_point(False)
 
+    def _note(self, kind: float, value: torch.Tensor) -> torch.Tensor:
+        """Keeps `value` (0-d) as the first non-finite one when it is and none was before; whether it is, on the
+        device: nothing is read."""
+        value = value.detach().float()
+        bad = ~torch.isfinite(value)
+        candidate = torch.stack([torch.full_like(value, kind), value])
+        if self._first_non_finite is None:
+            self._first_non_finite = torch.where(bad, candidate, torch.zeros_like(candidate))
+        else:
+            first = self._first_non_finite
+            self._first_non_finite = torch.where(bad & (first[0] == 0), candidate, first)
+        return bad
+
     def on_micro_batch(self, loss, inputs) -> None:
-        if self.non_finite is None and not torch.isfinite(loss.detach()).all():
-            self.non_finite = f"loss {float(loss.detach().float().mean())}"
+        self._note(self.LOSS, loss.detach().float().mean())
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         gradients = [p.grad for p in model.parameters() if p.grad is not None]
         if not gradients:
             return
-        norm = torch.nn.utils.get_total_norm(gradients)
-        if not torch.isfinite(norm):
-            if self.non_finite is None:
-                self.non_finite = f"gradient norm {float(norm)}"
-            for gradient in gradients:
-                gradient.zero_()
+        bad = self._note(self.GRADIENT_NORM, torch.nn.utils.get_total_norm(gradients))
+        for gradient in gradients:
+            gradient.masked_fill_(bad, 0)  # zero when non-finite, decided on the device
+
+    def _non_finite_here(self) -> torch.Tensor:
+        """1.0 if a loss or gradient norm went non-finite on this rank (on the device), else 0.0."""
+        if self._first_non_finite is None:
+            return torch.zeros(())
+        return (self._first_non_finite[0] != 0).float()
+
+    def _describe(self) -> str | None:
+        """The first non-finite value of this rank, as "loss nan" (read once the run has diverged)."""
+        if self._first_non_finite is None:
+            return None
+        kind, value = self._first_non_finite.tolist()
+        return None if kind == 0 else f"{'loss' if kind == self.LOSS else 'gradient norm'} {value}"
 
     def on_step_end(self, args, state, control, **kwargs):
         kill_starter_if_injected(f"step:{state.global_step}", args.process_index)  # a test seam
-        signalled, diverged, write_failed = any_rank(stop_signal() is not None, self.non_finite is not None,
+        signalled, diverged, write_failed = any_rank(stop_signal() is not None, self._non_finite_here(),
                                                       noticed_write_failure() is not None)
         if write_failed:  # a write failed on some rank (rank 0's metrics line, report, tracker): all stop here
             raise WriteFailed(stop_message([failure for (failure,) in gather_objects([noticed_write_failure()])]))
         if diverged:
             self.diverged_at = state.global_step
-            reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self.non_finite])) if reason]
+            reasons = [(rank, reason) for rank, (reason,) in enumerate(gather_objects([self._describe()])) if reason]
             # The rank where it started first: its loss, before the all-reduce spread NaN gradients to every rank.
             reasons.sort(key=lambda item: not item[1].startswith("loss"))
             self.non_finite = ", ".join(f"{reason} (rank {rank})" for rank, reason in reasons)

@@ -25,6 +25,19 @@ from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
 from src.run_safety.parent_watch import kill_starter_if_injected
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
+
+# What TRL 1.16's DPOTrainer._compute_loss gathers for its training metrics, in its order (MoE models: "aux_loss"
+# first), and how it turns each micro-batch's gathered values into the metrics it logs (src/trainers/device_metrics.py).
+DPO_GATHERED = ("entropy_sum", "entropy_tokens", "batch_tokens", "chosen_logits", "chosen_tokens", "rejected_logits",
+                "rejected_tokens", "correct_tokens", "accuracy_tokens", "rewards/chosen", "rewards/rejected",
+                "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+DPO_METRICS = {"entropy": Ratio("entropy_sum", "entropy_tokens"), "num_tokens": RunningTokens("batch_tokens"),
+               "logits/chosen": Ratio("chosen_logits", "chosen_tokens"),
+               "logits/rejected": Ratio("rejected_logits", "rejected_tokens"),
+               "mean_token_accuracy": Ratio("correct_tokens", "accuracy_tokens"),
+               **{name: Mean(name) for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                                "rewards/margins", "logps/chosen", "logps/rejected")}}
 
 
 class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
@@ -52,6 +65,9 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             self.dropout_off = [DropoutOff(model) for model in (kwargs.get("model"), kwargs.get("ref_model"))
                                 if model is not None and not isinstance(model, str)]
         super().__init__(*args, **kwargs)
+        aux = ("aux_loss",) if self.aux_loss_enabled else ()
+        self.metric_window = MetricWindow(aux + DPO_GATHERED, {**{name: Mean(name) for name in aux}, **DPO_METRICS},
+                                          "TRL's DPOTrainer", lambda trainer: trainer._metrics)
         if self.args.disable_dropout:
             if self.ref_model is not None and kwargs.get("ref_model") is None:  # TRL loaded it
                 self.dropout_off.append(DropoutOff(self.ref_model))
@@ -77,8 +93,13 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
+    def log(self, *args, **kwargs):
+        self.metric_window.flush(self)  # the training metrics, kept on the device since the last log
+        return super().log(*args, **kwargs)
+
     def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
         """Eval metrics as per-pair means (src/dpo_eval.py): the same on any number of processes and batch size."""
+        self.metric_window.flush(self)  # eval logs the running count of training tokens
         self.pair_metrics.reset()
         output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
         output.metrics.update(self.pair_metrics.result(metric_key_prefix))
@@ -94,11 +115,15 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         return loss.detach(), None, None
 
     def _compute_loss(self, model, inputs, return_outputs):
+        # A training micro-batch's metrics stay on the device until the next log (no stall per step); eval's are
+        # per-pair means (src/dpo_eval.py).
+        metrics = self.metric_window.recording(self) if self.model.training else contextlib.nullcontext()
         if self.packed_forward is None:
-            return super()._compute_loss(model, inputs, return_outputs)
+            with metrics:
+                return super()._compute_loss(model, inputs, return_outputs)
         # Without precomputed reference log-probs the reference forward runs inside the same call.
         forwards = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
-        with self.packed_forward.running(inputs, forwards, fused_modules(self)) as inputs:
+        with self.packed_forward.running(inputs, forwards, fused_modules(self)) as inputs, metrics:
             return super()._compute_loss(model, inputs, return_outputs)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):

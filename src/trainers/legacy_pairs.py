@@ -19,8 +19,13 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from src.packed_dpo import PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
+from src.trainers.device_metrics import Mean, MetricWindow
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+# What CPOTrainer's get_batch_loss_metrics gathers for its metrics, in its order, each logged as the gathered mean
+# (ORPOTrainer's adds two): kept on the device until a log (src/trainers/device_metrics.py)
+CPO_GATHERED = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/rejected",
+                "logps/chosen", "logits/rejected", "logits/chosen", "nll_loss")
 LABEL_PAD = -100
 
 
@@ -64,6 +69,7 @@ class PreparedPairsMixin:
 
     packed_forward = None
     nll_covers_prompt = False  # ORPO: its NLL term is over prompt + chosen answer (CPO's over the chosen answer)
+    gathered_metrics = CPO_GATHERED  # what its TRL trainer's get_batch_loss_metrics gathers, in its order
 
     @staticmethod
     def forward_for(model, tokenizer, trl_config, peft_config, packed: bool = True, attention: str = "auto") -> dict:
@@ -78,10 +84,20 @@ class PreparedPairsMixin:
             add_fused_lm_head(model, outputs=("log_probs", "mean_logits"))
         super().__init__(*args, train_dataset=pairs_only(train_dataset), eval_dataset=pairs_only(eval_dataset),
                          **kwargs)
+        self.metric_window = MetricWindow(self.gathered_metrics, {name: Mean(name) for name in self.gathered_metrics},
+                                          "trl.experimental's pair trainer", lambda trainer: trainer._stored_metrics)
         if packed_forward is not None and packed_forward.enabled:
             self.data_collator = PackedPreferenceCollator(self.data_collator, packed_forward.layout,
                                                           attention_cost_of(self.model), cut_pairs, concatenated_width,
                                                           self.nll_covers_prompt, attention=packed_forward.attention)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        with self.metric_window.recording(self):  # a training micro-batch's metrics stay on the device until a log
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def log(self, *args, **kwargs):
+        self.metric_window.flush(self)
+        return super().log(*args, **kwargs)
 
     def pad_value(self) -> int:
         """The token id that pads input ids (CPOTrainer's `pad_token_id`; ORPOTrainer calls it `padding_value`)."""
@@ -125,9 +141,12 @@ class PreparedPairsMixin:
         else:
             nll_mask = scored[:pairs, 1:] != -100
             nll = -(per_token[:pairs] * nll_mask).sum() / nll_mask.sum()
-        mean_logits = outputs.mean_logits
-        return (logps[:pairs], logps[pairs:], mean_logits[:pairs][answer[:pairs]], mean_logits[pairs:][answer[pairs:]],
-                nll)
+        # TRL reads its logits only as `.detach().mean()`: the answers' mean logit, without a boolean index (a
+        # device read: its size is only known on the device)
+        mean_logits = outputs.mean_logits * answer
+        tokens = answer.sum(-1)
+        return (logps[:pairs], logps[pairs:], mean_logits[:pairs].sum() / tokens[:pairs].sum(),
+                mean_logits[pairs:].sum() / tokens[pairs:].sum(), nll)
 
     def tokenize_row(self, feature, model=None) -> dict:
         if "chosen_ids" not in feature:  # text the user handed the trainer directly: TRL's own tokenization

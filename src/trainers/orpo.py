@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
-from src.trainers.legacy_pairs import PreparedPairsMixin
+from src.trainers.legacy_pairs import CPO_GATHERED, PreparedPairsMixin
 
 with warnings.catch_warnings():  # trl.experimental says it is experimental on import: docs/orpo.md says so
     warnings.filterwarnings("ignore", message=".*trl.experimental")
@@ -19,6 +19,7 @@ class PreparedORPOTrainer(PreparedPairsMixin, PairLengthsMixin, ToolkitTrainerMi
     """ORPOTrainer on prepared pairs, with complete-only checkpoints, the callbacks' hooks and the packed forward."""
 
     nll_covers_prompt = True  # ORPOTrainer's NLL: every real token of prompt + chosen answer
+    gathered_metrics = CPO_GATHERED + ("log_odds_ratio", "log_odds_chosen")
 
     def pad_value(self) -> int:
         return self.padding_value
