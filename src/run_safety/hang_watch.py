@@ -57,7 +57,7 @@ from src import seams
 from src.progress import format_duration
 from src.run_safety import launcher_exit
 from src.run_safety.exit_status import ExitStatus
-from src.run_safety.run_lock import process_start_time, release_if_held_by
+from src.run_safety.run_lock import create_once, process_start_time, release_if_held_by
 
 SCALE = 3.0            # the timeout is at least this many times the longest pause measured so far
 STOP_GRACE_S = 60.0    # a process frozen with the interpreter's lock held ends itself this long after the timeout
@@ -282,19 +282,6 @@ def _write_json(path: Path, value: dict) -> None:
     os.replace(temporary, path)
 
 
-def _create_once(path: Path, value: dict) -> bool:
-    """Create `path` with `value` unless it exists (atomic: link), True when this process created it."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value))
-    try:
-        os.link(temporary, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
 # ------------------------------------------------------------------------------------------------ stacks
 
 
@@ -420,7 +407,10 @@ class _Watch:
         with the last of them."""
         if _me.stopping:
             return
-        records = [_read_json(path) for path in self.board.glob("rank*.json")]
+        try:
+            records = [_read_json(path) for path in self.board.glob("rank*.json")]
+        except OSError:  # another rank, done at the same moment, has removed the board already
+            return
         if records and all(record and record.get("mode") == DONE for record in records):
             shutil.rmtree(self.board, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -500,7 +490,7 @@ class _Watch:
         _me.stopping = True  # from here the watch ends this process: what the main thread meets meanwhile is its echo
         ranks = sorted(self.records)
         sizes = {rank: self._stack_size(rank) for rank in ranks}
-        _create_once(self.board / "dump", {"by": self.rank})  # every watch that runs dumps its own process
+        create_once(self.board / "dump", {"by": self.rank})  # every watch that runs dumps its own process
         self._dump_self()
         wait_s = max(5.0, 3 * self.poll_s)
         self._stacks(ranks, sizes, wait_s / 2)
@@ -515,7 +505,7 @@ class _Watch:
                    "by": self.rank,
                    "ranks": {str(rank): describe(self.records[rank]) for rank in sorted(self.records)},
                    "description": describe(record)}
-        if _create_once(self.board / "verdict.json", verdict):
+        if create_once(self.board / "verdict.json", verdict):
             self._announce(verdict)
         self._stop(_read_json(self.board / "verdict.json") or verdict)
 

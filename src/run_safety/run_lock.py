@@ -241,8 +241,9 @@ def release_if_held_by(run_dir: Path, pid, host) -> bool:
     return True
 
 
-def _create(path: Path, me: dict) -> bool:
-    """Create the hold atomically (link of a complete temporary file); False if it exists."""
+def create_once(path: Path, me: dict) -> bool:
+    """Create `path` holding `me` (JSON) atomically, a link of a complete temporary file, so a reader never sees it
+    half-written: True when this process created it, False if it exists (the hold; the hang watch's verdict)."""
     temporary = path.with_name(f"{path.name}.{_process_tag()}.tmp")
     temporary.write_text(json.dumps(me))
     try:
@@ -260,7 +261,7 @@ def acquire(run_dir: Path) -> Hold:
     path.parent.mkdir(parents=True, exist_ok=True)
     took_over = None
     for _ in range(5):
-        if _create(path, me):
+        if create_once(path, me):
             return Hold(path, me, took_over)
         holder = _read(path)
         if holder is None:  # removed between our link and our read (its job just ended): try again
