@@ -94,3 +94,29 @@ def test_the_launcher_exits_with_the_recorded_status_when_removing_its_directory
     assert done.returncode == ExitStatus.NODE_LOST, done.stderr
     assert (tmp_path / "rm-failed").exists(), "the fake rm was used"
     assert list(launches.iterdir()) == [], "removed on the second try"
+
+
+def test_a_watch_stop_from_any_local_rank_ends_its_agent(tmp_path):
+    """A lost node seen first by local rank 1: it must end its torchrun agent itself. Left to local rank 0 (as it was),
+    the agent restarted the workers, which found the recorded status and exited 0, and the agent then waited at its
+    exit barrier for the lost node for 5 minutes (a two-host test in CI). Here the "agent" is a process whose child
+    calls end_job; the agent is killed, not left to wait."""
+    import signal
+    import subprocess
+    import sys
+
+    worker = "from src.run_safety import launcher_exit; launcher_exit.end_job(6)"
+    agent = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {worker!r}]); time.sleep(60)"
+    env = {**__import__("os").environ, "PREFKIT_EXIT_DIR": str(tmp_path), "TORCHELASTIC_RUN_ID": "job", "RANK": "1",
+           "LOCAL_RANK": "1"}
+    process = subprocess.run([sys.executable, "-c", agent], env=env, cwd=Path(__file__).resolve().parents[1],
+                             timeout=30)
+    assert process.returncode == -signal.SIGKILL, "killed by its worker, without torchrun's SIGTERM traceback"
+    assert (tmp_path / "rank-1").read_text() == "6\n"
+
+
+def test_one_worker_of_a_node_says_why(under_launcher, tmp_path, monkeypatch):
+    assert launcher_exit.says_why(local_rank=1) and not launcher_exit.says_why(local_rank=0), "the first to claim it"
+    assert launcher_exit.recorded() is None, "the claim is no exit status"
+    monkeypatch.delenv("PREFKIT_EXIT_DIR")  # plain torchrun: local rank 0 says it
+    assert launcher_exit.says_why(local_rank=0) and not launcher_exit.says_why(local_rank=1)

@@ -570,7 +570,7 @@ class _Watch:
             sys.stderr.flush()
             os._exit(0)
         # Plain torchrun: its agent ends too (a restart would stick at the same place again)
-        launcher_exit.end_job(ExitStatus.HUNG, int(os.environ.get("LOCAL_RANK", "0")))
+        launcher_exit.end_job(ExitStatus.HUNG)
 
     def stop_reason(self, verdict: dict) -> str:
         """training_info.json's stop_reason: "stopped by a hang: rank 1 in the judge (...) at step 10: ..."."""

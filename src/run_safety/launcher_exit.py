@@ -46,14 +46,15 @@ def record(code: int) -> bool:
     return True
 
 
-def end_job(code: int, local_rank: int) -> None:
-    """End this worker now with `code`, from a watch thread (a lost node, a hang), recorded for the launcher. Local
-    rank 0 ends its torchrun agent too: a restart would wait for a lost node again (a static multi-node job cannot
-    re-form without it) or stick where the job stuck, and a finished agent would wait for the others at its exit
-    barrier. Under run_distributed.sh (the status recorded) the agent is killed without its SIGTERM traceback; under
-    plain torchrun, SIGTERM lets it stop its workers."""
+def end_job(code: int) -> None:
+    """End this worker now with `code`, from a watch thread (a lost node, a hang), recorded for the launcher, and its
+    torchrun agent with it, whichever local rank noticed first: a restart would wait for a lost node again (a static
+    multi-node job cannot re-form without it) or stick where the job stuck, and a restarted worker that finds the
+    status recorded exits 0, which leaves its agent waiting at its exit barrier for the lost node (5 minutes). Under
+    run_distributed.sh (the status recorded) the agent is killed without its SIGTERM traceback; under plain torchrun,
+    SIGTERM lets it stop its workers."""
     under_launcher = record(code)
-    if local_rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
         try:
             os.kill(os.getppid(), signal.SIGKILL if under_launcher else signal.SIGTERM)
         except OSError:
@@ -61,6 +62,22 @@ def end_job(code: int, local_rank: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def says_why(local_rank: int) -> bool:
+    """True for the one worker of this node that prints why the job stops: under run_distributed.sh the first to
+    claim it in the launch's directory (any local rank: the one that noticed first ends the node at once), else local
+    rank 0."""
+    directory = _directory()
+    if directory is None or not directory.is_dir():
+        return local_rank == 0
+    try:
+        os.close(os.open(directory / "says-why", os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # a local directory: atomic
+    except FileExistsError:
+        return False
+    except OSError:  # the launcher already gone: the node is ending anyway
+        return local_rank == 0
+    return True
 
 
 def settle(code: int) -> int:

@@ -7,9 +7,9 @@ node never joins.
   torchrun's agent on node 0 keeps (MASTER_ADDR:MASTER_PORT); the counters need no synchronised clocks.
 - A rank whose counter has not moved for the timeout (by this process's own monotonic clock) has stopped answering:
   its node is named. A store that does not answer for the timeout means node 0 (which holds it) is gone.
-- Once a node is found lost, local rank 0 of each surviving node prints the line, asks its torchrun agent to end (a
-  static multi-node job cannot re-form without the lost node, so a restart would only wait again), and every process
-  exits with ExitStatus.NODE_LOST (6); the newest complete checkpoint stays for the relaunch.
+- Once a node is found lost, the first process of each surviving node to see it prints the line and ends its torchrun
+  agent (a static multi-node job cannot re-form without the lost node, so a restart would only wait again); every
+  process exits with ExitStatus.NODE_LOST (6); the newest complete checkpoint stays for the relaunch.
 """
 
 from __future__ import annotations
@@ -103,10 +103,10 @@ def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
 
 
 def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str) -> None:
-    if world.local_rank == 0:
+    if launcher_exit.says_why(world.local_rank):
         newest = newest_checkpoint()
         resume = (f"a relaunch of the same command on every node resumes from {newest}" if newest else
                   "no complete checkpoint was saved yet")
         print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
               f"stopping this node; {resume}", file=sys.stderr, flush=True)
-    launcher_exit.end_job(ExitStatus.NODE_LOST, world.local_rank)  # its torchrun agent too: a restart would wait
+    launcher_exit.end_job(ExitStatus.NODE_LOST)  # its torchrun agent too: a restart would wait
