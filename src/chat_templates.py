@@ -312,4 +312,10 @@ def conversation_ids(tokenizer, prompt: list[dict], *answers: list[dict], keep_r
 def tools_argument(row: dict) -> dict:
     """The row's tool schemas for the template (`tools` may arrive as JSON text from a file)."""
     tools = row.get("tools")
-    return {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+    if not isinstance(tools, str):
+        return {"tools": tools}
+    try:
+        return {"tools": json.loads(tools)}
+    except json.JSONDecodeError as error:
+        raise TemplateCannotExpress(f"its `tools` column is not JSON ({error}): give the tool schemas as a JSON list "
+                                    "of {\"type\": \"function\", \"function\": {...}} objects") from None

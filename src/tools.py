@@ -262,16 +262,23 @@ def session_for(config) -> ToolSession | None:
 
 
 def sample_with_tools(sample: Callable, tokenizer, prompts: list[list[int]], session: ToolSession,
-                      max_new_tokens: int, stop_ids: set[int]) -> list[Trajectory]:
+                      max_new_tokens: int, stop_ids: set[int], keep_sampling: Callable | None = None
+                      ) -> list[Trajectory]:
     """Each prompt's trajectory: `sample(indices, contexts, turn, budgets)` writes one turn for every prompt still
     going (its index, its context's token ids → the turn's ids, ending at a stop token or its budget), whose calls are
     run and their results appended in the template's tool role, up to `max_tool_turns` rounds of calls and
-    `max_new_tokens` answer tokens in all (tool results included, as TRL's GRPO counts a completion)."""
+    `max_new_tokens` answer tokens in all (tool results included, as TRL's GRPO counts a completion).
+    `keep_sampling(going)` (a collective: whether any process still has a turn to write) makes every process sample
+    the same number of turns, `sample` called with none of its own once it is done: under DeepSpeed ZeRO-3 each
+    generate call gathers the parameters from every process, and a process that stopped early would leave the others
+    waiting in it."""
     toolbox, runner, max_tool_turns = session.toolbox, session.runner, session.max_tool_turns
     syntax = call_syntax(tokenizer)
     trajectories = [Trajectory() for _ in prompts]
     going = list(range(len(prompts)))
     for turn in range(max_tool_turns + 1):
+        if not (keep_sampling(bool(going)) if keep_sampling else going):
+            break
         budgets = [max_new_tokens - len(trajectories[index].ids) for index in going]
         written = sample(going, [prompts[index] + trajectories[index].ids for index in going], turn, budgets)
         next_going = []
@@ -295,8 +302,6 @@ def sample_with_tools(sample: Callable, tokenizer, prompts: list[list[int]], ses
             trajectory.add(suffix, written=False)
             next_going.append(index)
         going = next_going
-        if not going:
-            break
     return trajectories
 
 

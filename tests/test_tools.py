@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -84,7 +85,10 @@ def test_the_registry_gives_each_function_its_schema_and_refuses_what_it_cannot_
     for spec, message in [("tool_registry", "expected module:registry"), ("no_such_module:TOOLS", "cannot import"),
                           ("tool_registry:MISSING", "has no attribute MISSING"),
                           ("tool_registry:NOT_A_REGISTRY", "the registry is a int"),
-                          ("tool_registry:UNTYPED", "no schema for untyped from its signature.*type hint")]:
+                          ("tool_registry:UNTYPED", "no schema for untyped from its signature.*type hint"),
+                          ("tool_registry:SCHEMA_NOT_AN_OBJECT", "the schema of lookup is not a JSON object"),
+                          ("tool_registry:SCHEMA_WITHOUT_OBJECT", "the schema of lookup has no parameters of type "
+                                                                  "object")]:
         with pytest.raises(ToolsError, match=message) as raised:
             validate(spec, 4, 5.0)
         assert "\n" not in str(raised.value) and str(raised.value).startswith(f"--tools {spec}")
@@ -365,6 +369,14 @@ def test_the_data_audit_counts_calls_that_do_not_parse_name_an_unknown_tool_or_b
     assert (train["tool_calls"], train["tool_unparsed"], train["tool_unknown"], train["tool_schema"]) == (20, 4, 4, 4)
     assert "20 tool calls; 4 with arguments that do not parse, 4 naming a tool the row's `tools` lack, 4 breaking " \
            "its schema" in format_data_audit(prepared.summary["audit"], "dpo")
+    # A `tools` column that is not JSON: one line naming the row, not a traceback from inside the tokenizing map.
+    from src.data import DataError
+
+    broken = write_jsonl(tmp_path / "broken.jsonl", [dict(rows[0], tools="[{not json")] + rows[1:])
+    with pytest.raises(DataError, match=r"broken.jsonl row 1: .*its `tools` column is not JSON \(") as raised:
+        prepare_data(DataArguments(dataset_name=str(broken), val_size=0, test_size=0, max_length=4096), SFTArguments(),
+                     "dpo", 0, tokenizer, tmp_path / "cache")
+    assert "\n" not in str(raised.value)
 
 
 def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(tmp_path):
@@ -449,3 +461,95 @@ def test_the_tools_flags_are_checked_with_the_configuration_in_one_line_each():
                           require_sources=False)
     assert (config.training.tools, config.training.max_tool_turns, config.training.turn_credit) == (
         "src.embedded.tools_task:TOOLS", 2, 0.0)
+
+
+def test_grpo_with_tools_gives_the_same_numbers_on_1x2_and_2x1_and_after_a_killed_job(tmp_path, monkeypatch):
+    """GRPO with --tools, 2 steps of 8 answers (2 prompts x 4), forked (tests/forked.py): 2 processes x 1 accumulation
+    step, and 1 x 2 killed whole right after checkpoint-1 and launched again. Each answer's first turn is scripted from
+    its turn seed (a right multiply call or a call to a tool that does not exist: a tool result or an error result);
+    every later turn is the tiny model's own seeded sampling after the result. The answers (tool results included),
+    the judge's rewards, the advantages and the loss are the same on either split and after the resume."""
+    import re
+
+    from conftest import build_tiny_model
+    from src.trainers.grpo import PreparedGRPOTrainer
+
+    questions = [(100 + 37 * index, 200 + 53 * index) for index in range(8)]
+    corpus = [f"What is {a} times {b}? It is {a * b}." for a, b in questions] + [TURNS["chatml-qwen2.5"][0]]
+    model = build_tiny_model(tmp_path / "model", corpus, template="chatml-qwen2.5")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ends = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id).save_pretrained(model)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}],
+                                        "meta": {"product": a * b}}) + "\n" for a, b in questions))
+    sampled = PreparedGRPOTrainer._sampled
+
+    def first_turn_scripted(self, contexts, seeds, budget):
+        written = sampled(self, contexts, seeds, budget)  # the model's own turns (and the collective it may make)
+        for index, (context, seed) in enumerate(zip(contexts, seeds)):
+            text = self._tokenizer.decode(context)
+            asked = re.findall(r"What is (\d+) times (\d+)\?", text)  # none: ZeRO-3's stand-in turn, discarded
+            if asked and "<tool_response>" not in text:
+                a, b = asked[-1]
+                call = TURNS["chatml-qwen2.5"][0].replace("123", a).replace("456", b)
+                if int(a) % 2 == 0:  # answered without a call: one turn (a process may be done before the other)
+                    call = f"It is {int(a) * int(b)}.<|im_end|>"
+                written[index] = _ids(self._tokenizer, call if seed % 2 else call.replace("multiply", "divide"))
+        return written
+
+    monkeypatch.setattr(PreparedGRPOTrainer, "_sampled", first_turn_scripted)  # inherited by the forked runs
+    import forked
+    import grpo_probe
+    from src import run_files, seams
+
+    from engine_launch import accelerate_environment
+
+    runs = {}
+    for name, processes, accumulation in (("2x1", 2, 1), ("1x2", 1, 2), ("zero3", 2, 1)):
+        probe = tmp_path / "probe" / name
+        arguments = [str(probe), "--stage", "grpo", "--model_name_or_path", str(model), "--dataset_name", str(data),
+                     "--results_dir", str(tmp_path / "results"), "--run_name", name, "--batch_size", "8",
+                     "--num_generations", "4", "--max_steps", "2", "--gradient_accumulation_steps", str(accumulation),
+                     "--max_new_tokens", "96", "--learning_rate", "1e-3", "--beta", "0.1", "--logging_steps", "1",
+                     "--save_steps", "1", "--num_samples", "0", "--val_size", "0", "--test_size", "0",
+                     "--max_length", "192", "--seed", "5", "--judge", "tool_registry:result_judge",
+                     "--tools", "tool_registry:MULTIPLY", "--max_tool_turns", "1", "--audit_judge_pairs", "0"]
+        environment = (accelerate_environment("zero3") if name == "zero3" else dict(os.environ)) | {
+            "OMP_NUM_THREADS": "1"}
+        killed = tmp_path / f"killed-{name}"
+        seam = seams.env({}, kill_at_checkpoint=f"after_complete:1:*:{killed}") if processes == 1 else {}
+        result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
+        if seam:
+            assert Path(f"{killed}.rank0").exists() and result.returncode == -9, result.stdout[-3000:]
+            result = forked.run_job(processes, arguments, env=environment, entry=grpo_probe.entry)
+        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(processes)]
+        records = run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
+        runs[name + " turns"] = [{answer["step"]: 0 for answer in rank["answers"]} | {
+            answer["step"]: 1 for answer in rank["answers"] if "<tool_response>" in tokenizer.decode(answer["answer"])}
+            for rank in ranks]  # per rank and step: whether any answer went on after a tool result
+        runs[name] = {"answers": sorted((answer["step"], answer["prompt"], answer["answer"], answer["advantage"])
+                                        for rank in ranks for answer in rank["answers"]),
+                      "rewards": ranks[0]["rewards"], "metrics": [record for record in records if "loss" in record]}
+    reference, resumed, zero3 = runs["2x1"], runs["1x2"], runs["zero3"]
+    # Step 1: one process's answers all stop at their first turn while the other's go on after a tool result: under
+    # ZeRO-3 (every generate call gathers the parameters from both) the done one joins the other's turns.
+    assert runs["zero3 turns"] == runs["2x1 turns"] and runs["2x1 turns"][0][0] != runs["2x1 turns"][1][0]
+    assert zero3["answers"] == reference["answers"] and zero3["rewards"] == reference["rewards"]
+    assert [record["loss"] for record in zero3["metrics"]] == pytest.approx(
+        [record["loss"] for record in reference["metrics"]], rel=1e-5, abs=1e-7)
+    results = [answer for answer in reference["answers"] if "<tool_response>" in tokenizer.decode(answer[2])]
+    assert len(reference["answers"]) == 16 and 0 < len(results) < 16  # both kinds of first turn were sampled
+    assert any(answer[3] != 0 for answer in reference["answers"])
+    assert [answer[:3] for answer in resumed["answers"]] == [answer[:3] for answer in reference["answers"]
+                                                            if answer[0] == 1]  # the resumed launch's step 2
+    assert [answer[3] for answer in resumed["answers"]] == pytest.approx(
+        [answer[3] for answer in reference["answers"] if answer[0] == 1], abs=1e-5)
+    assert resumed["rewards"] == {"1": reference["rewards"]["1"]}
+    assert [record["step"] for record in resumed["metrics"]] == [1, 2]
+    for key in ("loss", "kl", "reward", "tools/calls_per_answer", "tools/errors_per_answer", "tools/turns_per_answer"):
+        assert [record[key] for record in resumed["metrics"]] == pytest.approx(
+            [record[key] for record in reference["metrics"]], abs=1e-5), key

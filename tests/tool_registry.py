@@ -71,3 +71,10 @@ def product_judge(row: dict, text: str) -> dict:
     score = float(final == f"It is {row['meta']['product']}.")
     return {"score": score, "called": "<tool_call>" in text,
             "turn_rewards": [float('"name": "multiply"' in text), score]}  # the call's turn, the answer's
+
+
+def result_judge(row: dict, text: str) -> dict:
+    """A judge of trajectories: 1 when the product came back from the tool (a right call was run), else 0."""
+    return {"score": float(str(row["meta"]["product"]) in text)}
+SCHEMA_NOT_AN_OBJECT = {"lookup": {"function": lambda key: "v", "schema": "{'key': str}"}}
+SCHEMA_WITHOUT_OBJECT = {"lookup": {"function": lambda key: "v", "schema": {"type": "string"}}}

@@ -29,7 +29,8 @@ import time
 import torch
 from trl import GRPOTrainer
 
-from src.distributed import gather_objects
+from src.distributed import any_rank, gather_objects
+from src.engines import engine_record
 from src.generation import Sampling, SeededSampling, answer_seed
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.tools import sample_with_tools, summary
@@ -249,18 +250,25 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         """TRL's `rollout_func` with --tools: each answer a trajectory (src/tools.py), every turn from the answer's
         seed and the turn, the tool results masked from the loss (TRL's `env_mask`); the judges read the whole
         trajectory, and its tool record (`tool_record`: calls, valid calls, errors, turns) as a column. Tool use is
-        logged as tools/* means over the answers."""
+        logged as tools/* means over the generation batch's answers, every process's."""
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         seeds = self._answer_seeds()
 
         def sample(indices, contexts, turn, budgets):
+            if not indices:  # ZeRO-3: this process is done, its peers are not; it joins their generate (discarded)
+                self._sampled([prompt_ids[0][-1:]], [0], 1)
+                return []
             written = self._sampled(contexts, [answer_seed(seeds[index], "turn", turn) for index in indices],
                                     max(budgets))
             return [ids[:budget] for ids, budget in zip(written, budgets)]
 
+        # Under ZeRO-3 every generate call is a collective (the parameters gathered): the processes agree on each turn.
+        zero3 = engine_record(self.accelerator).get("zero_stage") == 3
         trajectories = sample_with_tools(sample, self._tokenizer, prompt_ids, self.tool_session,
-                                         self.max_completion_length, set(self.eos_token_ids))
-        used = summary(trajectories)
+                                         self.max_completion_length, set(self.eos_token_ids),
+                                         keep_sampling=(lambda going: any_rank(going)[0]) if zero3 else None)
+        # Over the whole generation batch (every process's answers), so the logged tool use is the same on any split.
+        used = summary([trajectory for (share,) in gather_objects([trajectories]) for trajectory in share])
         mode = "train" if self.model.training else "eval"
         for key in ("calls_per_answer", "turns_per_answer"):
             self._metrics[mode][f"tools/{key}"].append(used[key])
@@ -278,7 +286,8 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        mask = inputs["completion_mask"]
+        # The tokens TRL's KL and entropy means run over: with --tools, the model's own (tool results masked).
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         counts = self.accelerator.reduce(torch.stack([mask.sum().float(), torch.tensor(float(mask.size(0)),
                                                                                     device=mask.device)]), "sum")
         self._micro_batch_weights.setdefault(mode, []).append(counts.tolist())
