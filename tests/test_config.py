@@ -270,7 +270,7 @@ def test_a_stage_run_alone_from_a_recipe_gets_its_own_run_directory():
     """`./run_distributed.sh 2 --stage dpo` takes configs/default.yaml (SFT then DPO) for all but the stage: its results
     go to results/default-dpo, not into the default pipeline's results/default. The recipe's own stage, typed or not,
     keeps the recipe's name, and the same command names the same directory (it resumes)."""
-    from src.main_distributed import plan_stages, run_name_for
+    from src.pipeline.stages import plan_stages, run_name_for
 
     launches = [[], ["--stage", "sft_then_dpo"], ["--stage", "dpo"], ["--stage", "sft"],
                 ["--stage", "dpo", "--run_name", "mine"], ["--config", "configs/kto.yaml"],

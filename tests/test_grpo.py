@@ -96,7 +96,7 @@ def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_b
     from src.plan import stage_plans
     from src.world import Devices, World
     from src.data import source_location
-    from src.main_distributed import plan_stages
+    from src.pipeline.stages import plan_stages
     from src.objectives import PIPELINES, STAGES
     from src.trainers.trl_config import build_trl_config
 
@@ -182,7 +182,8 @@ def test_mistakes_are_one_line_before_anything_runs(tiny_model, tmp_path):
     from contextlib import redirect_stderr
     from io import StringIO
 
-    from src.main_distributed import exit_status
+    from src.main_distributed import run
+    from src.pipeline.exits import exit_status
 
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
     pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
@@ -191,7 +192,7 @@ def test_mistakes_are_one_line_before_anything_runs(tiny_model, tmp_path):
     for extra, start, then in cases:
         errors = StringIO()
         with redirect_stderr(errors):
-            code = exit_status(grpo_args(tiny_model, data, tmp_path / "r", "m") + extra + ["--dry_run"])
+            code = exit_status(run, grpo_args(tiny_model, data, tmp_path / "r", "m") + extra + ["--dry_run"])
         stderr = errors.getvalue()
         lines = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert code == 2 and len(lines) == 1 and start in lines[0] and then in lines[0], (extra, stderr[-2000:])

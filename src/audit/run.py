@@ -1,4 +1,5 @@
-"""The audit inside a training run: what src/main_distributed.py calls at each step of a stage.
+"""The audit inside a training run: what a stage of the pipeline calls at each of its steps (src/main_distributed.py,
+src/pipeline/).
 
     info["data_audit"] = opening(prepared.summary, stage)    # training_info.json as the stage opens
     judge_training_pairs(prepared, stage, world)              # before training, every rank its share
