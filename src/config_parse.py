@@ -296,8 +296,8 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
     config.sources = sources
     row = objective(stage)
-    if row.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
-        row.validate(config)
+    if row.training.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
+        row.training.validate(config)
     if row.data_shape != UNPAIRED and (config.data.kto_from_pairs or config.data.label_column):
         flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
         unpaired = [name for name in STAGES if objective(name).data_shape == UNPAIRED]
@@ -385,7 +385,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         stage_overrides=stage_overrides,
     )
     if config.dpo.beta is None:  # not given: the objective's own, a value in its row (SimPO 2.0, DPO 0.1, GRPO 0)
-        config.dpo.beta = objective(stage).default_beta
+        config.dpo.beta = objective(stage).training.default_beta
     validate(config)
     return config
 

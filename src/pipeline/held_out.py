@@ -146,7 +146,7 @@ def judged_eval_of(stage: Stage, prepared: PreparedData, held_out: HeldOut, toke
     (src/trainers/judged_eval.py): the first --judged_eval_prompts validation prompts, scored by --judge; None without
     them or a judge. Its start reuses the answers judged before training when they are to the same prompts."""
     config, rows, before = stage.config, held_out.rows, held_out.before
-    count = config.training.judged_eval_prompts if objective(stage.name).judged_eval else 0
+    count = config.training.judged_eval_prompts if objective(stage.name).training.judged_eval else 0
     curve_rows = held_out_rows(prepared, "validation", count)
     judge = judge_for(config.training.judge, config.data.dataset_name) if curve_rows else None
     if judge is None:

@@ -100,7 +100,7 @@ def check_dpo_forward(stages: list[Stage], model_path: str) -> str | None:
     """Which DPO forward will run, from the model's config alone, before any data is prepared: one warning line when
     the packed forward is refused (src/packed_dpo_support.py), and its reason returned; a model no DPO forward can run
     stops the launch."""
-    stage = next((stage for stage in stages if objective(stage.name).packed_forward), None)  # rounds train as it does
+    stage = next((stage for stage in stages if objective(stage.name).training.packed_forward), None)  # rounds train as it does
     if stage is None:
         return None
     reason = packed_dpo_support.preflight(model_path, stage.config.model, stage.config.trl_overrides,

@@ -61,8 +61,8 @@ def open_stage(stage: Stage, model_path: str, prepared: PreparedData, world: Wor
         ([start_warning] if start_warning else [])
     row = objective(stage.name)
     data_settings, data_line = {}, None
-    if row.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
-        data_settings, data_line, warning = row.data_settings(config, prepared.summary["splits"]["train"])
+    if row.training.data_settings:  # KTO's desirable / undesirable weights: the flags', or set from the data's counts
+        data_settings, data_line, warning = row.training.data_settings(config, prepared.summary["splits"]["train"])
         warnings += [warning] if warning else []
     no_intact_checkpoint = None
     if world.is_main:
@@ -123,9 +123,9 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
         "config": config.flat(),
     }
     row = objective(stage.name)
-    if row.run_info:
-        settings = row.data_settings(config, prepared.summary["splits"]["train"])[0] if row.data_settings else {}
-        info.update(row.run_info(config, settings))
+    if row.report.run_info:
+        settings = row.training.data_settings(config, prepared.summary["splits"]["train"])[0] if row.training.data_settings else {}
+        info.update(row.report.run_info(config, settings))
     if stage.round:
         info["round"] = {"round": stage.round, "of": config.dpo.rounds, "reference": config.dpo.round_reference,
                          "from_prompts": stage.from_prompts, **(stage.round_record or {})}

@@ -82,7 +82,7 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
         output_dir = Path(staged.training.output_dir) if staged.training.output_dir else stage_dir / "model"
         if len(labels) > 1 and label != labels[-1] and staged.training.output_dir:
             output_dir = output_dir / label
-        preflight = objective(name).preflight
+        preflight = objective(name).training.preflight
         refusal = preflight(name, staged, plan, world.world_size) if preflight else None
         if refusal:
             raise ConfigError(refusal)

@@ -45,7 +45,8 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
     from src.trainers.build import build_trainer
     from src.trainers.trl_config import build_trl_config
 
-    config, plan, row = stage.config, stage.plan, objective(stage.name)
+    config, plan = stage.config, stage.plan
+    row = objective(stage.name)
     # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on a
     # loss; an objective whose evaluation is judged (GRPO) judges some of them at each evaluation as well.
     held_out.judged_eval = judged_eval_of(stage, prepared, held_out, tokenizer, world)
@@ -59,7 +60,7 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
                             packed_attention=plan.packed_attention,
                             ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None,
-                            trainer_inputs=row.trainer_inputs(config) if row.trainer_inputs else None)
+                            trainer_inputs=row.training.trainer_inputs(config) if row.training.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
     trackers = TrackerRecord(config.training.report_to, start.info_path,
@@ -70,7 +71,7 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
     if held_out.tools is not None and hasattr(trainer, "use_tools"):
         trainer.use_tools(held_out.tools)
         trainer.turn_credit = config.training.turn_credit
-    if world.is_main and row.needs_reference and "reference" in row.audit_parts:
+    if world.is_main and row.training.needs_reference and "reference" in row.report.audit_parts:
         data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
     if world.is_main and getattr(trainer, "reference_cache", None):
         announce_reference_cache(trainer.reference_cache, stage, start.info_path)

@@ -95,7 +95,7 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
                          f"(chosen − rejected log-prob) median {format_number(margin.get('median'), 3)}, 5–95% "
                          f"{format_number(margin.get('p5'), 3)} … {format_number(margin.get('p95'), 3)}.")
         else:
-            lines.append(f"**Reference model:** {objective(stage).reference_unmeasured}")
+            lines.append(f"**Reference model:** {objective(stage).report.reference_unmeasured}")
         if train.get("judge_inverted_share") is not None:
             lines.append(f"**Judge ({train.get('judge')}):** of {format_number(train.get('judged_pairs'))} training "
                          f"pairs, ranks {format_percent(train['judge_inverted_share'])} the other way (listed in "
