@@ -138,63 +138,10 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
         return []
     row = objective(stage)
     paired = row.data_shape in PAIRED_SHAPES
-    alerts = []
-    pairs = train.get("pairs") or 0
-    if paired:
-        longer, shorter = train.get("chosen_longer_share") or 0, train.get("chosen_shorter_share") or 0
-        if max(longer, shorter) >= LENGTH_BIAS:
-            way = "longer" if longer >= shorter else "shorter"
-            alerts.append(_finding(
-                "data_length_bias", f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} "
-                f"answer chosen (mean {train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
-                way=way, share=_percent(max(longer, shorter)), remedy=row.advice.length_remedy))
-        inverted = train.get("judge_inverted_share")
-        if inverted is not None and inverted >= INVERTED:
-            flags = row.advice.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))
-            alerts.append(_finding(
-                "data_inverted_labels", f"{train.get('judge')} scored the rejected answer above the chosen one in "
-                f"{_percent(inverted)} of {train.get('judged_pairs'):,} training pairs; they are listed in "
-                f"{train.get('inverted_pairs_file')}", share=_percent(inverted),
-                remedy=f"; or train through them with {flags} (assumes that share of labels is flipped)." if flags
-                else "."))
-        ties = train.get("judge_tie_share")
-        if ties is not None and ties >= TIES:
-            flags = row.advice.label_noise_flags.format(smoothing=0.1)
-            alerts.append(_finding(
-                "data_judge_ties", f"{train.get('judge')} gave the chosen and the rejected answer the same score in "
-                f"{_percent(ties)} of {train.get('judged_pairs'):,} training pairs", share=_percent(ties),
-                remedy=f", or soften the loss with {flags}." if flags else "."))
-        near = train.get("near_identical_share") or 0
-        if "data_near_identical" in row.report.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
-            alerts.append(_finding(
-                "data_near_identical", f"in {_percent(near)} of training pairs the answers share over 80% of the "
-                f"shorter one's tokens from the start (median overlap {_percent(train.get('overlap_median'))})",
-                share=_percent(near)))
-    truncated = train.get("truncated_share") or 0  # pairs with either answer cut; SFT: sequences
-    if truncated >= TRUNCATED:
-        alerts.append(_finding(
-            "data_truncation",
-            (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
-             f"{_percent(train.get('rejected_truncated_share'))} of pairs" if paired else
-             f"{_percent(truncated)} of sequences are longer than --max_length"),
-            share=_percent(truncated), unit="pairs" if paired else "rows", suggested=train.get("suggested_max_length")))
+    alerts = _pair_alerts(train, row, loss_type) if paired else []
+    alerts += _truncation_alerts(train, paired)
     alerts += reasoning_alerts(train, row)
-    duplicates = train.get("duplicate_share") or 0
-    if duplicates >= DUPLICATES:
-        alerts.append(_finding(
-            "data_duplicates", f"{train.get('duplicate_pairs'):,} of {train.get('rows'):,} rows repeat an earlier row "
-            f"(first: rows {train.get('first_duplicate_rows')})", share=_percent(duplicates)))
-    identical = train.get("identical_share") or 0
-    by_drop = train.get("identical_by_reasoning_drop") or 0
-    if paired and identical >= IDENTICAL and by_drop * 2 >= (train.get("identical_pairs") or 0):
-        alerts.append(_finding(
-            "data_identical_by_reasoning_drop", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training "
-            f"rows were dropped: {by_drop:,} of them differ only in their reasoning, which --reasoning drop removes",
-            share=_percent(identical)))
-    elif paired and identical >= IDENTICAL:
-        alerts.append(_finding(
-            "data_identical", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: "
-            "the same answer on both sides", share=_percent(identical)))
+    alerts += _repeated_row_alerts(train, paired)
     for kind in ("validation", "test"):
         leaked = ((audit or {}).get(kind) or {}).get("prompts_in_train_share") or 0
         if leaked >= HELD_OUT_IN_TRAIN:
@@ -211,6 +158,79 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
             f"{train.get('reference_pairs'):,} training pairs the labels' way "
             f"({_percent(train.get('reference_agreement_per_token'))} per token)",
             share=_percent(agreement), name=row.display_name))
+    return alerts
+
+
+def _pair_alerts(train: dict, row, loss_type=None) -> list[Alert]:
+    """What a training split of pairs teaches besides the preference: length, labels a judge ranks the other way or
+    cannot tell apart, near-identical answers."""
+    alerts = []
+    pairs = train.get("pairs") or 0
+    longer, shorter = train.get("chosen_longer_share") or 0, train.get("chosen_shorter_share") or 0
+    if max(longer, shorter) >= LENGTH_BIAS:
+        way = "longer" if longer >= shorter else "shorter"
+        alerts.append(_finding(
+            "data_length_bias", f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} "
+            f"answer chosen (mean {train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
+            way=way, share=_percent(max(longer, shorter)), remedy=row.advice.length_remedy))
+    inverted = train.get("judge_inverted_share")
+    if inverted is not None and inverted >= INVERTED:
+        flags = row.advice.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))
+        alerts.append(_finding(
+            "data_inverted_labels", f"{train.get('judge')} scored the rejected answer above the chosen one in "
+            f"{_percent(inverted)} of {train.get('judged_pairs'):,} training pairs; they are listed in "
+            f"{train.get('inverted_pairs_file')}", share=_percent(inverted),
+            remedy=f"; or train through them with {flags} (assumes that share of labels is flipped)." if flags
+            else "."))
+    ties = train.get("judge_tie_share")
+    if ties is not None and ties >= TIES:
+        flags = row.advice.label_noise_flags.format(smoothing=0.1)
+        alerts.append(_finding(
+            "data_judge_ties", f"{train.get('judge')} gave the chosen and the rejected answer the same score in "
+            f"{_percent(ties)} of {train.get('judged_pairs'):,} training pairs", share=_percent(ties),
+            remedy=f", or soften the loss with {flags}." if flags else "."))
+    near = train.get("near_identical_share") or 0
+    if "data_near_identical" in row.report.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
+        alerts.append(_finding(
+            "data_near_identical", f"in {_percent(near)} of training pairs the answers share over 80% of the "
+            f"shorter one's tokens from the start (median overlap {_percent(train.get('overlap_median'))})",
+            share=_percent(near)))
+    return alerts
+
+
+def _truncation_alerts(train: dict, paired: bool) -> list[Alert]:
+    """Pairs with either answer cut by --max_length (SFT: sequences longer than it)."""
+    truncated = train.get("truncated_share") or 0
+    if truncated < TRUNCATED:
+        return []
+    return [_finding(
+        "data_truncation",
+        (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
+         f"{_percent(train.get('rejected_truncated_share'))} of pairs" if paired else
+         f"{_percent(truncated)} of sequences are longer than --max_length"),
+        share=_percent(truncated), unit="pairs" if paired else "rows", suggested=train.get("suggested_max_length"))]
+
+
+def _repeated_row_alerts(train: dict, paired: bool) -> list[Alert]:
+    """Rows that repeat an earlier row, and pairs dropped for chosen == rejected (as exported, or made so by
+    --reasoning drop)."""
+    alerts = []
+    duplicates = train.get("duplicate_share") or 0
+    if duplicates >= DUPLICATES:
+        alerts.append(_finding(
+            "data_duplicates", f"{train.get('duplicate_pairs'):,} of {train.get('rows'):,} rows repeat an earlier row "
+            f"(first: rows {train.get('first_duplicate_rows')})", share=_percent(duplicates)))
+    identical = train.get("identical_share") or 0
+    by_drop = train.get("identical_by_reasoning_drop") or 0
+    if paired and identical >= IDENTICAL and by_drop * 2 >= (train.get("identical_pairs") or 0):
+        alerts.append(_finding(
+            "data_identical_by_reasoning_drop", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training "
+            f"rows were dropped: {by_drop:,} of them differ only in their reasoning, which --reasoning drop removes",
+            share=_percent(identical)))
+    elif paired and identical >= IDENTICAL:
+        alerts.append(_finding(
+            "data_identical", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: "
+            "the same answer on both sides", share=_percent(identical)))
     return alerts
 
 
