@@ -48,7 +48,7 @@ def validate(config: Config) -> None:
     validate_training_numbers(config.training)
     validate_data_settings(config.data)
     beta = config.dpo.beta  # None: the objective's own default (its row's default_beta)
-    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).beta_may_be_zero)):
+    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).training.beta_may_be_zero)):
         raise ConfigError(f"--beta must be positive, got {beta}")
     validate_rounds(config)
     validate_judges(config)
@@ -147,7 +147,7 @@ def validate_judges(config: Config) -> None:
     """An objective whose rewards are the judges' scores, on data no judge knows and with none named: one line."""
     row = objective(config.training.stage)
     has_data = config.data.dataset_name or config.data.dataset_mixture  # check_gpu plans without any
-    if row.rewards_from_judges and has_data and not has_judge(config):
+    if row.training.rewards_from_judges and has_data and not has_judge(config):
         raise ConfigError(f"--stage {config.training.stage} learns from rewards, and {config.data.dataset_name or 'the data'} "
                           "has no judge to give them: name one with --judge (or several with --rewards): "
                           "module:function (your own check: function(row, answer) -> a number, row['meta'] holds the "

@@ -319,8 +319,8 @@ def _check_for_objective(config: Config, stage: str) -> None:
     """What only this stage's objective cannot take: its row's own check (KTO: a DPO loss type asked for by flag), and
     the unpaired-data flags on an objective that trains on pairs or sequences."""
     row = objective(stage)
-    if row.validate:
-        row.validate(config)
+    if row.training.validate:
+        row.training.validate(config)
     if row.data_shape != UNPAIRED and (config.data.kto_from_pairs or config.data.label_column):
         flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
         unpaired = [name for name in STAGES if objective(name).data_shape == UNPAIRED]
@@ -404,7 +404,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         stage_overrides=stage_overrides,
     )
     if config.dpo.beta is None:  # not given: the objective's own, a value in its row (SimPO 2.0, DPO 0.1, GRPO 0)
-        config.dpo.beta = objective(stage).default_beta
+        config.dpo.beta = objective(stage).training.default_beta
     validate(config)
     return config
 

@@ -249,7 +249,7 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
 # `src.config` import, and the preflight (and check_gpu.py) needs the class for nothing else.
 # tests/test_config.py compares this table with the installed TRL's classes, so a TRL upgrade that moves a default
 # fails that test instead of silently changing the plan.
-TRL_DEFAULT_LEARNING_RATES = {name: row.default_learning_rate for name, row in OBJECTIVES.items()}
+TRL_DEFAULT_LEARNING_RATES = {name: row.training.default_learning_rate for name, row in OBJECTIVES.items()}
 
 
 def default_learning_rate(stage: str) -> float:

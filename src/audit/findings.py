@@ -172,10 +172,10 @@ def _pair_alerts(train: dict, row, loss_type=None) -> list[Alert]:
         alerts.append(_finding(
             "data_length_bias", f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} "
             f"answer chosen (mean {train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
-            way=way, share=_percent(max(longer, shorter)), remedy=row.length_remedy))
+            way=way, share=_percent(max(longer, shorter)), remedy=row.advice.length_remedy))
     inverted = train.get("judge_inverted_share")
     if inverted is not None and inverted >= INVERTED:
-        flags = row.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))
+        flags = row.advice.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))
         alerts.append(_finding(
             "data_inverted_labels", f"{train.get('judge')} scored the rejected answer above the chosen one in "
             f"{_percent(inverted)} of {train.get('judged_pairs'):,} training pairs; they are listed in "
@@ -184,13 +184,13 @@ def _pair_alerts(train: dict, row, loss_type=None) -> list[Alert]:
             else "."))
     ties = train.get("judge_tie_share")
     if ties is not None and ties >= TIES:
-        flags = row.label_noise_flags.format(smoothing=0.1)
+        flags = row.advice.label_noise_flags.format(smoothing=0.1)
         alerts.append(_finding(
             "data_judge_ties", f"{train.get('judge')} gave the chosen and the rejected answer the same score in "
             f"{_percent(ties)} of {train.get('judged_pairs'):,} training pairs", share=_percent(ties),
             remedy=f", or soften the loss with {flags}." if flags else "."))
     near = train.get("near_identical_share") or 0
-    if "data_near_identical" in row.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
+    if "data_near_identical" in row.report.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
         alerts.append(_finding(
             "data_near_identical", f"in {_percent(near)} of training pairs the answers share over 80% of the "
             f"shorter one's tokens from the start (median overlap {_percent(train.get('overlap_median'))})",
@@ -247,7 +247,7 @@ def reasoning_alerts(train: dict, row) -> list[Alert]:
             "reaching their final answer (or the end of their reasoning)", share=_percent(max(cut.values())),
             suggested=train.get("suggested_max_length")))
     # the objective's SFT term where it has one to add (src/objectives/: "" where its loss holds one already)
-    sft_term = f"{row.sft_term}, or train" if row.sft_term else "train"
+    sft_term = f"{row.advice.sft_term}, or train" if row.advice.sft_term else "train"
     differ_only = (("only_reasoning_differs_share", "reach the same final answer by different reasoning",
                     "data_only_reasoning_differs"),
                    ("only_answer_differs_share", "reason the same way, then answer differently",
@@ -272,13 +272,13 @@ def answer_alerts(answers: dict, stage: str = DEFAULT_STAGE) -> list[Alert]:
     if ratio is not None and ratio >= ANSWERS_LONGER:
         alerts.append(_finding(
             "answers_longer", f"{split} answers: mean {audit['length_before']['mean']} → "
-            f"{audit['length_after']['mean']} tokens", ratio=ratio, remedy=row.length_remedy))
+            f"{audit['length_after']['mean']} tokens", ratio=ratio, remedy=row.advice.length_remedy))
     before, after = audit.get("repetition_share_before") or 0, audit.get("repetition_share_after") or 0
     if after >= REPETITION and after > before:
         alerts.append(_finding(
             "answers_repetition", f"{split}: degenerate (a phrase repeated over and over) in {_percent(after)} after, "
             f"{_percent(before)} before", share=_percent(after),
-            start="the reference" if row.needs_reference else "where it started", remedy=row.drift_remedy))
+            start="the reference" if row.training.needs_reference else "where it started", remedy=row.advice.drift_remedy))
     before, after = audit.get("cut_share_before") or 0, audit.get("cut_share_after") or 0
     if after >= CUT and after >= before + CUT_RISE:
         alerts.append(_finding(

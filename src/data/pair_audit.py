@@ -206,8 +206,9 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
         return audit
     if not reasoning_kept:  # pairs --reasoning drop made identical (dropped as chosen == rejected): named apart
         audit["identical_by_reasoning_drop"] = int((_column(pieces, "_pair_difference") == ONLY_REASONING_DIFFERS).sum())
-    return audit | _pairs_audit(pieces, kept, prompt, chosen, chosen_reasoning,
-                                max_length if objective(stage).truncates_to_max_length else math.inf, reasoning_kept)
+    # DPO truncates prompt + answer to max_length (TRL keeps the start); a reward pair over it was dropped instead
+    limit = max_length if objective(stage).training.truncates_to_max_length else math.inf
+    return audit | _pairs_audit(pieces, kept, prompt, chosen, chosen_reasoning, limit, reasoning_kept)
 
 
 def _rows_audit(pieces: list, kept, train_prompts) -> dict:
@@ -237,8 +238,7 @@ def _rows_audit(pieces: list, kept, train_prompts) -> dict:
 
 
 def _pairs_audit(pieces: list, kept, prompt, chosen, chosen_reasoning, limit: float, reasoning_kept: bool) -> dict:
-    """The kept pairs: lengths, which side is longer, what `limit` cuts (DPO truncates prompt + answer to
-    --max_length, TRL keeping the start; a reward pair over it was dropped instead: no limit), the answers' shared
+    """The kept pairs: lengths, which side is longer, what `limit` cuts (prompt + answer over it), the answers' shared
     start, and their reasoning."""
     import numpy as np
 

@@ -108,7 +108,7 @@ def _sequences_data_table(audit: dict, kinds: list[str]) -> list[str]:
 def _reference_line(train: dict, stage: str) -> str:
     """How the reference model ranks the training pairs before training (or why it was not measured)."""
     if train.get("reference_agreement") is None:
-        return f"**Reference model:** {objective(stage).reference_unmeasured}"
+        return f"**Reference model:** {objective(stage).report.reference_unmeasured}"
     margin = train.get("reference_margin") or {}
     return (f"**Reference model:** ranks {format_percent(train['reference_agreement'])} of "
             f"{format_number(train.get('reference_pairs'))} training pairs the labels' way by summed "
