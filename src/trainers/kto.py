@@ -12,8 +12,8 @@ How, keeping TRL's loss code (both loss types, the weights, the metrics):
 2. the KL estimate of an optimizer step is taken over the step's whole global batch, before its micro-steps: the
    step's micro-batches are fetched up front by transformers' loop (`get_batch_samples`), their KL log-ratios computed
    without gradients (as TRL does, the term is detached), summed across processes and divided by the rows; that one
-   value is handed to TRL's `_compute_loss` for every micro-batch of the step (through `_compute_kl_logps`, the one
-   place TRL reads the KL sequences from);
+   value is the KL of every micro-batch of the step (`training_loss`; TRL's own `_compute_loss`, which the tests
+   compare with, gets it through `_compute_kl_logps`, the one place TRL reads the KL sequences from);
 3. the train metrics are kept with their weights (rows of each class, completion tokens) and logged as weighted means
    over the logging window, not as means of micro-batch means; the training step computes TRL's loss (`kto_row_values`,
    checked against TRL's `_compute_loss` in tests/test_kto.py) without a host read (TRL's reads its KL, which its loss
@@ -34,7 +34,7 @@ the run's first batch:
   batch first) and the completion pass (with gradients) stay separate calls, as the step's KL must be known before the
   first micro-batch's loss (docs/objectives.md, "KTO's training step"); each is packed on its own, one `[prompt |
   answer]` segment per row, so only padding is dropped. The collator adds both layouts (the KL pass's keys after
-  "KL_"); TRL's loss code reads the per-token outputs scattered back into its padded layout.
+  "KL_"); the loss code reads the per-token outputs scattered back into TRL's padded layout.
 """
 
 from __future__ import annotations
