@@ -11,8 +11,10 @@ from src.diagnostics.problems.machine import ERROR, WARNING, Machine, Problem, g
 
 # How each method of the memory plan is asked for at launch.
 HOW_TO_RUN = {"full": "the default", "lora": "--use_lora", "qlora": "--use_lora --load_in_4bit",
+              "zero1": "STRATEGY=zero1 ./run_distributed.sh ..., with deepspeed installed",
               "zero2": "STRATEGY=zero2 ./run_distributed.sh ..., with deepspeed installed",
-              "zero3": "STRATEGY=zero3 ./run_distributed.sh ..., with deepspeed installed"}
+              "zero3": "STRATEGY=zero3 ./run_distributed.sh ..., with deepspeed installed",
+              "fsdp": "STRATEGY=fsdp ./run_distributed.sh ..."}
 
 
 def plan_refused(machine: Machine) -> list[Problem]:
