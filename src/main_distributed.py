@@ -832,7 +832,8 @@ def run(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     world = World.from_environment()
     devices = Devices.detect()
-    check_engine(requested_engine(), devices.kind, config.training.ddp_comm_hook)  # src/engines.py
+    check_engine(requested_engine(), devices.kind, config.training.ddp_comm_hook,  # src/engines.py
+                 config.model.load_in_4bit)
     idle_gpus = sagemaker_process_hint(world)
     if idle_gpus:
         print0(f"  warning: {idle_gpus}")
