@@ -1,4 +1,5 @@
-"""check_gpu's memory plan against what each rank of a job actually holds under each engine (issue 49, point 4).
+"""check_gpu's memory plan against what each rank of a job actually holds under each engine (issue 49, point 4), and
+docs/configuration.md's engine table against the plan and check_gpu's advice (point 7).
 
 The plan's per-process weights, gradients and optimizer states for full fine-tuning (src/diagnostics/memory_plan.py
 `engine_state`) are set against the tensors each rank holds after one optimizer step and one more backward (fp32, as
@@ -11,13 +12,18 @@ vocabulary): ZeRO-1/2 keep whole the gradient of a parameter that crosses a part
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 import forked
 import memory_probe
-from src.diagnostics.memory_plan import engine_state
-from src.diagnostics.model_shape import shape_from_model
+from conftest import PROJECT_ROOT
+from src.diagnostics.inputs import TrainingSetup
+from src.diagnostics.memory_plan import GIB, engine_state, plan_memory
+from src.diagnostics.model_shape import shape_from_model, shape_from_param_count
+from src.diagnostics.problems.machine import gib
+from src.diagnostics.problems.run_request import memory_fit
 
 pytest.importorskip("deepspeed")
 
@@ -56,3 +62,29 @@ def test_each_rank_holds_the_weights_gradients_and_optimizer_states_the_plan_say
     for strategy in STRATEGIES:
         assert held_state[strategy] / held_state["ddp"] == pytest.approx(
             planned_state[strategy] / planned_state["ddp"], rel=0.15), strategy
+
+
+# docs/configuration.md's engine table: its first cell per row, and the plan's method whose number it quotes
+DOC_ROWS = {"DDP (default)": "full", "ZeRO-1, ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}
+
+
+def test_the_docs_engine_table_quotes_the_plan_and_check_gpus_advice_names_the_same_numbers():
+    """The table's last column (a 7B model, Llama-2-7B's shape, on 8 GPUs of 80 GiB, bf16) is the plan's model state
+    per GPU for each engine; a full fine-tune that does not fit there gets check_gpu's does_not_fit advice naming each
+    engine that fits with that same number and its command."""
+    shape = shape_from_param_count(7_000_000_000)
+    setup = TrainingSetup(stage="sft", method_chosen=True, max_length=2048, per_device_batch_size=1,
+                          gradient_checkpointing=True, precision="bf16")
+    plan = plan_memory(shape, setup, num_devices=8, device_kind="gpu", budget_bytes=80 * GIB, budget_source="test",
+                       deepspeed_installed=True)
+    estimates = {estimate.method: estimate for estimate in plan.estimates}
+    doc = (PROJECT_ROOT / "docs" / "configuration.md").read_text()
+    quoted = {cells[1].strip(): cells[-2].strip() for cells in (line.split("|") for line in doc.splitlines())
+              if len(cells) > 2 and cells[1].strip() in DOC_ROWS}
+    assert quoted == {row: gib(estimates[method].model_state_bytes) for row, method in DOC_ROWS.items()}
+    assert estimates["zero1"].model_state_bytes == estimates["zero2"].model_state_bytes
+    (problem,) = memory_fit(SimpleNamespace(memory_plan=plan, launch_gpus=[0]))
+    for row, method in DOC_ROWS.items():
+        if method != "full":
+            assert f"{estimates[method].label} ({quoted[row]} of model state per GPU" in problem.fix, (row, problem.fix)
+            assert f"STRATEGY={method} ./run_distributed.sh" in problem.fix

@@ -116,7 +116,9 @@ def memory_fit(machine: Machine) -> list[Problem]:
             "optimizer step through gradient accumulation"
         )
     else:
-        others = [f"{estimate.label} ({HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
+        # Each with its model state per device, the number docs/configuration.md's engine table quotes
+        others = [f"{estimate.label} ({gib(estimate.model_state_bytes)} of model state per {_per_device(plan)}, "
+                  f"{gib(estimate.total_bytes)} in all: {HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
                   if estimate.fits and estimate.method != chosen.method]
         bigger = "use more or larger GPUs" if plan.device_kind == "gpu" else "use GPUs, a machine with more RAM, or a smaller model"
         fix = (f"use {' or '.join(others)}" if others else bigger) + (
