@@ -6,8 +6,9 @@ builds, for each strategy in turn, the model of MODEL_DIR/config.json in fp32 (a
 fine-tuning), spreads it with the engine (ddp: torch's DistributedDataParallel; zero1/zero2/zero3:
 `deepspeed.initialize` with a torch AdamW, as accelerate hands it the trainer's optimizer, and the buffer sizes
 accelerate fills for "auto"; fsdp: torch's `fully_shard` per decoder layer, then the model), takes one optimizer step
-(AdamW's states exist from then on) and one more backward (the gradients too), and writes OUT_DIR/rank<r>.json: per
-strategy, the bytes of every tensor storage the engine created on this rank, each counted once (the tensors Python
+(AdamW's states exist from then on) and one more, measured after its backward and as its optimizer steps (each
+part at the larger), and writes OUT_DIR/rank<r>.json: per strategy (zero1_bf16 ...: DeepSpeed's bf16), the bytes of every
+tensor storage the engine created on this rank, each counted once (the tensors Python
 reaches, through the garbage collector, less those that existed before the model was built, plus DDP's all-reduce
 buckets, which only its C++ reducer holds), split into the weights (the rank's own parameters or shard), the optimizer's
 (its states and the fp32 partition DeepSpeed steps) and the rest: the gradients and the engine's gradient buffers.
@@ -74,9 +75,10 @@ def _engine(strategy: str, model, hidden: int):
     import deepspeed
 
     sizes = dict(zip(AUTO_BUFFERS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)))
+    stage, _, precision = strategy.partition("_")  # zero2, or zero2_bf16: DeepSpeed's bf16 (accelerate's bf16 config)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": int(strategy[-1]), **sizes}}
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": precision == "bf16"},
+              "zero_optimization": {"stage": int(stage[-1]), **sizes}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                                    config=config)
     inner = optimizer
@@ -99,7 +101,9 @@ def _step(strategy: str, model, optimizer, batch, then_step: bool) -> None:
 
 
 def probe(strategy: str, model_dir: Path, rank: int) -> dict:
-    """This rank's weights, gradients and optimizer bytes under `strategy` (module doc)."""
+    """This rank's weights, gradients and optimizer bytes under `strategy` (module doc), each the larger of two
+    moments: after the backward (every gradient reduced), and as the torch optimizer steps (DeepSpeed has then
+    replaced its 16-bit gradient partition by an fp32 copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     gc.collect()  # the previous strategy's engine gone
@@ -109,11 +113,21 @@ def probe(strategy: str, model_dir: Path, rank: int) -> dict:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model, optimizer, inner = _engine(strategy, model, config.hidden_size)
     batch = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
-    _step(strategy, model, optimizer, batch, then_step=True)
-    _step(strategy, model, optimizer, batch, then_step=False)  # the peak: weights, gradients and states at once
+    _step(strategy, model, optimizer, batch, then_step=True)  # AdamW's states exist from here on
+    _step(strategy, model, optimizer, batch, then_step=False)
+    after_backward = _parts(model, optimizer, inner, strategy, before)
+    at_step = []
+    hook = inner.register_step_pre_hook(lambda *_: at_step.append(_parts(model, optimizer, inner, strategy, before)))
+    model.step() if strategy.startswith("zero") else optimizer.step()
+    hook.remove()
+    torch.distributed.barrier()  # every rank measured before the next strategy's collectives
+    return {part: max(after_backward[part], at_step[0][part]) for part in after_backward}
+
+
+def _parts(model, optimizer, inner, strategy: str, before: dict[int, int]) -> dict:
+    """This rank's weights, optimizer and gradient bytes now: the storages created since `before`."""
     gc.collect()
     held = {address: size for address, size in _storages().items() if address not in before}
-    torch.distributed.barrier()  # every rank measured before the next strategy's collectives
     counted: set[int] = set()
     parameters = list(model.parameters())
     weights = _bytes_of((_local(p) for p in parameters), held, counted)

@@ -163,11 +163,11 @@ def test_model_state_per_method(tiny_shape):
     assert model_state_bytes("full", tiny_shape, 0, 4, 4) == 20_000  # fp32: no 16-bit copy
     assert model_state_bytes("lora", tiny_shape, 272, 4, 2) == 2_000 + 272 * 16
     assert model_state_bytes("qlora", tiny_shape, 272, 4, 2) == int(320 * 0.55) + 680 * 2 + 272 * 16
-    assert model_state_bytes("zero1", tiny_shape, 0, 4, 2) == 2_000 + 18_000 // 4 + 16 * 2
-    assert model_state_bytes("zero2", tiny_shape, 0, 4, 2) == 2_000 + 18_000 // 4 + 16 * 2
+    assert model_state_bytes("zero1", tiny_shape, 0, 4, 2) == 2_000 + 16_000 // 4 + 16 * 2
+    assert model_state_bytes("zero2", tiny_shape, 0, 4, 2) == 2_000 + 16_000 // 4 + 16 * 2  # 2P + 16P/N
     assert model_state_bytes("zero2", tiny_shape, 0, 4, 4) == 4_000 + 16_000 // 4 + 16 * 4  # fp32: 4P + 16P/N
-    assert model_state_bytes("zero3", tiny_shape, 0, 4, 2) == 18_000 // 4 + 16 * 2 + 4 * 200
-    assert model_state_bytes("zero3", tiny_shape, 0, 4, 4) == 20_000 // 4 + 16 * 4 + 8 * 200  # fp32: 20P/N
+    assert model_state_bytes("zero3", tiny_shape, 0, 4, 2) == 20_000 // 4 + 16 * 2 + 4 * 200  # 20P/N
+    assert model_state_bytes("zero3", tiny_shape, 0, 4, 4) == 24_000 // 4 + 16 * 4 + 8 * 200  # fp32: 24P/N
     assert model_state_bytes("fsdp", tiny_shape, 0, 4, 4) == 16_000 // 4 + 8 * 200  # fp32 shards either way
     assert model_state_bytes("fsdp", tiny_shape, 0, 4, 2) == 16_000 // 4 + 4 * 200
 

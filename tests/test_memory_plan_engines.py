@@ -2,9 +2,9 @@
 docs/configuration.md's engine table against the plan and check_gpu's advice (point 7).
 
 The plan's per-process weights, gradients and optimizer states for full fine-tuning (src/diagnostics/memory_plan.py
-`engine_state`) are set against the tensors each rank holds after one optimizer step and one more backward (fp32, as
-the toolkit loads a model it fully fine-tunes), measured by tests/memory_probe.py on 2 and 4 forked processes: plain
-DDP, DeepSpeed ZeRO-1/2/3 on gloo, and FSDP2 (torch's `fully_shard`, as src/engines.py's FSDP path runs it). The
+`engine_state`) are set against the tensors each rank holds after a backward and as the optimizer steps (fp32, as
+the toolkit loads a model it fully fine-tunes; DeepSpeed's stages in bf16 too), measured by tests/memory_probe.py on 2
+and 4 forked processes: plain DDP, DeepSpeed ZeRO-1/2/3 on gloo, and FSDP2 (torch's `fully_shard`, as src/engines.py's FSDP path runs it). The
 model is shaped so that no single parameter is a large share of a rank's partition (16 narrow layers, a 64-token
 vocabulary): ZeRO-1/2 keep whole the gradient of a parameter that crosses a partition's edge, which the plan leaves out.
 """
@@ -27,8 +27,14 @@ from src.diagnostics.problems.run_request import memory_fit
 
 pytest.importorskip("deepspeed")
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+# DeepSpeed's stages also in bf16 (its own mixed precision: 16-bit weights and gradients, fp32 master and states)
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "zero1_bf16", "zero2_bf16", "zero3_bf16")
 METHOD = {"ddp": "full", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp"}
+
+
+def plan_for(strategy: str, shape, nproc: int):
+    engine, _, precision = strategy.partition("_")
+    return engine_state(METHOD[engine], shape, nproc, 2 if precision == "bf16" else 4)
 PARTS = ("weights", "gradients", "optimizer")
 
 
@@ -51,7 +57,7 @@ def test_each_rank_holds_the_weights_gradients_and_optimizer_states_the_plan_say
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]
-    planned = {strategy: engine_state(METHOD[strategy], shape, nproc, 4) for strategy in STRATEGIES}
+    planned = {strategy: plan_for(strategy, shape, nproc) for strategy in STRATEGIES}
     for strategy in STRATEGIES:
         for rank, held in enumerate(ranks):
             for part in PARTS:

@@ -1,22 +1,26 @@
 """Memory per device for each way to train a model, whether it fits, and the largest per-device batch that does.
 
 Model state per device (P parameters, N devices, T LoRA parameters, h the hidden size), as weights + gradients +
-optimizer states (`ENGINE_STATE`; fp32 measured per rank on 2 and 4 CPU processes, tests/test_memory_plan_engines.py):
-                        fp32                                 mixed precision (bf16/fp16; not measured here)
+optimizer states (`ENGINE_STATE`), each part at its largest of two moments: after the backward and as the optimizer
+steps. Measured per rank on 2 and 4 CPU processes (tests/test_memory_plan_engines.py): every engine in fp32, DeepSpeed's
+stages also in bf16; DDP's and FSDP2's mixed precision is their fp32 state (see below) plus autocast's 16-bit copy:
+                        fp32                                 mixed precision (bf16/fp16)
   full fine-tune (DDP)  4P + 8P + 8P = 20P                   6P + 8P + 8P = 22P
-  ZeRO-1, ZeRO-2        4P + 4P/N + 12P/N                    2P + 6P/N + 12P/N
-  ZeRO-3                4P/N + 4P/N + 12P/N                  2P/N + 4P/N + 12P/N
+  ZeRO-1, ZeRO-2        4P + 4P/N + 12P/N                    2P + 4P/N + 12P/N
+  ZeRO-3                4P/N + 8P/N + 12P/N                  2P/N + 6P/N + 12P/N
   FSDP2                 4P/N + 4P/N + 8P/N                   the same: the toolkit's shards stay fp32
   LoRA                  frozen 16-bit base 2P + adapters 16T (fp32 weight, grad and two Adam moments)
   QLoRA                 NF4 linear layers 0.55 B/param, embeddings and output layer 16-bit, adapters 16T
 DDP's gradients are counted twice: each parameter's and DDP's all-reduce buckets, a copy of them (torch's default
 `gradient_as_bucket_view=False`). The toolkit keeps fp32 weights under mixed precision (autocast adds the 16-bit copy
 it computes with), so DDP's and FSDP's state is the fp32 one. DeepSpeed keeps an fp32 copy of its share of the weights
-to step even in fp32 (the optimizer's 12P/N: that copy and Adam's two moments), and ZeRO-1 holds what ZeRO-2 does
-(DeepSpeed's stage 1 keeps only its partition of the reduced gradients as well); each DeepSpeed stage adds its reduce
-bucket, h^2 gradient elements (the size accelerate gives "auto", src/engines.py). ZeRO-1/2 keep a parameter's gradient
-whole where the parameter crosses the edge of a rank's partition: up to two parameters more on a rank. ZeRO-3 and FSDP
-gather the largest layer whole with its gradient while it runs (2 x its weight bytes per parameter, the working set).
+to step even in fp32 (the optimizer's 12P/N: that copy and Adam's two moments) and steps on an fp32 copy of its
+gradient partition (ZeRO-3 holds it next to the partition it reduced into: 8P/N in fp32, 2 + 4 in bf16); ZeRO-1 holds
+what ZeRO-2 does (DeepSpeed's stage 1 keeps only its partition of the reduced gradients as well); each DeepSpeed stage
+adds its reduce bucket, h^2 gradient elements (the size accelerate gives "auto", src/engines.py). ZeRO-1/2 keep a
+parameter's gradient whole where the parameter crosses the edge of a rank's partition: up to two parameters more on a
+rank. ZeRO-3 and FSDP gather the largest layer whole with its gradient while it runs (2 x its weight bytes per
+parameter, the working set).
 DPO reference model: none with LoRA/QLoRA (adapters disabled) or precomputed reference log-probs; otherwise a
 16-bit copy per device, sharded only under ZeRO-3. SFT has no reference.
 
@@ -68,9 +72,9 @@ DEEPSPEED_METHODS = ("zero1", "zero2", "zero3")
 # states: (bytes per parameter, divided over the N processes or not). See the module doc.
 ENGINE_STATE = {
     "full": {"fp32": ((4, False), (8, False), (8, False)), "mixed": ((6, False), (8, False), (8, False))},
-    "zero1": {"fp32": ((4, False), (4, True), (12, True)), "mixed": ((2, False), (6, True), (12, True))},
-    "zero2": {"fp32": ((4, False), (4, True), (12, True)), "mixed": ((2, False), (6, True), (12, True))},
-    "zero3": {"fp32": ((4, True), (4, True), (12, True)), "mixed": ((2, True), (4, True), (12, True))},
+    "zero1": {"fp32": ((4, False), (4, True), (12, True)), "mixed": ((2, False), (4, True), (12, True))},
+    "zero2": {"fp32": ((4, False), (4, True), (12, True)), "mixed": ((2, False), (4, True), (12, True))},
+    "zero3": {"fp32": ((4, True), (8, True), (12, True)), "mixed": ((2, True), (6, True), (12, True))},
     "fsdp": {"fp32": ((4, True), (4, True), (8, True)), "mixed": ((4, True), (4, True), (8, True))},
 }
 
