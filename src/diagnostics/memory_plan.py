@@ -315,36 +315,8 @@ def plan_memory(
         generation_tokens=setup.generation_tokens,
     )
     adapter_per_sample = adapter_activation_bytes_per_sample(shape, setup, weight_bytes)
-    for method in METHODS:
-        adapters = method in ("lora", "qlora")
-        state = model_state_bytes(method, shape, trainable if adapters else 0, num_devices, weight_bytes)
-        reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
-        # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
-        saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
-                                weight_bytes, kept=True) if objective(setup.stage).memory.reference_free else 0
-        # sampling (its KV cache) and training (its activations) come one after the other: the larger is the peak
-        method_per_sample = max(per_sample + (adapter_per_sample if adapters else 0), plan.generation_bytes_per_sample)
-        activations = batch * method_per_sample
-        total = with_margin(state + reference + activations)
-        runs_here = _runs_here(method, device_kind)
-        plan.estimates.append(
-            MethodEstimate(
-                method=method,
-                label=METHOD_LABELS[method] + (f" r={setup.lora_r}" if method in ("lora", "qlora") else ""),
-                model_state_bytes=state,
-                reference_bytes=reference,
-                reference_saved_bytes=saved,
-                activation_bytes=activations,
-                margin_bytes=total - (state + reference + activations),
-                total_bytes=total,
-                runs_here=runs_here,
-                fits=runs_here and total <= budget_bytes,
-                max_per_device_batch=largest_batch(state + reference, method_per_sample, budget_bytes),
-                chosen=setup.method_chosen and method == setup.method,
-                note=_note(method, device_kind, num_devices, deepspeed_installed),
-                engine_state=engine_state(method, shape, num_devices, weight_bytes) if method in ENGINE_STATE else None,
-            )
-        )
+    plan.estimates += [_method_estimate(method, plan, setup, weight_bytes, adapter_per_sample, deepspeed_installed)
+                       for method in METHODS]
     suggested = setup.data_lengths.suggested_max_length if setup.data_lengths else None
     if suggested and suggested != setup.max_length and not setup.data_lengths.packed:
         at_suggested = plan_memory(shape, dataclasses.replace(setup, max_length=suggested, data_lengths=None),
@@ -353,3 +325,38 @@ def plan_memory(
         plan.at_suggested_max_length = at_suggested.chosen() or next(
             estimate for estimate in at_suggested.estimates if estimate.method == "lora")
     return plan
+
+
+def _method_estimate(method: str, plan: MemoryPlan, setup: TrainingSetup, weight_bytes: int, adapter_per_sample: int,
+                     deepspeed_installed: bool) -> MethodEstimate:
+    """One method's row of the plan (full fine-tune, an engine, LoRA, QLoRA): its model state, reference, activations
+    and whether it fits the budget."""
+    shape, num_devices, device_kind, budget_bytes = plan.model, plan.num_devices, plan.device_kind, plan.budget_bytes
+    adapters = method in ("lora", "qlora")
+    state = model_state_bytes(method, shape, plan.lora_trainable_params if adapters else 0, num_devices, weight_bytes)
+    reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
+    # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
+    saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
+                            weight_bytes, kept=True) if objective(setup.stage).memory.reference_free else 0
+    # sampling (its KV cache) and training (its activations) come one after the other: the larger is the peak
+    method_per_sample = max(plan.activation_bytes_per_sample + (adapter_per_sample if adapters else 0),
+                            plan.generation_bytes_per_sample)
+    activations = plan.per_device_batch_size * method_per_sample
+    total = with_margin(state + reference + activations)
+    runs_here = _runs_here(method, device_kind)
+    return MethodEstimate(
+        method=method,
+        label=METHOD_LABELS[method] + (f" r={setup.lora_r}" if adapters else ""),
+        model_state_bytes=state,
+        reference_bytes=reference,
+        reference_saved_bytes=saved,
+        activation_bytes=activations,
+        margin_bytes=total - (state + reference + activations),
+        total_bytes=total,
+        runs_here=runs_here,
+        fits=runs_here and total <= budget_bytes,
+        max_per_device_batch=largest_batch(state + reference, method_per_sample, budget_bytes),
+        chosen=setup.method_chosen and method == setup.method,
+        note=_note(method, device_kind, num_devices, deepspeed_installed),
+        engine_state=engine_state(method, shape, num_devices, weight_bytes) if method in ENGINE_STATE else None,
+    )
