@@ -209,7 +209,8 @@ def _finished_run(ws: Workspace) -> list[str]:
     """A run finished with --beta 0.5, relaunched without it: what the finished run recorded, made as a run makes it."""
     from src.config_parse import parse_config
     from src.world import Devices, World
-    from src.main_distributed import data_locations, git_commit, plan_stages
+    from src.pipeline.stages import data_locations, plan_stages
+    from src.provenance import git_commit
     from src.run_safety.finished_run import data_fingerprint
 
     (stage,) = plan_stages(parse_config(ws.args(run_name="done", beta="0.5")), World.from_environment(),
@@ -474,6 +475,16 @@ MISTAKES = [
     Mistake("comm_hook_under_zero", "A DDP communication hook (`--ddp_comm_hook`) with a sharding engine "
             "(`STRATEGY=zero3`)", "--ddp_comm_hook fp16 compresses DDP's all-reduce, and DeepSpeed ZeRO-3 reduces "
             "gradients its own way", lambda ws: ws.args(ddp_comm_hook="fp16"), env={"STRATEGY": "zero3"}),
+    Mistake("qlora_under_zero3", "4-bit QLoRA (`--load_in_4bit`) under a sharding engine that shards weights "
+            "(`STRATEGY=zero3` or `fsdp`)", "--load_in_4bit (QLoRA) under DeepSpeed ZeRO-3: the 4-bit base as "
+            "bitsandbytes stores it cannot be sharded; launch QLoRA with plain DDP or STRATEGY=zero2",
+            lambda ws: ws.args(use_lora="true", load_in_4bit="true"), env={"STRATEGY": "zero3"}),
+    Mistake("qlora_under_fsdp", "4-bit QLoRA under FSDP (`STRATEGY=fsdp`)", "--load_in_4bit (QLoRA) under FSDP: the "
+            "4-bit base as bitsandbytes stores it cannot be sharded",
+            lambda ws: ws.args(use_lora="true", load_in_4bit="true"), env={"STRATEGY": "fsdp"}),
+    Mistake("batch_not_divisible_under_zero", "A global batch that DeepSpeed's processes cannot share "
+            "(`STRATEGY=zero2`)", "--batch_size 3 cannot be split across 2 processes: use a multiple of 2",
+            lambda ws: ws.args(batch_size="3"), env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "STRATEGY": "zero2"}),
     Mistake("batch_not_divisible", "A global batch that the processes cannot share", "--batch_size 3 cannot be "
             "split across 2 processes: use a multiple of 2, the nearest 2 or 4", lambda ws: ws.args(batch_size="3"),
             env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),
@@ -497,9 +508,10 @@ def workspace(tiny_model, tmp_path) -> Workspace:
 
 @pytest.fixture
 def preflight(capsys, monkeypatch):
-    """Run src.main_distributed's exit_status in this process (its dry run), as a user's command would: the
-    environment and the signal handlers it changes are put back after."""
-    from src.main_distributed import exit_status
+    """Run src.main_distributed's run through src.pipeline.exits' exit_status in this process (its dry run), as a
+    user's command would: the environment and the signal handlers it changes are put back after."""
+    from src.main_distributed import run as run_pipeline
+    from src.pipeline.exits import exit_status
 
     def run(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
         for key, value in env.items():
@@ -507,7 +519,7 @@ def preflight(capsys, monkeypatch):
         saved_environ, saved_handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGINT,
                                                                                              signal.SIGTERM)}
         try:
-            code = exit_status(argv)
+            code = exit_status(run_pipeline, argv)
         finally:
             os.environ.clear()
             os.environ.update(saved_environ)
