@@ -59,6 +59,9 @@ PACKED_KEYS = ("packed_input_ids", "packed_position_ids", "packed_shift_labels",
                "packed_branch_ids", "packed_source_index", "padded_target_index", "packed_counts")
 SHARED, CHOSEN, REJECTED = 0, 1, 2
 PAIR_ANSWERS = ("chosen_ids", "rejected_ids")  # a pair's answers, in the order of TRL's padded rows
+# An answer's loss mask, a prepared column beside its ids where the answer is a sampled tool trajectory: 1 where the
+# model wrote the token, 0 on a tool result and the template's text around it (src/tools.py Trajectory.mask).
+ANSWER_MASKS = {"chosen_ids": "chosen_loss_mask", "rejected_ids": "rejected_loss_mask"}
 PASSES = ("policy", "kl", "reference")          # the forwards counted apart (PackedDPOForward.counts)
 PACKED_FORMAT = 2        # in the reference cache key: bump when the layout or masks change (2: per-layer windows)
 ONE_MASK = "*"           # layer_windows' key when every layer takes the same mask
@@ -134,11 +137,54 @@ class PackedPreferenceCollator:
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.padded_collator(examples)
+        mask_answers(batch, self.as_pairs(examples), self.max_length, self.answers)
         packed = pack_pairs(self.as_pairs(examples), self.max_length, self.pad_token_id, self.layout,
                             self.padded_width(batch), self.attention_cost, self.score_prompt, self.answers,
                             self.attention)
         batch.update({self.prefix + key: value for key, value in packed.items()})
         return batch
+
+
+@dataclass
+class AnswerMaskedCollator:
+    """TRL's padded preference batch with the answers' loss masks applied (mask_answers): the collator of the padded
+    forward, so the policy, the reference pass and its cache read the masks as the packed forward's collator does."""
+
+    padded_collator: object
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.padded_collator.pad_token_id
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = self.padded_collator(examples)
+        mask_answers(batch, examples, getattr(self.padded_collator, "max_length", None))
+        return batch
+
+
+def mask_answers(batch: dict, examples: list[dict], max_length: int | None,
+                 answers: tuple[str, ...] = PAIR_ANSWERS) -> None:
+    """Each answer's loss mask (ANSWER_MASKS, where the examples carry it) multiplied into TRL's `completion_mask`:
+    answer j of example i fills padded row j * examples + i from the prompt's length on, truncated as the padded
+    collator truncates (keep_start); TRL's loss, metrics and reference pass then count the model's own tokens only."""
+    keys = [(row_block, ANSWER_MASKS[key]) for row_block, key in enumerate(answers)
+            if key in ANSWER_MASKS and examples and ANSWER_MASKS[key] in examples[0]]
+    if not keys:  # no trajectory in this batch (and another trainer's batch may have no completion_mask)
+        return
+    width = batch["completion_mask"].shape[1]
+    for row_block, mask_key in keys:
+        for index, example in enumerate(examples):
+            start = len(example["prompt_ids"])
+            end = min(start + len(example[mask_key]), width if max_length is None else min(max_length, width))
+            if end > start:
+                row = row_block * len(examples) + index
+                mask = torch.tensor(list(example[mask_key])[:end - start], dtype=batch["completion_mask"].dtype)
+                batch["completion_mask"][row, start:end] *= mask
+
+
+def _trained(answer: list, mask: list | None) -> list:
+    """An answer's labels: its tokens, -100 where its loss mask is 0 (a tool result: no log-prob is read there)."""
+    return answer if mask is None else [token if keep else -100 for token, keep in zip(answer, mask)]
 
 
 def attention_cost_of(model) -> float:
@@ -172,6 +218,11 @@ def _truncated(example: dict, max_length: int | None, answers: tuple[str, ...]) 
     prompt = list(example["prompt_ids"])[:max_length]
     cut = None if max_length is None else max_length - len(prompt)
     return prompt, [list(example[key])[:cut] for key in answers]
+
+
+def _answer_masks(example: dict, answers: tuple[str, ...]) -> list[list | None]:
+    """Each answer's loss mask where the example carries one (ANSWER_MASKS), else None."""
+    return [list(example[ANSWER_MASKS[key]]) if ANSWER_MASKS.get(key) in example else None for key in answers]
 
 
 def _first_fit_decreasing(sizes: list[int], width: int) -> list[list[int]]:
@@ -234,39 +285,42 @@ def _segments(examples: list[dict], max_length: int | None, layout: str, score_p
     useful = repeated = 0
     for index, example in enumerate(examples):
         prompt, replies = _truncated(example, max_length, answers)
+        labelled = [_trained(answer, mask) for answer, mask in zip(replies, _answer_masks(example, answers))]
         useful += len(prompt) + sum(len(answer) for answer in replies)
         padded_rows = range(index, len(replies) * pairs, pairs)
         if layout == "prefix_shared":
             repeated += len(prompt[-1:]) * (len(replies) - 1)
-            segments.append(_prefix_shared_segment(index, prompt, replies, padded_rows, score_prompt))
+            segments.append(_prefix_shared_segment(index, prompt, replies, labelled, padded_rows, score_prompt))
             continue
         repeated += len(prompt) * (len(replies) - 1)
-        for row, answer in zip(padded_rows, replies):
+        for row, answer, answer_labels in zip(padded_rows, replies, labelled):
             sequence = prompt + answer
             start = 0 if score_prompt and row == index else max(0, len(prompt) - 1)
-            labels = [-100] * start + sequence[start + 1:] + [-100]
+            labels = [-100] * start + (prompt + answer_labels)[start + 1:] + [-100]
             segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
                              [(row, start, start, len(sequence) - 1 - start)]))
     return segments, useful, repeated
 
 
-def _prefix_shared_segment(index: int, prompt: list, replies: list[list], padded_rows, score_prompt: bool) -> tuple:
+def _prefix_shared_segment(index: int, prompt: list, replies: list[list], labelled: list[list], padded_rows,
+                           score_prompt: bool) -> tuple:
     """One prompt and its answers as one segment: the prompt but its last token once, then each answer's branch
-    (that last prompt token, which predicts the answer's first, then the answer)."""
+    (that last prompt token, which predicts the answer's first, then the answer); `labelled`: each answer's labels
+    (its tokens, -100 where its loss mask is 0)."""
     shared, pivot = prompt[:-1], prompt[-1:]
     tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
         [SHARED] * len(shared), [-100] * len(shared), []
     if score_prompt and shared:  # shared[k] predicts prompt[k + 1], the chosen row's shifted position k
         labels = list(prompt[1:])
         targets.append((index, 0, 0, len(shared)))
-    for branch, row, answer in zip((CHOSEN, REJECTED), padded_rows, replies):
+    for branch, row, answer, answer_labels in zip((CHOSEN, REJECTED), padded_rows, replies, labelled):
         sequence = pivot + answer
         # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
         targets.append((row, len(shared), len(tokens), len(sequence) - 1))
         tokens += sequence
         positions += range(len(shared), len(shared) + len(sequence))
         branches += [branch] * len(sequence)
-        labels += sequence[1:] + [-100]
+        labels += answer_labels + [-100]
     return tokens, positions, branches, labels, targets
 
 

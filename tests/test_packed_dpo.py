@@ -415,3 +415,58 @@ def test_the_report_names_the_forward_and_its_shares():
         "forward": "padded (TRL)", "reason": "--padding_free false",
         "tokens": {"policy": {"padding_share": 0.4567, "repeated_prompt_share": 0.125}}}}))
     assert "padded (TRL) (--padding_free false); policy: 45.7% padding, 12.5% repeated prompt" in lines
+
+
+def trajectory_pairs(count: int, seed: int = 0) -> list[dict]:
+    """Pairs whose answers are tool trajectories (src/tools.py): the model's turn, a tool block (loss mask 0), the
+    model's next turn; every answer ends with a one-token tool block, so nothing after it reads that token."""
+    rng = random.Random(seed)
+    ids = lambda low, high: [rng.randrange(8, 60) for _ in range(rng.randint(low, high))]  # noqa: E731
+    rows = []
+    for _ in range(count):
+        row = {"prompt_ids": ids(1, 10)}
+        for answer in ("chosen", "rejected"):
+            turn, tool, last = ids(1, 6), ids(1, 5), ids(1, 6)
+            row[f"{answer}_ids"] = turn + tool + last + ids(1, 1)
+            row[f"{answer}_loss_mask"] = [1] * len(turn) + [0] * len(tool) + [1] * len(last) + [0]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("max_length", [40, 14])
+def test_a_tool_trajectorys_results_are_out_of_the_loss_in_both_forwards_and_the_reference_cache(
+        max_length, tokenizer, tmp_path):
+    """The answers' loss masks (a tool trajectory's results: 0) are multiplied into TRL's completion_mask by the
+    packed and the padded collators alike (truncated as TRL truncates), so the policy, the reference pass and its
+    precomputed cache read only the model's own tokens: a masked token changed leaves the log-probs unchanged."""
+    import torch
+
+    rows = trajectory_pairs(8, seed=4)
+    model = tiny("llama", tokenizer)
+    packed_trainer = trainer_for(model, tokenizer, rows, tmp_path, True, max_length=max_length)
+    padded_trainer = trainer_for(model, tokenizer, rows, tmp_path, False, max_length=max_length)
+    batch = padded_trainer.data_collator(rows)
+    for index, row in enumerate(rows):  # the chosen rows, then the rejected ones
+        for block, answer in enumerate(("chosen", "rejected")):
+            start = len(row["prompt_ids"])
+            expected = ([0] * start + row[f"{answer}_loss_mask"])[:max_length]
+            got = batch["completion_mask"][block * len(rows) + index, :len(expected)].tolist()
+            assert got == expected, (index, answer)
+    assert packed_trainer.data_collator(rows)["completion_mask"].equal(batch["completion_mask"])
+    packed, padded = reference_logps(packed_trainer, rows), reference_logps(padded_trainer, rows)
+    assert packed_trainer.packed_forward.check_result["passed"], packed_trainer.packed_forward.check_result
+    assert_close(packed, padded)
+    unmasked = [{key: value for key, value in row.items() if not key.endswith("_loss_mask")} for row in rows]
+    assert (reference_logps(padded_trainer, unmasked) - padded).abs().max() > 1e-3  # the masks took tokens out
+    # Each answer's last token is a masked tool token nothing reads after it: another token there changes nothing.
+    changed = [row | {"chosen_ids": row["chosen_ids"][:-1] + [8 + (row["chosen_ids"][-1] - 7) % 52],
+                      "rejected_ids": row["rejected_ids"][:-1] + [8 + (row["rejected_ids"][-1] - 7) % 52]}
+               for row in rows]
+    assert_close(reference_logps(packed_trainer, changed), packed)
+    assert_close(reference_logps(padded_trainer, changed), padded)
+    # TRL keeps the masks as columns for the collator, and its precomputed reference cache reads them too.
+    columns = padded_trainer._remove_unused_columns(padded_trainer.train_dataset).column_names
+    assert {"chosen_loss_mask", "rejected_loss_mask"} <= set(columns)
+    cached = trainer_for(model, tokenizer, rows, tmp_path / "cache", True, max_length=max_length,
+                         precompute_ref_log_probs=True).train_dataset
+    assert_close(torch.tensor([cached["ref_chosen_logps"], cached["ref_rejected_logps"]]).T, packed)

@@ -19,7 +19,8 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from src.distributed import any_rank, barrier, print0
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
-from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
+from src.packed_dpo import (ANSWER_MASKS, AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of,
+                            forward_plan, fused_modules)
 from src.progress import Progress
 from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
@@ -87,6 +88,11 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
             for dropout in self.dropout_off:
                 stack.enter_context(dropout.restored())
             return super()._save(*args, **kwargs)
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        # A tool trajectory's loss masks reach the collator (TRL keeps only its own columns otherwise).
+        self._signature_columns += [key for key in ANSWER_MASKS.values() if key not in self._signature_columns]
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in dataset.column_names:
@@ -289,12 +295,12 @@ def packed_dpo_forward(model, tokenizer, trl_config, peft_config, packed: bool =
     model cannot honour it (then TRL's padded forward, with one warning line saying why); `attention`:
     --packed_attention."""
     forward = forward_plan(model, trl_config, peft_config, packed, attention)
-    if not forward.enabled:
-        return {"packed_forward": forward}
     pad_token = trl_config.pad_token or tokenizer.pad_token or tokenizer.eos_token
     padded = DataCollatorForPreference(pad_token_id=tokenizer.convert_tokens_to_ids(pad_token),
                                        max_length=trl_config.max_length, truncation_mode=trl_config.truncation_mode,
                                        pad_to_multiple_of=trl_config.pad_to_multiple_of)
+    if not forward.enabled:  # TRL's padded forward, with the answers' loss masks of tool trajectories applied
+        return {"packed_forward": forward, "data_collator": AnswerMaskedCollator(padded)}
     return {"packed_forward": forward,
             "data_collator": PackedPreferenceCollator(padded, forward.layout, attention_cost_of(model),
                                                       attention=forward.attention)}
