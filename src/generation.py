@@ -97,12 +97,14 @@ class SeededSampling:
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None,
-             details: bool = False, tools=None) -> list:
+             details: bool = False, tools=None, trajectories: bool = False) -> list:
     """This process's answers to `prompts` (token ids), in order: greedy, or sampled with one seed per prompt;
     `on_batch(count)` after every batch (a progress line). `details`: each answer as a dict with its text and what the
     answer audit reads (answer_record: tokens generated, whether it ended, its repetition). `tools` (a
     src/tools.py ToolSession): each answer is a trajectory whose calls are run and their results fed back
-    (src/tools.py sample_with_tools), every turn of an answer from its own seed; its text is the whole trajectory."""
+    (src/tools.py sample_with_tools), every turn of an answer from its own seed; its text is the whole trajectory;
+    `trajectories` (with tools): each answer also carries its ids as sampled and their loss mask (`ids`, `loss_mask`:
+    0 on the tool results), what a round's DPO pair trains on."""
     eos_ids = stop_ids(model, tokenizer)
     close_ids = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]  # where an answer's reasoning ends
     if tools is not None:
@@ -120,8 +122,11 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             # The audit's length, end and repetition are of what the model wrote, every turn (the results apart).
             written = [token for token, own in zip(trajectory.ids, trajectory.mask) if own and token not in eos_ids]
             ending = [min(eos_ids)] if trajectory.ended else []
-            answers.append(answer_record(text, written + ending, eos_ids, close_ids) | trajectory.record()
-                           if details else text)
+            answer = answer_record(text, written + ending, eos_ids, close_ids) | trajectory.record() if details \
+                else {"text": text} if trajectories else text
+            if trajectories:
+                answer.update(ids=trajectory.ids, loss_mask=trajectory.mask)
+            answers.append(answer)
         return answers
     answers: list = [""] * len(prompts)
 

@@ -222,7 +222,9 @@ def _truncated(example: dict, max_length: int | None, answers: tuple[str, ...]) 
 
 def _answer_masks(example: dict, answers: tuple[str, ...]) -> list[list | None]:
     """Each answer's loss mask where the example carries one (ANSWER_MASKS), else None."""
-    return [list(example[ANSWER_MASKS[key]]) if ANSWER_MASKS.get(key) in example else None for key in answers]
+    # An empty mask is a pair of the data's own (a held-out pair beside a round's trajectories): none.
+    return [list(example[ANSWER_MASKS[key]]) or None if ANSWER_MASKS.get(key) in example else None
+            for key in answers]
 
 
 def _first_fit_decreasing(sizes: list[int], width: int) -> list[list[int]]:

@@ -38,6 +38,7 @@ from src.objectives import ROUNDS_STAGE
 from src.progress import Progress
 from src.run_safety.build_once import cache_root
 from src.run_safety.parent_watch import kill_starter_if_injected
+from src.tools import session_for
 from src.world import World
 
 PAIRS_DIR = "pairs"
@@ -83,9 +84,11 @@ def train_prompts(train, tokenizer, count: int, seed: int, round_index: int,
 
 
 def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundSettings, round_index: int,
-                     world: World) -> list[dict]:
+                     world: World, tools=None) -> list[dict]:
     """K sampled answers to every row and the judge's score of each, every rank its share; identical on every rank,
-    in row order. A progress line (rank 0, its share) with the ETA."""
+    in row order. A progress line (rank 0, its share) with the ETA. `tools` (a src/tools.py ToolSession): each answer
+    is a trajectory with the calls run (src/generation.py), judged whole, its ids and loss mask kept
+    (`trajectories`)."""
     k = settings.samples
     share = -(-len(rows) // world.world_size)  # rank 0's share: the line counts its answers, the ETA holds for all
     progress = Progress(f"  round {round_index}: sampling {k} answers per prompt", total=share * k, unit="answers",
@@ -99,14 +102,19 @@ def sample_and_judge(model, tokenizer, rows: list[dict], judge, settings: RoundS
             progress.update(answered)
             kill_starter_if_injected("sampling", world.rank)  # a test seam
 
-        answers = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
-                           settings.sampling, seeds, on_batch=on_batch)
+        sampled = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
+                           settings.sampling, seeds, on_batch=on_batch, tools=tools, trajectories=tools is not None)
+        answers = [answer["text"] for answer in sampled] if tools is not None else sampled
         judged_rows = [{"prompt": row["prompt"], "meta": row["meta"]} for row in share for _ in range(k)]
         try:
             scores = judge.scores(judged_rows, answers)
         except JudgeError as error:  # said by every rank, rank 0 among them, whichever rank's share it was in
             return [{"error": str(error)}] * len(share)
-        return [{"answers": answers[i * k:(i + 1) * k], "scores": scores[i * k:(i + 1) * k]} for i in range(len(share))]
+        trajectories = [{"ids": answer["ids"], "loss_mask": answer["loss_mask"]} for answer in sampled] \
+            if tools is not None else None
+        return [{"answers": answers[i * k:(i + 1) * k], "scores": scores[i * k:(i + 1) * k],
+                 **({"trajectories": trajectories[i * k:(i + 1) * k]} if trajectories else {})}
+                for i in range(len(share))]
 
     judged = map_across_ranks(rows, work, world)
     progress.close()
@@ -137,13 +145,24 @@ def form_pairs(rows: list[dict], judged: list[dict]) -> tuple[list[dict], dict]:
                       "chosen": _as_answer(row["prompt"], result["answers"][chosen]),
                       "rejected": _as_answer(row["prompt"], result["answers"][rejected]),
                       **({"meta": row["meta"]} if row["meta"] else {}), "chosen_score": best, "rejected_score": worst,
-                      "mean_score": sum(scores) / len(scores), "source_row": row["index"]})
+                      "mean_score": sum(scores) / len(scores), "source_row": row["index"],
+                      **({"trajectory": pair_trajectory(row["prompt_ids"], result["trajectories"][chosen],
+                                                        result["trajectories"][rejected])}
+                         if "trajectories" in result else {})})
     all_scores = [score for result in judged for score in result["scores"]]
     counts = {"prompts": len(rows), "answers": len(all_scores), "pairs": len(pairs), "skipped_all_equal": skipped,
               "unclosed_answers": unclosed,
               "mean_score": sum(all_scores) / len(all_scores) if all_scores else None,
               "best_of_k_score": (sum(max(result["scores"]) for result in judged) / len(judged)) if judged else None}
     return pairs, counts
+
+
+def pair_trajectory(prompt_ids: list[int], chosen: dict, rejected: dict) -> dict:
+    """A pair of tool trajectories as DPO trains them (src/data/tokenization.py reads it in place of the texts): the
+    prompt's ids and each answer's ids as sampled, with its loss mask (0 on the tool results: src/packed_dpo.py
+    multiplies it into TRL's completion mask)."""
+    return {"prompt_ids": prompt_ids, "chosen_ids": chosen["ids"], "chosen_loss_mask": chosen["loss_mask"],
+            "rejected_ids": rejected["ids"], "rejected_loss_mask": rejected["loss_mask"]}
 
 
 def _as_answer(prompt, text: str):
@@ -186,14 +205,14 @@ def held_out_pairs(prepared) -> dict[str, list[dict]]:
 
 
 def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings, round_index: int, round_dir: Path,
-                     world: World) -> dict:
+                     world: World, tools=None) -> dict:
     # The held-out pairs (validation, test) go beside the round's pairs; a run from prompts has none to write.
     """One round's pairs, sampled, judged, paired and written (rank 0) before training. Returns the round's record
     (counts, seconds per phase, where the pairs are)."""
     started = time.monotonic()
     rows = train_prompts(prepared.train, tokenizer, settings.prompts, settings.seed, round_index,
                          settings.template_kwargs)
-    judged = sample_and_judge(model, tokenizer, rows, judge, settings, round_index, world)
+    judged = sample_and_judge(model, tokenizer, rows, judge, settings, round_index, world, tools)
     sampled = time.monotonic()
     pairs, counts = form_pairs(rows, judged)
     if not pairs:
@@ -204,8 +223,11 @@ def make_round_pairs(model, tokenizer, prepared, judge, settings: RoundSettings,
                            "max_new_tokens": settings.max_new_tokens, "seed": settings.seed},
               "pairs_dir": str(Path(round_dir) / PAIRS_DIR)}
     if world.is_main:
-        write_pairs(round_dir, pairs, {} if prepared.summary.get("stage") == PROMPTS else held_out_pairs(prepared),
-                    record)
+        held_out = {} if prepared.summary.get("stage") == PROMPTS else held_out_pairs(prepared)
+        if tools is not None:  # the data's own pairs beside the trajectories: one dataset's splits share columns
+            held_out = {split: [row | {"trajectory": None} for row in split_rows]
+                        for split, split_rows in held_out.items()}
+        write_pairs(round_dir, pairs, held_out, record)
         best = counts["best_of_k_score"]
         print0(f"  round {round_index}: {counts['pairs']:,} pairs from {counts['prompts']:,} prompts "
               f"({counts['skipped_all_equal']:,} skipped: all answers scored the same"
@@ -273,8 +295,14 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
     if record:  # an earlier launch wrote them: no sampling, no judge
         print0(f"  round {stage.round}: pairs written by an earlier launch, reused ({record['counts']['pairs']:,} pairs)")
     else:
-        record = make_round_pairs(model, tokenizer, dpo_data, judge_for(config.training.judge, config.data.dataset_name),
-                                  round_settings(config, stage.plan), stage.round, stage.run_dir, world)
+        tools = session_for(config)  # --tools: the round's answers are trajectories with the calls run
+        try:
+            record = make_round_pairs(model, tokenizer, dpo_data,
+                                      judge_for(config.training.judge, config.data.dataset_name),
+                                      round_settings(config, stage.plan), stage.round, stage.run_dir, world, tools)
+        finally:
+            if tools is not None:
+                tools.close()
     started = time.monotonic()
     prepared = round_data(config, Path(record["pairs_dir"]), tokenizer)
     if dpo_data.summary.get("stage") == PROMPTS:

@@ -221,7 +221,7 @@ def schema_problem(schema: dict, arguments: Any) -> str | None:
 def validate_config(config) -> None:
     """--tools and its knobs against the run (src/config_checks.py's validate calls it): one ConfigError line per
     mistake.
-    Every stage answers its held-out prompts with the tools; GRPO samples with them too."""
+    Every stage answers its held-out prompts with the tools; GRPO and on-policy rounds sample with them too."""
     training = config.training
     try:
         validate(training.tools, training.max_tool_turns, training.tool_timeout)
@@ -230,9 +230,6 @@ def validate_config(config) -> None:
     if training.turn_credit < 0 or training.turn_credit and not training.tools:
         raise ConfigError(f"--turn_credit {training.turn_credit:g}: the weight of per-turn credit in GRPO's "
                           "advantages, 0 or more, with --tools (the turns are a trajectory's)")
-    if training.tools and config.dpo.rounds:
-        raise ConfigError("--tools with --rounds: round pairs of tool trajectories are not trained yet (their tool "
-                          "results would need masking in DPO); use GRPO (--stage grpo) for rollouts with tools")
 
 
 def validate(tools: str | None, max_tool_turns: int, tool_timeout: float) -> None:

@@ -450,11 +450,13 @@ def test_the_tools_flags_are_checked_with_the_configuration_in_one_line_each():
     for flags, message in [(["--tools", "x"], "^--tools x: expected module:registry"),
                            (["--max_tool_turns", "0"], "^--max_tool_turns 0: at least 1"),
                            (["--turn_credit", "0.5"], "^--turn_credit 0.5: .* with --tools"),
-                           (["--tools", REGISTRY, "--turn_credit", "-1"], "^--turn_credit -1"),
-                           (["--tools", REGISTRY, "--rounds", "1", "--judge", "tool_registry:product_judge"],
-                            "^--tools with --rounds: round pairs of tool trajectories are not trained yet")]:
+                           (["--tools", REGISTRY, "--turn_credit", "-1"], "^--turn_credit -1")]:
         with pytest.raises(ConfigError, match=message):
             parse_config(flags, require_sources=False)
+    # Rounds sample with the tools (test_a_round_with_tools_...): no longer refused.
+    rounds = parse_config(["--tools", REGISTRY, "--rounds", "1", "--judge", "tool_registry:product_judge"],
+                          require_sources=False)
+    assert (rounds.training.tools, rounds.dpo.rounds) == (REGISTRY, 1)
     from conftest import PROJECT_ROOT
 
     config = parse_config(["--config", str(PROJECT_ROOT / "configs" / "sft_dpo_grpo_tools.yaml")],
@@ -553,3 +555,98 @@ def test_grpo_with_tools_gives_the_same_numbers_on_1x2_and_2x1_and_after_a_kille
     for key in ("loss", "kl", "reward", "tools/calls_per_answer", "tools/errors_per_answer", "tools/turns_per_answer"):
         assert [record[key] for record in resumed["metrics"]] == pytest.approx(
             [record[key] for record in reference["metrics"]], abs=1e-5), key
+
+
+def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_masked_on_1x2_and_2x1(tmp_path,
+                                                                                                   monkeypatch):
+    """--rounds 1 from prompts with --tools, forked (tests/forked.py) on 2 processes x 1 accumulation step and 1 x 2:
+    each answer's first turn is scripted from its turn seed (a right multiply call, or a call to a tool that does not
+    exist), the tool runs, the next turn is the tiny model's own seeded sampling; the judge reads the whole trajectory
+    (the product came back: 1). A pair's answers are its trajectories as sampled, their loss mask 0 exactly over the
+    tool blocks (the result in the template's tool role and the generation prompt after it), prepared as the
+    collator's mask columns (tests/test_packed_dpo.py: masked tokens out of the policy, reference and cache); the
+    pairs and the round's loss are the same on either split."""
+    import re
+
+    import src.generation as generation
+    from conftest import build_tiny_model
+
+    questions = [(100 + 37 * index, 200 + 53 * index) for index in range(4)]
+    corpus = [f"What is {a} times {b}? It is {a * b}." for a, b in questions] + [TURNS["chatml-qwen2.5"][0]]
+    model = build_tiny_model(tmp_path / "model", corpus, template="chatml-qwen2.5")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ends = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id).save_pretrained(model)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}],
+                                        "meta": {"product": a * b}}) + "\n" for a, b in questions))
+    sample_ids = generation.sample_ids
+
+    def first_turn_scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None,
+                            *rest, **kwargs):
+        written = sample_ids(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling, seeds, *rest,
+                             **kwargs)
+        for index, context in enumerate(contexts):
+            text = tok.decode(context)
+            asked = re.findall(r"What is (\d+) times (\d+)\?", text)
+            if asked and "<tool_response>" not in text:
+                call = TURNS["chatml-qwen2.5"][0].replace("123", asked[-1][0]).replace("456", asked[-1][1])
+                right = seeds is None or seeds[index] % 2
+                written[index] = _ids(tok, call if right else call.replace("multiply", "divide"))
+        return written
+
+    monkeypatch.setattr(generation, "sample_ids", first_turn_scripted)  # inherited by the forked runs
+    import forked
+    from src import run_files
+
+    runs = {}
+    for name, processes, accumulation in (("2x1", 2, 1), ("1x2", 1, 2)):
+        arguments = ["--stage", "dpo", "--rounds", "1", "--model_name_or_path", str(model), "--dataset_name",
+                     str(data), "--results_dir", str(tmp_path / "results"), "--run_name", name, "--batch_size", "4",
+                     "--gradient_accumulation_steps", str(accumulation), "--round_max_steps", "2",
+                     "--round_samples", "4", "--eval_strategy", "no", "--save_steps", "1", "--logging_steps", "1",
+                     "--num_samples", "0", "--val_size", "0", "--test_size", "0", "--max_new_tokens", "160",
+                     "--max_length", "320", "--learning_rate", "1e-3", "--seed", "6",
+                     "--judge", "tool_registry:result_judge", "--tools", "tool_registry:MULTIPLY",
+                     "--max_tool_turns", "1", "--audit_judge_pairs", "0"]
+        result = forked.run_job(processes, arguments, env=dict(os.environ) | {"OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        run_dir = tmp_path / "results" / name
+        pairs = run_files.read_jsonl(run_dir / "pairs" / "train.jsonl")  # the last round's: the run's own
+        losses = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
+        runs[name] = (pairs, losses)
+        # The first micro-batch (2 pairs) read log-probs at the model's own tokens only: the masks reached DPO.
+        check = run_files.read_json(run_dir / run_files.TRAINING_INFO)["forward"]["first_batch_check"]
+        counted = [[sum(pair["trajectory"][f"{answer}_loss_mask"]) for answer in ("chosen", "rejected")]
+                   for pair in pairs]
+        whole = [[len(pair["trajectory"][f"{answer}_ids"]) for answer in ("chosen", "rejected")] for pair in pairs]
+        assert check["passed"] and check["tokens"] in {sum(counted[i] + counted[j]) for i in range(4)
+                                                       for j in range(i + 1, 4)}, check
+        assert check["tokens"] not in {sum(whole[i] + whole[j]) for i in range(4) for j in range(i + 1, 4)}
+    pairs, losses = runs["2x1"]
+    assert pairs == runs["1x2"][0] and losses == pytest.approx(runs["1x2"][1], rel=1e-5, abs=1e-7) and len(losses) == 2
+    assert losses[1] < losses[0]  # it trained (the first step's loss is log 2: the policy is its reference)
+    # 4 pairs, one global batch (a round whose pairs do not fill whole batches is not split alike: not this test's)
+    assert len(pairs) == 4 and all(pair["chosen_score"] == 1 and pair["rejected_score"] == 0 for pair in pairs)
+    for pair in pairs:
+        product = pair["meta"]["product"]
+        trajectory = pair["trajectory"]
+        assert trajectory["prompt_ids"] == tokenizer.apply_chat_template(
+            pair["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for answer, result in (("chosen", str(product)), ("rejected", '{"error": "unknown tool divide')):
+            ids, mask = trajectory[f"{answer}_ids"], trajectory[f"{answer}_loss_mask"]
+            assert tokenizer.decode(ids, skip_special_tokens=False) == pair[answer][0]["content"]  # what the judge read
+            masked = [position for position, keep in enumerate(mask) if not keep]
+            block = tokenizer.decode([ids[position] for position in masked], skip_special_tokens=False)
+            assert masked == list(range(masked[0], masked[-1] + 1))  # one tool block, between the model's turns
+            assert block.startswith("\n<|im_start|>user\n<tool_response>\n" + result)
+            assert block.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n") and 0 < masked[0]
+    # Prepared as DPO reads them: the sampled ids and the masks as the collator's columns (not the texts retokenized).
+    from src.data.shapes import normalize_row
+    from src.data.tokenization import token_columns_of, tokenize_preference
+
+    row = normalize_row(pairs[0], "explicit_prompt", None)
+    assert tokenize_preference(row, tokenizer) == pairs[0]["trajectory"]
+    assert token_columns_of(row, "dpo", tokenizer, None, None)[-2:] == ("chosen_loss_mask", "rejected_loss_mask")

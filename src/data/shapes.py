@@ -249,7 +249,8 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
     stay text otherwise, so base models without a template can still train on them."""
     from trl.data_utils import extract_prompt
 
-    extra = {key: row[key] for key in ("meta", "tools") if key in row}
+    # `trajectory`: a round's pair of sampled tool trajectories, trained as sampled (src/rounds.py pair_trajectory).
+    extra = {key: row[key] for key in ("meta", "tools", "trajectory") if key in row}
     if shape == "explicit_prompt":
         out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"]}
     elif shape in ("ultrafeedback", "implicit_prompt"):

@@ -27,6 +27,8 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True, templ
 
     _tokenize = trl_tokenize()
 
+    if row.get("trajectory"):  # a round's sampled tool trajectories: their ids as sampled, with their loss masks
+        return dict(row["trajectory"])
     if is_conversational(row):
         prompt_ids, chosen_ids, rejected_ids = conversation_ids(
             tokenizer, row["prompt"], row["chosen"], row["rejected"], keep_reasoning=keep_reasoning,
@@ -181,8 +183,9 @@ def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> 
 def token_columns_of(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
     """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
     kind = stage_shape(stage)
-    if kind == PAIRS:
-        return ("prompt_ids", "chosen_ids", "rejected_ids")
+    if kind == PAIRS:  # a round's tool trajectories add their loss masks (src/packed_dpo.py ANSWER_MASKS)
+        masks = ("chosen_loss_mask", "rejected_loss_mask") if first_row.get("trajectory") else ()
+        return ("prompt_ids", "chosen_ids", "rejected_ids") + masks
     if kind == PROMPTS:
         return ("prompt_ids",)
     if kind == UNPAIRED:
