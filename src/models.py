@@ -21,6 +21,7 @@ from src.plan import Plan
 from src.world import World
 from src.distributed import barrier, manifest_across_ranks
 from src.embedded.model import ensure_embedded_model
+from src.engines import whole_weights_on_save
 from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
@@ -396,6 +397,7 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
                 if directory.is_dir():
                     remove_marker(directory)
             fail_write_if_injected(final_dir / "model.safetensors")
+        whole_weights_on_save(trainer)  # FSDP with sharded checkpoints: the final model whole all the same
         trainer.save_model(str(final_dir))
     if is_main and noticed_write_failure() is None:
         with write_failures_noted(final_dir):
