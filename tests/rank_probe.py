@@ -4,7 +4,8 @@
 
 Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw, a digest of every training row it
 was fed (per optimizer step), a digest of its weights when training ended (the whole weights under ZeRO-3) and what
-it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share).
+it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share,
+ZeRO-3's partitions and FSDP2's DTensor local shards).
 
 Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
 optimizer step K+1 — what a bad kernel or an overflow does to a real run.

@@ -1,9 +1,10 @@
-"""The sharding engines on CPU processes (src/engines.py): DeepSpeed ZeRO-1/2/3 through accelerate's launch
-configs (configs/accelerate/zero*.yaml, the environment accelerate launch gives its workers: tests/engine_launch.py),
-each a forked 2-process job on gloo. One job per engine and objective carries every assertion: the engine that ran
-(training_info.json, read from the trainer's accelerator), the same loss curve as plain DDP at the same global batch
-(fp32, 1e-5), each rank's share (tests/rank_probe.py: optimizer states halved, under ZeRO-3 the weights and a live
-reference too), and the final model consolidated into ordinary safetensors equal to DDP's."""
+"""The sharding engines on CPU processes (src/engines.py): DeepSpeed ZeRO-1/2/3 and FSDP2 through accelerate's launch
+configs (configs/accelerate/zero*.yaml, fsdp.yaml: the environment accelerate launch gives its workers:
+tests/engine_launch.py), each a forked 2-process job on gloo; DPO's DDP run is made once for both engines' tests. One
+job per engine and objective carries every assertion: the engine that ran (training_info.json, read from the
+trainer's accelerator), the same loss curve as plain DDP at the same global batch (fp32, 1e-5), each rank's share
+(tests/rank_probe.py: optimizer states halved, under ZeRO-3 and FSDP2 the weights and a live reference too), and the
+final model consolidated into ordinary safetensors equal to DDP's."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def assert_same_final_model(saved_dir: Path, expected_dir: Path, label: str) -> 
         torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{label} {key}")
 
 
-def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_share(dpo_engines, tiny_model, tmp_path):
+def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_share(dpo_engines, tiny_model):
     """DPO (packed forward), global batch 8 = 2 per device x 2 accumulation x 2 processes, 3 steps: DDP, ZeRO-2 and
     ZeRO-3 with the reference log-probs precomputed (TRL's inference engine under DeepSpeed, released before
     training: src/trainers/dpo.py), ZeRO-3 with the live reference (prepared by TRL as a sharded engine too). The
@@ -152,6 +153,11 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
         shards = sorted(path.relative_to(checkpoint).as_posix() for path in (checkpoint / folder).glob("*.distcp"))
         assert shards == [f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"] and set(shards) <= set(listed)
     assert checkpoint_manifest.verify(checkpoint, threads=1) is None
+    shard = checkpoint / "optimizer_0" / "__1_0.distcp"  # rank 1's optimizer shard, one byte flipped: found
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "optimizer_0/__1_0.distcp" in checkpoint_manifest.verify(checkpoint, threads=1)
     assert_reloads_generates_and_changed(runs["fsdp"]["final"], tiny_model)
     # the live reference sharded as the policy is (TRL prepares it through the same accelerator)
     assert [rank["held"]["reference_weights"] for rank in runs["fsdp_live"]["ranks"]] == [whole["weights"] // 2] * 2
