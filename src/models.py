@@ -378,6 +378,21 @@ def _is_probability(name: str, value) -> bool:
         DROPOUT_FIELD.search(name) is not None
 
 
+def _merged_model(model, adapter_dir: Path):
+    """The adapter merged into its base. Under FSDP2 rank 0 holds only its shard of the base (and merging alone
+    would wait forever for the other ranks' gather): the base is loaded whole from where the stage loaded it and the
+    adapter just saved is merged into it, the same sum as in place."""
+    if not any(hasattr(parameter, "to_local") for parameter in model.parameters()):
+        return model.merge_and_unload(safe_merge=True)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter = model.peft_config[model.active_adapter]
+    loader = AutoModelForSequenceClassification if adapter.task_type == "SEQ_CLS" else AutoModelForCausalLM
+    base = loader.from_pretrained(adapter.base_model_name_or_path, config=model.get_base_model().config)
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(safe_merge=True)
+
+
 def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:
     """Save the trained model (adapter only under LoRA) with its tokenizer, and a merged copy on request; return
     where each went. Each directory gets a `.complete` marker with its manifest, as a checkpoint does, which guards
@@ -405,7 +420,7 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
             if isinstance(model, PeftModel):
                 verify_adapter(final_dir, model)
             if merge:
-                merged = model.merge_and_unload(safe_merge=True)
+                merged = _merged_model(model, final_dir)
                 merged.save_pretrained(merged_dir)
                 tokenizer.save_pretrained(merged_dir)
     barrier()

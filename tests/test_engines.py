@@ -167,7 +167,9 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
 def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_does(tiny_model, tmp_path):
     """LoRA SFT, the same global batch on DDP, ZeRO-1, ZeRO-3 and FSDP2: the same loss curve, each rank half the
     adapter's optimizer states (ZeRO-3, FSDP2: half of every weight), and a saved adapter with every tensor whole and
-    equal to DDP's (the empty adapter_model.safetensors ZeRO-3 leaves without its 16-bit gather)."""
+    equal to DDP's (the empty adapter_model.safetensors ZeRO-3 leaves without its 16-bit gather). DDP and FSDP2 also
+    merge it (--merge_adapter): FSDP2's merged model, merged from its base loaded whole since rank 0 holds only a
+    shard (src/models.py), equals DDP's."""
     import torch
     from safetensors.torch import load_file
 
@@ -177,7 +179,7 @@ def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_d
     for strategy in ("ddp", "zero1", "zero3", "fsdp"):
         args = common_args(tiny_model, data, tmp_path / "results", strategy, "sft") + [
             "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
-            "--use_lora", "true"]
+            "--use_lora", "true", "--merge_adapter", str(strategy in ("ddp", "fsdp")).lower()]
         runs[strategy] = run_engine(strategy, args, tmp_path / f"probe_{strategy}")
     whole = runs["ddp"]["ranks"][0]["held"]
     adapter = load_file(runs["ddp"]["final"] / "adapter_model.safetensors")
@@ -196,6 +198,7 @@ def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_d
             # Adam divides each update by the gradient's own size: an element whose gradient is fp32 noise, summed
             # in another order, moves by more than fp32 rounding (measured: 1.1e-7 here, 8e-6 at a 1e-2 rate)
             torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-5, msg=f"{strategy} {key}")
+    assert_same_final_model(runs["fsdp"]["final"].parent / "merged", runs["ddp"]["final"].parent / "merged", "merged")
 
 
 def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_model, tmp_path):
