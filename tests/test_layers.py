@@ -206,6 +206,17 @@ def test_an_import_of_the_project_inside_a_function_says_why():
     assert not silent, "imports inside functions without their reason (or move them to the top):\n" + "\n".join(silent)
 
 
+
+def test_the_entry_point_is_the_pipeline_on_one_page():
+    """src/main_distributed.py reads as the pipeline (issue 52): at most 300 lines, no function over 60, each step a
+    call into the module that owns it (src/pipeline/ and below), so a step that grows grows there."""
+    path = SRC / "main_distributed.py"
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(_parsed(path))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert lines <= 300 and not long, (f"src/main_distributed.py: {lines} lines (at most 300), functions over 60 lines: "
+                                       f"{long}: move the step into the module that owns it")
+
 def structure(src: Path = SRC) -> dict:
     """The numbers issue 52 asks before and after: files, lines, import edges, cycles, upward imports, longest
     functions."""
