@@ -156,16 +156,16 @@ def objective_arm(name: str, what: str, packed: bool, base, tokenizer, batches, 
     from src.objectives import load, objective
 
     row = objective(name)
-    trainer_class, config_class = load(row.trainer), load(row.trl_config)
+    trainer_class, config_class = load(row.training.trainer), load(row.training.trl_config)
     options = dict(output_dir=str(work / f"{name}-{what}-{packed}".replace(" ", "_")), per_device_train_batch_size=8,
                    use_cpu=True, report_to=[], bf16=False, max_length=400, disable_tqdm=True)
-    if row.needs_reference:  # KTO's step: the reference cached, as a run takes it
+    if row.training.needs_reference:  # KTO's step: the reference cached, as a run takes it
         options["precompute_ref_log_probs"] = row.data_shape == "unpaired" and what == "training step"
     args = config_class(**options)
     model = copy.deepcopy(base)
     rows = [row_ for batch in batches for row_ in batch]
     data = Dataset.from_list(unpaired(rows) if row.data_shape == "unpaired" else rows)
-    extra = {"ref_model": copy.deepcopy(base)} if row.needs_reference else {}
+    extra = {"ref_model": copy.deepcopy(base)} if row.training.needs_reference else {}
     trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                             **trainer_class.forward_for(model, tokenizer, args, None, packed), **extra)
     micro = [[trainer.train_dataset[i] for i in range(start, start + (16 if row.data_shape == "unpaired" else 8))]

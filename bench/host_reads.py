@@ -3,10 +3,12 @@ counted the same way on CPU (tests/read_probe.py: `Tensor.item`, `.tolist`, `boo
 `.nonzero`, `.cpu`, `.numpy`, from the second optimizer step to the one before the first log, evaluation or
 checkpoint; one micro-batch of 2 per optimizer step; the tiny model of the tests).
 
-    python bench/host_reads.py            # ~2 minutes on 2 CPU cores
+    python bench/host_reads.py            # ~3 minutes on 2 CPU cores
+    python bench/host_reads.py kto grpo   # some trainers only
 
 TRL's arms: its plain trainers in this process (DPOTrainer with its reference model in the step, SFTTrainer, CPOTrainer
-with SimPO's loss, ORPOTrainer, KTOTrainer). The toolkit's: `python -m src.main_distributed --stage <stage>` forked
+with SimPO's loss, ORPOTrainer, KTOTrainer, GRPOTrainer with the KL term and 2 answers per prompt, its sampling and
+judging not counted: its training part). The toolkit's: `python -m src.main_distributed --stage <stage>` forked
 (tests/forked.py) with its defaults (packed forward, reference log-probs precomputed). Prints docs/speed.md's table:
 reads per optimizer step, by kind, and the model's own (transformers' sdpa mask check) apart.
 """
@@ -36,7 +38,7 @@ def trl_arm(name: str, model_path: Path, rows: list[dict], work: Path) -> dict:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore")
-        from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
+        from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
         from trl.experimental.cpo import CPOConfig, CPOTrainer
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -57,12 +59,20 @@ def trl_arm(name: str, model_path: Path, rows: list[dict], work: Path) -> dict:
                              train_dataset=pairs, processing_class=tokenizer)
     elif name == "orpo":
         trainer = ORPOTrainer(model=model, args=ORPOConfig(**common), train_dataset=pairs, processing_class=tokenizer)
+    elif name == "grpo":
+        del common["max_length"]
+        trainer = GRPOTrainer(model=model, reward_funcs=answer_length, train_dataset=pairs.select_columns(["prompt"]),
+                              processing_class=tokenizer,
+                              args=GRPOConfig(**common, num_generations=2, max_completion_length=8, beta=0.1,
+                                              activation_checkpointing=False))
     else:
         unpaired = Dataset.from_list([{"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
                                       for row in rows for side in ("chosen", "rejected")])
         trainer = KTOTrainer(model=model, args=KTOConfig(**common, activation_checkpointing=False),
                              train_dataset=unpaired, processing_class=tokenizer)
     counter = read_probe.ReadCounter().install()
+    if name == "grpo":  # its training part, as tests/read_probe.py counts the toolkit's
+        trainer._generate_and_score_completions = counter.paused(trainer._generate_and_score_completions)
     try:
         trainer.add_callback(counter.callback(name))
         trainer.train()
@@ -71,9 +81,18 @@ def trl_arm(name: str, model_path: Path, rows: list[dict], work: Path) -> dict:
     return counter.result()[name]
 
 
+def answer_length(completions, **columns) -> list[float]:
+    return [float(len(completion[-1]["content"] if isinstance(completion, list) else completion))
+            for completion in completions]
+
+
 def toolkit_arm(stage: str, model_path: Path, data: Path, work: Path) -> dict:
     result = work / f"{stage}.json"
-    extra = ["--kto_from_pairs"] if stage == "kto" else []
+    extra = {"kto": ["--kto_from_pairs"],
+             "grpo": ["--dataset_name", str(conftest.write_jsonl(work / "prompts.jsonl", [
+                 {"prompt": row["prompt"]} for row in conftest.preference_rows(48, seed=1)])),
+                      "--num_generations", "2", "--max_new_tokens", "8", "--beta", "0.1", "--judge",
+                      "tests.round_judges:by_length"]}.get(stage, [])
     completed = forked.run_main([str(result), "--stage", stage, "--model_name_or_path", str(model_path),
                                  "--dataset_name", str(data), "--results_dir", str(work / "results"), "--run_name",
                                  stage, "--max_length", "64", "--logging_steps", "100", "--eval_steps", "100",
@@ -104,7 +123,7 @@ def main() -> None:
         data = conftest.write_jsonl(work / "pairs.jsonl", rows)
         table = ["| trainer | TRL 1.16's own: reads / step | the toolkit's | the model's own (TRL / toolkit) | "
                  "TRL's by kind (model's included) |", "|---|---:|---:|---:|---|"]
-        for name in ("dpo", "sft", "simpo", "orpo", "kto"):
+        for name in sys.argv[1:] or ("dpo", "sft", "simpo", "orpo", "kto", "grpo"):
             trl_own, trl_model, kinds = summary(trl_arm(name, model, rows, work))
             toolkit_own, toolkit_model, _ = summary(toolkit_arm(name, model, data, work))
             table.append(f"| {name} | {trl_own:g} | {toolkit_own:g} | {trl_model:g} / {toolkit_model:g} | {kinds} |")

@@ -385,8 +385,8 @@ class DPOArguments:
         default=None,
         metadata={"help": "Strength of the pull toward the reference model: higher stays closer (TRL's beta). Default: "
                   "the objective's own (its row's default_beta: " + ", ".join(
-                      f"{row.display_name} {row.default_beta:g}" for row in OBJECTIVES.values()
-                      if row.default_beta is not None) + ")."},
+                      f"{row.display_name} {row.training.default_beta:g}" for row in OBJECTIVES.values()
+                      if row.training.default_beta is not None) + ")."},
     )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from src.config import EMBEDDED, TRACKERS, Config
+from src.config import EMBEDDED, TRACKERS, Config, DataArguments, HubArguments, ModelArguments, TrainingArguments
 from src.config_error import ConfigError
 from src.objectives import STAGES, objective
 from src.tool_calls import validate_config as validate_tools
@@ -45,7 +45,24 @@ def validate_mixture(mixture: list[dict] | None) -> None:
 
 def validate(config: Config) -> None:
     """Checks that need no data, model or process group; each names its flag and what to do."""
-    training, data = config.training, config.data
+    validate_training_numbers(config.training)
+    validate_data_settings(config.data)
+    beta = config.dpo.beta  # None: the objective's own default (its row's default_beta)
+    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).training.beta_may_be_zero)):
+        raise ConfigError(f"--beta must be positive, got {beta}")
+    validate_rounds(config)
+    validate_judges(config)
+    validate_tools(config)
+    validate_model_settings(config.model)
+    validate_outputs(config.training)
+    validate_hub(config.hub)
+    if config.model.lora_r < 1:
+        raise ConfigError(f"--lora_r must be a positive whole number, got {config.model.lora_r}")
+    validate_mixture(config.data.dataset_mixture)
+
+
+def validate_training_numbers(training: TrainingArguments) -> None:
+    """Batch sizes, steps, rates and counts of the training settings in their ranges."""
     for name in ("batch_size", "per_device_batch_size", "micro_batch_size", "gradient_accumulation_steps",
                  "base_batch_size", "eval_steps", "save_steps"):
         value = getattr(training, name)
@@ -65,6 +82,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--num_samples must be 0 or more, got {training.num_samples}")
     if training.judged_eval_prompts < 0:
         raise ConfigError(f"--judged_eval_prompts must be 0 or more, got {training.judged_eval_prompts}")
+
+
+def validate_data_settings(data: DataArguments) -> None:
+    """--max_length, --embedded_reasoning's data, and the held-out split sizes."""
     if data.max_length < 8:
         raise ConfigError(f"--max_length must be at least 8 tokens, got {data.max_length}")
     if data.embedded_reasoning and data.dataset_name not in (None, EMBEDDED):
@@ -74,45 +95,45 @@ def validate(config: Config) -> None:
         value = getattr(data, name)
         if value < 0 or (1 <= value and not float(value).is_integer()):
             raise ConfigError(f"--{name} is a fraction below 1 or a whole number of rows, got {value}")
-    beta = config.dpo.beta  # None: the objective's own default (its row's default_beta)
-    if beta is not None and (beta < 0 or (beta == 0 and not objective(config.training.stage).beta_may_be_zero)):
-        raise ConfigError(f"--beta must be positive, got {beta}")
-    validate_rounds(config)
-    validate_judges(config)
-    validate_tools(config)
-    if config.model.merge_adapter and config.model.load_in_4bit:
+
+
+def validate_model_settings(model: ModelArguments) -> None:
+    """4-bit, merging and LoRA settings that cannot go together or are out of range."""
+    if model.merge_adapter and model.load_in_4bit:
         raise ConfigError("--merge_adapter with --load_in_4bit would merge into quantized weights and lose precision: "
                           "merge the saved adapter into the 16-bit base afterwards (peft's merge_and_unload)")
-    if config.model.load_in_4bit and not config.model.use_peft:
+    if model.load_in_4bit and not model.use_peft:
         raise ConfigError("--load_in_4bit trains adapters on a frozen 4-bit base: add --use_lora (QLoRA)")
     # PEFT refuses these only when the trainer is built, after the data was prepared and every rank loaded the model.
-    if config.model.use_peft and config.model.lora_r < 1:
-        raise ConfigError(f"--lora_r is the adapters' rank, a positive whole number (e.g. 16), got "
-                          f"{config.model.lora_r}")
-    if config.model.use_peft and not 0 <= config.model.lora_dropout < 1:
-        raise ConfigError(f"--lora_dropout is a probability in [0, 1), got {config.model.lora_dropout}")
-    if config.training.run_name is not None and (
-        not config.training.run_name.strip() or ".." in Path(config.training.run_name).parts
-    ):
-        raise ConfigError(f"--run_name must be a plain name, got {config.training.run_name!r}")
+    if model.use_peft and model.lora_r < 1:
+        raise ConfigError(f"--lora_r is the adapters' rank, a positive whole number (e.g. 16), got {model.lora_r}")
+    if model.use_peft and not 0 <= model.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout is a probability in [0, 1), got {model.lora_dropout}")
+
+
+def validate_outputs(training: TrainingArguments) -> None:
+    """--run_name (a directory under the results) and --report_to (the trackers)."""
+    if training.run_name is not None and (not training.run_name.strip() or ".." in Path(training.run_name).parts):
+        raise ConfigError(f"--run_name must be a plain name, got {training.run_name!r}")
     unknown = [name for name in training.report_to if name not in ("none", *TRACKERS)]
     if unknown:
         raise ConfigError(f"--report_to {unknown[0]}: not a supported tracker; choose from none, {', '.join(TRACKERS)}")
     if "none" in training.report_to and len(training.report_to) > 1:
         raise ConfigError(f"--report_to {' '.join(training.report_to)}: 'none' cannot be combined with a tracker")
-    if config.hub.push_to_hub and not config.hub.hub_model_id:
+
+
+def validate_hub(hub: HubArguments) -> None:
+    """--push_to_hub needs a --hub_model_id, and that id is one the Hub accepts."""
+    if hub.push_to_hub and not hub.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id ORG/NAME (the Hub repository to create or update)")
-    if config.hub.hub_model_id:
+    if hub.hub_model_id:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
         try:
-            validate_repo_id(config.hub.hub_model_id)
+            validate_repo_id(hub.hub_model_id)
         except HFValidationError:
-            raise ConfigError(f"--hub_model_id {config.hub.hub_model_id!r} is not a Hub repository id: use ORG/NAME "
+            raise ConfigError(f"--hub_model_id {hub.hub_model_id!r} is not a Hub repository id: use ORG/NAME "
                               "(letters, digits, '-', '_', '.')") from None
-    if config.model.lora_r < 1:
-        raise ConfigError(f"--lora_r must be a positive whole number, got {config.model.lora_r}")
-    validate_mixture(config.data.dataset_mixture)
 
 
 def has_judge(config: Config) -> bool:
@@ -126,7 +147,7 @@ def validate_judges(config: Config) -> None:
     """An objective whose rewards are the judges' scores, on data no judge knows and with none named: one line."""
     row = objective(config.training.stage)
     has_data = config.data.dataset_name or config.data.dataset_mixture  # check_gpu plans without any
-    if row.rewards_from_judges and has_data and not has_judge(config):
+    if row.training.rewards_from_judges and has_data and not has_judge(config):
         raise ConfigError(f"--stage {config.training.stage} learns from rewards, and {config.data.dataset_name or 'the data'} "
                           "has no judge to give them: name one with --judge (or several with --rewards): "
                           "module:function (your own check: function(row, answer) -> a number, row['meta'] holds the "

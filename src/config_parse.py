@@ -256,11 +256,29 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
         recipe = str(DEFAULT_RECIPE)  # no recipe, no model, no data: the embedded default
     else:
         recipe = None
+    recipe_values = _load_recipe(recipe) if recipe else {}
+    requested, sources = _requested_values(recipe, recipe_values, sagemaker, flags)
+    stage = requested.get("stage", (DEFAULT_STAGE, ""))[0]
+    if stage not in STAGES:
+        raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    sources = _drop_blocks_the_stage_lacks(requested, sources, stage)
+    config = _build_config(requested, stage)
+    config.recipe = recipe
+    config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
+    config.sources = sources
+    _check_for_objective(config, stage)
+    if require_sources:
+        for problem in missing_sources(config):
+            raise ConfigError(problem)
+    return config
 
-    # Precedence: dataclass defaults < recipe < SageMaker's environment < flags.
+
+def _requested_values(recipe: str | None, recipe_values: dict[str, Any], sagemaker: dict[str, tuple[str, str]],
+                      flags: list[tuple[str, Any, str]]) -> tuple[dict[str, tuple[Any, str]], dict[str, str]]:
+    """(key → (value, where it was given), key → where the plan says it came from), by precedence: dataclass
+    defaults < recipe < SageMaker's environment < flags; --sft.KEY / --dpo.KEY merged into their stage's block."""
     requested: dict[str, tuple[Any, str]] = {}
     sources: dict[str, str] = {}  # what the plan and training_info.json say each setting came from
-    recipe_values = _load_recipe(recipe) if recipe else {}
     if recipe:
         label = recipe_label(recipe)
         for key, value in recipe_values.items():
@@ -280,32 +298,33 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
         else:
             requested[key] = (_parse_flag_value(raw), token)
         sources[key] = f"--{key}"
+    return requested, sources
 
-    stage = requested.get("stage", (DEFAULT_STAGE, ""))[0]
-    if stage not in STAGES:
-        raise ConfigError(f"{requested['stage'][1]}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
+
+def _drop_blocks_the_stage_lacks(requested: dict[str, tuple[Any, str]], sources: dict[str, str],
+                                 stage: str) -> dict[str, str]:
+    """A pipeline block (`sft:`, `dpo:`) of a stage this run does not have: refused when given by flag, dropped (from
+    `requested`, in place, and from the returned sources) when it comes with a pipeline recipe run as another stage."""
     for block in PIPELINE_BLOCKS:
         if block in requested and block not in PIPELINES.get(stage, ())[:-1]:
             if requested[block][1].startswith("--"):
                 within = [name for name, stages in PIPELINES.items() if block in stages[:-1]]
                 raise ConfigError(f"--{block}.* overrides apply only to --stage {' or '.join(within)}")
-            del requested[block]  # a pipeline recipe run as another stage: the block of a stage it lacks does not apply
+            del requested[block]
             sources = {key: where for key, where in sources.items() if not key.startswith(f"{block}.")}
-    config = _build_config(requested, stage)
-    config.recipe = recipe
-    config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
-    config.sources = sources
+    return sources
+
+
+def _check_for_objective(config: Config, stage: str) -> None:
+    """What only this stage's objective cannot take: its row's own check (KTO: a DPO loss type asked for by flag), and
+    the unpaired-data flags on an objective that trains on pairs or sequences."""
     row = objective(stage)
-    if row.validate:  # what only this objective cannot take (KTO: a DPO loss type asked for by flag)
-        row.validate(config)
+    if row.training.validate:
+        row.training.validate(config)
     if row.data_shape != UNPAIRED and (config.data.kto_from_pairs or config.data.label_column):
         flag = "--kto_from_pairs" if config.data.kto_from_pairs else "--label_column"
         unpaired = [name for name in STAGES if objective(name).data_shape == UNPAIRED]
         raise ConfigError(f"{flag} applies to --stage {' or '.join(unpaired)}, not {stage}")
-    if require_sources:
-        for problem in missing_sources(config):
-            raise ConfigError(problem)
-    return config
 
 
 def recipe_label(path: str | os.PathLike) -> str:
@@ -385,7 +404,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
         stage_overrides=stage_overrides,
     )
     if config.dpo.beta is None:  # not given: the objective's own, a value in its row (SimPO 2.0, DPO 0.1, GRPO 0)
-        config.dpo.beta = objective(stage).default_beta
+        config.dpo.beta = objective(stage).training.default_beta
     validate(config)
     return config
 

@@ -16,8 +16,8 @@ Owns the checks that need only the model's config.json, its module names and the
 - a chat template that does not compile;
 - a --judge reward model that is not there (it is loaded only after training).
 
-`run()` in src/main_distributed.py calls `check_judge` as soon as the data sources are checked (before any heavy
-import) and `check_model_inputs` once, right after the tokenizer is loaded, so `--dry_run` (run_distributed.sh's
+src/pipeline/preflight.py (`check_sources`) calls `check_judge` as soon as the data sources are checked (before any
+heavy import) and `check_model_inputs` once, right after the tokenizer is loaded, so `--dry_run` (run_distributed.sh's
 preflight) shows them. The module names come from the model built on the meta device:
 no weights are read and no memory is allocated, even for a 70B model.
 """
@@ -38,7 +38,7 @@ ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output
 
 def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -> dict[str, list[str]]:
     """Refuse, with one line naming the flag and what to do, a model, tokenizer, length, LoRA setting or judge that
-    cannot work. `stages`: the run's planned stages (src/main_distributed.Stage: a name and its config). Returns the
+    cannot work. `stages`: the run's planned stages (src/pipeline/stages.Stage: a name and its config). Returns the
     warnings for what runs but silently worse, by stage name (a --max_length past a rotary model's context)."""
     model = run_config.model
     config = load_config(path, model.trust_remote_code)
@@ -115,8 +115,8 @@ def position_warnings(path: str, config, stages: list) -> dict[str, list[str]]:
 
 def check_judge(judge: str) -> None:
     """--judge as a local reward model or a module:function: either is used only after training (or in a round), so a
-    wrong path or name would cost the whole run. Checked before the tokenizer loads (src/main_distributed.py run()):
-    a typo is one line in well under a second, not after the training stack's imports."""
+    wrong path or name would cost the whole run. Checked before the tokenizer loads (src/pipeline/preflight.py
+    check_sources): a typo is one line in well under a second, not after the training stack's imports."""
     if judge in ("auto", "none", EMBEDDED):
         return
     if FUNCTION_JUDGE.match(judge):  # the user's own function: imported now, so a typo costs no training

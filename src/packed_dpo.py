@@ -216,46 +216,74 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
     `attention`: where it picks FlexAttention for the dense layout's width, every segment goes in one bucketed row."""
     if len(answers) not in (1, 2):
         raise ValueError(f"the packed layout holds one or two answers per prompt, not {len(answers)}")
+    segments, useful, repeated = _segments(examples, max_length, layout, score_prompt, answers)
+    width, rows = _packed_rows([len(segment[0]) for segment in segments], layout, attention_cost, attention)
+    packed = _packed_tensors(segments, rows, width, pad_token_id, padded_length, layout)
+    computed = len(rows) * width
+    # computed, padding, repeated prompt, useful tokens
+    packed["packed_counts"] = torch.tensor([computed, computed - useful - repeated, repeated, useful], dtype=torch.long)
+    return packed
+
+
+def _segments(examples: list[dict], max_length: int | None, layout: str, score_prompt: bool,
+              answers: tuple[str, ...]) -> tuple[list[tuple], int, int]:
+    """The layout's segments (per segment: tokens, positions, branch ids, labels, [(padded row, padded start, offset,
+    count)]), the useful tokens and the prompt tokens computed more than once."""
     pairs = len(examples)
-    segments = []  # per segment: tokens, positions, branch ids, labels, [(padded row, padded start, offset, count)]
+    segments = []
     useful = repeated = 0
     for index, example in enumerate(examples):
         prompt, replies = _truncated(example, max_length, answers)
         useful += len(prompt) + sum(len(answer) for answer in replies)
+        padded_rows = range(index, len(replies) * pairs, pairs)
         if layout == "prefix_shared":
-            shared, pivot = prompt[:-1], prompt[-1:]
-            repeated += len(pivot) * (len(replies) - 1)
-            tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
-                [SHARED] * len(shared), [-100] * len(shared), []
-            if score_prompt and shared:  # shared[k] predicts prompt[k + 1], the chosen row's shifted position k
-                labels = list(prompt[1:])
-                targets.append((index, 0, 0, len(shared)))
-            for branch, row, answer in zip((CHOSEN, REJECTED), range(index, len(replies) * pairs, pairs), replies):
-                sequence = pivot + answer
-                # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
-                targets.append((row, len(shared), len(tokens), len(sequence) - 1))
-                tokens += sequence
-                positions += range(len(shared), len(shared) + len(sequence))
-                branches += [branch] * len(sequence)
-                labels += sequence[1:] + [-100]
-            segments.append((tokens, positions, branches, labels, targets))
-        else:
-            repeated += len(prompt) * (len(replies) - 1)
-            for row, answer in zip(range(index, len(replies) * pairs, pairs), replies):
-                sequence = prompt + answer
-                start = 0 if score_prompt and row == index else max(0, len(prompt) - 1)
-                labels = [-100] * start + sequence[start + 1:] + [-100]
-                segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
-                                 [(row, start, start, len(sequence) - 1 - start)]))
+            repeated += len(prompt[-1:]) * (len(replies) - 1)
+            segments.append(_prefix_shared_segment(index, prompt, replies, padded_rows, score_prompt))
+            continue
+        repeated += len(prompt) * (len(replies) - 1)
+        for row, answer in zip(padded_rows, replies):
+            sequence = prompt + answer
+            start = 0 if score_prompt and row == index else max(0, len(prompt) - 1)
+            labels = [-100] * start + sequence[start + 1:] + [-100]
+            segments.append((sequence, list(range(len(sequence))), [SHARED] * len(sequence), labels[:len(sequence)],
+                             [(row, start, start, len(sequence) - 1 - start)]))
+    return segments, useful, repeated
 
-    sizes = [len(segment[0]) for segment in segments]
+
+def _prefix_shared_segment(index: int, prompt: list, replies: list[list], padded_rows, score_prompt: bool) -> tuple:
+    """One prompt and its answers as one segment: the prompt but its last token once, then each answer's branch
+    (that last prompt token, which predicts the answer's first, then the answer)."""
+    shared, pivot = prompt[:-1], prompt[-1:]
+    tokens, positions, branches, labels, targets = list(shared), list(range(len(shared))), \
+        [SHARED] * len(shared), [-100] * len(shared), []
+    if score_prompt and shared:  # shared[k] predicts prompt[k + 1], the chosen row's shifted position k
+        labels = list(prompt[1:])
+        targets.append((index, 0, 0, len(shared)))
+    for branch, row, answer in zip((CHOSEN, REJECTED), padded_rows, replies):
+        sequence = pivot + answer
+        # sequence[k] predicts sequence[k + 1]; in TRL's padded row that is shifted position start + k
+        targets.append((row, len(shared), len(tokens), len(sequence) - 1))
+        tokens += sequence
+        positions += range(len(shared), len(shared) + len(sequence))
+        branches += [branch] * len(sequence)
+        labels += sequence[1:] + [-100]
+    return tokens, positions, branches, labels, targets
+
+
+def _packed_rows(sizes: list[int], layout: str, attention_cost: float,
+                 attention: AttentionPolicy | None) -> tuple[int, list[list[int]]]:
+    """The row width and which segments each row holds."""
     if layout == "varlen":  # everything in one row: flash-attention's cost follows each sequence, not the row
-        width, rows = sum(sizes), [list(range(len(segments)))]
-    else:
-        width, rows = _rows(sizes, attention_cost)
-        if attention is not None and attention.kind_for(width) == FLEX:
-            width, rows = flex_rows(sizes)
+        return sum(sizes), [list(range(len(sizes)))]
+    width, rows = _rows(sizes, attention_cost)
+    if attention is not None and attention.kind_for(width) == FLEX:
+        width, rows = flex_rows(sizes)
+    return width, rows
 
+
+def _packed_tensors(segments: list[tuple], rows: list[list[int]], width: int, pad_token_id: int, padded_length: int,
+                    layout: str) -> dict:
+    """The segments laid into their rows, and each scored token's place in the packed and in TRL's padded output."""
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
@@ -280,15 +308,10 @@ def pack_pairs(examples: list[dict], max_length: int | None, pad_token_id: int, 
             at += n
     if layout == "varlen":  # the row's trailing padding (none today) would join the last sequence: keep it out
         position_ids[segment_ids < 0] = 0
-    computed = shape[0] * shape[1]
-    return {
-        "packed_input_ids": input_ids, "packed_position_ids": position_ids, "packed_shift_labels": shift_labels,
-        "packed_segment_ids": segment_ids, "packed_branch_ids": branch_ids,
-        "packed_source_index": torch.tensor(source, dtype=torch.long),
-        "padded_target_index": torch.tensor(target, dtype=torch.long),
-        # computed, padding, repeated prompt, useful tokens
-        "packed_counts": torch.tensor([computed, computed - useful - repeated, repeated, useful], dtype=torch.long),
-    }
+    return {"packed_input_ids": input_ids, "packed_position_ids": position_ids, "packed_shift_labels": shift_labels,
+            "packed_segment_ids": segment_ids, "packed_branch_ids": branch_ids,
+            "packed_source_index": torch.tensor(source, dtype=torch.long),
+            "padded_target_index": torch.tensor(target, dtype=torch.long)}
 
 
 def padded_counts(batch: dict, answers: int = 2) -> torch.Tensor:

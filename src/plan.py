@@ -122,22 +122,32 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
             f"--batch_size {training.batch_size} (global) and --per_device_batch_size "
             f"{training.per_device_batch_size} both set: choose one batch mode"
         )
-    accumulation = training.gradient_accumulation_steps
     if training.per_device_batch_size is not None:
-        per_device = training.per_device_batch_size
-        if training.micro_batch_size is not None and per_device > training.micro_batch_size:
-            if accumulation is not None:
-                raise ConfigError(
-                    f"--per_device_batch_size {per_device} exceeds --micro_batch_size {training.micro_batch_size}: "
-                    "lower it, or drop --gradient_accumulation_steps to have it derived"
-                )
-            per_device, accumulation = _split_under_cap(per_device, training.micro_batch_size)
-        accumulation = accumulation or 1
-        return "per_device", per_device, accumulation, per_device * accumulation * world_size
-
+        return _per_device_batch(training, world_size)
     if training.batch_size is None:
         raise ConfigError("no batch size: set --batch_size (global) or --per_device_batch_size")
-    global_batch = training.batch_size
+    return _global_batch(training, world_size)
+
+
+def _per_device_batch(training: TrainingArguments, world_size: int) -> tuple[str, int, int, int]:
+    """Per-device mode: --per_device_batch_size x accumulation on each process, split under --micro_batch_size when
+    it exceeds it and the accumulation is left to be derived."""
+    per_device, accumulation = training.per_device_batch_size, training.gradient_accumulation_steps
+    if training.micro_batch_size is not None and per_device > training.micro_batch_size:
+        if accumulation is not None:
+            raise ConfigError(
+                f"--per_device_batch_size {per_device} exceeds --micro_batch_size {training.micro_batch_size}: "
+                "lower it, or drop --gradient_accumulation_steps to have it derived"
+            )
+        per_device, accumulation = _split_under_cap(per_device, training.micro_batch_size)
+    accumulation = accumulation or 1
+    return "per_device", per_device, accumulation, per_device * accumulation * world_size
+
+
+def _global_batch(training: TrainingArguments, world_size: int) -> tuple[str, int, int, int]:
+    """Global mode: --batch_size split exactly over the processes and the accumulation steps (given, or derived under
+    --micro_batch_size); a batch that does not split is a BatchSplitError proposing the nearest that does."""
+    accumulation, global_batch = training.gradient_accumulation_steps, training.batch_size
     base = training.base_batch_size if training.base_batch_size is not None else global_batch
     if global_batch % world_size:
         unit, cap = world_size * (accumulation or 1), training.micro_batch_size
@@ -153,26 +163,26 @@ def resolve_batch(training: TrainingArguments, world_size: int) -> tuple[str, in
             f"the nearest {' or '.join(map(str, sizes))} (with --base_batch_size {base} to keep the learning rate tuned "
             f"for {base}), or set --per_device_batch_size instead", sizes, base)
     per_process = global_batch // world_size
-    if accumulation is not None:
-        if per_process % accumulation:
-            unit = world_size * accumulation
-            fits = (lambda size: size // unit <= training.micro_batch_size) if training.micro_batch_size else (
-                lambda size: True)
-            sizes = splitting_batch_sizes(global_batch, unit, fits)
-            raise BatchSplitError(
-                f"--batch_size {global_batch} over {world_size} processes is {per_process} per process, which "
-                f"--gradient_accumulation_steps {accumulation} does not divide: use a batch size that is a multiple "
-                f"of {unit}, the nearest {' or '.join(map(str, sizes))} (with --base_batch_size {base} to keep the "
-                f"learning rate tuned for {base})", sizes, base)
-        per_device = per_process // accumulation
-        if training.micro_batch_size is not None and per_device > training.micro_batch_size:
-            raise ConfigError(
-                f"--batch_size {global_batch} with {accumulation} accumulation steps on {world_size} processes puts "
-                f"{per_device} on each device, over --micro_batch_size {training.micro_batch_size}: raise "
-                "--gradient_accumulation_steps or drop it to have it derived"
-            )
+    if accumulation is None:
+        per_device, accumulation = _split_under_cap(per_process, training.micro_batch_size or per_process)
         return "global", per_device, accumulation, global_batch
-    per_device, accumulation = _split_under_cap(per_process, training.micro_batch_size or per_process)
+    if per_process % accumulation:
+        unit = world_size * accumulation
+        fits = (lambda size: size // unit <= training.micro_batch_size) if training.micro_batch_size else (
+            lambda size: True)
+        sizes = splitting_batch_sizes(global_batch, unit, fits)
+        raise BatchSplitError(
+            f"--batch_size {global_batch} over {world_size} processes is {per_process} per process, which "
+            f"--gradient_accumulation_steps {accumulation} does not divide: use a batch size that is a multiple "
+            f"of {unit}, the nearest {' or '.join(map(str, sizes))} (with --base_batch_size {base} to keep the "
+            f"learning rate tuned for {base})", sizes, base)
+    per_device = per_process // accumulation
+    if training.micro_batch_size is not None and per_device > training.micro_batch_size:
+        raise ConfigError(
+            f"--batch_size {global_batch} with {accumulation} accumulation steps on {world_size} processes puts "
+            f"{per_device} on each device, over --micro_batch_size {training.micro_batch_size}: raise "
+            "--gradient_accumulation_steps or drop it to have it derived"
+        )
     return "global", per_device, accumulation, global_batch
 
 
@@ -239,7 +249,7 @@ def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> 
 # `src.config` import, and the preflight (and check_gpu.py) needs the class for nothing else.
 # tests/test_config.py compares this table with the installed TRL's classes, so a TRL upgrade that moves a default
 # fails that test instead of silently changing the plan.
-TRL_DEFAULT_LEARNING_RATES = {name: row.default_learning_rate for name, row in OBJECTIVES.items()}
+TRL_DEFAULT_LEARNING_RATES = {name: row.training.default_learning_rate for name, row in OBJECTIVES.items()}
 
 
 def default_learning_rate(stage: str) -> float:

@@ -27,7 +27,7 @@ from src.resource_limits import usable_cores
 from src.run_safety.build_once import COMPLETE_MARKER
 from src.run_safety.checkpoint_manifest import verify
 from src.run_safety.exit_status import ExitStatus
-from src.reporting.model_card import CARD, MERGED_SUFFIX, model_dirs, write_model_cards  # noqa: F401 (main_distributed imports them from here)
+from src.reporting.model_card import CARD, MERGED_SUFFIX, model_dirs, write_model_cards  # noqa: F401 (src/pipeline/ imports them from here)
 from src.run_files import TRAINING_INFO, read_json
 
 

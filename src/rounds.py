@@ -13,7 +13,7 @@ skipped and counted) and the round's dataset directory `<round dir>/pairs/` (tra
 validation.jsonl and test.jsonl: the run's held-out pairs, so every round is judged on the same prompts; a run from
 prompts judges its held-out prompts, which have no pairs to write), written before training on it and reused when a
 stopped run resumes. Training each round is the DPO stage's own code
-(src/main_distributed.py run_stage).
+(src/main_distributed.py run_stage, src/pipeline/).
 """
 
 from __future__ import annotations

@@ -164,22 +164,11 @@ def _tracker_record_class() -> type:
                 return
             info = run_files.read_json(self.info_path)
             if "tensorboard" in self.report_to:
-                fail_write_if_injected(Path(self.tensorboard_dir or ".") / "events.out.tfevents")
-                with self._tensorboard_writer() as writer:
-                    writer.add_text("prefkit/setup", "\n".join(setup_table(info)))
-                    writer.add_text("prefkit/training_info", _markdown_json(info))
+                _tensorboard_log_info(self.tensorboard_dir, info)
             if "wandb" in self.report_to:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.config.update({"prefkit": info}, allow_val_change=True)
+                _wandb_log_info(info)
             if "trackio" in self.report_to:
-                import trackio
-
-                trackio.config.update({"prefkit": info})
-                # Keys starting with "_" are trackio's own.
-                config = {key: value for key, value in trackio.config.items() if not key.startswith("_")}
-                self.trackio_run = {"project": args.project, "name": args.run_name, "config": config}
+                self.trackio_run = _trackio_log_info(args, info)
 
         def finish(self, info: dict) -> None:
             """The final numbers (training_info.json's summary and judge) to each tracker; closes the W&B run so a next
@@ -188,33 +177,73 @@ def _tracker_record_class() -> type:
                 return
             numbers = final_numbers(info)
             if "tensorboard" in self.report_to:
-                with self._tensorboard_writer() as writer:
-                    writer.add_text("prefkit/final_numbers", "\n".join(final_numbers_table(info.get("summary") or {},
-                                                                                           info)))
-                    # One HParams row per run directory: the plan next to its outcome, comparable across runs.
-                    writer.add_hparams(hyperparameters(info), numbers, run_name=".",
-                                       global_step=(info.get("summary") or {}).get("completed_steps"))
+                _tensorboard_log_final(self.tensorboard_dir, info, numbers)
             if "wandb" in self.report_to:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.run.summary.update(numbers)
-                    wandb.finish()
-                # A next stage's run then reads its own WANDB_DIR (wandb reads settings once per session).
-                wandb.teardown()
+                _wandb_log_final(numbers)
             if "trackio" in self.report_to and self.trackio_run:
-                import trackio
-
-                # TrackioCallback finished the run at train end; a resumed run writes its config again with its first
-                # record, so the same config is passed back.
-                trackio.init(project=self.trackio_run["project"], name=self.trackio_run["name"], resume="must",
-                             config=self.trackio_run["config"])
-                trackio.log(numbers)
-                trackio.finish()
-
-        def _tensorboard_writer(self):
-            from torch.utils.tensorboard import SummaryWriter
-
-            return SummaryWriter(log_dir=self.tensorboard_dir)
+                _trackio_log_final(self.trackio_run, numbers)
 
     return TrackerRecord
+
+
+def _tensorboard_writer(tensorboard_dir: str | None):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=tensorboard_dir)
+
+
+def _tensorboard_log_info(tensorboard_dir: str | None, info: dict) -> None:
+    """The setup table and the whole training_info.json as TensorBoard text."""
+    fail_write_if_injected(Path(tensorboard_dir or ".") / "events.out.tfevents")
+    with _tensorboard_writer(tensorboard_dir) as writer:
+        writer.add_text("prefkit/setup", "\n".join(setup_table(info)))
+        writer.add_text("prefkit/training_info", _markdown_json(info))
+
+
+def _tensorboard_log_final(tensorboard_dir: str | None, info: dict, numbers: dict[str, float]) -> None:
+    """The final numbers as TensorBoard text, and the plan next to its outcome as an HParams row."""
+    with _tensorboard_writer(tensorboard_dir) as writer:
+        writer.add_text("prefkit/final_numbers", "\n".join(final_numbers_table(info.get("summary") or {}, info)))
+        # One HParams row per run directory: the plan next to its outcome, comparable across runs.
+        writer.add_hparams(hyperparameters(info), numbers, run_name=".",
+                           global_step=(info.get("summary") or {}).get("completed_steps"))
+
+
+def _wandb_log_info(info: dict) -> None:
+    """training_info.json into the W&B run's config (the run WandbCallback opened, if any)."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.config.update({"prefkit": info}, allow_val_change=True)
+
+
+def _wandb_log_final(numbers: dict[str, float]) -> None:
+    """The final numbers into the W&B run's summary; the run closed."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.run.summary.update(numbers)
+        wandb.finish()
+    # A next stage's run then reads its own WANDB_DIR (wandb reads settings once per session).
+    wandb.teardown()
+
+
+def _trackio_log_info(args, info: dict) -> dict:
+    """training_info.json into trackio's config; returns what reopens the run at the end (project, name, config)."""
+    import trackio
+
+    trackio.config.update({"prefkit": info})
+    # Keys starting with "_" are trackio's own.
+    config = {key: value for key, value in trackio.config.items() if not key.startswith("_")}
+    return {"project": args.project, "name": args.run_name, "config": config}
+
+
+def _trackio_log_final(trackio_run: dict, numbers: dict[str, float]) -> None:
+    """The final numbers logged to the trackio run, reopened."""
+    import trackio
+
+    # TrackioCallback finished the run at train end; a resumed run writes its config again with its first
+    # record, so the same config is passed back.
+    trackio.init(project=trackio_run["project"], name=trackio_run["name"], resume="must", config=trackio_run["config"])
+    trackio.log(numbers)
+    trackio.finish()

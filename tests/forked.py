@@ -193,8 +193,8 @@ def _warm() -> None:
     from src.objectives import OBJECTIVES, load
 
     for row in OBJECTIVES.values():
-        load(row.trl_config)
-        load(row.trainer)
+        load(row.training.trl_config)
+        load(row.training.trainer)
 
 
 def start(argv: list[str], stdout: Path, stderr: Path, env: dict[str, str] | None = None, cwd: Path = PROJECT_ROOT,

@@ -59,9 +59,9 @@ def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, packed: b
     prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
                             SFTArguments(), stage, 7, tokenizer, work / "cache")
     row = objective(stage)
-    args = load(row.trl_config)(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True, report_to=[],
+    args = load(row.training.trl_config)(output_dir=str(work / "out"), per_device_train_batch_size=2, use_cpu=True, report_to=[],
                                 bf16=False, max_length=64, disable_tqdm=True, **config)
-    model, trainer_class = AutoModelForCausalLM.from_pretrained(model_path), load(row.trainer)
+    model, trainer_class = AutoModelForCausalLM.from_pretrained(model_path), load(row.training.trainer)
     forward = trainer_class.forward_for(model, tokenizer, args, None) if packed else {}
     trainer = trainer_class(model=model, args=args, train_dataset=prepared.train, processing_class=tokenizer,
                             **forward)

@@ -6,7 +6,8 @@ A read is a call of `Tensor.item`, `.tolist`, `bool(tensor)`, `float(tensor)`, `
 counted: an upper bound of what a GPU run reads. Counting starts at the second optimizer step (the first one runs the
 packed forward's first-batch check and sets things up) and ends at the first logging step, evaluation, checkpoint or
 the end of training, whichever comes first: the reads of the steps between, per step, with the place of each (the
-first frame outside torch).
+first frame outside torch). GRPO's sampling and judging (`_generate_and_score_completions`) are left out: its
+training part is counted.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ class ReadCounter:
             return original(tensor, *args, **kwargs)
 
         return counted
+
+    def paused(self, function):
+        """`function` with no read counted while it runs (GRPO's sampling and judging: token ids go to the judges on
+        the host by nature; its training part is what is counted)."""
+        counter = self
+
+        def uncounted(*args, **kwargs):
+            window, counter.window = counter.window, None
+            try:
+                return function(*args, **kwargs)
+            finally:
+                counter.window = window
+
+        return uncounted
 
     def callback(self, stage: str) -> TrainerCallback:
         counter = self
@@ -109,6 +124,8 @@ def entry(argv: list[str]) -> int:
     def counted_build(stage, *args, **kwargs):
         trainer = build_trainer(stage, *args, **kwargs)
         trainer.add_callback(counter.callback(stage))
+        if hasattr(trainer, "_generate_and_score_completions"):  # GRPO: its training part counted
+            trainer._generate_and_score_completions = counter.paused(trainer._generate_and_score_completions)
         return trainer
 
     build.build_trainer = counted_build

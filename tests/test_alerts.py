@@ -131,7 +131,7 @@ def test_the_length_alerts_advise_the_objectives_own_remedies(stage):
     (bias,) = [alert for alert in data_alerts(LENGTH_BIASED, stage) if alert.code == "data_length_bias"]
     (longer,) = [alert for alert in answer_alerts(LONGER_ANSWERS, stage) if alert.code == "answers_longer"]
     for alert in (bias, longer):
-        assert objective(stage).length_remedy in alert.advice
+        assert objective(stage).advice.length_remedy in alert.advice
         assert ("--ld_alpha" in alert.advice) == (stage == "dpo") and ("sigmoid_norm" in alert.advice) == (stage == "dpo")
         assert "DPO learns" not in alert.advice  # the old wording on every objective
     if stage in ("simpo", "orpo"):

@@ -497,7 +497,7 @@ def test_a_launch_line_checks_to_the_launchers_own_plan(capsys):
     micro_batch_size 8 -> 8 per device x 8 accumulation; learning rate 5e-7 x sqrt(128 / 64)."""
     from src.config_parse import parse_config
     from src.world import Devices, World
-    from src.main_distributed import plan_stages  # the function --dry_run prints the plan of
+    from src.pipeline.stages import plan_stages  # the function --dry_run prints the plan of
 
     launch = ["--config", QWEN_RECIPE, "--batch_size", "128", "--base_batch_size", "64", "--use_lora"]
     report, _ = check_json(capsys, h100_nvswitch(), ["--num_procs", "2", *launch])

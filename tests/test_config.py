@@ -182,7 +182,7 @@ def test_stage_default_learning_rates_are_trls():
     assert plan_for(["--stage", "sft"], 1).learning_rate == pytest.approx(2e-5)
     from src.objectives import OBJECTIVES, load
 
-    classes = {name: load(row.trl_config) for name, row in OBJECTIVES.items()}  # every row's TRL config
+    classes = {name: load(row.training.trl_config) for name, row in OBJECTIVES.items()}  # every row's TRL config
     assert classes["dpo"] is trl.DPOConfig and classes["kto"] is trl.KTOConfig
     trl_defaults = {stage: next(item.default for item in dataclasses.fields(config_class)
                                 if item.name == "learning_rate") for stage, config_class in classes.items()}
@@ -215,7 +215,7 @@ def test_the_table_of_trl_field_names_is_the_installed_trls():
     from src.objectives.trl_field_names import field_names, live_field_names
 
     table = field_names()
-    assert set(table) == {row.trl_config for row in OBJECTIVES.values()}
+    assert set(table) == {row.training.trl_config for row in OBJECTIVES.values()}
     for path, names in table.items():
         live = live_field_names(path)
         assert names == live, (f"{path}: not in the table {sorted(live - names)}, gone from TRL {sorted(names - live)}:"
@@ -270,7 +270,7 @@ def test_a_stage_run_alone_from_a_recipe_gets_its_own_run_directory():
     """`./run_distributed.sh 2 --stage dpo` takes configs/default.yaml (SFT then DPO) for all but the stage: its results
     go to results/default-dpo, not into the default pipeline's results/default. The recipe's own stage, typed or not,
     keeps the recipe's name, and the same command names the same directory (it resumes)."""
-    from src.main_distributed import plan_stages, run_name_for
+    from src.pipeline.stages import plan_stages, run_name_for
 
     launches = [[], ["--stage", "sft_then_dpo"], ["--stage", "dpo"], ["--stage", "sft"],
                 ["--stage", "dpo", "--run_name", "mine"], ["--config", "configs/kto.yaml"],

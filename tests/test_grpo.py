@@ -76,10 +76,10 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     # the settings whose step depends on the split are warned of as the stage opens (docs/grpo.md)
     from src.objectives import objective
 
-    warned = objective("grpo").warnings(parse_config(["--stage", "grpo", *base, "--loss_type", "bnpo",
+    warned = objective("grpo").advice.warnings(parse_config(["--stage", "grpo", *base, "--loss_type", "bnpo",
                                                       "--entropy_coef", "0.01"]))
     assert [line.split(" ", 2)[:2] for line in warned] == [["--loss_type", "bnpo"], ["the", "entropy"]]
-    assert not objective("grpo").warnings(config)
+    assert not objective("grpo").advice.warnings(config)
     # check_gpu plans from a size alone, with no data: no judge is asked for
     assert parse_config(["--stage", "grpo", "--num_generations", "8"], require_sources=False,
                         default_recipe=False).training.stage == "grpo"
@@ -96,7 +96,7 @@ def test_sft_then_dpo_then_grpo_is_three_stages_of_the_table_each_with_its_own_b
     from src.plan import stage_plans
     from src.world import Devices, World
     from src.data import source_location
-    from src.main_distributed import plan_stages
+    from src.pipeline.stages import plan_stages
     from src.objectives import PIPELINES, STAGES
     from src.trainers.trl_config import build_trl_config
 
@@ -182,7 +182,8 @@ def test_mistakes_are_one_line_before_anything_runs(tiny_model, tmp_path):
     from contextlib import redirect_stderr
     from io import StringIO
 
-    from src.main_distributed import exit_status
+    from src.main_distributed import run
+    from src.pipeline.exits import exit_status
 
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
     pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24))
@@ -191,7 +192,7 @@ def test_mistakes_are_one_line_before_anything_runs(tiny_model, tmp_path):
     for extra, start, then in cases:
         errors = StringIO()
         with redirect_stderr(errors):
-            code = exit_status(grpo_args(tiny_model, data, tmp_path / "r", "m") + extra + ["--dry_run"])
+            code = exit_status(run, grpo_args(tiny_model, data, tmp_path / "r", "m") + extra + ["--dry_run"])
         stderr = errors.getvalue()
         lines = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert code == 2 and len(lines) == 1 and start in lines[0] and then in lines[0], (extra, stderr[-2000:])
@@ -304,7 +305,7 @@ def toolkit_trainer(tiny_model, tmp_path, *extra: str):
     trl_config = build_trl_config("grpo", config, plan, tmp_path / "out", False, 2)
     model = load_model(str(tiny_model), config.model, plan, World())
     return build_trainer("grpo", model, tokenizer, trl_config, prepared, None, tmp_path / "metrics.jsonl", plan,
-                         trainer_inputs=objective("grpo").trainer_inputs(config))
+                         trainer_inputs=objective("grpo").training.trainer_inputs(config))
 
 
 def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
@@ -326,7 +327,7 @@ def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
         assert math.isfinite(record[key]), key
     # where the step's time went: its sampling and judging inside TRL's whole step
     assert 0 < record["time/generation_s"] + record["time/judging_s"] < record["step_time"]
-    panel = next(panel for panel in objective("grpo").charts[1].panels if panel.per_logged_key == ("rewards/*/mean",
+    panel = next(panel for panel in objective("grpo").report.charts[1].panels if panel.per_logged_key == ("rewards/*/mean",
                                                                                                      "mean"))
     assert [curve.label for curve in panel_curves([record], panel)] == ["tests.round_judges.by_length mean",
                                                                          "tests.round_judges.always_one mean"]
@@ -422,7 +423,7 @@ def test_the_report_draws_a_curve_per_judge_and_audits_prompts(tmp_path):
     from src.reporting.plots import _draw_curve
 
     history += [{"step": step, "eval_judged_reward": 0.4 + step / 100} for step in (0, 20, 40)]
-    panel = next(panel for chart in objective("grpo").charts if chart.filename == "rewards.png"
+    panel = next(panel for chart in objective("grpo").report.charts if chart.filename == "rewards.png"
                  for panel in chart.panels if "judged_reward" in {curve.key for curve in panel.curves})
     figure, axes = plt.subplots()
     assert all(_draw_curve(axes, history, curve, False)[0] for curve in panel.curves)

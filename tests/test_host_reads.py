@@ -5,8 +5,9 @@ gradient norm, agreed at the step's end), counted in real runs (tests/read_probe
 log, evaluation or checkpoint).
 
 TRL 1.16's own trainers, counted the same way (bench/host_reads.py, docs/speed.md; one micro-batch per optimizer
-step): DPO 17.2 reads per step (+4 of the model's own), SFT 7.2, CPO (SimPO) 11.2, ORPO 13.2, KTO 16.2; the toolkit's
-DPO made 25 before (its callbacks and token counters added to TRL's metric reads).
+step): DPO 17.2 reads per step (+4 of the model's own), SFT 7.2, CPO (SimPO) 11.2, ORPO 13.2, KTO 16.2, GRPO's training
+part 11.2 (KL term on, its sampling and judging not counted); the toolkit's DPO made 25 before (its callbacks and token
+counters added to TRL's metric reads), its KTO 14.8.
 
 Reads the count leaves out: the model's own (transformers' sdpa mask check on a padded batch, `masking_utils`, two per
 forward, listed apart) and those C++ makes without a Python call (a boolean-mask index on a GPU): docs/speed.md.
@@ -19,6 +20,7 @@ import json
 import forked
 import read_probe
 from conftest import preference_rows, write_jsonl
+from test_grpo import JUDGE, prompt_rows
 
 MODEL_OWN = "transformers/masking_utils.py"  # the model's forward, not the trainer's
 NAN_STOP = "tolist src/distributed.py"        # StopConditions' agreement: the one read a step may make
@@ -57,3 +59,19 @@ def test_simpo_and_orpo_steps_read_only_the_nan_stop(tiny_model, tmp_path):
     """SimPO (TRL's CPOTrainer, 11.2 reads per micro-batch of its own) and ORPO (13.2), both packed."""
     for stage in ("simpo", "orpo"):
         assert_one_read_per_step(counted_run(tiny_model, tmp_path / stage, stage)[stage], stage)
+
+
+def test_kto_steps_read_only_the_nan_stop(tiny_model, tmp_path):
+    """KTO (the step's KL over its global batch first, then the packed completion pass): one read per optimizer step,
+    where TRL's own KTOTrainer makes 16.2 per micro-batch (bench/host_reads.py); the toolkit's made 29 (14.5 per micro-batch)
+    before its training step computed TRL's loss itself."""
+    assert_one_read_per_step(counted_run(tiny_model, tmp_path, "kto", "--kto_from_pairs")["kto"], "kto")
+
+
+def test_grpo_training_part_reads_only_the_nan_stop(tiny_model, tmp_path):
+    """GRPO's training part (its sampling and judging left out: token ids go to the judges on the host by nature), KL
+    term on: one read per optimizer step, where TRL's own GRPOTrainer makes 11.2 per micro-batch (bench/host_reads.py)."""
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    window = counted_run(tiny_model, tmp_path, "grpo", "--dataset_name", str(data), "--num_generations", "4",
+                         "--max_new_tokens", "8", "--beta", "0.1", "--judge", JUDGE)
+    assert_one_read_per_step(window["grpo"], "grpo")

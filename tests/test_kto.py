@@ -115,6 +115,7 @@ def kto_step(trainer, rows: list[dict], processes: int, accumulation: int, shipp
             loss = trainer._compute_loss(model, joined, False)
         (loss / accumulation).backward()
         losses.append(float(loss.detach()))
+    trainer.flush_metrics()  # the training metrics, kept on the device (no read per step), as a log reads them
     metrics = trainer._metrics["train"]
     result = ({key: sum(values) / len(values) for key, values in metrics.items() if key != "num_tokens"} if shipped
               else window_means(metrics, trainer._weights["train"]))
@@ -161,6 +162,36 @@ def test_per_row_eval_values_are_trls_loss(kto_setup):
         values = trainer.row_values(trainer.model, batch, kl)
     trainer._metrics["eval"].clear()
     assert abs(float(values["loss"].mean()) - float(loss)) < 1e-6
+
+
+def test_training_loss_and_metrics_are_trls_without_a_read(kto_setup):
+    """The training step's loss and metrics (computed on the device, read at the log: no stall per step) are TRL's
+    KTOTrainer._compute_loss's with the same KL, to float rounding."""
+    from trl import KTOTrainer
+
+    trainer, rows, *_ = kto_setup
+    batch, kl, model = _collate(trainer, rows), torch.tensor(0.3), trainer.model
+    model.train()
+    logged = {}
+    for name in ("toolkit", "trl"):
+        trainer._metrics["train"].clear()
+        trainer._weights["train"].clear()
+        tokens_before = trainer._total_train_tokens
+        if name == "toolkit":
+            trainer._step_kl = kl
+            loss = trainer._compute_loss(model, dict(batch), False)
+            trainer.flush_metrics()
+        else:
+            with trainer.fixed_kl(kl):
+                loss = KTOTrainer._compute_loss(trainer, model, dict(batch), False)
+        logged[name] = {key: values[-1] for key, values in trainer._metrics["train"].items() if key != "num_tokens"}
+        logged[name] |= {"loss": float(loss.detach()), "tokens": trainer._total_train_tokens - tokens_before}
+    trainer._metrics["train"].clear()
+    trainer._weights["train"].clear()
+    trainer._step_kl = None
+    assert set(logged["toolkit"]) == set(logged["trl"]) - {"rewards/margins"}  # the margin: the window's, at a log
+    for key, value in logged["toolkit"].items():
+        assert abs(value - logged["trl"][key]) < 1e-5, (key, value, logged["trl"][key])
 
 
 def test_kl_partners_are_a_seeded_derangement():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import typing
 from pathlib import Path
 
 import pytest
@@ -30,18 +31,18 @@ SHAPES = PAIRED_SHAPES + (UNPAIRED, SEQUENCES, PROMPTS)
 def test_every_row_is_complete_and_names_what_exists(name):
     row = OBJECTIVES[name]
     assert row.name == name and row.data_shape in SHAPES and row.example_word
-    assert 1 <= row.sequences_with_grad <= row.sequences_per_example
-    assert row.trl_settings is not None
-    assert callable(load(row.trainer))
-    config_class = load(row.trl_config)
+    assert 1 <= row.memory.sequences_with_grad <= row.memory.sequences_per_example
+    assert row.training.trl_settings is not None
+    assert callable(load(row.training.trainer))
+    config_class = load(row.training.trl_config)
     # TRL's own default learning rate (the plan's fallback): the row's must be it, or the plan silently changes
-    assert config_class.__dataclass_fields__["learning_rate"].default == row.default_learning_rate
-    assert set(row.alerts) <= set(CHECKS) | {"data_near_identical"}
-    assert set(row.audit_parts) <= {"reference", "judged"}
-    files = [chart.filename for chart in row.charts]
-    assert len(files) == len(set(files)) and row.charts[0].filename == "loss.png"
-    assert row.compare_metrics and row.compare_metrics[0].key == "loss"
-    for number in row.summary_numbers:
+    assert config_class.__dataclass_fields__["learning_rate"].default == row.training.default_learning_rate
+    assert set(row.report.alerts) <= set(CHECKS) | {"data_near_identical"}
+    assert set(row.report.audit_parts) <= {"reference", "judged"}
+    files = [chart.filename for chart in row.report.charts]
+    assert len(files) == len(set(files)) and row.report.charts[0].filename == "loss.png"
+    assert row.report.compare_metrics and row.report.compare_metrics[0].key == "loss"
+    for number in row.report.summary_numbers:
         assert number.label.startswith("final ")
 
 
@@ -88,7 +89,7 @@ def test_compare_draws_the_kto_curves(tmp_path):
     page = compare([str(tmp_path / "kto_a"), str(tmp_path / "kto_b")], str(tmp_path / "out"))
     text = page.read_text(encoding="utf-8")
     curves = [line for line in text.splitlines() if line.startswith("![")]
-    assert len(curves) == len(OBJECTIVES["kto"].compare_metrics), text
+    assert len(curves) == len(OBJECTIVES["kto"].report.compare_metrics), text
     assert "](kl.png)" in text and (page.parent / "kl.png").stat().st_size > 10_000
     assert "](rewards_margins.png)" in text
 
@@ -119,7 +120,7 @@ def test_the_console_line_shows_kto_kl(capsys):
     from src.trainers.metrics_log import ConsoleLog
 
     state = TrainerState(max_steps=100, global_step=10)
-    console = ConsoleLog(OBJECTIVES["kto"].console_keys)
+    console = ConsoleLog(OBJECTIVES["kto"].advice.console_keys)
     console.on_log(TrainingArguments(output_dir="unused", report_to=[]), state, TrainerControl(),
                    logs={"loss": 0.41, "kl": 0.237, "rewards/margins": 0.5, "learning_rate": 1e-6})
     line = capsys.readouterr().out
@@ -217,17 +218,42 @@ def _row_names(scope) -> set[str]:
     return names
 
 
+def _groups() -> dict[str, type]:
+    """The row's groups: each field of Objective whose type is a dataclass of its own (training, memory, report,
+    advice), by name."""
+    hints = typing.get_type_hints(Objective)
+    return {item.name: hints[item.name] for item in dataclasses.fields(Objective)
+            if dataclasses.is_dataclass(hints[item.name])}
+
+
+def row_fields() -> list[str]:
+    """Every field a row holds: its own (`name`) and each group's, as `group.field` (`report.charts`)."""
+    groups = _groups()
+    return [f"{item.name}.{inner.name}" if item.name in groups else item.name
+            for item in dataclasses.fields(Objective)
+            for inner in (dataclasses.fields(groups[item.name]) if item.name in groups else [item])]
+
+
 def row_reads(source: str) -> set[str]:
-    """Attribute names read on an objective's row in this source (and `self.x` inside class Objective)."""
+    """What this source reads of an objective's row: `row.name` as "name", `row.report.charts` as "report.charts"
+    (a group's field counts only read through its row), and `self.x` inside class Objective."""
+    groups = _groups()
     tree = ast.parse(source)
     reads = set()
     scopes = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
     for scope in scopes + [tree]:
         rows = _row_names(scope)
+
+        def is_row(node) -> bool:
+            return _is_row(node) or (isinstance(node, ast.Name) and node.id in rows)
+
         for node in ast.walk(scope):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and \
-                    (_is_row(node.value) or (isinstance(node.value, ast.Name) and node.value.id in rows)):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
+                continue
+            if is_row(node.value) and node.attr not in groups:
                 reads.add(node.attr)
+            elif isinstance(node.value, ast.Attribute) and node.value.attr in groups and is_row(node.value.value):
+                reads.add(f"{node.value.attr}.{node.attr}")
     for cls in ast.walk(tree):
         if isinstance(cls, ast.ClassDef) and cls.name == "Objective":
             reads |= {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute) and
@@ -236,28 +262,38 @@ def row_reads(source: str) -> set[str]:
 
 
 def test_the_objective_record_has_no_field_left_unread():
-    """Each field of a row is read somewhere outside the rows (a field nobody reads is a promise nobody keeps): read
-    on a row, not on anything that happens to have an attribute of that name (`card.title` is not a row's title)."""
+    """Each field of a row, each group's field among them, is read somewhere outside the rows (a field nobody reads is
+    a promise nobody keeps): read on a row, not on anything that happens to have an attribute of that name
+    (`card.title` is not a row's title, `trainer.packed_forward` not its `training.packed_forward`)."""
     rows = {SRC / "objectives" / f"{name}.py" for name in OBJECTIVES}
     reads = set().union(*(row_reads(path.read_text(encoding="utf-8")) for path in SRC.rglob("*.py")
                           if path not in rows))
-    unread = [item.name for item in dataclasses.fields(Objective) if item.name not in reads]
+    unread = [name for name in row_fields() if name not in reads]
     assert not unread, unread
+
+
+def test_the_row_is_grouped_by_concern():
+    """A row's fields come in groups by who reads them; the groups hold most of them (issue 52)."""
+    assert set(_groups()) == {"training", "memory", "report", "advice"}
+    assert sum("." in name for name in row_fields()) > len(dataclasses.fields(Objective))
 
 
 def test_a_field_counts_as_read_only_on_a_row():
     source = """
-def a(stage, card):
+def a(stage, card, trainer):
     row = objective(stage)
-    return row.charts, objective(stage).alerts, card.title, OBJECTIVES["dpo"].help
+    return row.report.charts, objective(stage).report.alerts, card.title, OBJECTIVES["dpo"].help, card.report.charts, \
+        trainer.training.trainer
 
 def b():
-    return [row.trainer for row in OBJECTIVES.values()], {name: spec.causal_lm for name, spec in OBJECTIVES.items()}
+    return [row.training.trainer for row in OBJECTIVES.values()], \
+        {name: spec.causal_lm for name, spec in OBJECTIVES.items()}
 
 def c(row: Objective, other):
-    return row.title, other.warnings
+    return row.title, other.warnings, row.advice.warnings, row.memory
 """
-    assert row_reads(source) == {"charts", "alerts", "help", "trainer", "causal_lm", "title"}
+    assert row_reads(source) == {"report.charts", "report.alerts", "help", "training.trainer", "causal_lm", "title",
+                                 "advice.warnings"}
 
 
 def test_prompts_alone_are_the_rounds_preparation_and_the_shape_grpo_trains_on():
@@ -267,5 +303,5 @@ def test_prompts_alone_are_the_rounds_preparation_and_the_shape_grpo_trains_on()
 
     assert PROMPTS not in OBJECTIVES and stage_shape(PROMPTS) == PROMPTS
     on_prompts = [name for name, row in OBJECTIVES.items() if row.data_shape == PROMPTS]
-    assert on_prompts and all(stage_shape(name) == PROMPTS and OBJECTIVES[name].rewards_from_judges
+    assert on_prompts and all(stage_shape(name) == PROMPTS and OBJECTIVES[name].training.rewards_from_judges
                               for name in on_prompts)

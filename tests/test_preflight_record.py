@@ -14,7 +14,7 @@ import pytest
 from conftest import PROJECT_ROOT, preference_rows, write_jsonl
 from src.config_parse import parse_config
 from src.world import Devices, World
-from src.main_distributed import plan_stages
+from src.pipeline.stages import plan_stages
 from src.preflight_record import record_key
 
 HEAVY = ("torch", "transformers", "datasets")

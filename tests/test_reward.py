@@ -99,7 +99,7 @@ def test_reward_run_trains_reloads_and_judges(tiny_model, tiny_tokenizer, prefer
     from transformers import AutoModelForSequenceClassification, set_seed
 
     from src.judges import RewardModelJudge, reward_scores
-    from src.main_distributed import record_samples
+    from src.pipeline.held_out import record_samples
     from src.reporting.report import build_report
 
     result = run_single(reward_args(tiny_model, preference_file, tmp_path / "results", "rm") + ["--max_steps", "6"])

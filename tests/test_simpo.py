@@ -92,7 +92,7 @@ def test_beta_and_gamma_outside_the_papers_ranges_are_warned_with_why(flags, war
     from src.objectives import objective
 
     config = parse_config(["--stage", "simpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", *flags])
-    warnings = objective("simpo").warnings(config)
+    warnings = objective("simpo").advice.warnings(config)
     assert len(warnings) == len(warned)
     for warning, start in zip(warnings, warned):
         assert warning.startswith(start) and ":" in warning  # then why
@@ -116,18 +116,18 @@ def test_a_beta_default_is_the_objectives_value_not_whether_the_flag_was_typed(s
     base = ["--stage", stage, "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--judge",
             "tests.round_judges:by_length"]
     built = []
-    for flags in ([], ["--beta", f"{row.default_beta:g}"]):
+    for flags in ([], ["--beta", f"{row.training.default_beta:g}"]):
         config = stage_config(parse_config(base + flags), final_stage(stage))
         plan = resolve_plan(config, World(), Devices("cpu", 0, []), final_stage(stage))
         args = build_trl_config(final_stage(stage), config, plan, tmp_path, False, 10)
-        built.append((args.beta, getattr(args, "simpo_gamma", None), row.run_info(config, {})["beta"]))
-    assert built[0] == built[1] and built[0][0] == row.default_beta
+        built.append((args.beta, getattr(args, "simpo_gamma", None), row.report.run_info(config, {})["beta"]))
+    assert built[0] == built[1] and built[0][0] == row.training.default_beta
     beta_help = next(field for field in dataclasses.fields(DPOArguments) if field.name == "beta").metadata["help"]
-    assert f"{row.display_name} {row.default_beta:g}" in beta_help  # --help says the default each one trains with
-    assert objective("simpo").default_beta == 2.0 and objective("dpo").default_beta == 0.1
+    assert f"{row.display_name} {row.training.default_beta:g}" in beta_help  # --help says the default each one trains with
+    assert objective("simpo").training.default_beta == 2.0 and objective("dpo").training.default_beta == 0.1
     recipe = tmp_path / "simpo.yaml"
     recipe.write_text("stage: simpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\nbeta: 0.1\n")
-    assert objective("simpo").run_info(parse_config(["--config", str(recipe)]), {})["beta"] == 0.1
+    assert objective("simpo").report.run_info(parse_config(["--config", str(recipe)]), {})["beta"] == 0.1
 
 
 def test_memory_plan_keeps_no_reference_and_says_what_that_saves():

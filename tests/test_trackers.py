@@ -130,6 +130,7 @@ def test_wandb_without_a_key_logs_offline_and_trackio_locally(tiny_model, prefer
 def test_an_uninstalled_tracker_is_one_line_before_any_process_group(tiny_model, preference_file, tmp_path,
                                                                        monkeypatch, capsys):
     from src import main_distributed
+    from src.pipeline import training
 
     monkeypatch.setitem(sys.modules, "trackio", None)  # what `import trackio` meets when it is not installed
 
@@ -137,7 +138,7 @@ def test_an_uninstalled_tracker_is_one_line_before_any_process_group(tiny_model,
         raise AssertionError("reached a process group or a model load")
 
     monkeypatch.setattr(main_distributed, "init", never)
-    monkeypatch.setattr(main_distributed, "load_model", never)
+    monkeypatch.setattr(training, "load_model", never)
     code = main_distributed.main(["--model_name_or_path", str(tiny_model), "--dataset_name", str(preference_file),
                                   "--results_dir", str(tmp_path / "results"), "--report_to", "tensorboard", "trackio"])
     assert code == 2

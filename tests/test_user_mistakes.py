@@ -209,7 +209,8 @@ def _finished_run(ws: Workspace) -> list[str]:
     """A run finished with --beta 0.5, relaunched without it: what the finished run recorded, made as a run makes it."""
     from src.config_parse import parse_config
     from src.world import Devices, World
-    from src.main_distributed import data_locations, git_commit, plan_stages
+    from src.pipeline.stages import data_locations, plan_stages
+    from src.provenance import git_commit
     from src.run_safety.finished_run import data_fingerprint
 
     (stage,) = plan_stages(parse_config(ws.args(run_name="done", beta="0.5")), World.from_environment(),
@@ -497,9 +498,10 @@ def workspace(tiny_model, tmp_path) -> Workspace:
 
 @pytest.fixture
 def preflight(capsys, monkeypatch):
-    """Run src.main_distributed's exit_status in this process (its dry run), as a user's command would: the
-    environment and the signal handlers it changes are put back after."""
-    from src.main_distributed import exit_status
+    """Run src.main_distributed's run through src.pipeline.exits' exit_status in this process (its dry run), as a
+    user's command would: the environment and the signal handlers it changes are put back after."""
+    from src.main_distributed import run as run_pipeline
+    from src.pipeline.exits import exit_status
 
     def run(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
         for key, value in env.items():
@@ -507,7 +509,7 @@ def preflight(capsys, monkeypatch):
         saved_environ, saved_handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGINT,
                                                                                              signal.SIGTERM)}
         try:
-            code = exit_status(argv)
+            code = exit_status(run_pipeline, argv)
         finally:
             os.environ.clear()
             os.environ.update(saved_environ)

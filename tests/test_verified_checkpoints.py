@@ -139,7 +139,7 @@ def test_a_damaged_final_model_is_neither_pushed_nor_copied_out(tmp_path, monkey
     from huggingface_hub import HfApi
 
     from src import publish, run_files
-    from src.main_distributed import make_copies
+    from src.pipeline.publishing import make_copies
 
     run_dir = tmp_path / "run"
     final = save(run_dir / "model" / "final")

@@ -138,63 +138,10 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
         return []
     row = objective(stage)
     paired = row.data_shape in PAIRED_SHAPES
-    alerts = []
-    pairs = train.get("pairs") or 0
-    if paired:
-        longer, shorter = train.get("chosen_longer_share") or 0, train.get("chosen_shorter_share") or 0
-        if max(longer, shorter) >= LENGTH_BIAS:
-            way = "longer" if longer >= shorter else "shorter"
-            alerts.append(_finding(
-                "data_length_bias", f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} "
-                f"answer chosen (mean {train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
-                way=way, share=_percent(max(longer, shorter)), remedy=row.length_remedy))
-        inverted = train.get("judge_inverted_share")
-        if inverted is not None and inverted >= INVERTED:
-            flags = row.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))
-            alerts.append(_finding(
-                "data_inverted_labels", f"{train.get('judge')} scored the rejected answer above the chosen one in "
-                f"{_percent(inverted)} of {train.get('judged_pairs'):,} training pairs; they are listed in "
-                f"{train.get('inverted_pairs_file')}", share=_percent(inverted),
-                remedy=f"; or train through them with {flags} (assumes that share of labels is flipped)." if flags
-                else "."))
-        ties = train.get("judge_tie_share")
-        if ties is not None and ties >= TIES:
-            flags = row.label_noise_flags.format(smoothing=0.1)
-            alerts.append(_finding(
-                "data_judge_ties", f"{train.get('judge')} gave the chosen and the rejected answer the same score in "
-                f"{_percent(ties)} of {train.get('judged_pairs'):,} training pairs", share=_percent(ties),
-                remedy=f", or soften the loss with {flags}." if flags else "."))
-        near = train.get("near_identical_share") or 0
-        if "data_near_identical" in row.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
-            alerts.append(_finding(
-                "data_near_identical", f"in {_percent(near)} of training pairs the answers share over 80% of the "
-                f"shorter one's tokens from the start (median overlap {_percent(train.get('overlap_median'))})",
-                share=_percent(near)))
-    truncated = train.get("truncated_share") or 0  # pairs with either answer cut; SFT: sequences
-    if truncated >= TRUNCATED:
-        alerts.append(_finding(
-            "data_truncation",
-            (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
-             f"{_percent(train.get('rejected_truncated_share'))} of pairs" if paired else
-             f"{_percent(truncated)} of sequences are longer than --max_length"),
-            share=_percent(truncated), unit="pairs" if paired else "rows", suggested=train.get("suggested_max_length")))
+    alerts = _pair_alerts(train, row, loss_type) if paired else []
+    alerts += _truncation_alerts(train, paired)
     alerts += reasoning_alerts(train, row)
-    duplicates = train.get("duplicate_share") or 0
-    if duplicates >= DUPLICATES:
-        alerts.append(_finding(
-            "data_duplicates", f"{train.get('duplicate_pairs'):,} of {train.get('rows'):,} rows repeat an earlier row "
-            f"(first: rows {train.get('first_duplicate_rows')})", share=_percent(duplicates)))
-    identical = train.get("identical_share") or 0
-    by_drop = train.get("identical_by_reasoning_drop") or 0
-    if paired and identical >= IDENTICAL and by_drop * 2 >= (train.get("identical_pairs") or 0):
-        alerts.append(_finding(
-            "data_identical_by_reasoning_drop", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training "
-            f"rows were dropped: {by_drop:,} of them differ only in their reasoning, which --reasoning drop removes",
-            share=_percent(identical)))
-    elif paired and identical >= IDENTICAL:
-        alerts.append(_finding(
-            "data_identical", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: "
-            "the same answer on both sides", share=_percent(identical)))
+    alerts += _repeated_row_alerts(train, paired)
     for kind in ("validation", "test"):
         leaked = ((audit or {}).get(kind) or {}).get("prompts_in_train_share") or 0
         if leaked >= HELD_OUT_IN_TRAIN:
@@ -214,6 +161,79 @@ def data_alerts(audit: dict, stage: str, loss_type=None) -> list[Alert]:
     return alerts
 
 
+def _pair_alerts(train: dict, row, loss_type=None) -> list[Alert]:
+    """What a training split of pairs teaches besides the preference: length, labels a judge ranks the other way or
+    cannot tell apart, near-identical answers."""
+    alerts = []
+    pairs = train.get("pairs") or 0
+    longer, shorter = train.get("chosen_longer_share") or 0, train.get("chosen_shorter_share") or 0
+    if max(longer, shorter) >= LENGTH_BIAS:
+        way = "longer" if longer >= shorter else "shorter"
+        alerts.append(_finding(
+            "data_length_bias", f"{_percent(max(longer, shorter))} of {pairs:,} training pairs have the {way} "
+            f"answer chosen (mean {train['chosen_tokens']['mean']} vs {train['rejected_tokens']['mean']} tokens)",
+            way=way, share=_percent(max(longer, shorter)), remedy=row.advice.length_remedy))
+    inverted = train.get("judge_inverted_share")
+    if inverted is not None and inverted >= INVERTED:
+        flags = row.advice.label_noise_flags.format(smoothing=min(0.4, round(inverted, 2)))
+        alerts.append(_finding(
+            "data_inverted_labels", f"{train.get('judge')} scored the rejected answer above the chosen one in "
+            f"{_percent(inverted)} of {train.get('judged_pairs'):,} training pairs; they are listed in "
+            f"{train.get('inverted_pairs_file')}", share=_percent(inverted),
+            remedy=f"; or train through them with {flags} (assumes that share of labels is flipped)." if flags
+            else "."))
+    ties = train.get("judge_tie_share")
+    if ties is not None and ties >= TIES:
+        flags = row.advice.label_noise_flags.format(smoothing=0.1)
+        alerts.append(_finding(
+            "data_judge_ties", f"{train.get('judge')} gave the chosen and the rejected answer the same score in "
+            f"{_percent(ties)} of {train.get('judged_pairs'):,} training pairs", share=_percent(ties),
+            remedy=f", or soften the loss with {flags}." if flags else "."))
+    near = train.get("near_identical_share") or 0
+    if "data_near_identical" in row.report.alerts and near >= NEAR_IDENTICAL and "sft" not in (loss_type or []):
+        alerts.append(_finding(
+            "data_near_identical", f"in {_percent(near)} of training pairs the answers share over 80% of the "
+            f"shorter one's tokens from the start (median overlap {_percent(train.get('overlap_median'))})",
+            share=_percent(near)))
+    return alerts
+
+
+def _truncation_alerts(train: dict, paired: bool) -> list[Alert]:
+    """Pairs with either answer cut by --max_length (SFT: sequences longer than it)."""
+    truncated = train.get("truncated_share") or 0
+    if truncated < TRUNCATED:
+        return []
+    return [_finding(
+        "data_truncation",
+        (f"chosen cut in {_percent(train.get('chosen_truncated_share'))}, rejected in "
+         f"{_percent(train.get('rejected_truncated_share'))} of pairs" if paired else
+         f"{_percent(truncated)} of sequences are longer than --max_length"),
+        share=_percent(truncated), unit="pairs" if paired else "rows", suggested=train.get("suggested_max_length"))]
+
+
+def _repeated_row_alerts(train: dict, paired: bool) -> list[Alert]:
+    """Rows that repeat an earlier row, and pairs dropped for chosen == rejected (as exported, or made so by
+    --reasoning drop)."""
+    alerts = []
+    duplicates = train.get("duplicate_share") or 0
+    if duplicates >= DUPLICATES:
+        alerts.append(_finding(
+            "data_duplicates", f"{train.get('duplicate_pairs'):,} of {train.get('rows'):,} rows repeat an earlier row "
+            f"(first: rows {train.get('first_duplicate_rows')})", share=_percent(duplicates)))
+    identical = train.get("identical_share") or 0
+    by_drop = train.get("identical_by_reasoning_drop") or 0
+    if paired and identical >= IDENTICAL and by_drop * 2 >= (train.get("identical_pairs") or 0):
+        alerts.append(_finding(
+            "data_identical_by_reasoning_drop", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training "
+            f"rows were dropped: {by_drop:,} of them differ only in their reasoning, which --reasoning drop removes",
+            share=_percent(identical)))
+    elif paired and identical >= IDENTICAL:
+        alerts.append(_finding(
+            "data_identical", f"{train.get('identical_pairs'):,} of {train.get('rows'):,} training rows were dropped: "
+            "the same answer on both sides", share=_percent(identical)))
+    return alerts
+
+
 def reasoning_alerts(train: dict, row) -> list[Alert]:
     """The data audit's reasoning numbers (src/data/pair_audit.py reasoning_audit): reasoning cut by --max_length, and
     pairs that differ only in their reasoning or only in their final answer."""
@@ -227,7 +247,7 @@ def reasoning_alerts(train: dict, row) -> list[Alert]:
             "reaching their final answer (or the end of their reasoning)", share=_percent(max(cut.values())),
             suggested=train.get("suggested_max_length")))
     # the objective's SFT term where it has one to add (src/objectives/: "" where its loss holds one already)
-    sft_term = f"{row.sft_term}, or train" if row.sft_term else "train"
+    sft_term = f"{row.advice.sft_term}, or train" if row.advice.sft_term else "train"
     differ_only = (("only_reasoning_differs_share", "reach the same final answer by different reasoning",
                     "data_only_reasoning_differs"),
                    ("only_answer_differs_share", "reason the same way, then answer differently",
@@ -252,13 +272,13 @@ def answer_alerts(answers: dict, stage: str = DEFAULT_STAGE) -> list[Alert]:
     if ratio is not None and ratio >= ANSWERS_LONGER:
         alerts.append(_finding(
             "answers_longer", f"{split} answers: mean {audit['length_before']['mean']} → "
-            f"{audit['length_after']['mean']} tokens", ratio=ratio, remedy=row.length_remedy))
+            f"{audit['length_after']['mean']} tokens", ratio=ratio, remedy=row.advice.length_remedy))
     before, after = audit.get("repetition_share_before") or 0, audit.get("repetition_share_after") or 0
     if after >= REPETITION and after > before:
         alerts.append(_finding(
             "answers_repetition", f"{split}: degenerate (a phrase repeated over and over) in {_percent(after)} after, "
             f"{_percent(before)} before", share=_percent(after),
-            start="the reference" if row.needs_reference else "where it started", remedy=row.drift_remedy))
+            start="the reference" if row.training.needs_reference else "where it started", remedy=row.advice.drift_remedy))
     before, after = audit.get("cut_share_before") or 0, audit.get("cut_share_after") or 0
     if after >= CUT and after >= before + CUT_RISE:
         alerts.append(_finding(

@@ -1,4 +1,5 @@
-"""The audit inside a training run: what src/main_distributed.py calls at each step of a stage.
+"""The audit inside a training run: what a stage of the pipeline calls at each of its steps (src/main_distributed.py,
+src/pipeline/).
 
     info["data_audit"] = opening(prepared.summary, stage)    # training_info.json as the stage opens
     judge_training_pairs(prepared, stage, world)              # before training, every rank its share
@@ -34,7 +35,7 @@ def opening(summary: dict, stage: str) -> dict:
     audit = {}
     for kind, numbers in (summary.get("audit") or {}).items():
         audit[kind] = dict(numbers)
-        if "reference" in objective(stage).audit_parts:
+        if "reference" in objective(stage).report.audit_parts:
             audit[kind].update(dict.fromkeys(REFERENCE_FIELDS + JUDGE_FIELDS))
     return audit
 
@@ -42,7 +43,7 @@ def opening(summary: dict, stage: str) -> dict:
 def judged(stage) -> bool:
     """Whether a stage's training pairs are judged: its objective's audit has the "judged" part (DPO and reward), and
     it is not a round (a round's pairs are the judge's)."""
-    return "judged" in objective(stage.name).audit_parts and not stage.round and stage.config.training.audit_judge_pairs > 0
+    return "judged" in objective(stage.name).report.audit_parts and not stage.round and stage.config.training.audit_judge_pairs > 0
 
 
 def _update_train(info_path: Path, fields: dict) -> None:

@@ -225,7 +225,7 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     shared = _column(pieces, "_shared_tokens")[kept].astype(np.int64)
     overlap = shared / np.maximum(np.minimum(chosen, rejected), 1)
     # DPO truncates prompt + answer to max_length (TRL keeps the start); a reward pair over it was dropped instead
-    limit = max_length if objective(stage).truncates_to_max_length else math.inf
+    limit = max_length if objective(stage).training.truncates_to_max_length else math.inf
     audit.update(
         prompt_tokens=_stats(prompt), chosen_tokens=_stats(chosen), rejected_tokens=_stats(rejected),
         chosen_longer_share=_share((chosen > rejected).sum(), pairs),

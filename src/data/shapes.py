@@ -130,61 +130,83 @@ def stage_shape(stage: str) -> str:
 
 def detect_shape(columns: list[str], first_row: dict, stage: str) -> str:
     """Name the layout of the (column-mapped) data, or explain what is missing."""
-    names = set(columns)
     kind = stage_shape(stage)
     row = OBJECTIVES.get(stage)
     if kind == PROMPTS:
-        if row is not None and {"chosen", "rejected"} & names:  # an objective that trains on prompts (GRPO)
-            raise DataError(f"--stage {stage} trains on prompts alone and samples its own answers, and the data holds "
-                            f"{' and '.join(sorted({'chosen', 'rejected'} & names))} answers: give prompts (a 'prompt' "
-                            "column, text or chat, and an optional 'meta' the judge reads), or train on the pairs with "
-                            "a pair objective (--stage dpo)")
-        if "prompt" in names:
-            return PROMPTS
-        raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
-                        f"{', '.join(columns)}; map yours with --prompt_column")
+        return _prompts_layout(columns, stage, row)
     if kind == UNPAIRED:
-        if {"prompt", "completion", "label"} <= names:
-            return "unpaired"
-        if {"chosen", "rejected"} <= names:
-            return "kto_pairs"  # preference pairs; converted to unpaired rows only when asked (_prepare_source)
-        missing = [name for name in ("prompt", "completion", "label") if name not in names]
-        raise DataError(
-            f"KTO data needs prompt, completion and label (thumbs up / down) columns: missing {', '.join(missing)}; "
-            f"the data has {', '.join(columns)}; map yours with --prompt_column / --completion_column / "
-            "--label_column (preference pairs: --kto_from_pairs)"
-        )
+        return _unpaired_layout(columns)
     if kind in PAIRED_SHAPES:
-        if row is not None and row.on_policy_rounds and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
-            raise DataError(
-                "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
-                "(--rounds N with a --judge that scores answers, e.g. --judge module:function), or give preference "
-                "pairs (add chosen and rejected columns)")
-        if row is not None and not row.causal_lm and holds_prompts_only(columns):
-            raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
-                            "and rejected answers: give pairs, or train the policy from these prompts with --stage "
-                            "dpo --rounds N and a --judge")
-        if {"conversations", "chosen", "rejected"} <= names:
-            return "sharegpt_pairs"  # LLaMA-Factory's ShareGPT ranking data: the turns so far, then one answer each
-        if {"prompt", "chosen", "rejected"} <= names:
-            if is_chat(first_row["chosen"]) and isinstance(first_row["prompt"], str):
-                return "ultrafeedback"  # the prompt column is a text copy of the user turn inside chosen/rejected
-            return "explicit_prompt"
-        if {"question", "chosen", "rejected"} <= names:
-            return "orca"
-        if {"chosen", "rejected"} <= names:
-            if isinstance(first_row["chosen"], str) and "\n\nHuman: " in "\n\n" + first_row["chosen"].lstrip("\n"):
-                return "anthropic_hh"
-            return "implicit_prompt"
-        missing = [name for name in ("prompt", "chosen", "rejected") if name not in names]
-        rounds = "; or, for prompts alone, on-policy rounds: --rounds N and a --judge" if row is not None and \
-            row.on_policy_rounds and \
-            "prompt" in names else ""
+        return _pairs_layout(columns, first_row, row)
+    return _sequences_layout(columns)
+
+
+def _prompts_layout(columns: list[str], stage: str, row) -> str:
+    """Prompts alone (on-policy rounds, GRPO): a 'prompt' column and no answers."""
+    names = set(columns)
+    if row is not None and {"chosen", "rejected"} & names:  # an objective that trains on prompts (GRPO)
+        raise DataError(f"--stage {stage} trains on prompts alone and samples its own answers, and the data holds "
+                        f"{' and '.join(sorted({'chosen', 'rejected'} & names))} answers: give prompts (a 'prompt' "
+                        "column, text or chat, and an optional 'meta' the judge reads), or train on the pairs with "
+                        "a pair objective (--stage dpo)")
+    if "prompt" in names:
+        return PROMPTS
+    raise DataError(f"prompts for on-policy rounds need a 'prompt' column (text or chat messages); the data has "
+                    f"{', '.join(columns)}; map yours with --prompt_column")
+
+
+def _unpaired_layout(columns: list[str]) -> str:
+    """KTO's rows: prompt, completion and a thumbs up / down label, or preference pairs to convert."""
+    names = set(columns)
+    if {"prompt", "completion", "label"} <= names:
+        return "unpaired"
+    if {"chosen", "rejected"} <= names:
+        return "kto_pairs"  # preference pairs; converted to unpaired rows only when asked (_prepare_source)
+    missing = [name for name in ("prompt", "completion", "label") if name not in names]
+    raise DataError(
+        f"KTO data needs prompt, completion and label (thumbs up / down) columns: missing {', '.join(missing)}; "
+        f"the data has {', '.join(columns)}; map yours with --prompt_column / --completion_column / "
+        "--label_column (preference pairs: --kto_from_pairs)"
+    )
+
+
+def _pairs_layout(columns: list[str], first_row: dict, row) -> str:
+    """Preference pairs (DPO's, a reward model's): which of the public layouts, from the columns and the first row."""
+    names = set(columns)
+    if row is not None and row.on_policy_rounds and holds_prompts_only(columns) and names <= {"prompt", "meta", "tools"}:
         raise DataError(
-            f"preference data needs chosen and rejected answers (and a prompt, explicit or shared): missing "
-            f"{', '.join(missing)}; the data has {', '.join(columns)}; map yours with --prompt_column / "
-            f"--chosen_column / --rejected_column{rounds}"
-        )
+            "the data holds prompts without chosen and rejected answers: prompts alone train by on-policy rounds "
+            "(--rounds N with a --judge that scores answers, e.g. --judge module:function), or give preference "
+            "pairs (add chosen and rejected columns)")
+    if row is not None and not row.causal_lm and holds_prompts_only(columns):
+        raise DataError("a reward model learns from preference pairs, and the data holds prompts without chosen "
+                        "and rejected answers: give pairs, or train the policy from these prompts with --stage "
+                        "dpo --rounds N and a --judge")
+    if {"conversations", "chosen", "rejected"} <= names:
+        return "sharegpt_pairs"  # LLaMA-Factory's ShareGPT ranking data: the turns so far, then one answer each
+    if {"prompt", "chosen", "rejected"} <= names:
+        if is_chat(first_row["chosen"]) and isinstance(first_row["prompt"], str):
+            return "ultrafeedback"  # the prompt column is a text copy of the user turn inside chosen/rejected
+        return "explicit_prompt"
+    if {"question", "chosen", "rejected"} <= names:
+        return "orca"
+    if {"chosen", "rejected"} <= names:
+        if isinstance(first_row["chosen"], str) and "\n\nHuman: " in "\n\n" + first_row["chosen"].lstrip("\n"):
+            return "anthropic_hh"
+        return "implicit_prompt"
+    missing = [name for name in ("prompt", "chosen", "rejected") if name not in names]
+    rounds = ("; or, for prompts alone, on-policy rounds: --rounds N and a --judge"
+              if row is not None and row.on_policy_rounds and "prompt" in names else "")
+    raise DataError(
+        f"preference data needs chosen and rejected answers (and a prompt, explicit or shared): missing "
+        f"{', '.join(missing)}; the data has {', '.join(columns)}; map yours with --prompt_column / "
+        f"--chosen_column / --rejected_column{rounds}"
+    )
+
+
+def _sequences_layout(columns: list[str]) -> str:
+    """SFT's sequences: a chat, ShareGPT turns, prompt + completion, plain text, or the preferred side of pairs."""
+    names = set(columns)
     if holds_prompts_only(columns) and "completion" not in names:
         raise DataError("SFT needs answers to learn from, and the data holds prompts alone: with --stage sft_then_dpo "
                         "and prompts for the rounds, give the SFT data in the recipe's sft: block (sft: {dataset_name: "

@@ -120,7 +120,7 @@ def training_setup(config: Config, param_count: int | None = None) -> TrainingSe
         method_chosen=any(key in config.sources for key in ("use_lora", "use_peft", "load_in_4bit")),
     )
     row = objective(stage)
-    return replace(setup, **row.memory_setup(config)) if row.memory_setup else setup
+    return replace(setup, **row.memory.memory_setup(config)) if row.memory.memory_setup else setup
 
 
 def _targets(targets: list[str] | str | None) -> list[str] | str:

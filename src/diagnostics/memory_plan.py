@@ -141,7 +141,7 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
     """A reference model's copy per device, for an objective that keeps one (DPO, KTO; `kept` asks as if it did or
     did not): none with adapters (the base with adapters off) or cached log-probs."""
     if kept is None:
-        kept = objective(setup.stage).needs_reference if setup.reference_kept is None else setup.reference_kept
+        kept = objective(setup.stage).training.needs_reference if setup.reference_kept is None else setup.reference_kept
     if not kept or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
         return 0
     if method == "zero3":
@@ -152,14 +152,14 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
     """Activations kept for backward for one sequence (one chosen+rejected pair for DPO and reward; one completion for
     KTO, whose KL sequence runs without gradients before the step: src/trainers/kto.py); see the module doc."""
-    tokens = setup.sequence_tokens * objective(setup.stage).sequences_with_grad
+    tokens = setup.sequence_tokens * objective(setup.stage).memory.sequences_with_grad
     scale = activation_bytes / 2  # the block formula is written for 16-bit activations
     block = scale * (12 * shape.hidden_size + 4 * shape.kv_size + 8 * shape.intermediate_size)
     if setup.gradient_checkpointing:
         layers = shape.num_layers * activation_bytes * shape.hidden_size + block
     else:
         layers = shape.num_layers * block
-    logits = 0 if not objective(setup.stage).scores_tokens else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
+    logits = 0 if not objective(setup.stage).memory.scores_tokens else shape.vocab_size * (activation_bytes + LOGITS_FP32_BYTES)
     return int(tokens * (layers + logits))
 
 
@@ -178,7 +178,7 @@ def adapter_activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup,
     """What LoRA adds to one sample's activations (see the module doc): each adapted linear layer keeps its rank-r
     adapter output and, with dropout on, its dropped-out input and the dropout mask. Gradient checkpointing keeps one
     layer's worth."""
-    tokens = setup.sequence_tokens * objective(setup.stage).sequences_with_grad
+    tokens = setup.sequence_tokens * objective(setup.stage).memory.sequences_with_grad
     adapted = [(d_in, d_out) for name, d_in, d_out in shape.linear_layers if _adapted(name, setup.lora_target_modules)]
     dropout_copy = activation_bytes + 1 if setup.lora_dropout > 0 else 0
     per_token = sum(d_in * dropout_copy + setup.lora_r * activation_bytes for d_in, _d_out in adapted)
@@ -259,7 +259,7 @@ def plan_memory(
         reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
         # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
         saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
-                                weight_bytes, kept=True) if objective(setup.stage).reference_free else 0
+                                weight_bytes, kept=True) if objective(setup.stage).memory.reference_free else 0
         # sampling (its KV cache) and training (its activations) come one after the other: the larger is the peak
         method_per_sample = max(per_sample + (adapter_per_sample if adapters else 0), plan.generation_bytes_per_sample)
         activations = batch * method_per_sample

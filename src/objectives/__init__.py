@@ -66,7 +66,7 @@ def infer_stage(metrics: list[dict]) -> str:
     def logged(key: str) -> bool:
         return any(key in record or f"eval_{key}" in record for record in metrics)
 
-    scores = {name: sum(logged(metric.key) for metric in row.compare_metrics if metric.key != "loss")
+    scores = {name: sum(logged(metric.key) for metric in row.report.compare_metrics if metric.key != "loss")
               for name, row in OBJECTIVES.items()}
     best = max(scores, key=scores.get)  # the first of the highest
     return best if scores[best] else next(name for name, row in OBJECTIVES.items() if row.data_shape == SEQUENCES)
@@ -88,7 +88,7 @@ def load(path: str):
 
 def trl_config_paths(stage: str) -> list[str]:
     """Where the TRL config class(es) a stage builds live ("module:Class"): a pipeline's final stage's and then SFT's."""
-    return [OBJECTIVES[name].trl_config for name in reversed(PIPELINES.get(stage, (stage,)))]
+    return [OBJECTIVES[name].training.trl_config for name in reversed(PIPELINES.get(stage, (stage,)))]
 
 
 def trl_config_classes(stage: str) -> list[type]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
-                                 SummaryNumber, refuse_batch_rebalance)
+from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Advice, Chart, Curve, MemoryPlan, Metric, Objective,
+                                 Panel, Report, SummaryNumber, Training, refuse_batch_rebalance)
 from src.reporting.formatting import format_number
 
 
@@ -73,56 +73,64 @@ OBJECTIVE = Objective(
     help="DPO on preference pairs (prompt, chosen, rejected) against a reference model",
     data_shape=PAIRS,
     example_word="pairs",
-    trl_config="trl:DPOConfig",
-    trainer="src.trainers.dpo:PreparedDPOTrainer",
-    default_learning_rate=1e-6,
-    default_beta=0.1,  # TRL's DPOConfig default
-    needs_reference=True,
-    sequences_per_example=2,
-    sequences_with_grad=2,
     causal_lm=True,
     ends_pipeline=True,
-    charts=(
-        LOSS_CHART,
-        Chart("rewards.png", "Implicit rewards of chosen and rejected answers", (
-            Panel("Implicit rewards: chosen vs rejected", "reward (β·log-ratio, nats)",
-                  (Curve("rewards/chosen", "chosen", "#2ca02c"), Curve("rewards/rejected", "rejected", "#d62728")),
-                  reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
-        Chart("margins.png", "Reward margin", (
-            Panel("Reward margin (chosen − rejected)", "margin (β·log-ratio, nats)",
-                  (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
-                  min_y_span=0.5),)),
-        REWARD_ACCURACY_CHART,
-    ),
-    compare_metrics=(
-        Metric("loss", "DPO loss", "loss", reference=(math.log(2), "ln 2 (policy = reference)")),
-        Metric("rewards/chosen", "Implicit rewards: chosen (solid) and rejected (dashed)", "reward (nats)",
-               second=("rewards/rejected", "rejected"), first_label="chosen", reference=(0.0, "reference model")),
-        Metric("rewards/margins", "Reward margin (chosen − rejected)", "margin (nats)", reference=(0.0, "none")),
-        Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance")),
-    ),
-    console_keys=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"),
-    summary_numbers=(SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
-                                   headline="reward accuracy"),
-                     SummaryNumber("reward_margin", "rewards/margins", "final reward margin", headline="margin")),
-    alerts=("dpo_stuck", "dpo_displacement", "dpo_saturated", "dpo_unbounded_margins", "data_near_identical"),
-    audit_parts=("reference", "judged"),
     on_policy_rounds=True,
-    truncates_to_max_length=True,
-    combined_loss=True,
-    trl_settings=trl_settings,
-    run_info=run_info,
-    warnings=warnings,
-    loss_rows=loss_rows,
-    setup_line=setup_line,
-    preflight=refuse_batch_rebalance,
-    packed_forward=True,
-    length_remedy="--ld_alpha 0.5 (LD-DPO: the tokens past the shorter answer count half) or --loss_type sigmoid_norm "
-                  "(length-normalised), or a higher --beta (stay closer to the start)",
-    label_noise_flags="--loss_type robust --label_smoothing {smoothing}",
-    sft_term="add the SFT term (--loss_type sigmoid sft --loss_weights 1 0.4)",
-    drift_remedy="a higher --beta, a lower --learning_rate or fewer steps, or the SFT term (--loss_type sigmoid sft "
-                 "--loss_weights 1 0.4)",
-    reference_unmeasured="not measured (a DPO run measures it from the reference log-probs it precomputes; "
-                         "`python -m src.audit` with --model_name_or_path, on a sample).",
+    training=Training(
+        trl_config="trl:DPOConfig",
+        trainer="src.trainers.dpo:PreparedDPOTrainer",
+        default_learning_rate=1e-6,
+        default_beta=0.1,  # TRL's DPOConfig default
+        needs_reference=True,
+        truncates_to_max_length=True,
+        trl_settings=trl_settings,
+        preflight=refuse_batch_rebalance,
+        packed_forward=True,
+    ),
+    memory=MemoryPlan(
+        sequences_per_example=2,
+        sequences_with_grad=2,
+    ),
+    report=Report(
+        charts=(
+            LOSS_CHART,
+            Chart("rewards.png", "Implicit rewards of chosen and rejected answers", (
+                Panel("Implicit rewards: chosen vs rejected", "reward (β·log-ratio, nats)",
+                      (Curve("rewards/chosen", "chosen", "#2ca02c"), Curve("rewards/rejected", "rejected", "#d62728")),
+                      reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
+            Chart("margins.png", "Reward margin", (
+                Panel("Reward margin (chosen − rejected)", "margin (β·log-ratio, nats)",
+                      (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
+                      min_y_span=0.5),)),
+            REWARD_ACCURACY_CHART,
+        ),
+        compare_metrics=(
+            Metric("loss", "DPO loss", "loss", reference=(math.log(2), "ln 2 (policy = reference)")),
+            Metric("rewards/chosen", "Implicit rewards: chosen (solid) and rejected (dashed)", "reward (nats)",
+                   second=("rewards/rejected", "rejected"), first_label="chosen", reference=(0.0, "reference model")),
+            Metric("rewards/margins", "Reward margin (chosen − rejected)", "margin (nats)", reference=(0.0, "none")),
+            Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance")),
+        ),
+        summary_numbers=(SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
+                                       headline="reward accuracy"),
+                         SummaryNumber("reward_margin", "rewards/margins", "final reward margin", headline="margin")),
+        alerts=("dpo_stuck", "dpo_displacement", "dpo_saturated", "dpo_unbounded_margins", "data_near_identical"),
+        audit_parts=("reference", "judged"),
+        combined_loss=True,
+        run_info=run_info,
+        loss_rows=loss_rows,
+        setup_line=setup_line,
+        reference_unmeasured="not measured (a DPO run measures it from the reference log-probs it precomputes; "
+                             "`python -m src.audit` with --model_name_or_path, on a sample).",
+    ),
+    advice=Advice(
+        console_keys=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"),
+        warnings=warnings,
+        length_remedy="--ld_alpha 0.5 (LD-DPO: the tokens past the shorter answer count half) or --loss_type "
+                      "sigmoid_norm (length-normalised), or a higher --beta (stay closer to the start)",
+        label_noise_flags="--loss_type robust --label_smoothing {smoothing}",
+        sft_term="add the SFT term (--loss_type sigmoid sft --loss_weights 1 0.4)",
+        drift_remedy="a higher --beta, a lower --learning_rate or fewer steps, or the SFT term (--loss_type sigmoid "
+                     "sft --loss_weights 1 0.4)",
+    ),
 )

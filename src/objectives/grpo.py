@@ -10,7 +10,8 @@ The batch counts answers: --batch_size 32 with --num_generations 8 is 4 prompts 
 from __future__ import annotations
 
 from src.config_error import ConfigError
-from src.objectives.spec import PROMPTS, Chart, Curve, Metric, Objective, Panel, SummaryNumber
+from src.objectives.spec import (PROMPTS, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel, Report,
+                                 SummaryNumber, Training)
 from src.reporting.formatting import format_number
 
 # TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--loss_type sigmoid), or none
@@ -150,79 +151,88 @@ OBJECTIVE = Objective(
     help="GRPO from prompts: the judges' scores of sampled answers as rewards (docs/grpo.md)",
     data_shape=PROMPTS,
     example_word="answers",
-    trl_config="trl:GRPOConfig",
-    trainer="src.trainers.grpo:PreparedGRPOTrainer",
-    default_learning_rate=1e-6,
-    default_beta=DEFAULT_BETA,
-    # TRL keeps a reference model only with --beta > 0 (the KL term); its default beta is 0
-    needs_reference=False,
-    sequences_per_example=1,
-    sequences_with_grad=1,
     causal_lm=True,
     ends_pipeline=True,
-    rewards_from_judges=True,
-    judged_headline="mean_reward",
-    judged_eval=True,
     pipeline_after=("dpo",),
-    beta_may_be_zero=True,
     embedded_data="prompts",
-    charts=(
-        Chart("loss.png", "GRPO loss", (
-            Panel("GRPO loss (clipped policy-gradient surrogate + β·KL)", "loss", (Curve("loss", "loss"),),
-                  min_y_span=0.05),)),
-        Chart("rewards.png", "Rewards per judge", (
-            Panel("Reward (the judges' weighted sum)", "reward",
-                  (Curve("reward", "mean over the batch's answers", "#2ca02c"),
-                   Curve("reward_std", "spread (std)", "#9467bd")), min_y_span=0.2),
-            Panel("Train reward, and held-out prompts judged during training", "reward",
-                  (Curve("reward", "train reward", "#2ca02c"),
-                   Curve("judged_reward", "held-out prompts, greedy, --judge", "#d62728")), min_y_span=0.2),
-            Panel("Reward per judge: mean", "reward", (), per_logged_key=("rewards/*/mean", "mean"),
-                  min_y_span=0.2),
-            Panel("Reward per judge: spread (std)", "reward", (), per_logged_key=("rewards/*/std", "std"),
-                  min_y_span=0.2),)),
-        Chart("groups.png", "Groups whose answers all score the same", (
-            Panel("Prompts whose answers all score the same (no advantage: they teach nothing)",
-                  "fraction of prompts", (Curve("frac_reward_zero_std", "tied groups", "#d62728"),),
-                  ylim=(-0.02, 1.04)),)),
-        Chart("policy.png", "KL, entropy and clipping", (
-            Panel("KL to the reference (needs --beta > 0)", "nats / token", (Curve("kl", "KL"),), min_y_span=0.01),
-            Panel("Entropy of the policy on its answers", "nats / token", (Curve("entropy", "entropy", "#ff7f0e"),),
-                  min_y_span=0.1),
-            Panel("Clipped tokens (0 if --num_iterations 1)", "fraction of tokens",
-                  (Curve("clip_ratio/region_mean", "clipped"),), ylim=(-0.02, 1.04)),)),
-        Chart("answers.png", "Answer length", (
-            Panel("Answer length", "tokens", (Curve("completions/mean_length", "mean"),
-                                              Curve("completions/mean_terminated_length", "mean, ended answers",
-                                                    "#2ca02c")), y_from_zero=True),
-            Panel("Answers cut at --max_completion_length", "fraction of answers",
-                  (Curve("completions/clipped_ratio", "cut"),), ylim=(-0.02, 1.04)),)),
-        Chart("step_time.png", "Where a step's time goes", (
-            Panel("Seconds per step (rank 0)", "seconds",
-                  (Curve("step_time", "step"), Curve("time/generation_s", "sampling", "#ff7f0e"),
-                   Curve("time/judging_s", "judging", "#2ca02c")), y_from_zero=True),)),
+    training=Training(
+        trl_config="trl:GRPOConfig",
+        trainer="src.trainers.grpo:PreparedGRPOTrainer",
+        default_learning_rate=1e-6,
+        default_beta=DEFAULT_BETA,
+        # TRL keeps a reference model only with --beta > 0 (the KL term); its default beta is 0
+        needs_reference=False,
+        rewards_from_judges=True,
+        judged_eval=True,
+        beta_may_be_zero=True,
+        trl_settings=trl_settings,
+        trainer_inputs=trainer_inputs,
+        validate=validate,
+        preflight=preflight,
     ),
-    compare_metrics=(
-        Metric("loss", "GRPO loss", "loss"),
-        Metric("reward", "Reward (weighted sum of the judges)", "reward"),
-        Metric("frac_reward_zero_std", "Prompts whose answers all score the same", "fraction of prompts"),
-        Metric("entropy", "Entropy", "nats / token"),
-        Metric("completions/mean_length", "Answer length", "tokens"),
+    memory=MemoryPlan(
+        sequences_per_example=1,
+        sequences_with_grad=1,
+        memory_setup=memory_setup,
     ),
-    console_keys=("eval_judged_reward", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
-                  "completions/mean_length"),
-    summary_numbers=(SummaryNumber("reward", "reward", "final reward", headline="reward"),
-                     SummaryNumber("tied_groups", "frac_reward_zero_std", "final share of tied groups", percent=True),
-                     SummaryNumber("entropy", "entropy", "final entropy"),
-                     SummaryNumber("answer_length", "completions/mean_length", "final answer length")),
-    alerts=("grpo_entropy_collapse", "grpo_groups_tied", "grpo_length_runaway", "grpo_reward_hacking"),
-    trl_settings=trl_settings,
-    trainer_inputs=trainer_inputs,
-    memory_setup=memory_setup,
-    run_info=run_info,
-    validate=validate,
-    warnings=warnings,
-    preflight=preflight,
-    loss_rows=loss_rows,
-    setup_line=setup_line,
+    report=Report(
+        judged_headline="mean_reward",
+        charts=(
+            Chart("loss.png", "GRPO loss", (
+                Panel("GRPO loss (clipped policy-gradient surrogate + β·KL)", "loss", (Curve("loss", "loss"),),
+                      min_y_span=0.05),)),
+            Chart("rewards.png", "Rewards per judge", (
+                Panel("Reward (the judges' weighted sum)", "reward",
+                      (Curve("reward", "mean over the batch's answers", "#2ca02c"),
+                       Curve("reward_std", "spread (std)", "#9467bd")), min_y_span=0.2),
+                Panel("Train reward, and held-out prompts judged during training", "reward",
+                      (Curve("reward", "train reward", "#2ca02c"),
+                       Curve("judged_reward", "held-out prompts, greedy, --judge", "#d62728")), min_y_span=0.2),
+                Panel("Reward per judge: mean", "reward", (), per_logged_key=("rewards/*/mean", "mean"),
+                      min_y_span=0.2),
+                Panel("Reward per judge: spread (std)", "reward", (), per_logged_key=("rewards/*/std", "std"),
+                      min_y_span=0.2),)),
+            Chart("groups.png", "Groups whose answers all score the same", (
+                Panel("Prompts whose answers all score the same (no advantage: they teach nothing)",
+                      "fraction of prompts", (Curve("frac_reward_zero_std", "tied groups", "#d62728"),),
+                      ylim=(-0.02, 1.04)),)),
+            Chart("policy.png", "KL, entropy and clipping", (
+                Panel("KL to the reference (needs --beta > 0)", "nats / token", (Curve("kl", "KL"),), min_y_span=0.01),
+                Panel("Entropy of the policy on its answers", "nats / token", (Curve("entropy", "entropy", "#ff7f0e"),),
+                      min_y_span=0.1),
+                Panel("Clipped tokens (0 if --num_iterations 1)", "fraction of tokens",
+                      (Curve("clip_ratio/region_mean", "clipped"),), ylim=(-0.02, 1.04)),)),
+            Chart("answers.png", "Answer length", (
+                Panel("Answer length", "tokens", (Curve("completions/mean_length", "mean"),
+                                                  Curve("completions/mean_terminated_length", "mean, ended answers",
+                                                        "#2ca02c")), y_from_zero=True),
+                Panel("Answers cut at --max_completion_length", "fraction of answers",
+                      (Curve("completions/clipped_ratio", "cut"),), ylim=(-0.02, 1.04)),)),
+            Chart("step_time.png", "Where a step's time goes", (
+                Panel("Seconds per step (rank 0)", "seconds",
+                      (Curve("step_time", "step"), Curve("time/generation_s", "sampling", "#ff7f0e"),
+                       Curve("time/judging_s", "judging", "#2ca02c")), y_from_zero=True),)),
+        ),
+        compare_metrics=(
+            Metric("loss", "GRPO loss", "loss"),
+            Metric("reward", "Reward (weighted sum of the judges)", "reward"),
+            Metric("frac_reward_zero_std", "Prompts whose answers all score the same", "fraction of prompts"),
+            Metric("entropy", "Entropy", "nats / token"),
+            Metric("completions/mean_length", "Answer length", "tokens"),
+        ),
+        summary_numbers=(SummaryNumber("reward", "reward", "final reward", headline="reward"),
+                         SummaryNumber("tied_groups", "frac_reward_zero_std", "final share of tied groups",
+                                       percent=True),
+                         SummaryNumber("entropy", "entropy", "final entropy"),
+                         SummaryNumber("answer_length", "completions/mean_length", "final answer length")),
+        alerts=("grpo_entropy_collapse", "grpo_groups_tied", "grpo_length_runaway", "grpo_reward_hacking"),
+        run_info=run_info,
+        loss_rows=loss_rows,
+        setup_line=setup_line,
+    ),
+    advice=Advice(
+        console_keys=("eval_judged_reward", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
+                      "completions/mean_length"),
+        warnings=warnings,
+    ),
 )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from src.config_error import ConfigError
 from src.kto_weights import resolve_kto_weights
-from src.objectives.spec import UNPAIRED, Chart, Curve, Metric, Objective, Panel, SummaryNumber, refuse_batch_rebalance
+from src.objectives.spec import (UNPAIRED, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel, Report,
+                                 SummaryNumber, Training, refuse_batch_rebalance)
 from src.reporting.formatting import format_number
 
 
@@ -82,56 +83,67 @@ OBJECTIVE = Objective(
     help="KTO on unpaired rows (prompt, completion, label; docs/kto.md)",
     data_shape=UNPAIRED,
     example_word="rows",
-    trl_config="trl:KTOConfig",
-    trainer="src.trainers.kto:PreparedKTOTrainer",
-    default_learning_rate=1e-6,
-    default_beta=0.1,  # TRL's KTOConfig default
-    needs_reference=True,
-    sequences_per_example=2,  # the completion and its KL partner
-    sequences_with_grad=1,  # the KL sequence runs without gradients before the step (src/trainers/kto.py)
     causal_lm=True,
     ends_pipeline=True,
-    charts=(
-        Chart("loss.png", "KTO loss", (
-            Panel("KTO loss (1 − σ(β·(log-ratio − KL)), weighted)", "KTO loss", (Curve("loss", "loss"),),
-                  reference_lines=((0.5, "0.5 = policy = reference (weights 1)"),), min_y_span=0.2),)),
-        Chart("rewards.png", "Implicit rewards of desirable and undesirable answers", (
-            Panel("Implicit rewards: desirable vs undesirable", "reward (β·log-ratio, nats)",
-                  (Curve("rewards/chosen", "desirable", "#2ca02c"), Curve("rewards/rejected", "undesirable", "#d62728")),
-                  reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
-        Chart("margins.png", "Reward margin", (
-            Panel("Reward margin (desirable − undesirable)", "margin (β·log-ratio, nats)",
-                  (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no separation"),),
-                  min_y_span=0.5),)),
-        Chart("kl.png", "KL estimate", (
-            Panel("KL estimate (mismatched answers)", "KL (nats)",
-                  (Curve("kl", "KL"),), reference_lines=((0.0, "0 = the reference"),), y_from_zero=True,
-                  min_y_span=0.5),)),
+    training=Training(
+        trl_config="trl:KTOConfig",
+        trainer="src.trainers.kto:PreparedKTOTrainer",
+        default_learning_rate=1e-6,
+        default_beta=0.1,  # TRL's KTOConfig default
+        needs_reference=True,
+        truncates_to_max_length=True,
+        trl_settings=trl_settings,
+        validate=validate,
+        data_settings=data_settings,
+        preflight=preflight,
+        packed_forward=True,  # its reference pass prefix-shared, its step's KL and completion passes padding-free
     ),
-    compare_metrics=(
-        Metric("loss", "KTO loss", "loss", reference=(0.5, "0.5 (policy = reference, weights 1)")),
-        Metric("rewards/chosen", "Implicit rewards: desirable (solid) and undesirable (dashed)", "reward (nats)",
-               second=("rewards/rejected", "undesirable"), first_label="desirable",
-               reference=(0.0, "reference model")),
-        Metric("rewards/margins", "Reward margin (desirable − undesirable)", "margin (nats)", reference=(0.0, "none")),
-        Metric("kl", "KL estimate (mismatched answers)", "KL (nats)", reference=(0.0, "the reference")),
+    memory=MemoryPlan(
+        sequences_per_example=2,  # the completion and its KL partner
+        sequences_with_grad=1,  # the KL sequence runs without gradients before the step (src/trainers/kto.py)
     ),
-    console_keys=("rewards/margins", "kl", "eval_kl"),
-    # unpaired rows: no accuracy; the margin between the two classes' mean rewards, and the KL
-    summary_numbers=(SummaryNumber("reward_margin", "rewards/margins", "final reward margin, desirable − undesirable",
-                                   headline="reward margin (desirable − undesirable)"),
-                     SummaryNumber("kl", "kl", "final KL estimate", headline="KL")),
-    alerts=("kto_kl_runaway", "kto_not_separating"),
-    truncates_to_max_length=True,
-    trl_settings=trl_settings,
-    validate=validate,
-    loss_rows=loss_rows,
-    setup_line=setup_line,
-    data_settings=data_settings,
-    run_info=run_info,
-    preflight=preflight,
-    length_remedy="a higher --beta (stay closer to the reference), or balance the desirable and undesirable "
-                  "completions' lengths in the data",
-    drift_remedy="a higher --beta, a lower --learning_rate or fewer steps",
-    packed_forward=True,  # its reference pass prefix-shared, its step's KL and completion passes padding-free
+    report=Report(
+        charts=(
+            Chart("loss.png", "KTO loss", (
+                Panel("KTO loss (1 − σ(β·(log-ratio − KL)), weighted)", "KTO loss", (Curve("loss", "loss"),),
+                      reference_lines=((0.5, "0.5 = policy = reference (weights 1)"),), min_y_span=0.2),)),
+            Chart("rewards.png", "Implicit rewards of desirable and undesirable answers", (
+                Panel("Implicit rewards: desirable vs undesirable", "reward (β·log-ratio, nats)",
+                      (Curve("rewards/chosen", "desirable", "#2ca02c"),
+                       Curve("rewards/rejected", "undesirable", "#d62728")),
+                      reference_lines=((0.0, "0 = same as the reference model"),), min_y_span=0.5),)),
+            Chart("margins.png", "Reward margin", (
+                Panel("Reward margin (desirable − undesirable)", "margin (β·log-ratio, nats)",
+                      (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no separation"),),
+                      min_y_span=0.5),)),
+            Chart("kl.png", "KL estimate", (
+                Panel("KL estimate (mismatched answers)", "KL (nats)",
+                      (Curve("kl", "KL"),), reference_lines=((0.0, "0 = the reference"),), y_from_zero=True,
+                      min_y_span=0.5),)),
+        ),
+        compare_metrics=(
+            Metric("loss", "KTO loss", "loss", reference=(0.5, "0.5 (policy = reference, weights 1)")),
+            Metric("rewards/chosen", "Implicit rewards: desirable (solid) and undesirable (dashed)", "reward (nats)",
+                   second=("rewards/rejected", "undesirable"), first_label="desirable",
+                   reference=(0.0, "reference model")),
+            Metric("rewards/margins", "Reward margin (desirable − undesirable)", "margin (nats)",
+                   reference=(0.0, "none")),
+            Metric("kl", "KL estimate (mismatched answers)", "KL (nats)", reference=(0.0, "the reference")),
+        ),
+        # unpaired rows: no accuracy; the margin between the two classes' mean rewards, and the KL
+        summary_numbers=(SummaryNumber("reward_margin", "rewards/margins",
+                                       "final reward margin, desirable − undesirable",
+                                       headline="reward margin (desirable − undesirable)"),
+                         SummaryNumber("kl", "kl", "final KL estimate", headline="KL")),
+        alerts=("kto_kl_runaway", "kto_not_separating"),
+        loss_rows=loss_rows,
+        setup_line=setup_line,
+        run_info=run_info,
+    ),
+    advice=Advice(
+        console_keys=("rewards/margins", "kl", "eval_kl"),
+        length_remedy="a higher --beta (stay closer to the reference), or balance the desirable and undesirable "
+                      "completions' lengths in the data",
+        drift_remedy="a higher --beta, a lower --learning_rate or fewer steps",
+    ),
 )

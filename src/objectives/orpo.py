@@ -6,8 +6,9 @@ ORPOTrainer (trl.experimental.orpo; src/trainers/orpo.py). `--stage orpo`, from 
 from __future__ import annotations
 
 from src.config_error import ConfigError
-from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
-                                 SummaryNumber, refuse_batch_rebalance,
+from src.objectives.spec import (REFERENCE_FREE_MEMORY, REFERENCE_FREE_PAIRS, REFERENCE_FREE_REPORT,
+                                 REFERENCE_FREE_TRAINING, REWARD_ACCURACY_CHART, Advice, Chart, Curve, MemoryPlan,
+                                 Metric, Objective, Panel, Report, SummaryNumber, Training, refuse_batch_rebalance,
                                  refuse_reference_flags)
 from src.reporting.formatting import format_number
 
@@ -45,46 +46,57 @@ def setup_line(info: dict) -> str:
 OBJECTIVE = Objective(
     name="orpo",
     help="ORPO on preference pairs: SFT and preference in one stage, no reference model (docs/orpo.md)",
-    trl_config="trl.experimental.orpo:ORPOConfig",
-    trainer="src.trainers.orpo:PreparedORPOTrainer",
     **REFERENCE_FREE_PAIRS,
-    default_beta=DEFAULT_BETA,
     ends_pipeline=False,  # it replaces SFT: it starts from the model SFT would start from
-    charts=(
-        Chart("loss.png", "ORPO loss", (
-            Panel("ORPO loss (NLL of chosen − β·log σ(log odds ratio))", "ORPO loss", (Curve("loss", "loss"),),
-                  min_y_span=0.2),)),
-        Chart("nll.png", "NLL of the chosen answers", (
-            Panel("NLL of the chosen answers (the SFT term)", "nats / token", (Curve("nll_loss", "NLL"),),
-                  min_y_span=0.2),)),
-        Chart("odds_ratio.png", "Odds-ratio term", (
-            Panel("Log odds ratio, chosen vs rejected (the preference term: β·log σ of it)", "log odds ratio",
-                  (Curve("log_odds_ratio", "log σ(log odds ratio)", "#9467bd"),
-                   Curve("log_odds_chosen", "log odds ratio", "#2ca02c")),
-                  reference_lines=((0.0, "0 = no preference"),), min_y_span=0.5),)),
-        REWARD_ACCURACY_CHART,
+    training=Training(
+        trl_config="trl.experimental.orpo:ORPOConfig",
+        trainer="src.trainers.orpo:PreparedORPOTrainer",
+        **REFERENCE_FREE_TRAINING,
+        default_beta=DEFAULT_BETA,
+        trl_settings=trl_settings,
+        validate=validate,
+        preflight=refuse_batch_rebalance,
     ),
-    compare_metrics=(
-        Metric("loss", "ORPO loss", "loss"),
-        Metric("nll_loss", "NLL of the chosen answers", "nats / token"),
-        Metric("log_odds_chosen", "Log odds ratio (chosen vs rejected)", "log odds ratio", reference=(0.0, "none")),
-        Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance")),
+    memory=MemoryPlan(**REFERENCE_FREE_MEMORY),
+    report=Report(
+        **REFERENCE_FREE_REPORT,
+        charts=(
+            Chart("loss.png", "ORPO loss", (
+                Panel("ORPO loss (NLL of chosen − β·log σ(log odds ratio))", "ORPO loss", (Curve("loss", "loss"),),
+                      min_y_span=0.2),)),
+            Chart("nll.png", "NLL of the chosen answers", (
+                Panel("NLL of the chosen answers (the SFT term)", "nats / token", (Curve("nll_loss", "NLL"),),
+                      min_y_span=0.2),)),
+            Chart("odds_ratio.png", "Odds-ratio term", (
+                Panel("Log odds ratio, chosen vs rejected (the preference term: β·log σ of it)", "log odds ratio",
+                      (Curve("log_odds_ratio", "log σ(log odds ratio)", "#9467bd"),
+                       Curve("log_odds_chosen", "log odds ratio", "#2ca02c")),
+                      reference_lines=((0.0, "0 = no preference"),), min_y_span=0.5),)),
+            REWARD_ACCURACY_CHART,
+        ),
+        compare_metrics=(
+            Metric("loss", "ORPO loss", "loss"),
+            Metric("nll_loss", "NLL of the chosen answers", "nats / token"),
+            Metric("log_odds_chosen", "Log odds ratio (chosen vs rejected)", "log odds ratio", reference=(0.0, "none")),
+            Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance")),
+        ),
+        summary_numbers=(SummaryNumber("nll", "nll_loss", "final NLL of the chosen answers", headline="NLL"),
+                         SummaryNumber("log_odds", "log_odds_chosen", "final log odds ratio",
+                                       headline="log odds ratio"),
+                         SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
+                                       headline="reward accuracy")),
+        run_info=run_info,
+        loss_rows=loss_rows,
+        setup_line=setup_line,
     ),
-    console_keys=("nll_loss", "log_odds_chosen", "rewards/accuracies", "eval_rewards/accuracies"),
-    summary_numbers=(SummaryNumber("nll", "nll_loss", "final NLL of the chosen answers", headline="NLL"),
-                     SummaryNumber("log_odds", "log_odds_chosen", "final log odds ratio", headline="log odds ratio"),
-                     SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
-                                   headline="reward accuracy")),
-    trl_settings=trl_settings,
-    run_info=run_info,
-    validate=validate,
-    preflight=refuse_batch_rebalance,
-    length_remedy="ORPO's odds ratio already compares average log-probabilities per token (length-normalised): if "
-                  "the answers still drift, balance the chosen and rejected answers' lengths in the data, or a lower "
-                  "--beta (a weaker odds-ratio term)",
-    # its loss already holds the NLL term on the chosen answers: a lower --beta weighs it more against the odds ratio
-    drift_remedy="a lower --learning_rate or fewer steps, or a lower --beta (its NLL term on the chosen answers then "
-                 "weighs more against the odds-ratio term)",
-    loss_rows=loss_rows,
-    setup_line=setup_line,
+    advice=Advice(
+        console_keys=("nll_loss", "log_odds_chosen", "rewards/accuracies", "eval_rewards/accuracies"),
+        length_remedy="ORPO's odds ratio already compares average log-probabilities per token (length-normalised): if "
+                      "the answers still drift, balance the chosen and rejected answers' lengths in the data, or a "
+                      "lower --beta (a weaker odds-ratio term)",
+        # its loss already holds the NLL term on the chosen answers: a lower --beta weighs it more against the odds
+        # ratio
+        drift_remedy="a lower --learning_rate or fewer steps, or a lower --beta (its NLL term on the chosen answers "
+                     "then weighs more against the odds-ratio term)",
+    ),
 )

@@ -3,7 +3,8 @@ the first stage of every `sft_then_<name>` pipeline."""
 
 from __future__ import annotations
 
-from src.objectives.spec import SEQUENCES, Chart, Curve, Metric, Objective, Panel, SummaryNumber
+from src.objectives.spec import (SEQUENCES, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel, Report,
+                                 SummaryNumber, Training)
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
@@ -24,29 +25,37 @@ OBJECTIVE = Objective(
     help="supervised fine-tuning on answers to imitate",
     data_shape=SEQUENCES,
     example_word="sequences",
-    trl_config="trl:SFTConfig",
-    trainer="src.trainers.sft:ToolkitSFTTrainer",
-    default_learning_rate=2e-5,
-    needs_reference=False,
-    sequences_per_example=1,
-    sequences_with_grad=1,
     causal_lm=True,
     ends_pipeline=False,
-    charts=(
-        Chart("loss.png", "SFT loss", (
-            Panel("SFT loss (cross-entropy on completion tokens)", "loss (nats/token)", (Curve("loss", "loss"),),
-                  min_y_span=0.2),)),
-        Chart("token_accuracy.png", "Next-token accuracy", (
-            Panel("Next-token accuracy on completion tokens", "accuracy (fraction of tokens)",
-                  (Curve("mean_token_accuracy", "token accuracy"),), ylim=(-0.02, 1.04)),)),
-    ),
-    compare_metrics=(
-        Metric("loss", "SFT loss", "loss (nats/token)"),
-        Metric("mean_token_accuracy", "Next-token accuracy", "fraction of tokens"),
-    ),
-    console_keys=("mean_token_accuracy", "eval_mean_token_accuracy"),
-    summary_numbers=(SummaryNumber("token_accuracy", "mean_token_accuracy", "final token accuracy", percent=True),),
-    alerts=("sft_not_decreasing",),
     embedded_data="sft",
-    trl_settings=trl_settings,
+    training=Training(
+        trl_config="trl:SFTConfig",
+        trainer="src.trainers.sft:ToolkitSFTTrainer",
+        default_learning_rate=2e-5,
+        needs_reference=False,
+        trl_settings=trl_settings,
+    ),
+    memory=MemoryPlan(
+        sequences_per_example=1,
+        sequences_with_grad=1,
+    ),
+    report=Report(
+        charts=(
+            Chart("loss.png", "SFT loss", (
+                Panel("SFT loss (cross-entropy on completion tokens)", "loss (nats/token)", (Curve("loss", "loss"),),
+                      min_y_span=0.2),)),
+            Chart("token_accuracy.png", "Next-token accuracy", (
+                Panel("Next-token accuracy on completion tokens", "accuracy (fraction of tokens)",
+                      (Curve("mean_token_accuracy", "token accuracy"),), ylim=(-0.02, 1.04)),)),
+        ),
+        compare_metrics=(
+            Metric("loss", "SFT loss", "loss (nats/token)"),
+            Metric("mean_token_accuracy", "Next-token accuracy", "fraction of tokens"),
+        ),
+        summary_numbers=(SummaryNumber("token_accuracy", "mean_token_accuracy", "final token accuracy", percent=True),),
+        alerts=("sft_not_decreasing",),
+    ),
+    advice=Advice(
+        console_keys=("mean_token_accuracy", "eval_mean_token_accuracy"),
+    ),
 )

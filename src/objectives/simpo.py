@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 from src.config_error import ConfigError
-from src.objectives.spec import (REFERENCE_FREE_PAIRS, REWARD_ACCURACY_CHART, Chart, Curve, Metric, Objective, Panel,
-                                 SummaryNumber, refuse_batch_rebalance,
+from src.objectives.spec import (REFERENCE_FREE_MEMORY, REFERENCE_FREE_PAIRS, REFERENCE_FREE_REPORT,
+                                 REFERENCE_FREE_TRAINING, REWARD_ACCURACY_CHART, Advice, Chart, Curve, MemoryPlan,
+                                 Metric, Objective, Panel, Report, SummaryNumber, Training, refuse_batch_rebalance,
                                  refuse_reference_flags)
 from src.reporting.formatting import format_number
 
@@ -73,49 +74,60 @@ def setup_line(info: dict) -> str:
 OBJECTIVE = Objective(
     name="simpo",
     help="SimPO on preference pairs, no reference model (docs/simpo.md)",
-    trl_config="trl.experimental.cpo:CPOConfig",
-    trainer="src.trainers.simpo:PreparedSimPOTrainer",
     **REFERENCE_FREE_PAIRS,
-    default_beta=DEFAULT_BETA,
     ends_pipeline=True,
-    charts=(
-        Chart("loss.png", "SimPO loss", (
-            Panel("SimPO loss (−log σ(β·(avg log p chosen − avg log p rejected) − γ))", "SimPO loss",
-                  (Curve("loss", "loss"),), min_y_span=0.2),)),
-        Chart("rewards.png", "Rewards of chosen and rejected answers", (
-            Panel("Rewards: β × average log-probability per token", "reward (β·nats/token)",
-                  (Curve("rewards/chosen", "chosen", "#2ca02c"), Curve("rewards/rejected", "rejected", "#d62728")),
-                  min_y_span=0.5),)),
-        Chart("margins.png", "Reward margin against the target gamma", (
-            Panel("Reward margin (chosen − rejected) and its target γ", "margin (β·nats/token)",
-                  (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
-                  info_lines=(("simpo_gamma", "γ = target margin"),), min_y_span=0.5),)),
-        REWARD_ACCURACY_CHART,
-    ),
-    compare_metrics=(
-        Metric("loss", "SimPO loss", "loss"),
-        Metric("rewards/chosen", "Rewards: chosen (solid) and rejected (dashed)", "reward (β·nats/token)",
-               second=("rewards/rejected", "rejected"), first_label="chosen"),
-        Metric("rewards/margins", "Reward margin (chosen − rejected)", "margin (β·nats/token)", reference=(0.0, "none")),
-        Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance")),
-    ),
-    console_keys=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"),
-    summary_numbers=(SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
-                                   headline="reward accuracy"),
-                     SummaryNumber("reward_margin", "rewards/margins", "final reward margin", headline="margin")),
-    trl_settings=trl_settings,
-    run_info=run_info,
-    validate=validate,
-    warnings=warnings,
-    preflight=refuse_batch_rebalance,
-    length_remedy="SimPO's reward is already length-normalised (the average log-probability per token, which its "
-                  "paper found curbs length exploitation): if the answers still drift, balance the chosen and rejected "
-                  "answers' lengths in the data",
-    # TRL's SimPO loss takes label smoothing (conservative, as cDPO's); CPO's NLL term is its SFT term (CPO-SimPO)
-    label_noise_flags="--label_smoothing {smoothing}",
-    sft_term="add CPO's NLL term on the chosen answers (--cpo_alpha > 0: CPO-SimPO)",
-    drift_remedy="a lower --learning_rate or fewer steps, or CPO's NLL term on the chosen answers (--cpo_alpha > 0)",
     title="SimPO",
-    loss_rows=loss_rows,
-    setup_line=setup_line,
+    training=Training(
+        trl_config="trl.experimental.cpo:CPOConfig",
+        trainer="src.trainers.simpo:PreparedSimPOTrainer",
+        **REFERENCE_FREE_TRAINING,
+        default_beta=DEFAULT_BETA,
+        trl_settings=trl_settings,
+        validate=validate,
+        preflight=refuse_batch_rebalance,
+    ),
+    memory=MemoryPlan(**REFERENCE_FREE_MEMORY),
+    report=Report(
+        **REFERENCE_FREE_REPORT,
+        charts=(
+            Chart("loss.png", "SimPO loss", (
+                Panel("SimPO loss (−log σ(β·(avg log p chosen − avg log p rejected) − γ))", "SimPO loss",
+                      (Curve("loss", "loss"),), min_y_span=0.2),)),
+            Chart("rewards.png", "Rewards of chosen and rejected answers", (
+                Panel("Rewards: β × average log-probability per token", "reward (β·nats/token)",
+                      (Curve("rewards/chosen", "chosen", "#2ca02c"), Curve("rewards/rejected", "rejected", "#d62728")),
+                      min_y_span=0.5),)),
+            Chart("margins.png", "Reward margin against the target gamma", (
+                Panel("Reward margin (chosen − rejected) and its target γ", "margin (β·nats/token)",
+                      (Curve("rewards/margins", "margin", "#9467bd"),), reference_lines=((0.0, "no preference"),),
+                      info_lines=(("simpo_gamma", "γ = target margin"),), min_y_span=0.5),)),
+            REWARD_ACCURACY_CHART,
+        ),
+        compare_metrics=(
+            Metric("loss", "SimPO loss", "loss"),
+            Metric("rewards/chosen", "Rewards: chosen (solid) and rejected (dashed)", "reward (β·nats/token)",
+                   second=("rewards/rejected", "rejected"), first_label="chosen"),
+            Metric("rewards/margins", "Reward margin (chosen − rejected)", "margin (β·nats/token)",
+                   reference=(0.0, "none")),
+            Metric("rewards/accuracies", "Reward accuracy", "fraction of pairs", reference=(0.5, "chance")),
+        ),
+        summary_numbers=(SummaryNumber("reward_accuracy", "rewards/accuracies", "final reward accuracy", percent=True,
+                                       headline="reward accuracy"),
+                         SummaryNumber("reward_margin", "rewards/margins", "final reward margin", headline="margin")),
+        run_info=run_info,
+        loss_rows=loss_rows,
+        setup_line=setup_line,
+    ),
+    advice=Advice(
+        console_keys=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"),
+        warnings=warnings,
+        length_remedy="SimPO's reward is already length-normalised (the average log-probability per token, which its "
+                      "paper found curbs length exploitation): if the answers still drift, balance the chosen and "
+                      "rejected answers' lengths in the data",
+        # TRL's SimPO loss takes label smoothing (conservative, as cDPO's); CPO's NLL term is its SFT term (CPO-SimPO)
+        label_noise_flags="--label_smoothing {smoothing}",
+        sft_term="add CPO's NLL term on the chosen answers (--cpo_alpha > 0: CPO-SimPO)",
+        drift_remedy="a lower --learning_rate or fewer steps, or CPO's NLL term on the chosen answers (--cpo_alpha > "
+                     "0)",
+    ),
 )

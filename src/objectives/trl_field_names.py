@@ -34,7 +34,7 @@ def live_field_names(path: str) -> frozenset[str]:
 
 def write() -> None:
     """The table from the installed TRL: the names every config shares (TrainingArguments') once, each config's own."""
-    paths = sorted({row.trl_config for row in OBJECTIVES.values()})
+    paths = sorted({row.training.trl_config for row in OBJECTIVES.values()})
     names = {path: live_field_names(path) for path in paths}
     shared = frozenset.intersection(*names.values())
     table = {"shared": sorted(shared), "configs": {path: sorted(names[path] - shared) for path in paths}}

@@ -447,7 +447,7 @@ def detect_alerts(metrics: list[dict], stage: str, info: dict | None = None) -> 
     """All health alerts for a metric history of `stage`: every stage's checks and the ones its objective's row names
     (src/objectives/), errors first. `info`: the run's training_info.json, for the checks that also read it (none run
     without it)."""
-    checks = list(EVERY_STAGE) + [CHECKS[name] for name in objective(stage).alerts if name in CHECKS]
+    checks = list(EVERY_STAGE) + [CHECKS[name] for name in objective(stage).report.alerts if name in CHECKS]
     checks = [check for check in checks if check not in READS_INFO or info is not None]
     alerts = [alert for check in checks
               if (alert := check(metrics, info) if check in READS_INFO else check(metrics)) is not None]

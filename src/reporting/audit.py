@@ -26,6 +26,12 @@ def _count_share(count, share) -> str:
     return f"{format_number(count)} ({format_percent(share)})" if count is not None else "n/a"
 
 
+def _per_split_table(headers: list[str], names: list[str], columns: list[list[str]]) -> list[str]:
+    """A table with a row per measure (`names`) and a column per split (`columns`, in `headers`' order)."""
+    return table_lines(["", *headers], [[name, *(column[index] for column in columns)]
+                                        for index, name in enumerate(names)])
+
+
 def _prompts_data_table(audit: dict, kinds: list[str]) -> list[str]:
     """Prompts alone (the answers are sampled as it trains): how many, repeats, lengths, held-out ones seen in train."""
     names = ["prompts", "distinct prompts", "duplicate rows", "empty prompts (dropped)",
@@ -36,7 +42,7 @@ def _prompts_data_table(audit: dict, kinds: list[str]) -> list[str]:
              _tokens(item.get("prompt_tokens")),
              "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))]
             for kind, item in ((kind, audit[kind]) for kind in kinds)]
-    return table_lines(["", *kinds], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
+    return _per_split_table(kinds, names, rows)
 
 
 def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> list[str]:
@@ -50,63 +56,75 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
         return _kto_data_table(audit, kinds) + _reasoning_lines(audit.get("train") or {})
     if shape == PROMPTS:
         return _prompts_data_table(audit, kinds)
-    rows = []
     preference = shape != SEQUENCES
-    names = (["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
-              "prompts over --max_length (dropped)", "chosen tokens: mean / median / p95",
-              "rejected tokens: mean / median / p95", "chosen longer / shorter / equal", "pairs cut by --max_length",
-              "chosen cut by --max_length", "rejected cut by --max_length", "answers' shared start: median", "near-identical pairs (> 80%)",
-              "prompts also in train"] if preference else
-             ["rows", "distinct prompts", "duplicate rows", "empty answers (dropped)", "rows with nothing to learn "
-              "after --max_length (dropped)", "tokens: mean / median / p95", "cut by --max_length"])
-    for kind in kinds:
-        item = audit[kind]
-        if preference:
-            column = [format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
-                      _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
-                      _count_share(item.get("identical_pairs"), item.get("identical_share")),
-                      format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
-                      _tokens(item.get("chosen_tokens")), _tokens(item.get("rejected_tokens")),
-                      " / ".join(format_percent(item.get(key)) for key in
-                                 ("chosen_longer_share", "chosen_shorter_share", "equal_length_share")),
-                      format_percent(item.get("truncated_share")), format_percent(item.get("chosen_truncated_share")),
-                      format_percent(item.get("rejected_truncated_share")),
-                      format_percent(item.get("overlap_median")), format_percent(item.get("near_identical_share")),
-                      "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))]
-        else:
-            column = [format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
-                      _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
-                      format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
-                      _tokens(item.get("sequence_tokens")), format_percent(item.get("truncated_share"))]
-        rows.append(column)
-    # A run from prompts alone: its held-out splits are prompts, audited as such (count, repeats, overlap with train)
-    headers = [f"{kind} (prompts)" if preference and "prompt_tokens" in audit[kind] and "chosen_tokens" not in
-               audit[kind] else kind for kind in kinds]
-    lines = table_lines(["", *headers], [[name, *(row[index] for row in rows)] for index, name in enumerate(names)])
+    lines = _pairs_data_table(audit, kinds) if preference else _sequences_data_table(audit, kinds)
     train = audit.get("train") or {}
     lines += _reasoning_lines(train)
     if preference:
-        lines += [""]
-        if train.get("reference_agreement") is not None:
-            margin = train.get("reference_margin") or {}
-            lines.append(f"**Reference model:** ranks {format_percent(train['reference_agreement'])} of "
-                         f"{format_number(train.get('reference_pairs'))} training pairs the labels' way by summed "
-                         f"log-probs, {format_percent(train.get('reference_agreement_per_token'))} per token; margin "
-                         f"(chosen − rejected log-prob) median {format_number(margin.get('median'), 3)}, 5–95% "
-                         f"{format_number(margin.get('p5'), 3)} … {format_number(margin.get('p95'), 3)}.")
-        else:
-            lines.append(f"**Reference model:** {objective(stage).reference_unmeasured}")
-        if train.get("judge_inverted_share") is not None:
-            lines.append(f"**Judge ({train.get('judge')}):** of {format_number(train.get('judged_pairs'))} training "
-                         f"pairs, ranks {format_percent(train['judge_inverted_share'])} the other way (listed in "
-                         f"[`{train.get('inverted_pairs_file')}`]({train.get('inverted_pairs_file')})) and ties "
-                         f"{format_percent(train.get('judge_tie_share'))}.")
-        else:
-            lines.append("**Judge:** none for this data (`--judge`: the embedded check, a reward model, or "
-                         "`module:function`).")
+        lines += ["", _reference_line(train, stage), _judge_line(train)]
     if plot is not None:
         lines += ["", f"![chosen vs rejected length, reference margin]({plot.relative_to(run_dir).as_posix()})"]
     return lines
+
+
+def _pairs_data_table(audit: dict, kinds: list[str]) -> list[str]:
+    """Pairs per split: how many, repeats, drops, lengths, which side is longer, truncation, shared starts, held-out
+    prompts seen in train."""
+    names = ["pairs", "distinct prompts", "duplicate rows", "chosen == rejected (dropped)", "empty answers (dropped)",
+             "prompts over --max_length (dropped)", "chosen tokens: mean / median / p95",
+             "rejected tokens: mean / median / p95", "chosen longer / shorter / equal", "pairs cut by --max_length",
+             "chosen cut by --max_length", "rejected cut by --max_length", "answers' shared start: median",
+             "near-identical pairs (> 80%)", "prompts also in train"]
+    rows = [[format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
+             _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
+             _count_share(item.get("identical_pairs"), item.get("identical_share")),
+             format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
+             _tokens(item.get("chosen_tokens")), _tokens(item.get("rejected_tokens")),
+             " / ".join(format_percent(item.get(key)) for key in
+                        ("chosen_longer_share", "chosen_shorter_share", "equal_length_share")),
+             format_percent(item.get("truncated_share")), format_percent(item.get("chosen_truncated_share")),
+             format_percent(item.get("rejected_truncated_share")),
+             format_percent(item.get("overlap_median")), format_percent(item.get("near_identical_share")),
+             "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))]
+            for kind, item in ((kind, audit[kind]) for kind in kinds)]
+    # A run from prompts alone: its held-out splits are prompts, audited as such (count, repeats, overlap with train)
+    headers = [f"{kind} (prompts)" if "prompt_tokens" in audit[kind] and "chosen_tokens" not in audit[kind] else kind
+               for kind in kinds]
+    return _per_split_table(headers, names, rows)
+
+
+def _sequences_data_table(audit: dict, kinds: list[str]) -> list[str]:
+    """SFT's sequences per split: how many, repeats, drops, lengths, truncation."""
+    names = ["rows", "distinct prompts", "duplicate rows", "empty answers (dropped)", "rows with nothing to learn "
+             "after --max_length (dropped)", "tokens: mean / median / p95", "cut by --max_length"]
+    rows = [[format_number(item.get("pairs")), format_number(item.get("distinct_prompts")),
+             _count_share(item.get("duplicate_pairs"), item.get("duplicate_share")),
+             format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
+             _tokens(item.get("sequence_tokens")), format_percent(item.get("truncated_share"))]
+            for item in (audit[kind] for kind in kinds)]
+    return _per_split_table(kinds, names, rows)
+
+
+def _reference_line(train: dict, stage: str) -> str:
+    """How the reference model ranks the training pairs before training (or why it was not measured)."""
+    if train.get("reference_agreement") is None:
+        return f"**Reference model:** {objective(stage).report.reference_unmeasured}"
+    margin = train.get("reference_margin") or {}
+    return (f"**Reference model:** ranks {format_percent(train['reference_agreement'])} of "
+            f"{format_number(train.get('reference_pairs'))} training pairs the labels' way by summed "
+            f"log-probs, {format_percent(train.get('reference_agreement_per_token'))} per token; margin "
+            f"(chosen − rejected log-prob) median {format_number(margin.get('median'), 3)}, 5–95% "
+            f"{format_number(margin.get('p5'), 3)} … {format_number(margin.get('p95'), 3)}.")
+
+
+def _judge_line(train: dict) -> str:
+    """What a judge makes of the training pairs: the share it ranks the other way and its ties (or that none ran)."""
+    if train.get("judge_inverted_share") is None:
+        return "**Judge:** none for this data (`--judge`: the embedded check, a reward model, or `module:function`)."
+    return (f"**Judge ({train.get('judge')}):** of {format_number(train.get('judged_pairs'))} training "
+            f"pairs, ranks {format_percent(train['judge_inverted_share'])} the other way (listed in "
+            f"[`{train.get('inverted_pairs_file')}`]({train.get('inverted_pairs_file')})) and ties "
+            f"{format_percent(train.get('judge_tie_share'))}.")
 
 
 def _reasoning_lines(train: dict) -> list[str]:
@@ -147,8 +165,7 @@ def _kto_data_table(audit: dict, kinds: list[str]) -> list[str]:
             format_number(item.get("empty_answers")), format_number(item.get("prompts_dropped")),
             _tokens(item.get("completion_tokens")), format_percent(item.get("truncated_share")),
             "—" if kind == "train" else format_percent(item.get("prompts_in_train_share"))])
-    return table_lines(["", *kinds], [[name, *(column[index] for column in columns)]
-                                      for index, name in enumerate(names)])
+    return _per_split_table(kinds, names, columns)
 
 
 def answers_section(answers: dict) -> list[str]:
@@ -193,8 +210,7 @@ def answers_section(answers: dict) -> list[str]:
                        f"{errors['before']} → {errors['after']}",
                        f"{_fixed(item.get('tool_turns_per_answer_before'), 2)} → "
                        f"{_fixed(item.get('tool_turns_per_answer_after'), 2)}"]
-    lines = table_lines(["", *splits], [[name, *(column[index] for column in columns)]
-                                        for index, name in enumerate(names)])
+    lines = _per_split_table(splits, names, columns)
     judged = (answers.get("test") or answers[splits[0]]).get("judged_by_length")
     if judged:
         parts = [f"{name.replace('_', ' ')}: {format_number(group['n'])} answers, mean judged change "

@@ -182,9 +182,9 @@ def plot_metric(runs: list[Run], metric: Metric, x_label: str, scale: dict[str, 
     if not drew:
         return False
     # ln 2 is where sigmoid DPO starts; a run with another or a combined loss starts elsewhere.
-    combined = [run for run in runs if objective(run.stage).combined_loss]
+    combined = [run for run in runs if objective(run.stage).report.combined_loss]
     plain = all(dpo_loss_terms(*dpo_loss_config(run.info)) == [("sigmoid", 1)] for run in combined)
-    if metric.reference and (plain or metric.key != "loss" or not objective(runs[0].stage).combined_loss):
+    if metric.reference and (plain or metric.key != "loss" or not objective(runs[0].stage).report.combined_loss):
         ax.axhline(metric.reference[0], color="gray", linestyle=":", linewidth=1.2, label=metric.reference[1])
     ax.set_title(metric.title, fontsize=12, fontweight="bold", loc="left")
     ax.set_title("lines: train (smoothed, raw faint)   " + ("◆ ▼: eval" if metric.second else "◆: eval"),
@@ -333,7 +333,7 @@ def _section(runs: list[Run], page_dir: Path, prefix: str) -> list[str]:
                 + (f", {runs[0].global_batch}" if runs[0].global_batch else "") + ")." if scale[runs[0].name] == 1.0
                 else f"**{x_label.split(' (')[0]}** (step × global batch), because the global batches differ ("
                 + ", ".join(f"{run.name}: {run.global_batch}" for run in runs) + ")."), ""]
-    for metric in objective(runs[0].stage).compare_metrics:
+    for metric in objective(runs[0].stage).report.compare_metrics:
         filename = f"{prefix}{re.sub(r'[^a-z0-9]+', '_', metric.key.lower())}.png"
         if plot_metric(runs, metric, x_label, scale, page_dir / filename):
             lines += [f"![{metric.title}]({filename})", ""]

@@ -63,7 +63,7 @@ def key_settings(info: dict) -> str:
         parts.append(f"batch {info['global_batch_size']}")
     if info.get("learning_rate") is not None:
         parts.append(f"lr {format_number(info['learning_rate'], 3)}")
-    if info.get("stage") in OBJECTIVES and objective(info["stage"]).loss_rows:  # an objective with a beta and a loss
+    if info.get("stage") in OBJECTIVES and objective(info["stage"]).report.loss_rows:  # an objective with a beta and a loss
         loss = info.get("loss_type") or config.get("loss_type")
         parts.append(f"β {format_number(info.get('beta', config.get('beta')), 3)}"
                      + (f" {'+'.join(loss) if isinstance(loss, list) else loss}" if loss else ""))

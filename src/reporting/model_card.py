@@ -51,7 +51,7 @@ def _method_table(info: dict, merged: bool) -> list[str]:
     previous = (info.get("previous_stage") or {}).get("stage")
     name = display_name(stage)
     rows = [["stage", f"{display_name(previous)} then {name} (this model is after {name})" if previous else name]]
-    loss_rows = objective(stage).loss_rows if stage in OBJECTIVES else None
+    loss_rows = objective(stage).report.loss_rows if stage in OBJECTIVES else None
     if loss_rows:  # the objective's loss settings (beta, loss type, weights), as its row words them
         rows += [list(row) for row in loss_rows(info)]
     if info.get("use_lora"):
@@ -83,13 +83,13 @@ def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: 
         ["qlora"] if info.get("load_in_4bit") else [])
     metadata = ModelCardData(base_model=_hub_id(base), datasets=[_hub_id(dataset)] if _hub_id(dataset) else None,
                              library_name="peft" if adapter else "transformers", tags=tags,
-                             pipeline_tag=row.hub_pipeline_tag)
+                             pipeline_tag=row.report.hub_pipeline_tag)
     title = repo_id or info.get("run_name") or run_dir.name
     what = ("a LoRA adapter: load it on top of the base model" if adapter else
             "the LoRA adapter merged into the base weights: a full model" if merged else "a full model")
     judged_lines, judged_sentence = judged_section(info, run_dir)
     # A reward model is a one-output sequence classifier; its adapter loads only onto a base built with num_labels=1.
-    head = row.auto_class
+    head = row.report.auto_class
     load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
     load_args = ", num_labels=1" if not row.causal_lm and adapter else ""
     lines = [f"---\n{metadata.to_yaml()}\n---", "", f"# {title}", "",

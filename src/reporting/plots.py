@@ -41,7 +41,7 @@ _THROUGHPUT = Chart("throughput.png", "Throughput and memory", (
 ))
 
 # Each objective's charts (its row: src/objectives/), then the learning-rate and throughput charts every stage has.
-CHARTS = {name: row.charts + (_LR_GRAD, _THROUGHPUT) for name, row in OBJECTIVES.items()}
+CHARTS = {name: row.report.charts + (_LR_GRAD, _THROUGHPUT) for name, row in OBJECTIVES.items()}
 
 
 def smooth(values: list[float], span: int) -> list[float]:
@@ -248,7 +248,7 @@ def dpo_loss_chart(loss_type, loss_weights=None, plain: Chart | None = None) -> 
     combined loss (e.g. sigmoid + 0.4 x sft, RPO) or another loss type starts elsewhere, so the line would read as a
     problem that is not there: the title names the terms instead."""
     if dpo_loss_terms(loss_type, loss_weights) == [("sigmoid", 1)]:
-        return plain or next(row.charts[0] for row in OBJECTIVES.values() if row.combined_loss)
+        return plain or next(row.report.charts[0] for row in OBJECTIVES.values() if row.report.combined_loss)
     terms = describe_dpo_loss(loss_type, loss_weights)
     return Chart("loss.png", f"DPO loss ({terms})", (
         Panel(f"DPO loss: {terms}", "loss", (Curve("loss", "loss"),), min_y_span=0.2),))
@@ -262,7 +262,7 @@ def plot_history(metrics: list[dict], stage: str, out_dir: str | Path, loss_type
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     charts = CHARTS[stage]
-    if objective(stage).combined_loss and loss_type is not None:
+    if objective(stage).report.combined_loss and loss_type is not None:
         charts = (dpo_loss_chart(loss_type, loss_weights, charts[0]),) + charts[1:]
     charts = tuple(with_info_lines(chart, info or {}) for chart in charts)
     for chart in charts:

@@ -141,7 +141,7 @@ def judge_results(info: dict) -> dict[str, dict]:
 def headline_measure(result: dict, stage: str) -> tuple[str, float | None, float | None]:
     """(measure, before, after) a judged split's result leads with for `stage`: its objective's `judged_headline`
     detail where the judge recorded it (GRPO: the held-out mean of the reward it trains on), else the judge's metric."""
-    wanted = objective(stage).judged_headline
+    wanted = objective(stage).report.judged_headline
     detail = (result.get("details") or {}).get(wanted) if wanted else None
     if isinstance(detail, dict):
         return wanted, detail.get("before"), detail.get("after")
@@ -327,7 +327,7 @@ def final_numbers_table(summary: dict, info: dict, running: bool = False) -> lis
          "n/a (no eval)" if best is None else f"{format_number(best)} at step {summary.get('best_eval_step')}"],
         ["final eval loss", format_number(summary.get("final_eval_loss"))],
     ]
-    for number in objective(stage).summary_numbers:
+    for number in objective(stage).report.summary_numbers:
         write = format_percent if number.percent else format_number
         rows.append([f"{number.label} (train / eval)", f"{write(summary.get(f'final_{number.name}_train'))} / "
                                                        f"{write(summary.get(f'final_{number.name}_eval'))}"])
@@ -364,8 +364,8 @@ def setup_table(info: dict) -> list[str]:
     else:
         learning_rate = f"{format_number(get('learning_rate'))} (not scaled)"
     rows.append(["learning rate", learning_rate])
-    if row.setup_line:  # the objective's loss settings (beta, loss, weights)
-        rows.append([row.display_name, row.setup_line(info)])
+    if row.report.setup_line:  # the objective's loss settings (beta, loss, weights)
+        rows.append([row.display_name, row.report.setup_line(info)])
     forward = get(FORWARD) or get(OLD_FORWARD)  # an older run's name for it
     if forward:
         rows.append([f"{row.display_name} forward", _forward(forward)])
@@ -436,7 +436,7 @@ def _headline(info: dict, summary: dict, judged_sentence: str | None, alerts: li
               running: bool = False) -> str:
     name = info.get("stage") or summary.get("stage") or ""
     stage = display_name(name) if name else ""
-    numbers = [number for number in objective(name or infer_stage([])).summary_numbers if number.headline]
+    numbers = [number for number in objective(name or infer_stage([])).report.summary_numbers if number.headline]
     final = "latest" if running else "final"
     parts = []
     if judged_sentence:

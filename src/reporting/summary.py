@@ -91,7 +91,7 @@ def summarize(metrics: list[dict], stage: str) -> dict:
         "wall_time_s": wall_time if wall_time is not None else (times[-1] if times else None),
         "peak_memory_mb": max(peak_memory) if peak_memory else None,
     }
-    for number in objective(stage).summary_numbers:  # the objective's own final numbers (its row's summary_numbers)
+    for number in objective(stage).report.summary_numbers:  # the objective's own final numbers (its row's summary_numbers)
         summary[f"final_{number.name}_train"] = _last(metrics, number.metric)
         summary[f"final_{number.name}_eval"] = _last(metrics, f"eval_{number.metric}")
     return summary

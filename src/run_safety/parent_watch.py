@@ -94,7 +94,7 @@ def exit_without_teardown(code: int) -> None:
     """Exit with `code` once the exit handlers have run, skipping the interpreter's teardown: after a clean stop
     whose launcher is gone, that teardown (the collection of every object the job built) kept the tiny test job
     alive 6-8 s longer on a loaded machine, and a real job would hold its devices that long. Every worker torchrun
-    started ends this way (src/main_distributed.py main). Files are written with `with` blocks (run_files), so no
+    started ends this way (src/pipeline/exits.py process_exit). Files are written with `with` blocks (run_files), so no
     buffer is left unflushed; atexit handlers (logging, trackers, temporary directories) run first."""
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -27,15 +27,15 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     `trainer_inputs`: what the row's `trainer_inputs` gives its trainer (GRPO's: the judges its reward functions are
     made of)."""
     row = objective(stage)
-    trainer_class = load(row.trainer)
+    trainer_class = load(row.training.trainer)
     sequences = row.data_shape == SEQUENCES
     extra = {"truncate_to": truncate_to} if sequences else {"ref_model": ref_model} if ref_model is not None else {}
-    reference_forward = row.needs_reference and not trl_config.precompute_ref_log_probs and peft_config is None
+    reference_forward = row.training.needs_reference and not trl_config.precompute_ref_log_probs and peft_config is None
     # A trainer with its own forward (the packed one, src/packed_dpo.py) says how it is built: `forward_for(model, ...)`.
     forward_for = getattr(trainer_class, "forward_for", None)
     forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo, packed_attention) if forward_for else {}
     meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
-                            _device_name(plan.device), sequences_per_example=row.sequences_per_example)
+                            _device_name(plan.device), sequences_per_example=row.memory.sequences_per_example)
     trainer = trainer_class(
         model=model,
         args=trl_config,
@@ -44,7 +44,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         processing_class=tokenizer,
         peft_config=peft_config,
         # The meter adds perf/* to each record before the recorder writes it.
-        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(row.console_keys), StopConditions(), HangBeats(),
+        callbacks=[meter, MetricsRecorder(metrics_path), ConsoleLog(row.advice.console_keys), StopConditions(), HangBeats(),
                    OneJobCheck(),
                    LiveReport(metrics_path.parent, on_pause=meter.on_pause)] + (
             [GradientCompression(plan.ddp_comm_hook)] if plan.ddp_comm_hook != "none" else []),

@@ -3,18 +3,20 @@
 
 TRL 1.16's trainers compute their metrics inside the loss call and read each at once (`gather(x).mean().item()`,
 `if total > 0`): 13 `.item()` and 2 `bool()` per micro-batch in DPO, 3 and 3 in SFT (docs/speed.md). A toolkit trainer
-runs TRL's loss code unchanged inside `MetricWindow.recording(trainer)`, where the accelerator's `gather` and
-`gather_for_metrics` (which TRL's metric code alone calls during a training step) keep this rank's value on the device
-and hand TRL a stand-in holding no device value; TRL's appends go to a list thrown away. Each micro-batch leaves one row
-of sums and element counts on the device. When the trainer logs (or evaluates: eval logs the running token count),
-`flush` sums the window's rows over the ranks (one all-reduce), reads them once, and appends to the trainer's
-`_metrics["train"]` what TRL would have appended, micro-batch by micro-batch, from the objective's formulas
-(`Ratio`: TRL's `a / b if b > 0 else 0.0` of two gathered sums; `Mean`: TRL's `gather(x).mean()`): the logged values
-are TRL's (to float rounding: the sums are float64 here)."""
+runs TRL's loss code unchanged inside `MetricWindow.recording(trainer)`, where the accelerator's `gather`,
+`gather_for_metrics` and `reduce` (which TRL's metric code alone calls during a training step) keep this rank's value
+on the device and hand TRL a stand-in holding no device value; TRL's appends go to a list thrown away. Each micro-batch
+leaves one row of sums, element counts, minimum and maximum on the device. When the trainer logs (or evaluates: eval
+logs the running token count), `flush` gathers the window's rows from the ranks (one collective), reads them once, and
+appends to the trainer's `_metrics["train"]` what TRL would have appended, micro-batch by micro-batch, from the
+objective's formulas (`Ratio`: TRL's `a / b if b > 0 else 0.0` of two gathered sums; `Mean`: TRL's `gather(x).mean()`;
+`Min` / `Max`: TRL's `nanmin(gather(x))` / `nanmax`): the logged values are TRL's (to float rounding: the sums are
+float64 here)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -33,6 +35,17 @@ class Mean:
 
 
 @dataclass(frozen=True)
+class Min:
+    """The smallest element of a gathered value over every process, NaNs left out (NaN if all are)."""
+    value: str
+
+
+@dataclass(frozen=True)
+class Max:
+    value: str
+
+
+@dataclass(frozen=True)
 class RunningTokens:
     """TRL's `num_tokens`: the running count of training tokens (`_total_train_tokens`), one value, not appended."""
     value: str
@@ -45,7 +58,11 @@ class _NoValue:
     def sum(self, *args, **kwargs):
         return self
 
-    mean = detach = sum
+    mean = nanmean = detach = clamp = all = __getitem__ = __invert__ = sum
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _NO_VALUE  # torch.isnan(x), torch.min(x) (TRL's nanmin / nanmax) answer the stand-in
 
     def item(self):
         return 0
@@ -81,6 +98,11 @@ class _RecordingAccelerator:
 
     gather_for_metrics = gather
 
+    def reduce(self, value, reduction="sum"):
+        """TRL's `reduce(torch.stack([sum, count]))` (GRPO's token means): each element a value of its own."""
+        self.gathered.extend(value.detach().unbind(0) if value.dim() else [value.detach()])
+        return _NO_VALUE
+
 
 class MetricWindow:
     """The metrics of the micro-batches since the last flush, as device rows: for each gathered value (named by
@@ -88,11 +110,12 @@ class MetricWindow:
     Mean or RunningTokens of those names, in the order TRL appends them; `store`: the trainer → the dict TRL appends
     them to by mode (`_metrics`; the trl.experimental pair trainers' `_stored_metrics`)."""
 
-    def __init__(self, gathered: tuple[str, ...], metrics: dict, what: str, store):
+    def __init__(self, gathered: tuple[str, ...], metrics: dict, what: str, store, kept: tuple[str, ...] = ()):
         self.gathered = gathered
         self.metrics = metrics
         self.what = what
         self.store = store
+        self.kept = kept  # what TRL appends during the loss code that is no gathered value (GRPO's entropy_coef)
         self.rows: list[torch.Tensor] = []
 
     @contextlib.contextmanager
@@ -105,36 +128,64 @@ class MetricWindow:
         try:
             yield
         finally:
-            trainer.accelerator, store["train"] = accelerator, metrics
+            appended, trainer.accelerator, store["train"] = store["train"], accelerator, metrics
+            for name in self.kept:
+                metrics[name] += appended.get(name, [])
         if len(recorder.gathered) != len(self.gathered):
             raise RuntimeError(f"{self.what}'s loss code gathered {len(recorder.gathered)} metric values, the toolkit "
                                f"expects {len(self.gathered)} ({', '.join(self.gathered)}): has TRL's metric code "
                                "changed? (src/trainers/device_metrics.py)")
-        values = recorder.gathered
-        sums = torch.stack([value.sum().double() for value in values])
-        counts = torch.stack([sums.new_full((), value.numel()) for value in values])
-        self.rows.append(torch.cat([sums, counts]))
+        self.add(recorder.gathered)
 
-    def flush(self, trainer) -> None:
+    def add(self, values: list[torch.Tensor]) -> None:
+        """One micro-batch's values on this rank, in `gathered`'s order, kept on the device until the next flush (for a
+        trainer whose own code computes its metrics: no stand-in needed)."""
+        sums = torch.stack([value.detach().sum().double() for value in values])
+        counts = torch.stack([sums.new_full((), value.numel()) for value in values])
+        extremes = [_extremes(value.detach().double().flatten()) for value in values]
+        self.rows.append(torch.cat([sums, counts, torch.stack([low for low, _ in extremes]),
+                                    torch.stack([high for _, high in extremes])]))
+
+    def flush(self, trainer) -> dict[str, list[float]]:
         """The window's rows summed over the ranks (every rank calls this at the same point: a log or an evaluation)
-        and appended to the trainer's `_metrics["train"]` (or `store`) as TRL appends them."""
+        and appended to the trainer's `_metrics["train"]` (or `store`) as TRL appends them. Returns each appended
+        metric's weight per row (a Ratio's denominator, the elements a Mean averages), for a trainer that logs the
+        window's weighted mean instead of TRL's mean of micro-batch values (KTO, GRPO)."""
+        weights = defaultdict(list)
         if not self.rows:
-            return
+            return weights
         logged = self.store(trainer)["train"]
-        table = trainer.accelerator.reduce(torch.stack(self.rows), reduction="sum")
-        self.rows = []
         width = len(self.gathered)
+        everyone = trainer.accelerator.gather(torch.stack(self.rows)[None])  # (ranks, rows, 4 x width)
+        self.rows = []
+        table = torch.cat([everyone[..., :2 * width].sum(0), everyone[..., 2 * width:3 * width].amin(0),
+                           everyone[..., 3 * width:].amax(0)], dim=-1)
         for row in table.tolist():  # the one read, at a log or an evaluation
-            sums = dict(zip(self.gathered, row[:width]))
-            counts = dict(zip(self.gathered, row[width:]))
+            sums, counts, lows, highs = (dict(zip(self.gathered, row[start:start + width]))
+                                         for start in range(0, 4 * width, width))
             for name, formula in self.metrics.items():
                 if isinstance(formula, RunningTokens):
                     trainer._total_train_tokens += int(round(sums[formula.value])) // trainer._tp_size
                     logged[name] = [trainer._total_train_tokens]
                     continue
+                if isinstance(formula, (Min, Max)):
+                    extreme = (lows if isinstance(formula, Min) else highs)[formula.value]
+                    logged[name].append(extreme if math.isfinite(extreme) else math.nan)
+                    continue
                 if isinstance(formula, Ratio):
                     denominator = sums[formula.denominator]
                     value = sums[formula.numerator] / denominator if denominator > 0 else 0.0
                 else:
-                    value = sums[formula.value] / counts[formula.value]
+                    denominator = counts[formula.value]
+                    value = sums[formula.value] / denominator
                 logged[name].append(value)
+                weights[name].append(denominator)
+        return weights
+
+
+def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest and largest of `values`, NaNs left out (+inf and -inf where none is left)."""
+    if values.numel() == 0:
+        return values.new_tensor(math.inf), values.new_tensor(-math.inf)
+    missing = values.isnan()
+    return values.masked_fill(missing, math.inf).amin(), values.masked_fill(missing, -math.inf).amax()

@@ -16,6 +16,10 @@ What it changes in TRL's step, and why:
 - An evaluation answers held-out prompts greedily and judges them (JudgedEvalMixin: the judged held-out curve).
 - The logged KL, entropy and clipped shares are means over the logging window's answer tokens (TRL's: a mean of
   micro-batch means), so they too are the same on any split.
+- The training part of a step (TRL's loss code) reads nothing on the host: its metrics stay on the device until a log
+  (src/trainers/device_metrics.py; TRL's reads 11.2 per micro-batch with the KL term: docs/speed.md). With
+  `--use_adaptive_entropy` or `--top_entropy_quantile` below 1 TRL's code runs as shipped (its loss uses a value
+  gathered from every process), its metric reads with it.
 
 The TRL internals it overrides (_prepare_inputs, _generate_and_score_completions, _tokenize_prompts,
 _generate_single_turn, _calculate_rewards, _compute_loss, log, _metrics) are listed in docs/development.md.
@@ -35,6 +39,7 @@ from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.tools import sample_with_tools, summary
 from src.run_safety import hang_watch
 from src.trainers.base import ToolkitTrainerMixin
+from src.trainers.device_metrics import Max, Mean, MetricWindow, Min, Ratio
 from src.trainers.judged_eval import JudgedEvalMixin
 
 PROMPT_INDEX = "prompt_index"  # the train row a prompt came from: part of each answer's seed
@@ -45,6 +50,33 @@ SEED_SALT = "grpo-answers"  # apart from the rounds' streams (seed, round, row, 
 # ratios at sequence level): the mean over the window's tokens, the same on any split.
 TOKEN_MEANS = ("kl", "entropy")
 CLIP_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL logs the clipped shares of these loss types
+
+
+def grpo_metric_window(trainer) -> MetricWindow | None:
+    """What TRL 1.16's GRPOTrainer._compute_loss gathers and reduces for its training metrics, in its order, for this
+    trainer's settings, kept on the device. None where TRL's loss itself uses a gathered value: the adaptive entropy
+    bonus (its controller reads the window's entropy) and --top_entropy_quantile below 1 (a quantile over every
+    process's entropies)."""
+    if trainer.use_adaptive_entropy or trainer.top_entropy_quantile < 1.0:
+        return None
+    metrics: dict = {}
+    if trainer._entropy_bonus_enabled:
+        metrics["policy_loss"] = Mean("policy_loss")
+    if trainer.aux_loss_enabled:
+        metrics["aux_loss"] = Mean("aux_loss")
+    means = (["kl"] if trainer.beta != 0.0 else []) + ["entropy"]
+    means += {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}.get(trainer.loss_type, [])
+    if trainer.loss_type in CLIPPED_LOSSES:
+        means += list(CLIP_MEANS)
+    metrics |= {name: Ratio(f"{name}:sum", f"{name}:count") for name in means}
+    gathered = [value for formula in metrics.values() for value in
+                ((formula.value,) if isinstance(formula, Mean) else (formula.numerator, formula.denominator))]
+    if trainer.loss_type in CLIPPED_LOSSES:
+        metrics |= {"clip_ratio/low_min": Min("low_clipped"), "clip_ratio/high_max": Max("high_clipped")}
+        gathered += ["low_clipped", "high_clipped"]
+    return MetricWindow(tuple(gathered), metrics, "TRL's GRPOTrainer", lambda trainer: trainer._metrics,
+                        kept=("entropy_coef",))
 
 
 class JudgeReward:
@@ -128,8 +160,9 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
             train_dataset = train_dataset.add_column(PROMPT_INDEX, list(range(len(train_dataset))))
         self._generation_inputs: list[dict] = []
         self._micro_batch: dict = {}
-        self._micro_batch_weights: dict[str, list[list[float]]] = {}  # per mode: [global tokens, sequences] per micro-batch
+        self._micro_batch_weights: dict[str, list[torch.Tensor]] = {}  # per mode: [tokens, sequences] per micro-batch
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        self.metric_window = grpo_metric_window(self)
 
     def get_train_dataloader(self):
         # GRPO gives a prompt to several processes by design (its answers may be sampled on each): the one-job check's
@@ -279,14 +312,20 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         mask = inputs["completion_mask"]
-        counts = self.accelerator.reduce(torch.stack([mask.sum().float(), torch.tensor(float(mask.size(0)),
-                                                                                    device=mask.device)]), "sum")
-        self._micro_batch_weights.setdefault(mode, []).append(counts.tolist())
-        return super()._compute_loss(model, inputs)
+        # this rank's answer tokens and answers, summed over the ranks and read when logged (no read per step)
+        self._micro_batch_weights.setdefault(mode, []).append(torch.stack([mask.sum().double(),
+                                                                           mask.new_tensor(mask.size(0)).double()]))
+        if mode != "train" or self.metric_window is None:
+            return super()._compute_loss(model, inputs)
+        with self.metric_window.recording(self):
+            return super()._compute_loss(model, inputs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        weights = self._micro_batch_weights.pop(mode, [])
+        if self.metric_window is not None:
+            self.metric_window.flush(self)  # the training metrics, kept on the device since the last log
+        counts = self._micro_batch_weights.pop(mode, [])
+        weights = self.accelerator.reduce(torch.stack(counts), reduction="sum").tolist() if counts else []
         metrics = self._metrics[mode]
         for key in TOKEN_MEANS + CLIP_MEANS:
             values = metrics.get(key)

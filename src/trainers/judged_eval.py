@@ -1,7 +1,7 @@
 """Held-out prompts judged during training: the evaluation of an objective whose row sets `judged_eval` (GRPO), which
 learns from prompts alone and so has no held-out loss. At the start and at each evaluation (--eval_steps), the first
 --judged_eval_prompts validation prompts are answered greedily by the policy as it is and scored by --judge, as the
-held-out answers before and after training are (src/main_distributed.py's answer_held_out and record_samples: the
+held-out answers before and after training are (src/pipeline/held_out.py's answer_held_out and record_samples: the
 same rows, the same greedy generation, the same judge); the mean is logged as `eval_judged_reward` (--judge's
 per-answer reward: the embedded checker's 3/1/0, a function's number, a reward model's score, so the measure GRPO's
 verdict leads with), with `eval_judged_reward_sem` (its standard error over the prompts: the reward-hacking alert's
@@ -33,7 +33,7 @@ def judge_rows(rows: list[dict]) -> list[dict]:
 
 class JudgedEval:
     """`measure(model)`: the mean (and its standard error) of --judge's scores of `model`'s greedy answers to `rows`
-    (the held-out rows as src/main_distributed.py's held_out_rows gives them), identical on every rank;
+    (the held-out rows as src/pipeline/held_out.py's held_out_rows gives them), identical on every rank;
     `start_answers`: the starting model's answers to the same rows, already generated (the "before" answers), for
     the start's point."""
 

@@ -12,10 +12,13 @@ How, keeping TRL's loss code (both loss types, the weights, the metrics):
 2. the KL estimate of an optimizer step is taken over the step's whole global batch, before its micro-steps: the
    step's micro-batches are fetched up front by transformers' loop (`get_batch_samples`), their KL log-ratios computed
    without gradients (as TRL does, the term is detached), summed across processes and divided by the rows; that one
-   value is handed to TRL's `_compute_loss` for every micro-batch of the step (through `_compute_kl_logps`, the one
-   place TRL reads the KL sequences from);
+   value is the KL of every micro-batch of the step (`training_loss`; TRL's own `_compute_loss`, which the tests
+   compare with, gets it through `_compute_kl_logps`, the one place TRL reads the KL sequences from);
 3. the train metrics are kept with their weights (rows of each class, completion tokens) and logged as weighted means
-   over the logging window, not as means of micro-batch means;
+   over the logging window, not as means of micro-batch means; the training step computes TRL's loss (`kto_row_values`,
+   checked against TRL's `_compute_loss` in tests/test_kto.py) without a host read (TRL's reads its KL, which its loss
+   then uses, and 14 metric values per micro-batch): the metrics stay on the device until a log
+   (src/trainers/device_metrics.py);
 4. evaluation takes the KL over the whole validation split first, then each row's loss, reward and log-prob
    (`kto_row_values`, TRL's formula, checked against TRL's `_compute_loss` in tests/test_kto.py), gathered without
    accelerate's duplicated rows.
@@ -31,7 +34,7 @@ the run's first batch:
   batch first) and the completion pass (with gradients) stay separate calls, as the step's KL must be known before the
   first micro-batch's loss (docs/objectives.md, "KTO's training step"); each is packed on its own, one `[prompt |
   answer]` segment per row, so only padding is dropped. The collator adds both layouts (the KL pass's keys after
-  "KL_"); TRL's loss code reads the per-token outputs scattered back into its padded layout.
+  "KL_"); the loss code reads the per-token outputs scattered back into TRL's padded layout.
 """
 
 from __future__ import annotations
@@ -50,12 +53,21 @@ from src.packed_dpo import (PACKED_KEYS, PackedPreferenceCollator, attention_cos
                              padded_counts)
 from src.run_safety import hang_watch
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
 from src.trainers.dpo import reference_cache_pass
 
-# The metric each weight of a micro-batch applies to (gathered counts; kl and aux_loss weigh 1 per micro-batch).
-METRIC_WEIGHTS = {"rewards/chosen": "chosen", "logps/chosen": "chosen", "rewards/rejected": "rejected",
-                  "logps/rejected": "rejected", "entropy": "tokens", "logits/chosen": "chosen_tokens",
-                  "logits/rejected": "rejected_tokens"}
+# A training micro-batch's values on this rank (`training_values`), kept on the device until a log, and the metrics TRL's
+# KTOTrainer logs from them: each a weighted mean over the logging window, weighted by its denominator (rows of its
+# class, completion tokens; the KL and aux_loss by micro-batch).
+KTO_VALUES = ("kl", "entropy_sum", "tokens", "batch_tokens", "chosen_logits", "chosen_tokens", "rejected_logits",
+              "rejected_tokens", "chosen", "rejected", "reward_chosen", "reward_rejected", "logps_chosen",
+              "logps_rejected")
+KTO_METRICS = {"kl": Mean("kl"), "entropy": Ratio("entropy_sum", "tokens"), "num_tokens": RunningTokens("batch_tokens"),
+               "logits/chosen": Ratio("chosen_logits", "chosen_tokens"),
+               "logits/rejected": Ratio("rejected_logits", "rejected_tokens"),
+               "rewards/chosen": Ratio("reward_chosen", "chosen"), "logps/chosen": Ratio("logps_chosen", "chosen"),
+               "rewards/rejected": Ratio("reward_rejected", "rejected"),
+               "logps/rejected": Ratio("logps_rejected", "rejected")}
 
 
 def kto_row_values(policy_logps, reference_logps, labels, kl, beta: float, loss_type: str,
@@ -78,8 +90,8 @@ def kto_row_values(policy_logps, reference_logps, labels, kl, beta: float, loss_
 
 
 def window_means(metrics: dict, weights: dict) -> dict:
-    """The logging window's metrics: each the weighted mean of its micro-step values (the weights _note_weights kept),
-    the margin the difference of the chosen and rejected means."""
+    """The logging window's metrics: each the weighted mean of its micro-step values (the weights the metric window's
+    flush gave), the margin the difference of the chosen and rejected means."""
     means = {}
     for key, values in metrics.items():
         if key in weights and len(weights[key]) == len(values) and sum(weights[key]) > 0:
@@ -90,6 +102,30 @@ def window_means(metrics: dict, weights: dict) -> dict:
 
 
 COMPLETIONS = ("completion_ids", "KL_completion_ids")  # a row's two answers to its prompt (the reference pass's pair)
+
+
+def completion_logps(outputs, inputs) -> torch.Tensor:
+    """Each row's summed log-prob of its completion (the positions of the real tokens, as TRL keeps them)."""
+    return outputs.log_probs[:, -(inputs["input_ids"].size(1) - 1):].sum(-1)
+
+
+def training_values(outputs, inputs, values: dict, kl) -> list[torch.Tensor]:
+    """A training micro-batch's KTO_VALUES on this rank, on the device: the sums and counts TRL 1.16's
+    KTOTrainer._compute_loss gathers for its metrics (its boolean indexing by class as masks: no read)."""
+    seq_len = inputs["input_ids"].size(1) - 1
+    labels = inputs["label"].bool()
+    mask = inputs["completion_mask"][:, 1:].bool()
+    chosen_mask, rejected_mask = mask & labels[:, None], mask & ~labels[:, None]
+    entropy, mean_logits = outputs.entropy[:, -seq_len:].detach(), outputs.mean_logits[:, -seq_len:].detach()
+
+    def by_class(per_row, rows):
+        return torch.where(rows, per_row, 0).nansum()
+
+    return [kl, (entropy * mask).sum(), mask.sum(), inputs["attention_mask"].sum(),
+            torch.where(chosen_mask, mean_logits, 0).sum(), chosen_mask.sum(),
+            torch.where(rejected_mask, mean_logits, 0).sum(), rejected_mask.sum(), labels.sum(), (~labels).sum(),
+            by_class(values["reward"], labels), by_class(values["reward"], ~labels),
+            by_class(values["logps"], labels), by_class(values["logps"], ~labels)]
 
 
 def kl_width(batch: dict) -> int:
@@ -157,6 +193,9 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
             super().__init__(*args, **kwargs)
         finally:
             args_.train_sampling_strategy = strategy
+        aux = ("aux_loss",) if self.aux_loss_enabled else ()
+        self.metric_window = MetricWindow(KTO_VALUES + aux, {**KTO_METRICS, **{name: Mean(name) for name in aux}},
+                                          "the KTO training step", lambda trainer: trainer._metrics)
         self.padded_collator = self.data_collator  # TRL's (the reference pass's collator wraps it)
         if self._packs():
             self.data_collator = self.step_collator()
@@ -224,22 +263,44 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
             self._kl_values = None
 
     def _compute_loss(self, model, inputs, return_outputs):
-        # the completion pass (with gradients; the reference's too when not precomputed), packed where on
-        kinds = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
-        packed = self.packed_pass(inputs, "", kinds) if not self.aux_loss_enabled else contextlib.nullcontext()
+        if self.model.training and not return_outputs:
+            return self.training_loss(model, inputs)
+        # TRL's own loss code (its metrics read on the host), with the same KL: what the toolkit's is checked against
+        packed = self.completion_pass(inputs)
         if not self.calculate_KL:
             with packed:
                 return super()._compute_loss(model, without_packed(inputs), return_outputs)
-        mode = "train" if self.model.training else "eval"
-        kl = self._step_kl if mode == "train" and self._step_kl is not None else self.kl_estimate(model, [inputs])
         inputs = dict(inputs)
         if "ref_KL_logps" in inputs:
             inputs["ref_KL_logps"] = torch.zeros_like(inputs["ref_KL_logps"])
-        lengths = {key: len(values) for key, values in self._metrics[mode].items()}
-        with self.fixed_kl(kl), packed:
-            result = super()._compute_loss(model, without_packed(inputs), return_outputs)
-        self._note_weights(mode, inputs, lengths)
-        return result
+        with self.fixed_kl(self.kl_estimate(model, [inputs])), packed:
+            return super()._compute_loss(model, without_packed(inputs), return_outputs)
+
+    def completion_pass(self, inputs):
+        """The completion pass (with gradients; the reference's too when not precomputed), packed where on."""
+        kinds = ("policy",) if self.precompute_ref_logps else ("policy", "reference")
+        return self.packed_pass(inputs, "", kinds) if not self.aux_loss_enabled else contextlib.nullcontext()
+
+    def training_loss(self, model, inputs) -> torch.Tensor:
+        """A training micro-batch's loss, TRL's (`kto_row_values`: the mean of the rows' weighted losses, plus the
+        router's auxiliary loss) with the step's KL, and its metrics kept on the device until a log: no host read."""
+        if not self.calculate_KL:
+            kl = torch.zeros((), device=self.accelerator.device)
+        else:
+            kl = self._step_kl if self._step_kl is not None else self.kl_estimate(model, [inputs])
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        with self.completion_pass(inputs):
+            inputs = without_packed(inputs)
+            outputs = self.completion_forward(model, inputs, **router)
+            reference = self.reference_completion_logps(inputs)
+        values = kto_row_values(completion_logps(outputs, inputs), reference, inputs["label"], kl, self.beta,
+                                self.loss_type, self.desirable_weight, self.undesirable_weight)
+        loss = values["loss"].nanmean()
+        aux = [outputs.aux_loss] if self.aux_loss_enabled else []
+        if aux:
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+        self.metric_window.add(training_values(outputs, inputs, values, kl) + aux)
+        return loss
 
     # --- the packed forward of the training step --------------------------------------------------------------------
 
@@ -268,18 +329,14 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
 
     # --- metrics: weighted over the logging window ----------------------------------------------------------------
 
-    def _note_weights(self, mode: str, inputs: dict, lengths: dict) -> None:
-        """The weight of each metric TRL just appended (this micro-step's gathered rows or tokens of its class)."""
-        labels = inputs["label"].to(self.accelerator.device).bool()
-        mask = inputs["completion_mask"][:, 1:].to(self.accelerator.device)
-        local = torch.stack([labels.sum(), (~labels).sum(), mask.sum(), mask[labels].sum(), mask[~labels].sum()])
-        counts = self.accelerator.reduce(local.double(), reduction="sum").tolist()
-        weights = dict(zip(("chosen", "rejected", "tokens", "chosen_tokens", "rejected_tokens"), counts))
-        for key, values in self._metrics[mode].items():
-            if len(values) > lengths.get(key, 0) and key != "num_tokens":
-                self._weights[mode][key].append(weights.get(METRIC_WEIGHTS.get(key), 1.0))
+    def flush_metrics(self) -> None:
+        """The training metrics kept on the device since the last flush (one read, over every process), appended to
+        `_metrics["train"]` with their weights."""
+        for name, weights in self.metric_window.flush(self).items():
+            self._weights["train"][name] += weights
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.flush_metrics()
         mode = "train" if self.model.training else "eval"
         for key, value in window_means(self._metrics[mode], self._weights[mode]).items():
             self._metrics[mode][key] = [value]  # TRL's log averages each list: one weighted value each
@@ -291,6 +348,7 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     def evaluation_loop(self, dataloader, *args, metric_key_prefix: str = "eval", **kwargs):
         """Eval metrics as per-row means with the KL over the whole split: the same on any number of processes and
         any eval batch size."""
+        self.flush_metrics()  # eval logs the running count of training tokens
         model = self.model
         self._eval_kl = None
         if self.calculate_KL:
@@ -351,18 +409,25 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
 
     def row_values(self, model, inputs, kl) -> dict:
         """Each row's loss, reward and log-prob with the given KL (TRL's forward: fused LM head, completion tokens)."""
+        policy = completion_logps(self.completion_forward(model, inputs), inputs)
+        return kto_row_values(policy, self.reference_completion_logps(inputs), inputs["label"], kl, self.beta,
+                              self.loss_type, self.desirable_weight, self.undesirable_weight)
+
+    @staticmethod
+    def completion_forward(model, inputs, **extra):
+        """TRL's forward of the completions: the fused LM head's per-token log-probs, entropy and mean logits."""
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
-        seq_len = inputs["input_ids"].size(1) - 1
-        forward = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
-        policy = model(**forward, labels=labels, fused_lm_head=True).log_probs[:, -seq_len:].sum(-1)
+        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
+                     labels=labels, fused_lm_head=True, **extra)
+
+    def reference_completion_logps(self, inputs) -> torch.Tensor:
+        """The reference's summed log-probs of the completions: cached, or as TRL computes them (no gradients;
+        adapters off, or the `ref` adapter, with PEFT; the reference model otherwise)."""
         if self.precompute_ref_logps:
-            reference = inputs["ref_logps"]
-        else:
-            with self.reference_adapter():
-                reference = (self.ref_model or self.model)(**forward, labels=labels, fused_lm_head=True).log_probs
-            reference = reference[:, -seq_len:].sum(-1)
-        return kto_row_values(policy, reference, inputs["label"], kl, self.beta, self.loss_type,
-                              self.desirable_weight, self.undesirable_weight)
+            return inputs["ref_logps"]
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                self.reference_adapter():
+            return completion_logps(self.completion_forward(self.ref_model or self.model, inputs), inputs)
 
     # --- the reference log-probs cache ------------------------------------------------------------------------------
 

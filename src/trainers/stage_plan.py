@@ -94,6 +94,6 @@ def silent_no_op_warnings(stage: str, config: Config, plan: Plan) -> list[str]:
     if config.training.ddp_comm_hook != plan.ddp_comm_hook:
         warnings.append(f"--ddp_comm_hook {config.training.ddp_comm_hook} is ignored on one process: no gradients "
                         "are all-reduced")
-    if objective(stage).warnings:  # the objective's own (DPO: a label_smoothing its loss type ignores)
-        warnings += objective(stage).warnings(config)
+    if objective(stage).advice.warnings:  # the objective's own (DPO: a label_smoothing its loss type ignores)
+        warnings += objective(stage).advice.warnings(config)
     return warnings

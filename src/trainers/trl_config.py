@@ -30,7 +30,7 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     what the objective's row resolved from the data (KTO: its weights, src/kto_weights.py)."""
     training = config.training
     eval_strategy = training.eval_strategy if has_validation else "no"
-    judged = objective(stage).judged_eval  # evaluated by judging held-out answers (src/trainers/judged_eval.py)
+    judged = objective(stage).training.judged_eval  # evaluated by judging held-out answers (src/trainers/judged_eval.py)
     eval_steps = _eval_steps(config, total_steps)
     save_strategy = training.save_strategy
     if save_strategy == "best" and eval_strategy == "no":
@@ -71,11 +71,11 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
     if precompute is None:
         precompute = not config.trl_overrides.get("sync_ref_model", False)
     row = objective(stage)
-    config_class = load(row.trl_config)
+    config_class = load(row.training.trl_config)
     overrides = {key: value for key, value in config.trl_overrides.items()
                  if key in {item for item in config_class.__dataclass_fields__}}
     extras = {"precompute": precompute, "sft_forward": sft_forward, **(data_settings or {})}
-    specific, overrides = row.trl_settings(config, overrides, extras)
+    specific, overrides = row.training.trl_settings(config, overrides, extras)
     # A field TRL's config for this objective does not have (GRPOConfig: max_length, dataset_num_proc) is not passed
     common = {key: value for key, value in common.items() if key in config_class.__dataclass_fields__}
     trl_config = config_class(**{**common, **specific, **overrides})

@@ -1,0 +1,130 @@
+"""A stage's model, trainer and training: the starting model loaded (a reward model's score head seeded alike on
+every rank), TRL's trainer built with the toolkit's callbacks and trackers, the space and one-job checks before the
+first step, training (resumed from a checkpoint when there is one), and a stop or divergence raised after it."""
+
+from __future__ import annotations
+
+from src import packed_dpo_support, run_files
+from src.audit import run as data_audit
+from src.config_error import ConfigError
+from src.data import PreparedData
+from src.distributed import barrier, check_world_size, gather_objects, print0
+from src.engines import engine_record
+from src.models import apply_chat_template_to_model, load_model, peft_config
+from src.objectives import objective
+from src.pipeline.held_out import HeldOut, judged_eval_of
+from src.pipeline.stage_record import StageStart
+from src.pipeline.stages import Stage
+from src.pipeline.stopping import stop_if_interrupted
+from src.run_safety.checkpoints import checkpoint_step
+from src.run_safety.disk_space import check_space, estimate_writes, write_failures_noted
+from src.run_safety.finished_run import end_step_done
+from src.world import World
+
+
+def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, reward: bool, model=None):
+    """The stage's starting model: `model` when already loaded (a round's, which answered its prompts), else loaded
+    with the stage's chat template."""
+    config = stage.config
+    if reward:  # the score head starts random: one seed gives every rank the same head to score "before" with
+        from transformers import set_seed
+
+        set_seed(config.training.seed)
+    if model is None:
+        model = load_model(model_path, config.model, stage.plan, world,
+                           reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+        model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
+    return model
+
+
+def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, start: StageStart, held_out: HeldOut,
+                        sft_forward: dict | None, reference_path: str | None, world: World, reward: bool):
+    """TRL's trainer for the stage (its config from the plan and the objective's row) with the toolkit's callbacks,
+    the trackers' record, the judged evaluation and the tools; returns (trainer, trackers)."""
+    # The training stack (TRL, transformers' Trainer, peft, bitsandbytes: ~5 s): not imported for the preflight.
+    from src.trainers.build import build_trainer
+    from src.trainers.trl_config import build_trl_config
+
+    config, plan = stage.config, stage.plan
+    row = objective(stage.name)
+    # Held-out prompts without answers (a run from prompts alone) are judged before and after, not evaluated on a
+    # loss; an objective whose evaluation is judged (GRPO) judges some of them at each evaluation as well.
+    held_out.judged_eval = judged_eval_of(stage, prepared, held_out, tokenizer, world)
+    evaluated = held_out.judged_eval is not None or (prepared.validation is not None and not {
+        "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
+    trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, start.total_steps,
+                                  sft_forward, start.data_settings)
+    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
+                            stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length
+                            if getattr(trl_config, "max_length", None) is None else None,
+                            packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
+                            packed_attention=plan.packed_attention,
+                            ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None,
+                            trainer_inputs=row.training.trainer_inputs(config) if row.training.trainer_inputs else None)
+    from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
+
+    trackers = TrackerRecord(config.training.report_to, start.info_path,
+                             stage.environment.get("TENSORBOARD_LOGGING_DIR"))
+    trainer.add_callback(trackers)
+    if held_out.judged_eval is not None:
+        trainer.judged_eval = held_out.judged_eval
+    if held_out.tools is not None and hasattr(trainer, "use_tools"):
+        trainer.use_tools(held_out.tools)
+        trainer.turn_credit = config.training.turn_credit
+    if world.is_main and row.training.needs_reference and "reference" in row.report.audit_parts:
+        data_audit.reference_part(trainer.train_dataset, stage, trainer.args.max_length)
+    if world.is_main and getattr(trainer, "reference_cache", None):
+        announce_reference_cache(trainer.reference_cache, stage, start.info_path)
+    return trainer, trackers
+
+
+def announce_reference_cache(reference_cache: dict, stage: Stage, info_path) -> None:
+    """Rank 0: the reference log-probs' cache (reused or computed and cached), recorded and said per split."""
+    with write_failures_noted(stage.run_dir):
+        run_files.update_json(info_path, reference_log_probs=reference_cache)
+    for split, outcome in reference_cache.items():
+        print0(f"  reference log-probs ({split}): {outcome['cache']} in {outcome['seconds']} s"
+               f"{'' if outcome['cache'] == 'reused' else ' and cached for later runs'}")
+
+
+def merge_wanted(stage: Stage, reward: bool) -> bool:
+    """Merged copies that are needed, not just asked for: the next stage of a pipeline (or the next round) starts from
+    this stage's model, and a LoRA reward model loads as a judge only merged (its adapter's base config knows nothing
+    of the score head)."""
+    model = stage.config.model
+    return model.merge_adapter or (model.use_peft and (stage.feeds_next or (reward and not model.load_in_4bit)))
+
+
+def train(trainer, stage: Stage, start: StageStart, merge: bool, world: World) -> None:
+    """Every rank: the space and one-job checks, the engine accelerate runs recorded, training from the checkpoint it
+    resumes from; a stop or divergence is recorded and raised (nothing after training runs on such a model)."""
+    check_disk_space(trainer, start.total_steps, merge, stage, world)
+    check_world_size(trainer.args.world_size, world)
+    if world.is_main:  # what accelerate actually runs (DDP, FSDP, DeepSpeed), which a launcher config decides
+        with write_failures_noted(stage.run_dir):
+            run_files.update_json(start.info_path, distributed_type=str(trainer.accelerator.distributed_type.value),
+                                  **engine_record(trainer.accelerator))
+    resume_from = start.resume_from
+    if resume_from:
+        print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {start.total_steps})")
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    barrier()  # a write that failed after the last step's check (the last metrics line, the live report) stops here
+    stop_if_interrupted(trainer, stage, start.info_path, world)
+    end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
+
+
+def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
+    """Rank 0 estimates what the stage will write (src/run_safety/disk_space.py) against the free space and records
+    it in training_info.json; every rank stops with rank 0's space check, before the first step."""
+    space_check = (None, None)  # (error, warning)
+    if world.is_main:
+        estimate = estimate_writes(trainer.model, trainer.args, total_steps, merge, stage.output_dir)
+        space_check = check_space(estimate, stage.output_dir, trainer.args.save_total_limit)
+        with write_failures_noted(stage.run_dir):
+            run_files.update_json(stage.run_dir / run_files.TRAINING_INFO,
+                                  disk_estimate={"bytes": estimate.total, "breakdown": estimate.breakdown()})
+    error, warning = gather_objects([space_check])[0][0]
+    if warning:
+        print0(f"  warning: {warning}")
+    if error:
+        raise ConfigError(error)
