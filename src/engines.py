@@ -62,10 +62,18 @@ def requested(environ: Mapping[str, str] | None = None) -> Engine | None:
     return launched(environ) or (Engine(*strategy) if strategy else None)
 
 
-def check_engine(engine: Engine | None, device_kind: str, ddp_comm_hook: str = "none") -> None:
+def check_engine(engine: Engine | None, device_kind: str, ddp_comm_hook: str = "none",
+                 load_in_4bit: bool = False) -> None:
     """Combinations that cannot work, refused in one line before any process starts."""
     if engine is None:
         return
+    if load_in_4bit and (engine.name == FSDP or engine.zero_stage == 3):
+        # The toolkit loads a 4-bit base as bitsandbytes stores it by default (uint8 blocks) with a device_map: FSDP
+        # shards only float storage, and transformers 5.23 refuses any device_map under ZeRO-3 (integrations/
+        # accelerate.py: "DeepSpeed Zero-3 is not compatible with passing a `device_map`").
+        raise ConfigError(f"--load_in_4bit (QLoRA) under {engine.title}: the 4-bit base as bitsandbytes stores it "
+                          "cannot be sharded; launch QLoRA with plain DDP or STRATEGY=zero2 (each GPU keeps the 4-bit "
+                          "base whole, about 0.55 B per parameter), or drop --load_in_4bit for LoRA under it")
     if ddp_comm_hook != "none":
         raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {engine.title} reduces "
                           "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "

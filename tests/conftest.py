@@ -231,7 +231,7 @@ LONG_FILES = ("test_disk_space.py", "test_rounds.py", "test_training.py", "test_
               "test_engines.py", "test_cli.py", "test_eval_metrics.py", "test_trackers.py", "test_finished_run.py",
               "test_hang_watch.py", "test_simpo.py", "test_reference_cache.py", "test_grpo.py", "test_orpo.py",
               "test_reward.py", "test_ddp_comm_hook.py", "test_launchers.py", "test_run_lock.py", "test_publish.py",
-              "test_kto.py", "test_data.py", "test_packed_support.py")
+              "test_kto.py", "test_data.py", "test_packed_support.py", "test_memory_plan_engines.py")
 
 
 # Tests that run only when a -m expression names their marker: a plain `pytest` (and CI) deselects them.

@@ -157,13 +157,19 @@ def test_lora_trainable_params(tiny_shape):
 
 
 def test_model_state_per_method(tiny_shape):
-    """P = 1000, N = 4, 16-bit, T = 272 LoRA parameters, linear weights 2 * (4*16 + 2*32 + 32) = 320."""
-    assert model_state_bytes("full", tiny_shape, 0, 4, 2) == 18_000  # 18 B/param
-    assert model_state_bytes("full", tiny_shape, 0, 4, 4) == 16_000  # fp32: no 16-bit copy
+    """P = 1000, N = 4, 16-bit, T = 272 LoRA parameters, linear weights 2 * (4*16 + 2*32 + 32) = 320; hidden 4, so
+    DeepSpeed's reduce bucket is 16 gradient elements; the largest layer 200 parameters."""
+    assert model_state_bytes("full", tiny_shape, 0, 4, 2) == 22_000  # 4 + 2 (autocast's copy) + 4 + 4 (buckets) + 8
+    assert model_state_bytes("full", tiny_shape, 0, 4, 4) == 20_000  # fp32: no 16-bit copy
     assert model_state_bytes("lora", tiny_shape, 272, 4, 2) == 2_000 + 272 * 16
     assert model_state_bytes("qlora", tiny_shape, 272, 4, 2) == int(320 * 0.55) + 680 * 2 + 272 * 16
-    assert model_state_bytes("zero2", tiny_shape, 0, 4, 2) == 2_000 + 18_000 // 4
-    assert model_state_bytes("zero3", tiny_shape, 0, 4, 2) == 18_000 // 4 + 4 * 200
+    assert model_state_bytes("zero1", tiny_shape, 0, 4, 2) == 2_000 + 16_000 // 4 + 16 * 2
+    assert model_state_bytes("zero2", tiny_shape, 0, 4, 2) == 2_000 + 16_000 // 4 + 16 * 2  # 2P + 16P/N
+    assert model_state_bytes("zero2", tiny_shape, 0, 4, 4) == 4_000 + 16_000 // 4 + 16 * 4  # fp32: 4P + 16P/N
+    assert model_state_bytes("zero3", tiny_shape, 0, 4, 2) == 20_000 // 4 + 16 * 2 + 4 * 200  # 20P/N
+    assert model_state_bytes("zero3", tiny_shape, 0, 4, 4) == 24_000 // 4 + 16 * 4 + 8 * 200  # fp32: 24P/N
+    assert model_state_bytes("fsdp", tiny_shape, 0, 4, 4) == 16_000 // 4 + 8 * 200  # fp32 shards either way
+    assert model_state_bytes("fsdp", tiny_shape, 0, 4, 2) == 16_000 // 4 + 4 * 200
 
 
 def test_reference_model_only_for_full_dpo_without_precomputed_log_probs(tiny_shape):
@@ -171,7 +177,8 @@ def test_reference_model_only_for_full_dpo_without_precomputed_log_probs(tiny_sh
     dpo = TrainingSetup(stage="dpo", precompute_ref_log_probs=False)
     assert reference_bytes("full", dpo, tiny_shape, 4, 2) == 2_000  # a 16-bit copy on every GPU
     assert reference_bytes("zero2", dpo, tiny_shape, 4, 2) == 2_000
-    assert reference_bytes("zero3", dpo, tiny_shape, 4, 2) == 500  # sharded only under ZeRO-3
+    assert reference_bytes("zero3", dpo, tiny_shape, 4, 2) == 500  # sharded only under ZeRO-3 and FSDP
+    assert reference_bytes("fsdp", dpo, tiny_shape, 4, 2) == 500
     assert reference_bytes("lora", dpo, tiny_shape, 4, 2) == 0  # adapters disabled = the reference
     assert reference_bytes("full", TrainingSetup(precompute_ref_log_probs=True), tiny_shape, 4, 2) == 0
     assert reference_bytes("full", TrainingSetup(stage="sft"), tiny_shape, 4, 2) == 0

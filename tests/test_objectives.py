@@ -141,6 +141,7 @@ NOT_A_BRANCH = {
     ("src/embedded", ""): "the embedded default's data folders (src/embedded/data/dpo, sft) and verdict fields",
     ("src/trainers/kto.py", ""): "KTO's trainer module: its loss type 'kto' and its own key in the reference cache",
     ("src/trainers/simpo.py", "self.loss_type in"): "CPOTrainer's loss types that average the log-probs (its rule)",
+    ("src/trainers/grpo.py", "CLIPPED_LOSSES = "): "GRPOTrainer's loss types whose clipped shares TRL logs (its rule)",
 }
 
 

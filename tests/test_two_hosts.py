@@ -215,6 +215,27 @@ def test_a_node_without_the_warm_reference_cache_does_not_hang_the_job(two_hosts
     assert len(reference_files(nodes[1])) == len(reference_files(nodes[0]))
 
 
+def test_zero2_over_two_hosts_trains_as_two_processes_on_one(two_hosts, tiny_model, preference_file, tmp_path):
+    """`STRATEGY=zero2 ./run_distributed.sh 1` on each host (accelerate launch, DeepSpeed over gloo on the veth): the
+    job ran DeepSpeed ZeRO-2 as one job of 2 over 2 nodes, with the losses of the same job as 2 processes on one node
+    (forked here with the environment accelerate launch gives its workers, tests/engine_launch.py)."""
+    from engine_launch import accelerate_environment
+
+    nodes, results = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "results"
+    args = dpo_args(tiny_model, preference_file, results, "zero2_nodes")
+    outcome = launch_nodes(two_hosts, nodes, args, 29513, per_node=1, STRATEGY="zero2", MAX_RESTARTS="0")
+    for node, (code, output) in enumerate(outcome):
+        assert code == 0, f"node {node} exited {code}:\n{output[-6000:]}"
+    info = run_files.read_json(results / "zero2_nodes" / run_files.TRAINING_INFO)
+    assert (info["engine"], info["zero_stage"], info["world_size"], info["num_nodes"]) == ("deepspeed", 2, 2, 2)
+    one_node = forked.run_job(2, args[:args.index("--run_name") + 1] + ["one_node"] + args[args.index("--run_name") + 2:],
+                              env=accelerate_environment("zero2") | {"OMP_NUM_THREADS": "1"}, timeout=NODE_TIMEOUT)
+    assert one_node.returncode == 0, (one_node.stdout + one_node.stderr)[-6000:]
+    losses = {run: [record["loss"] for record in run_files.read_jsonl(results / run / run_files.METRICS)
+                    if "loss" in record] for run in ("zero2_nodes", "one_node")}
+    assert len(losses["one_node"]) == 4 and losses["zero2_nodes"] == pytest.approx(losses["one_node"], rel=1e-5)
+
+
 def test_results_on_storage_a_node_cannot_see_is_refused(two_hosts, tiny_model, preference_file, tmp_path):
     """Each node sees its own directory at --results_dir: node 1 would silently start afresh on a resume while node 0
     resumes. The job stops with one clear line instead (MAX_RESTARTS=0: restarting cannot fix storage). One process

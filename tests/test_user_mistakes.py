@@ -475,6 +475,16 @@ MISTAKES = [
     Mistake("comm_hook_under_zero", "A DDP communication hook (`--ddp_comm_hook`) with a sharding engine "
             "(`STRATEGY=zero3`)", "--ddp_comm_hook fp16 compresses DDP's all-reduce, and DeepSpeed ZeRO-3 reduces "
             "gradients its own way", lambda ws: ws.args(ddp_comm_hook="fp16"), env={"STRATEGY": "zero3"}),
+    Mistake("qlora_under_zero3", "4-bit QLoRA (`--load_in_4bit`) under a sharding engine that shards weights "
+            "(`STRATEGY=zero3` or `fsdp`)", "--load_in_4bit (QLoRA) under DeepSpeed ZeRO-3: the 4-bit base as "
+            "bitsandbytes stores it cannot be sharded; launch QLoRA with plain DDP or STRATEGY=zero2",
+            lambda ws: ws.args(use_lora="true", load_in_4bit="true"), env={"STRATEGY": "zero3"}),
+    Mistake("qlora_under_fsdp", "4-bit QLoRA under FSDP (`STRATEGY=fsdp`)", "--load_in_4bit (QLoRA) under FSDP: the "
+            "4-bit base as bitsandbytes stores it cannot be sharded",
+            lambda ws: ws.args(use_lora="true", load_in_4bit="true"), env={"STRATEGY": "fsdp"}),
+    Mistake("batch_not_divisible_under_zero", "A global batch that DeepSpeed's processes cannot share "
+            "(`STRATEGY=zero2`)", "--batch_size 3 cannot be split across 2 processes: use a multiple of 2",
+            lambda ws: ws.args(batch_size="3"), env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "STRATEGY": "zero2"}),
     Mistake("batch_not_divisible", "A global batch that the processes cannot share", "--batch_size 3 cannot be "
             "split across 2 processes: use a multiple of 2, the nearest 2 or 4", lambda ws: ws.args(batch_size="3"),
             env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),

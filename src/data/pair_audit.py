@@ -184,8 +184,39 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     prompts the model trains on)."""
     import numpy as np
 
-    row_hash, source_row = _column(pieces, "_row_hash"), _column(pieces, "_source_row")
     kept = statuses == kept_status
+    audit = _rows_audit(pieces, kept, train_prompts)
+    pairs = audit["pairs"]
+    prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
+    chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)
+    shape = shape_of(stage)
+    if shape == PROMPTS:  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
+        audit.update(prompt_tokens=_stats(prompt), length_histogram=histogram({"prompt": prompt}))
+        return audit
+    chosen_reasoning = _column(pieces, "_chosen_reasoning_tokens")[kept].astype(np.int64)
+    if shape == UNPAIRED:
+        prompt_hashes, labels = _column(pieces, "_prompt_hash")[kept], _column(pieces, "_label")[kept]
+        return audit | kto_audit(prompt_hashes, labels, prompt, chosen, max_length) | \
+            reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept)
+    if shape == SEQUENCES:
+        audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
+                     suggested_max_length=_suggested_max_length(chosen),
+                     length_histogram=histogram({"sequence": chosen}),
+                     **reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept))
+        return audit
+    if not reasoning_kept:  # pairs --reasoning drop made identical (dropped as chosen == rejected): named apart
+        audit["identical_by_reasoning_drop"] = int((_column(pieces, "_pair_difference") == ONLY_REASONING_DIFFERS).sum())
+    # DPO truncates prompt + answer to max_length (TRL keeps the start); a reward pair over it was dropped instead
+    limit = max_length if objective(stage).training.truncates_to_max_length else math.inf
+    return audit | _pairs_audit(pieces, kept, prompt, chosen, chosen_reasoning, limit, reasoning_kept)
+
+
+def _rows_audit(pieces: list, kept, train_prompts) -> dict:
+    """What every row of a split is, kept or not: how many, distinct prompts, repeated rows, held-out prompts also in
+    train, tool calls and their problems."""
+    import numpy as np
+
+    row_hash, source_row = _column(pieces, "_row_hash"), _column(pieces, "_source_row")
     rows, pairs = len(row_hash), int(kept.sum())
     _, first_index = np.unique(row_hash, return_index=True)
     repeated = np.ones(rows, dtype=bool)
@@ -203,30 +234,19 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     if calls:  # the rows' tool calls, and what is wrong with them (every row, kept or not)
         audit["tool_calls"] = calls
         audit.update({f"tool_{name}": int(_column(pieces, f"_tool_{name}").sum()) for name in TOOL_PROBLEMS})
-    prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
-    chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)
-    shape = shape_of(stage)
-    if shape == PROMPTS:  # no answers: what the prompts are (repeats, lengths, held-out ones also in train)
-        audit.update(prompt_tokens=_stats(prompt), length_histogram=histogram({"prompt": prompt}))
-        return audit
-    chosen_reasoning = _column(pieces, "_chosen_reasoning_tokens")[kept].astype(np.int64)
-    if shape == UNPAIRED:
-        return audit | kto_audit(prompts[kept], _column(pieces, "_label")[kept], prompt, chosen, max_length) | \
-            reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept)
-    if shape == SEQUENCES:
-        audit.update(sequence_tokens=_stats(chosen), truncated_share=_share((chosen > max_length).sum(), pairs),
-                     suggested_max_length=_suggested_max_length(chosen),
-                     length_histogram=histogram({"sequence": chosen}),
-                     **reasoning_audit(prompt, {"completion": chosen_reasoning}, max_length, None, reasoning_kept))
-        return audit
-    if not reasoning_kept:  # pairs --reasoning drop made identical (dropped as chosen == rejected): named apart
-        audit["identical_by_reasoning_drop"] = int((_column(pieces, "_pair_difference") == ONLY_REASONING_DIFFERS).sum())
+    return audit
+
+
+def _pairs_audit(pieces: list, kept, prompt, chosen, chosen_reasoning, limit: float, reasoning_kept: bool) -> dict:
+    """The kept pairs: lengths, which side is longer, what `limit` cuts (prompt + answer over it), the answers' shared
+    start, and their reasoning."""
+    import numpy as np
+
+    pairs = int(kept.sum())
     rejected = _column(pieces, "_rejected_tokens")[kept].astype(np.int64)
     shared = _column(pieces, "_shared_tokens")[kept].astype(np.int64)
     overlap = shared / np.maximum(np.minimum(chosen, rejected), 1)
-    # DPO truncates prompt + answer to max_length (TRL keeps the start); a reward pair over it was dropped instead
-    limit = max_length if objective(stage).training.truncates_to_max_length else math.inf
-    audit.update(
+    return dict(
         prompt_tokens=_stats(prompt), chosen_tokens=_stats(chosen), rejected_tokens=_stats(rejected),
         chosen_longer_share=_share((chosen > rejected).sum(), pairs),
         chosen_shorter_share=_share((chosen < rejected).sum(), pairs),
@@ -243,7 +263,6 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
                                    "rejected": _column(pieces, "_rejected_reasoning_tokens")[kept].astype(np.int64)},
                           limit, _column(pieces, "_pair_difference")[kept], reasoning_kept),
     )
-    return audit
 
 
 def reasoning_audit(prompt_tokens, reasoning_by_side: dict, max_length: float, differences,

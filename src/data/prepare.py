@@ -113,31 +113,11 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
 
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
-    with hang_watch.phase("data", f"loading {location}", hang_watch.UNWATCHED):  # a download: not judged
-        raw, origins = load_source_with_origins(data, stage)
-    first_split = raw[next(iter(raw))]
-    if len(first_split) == 0:
-        raise DataError(f"--dataset_name {location}: the data has no rows")
-    if data.meta_columns:  # before the renaming: the flag names the source's own columns
-        raw = gather_meta(raw, data, location)
-    mapping = apply_column_mapping(first_split.column_names, data)
-    if mapping:
-        raw = raw.rename_columns(mapping)
-    if data.chat_prompts:
-        raw = prompts_as_chats(raw, location)
+    raw, origins, mapping = _load_with_columns_mapped(data, stage, location)
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]
-    try:
-        shape = detect_shape(columns, first_row, stage)
-    except DataError as error:
-        raise DataError(f"{location}: {error}") from None
-    if shape == "kto_pairs" and not (data.kto_from_pairs or data.dataset_name == EMBEDDED):
-        raise DataError(f"{location}: preference pairs (chosen / rejected), not thumbs up / down rows: add "
-                        "--kto_from_pairs to train KTO on them as unpaired rows, or use --stage dpo")
-    named = {canonical: source for source, canonical in mapping.items()}
-    check_chat_messages(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
-                        tokenizer, location, origins)
+    shape = _recognised_shape(raw, columns, first_row, mapping, data, stage, tokenizer, location, origins)
     # Each row carries its number in its source split, so an error names the row a user finds in the file, not its
     # place in the training split once the held-out rows are carved out.
     raw = datasets.DatasetDict({name: split.add_column(SOURCE_ROW, np.arange(len(split), dtype=np.int64))
@@ -169,6 +149,41 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
                                              work)
         counts[kind] = _counts(tokenized[kind], stage, kwargs["source"], data.max_length)
     return location, shape, tokenized, counts
+
+
+def _load_with_columns_mapped(data: DataArguments, stage: str, location: str):
+    """The source's splits as the flags shape them: --meta_columns gathered, the --*_column flags' renamings (returned
+    as {source column: canonical name}), --chat_prompts; and where its rows came from (files, for error lines)."""
+    with hang_watch.phase("data", f"loading {location}", hang_watch.UNWATCHED):  # a download: not judged
+        raw, origins = load_source_with_origins(data, stage)
+    first_split = raw[next(iter(raw))]
+    if len(first_split) == 0:
+        raise DataError(f"--dataset_name {location}: the data has no rows")
+    if data.meta_columns:  # before the renaming: the flag names the source's own columns
+        raw = gather_meta(raw, data, location)
+    mapping = apply_column_mapping(first_split.column_names, data)
+    if mapping:
+        raw = raw.rename_columns(mapping)
+    if data.chat_prompts:
+        raw = prompts_as_chats(raw, location)
+    return raw, origins, mapping
+
+
+def _recognised_shape(raw, columns: list[str], first_row: dict, mapping: dict[str, str], data: DataArguments,
+                      stage: str, tokenizer, location: str, origins) -> str:
+    """The source's shape for this stage (one line naming the source when it has none), pairs refused for KTO unless
+    asked for, and its chat messages checked against the tokenizer's template."""
+    try:
+        shape = detect_shape(columns, first_row, stage)
+    except DataError as error:
+        raise DataError(f"{location}: {error}") from None
+    if shape == "kto_pairs" and not (data.kto_from_pairs or data.dataset_name == EMBEDDED):
+        raise DataError(f"{location}: preference pairs (chosen / rejected), not thumbs up / down rows: add "
+                        "--kto_from_pairs to train KTO on them as unpaired rows, or use --stage dpo")
+    named = {canonical: source for source, canonical in mapping.items()}
+    check_chat_messages(raw, {column: named.get(column, column) for column in CHAT_COLUMNS if column in columns},
+                        tokenizer, location, origins)
+    return shape
 
 
 def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int, reasoning_kept: bool = True) -> dict:

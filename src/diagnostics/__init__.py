@@ -10,7 +10,7 @@ The check reads the machine once, then judges it with pure functions:
 - `devices`       which GPUs CUDA will show the training processes, in CUDA's numbering.
 - `topology`      the `nvidia-smi topo -m` matrix, the P2P matrix and the transport NCCL will pick per pair.
 - `model_shape`   a model's parameter and layer sizes, from a config (meta device) or a parameter count.
-- `memory_plan`   memory per GPU for full fine-tuning, LoRA, QLoRA, ZeRO-2/3 and the largest batch that fits.
+- `memory_plan`   memory per GPU for full fine-tuning (DDP, ZeRO-1/2/3, FSDP2), LoRA, QLoRA and the largest batch that fits.
 - `bandwidth`     the all-reduce bus-bandwidth measurement, run in a child process with a hard timeout
                   (`allreduce_worker` is that child).
 - `problems`      one rule per problem it can detect, each with its fix.

@@ -1,11 +1,26 @@
 """Memory per device for each way to train a model, whether it fits, and the largest per-device batch that does.
 
-Model state per device (P parameters, N devices, T LoRA parameters), mixed precision:
-  full fine-tune (DDP)  18 B/param: fp32 weights 4 + 16-bit copy 2 + fp32 grads 4 + Adam moments 8 (16 in fp32)
+Model state per device (P parameters, N devices, T LoRA parameters, h the hidden size), as weights + gradients +
+optimizer states (`ENGINE_STATE`), each part at its largest of two moments: after the backward and as the optimizer
+steps. Measured per rank on 2 and 4 CPU processes (tests/test_memory_plan_engines.py): every engine in fp32, DeepSpeed's
+stages also in bf16; DDP's and FSDP2's mixed precision is their fp32 state (see below) plus autocast's 16-bit copy:
+                        fp32                                 mixed precision (bf16/fp16)
+  full fine-tune (DDP)  4P + 8P + 8P = 20P                   6P + 8P + 8P = 22P
+  ZeRO-1, ZeRO-2        4P + 4P/N + 12P/N                    2P + 4P/N + 12P/N
+  ZeRO-3                4P/N + 8P/N + 12P/N                  2P/N + 6P/N + 12P/N
+  FSDP2                 4P/N + 4P/N + 8P/N                   the same: the toolkit's shards stay fp32
   LoRA                  frozen 16-bit base 2P + adapters 16T (fp32 weight, grad and two Adam moments)
   QLoRA                 NF4 linear layers 0.55 B/param, embeddings and output layer 16-bit, adapters 16T
-  ZeRO-2                2P + 18P/N
-  ZeRO-3                18P/N + the largest layer gathered in 16-bit with its 16-bit gradient (4 B/param)
+DDP's gradients are counted twice: each parameter's and DDP's all-reduce buckets, a copy of them (torch's default
+`gradient_as_bucket_view=False`). The toolkit keeps fp32 weights under mixed precision (autocast adds the 16-bit copy
+it computes with), so DDP's and FSDP's state is the fp32 one. DeepSpeed keeps an fp32 copy of its share of the weights
+to step even in fp32 (the optimizer's 12P/N: that copy and Adam's two moments) and steps on an fp32 copy of its
+gradient partition (ZeRO-3 holds it next to the partition it reduced into: 8P/N in fp32, 2 + 4 in bf16); ZeRO-1 holds
+what ZeRO-2 does (DeepSpeed's stage 1 keeps only its partition of the reduced gradients as well); each DeepSpeed stage
+adds its reduce bucket, h^2 gradient elements (the size accelerate gives "auto", src/engines.py). ZeRO-1/2 keep a
+parameter's gradient whole where the parameter crosses the edge of a rank's partition: up to two parameters more on a
+rank. ZeRO-3 and FSDP gather the largest layer whole with its gradient while it runs (2 x its weight bytes per
+parameter, the working set).
 DPO reference model: none with LoRA/QLoRA (adapters disabled) or precomputed reference log-probs; otherwise a
 16-bit copy per device, sharded only under ZeRO-3. SFT has no reference.
 
@@ -33,6 +48,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from src.config_error import ConfigError
+from src.engines import FSDP, Engine, check_engine
 from src.objectives import objective
 
 from .data_lengths import DataLengths
@@ -43,13 +60,49 @@ from .time_plan import StepTime
 GIB = 1024**3
 RUNTIME_OVERHEAD_BYTES = GIB
 FRAGMENTATION_MARGIN = 0.10
-MIXED_PRECISION_BYTES_PER_PARAM = 18
-FP32_BYTES_PER_PARAM = 16
 NF4_BYTES_PER_PARAM = 0.55
 ADAPTER_BYTES_PER_PARAM = 16
 LOGITS_FP32_BYTES = 8  # the fp32 upcast and the fp32 log-probs of each logit
-METHODS = ("full", "lora", "qlora", "zero2", "zero3")
-METHOD_LABELS = {"full": "full (DDP)", "lora": "LoRA", "qlora": "QLoRA", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+METHODS = ("full", "lora", "qlora", "zero1", "zero2", "zero3", "fsdp")
+METHOD_LABELS = {"full": "full (DDP)", "lora": "LoRA", "qlora": "QLoRA", "zero1": "ZeRO-1", "zero2": "ZeRO-2",
+                 "zero3": "ZeRO-3", "fsdp": "FSDP2"}
+SHARDED_ENGINES = ("zero1", "zero2", "zero3", "fsdp")
+DEEPSPEED_METHODS = ("zero1", "zero2", "zero3")
+# Per engine and precision ("fp32", or "mixed" for bf16/fp16), what a rank holds of weights, gradients and optimizer
+# states: (bytes per parameter, divided over the N processes or not). See the module doc.
+ENGINE_STATE = {
+    "full": {"fp32": ((4, False), (8, False), (8, False)), "mixed": ((6, False), (8, False), (8, False))},
+    "zero1": {"fp32": ((4, False), (4, True), (12, True)), "mixed": ((2, False), (4, True), (12, True))},
+    "zero2": {"fp32": ((4, False), (4, True), (12, True)), "mixed": ((2, False), (4, True), (12, True))},
+    "zero3": {"fp32": ((4, True), (8, True), (12, True)), "mixed": ((2, True), (6, True), (12, True))},
+    "fsdp": {"fp32": ((4, True), (4, True), (8, True)), "mixed": ((4, True), (4, True), (8, True))},
+}
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What one rank holds of the model's state under an engine, in bytes."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    working_set: int = 0  # ZeRO-3 / FSDP: the largest layer gathered whole with its gradient while it runs
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.working_set
+
+
+def engine_state(method: str, shape: ModelShape, num_devices: int, weight_bytes: int) -> EngineState:
+    """Weights, gradients and optimizer states per rank for full fine-tuning under DDP, ZeRO-1/2/3 or FSDP2
+    (`ENGINE_STATE`), with DeepSpeed's reduce bucket and the gathered working set."""
+    params = shape.total_params
+    parts = [bytes_per_param * params // (num_devices if sharded else 1)
+             for bytes_per_param, sharded in ENGINE_STATE[method]["fp32" if weight_bytes == 4 else "mixed"]]
+    if method in DEEPSPEED_METHODS:
+        parts[1] += shape.hidden_size ** 2 * weight_bytes  # the reduce bucket, h^2 elements of gradient
+    gathered = 2 * weight_bytes * shape.largest_layer_params if method in ("zero3", "fsdp") else 0
+    return EngineState(*parts, working_set=gathered)
 
 
 @dataclass
@@ -68,6 +121,8 @@ class MethodEstimate:
     max_per_device_batch: int  # 0 when even the model state does not fit
     chosen: bool = False  # the method of the user's recipe
     note: str | None = None  # why it cannot run here, or a caveat
+    # Full fine-tuning under an engine: its model state split into weights, gradients and optimizer states per rank
+    engine_state: EngineState | None = None
 
 
 @dataclass
@@ -121,18 +176,13 @@ def _quantized_params(shape: ModelShape) -> int:
 
 def model_state_bytes(method: str, shape: ModelShape, trainable: int, num_devices: int, weight_bytes: int) -> int:
     params = shape.total_params
-    full_bytes = MIXED_PRECISION_BYTES_PER_PARAM if weight_bytes == 2 else FP32_BYTES_PER_PARAM
-    if method == "full":
-        return params * full_bytes
+    if method in ENGINE_STATE:
+        return engine_state(method, shape, num_devices, weight_bytes).total
     if method == "lora":
         return params * weight_bytes + trainable * ADAPTER_BYTES_PER_PARAM
     if method == "qlora":
         quantized = _quantized_params(shape)
         return int(quantized * NF4_BYTES_PER_PARAM) + (params - quantized) * 2 + trainable * ADAPTER_BYTES_PER_PARAM
-    if method == "zero2":
-        return 2 * params + params * full_bytes // num_devices
-    if method == "zero3":
-        return params * full_bytes // num_devices + 4 * shape.largest_layer_params
     raise ValueError(f"unknown method {method}")
 
 
@@ -144,7 +194,7 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
         kept = objective(setup.stage).training.needs_reference if setup.reference_kept is None else setup.reference_kept
     if not kept or method in ("lora", "qlora") or setup.precompute_ref_log_probs:
         return 0
-    if method == "zero3":
+    if method in ("zero3", "fsdp"):  # the reference sharded like the policy (TRL prepares it with the engine)
         return shape.total_params * weight_bytes // num_devices
     return shape.total_params * weight_bytes
 
@@ -205,13 +255,25 @@ def largest_batch(static_bytes: int, per_sample_bytes: int, budget_bytes: int) -
     return batch
 
 
+def _runs_here(method: str, device_kind: str) -> bool:
+    """bitsandbytes' 4-bit training needs CUDA; DeepSpeed runs on CPU processes too, FSDP where src/engines.py lets it."""
+    if method == "qlora":
+        return device_kind != "cpu"
+    if method == "fsdp":
+        try:
+            check_engine(Engine(FSDP), "cuda" if device_kind == "gpu" else "cpu")
+        except ConfigError:
+            return False
+    return True
+
+
 def _note(method: str, device_kind: str, num_devices: int, deepspeed_installed: bool) -> str | None:
     """Why a method cannot run here, or a caveat about it."""
-    if method == "qlora" and device_kind == "cpu":
+    if not _runs_here(method, device_kind):
         return "needs CUDA GPUs"
-    if method in ("zero2", "zero3") and not deepspeed_installed:
+    if method in DEEPSPEED_METHODS and not deepspeed_installed:
         return "needs deepspeed (not installed)"
-    if method in ("zero2", "zero3") and num_devices == 1:
+    if method in SHARDED_ENGINES and num_devices == 1:
         return "1 device: nothing to shard"
     return None
 
@@ -253,36 +315,8 @@ def plan_memory(
         generation_tokens=setup.generation_tokens,
     )
     adapter_per_sample = adapter_activation_bytes_per_sample(shape, setup, weight_bytes)
-    for method in METHODS:
-        adapters = method in ("lora", "qlora")
-        state = model_state_bytes(method, shape, trainable if adapters else 0, num_devices, weight_bytes)
-        reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
-        # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
-        saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
-                                weight_bytes, kept=True) if objective(setup.stage).memory.reference_free else 0
-        # sampling (its KV cache) and training (its activations) come one after the other: the larger is the peak
-        method_per_sample = max(per_sample + (adapter_per_sample if adapters else 0), plan.generation_bytes_per_sample)
-        activations = batch * method_per_sample
-        total = with_margin(state + reference + activations)
-        # DeepSpeed runs on CPU processes too (src/engines.py); bitsandbytes' 4-bit training needs CUDA
-        runs_here = not (device_kind == "cpu" and method == "qlora")
-        plan.estimates.append(
-            MethodEstimate(
-                method=method,
-                label=METHOD_LABELS[method] + (f" r={setup.lora_r}" if method in ("lora", "qlora") else ""),
-                model_state_bytes=state,
-                reference_bytes=reference,
-                reference_saved_bytes=saved,
-                activation_bytes=activations,
-                margin_bytes=total - (state + reference + activations),
-                total_bytes=total,
-                runs_here=runs_here,
-                fits=runs_here and total <= budget_bytes,
-                max_per_device_batch=largest_batch(state + reference, method_per_sample, budget_bytes),
-                chosen=setup.method_chosen and method == setup.method,
-                note=_note(method, device_kind, num_devices, deepspeed_installed),
-            )
-        )
+    plan.estimates += [_method_estimate(method, plan, setup, weight_bytes, adapter_per_sample, deepspeed_installed)
+                       for method in METHODS]
     suggested = setup.data_lengths.suggested_max_length if setup.data_lengths else None
     if suggested and suggested != setup.max_length and not setup.data_lengths.packed:
         at_suggested = plan_memory(shape, dataclasses.replace(setup, max_length=suggested, data_lengths=None),
@@ -291,3 +325,38 @@ def plan_memory(
         plan.at_suggested_max_length = at_suggested.chosen() or next(
             estimate for estimate in at_suggested.estimates if estimate.method == "lora")
     return plan
+
+
+def _method_estimate(method: str, plan: MemoryPlan, setup: TrainingSetup, weight_bytes: int, adapter_per_sample: int,
+                     deepspeed_installed: bool) -> MethodEstimate:
+    """One method's row of the plan (full fine-tune, an engine, LoRA, QLoRA): its model state, reference, activations
+    and whether it fits the budget."""
+    shape, num_devices, device_kind, budget_bytes = plan.model, plan.num_devices, plan.device_kind, plan.budget_bytes
+    adapters = method in ("lora", "qlora")
+    state = model_state_bytes(method, shape, plan.lora_trainable_params if adapters else 0, num_devices, weight_bytes)
+    reference = reference_bytes(method, setup, shape, num_devices, weight_bytes)
+    # What a reference-free objective saves: the copy DPO keeps when it does not cache reference log-probs
+    saved = reference_bytes(method, dataclasses.replace(setup, precompute_ref_log_probs=False), shape, num_devices,
+                            weight_bytes, kept=True) if objective(setup.stage).memory.reference_free else 0
+    # sampling (its KV cache) and training (its activations) come one after the other: the larger is the peak
+    method_per_sample = max(plan.activation_bytes_per_sample + (adapter_per_sample if adapters else 0),
+                            plan.generation_bytes_per_sample)
+    activations = plan.per_device_batch_size * method_per_sample
+    total = with_margin(state + reference + activations)
+    runs_here = _runs_here(method, device_kind)
+    return MethodEstimate(
+        method=method,
+        label=METHOD_LABELS[method] + (f" r={setup.lora_r}" if adapters else ""),
+        model_state_bytes=state,
+        reference_bytes=reference,
+        reference_saved_bytes=saved,
+        activation_bytes=activations,
+        margin_bytes=total - (state + reference + activations),
+        total_bytes=total,
+        runs_here=runs_here,
+        fits=runs_here and total <= budget_bytes,
+        max_per_device_batch=largest_batch(state + reference, method_per_sample, budget_bytes),
+        chosen=setup.method_chosen and method == setup.method,
+        note=_note(method, device_kind, num_devices, deepspeed_installed),
+        engine_state=engine_state(method, shape, num_devices, weight_bytes) if method in ENGINE_STATE else None,
+    )

@@ -300,6 +300,7 @@ def _memory_plan(report: dict) -> list[str]:
             ]
         )
     lines += _table(rows, right_aligned={1, 2, 3, 4, 5, 7})
+    lines += _wrapped(_engine_states(plan), INDENT, INDENT)
     if plan.get("generation_bytes_per_sample"):
         lines += _wrapped(
             f"{plan['stage'].upper()} samples its answers before each step: a KV cache of "
@@ -317,6 +318,20 @@ def _memory_plan(report: dict) -> list[str]:
         INDENT,
     )
     return lines
+
+
+def _engine_states(plan: dict) -> str:
+    """One line: each engine's model+optim split per process into weights + gradients + optimizer states (+ the layer
+    ZeRO-3 and FSDP gather as it runs)."""
+    parts = []
+    for estimate in plan["estimates"]:
+        state = estimate.get("engine_state")
+        if state:
+            gathered = f" + {_gib(state['working_set'])} gathered" if state["working_set"] else ""
+            parts.append(f"{estimate['label']} {_gib(state['weights'])} + {_gib(state['gradients'])} + "
+                         f"{_gib(state['optimizer'])}{gathered}")
+    per = "GPU" if plan["device_kind"] == "gpu" else "process"
+    return f"Full fine-tuning's model+optim per {per}, weights + gradients + optimizer states (GiB): " + "; ".join(parts)
 
 
 def _seconds(value: float) -> str:

@@ -42,7 +42,8 @@ class Prepared:
 
 def check_launch(config: Config, world: World, devices: Devices) -> None:
     """What the launch itself asks for: the engine (src/engines.py), SageMaker's idle GPUs, the trackers."""
-    check_engine(requested_engine(), devices.kind, config.training.ddp_comm_hook)  # src/engines.py
+    check_engine(requested_engine(), devices.kind, config.training.ddp_comm_hook,  # src/engines.py
+                 config.model.load_in_4bit)
     idle_gpus = sagemaker_process_hint(world)
     if idle_gpus:
         print0(f"  warning: {idle_gpus}")

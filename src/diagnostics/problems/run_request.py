@@ -11,8 +11,10 @@ from src.diagnostics.problems.machine import ERROR, WARNING, Machine, Problem, g
 
 # How each method of the memory plan is asked for at launch.
 HOW_TO_RUN = {"full": "the default", "lora": "--use_lora", "qlora": "--use_lora --load_in_4bit",
+              "zero1": "STRATEGY=zero1 ./run_distributed.sh ..., with deepspeed installed",
               "zero2": "STRATEGY=zero2 ./run_distributed.sh ..., with deepspeed installed",
-              "zero3": "STRATEGY=zero3 ./run_distributed.sh ..., with deepspeed installed"}
+              "zero3": "STRATEGY=zero3 ./run_distributed.sh ..., with deepspeed installed",
+              "fsdp": "STRATEGY=fsdp ./run_distributed.sh ..."}
 
 
 def plan_refused(machine: Machine) -> list[Problem]:
@@ -114,7 +116,9 @@ def memory_fit(machine: Machine) -> list[Problem]:
             "optimizer step through gradient accumulation"
         )
     else:
-        others = [f"{estimate.label} ({HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
+        # Each with its model state per device, the number docs/configuration.md's engine table quotes
+        others = [f"{estimate.label} ({gib(estimate.model_state_bytes)} of model state per {_per_device(plan)}, "
+                  f"{gib(estimate.total_bytes)} in all: {HOW_TO_RUN[estimate.method]})" for estimate in plan.estimates
                   if estimate.fits and estimate.method != chosen.method]
         bigger = "use more or larger GPUs" if plan.device_kind == "gpu" else "use GPUs, a machine with more RAM, or a smaller model"
         fix = (f"use {' or '.join(others)}" if others else bigger) + (
