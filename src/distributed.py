@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from src.config_error import ConfigError
-from src.engines import accelerate_cpu
+from src.engines import accelerate_cpu, adopt_fsdp_on_cpu
 from src.plan import Plan
 from src.world import World
 from src.resource_limits import threads_per_process
@@ -53,7 +53,9 @@ def init(plan: Plan, world: World):
     if world.world_size == 1:
         return PartialState(cpu=cpu)
     _init_process_group(plan.backend, world)  # accelerate finds it initialized and adopts it
-    return PartialState(cpu=cpu, backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+    state = PartialState(cpu=cpu, backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+    adopt_fsdp_on_cpu(plan.device, world.world_size)  # accelerate alone would drop FSDP on CPU processes
+    return state
 
 
 def _init_process_group(backend: str, world: World) -> None:

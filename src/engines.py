@@ -1,16 +1,19 @@
 """The engine that spreads a job over its processes: plain data parallelism (DDP), DeepSpeed ZeRO stage 1, 2 or 3, or
 FSDP2. This module owns which engine a launch asked for (`requested`: accelerate's launch environment, or the
 launcher's STRATEGY in its preflight), the refusals of what cannot work with it (`check_engine`, before any process
-group), what the process group and TRL's config need so that the engine runs on CPU processes too (`accelerate_cpu`),
-what training_info.json records of the engine that actually ran (`engine_record`, read from the trainer's
-accelerator, never assumed), DeepSpeed's buffers sized by the model (`size_buffers_by_model`), and whole weights
-for code that reads them under ZeRO-3 (`gathered`).
+group), what the process group and TRL's config need so that the engine runs on CPU processes too (`accelerate_cpu`;
+FSDP2: `adopt_fsdp_on_cpu`, `trainer_accelerator_config`), what training_info.json records of the engine that
+actually ran (`engine_record`, read from the trainer's accelerator, never assumed), DeepSpeed's buffers sized by the
+model (`size_buffers_by_model`), the final model saved whole under FSDP (`whole_weights_on_save`), and whole weights
+or this rank's shard for code that reads them under ZeRO-3 (`gathered`) and FSDP2 (`whole`, `local_shard`).
 
     STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
 
 Why `accelerate_cpu` exists: accelerate 1.15 runs DeepSpeed only when it is not told to use the CPU; told so (what
 TRL's `use_cpu=True` does), it silently trains plain DDP (`MULTI_CPU`) and reports success. Without it, on a machine
 without CUDA, DeepSpeed picks its CPU accelerator and trains with gloo on the process group the toolkit started.
+FSDP is the other way round: accelerate 1.15 keeps it only on GPU-like devices, so on CPU processes the toolkit marks
+accelerate's state FSDP itself (`adopt_fsdp_on_cpu`), and accelerate's own FSDP2 path does the rest.
 
 Light: no torch, no deepspeed (the preflight reads it).
 """
@@ -78,10 +81,6 @@ def check_engine(engine: Engine | None, device_kind: str, ddp_comm_hook: str = "
         raise ConfigError(f"--ddp_comm_hook {ddp_comm_hook} compresses DDP's all-reduce, and {engine.title} reduces "
                           "gradients its own way: drop the flag (DeepSpeed: set communication_data_type in its "
                           "config), or launch plain DDP")
-    if engine.name == FSDP and device_kind != "cuda":
-        # accelerate 1.15 builds no FSDP state on CPU processes (distributed type NO: each rank would train alone)
-        raise ConfigError("the accelerate config asks for FSDP, which accelerate runs only on CUDA GPUs, and this "
-                          "machine has none: launch without it (./run_distributed.sh, or STRATEGY=ddp or zero3)")
     if engine.name == DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(f"{engine.title} needs DeepSpeed: pip install -r requirements.txt (deepspeed)")
 
@@ -91,6 +90,38 @@ def accelerate_cpu(device_kind: str, environ: Mapping[str, str] | None = None) -
     DeepSpeed, which accelerate would then silently replace by plain DDP."""
     engine = launched(environ)
     return device_kind == "cpu" and not (engine is not None and engine.name == DEEPSPEED)
+
+
+def fsdp_on_cpu(device_kind: str, world_size: int, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this job runs FSDP on CPU processes: an accelerate FSDP launch on a machine without CUDA."""
+    engine = launched(environ)
+    return device_kind == "cpu" and world_size > 1 and engine is not None and engine.name == FSDP
+
+
+def adopt_fsdp_on_cpu(device_kind: str, world_size: int) -> None:
+    """FSDP2 on CPU processes through accelerate's own FSDP path, the one place the toolkit steps in: accelerate 1.15
+    chooses FSDP only for GPU-like distributed types (`AcceleratorState.__init__`) and on CPU processes (`MULTI_CPU`,
+    gloo) drops the plugin, so each rank would train plain DDP. Here its state is built once with the launch config's
+    FSDP plugin and marked FSDP; everything after that choice (`fully_shard` per decoder layer, the optimizer over the
+    shards, sharded checkpoints, the full state dict of the final save) is accelerate's, transformers' and torch's,
+    and device-agnostic. The Trainer adopts this state (`trainer_accelerator_config`) instead of building its own."""
+    if not fsdp_on_cpu(device_kind, world_size):
+        return
+    from accelerate.state import AcceleratorState, PartialState  # FSDP on CPU only: accelerate is imported by then
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the launch config's FSDP_* environment, as Accelerator builds it
+    state = AcceleratorState(cpu=True, fsdp_plugin=plugin, dynamo_plugin=TorchDynamoPlugin(), _from_accelerator=True)
+    state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+    # where accelerate itself keeps the chosen type (the end of AcceleratorState.__init__): each later
+    # AcceleratorState() copies the partial state's values over its own
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def trainer_accelerator_config(device_kind: str, world_size: int) -> dict | None:
+    """TrainingArguments' `accelerator_config`: under FSDP on CPU processes, keep the state `adopt_fsdp_on_cpu` built
+    (TrainingArguments otherwise resets accelerate's state and rebuilds it without FSDP); None: its default."""
+    return {"use_configured_state": True} if fsdp_on_cpu(device_kind, world_size) else None
 
 
 def engine_record(accelerator) -> dict:
@@ -113,6 +144,26 @@ def gathered(parameters):
     import deepspeed  # only where ZeRO-3 partitioned the weights: deepspeed is imported already
 
     return deepspeed.zero.GatheredParameters(parameters)
+
+
+def whole_weights_on_save(trainer) -> None:
+    """Under FSDP, the final save gathers the whole weights into ordinary files: with a sharded-checkpoint launch config
+    (fsdp_state_dict_type: SHARDED_STATE_DICT, each rank its own shard in a checkpoint) the Trainer's save_model
+    would write no model file at all. accelerate's public switch of the plugin's state-dict type."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
+def local_shard(tensor):
+    """The part of a tensor this rank holds and may change in place: FSDP2's shard of a DTensor (its local tensor,
+    same storage), the tensor itself elsewhere."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def whole(tensor):
+    """A DTensor's value as a plain tensor, the same on every rank (FSDP2: a collective every rank must join; the
+    total norm of sharded gradients, for one), the tensor itself elsewhere."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 # DeepSpeed's communication buffers, sized by accelerate from the model's hidden size where the config says "auto"

@@ -21,6 +21,7 @@ from src.plan import Plan
 from src.world import World
 from src.distributed import barrier, manifest_across_ranks
 from src.embedded.model import ensure_embedded_model
+from src.engines import whole_weights_on_save
 from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
@@ -377,6 +378,21 @@ def _is_probability(name: str, value) -> bool:
         DROPOUT_FIELD.search(name) is not None
 
 
+def _merged_model(model, adapter_dir: Path):
+    """The adapter merged into its base. Under FSDP2 rank 0 holds only its shard of the base (and merging alone
+    would wait forever for the other ranks' gather): the base is loaded whole from where the stage loaded it and the
+    adapter just saved is merged into it, the same sum as in place."""
+    if not any(hasattr(parameter, "to_local") for parameter in model.parameters()):
+        return model.merge_and_unload(safe_merge=True)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter = model.peft_config[model.active_adapter]
+    loader = AutoModelForSequenceClassification if adapter.task_type == "SEQ_CLS" else AutoModelForCausalLM
+    base = loader.from_pretrained(adapter.base_model_name_or_path, config=model.get_base_model().config)
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(safe_merge=True)
+
+
 def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:
     """Save the trained model (adapter only under LoRA) with its tokenizer, and a merged copy on request; return
     where each went. Each directory gets a `.complete` marker with its manifest, as a checkpoint does, which guards
@@ -396,6 +412,7 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
                 if directory.is_dir():
                     remove_marker(directory)
             fail_write_if_injected(final_dir / "model.safetensors")
+        whole_weights_on_save(trainer)  # FSDP with sharded checkpoints: the final model whole all the same
         trainer.save_model(str(final_dir))
     if is_main and noticed_write_failure() is None:
         with write_failures_noted(final_dir):
@@ -403,7 +420,7 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
             if isinstance(model, PeftModel):
                 verify_adapter(final_dir, model)
             if merge:
-                merged = model.merge_and_unload(safe_merge=True)
+                merged = _merged_model(model, final_dir)
                 merged.save_pretrained(merged_dir)
                 tokenizer.save_pretrained(merged_dir)
     barrier()

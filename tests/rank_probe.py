@@ -4,7 +4,8 @@
 
 Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw, a digest of every training row it
 was fed (per optimizer step), a digest of its weights when training ended (the whole weights under ZeRO-3) and what
-it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share).
+it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share,
+ZeRO-3's partitions and FSDP2's DTensor local shards).
 
 Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
 optimizer step K+1 — what a bad kernel or an overflow does to a real run.
@@ -39,16 +40,25 @@ def _torch_optimizer(optimizer):
     return optimizer
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: ZeRO-3's partition (`ds_tensor`), FSDP2's shard (a DTensor's local
+    tensor), or the tensor itself."""
+    if hasattr(tensor, "ds_tensor"):
+        return tensor.ds_tensor
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def held_numbers(trainer, parameters) -> dict:
-    """What this rank holds, in elements: the model's weights (ZeRO-3: its partition), a live reference model's, and
-    its optimizer's states (one moment tensor or flat partition per parameter group, step counters left out)."""
+    """What this rank holds, in elements: the model's weights (ZeRO-3 and FSDP2: its shard), a live reference
+    model's, and its optimizer's states (one moment tensor or flat partition per parameter group, step counters left
+    out)."""
     states = _torch_optimizer(trainer.optimizer).state.values()
     reference = getattr(trainer, "ref_model", None)
-    return {"weights": sum(getattr(p, "ds_tensor", p).numel() for p in parameters),
-            "reference_weights": sum(getattr(p, "ds_tensor", p).numel() for p in reference.parameters())
+    return {"weights": sum(_local(p).numel() for p in parameters),
+            "reference_weights": sum(_local(p).numel() for p in reference.parameters())
             if reference is not None else None,
             "full_weights": sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
-            "optimizer_states": sum(value.numel() for state in states for value in state.values()
+            "optimizer_states": sum(_local(value).numel() for state in states for value in state.values()
                                     if torch.is_tensor(value) and value.dim() > 0),
             # DeepSpeed's gradient reduce bucket as its engine sized it (elements; a ZeRO-3 rank allocates it whole)
             "reduce_bucket": engine.zero_reduce_bucket_size() if hasattr(
@@ -74,7 +84,8 @@ def instrument(build_trainer, probe_dir: Path):
             def on_train_end(self, args, state, control, model=None, **kw):
                 parameters = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
                 with gathered(parameters):  # ZeRO-3: each rank holds a share; the digest is of the whole
-                    weights = torch.cat([p.detach().float().flatten() for p in parameters])
+                    weights = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+                                         .flatten() for p in parameters])  # FSDP2: gathered from the shards
                 record = {"rank": int(os.environ.get("RANK", 0)), "world_size": trainer.args.world_size,
                           "seen": seen, "weights": _digest(weights), "steps": state.global_step,
                           "held": held_numbers(trainer, parameters)}

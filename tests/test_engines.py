@@ -1,9 +1,10 @@
-"""The sharding engines on CPU processes (src/engines.py): DeepSpeed ZeRO-1/2/3 through accelerate's launch
-configs (configs/accelerate/zero*.yaml, the environment accelerate launch gives its workers: tests/engine_launch.py),
-each a forked 2-process job on gloo. One job per engine and objective carries every assertion: the engine that ran
-(training_info.json, read from the trainer's accelerator), the same loss curve as plain DDP at the same global batch
-(fp32, 1e-5), each rank's share (tests/rank_probe.py: optimizer states halved, under ZeRO-3 the weights and a live
-reference too), and the final model consolidated into ordinary safetensors equal to DDP's."""
+"""The sharding engines on CPU processes (src/engines.py): DeepSpeed ZeRO-1/2/3 and FSDP2 through accelerate's launch
+configs (configs/accelerate/zero*.yaml, fsdp.yaml: the environment accelerate launch gives its workers:
+tests/engine_launch.py), each a forked 2-process job on gloo; DPO's DDP run is made once for both engines' tests. One
+job per engine and objective carries every assertion: the engine that ran (training_info.json, read from the
+trainer's accelerator), the same loss curve as plain DDP at the same global batch (fp32, 1e-5), each rank's share
+(tests/rank_probe.py: optimizer states halved, under ZeRO-3 and FSDP2 the weights and a live reference too), and the
+final model consolidated into ordinary safetensors equal to DDP's."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from test_training import assert_reloads_generates_and_changed, common_args, pro
 pytest.importorskip("deepspeed")
 
 
-def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: int | None = None) -> dict:
+def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: int | None = None,
+               launch_config: dict[str, str] | None = None) -> dict:
     """A forked 2-process job as `STRATEGY=<strategy> ./run_distributed.sh 2` starts its workers (ddp: torchrun's
     plain DDP); its training_info.json, loss curve and per-rank probes. `killed_after`: rank 1 is killed right after
-    that checkpoint is complete (the seam in src/run_safety/checkpoints.py), then the same job is launched again."""
+    that checkpoint is complete (the seam in src/run_safety/checkpoints.py), then the same job is launched again.
+    `launch_config`: variables as an edited launch config would set them (FSDP_STATE_DICT_TYPE)."""
     environment = (accelerate_environment(strategy) if strategy != "ddp" else dict(os.environ)) | {
-        "OMP_NUM_THREADS": "1"}
+        "OMP_NUM_THREADS": "1"} | (launch_config or {})
     if killed_after is not None:
         killed = probe_dir.with_name(f"{probe_dir.name}_killed")
         first = forked.run_job(2, [str(probe_dir), *args], entry=rank_probe.entry, env=seams.env(
@@ -50,30 +53,53 @@ def final_weights(path: Path) -> dict:
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
-def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_share(tiny_model, preference_file,
-                                                                                   tmp_path):
+@pytest.fixture(scope="module")
+def dpo_engines(tiny_model, tmp_path_factory):
+    """DPO (packed forward) at global batch 8 = 2 per device x 2 accumulation x 2 processes, 3 steps, checkpoint
+    every 2, under any engine (`run(name, strategy, extra flags, killed_after, launch_config)`), and its DDP run:
+    the one reference the ZeRO and FSDP tests compare with."""
+    root = tmp_path_factory.mktemp("dpo_engines")
+    data = write_jsonl(root / "pairs.jsonl", preference_rows(48))
+
+    def run(name, strategy, extra=(), killed_after=None, launch_config=None):
+        args = common_args(tiny_model, data, root / "results", name, "dpo") + [
+            "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
+            "--save_steps", "2", *extra]
+        return run_engine(strategy, args, root / f"probe_{name}", killed_after, launch_config)
+
+    ddp = run("ddp", "ddp")
+    assert (ddp["info"]["engine"], ddp["info"]["distributed_type"]) == ("ddp", "MULTI_CPU")
+    assert len(ddp["losses"]) == 3 and ddp["losses"][0] > ddp["losses"][-1]
+    whole = ddp["ranks"][0]["held"]
+    assert whole["weights"] == whole["full_weights"] and whole["optimizer_states"] == 2 * whole["weights"]  # AdamW
+    return run, ddp, root
+
+
+def assert_same_final_model(saved_dir: Path, expected_dir: Path, label: str) -> None:
+    """The saved model's weights as from_pretrained loads them equal the expected run's to fp32 noise."""
+    import torch
+
+    saved, expected = final_weights(saved_dir), final_weights(expected_dir)
+    assert saved.keys() == expected.keys(), label
+    for key, tensor in expected.items():
+        torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{label} {key}")
+
+
+def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_share(dpo_engines, tiny_model):
     """DPO (packed forward), global batch 8 = 2 per device x 2 accumulation x 2 processes, 3 steps: DDP, ZeRO-2 and
     ZeRO-3 with the reference log-probs precomputed (TRL's inference engine under DeepSpeed, released before
     training: src/trainers/dpo.py), ZeRO-3 with the live reference (prepared by TRL as a sharded engine too). The
     ZeRO-3 job loses a worker right after checkpoint-2 and is launched again: it resumes from its sharded checkpoint
     (each rank's own partition of weights and optimizer states) to the uninterrupted DDP curve."""
-    runs = {}
-    for name, strategy, extra, killed_after in (
-            ("ddp", "ddp", [], None), ("zero2", "zero2", [], None), ("zero3", "zero3", [], 2),
-            ("zero3_live", "zero3", ["--precompute_ref_log_probs", "false"], None)):
-        args = common_args(tiny_model, preference_file, tmp_path / "results", name, "dpo") + [
-            "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
-            "--save_steps", "2", *extra]
-        runs[name] = run_engine(strategy, args, tmp_path / f"probe_{name}", killed_after)
+    run, ddp, root = dpo_engines
+    runs = {name: run(name, strategy, extra, killed_after) for name, strategy, extra, killed_after in (
+        ("zero2", "zero2", [], None), ("zero3", "zero3", [], 2),
+        ("zero3_live", "zero3", ["--precompute_ref_log_probs", "false"], None))}
     assert [resume["from_step"] for resume in runs["zero3"]["info"]["resumes"]] == [2]
-    checkpoint = tmp_path / "results" / "zero3" / "model" / "checkpoint-2"
+    checkpoint = root / "results" / "zero3" / "model" / "checkpoint-2"
     assert sorted(path.name for path in checkpoint.glob("global_step2/*optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    ddp = runs["ddp"]
-    assert (ddp["info"]["engine"], ddp["info"]["distributed_type"]) == ("ddp", "MULTI_CPU")
-    assert len(ddp["losses"]) == 3 and ddp["losses"][0] > ddp["losses"][-1]
     whole = ddp["ranks"][0]["held"]
-    assert whole["weights"] == whole["full_weights"] and whole["optimizer_states"] == 2 * whole["weights"]  # AdamW
     for name, stage in (("zero2", 2), ("zero3", 3), ("zero3_live", 3)):
         run = runs[name]
         assert (run["info"]["distributed_type"], run["info"]["engine"], run["info"]["zero_stage"]) == (
@@ -92,54 +118,93 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
         else:
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [None, None]
     # ZeRO-3's final model: the partitions gathered into ordinary safetensors, DDP's weights to fp32 noise
-    import torch
-
     assert_reloads_generates_and_changed(runs["zero3"]["final"], tiny_model)
-    expected = final_weights(ddp["final"])
     for name in ("zero2", "zero3"):
-        saved = final_weights(runs[name]["final"])
-        assert saved.keys() == expected.keys()
-        for key, tensor in expected.items():
-            torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        assert_same_final_model(runs[name]["final"], ddp["final"], name)
 
 
-def test_lora_sft_under_zero1_and_zero3_trains_and_saves_the_adapter_ddp_does(tiny_model, tmp_path):
-    """LoRA SFT, the same global batch on DDP, ZeRO-1 and ZeRO-3: the same loss curve, each rank half the adapter's
-    optimizer states (ZeRO-3: half of every weight), and a saved adapter with every tensor whole and equal to DDP's
-    (the empty adapter_model.safetensors ZeRO-3 leaves without its 16-bit gather)."""
+def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_its_shard(dpo_engines, tiny_model):
+    """DPO under FSDP2 (configs/accelerate/fsdp.yaml on CPU processes: src/engines.py `adopt_fsdp_on_cpu`), the
+    DDP run's batch and steps: the reference precomputed, then live. The first job checkpoints sharded (the launch
+    config's fsdp_state_dict_type set to SHARDED_STATE_DICT: each rank writes its own shard of the weights and of the
+    optimizer states, covered by the checkpoint's manifest), loses a worker right after checkpoint-2 and resumes
+    from it to the DDP curve; its final model is gathered whole into ordinary safetensors equal to DDP's."""
+    from src.run_safety import checkpoint_manifest
+
+    run, ddp, root = dpo_engines
+    runs = {"fsdp": run("fsdp", "fsdp", killed_after=2, launch_config={"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}),
+            "fsdp_live": run("fsdp_live", "fsdp", ["--precompute_ref_log_probs", "false"])}
+    whole = ddp["ranks"][0]["held"]
+    for name, fsdp in runs.items():
+        assert (fsdp["info"]["distributed_type"], fsdp["info"]["engine"], fsdp["info"]["fsdp_version"]) == (
+            "FSDP", "fsdp", 2), name
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5), name
+        assert fsdp["info"]["one_job"]["identical_weights"] and fsdp["info"]["one_job"]["disjoint_rows_per_step"]
+        for rank in fsdp["ranks"]:  # each rank its half: DTensor local shards of weights and AdamW's moments
+            held = rank["held"]
+            assert held["full_weights"] == whole["weights"], name
+            assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
+                                                                   whole["optimizer_states"] // 2), name
+        assert_same_final_model(fsdp["final"], ddp["final"], name)
+    assert [resume["from_step"] for resume in runs["fsdp"]["info"]["resumes"]] == [2]
+    checkpoint = root / "results" / "fsdp" / "model" / "checkpoint-2"
+    listed = checkpoint_manifest.read_manifest(checkpoint)["files"]
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        shards = sorted(path.relative_to(checkpoint).as_posix() for path in (checkpoint / folder).glob("*.distcp"))
+        assert shards == [f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"] and set(shards) <= set(listed)
+    assert checkpoint_manifest.verify(checkpoint, threads=1) is None
+    shard = checkpoint / "optimizer_0" / "__1_0.distcp"  # rank 1's optimizer shard, one byte flipped: found
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "optimizer_0/__1_0.distcp" in checkpoint_manifest.verify(checkpoint, threads=1)
+    assert_reloads_generates_and_changed(runs["fsdp"]["final"], tiny_model)
+    # the live reference sharded as the policy is (TRL prepares it through the same accelerator)
+    assert [rank["held"]["reference_weights"] for rank in runs["fsdp_live"]["ranks"]] == [whole["weights"] // 2] * 2
+    assert [rank["held"]["reference_weights"] for rank in runs["fsdp"]["ranks"]] == [None, None]
+
+
+def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_does(tiny_model, tmp_path):
+    """LoRA SFT, the same global batch on DDP, ZeRO-1, ZeRO-3 and FSDP2: the same loss curve, each rank half the
+    adapter's optimizer states (ZeRO-3, FSDP2: half of every weight), and a saved adapter with every tensor whole and
+    equal to DDP's (the empty adapter_model.safetensors ZeRO-3 leaves without its 16-bit gather). DDP and FSDP2 also
+    merge it (--merge_adapter): FSDP2's merged model, merged from its base loaded whole since rank 0 holds only a
+    shard (src/models.py), equals DDP's."""
     import torch
     from safetensors.torch import load_file
 
     rows = [{"messages": row["prompt"] + row["chosen"]} for row in preference_rows(48)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     runs = {}
-    for strategy in ("ddp", "zero1", "zero3"):
+    for strategy in ("ddp", "zero1", "zero3", "fsdp"):
         args = common_args(tiny_model, data, tmp_path / "results", strategy, "sft") + [
             "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
-            "--use_lora", "true"]
+            "--use_lora", "true", "--merge_adapter", str(strategy in ("ddp", "fsdp")).lower()]
         runs[strategy] = run_engine(strategy, args, tmp_path / f"probe_{strategy}")
     whole = runs["ddp"]["ranks"][0]["held"]
     adapter = load_file(runs["ddp"]["final"] / "adapter_model.safetensors")
     assert adapter and all(tensor.numel() for tensor in adapter.values())
     assert all(tensor.abs().max() > 0 for key, tensor in adapter.items() if "lora_B" in key)  # trained: B starts at 0
-    for strategy, stage in (("zero1", 1), ("zero3", 3)):
+    for strategy, engine, shards_weights in (("zero1", ("deepspeed", 1), False), ("zero3", ("deepspeed", 3), True),
+                                             ("fsdp", ("fsdp", 2), True)):
         run = runs[strategy]
-        assert (run["info"]["engine"], run["info"]["zero_stage"]) == ("deepspeed", stage)
+        assert (run["info"]["engine"], run["info"].get("zero_stage", run["info"].get("fsdp_version"))) == engine
         assert run["losses"] == pytest.approx(runs["ddp"]["losses"], rel=1e-5), strategy
         assert [rank["held"]["optimizer_states"] for rank in run["ranks"]] == [whole["optimizer_states"] // 2] * 2
-        assert run["ranks"][0]["held"]["weights"] == whole["weights"] // (2 if stage == 3 else 1)
+        assert run["ranks"][0]["held"]["weights"] == whole["weights"] // (2 if shards_weights else 1)
         saved = load_file(run["final"] / "adapter_model.safetensors")
         assert saved.keys() == adapter.keys(), strategy
         for key, tensor in adapter.items():
             # Adam divides each update by the gradient's own size: an element whose gradient is fp32 noise, summed
             # in another order, moves by more than fp32 rounding (measured: 1.1e-7 here, 8e-6 at a 1e-2 rate)
             torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-5, msg=f"{strategy} {key}")
+    assert_same_final_model(runs["fsdp"]["final"].parent / "merged", runs["ddp"]["final"].parent / "merged", "merged")
 
 
-def test_kto_simpo_orpo_and_grpo_under_zero3_train_as_ddp_does(tiny_model, tmp_path):
-    """Each objective's own trainer under ZeRO-3 against plain DDP, 2 steps at the same global batch: the same loss
-    curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and optimizer
-    states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live)."""
+def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_model, tmp_path):
+    """Each objective's own trainer under ZeRO-3 and FSDP2 against plain DDP, 2 steps at the same global batch: the
+    same loss curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and
+    optimizer states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live)."""
     from test_grpo import grpo_args, prompt_rows
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
@@ -155,20 +220,28 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_train_as_ddp_does(tiny_model, tmp_p
     }
     for stage, args_for in arguments.items():
         runs = {strategy: run_engine(strategy, args_for(f"{stage}_{strategy}"), tmp_path / f"probe_{stage}_{strategy}")
-                for strategy in ("ddp", "zero3")}
-        ddp, zero3 = runs["ddp"], runs["zero3"]
-        assert (zero3["info"]["engine"], zero3["info"]["zero_stage"]) == ("deepspeed", 3), stage
-        assert len(ddp["losses"]) == 2 and zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), stage
+                for strategy in ("ddp", "zero3", "fsdp")}
+        ddp = runs["ddp"]
         whole = ddp["ranks"][0]["held"]
-        for rank in zero3["ranks"]:
-            held = rank["held"]
-            assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
-                                                                   whole["optimizer_states"] // 2), stage
-            assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]
-                                                 else None), stage
+        assert len(ddp["losses"]) == 2, stage
+        for strategy, engine in (("zero3", ("deepspeed", 3)), ("fsdp", ("fsdp", 2))):
+            sharded = runs[strategy]
+            label = f"{stage} {strategy}"
+            assert (sharded["info"]["engine"], sharded["info"].get("zero_stage", sharded["info"].get(
+                "fsdp_version"))) == engine, label
+            assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), label
+            for rank in sharded["ranks"]:
+                held = rank["held"]
+                assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
+                                                                       whole["optimizer_states"] // 2), label
+                assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]
+                                                     else None), label
         if stage == "grpo":
             metrics = {strategy: [record for record in run_files.read_jsonl(
                 run["final"].parent.parent / run_files.METRICS) if "loss" in record] for strategy, run in runs.items()}
-            assert [record["reward"] for record in metrics["zero3"]] == [record["reward"] for record in metrics["ddp"]]
-            assert [record["kl"] for record in metrics["zero3"]] == pytest.approx(
-                [record["kl"] for record in metrics["ddp"]], rel=1e-5, abs=1e-9)
+            for strategy in ("zero3", "fsdp"):
+                assert [record["reward"] for record in metrics[strategy]] == [
+                    record["reward"] for record in metrics["ddp"]], strategy
+                assert [record["kl"] for record in metrics[strategy]] == pytest.approx(
+                    [record["kl"] for record in metrics["ddp"]], rel=1e-5, abs=1e-9), strategy
+

@@ -213,6 +213,11 @@ def test_the_stuck_rank_is_the_silent_one_outside_torch_distributed():
     assert hang_watch.find_stuck(flat, {0: 30.0, 1: 30.0}, {0: collective, 1: collective}) == 0
     nccl_read = ['File "/repo/src/distributed.py", line 105 in any_rank']  # NCCL: the wait is at the result's read
     assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: nccl_read, 1: sleeping}) == 1
+    # Rank 0 waits in a gather TRL makes (not marked waiting) and falls silent first; rank 1 stuck in the judge after
+    # its last beat, silent for less than the timeout yet: its stack names it (seen once in CI, under load).
+    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: collective, 1: sleeping}, timeout_s=25.0) == 1
+    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: collective}, timeout_s=25.0) == 0, "no stack, no blame"
+    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: sleeping, 1: sleeping}, timeout_s=25.0) == 0
 
 
 def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path):

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import PROJECT_ROOT
 from src import run_files
-from src.config_error import ConfigError
 from src.engines import check_engine, requested
 
 CONFIGS = sorted((PROJECT_ROOT / "configs" / "accelerate").glob("*.yaml"))
@@ -65,7 +64,6 @@ def test_default_strategy_is_torchrun_with_the_flags_unchanged():
 
 
 @pytest.mark.parametrize("strategy, message", [
-    ("fsdp", "the accelerate config asks for FSDP, which accelerate runs only on CUDA GPUs"),
     ("zero9", "STRATEGY=zero9: use torchrun (default), ddp, zero1, zero2, zero3 or fsdp"),
 ])
 def test_a_strategy_this_machine_cannot_run_is_one_clear_line(strategy, message):
@@ -74,16 +72,16 @@ def test_a_strategy_this_machine_cannot_run_is_one_clear_line(strategy, message)
     assert "Traceback" not in result.stderr
 
 
-def test_the_entry_point_refuses_sharding_accelerate_would_silently_drop():
-    """FSDP through accelerate on CPU processes would build no FSDP state (each rank training alone); DeepSpeed runs
-    there (tests/test_engines.py). The engine is read from accelerate launch's environment in the workers and from
-    STRATEGY in run_distributed.sh's preflight."""
+def test_the_entry_point_reads_the_engine_and_runs_both_on_cpu_processes():
+    """DeepSpeed and FSDP2 both run on CPU processes (tests/test_engines.py), so neither is refused there. The engine
+    is read from accelerate launch's environment in the workers and from STRATEGY in run_distributed.sh's
+    preflight."""
     assert requested({}) is None and requested({"STRATEGY": "ddp"}) is None
     assert requested({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}).title == (
         "DeepSpeed ZeRO-3")
     assert requested({"STRATEGY": "zero2"}).title == "DeepSpeed ZeRO-2"
-    with pytest.raises(ConfigError, match="asks for FSDP, which accelerate runs only on CUDA GPUs"):
-        check_engine(requested({"ACCELERATE_USE_FSDP": "true"}), "cpu")
+    assert requested({"ACCELERATE_USE_FSDP": "true"}).title == requested({"STRATEGY": "fsdp"}).title == "FSDP"
+    check_engine(requested({"ACCELERATE_USE_FSDP": "true"}), "cpu")
     check_engine(requested({"STRATEGY": "zero3"}), "cpu")
     check_engine(requested({"STRATEGY": "fsdp"}), "cuda")
 

@@ -219,7 +219,8 @@ def test_two_processes_make_the_same_pairs_as_one_and_a_stopped_round_resumes_fr
     # Two processes, the launcher's process group killed (kill -9) during round 1's sampling, then during its
     # reference pass (seams: rank 0 kills it at that moment): nothing of the launch runs 10 s later, and the same
     # command relaunched at once goes on.
-    args = round_args(tiny_model, data, tmp_path / "two", "--rounds", "1", "--round_max_steps", "60")
+    # 10 round steps: the SIGTERM below lands at the end of step 3 (a seam), the stop at that step's end or the next
+    args = round_args(tiny_model, data, tmp_path / "two", "--rounds", "1", "--round_max_steps", "10")
     for moment in ("sampling", "reference"):
         killed, tag = tmp_path / f"killed-{moment}", f"{tmp_path}-{moment}"
         started = time.monotonic()

@@ -470,8 +470,6 @@ MISTAKES = [
             "neither a .jinja/.j2 file nor a tokenizer directory",
             lambda ws: ws.args(chat_template_path=str(ws.root / "nope"))),
     # The launch: environment variables and run_distributed.sh
-    Mistake("fsdp_on_cpu", "An accelerate FSDP config (`STRATEGY=fsdp`) on a machine without CUDA GPUs", "which accelerate "
-            "runs only on CUDA GPUs", lambda ws: ws.args(), env={"ACCELERATE_USE_FSDP": "true"}),
     Mistake("comm_hook_under_zero", "A DDP communication hook (`--ddp_comm_hook`) with a sharding engine "
             "(`STRATEGY=zero3`)", "--ddp_comm_hook fp16 compresses DDP's all-reduce, and DeepSpeed ZeRO-3 reduces "
             "gradients its own way", lambda ws: ws.args(ddp_comm_hook="fp16"), env={"STRATEGY": "zero3"}),

@@ -318,16 +318,20 @@ def innermost_toolkit_frame(frames: list[str]) -> str | None:
     return frames[0].replace("File ", "", 1) if frames else None
 
 
-def find_stuck(records: dict[int, dict], silent_s: dict[int, float], stacks: dict[int, list[str]]) -> int:
-    """The rank that stuck, among the silent ones: one that is not inside torch.distributed (by its stack; by its own
-    record where no stack came back), preferring one that is not marked waiting, inside a nested phase, silent
-    longest, lowest rank."""
-    silent = sorted(silent_s)
+def find_stuck(records: dict[int, dict], silent_s: dict[int, float], stacks: dict[int, list[str]],
+               timeout_s: float = 0.0) -> int:
+    """The rank that stuck: a silent one (silent for `timeout_s`) that is not inside torch.distributed (by its stack;
+    by its own record where no stack came back), preferring one that is not marked waiting, inside a nested phase,
+    silent longest, lowest rank. Where every silent rank waits in a collective (a gather inside TRL is not marked
+    waiting, so its rank can fall silent first), the cause is a rank whose stack stands outside one although its
+    silence has not reached the timeout yet (it stuck after the others started waiting)."""
+    silent = sorted(rank for rank, quiet in silent_s.items() if quiet >= timeout_s)
 
     def waits(rank: int) -> bool:
         return in_collective(stacks[rank]) if stacks.get(rank) else records[rank].get("mode") == WAITING
 
-    causes = [rank for rank in silent if not waits(rank)] or silent
+    causes = [rank for rank in silent if not waits(rank)] or \
+        [rank for rank in sorted(silent_s) if rank not in silent and stacks.get(rank) and not waits(rank)] or silent
     return min(causes, key=lambda rank: (records[rank].get("mode") == WAITING,
                                          -int(records[rank].get("depth") or 1), -silent_s[rank], rank))
 
@@ -450,10 +454,11 @@ class _Watch:
         timeout = self.job_timeout()
         if any(self.records[rank].get("mode") == UNWATCHED for rank in self.seen):
             return  # a download (the model) takes what it takes: nothing is judged meanwhile
-        silent = {rank: now - moved for rank, (_, moved) in self.seen.items() if now - moved >= timeout}
+        quiet = {rank: now - moved for rank, (_, moved) in self.seen.items()}
+        silent = [rank for rank, quiet_s in quiet.items() if quiet_s >= timeout]
         working = [rank for rank in silent if self.records[rank].get("mode") != WAITING]
         if working or (silent and len(silent) == len(self.seen)):
-            self._decide(silent, timeout)
+            self._decide(quiet, timeout)
         if self.rank == 0:
             self._say_if_stalled(now)
 
@@ -486,7 +491,8 @@ class _Watch:
         except OSError:
             return 0
 
-    def _decide(self, silent: dict[int, float], timeout: float) -> None:
+    def _decide(self, quiet: dict[int, float], timeout: float) -> None:
+        """`quiet`: every watched rank's seconds since its last beat; those at `timeout` or more are silent."""
         _me.stopping = True  # from here the watch ends this process: what the main thread meets meanwhile is its echo
         ranks = sorted(self.records)
         sizes = {rank: self._stack_size(rank) for rank in ranks}
@@ -496,11 +502,11 @@ class _Watch:
         self._stacks(ranks, sizes, wait_s / 2)
         self._dump_frozen(sizes)
         stacks = self._stacks(ranks, sizes, wait_s / 2)
-        stuck = find_stuck(self.records, silent, stacks)
+        stuck = find_stuck(self.records, quiet, stacks, timeout)
         record = self.records[stuck]
         where = innermost_toolkit_frame(stacks.get(stuck) or [])
         verdict = {"rank": stuck, "place": record.get("place"), "what": record.get("what"), "step": record.get("step"),
-                   "silent_s": round(silent[stuck], 1), "timeout_s": round(timeout, 1), "where": where,
+                   "silent_s": round(quiet[stuck], 1), "timeout_s": round(timeout, 1), "where": where,
                    "pid": record.get("pid"), "pid_start": record.get("pid_start"), "host": record.get("host"),
                    "by": self.rank,
                    "ranks": {str(rank): describe(self.records[rank]) for rank in sorted(self.records)},

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from src.distributed import any_rank, gather_objects
-from src.engines import gathered
+from src.engines import gathered, local_shard, whole
 from src.run_safety import hang_watch
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 from src.run_safety.parent_watch import LAUNCHER_GONE, kill_starter_if_injected, launcher_gone
@@ -66,9 +66,9 @@ class StopConditions(TrainerCallback):
         gradients = [p.grad for p in model.parameters() if p.grad is not None]
         if not gradients:
             return
-        bad = self._note(self.GRADIENT_NORM, torch.nn.utils.get_total_norm(gradients))
+        bad = self._note(self.GRADIENT_NORM, whole(torch.nn.utils.get_total_norm(gradients)))  # FSDP2: of shards
         for gradient in gradients:
-            gradient.masked_fill_(bad, 0)  # zero when non-finite, decided on the device
+            local_shard(gradient).masked_fill_(bad, 0)  # zero when non-finite, decided on the device
 
     def _non_finite_here(self) -> torch.Tensor:
         """1.0 if a loss or gradient norm went non-finite on this rank (on the device), else 0.0."""
@@ -183,9 +183,9 @@ class OneJobCheck(TrainerCallback):
         digest = hashlib.blake2b(digest_size=16)
         parameters = dict(model.named_parameters())
         for name, tensor in sorted(model.state_dict().items()):
-            # ZeRO-3: the whole of each parameter, one at a time (a state_dict entry is this rank's empty stand-in)
+            # ZeRO-3 and FSDP2: the whole of each parameter, one at a time (a state_dict entry is this rank's share)
             with gathered([parameters[name]] if name in parameters else []):
-                flat = parameters.get(name, tensor).detach().reshape(-1)
+                flat = whole(parameters.get(name, tensor).detach()).reshape(-1)
                 stride = max(1, flat.numel() // self.WEIGHT_SAMPLES)
                 digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
         everyone = gather_objects([(digest.hexdigest(), self.rows)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from src.config import Config
-from src.engines import accelerate_cpu, size_buffers_by_model
+from src.engines import accelerate_cpu, size_buffers_by_model, trainer_accelerator_config
 from src.plan import Plan
 from src.objectives import load, objective
 from src.objectives.spec import JUDGED_CURVE
@@ -47,6 +47,7 @@ def build_trl_config(stage: str, config: Config, plan: Plan, output_dir: Path, h
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
         use_cpu=accelerate_cpu(plan.device),  # not under DeepSpeed, which accelerate would then quietly drop
+        accelerator_config=trainer_accelerator_config(plan.device, plan.world_size),  # FSDP on CPU: src/engines.py
         dataloader_pin_memory=plan.device != "cpu",
         ddp_backend=plan.backend if plan.world_size > 1 else None,
         ddp_find_unused_parameters=False,
