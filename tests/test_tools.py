@@ -650,3 +650,42 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_ma
     row = normalize_row(pairs[0], "explicit_prompt", None)
     assert tokenize_preference(row, tokenizer) == pairs[0]["trajectory"]
     assert token_columns_of(row, "dpo", tokenizer, None, None)[-2:] == ("chosen_loss_mask", "rejected_loss_mask")
+
+
+def test_a_rounds_trajectories_are_prepared_as_sampled_beside_the_datas_own_held_out_pairs(tmp_path):
+    """A round after an offline DPO stage writes the data's held-out pairs beside its trajectories (an empty
+    `trajectory`): preparation takes the train pairs' ids and masks as sampled, and tokenizes the held-out pairs'
+    texts with empty masks (trained whole; the collators skip an empty mask)."""
+    from transformers import AutoTokenizer
+
+    from conftest import build_tiny_model, preference_rows
+    from src.config_parse import parse_config
+    from src.packed_dpo import mask_answers, pack_pairs
+    from src.rounds import SCORE_COLUMNS, pair_trajectory, round_data, write_pairs
+
+    model = build_tiny_model(tmp_path / "model", ["the sky is blue green red"])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = preference_rows(8)
+    train = [row | {"chosen_score": 1, "rejected_score": 0, "mean_score": 0.5, "source_row": index,
+                    "trajectory": pair_trajectory([3, 4 + index], {"ids": [5, 6, 7], "loss_mask": [1, 0, 1]},
+                                                  {"ids": [8, 9], "loss_mask": [1, 0]})}
+             for index, row in enumerate(rows[:4])]
+    held_out = [row | dict.fromkeys(SCORE_COLUMNS) | {"trajectory": None} for row in rows[4:]]
+    write_pairs(tmp_path / "round", train, {"validation": held_out[:2], "test": held_out[2:]}, {})
+    config = parse_config(["--model_name_or_path", str(model), "--dataset_name", str(tmp_path / "round" / "pairs"),
+                           "--results_dir", str(tmp_path / "results")], require_sources=False)
+    prepared = round_data(config, tmp_path / "round" / "pairs", tokenizer)
+    first = prepared.train[0]
+    assert (first["prompt_ids"], first["chosen_ids"], first["chosen_loss_mask"], first["rejected_loss_mask"]) == (
+        [3, 4], [5, 6, 7], [1, 0, 1], [1, 0])
+    held = prepared.splits["validation"][0]
+    assert held["chosen_loss_mask"] == [] and len(held["chosen_ids"]) > 1  # the text, tokenized
+    import torch
+
+    batch = {"completion_mask": torch.ones(2, 12, dtype=torch.long)}
+    example = {key: held[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids", "chosen_loss_mask",
+                                          "rejected_loss_mask")}
+    mask_answers(batch, [example], None)
+    assert batch["completion_mask"].eq(1).all()  # an empty mask masks nothing
+    packed = pack_pairs([example], None, 0, "prefix_shared", 40)
+    assert (packed["packed_shift_labels"] != -100).sum() == len(held["chosen_ids"]) + len(held["rejected_ids"])
