@@ -164,8 +164,8 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
     assert [rank["held"]["reference_weights"] for rank in runs["fsdp"]["ranks"]] == [None, None]
 
 
-def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_does(tiny_model, tmp_path):
-    """LoRA SFT, the same global batch on DDP, ZeRO-1, ZeRO-3 and FSDP2: the same loss curve, each rank half the
+def test_lora_sft_under_zero1_zero2_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_does(tiny_model, tmp_path):
+    """LoRA SFT, the same global batch on DDP, ZeRO-1, ZeRO-2, ZeRO-3 and FSDP2: the same loss curve, each rank half the
     adapter's optimizer states (ZeRO-3, FSDP2: half of every weight), and a saved adapter with every tensor whole and
     equal to DDP's (the empty adapter_model.safetensors ZeRO-3 leaves without its 16-bit gather). DDP and FSDP2 also
     merge it (--merge_adapter): FSDP2's merged model, merged from its base loaded whole since rank 0 holds only a
@@ -176,7 +176,7 @@ def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_d
     rows = [{"messages": row["prompt"] + row["chosen"]} for row in preference_rows(48)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     runs = {}
-    for strategy in ("ddp", "zero1", "zero3", "fsdp"):
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
         args = common_args(tiny_model, data, tmp_path / "results", strategy, "sft") + [
             "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
             "--use_lora", "true", "--merge_adapter", str(strategy in ("ddp", "fsdp")).lower()]
@@ -185,8 +185,8 @@ def test_lora_sft_under_zero1_zero3_and_fsdp2_trains_and_saves_the_adapter_ddp_d
     adapter = load_file(runs["ddp"]["final"] / "adapter_model.safetensors")
     assert adapter and all(tensor.numel() for tensor in adapter.values())
     assert all(tensor.abs().max() > 0 for key, tensor in adapter.items() if "lora_B" in key)  # trained: B starts at 0
-    for strategy, engine, shards_weights in (("zero1", ("deepspeed", 1), False), ("zero3", ("deepspeed", 3), True),
-                                             ("fsdp", ("fsdp", 2), True)):
+    for strategy, engine, shards_weights in (("zero1", ("deepspeed", 1), False), ("zero2", ("deepspeed", 2), False),
+                                             ("zero3", ("deepspeed", 3), True), ("fsdp", ("fsdp", 2), True)):
         run = runs[strategy]
         assert (run["info"]["engine"], run["info"].get("zero_stage", run["info"].get("fsdp_version"))) == engine
         assert run["losses"] == pytest.approx(runs["ddp"]["losses"], rel=1e-5), strategy

@@ -51,21 +51,23 @@ def narrow_model(tmp_path_factory):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_each_rank_holds_the_weights_gradients_and_optimizer_states_the_plan_says(narrow_model, tmp_path, nproc):
     """Within 15% per rank and part, and the plan's ratios between engines (model state per rank against DDP's)
-    hold on the same processes. The gathered working set of ZeRO-3 / FSDP exists only while a layer runs: not here."""
+    hold on the same processes. The gathered working set of ZeRO-3 / FSDP exists only while a layer runs: not here.
+    bf16 on 2 processes only: its terms shrink with N as the fp32 ones do (4 processes on 2 cores cost twice as much)."""
     shape = shape_from_model(str(narrow_model))
-    result = forked.run_job(nproc, [str(narrow_model), str(tmp_path), *STRATEGIES], entry=memory_probe.entry,
+    strategies = STRATEGIES if nproc == 2 else tuple(name for name in STRATEGIES if "_" not in name)
+    result = forked.run_job(nproc, [str(narrow_model), str(tmp_path), *strategies], entry=memory_probe.entry,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]
-    planned = {strategy: plan_for(strategy, shape, nproc) for strategy in STRATEGIES}
-    for strategy in STRATEGIES:
+    planned = {strategy: plan_for(strategy, shape, nproc) for strategy in strategies}
+    for strategy in strategies:
         for rank, held in enumerate(ranks):
             for part in PARTS:
                 assert held[strategy][part] == pytest.approx(getattr(planned[strategy], part), rel=0.15), (
                     strategy, rank, part, held[strategy], planned[strategy])
-    held_state = {strategy: max(sum(held[strategy].values()) for held in ranks) for strategy in STRATEGIES}
-    planned_state = {strategy: sum(getattr(planned[strategy], part) for part in PARTS) for strategy in STRATEGIES}
-    for strategy in STRATEGIES:
+    held_state = {strategy: max(sum(held[strategy].values()) for held in ranks) for strategy in strategies}
+    planned_state = {strategy: sum(getattr(planned[strategy], part) for part in PARTS) for strategy in strategies}
+    for strategy in strategies:
         assert held_state[strategy] / held_state["ddp"] == pytest.approx(
             planned_state[strategy] / planned_state["ddp"], rel=0.15), strategy
 
