@@ -628,7 +628,7 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_ma
     pairs, losses = runs["2x1"]
     assert pairs == runs["1x2"][0] and losses == pytest.approx(runs["1x2"][1], rel=1e-5, abs=1e-7) and len(losses) == 2
     assert losses[1] < losses[0]  # it trained (the first step's loss is log 2: the policy is its reference)
-    # 4 pairs, one global batch (a round whose pairs do not fill whole batches is not split alike: not this test's)
+    # 4 pairs, one global batch (a partial one is left out of each epoch: tests/test_training.py's partial_global_batch)
     assert len(pairs) == 4 and all(pair["chosen_score"] == 1 and pair["rejected_score"] == 0 for pair in pairs)
     for pair in pairs:
         product = pair["meta"]["product"]

@@ -31,7 +31,8 @@ from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpo
 from src.run_safety.disk_space import write_failures_noted
 from src.run_safety.finished_run import data_fingerprint, end_step_done
 from src.run_safety.stops import Status
-from src.trainers.stage_plan import planned_steps, resolve_sft_forward, silent_no_op_warnings, starting_model
+from src.trainers.stage_plan import (examples_per_epoch, planned_steps, resolve_sft_forward, silent_no_op_warnings,
+                                     starting_model)
 from src.world import World
 
 
@@ -55,7 +56,7 @@ def open_stage(stage: Stage, model_path: str, prepared: PreparedData, world: Wor
     plan, the data and its audit, its warnings."""
     config, plan = stage.config, stage.plan
     info_path = stage.run_dir / run_files.TRAINING_INFO
-    total_steps = planned_steps(len(prepared.train), plan, config)
+    total_steps = planned_steps(len(prepared.train), plan, config, stage.name)
     starts_from, start_warning = starting_model(stage.name, config, model_path, previous and previous["stage"])
     warnings = silent_no_op_warnings(stage.name, config, plan) + stage.model_warnings + \
         ([start_warning] if start_warning else [])
@@ -92,8 +93,22 @@ def print_opening(stage: Stage, prepared: PreparedData, starts_from: str, total_
         print0(audit_lines)
     if data_line:
         print0(data_line)
+    remainder_line = untrained_remainder(stage, len(prepared.train))
+    if remainder_line:
+        print0(remainder_line)
     for warning in warnings:
         print0(f"  warning: {warning}")
+
+
+def untrained_remainder(stage: Stage, train_rows: int) -> str | None:
+    """The console's line when each epoch leaves examples out to train whole global batches only."""
+    trained = examples_per_epoch(stage.name, stage.config, stage.plan, train_rows)
+    if trained == train_rows:
+        return None
+    word = objective(stage.name).example_word
+    return (f"  per epoch  {trained} of {train_rows} {word}: the last {train_rows - trained} (a partial global batch of "
+            f"{stage.plan.global_batch_size}) are not trained, so that any split of processes gives the same numbers; "
+            "each epoch leaves out other ones (its own shuffle)")
 
 
 def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: World) -> dict:
@@ -113,6 +128,7 @@ def training_info(stage: Stage, model_path: str, prepared: PreparedData, world: 
         "num_epochs": config.training.num_epochs,
         "seed": config.training.seed,
         "max_length": config.data.max_length,
+        "trained_per_epoch": examples_per_epoch(stage.name, config, plan, len(prepared.train)),
         "data": {key: value for key, value in prepared.summary.items() if key != "audit"},
         "data_audit": data_audit.opening(prepared.summary, stage.name),
         "versions": versions(),

@@ -6,11 +6,13 @@ import contextlib
 import functools
 import time
 
+from torch.utils.data import RandomSampler
 from transformers import TrainerCallback
 
 from src.run_safety import hang_watch
 from src.run_safety.disk_space import write_failures_noted
 from src.trainers.checkpointing import CompleteCheckpointsMixin
+from src.trainers.stage_plan import trained_per_epoch
 
 
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
@@ -32,6 +34,17 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
             if hasattr(callback, "on_train_dataloader"):
                 callback.on_train_dataloader(dataloader)
         return dataloader
+
+    def _get_train_sampler(self, train_dataset=None):
+        """transformers' shuffle, each epoch cut to whole global batches (stage_plan.trained_per_epoch says why).
+        RandomSampler's `num_samples` below the data's size yields the first ones of the same permutation, and
+        accelerate keeps it when it makes the sampler seedable (the same order on every process and at a resume)."""
+        sampler = super()._get_train_sampler(train_dataset)
+        if type(sampler) is not RandomSampler:  # group_by_length, sequential, GRPO's repeated prompts: their own order
+            return sampler
+        global_batch = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        trained = trained_per_epoch(len(sampler.data_source), global_batch)
+        return RandomSampler(sampler.data_source, num_samples=trained, generator=sampler.generator)
 
     def _prepare_for_training(self, *args, **kwargs):
         model, train_dataloader = super()._prepare_for_training(*args, **kwargs)

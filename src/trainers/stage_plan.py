@@ -9,6 +9,7 @@ import math
 from src.config import EMBEDDED, Config
 from src.plan import Plan
 from src.objectives import objective
+from src.objectives.spec import PROMPTS
 
 
 # TRL's padding-free SFT batch is one row: the micro-batch's sequences end to end, positions restarting at 0, no
@@ -80,11 +81,36 @@ def resolve_sft_forward(config: Config, attn_implementation: str | None) -> dict
                      "reason": reason}
 
 
-def planned_steps(train_rows: int, plan: Plan, config: Config) -> int:
+def trained_per_epoch(train_rows: int, global_batch: int) -> int:
+    """The examples an epoch trains: whole global batches only, so that every optimizer step averages the same examples
+    on any split of processes x accumulation. A last partial batch would be one micro-batch mean on one process with
+    accumulation (transformers steps on fewer micro-batches) and padded with the epoch's first examples on several
+    (accelerate's even_batches): other numbers. Each epoch drops the end of its own shuffled order (other examples
+    each epoch). Fewer examples than one global batch are all trained (nothing else would be)."""
+    return train_rows - train_rows % global_batch if train_rows >= global_batch else train_rows
+
+
+def drops_partial_batch(stage: str, config: Config) -> bool:
+    """Whether the stage's trainer trains whole global batches only (src/trainers/base.py): with transformers' shuffle
+    (the default `train_sampling_strategy`), for every objective but the one of prompts alone, whose sampler (TRL's
+    GRPO repeats each prompt for its answers) is its own."""
+    shuffled = config.trl_overrides.get("train_sampling_strategy", "random") == "random"
+    return shuffled and objective(stage).data_shape != PROMPTS
+
+
+def examples_per_epoch(stage: str, config: Config, plan: Plan, train_rows: int) -> int:
+    """What one epoch of the stage trains (training_info.json's `trained_per_epoch`, the console's `per epoch`)."""
+    return trained_per_epoch(train_rows, plan.global_batch_size) if drops_partial_batch(stage, config) else train_rows
+
+
+def planned_steps(train_rows: int, plan: Plan, config: Config, stage: str) -> int:
     """Optimizer steps the run will take (what max_steps or the epochs amount to)."""
     if config.training.max_steps > 0:
         return config.training.max_steps
-    per_epoch = math.ceil(train_rows / (plan.per_device_batch_size * plan.world_size)) // plan.gradient_accumulation_steps
+    if drops_partial_batch(stage, config):
+        per_epoch = examples_per_epoch(stage, config, plan, train_rows) // plan.global_batch_size
+    else:
+        per_epoch = math.ceil(train_rows / (plan.per_device_batch_size * plan.world_size)) // plan.gradient_accumulation_steps
     return max(1, math.ceil(per_epoch * config.training.num_epochs))
 
 
