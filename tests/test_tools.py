@@ -465,6 +465,25 @@ def test_the_tools_flags_are_checked_with_the_configuration_in_one_line_each():
         "src.embedded.tools_task:TOOLS", 2, 0.0)
 
 
+def multiply_task(tmp_path: Path, count: int):
+    """A tiny Qwen-template model that stops at <|im_end|>, and `count` multiply prompts with their products (meta):
+    (model folder, prompts file, the model's tokenizer)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from conftest import build_tiny_model
+
+    questions = [(100 + 37 * index, 200 + 53 * index) for index in range(count)]
+    corpus = [f"What is {a} times {b}? It is {a * b}." for a, b in questions] + [TURNS["chatml-qwen2.5"][0]]
+    model = build_tiny_model(tmp_path / "model", corpus, template="chatml-qwen2.5")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ends = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id).save_pretrained(model)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}],
+                                        "meta": {"product": a * b}}) + "\n" for a, b in questions))
+    return model, data, tokenizer
+
+
 def test_grpo_with_tools_gives_the_same_numbers_on_1x2_and_2x1_and_after_a_killed_job(tmp_path, monkeypatch):
     """GRPO with --tools, 2 steps of 8 answers (2 prompts x 4), forked (tests/forked.py): 2 processes x 1 accumulation
     step, and 1 x 2 killed whole right after checkpoint-1 and launched again. Each answer's first turn is scripted from
@@ -473,20 +492,9 @@ def test_grpo_with_tools_gives_the_same_numbers_on_1x2_and_2x1_and_after_a_kille
     the judge's rewards, the advantages and the loss are the same on either split and after the resume."""
     import re
 
-    from conftest import build_tiny_model
     from src.trainers.grpo import PreparedGRPOTrainer
 
-    questions = [(100 + 37 * index, 200 + 53 * index) for index in range(8)]
-    corpus = [f"What is {a} times {b}? It is {a * b}." for a, b in questions] + [TURNS["chatml-qwen2.5"][0]]
-    model = build_tiny_model(tmp_path / "model", corpus, template="chatml-qwen2.5")
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    ends = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
-    GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id).save_pretrained(model)
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}],
-                                        "meta": {"product": a * b}}) + "\n" for a, b in questions))
+    model, data, tokenizer = multiply_task(tmp_path, 8)
     sampled = PreparedGRPOTrainer._sampled
 
     def first_turn_scripted(self, contexts, seeds, budget):
@@ -569,19 +577,8 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_ma
     import re
 
     import src.generation as generation
-    from conftest import build_tiny_model
 
-    questions = [(100 + 37 * index, 200 + 53 * index) for index in range(4)]
-    corpus = [f"What is {a} times {b}? It is {a * b}." for a, b in questions] + [TURNS["chatml-qwen2.5"][0]]
-    model = build_tiny_model(tmp_path / "model", corpus, template="chatml-qwen2.5")
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    ends = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
-    GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id).save_pretrained(model)
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}],
-                                        "meta": {"product": a * b}}) + "\n" for a, b in questions))
+    model, data, tokenizer = multiply_task(tmp_path, 4)
     sample_ids = generation.sample_ids
 
     def first_turn_scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None,
