@@ -164,6 +164,27 @@ def test_an_epoch_that_ends_in_a_partial_global_batch_gives_the_same_losses_on_a
     assert losses[1] == pytest.approx(losses[2], rel=1e-5, abs=1e-6)
 
 
+def test_fewer_examples_than_a_global_batch_give_the_same_losses_on_any_split(tiny_model, tmp_path):
+    """3 training pairs at a global batch of 4 (an on-policy round's few pairs): each step fills the batch with one
+    pair twice, drawn alike on 1 process x 2 accumulation and 2 x 1. Before, the one process stepped on 2 + 1 pairs
+    (micro-batch means) and the two padded with another pair: step 2's loss 0.675463 vs 0.675408, step 3's 0.667522
+    vs 0.668792."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(11))  # 4 validation, 4 test, 3 training
+    losses = {}
+    for nproc in (1, 2):
+        run_dir = tmp_path / "results" / f"w{nproc}"
+        args = common_args(tiny_model, data, tmp_path / "results", f"w{nproc}", "dpo") + [
+            "--batch_size", "4", "--micro_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3",
+            "--eval_steps", "100"]
+        result = forked.run_job(nproc, args, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "3 pairs fill less than a global batch of 4: its step trains 1 of them twice" in result.stdout
+        assert run_files.read_json(run_dir / run_files.TRAINING_INFO)["trained_per_epoch"] == 4
+        losses[nproc] = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS)
+                         if "loss" in record]
+    assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[2], rel=1e-5, abs=1e-6)
+
+
 def _same(first, second, path="") -> bool:
     """Equal but for timings, floats within 1e-5 (the reference log-probs are reduced in another order on 2
     processes)."""

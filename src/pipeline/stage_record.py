@@ -101,11 +101,16 @@ def print_opening(stage: Stage, prepared: PreparedData, starts_from: str, total_
 
 
 def untrained_remainder(stage: Stage, train_rows: int) -> str | None:
-    """The console's line when each epoch leaves examples out to train whole global batches only."""
+    """The console's line when an epoch trains other than its examples once each, to train whole global batches only:
+    it leaves the last ones out, or (fewer than one global batch) it repeats some."""
     trained = examples_per_epoch(stage.name, stage.config, stage.plan, train_rows)
     if trained == train_rows:
         return None
     word = objective(stage.name).example_word
+    if trained > train_rows:
+        return (f"  per epoch  {train_rows} {word} fill less than a global batch of {trained}: its step trains "
+                f"{trained - train_rows} of them twice (chosen by the epoch's shuffle), so that any split of processes "
+                "gives the same numbers")
     return (f"  per epoch  {trained} of {train_rows} {word}: the last {train_rows - trained} (a partial global batch of "
             f"{stage.plan.global_batch_size}) are not trained, so that any split of processes gives the same numbers; "
             "each epoch leaves out other ones (its own shuffle)")

@@ -40,8 +40,8 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
         RandomSampler's `num_samples` below the data's size yields the first ones of the same permutation, and
         accelerate keeps it when it makes the sampler seedable (the same order on every process and at a resume)."""
         sampler = super()._get_train_sampler(train_dataset)
-        if type(sampler) is not RandomSampler:  # group_by_length, sequential, GRPO's repeated prompts: their own order
-            return sampler
+        if type(sampler) is not RandomSampler or not len(sampler.data_source):  # group_by_length, sequential, GRPO's
+            return sampler  # repeated prompts: their own order
         global_batch = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
         trained = trained_per_epoch(len(sampler.data_source), global_batch)
         return RandomSampler(sampler.data_source, num_samples=trained, generator=sampler.generator)

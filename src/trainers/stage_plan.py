@@ -86,8 +86,11 @@ def trained_per_epoch(train_rows: int, global_batch: int) -> int:
     on any split of processes x accumulation. A last partial batch would be one micro-batch mean on one process with
     accumulation (transformers steps on fewer micro-batches) and padded with the epoch's first examples on several
     (accelerate's even_batches): other numbers. Each epoch drops the end of its own shuffled order (other examples
-    each epoch). Fewer examples than one global batch are all trained (nothing else would be)."""
-    return train_rows - train_rows % global_batch if train_rows >= global_batch else train_rows
+    each epoch). Fewer examples than one global batch fill one, some of them twice (as accelerate
+    pads, but drawn by the epoch's shuffle alike on every split): a round of 3 pairs at a global batch of 4."""
+    if train_rows < global_batch:
+        return global_batch if train_rows else 0
+    return train_rows - train_rows % global_batch
 
 
 def drops_partial_batch(stage: str, config: Config) -> bool:
