@@ -179,7 +179,9 @@ def test_fewer_examples_than_a_global_batch_give_the_same_losses_on_any_split(ti
         result = forked.run_job(nproc, args, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
         assert "3 pairs fill less than a global batch of 4: its step trains 1 of them twice" in result.stdout
-        assert run_files.read_json(run_dir / run_files.TRAINING_INFO)["trained_per_epoch"] == 4
+        info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
+        assert info["trained_per_epoch"] == 4 and info["one_job"]["disjoint_rows_per_step"], info["one_job"]
+        assert "did not train as one job" not in result.stdout  # a pair twice in a step may fall on both ranks
         losses[nproc] = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS)
                          if "loss" in record]
     assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[2], rel=1e-5, abs=1e-6)
@@ -363,3 +365,6 @@ def test_the_one_job_check_compares_the_rows_each_rank_was_given_not_their_conte
     assert steps_with_shared_rows([rank0, rank1]) == []
     # A broken sampler (every rank fed the whole batch) is still found, step by step.
     assert steps_with_shared_rows([given_to(0, shards=1)[0], given_to(0, shards=1)[0]]) == list(range(8))
+    # 3 rows and a step of 4 (stage_plan.trained_per_epoch): one row twice, on both ranks or one; not every row: wrong
+    assert steps_with_shared_rows([{0: [2, 0]}, {0: [1, 2]}], repeated_from=3) == []
+    assert steps_with_shared_rows([{0: [2, 0]}, {0: [2, 0]}], repeated_from=3) == [0]

@@ -21,7 +21,10 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     the time spent evaluating and checkpointing shown to the callbacks that keep time (`on_pause(seconds)`),
     the model as accelerate wrapped it (DDP) shown to the callbacks that need it (`on_model_wrapped(model)`:
     gradient compression), and the training data loader to those that record what it gives this rank
-    (`on_train_dataloader(dataloader)`: the one-job check); Trainer's callbacks only ever see the unwrapped model."""
+    (`on_train_dataloader(dataloader, repeated_from)`: the one-job check; `repeated_from`: the training set's size
+    where each step repeats some of its rows, else None); Trainer's callbacks only ever see the unwrapped model."""
+
+    repeated_from = None  # set by _get_train_sampler where a step holds more rows than the training set
 
     def train(self, *args, **kwargs):
         for callback in self.callback_handler.callbacks:
@@ -32,7 +35,7 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
         dataloader = super().get_train_dataloader()
         for callback in self.callback_handler.callbacks:
             if hasattr(callback, "on_train_dataloader"):
-                callback.on_train_dataloader(dataloader)
+                callback.on_train_dataloader(dataloader, self.repeated_from)
         return dataloader
 
     def _get_train_sampler(self, train_dataset=None):
@@ -44,6 +47,7 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
             return sampler  # repeated prompts: their own order
         global_batch = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
         trained = trained_per_epoch(len(sampler.data_source), global_batch)
+        self.repeated_from = len(sampler.data_source) if trained > len(sampler.data_source) else None
         return RandomSampler(sampler.data_source, num_samples=trained, generator=sampler.generator)
 
     def _prepare_for_training(self, *args, **kwargs):

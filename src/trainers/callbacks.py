@@ -152,9 +152,12 @@ class OneJobCheck(TrainerCallback):
         self.step = 0
         self.result: dict | None = None
         self._fetched: collections.deque[list[int]] = collections.deque()
+        self.repeated_from: int | None = None
 
-    def on_train_dataloader(self, dataloader) -> None:
-        """Record the indices this rank's training data loader fetches (called by the toolkit's trainers)."""
+    def on_train_dataloader(self, dataloader, repeated_from: int | None = None) -> None:
+        """Record the indices this rank's training data loader fetches (called by the toolkit's trainers);
+        `repeated_from`: the training set's size where it is smaller than a step, whose rows then repeat."""
+        self.repeated_from = repeated_from
         dataset = getattr(dataloader, "dataset", None)
         fetch = getattr(dataset, "__getitems__", None)
         if fetch is None:
@@ -190,15 +193,20 @@ class OneJobCheck(TrainerCallback):
                 digest.update(name.encode() + flat[::stride].float().cpu().numpy().tobytes())
         everyone = gather_objects([(digest.hexdigest(), self.rows)])
         weights = {weights for (weights, _), in everyone}
-        shared = steps_with_shared_rows([rows for ((_, rows),) in everyone])
+        shared = steps_with_shared_rows([rows for ((_, rows),) in everyone], self.repeated_from)
         self.result = {"ranks": len(everyone), "identical_weights": len(weights) == 1,
                        "disjoint_rows_per_step": not shared, "steps_checked": len(self.rows),
                        "steps_with_shared_rows": shared[:10]}
 
 
-def steps_with_shared_rows(rows_per_rank: list[dict[int, list[int]]]) -> list[int]:
-    """The steps in which two ranks were given the same row (by index), in the first rank's order."""
+def steps_with_shared_rows(rows_per_rank: list[dict[int, list[int]]], repeated_from: int | None = None) -> list[int]:
+    """The steps in which two ranks were given the same row (by index), in the first rank's order. With
+    `repeated_from` (a training set smaller than a step, src/trainers/stage_plan.py: each step repeats some rows,
+    which may fall on two ranks), the steps whose ranks together were not given every one of its rows."""
     steps = dict.fromkeys(step for rows in rows_per_rank for step in rows)
+    if repeated_from is not None:
+        return [step for step in steps
+                if len(set().union(*(rows.get(step, []) for rows in rows_per_rank))) < repeated_from]
     return [step for step in steps
             if any(set(rows_a.get(step, [])) & set(rows_b.get(step, []))
                    for index, rows_a in enumerate(rows_per_rank) for rows_b in rows_per_rank[index + 1:])]
