@@ -268,3 +268,38 @@ def test_a_watched_process_that_ends_by_itself_leaves_no_board(tmp_path, monkeyp
     assert not hang_watch._watch[0].thread.is_alive()
     assert list(tmp_path.iterdir()) == []
     faulthandler.unregister(hang_watch.DUMP_SIGNAL)  # this (pytest) process as it was
+
+
+def test_a_peer_gone_without_a_hang_is_not_waited_for(tmp_path, monkeypatch):
+    """The main thread meets a peer gone from a collective (exits.echo_of_chosen_stop): in a one-node job whose board
+    shows no hang being decided, the peer crashed or was killed, and this process raises at once (torchrun restarts
+    the job now, not 22 s later); once a hang's stop has begun (its `dump` on the board), or across nodes (shared
+    storage may show another machine's write late), it waits for its watch as before. (The pytest process's watch
+    state is put back after.)"""
+    class Waited(Exception):
+        pass
+
+    def sleep(seconds):
+        raise Waited
+
+    monkeypatch.setattr(hang_watch, "_watch", [])
+    monkeypatch.setattr(hang_watch, "_me", hang_watch._Process())
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    watch = hang_watch._Watch(tmp_path / "run", 0, 2, 600, None)  # its thread never started: the test plays it
+    hang_watch._watch.append(watch)
+    monkeypatch.setattr(hang_watch.time, "sleep", sleep)
+    try:
+        hang_watch.wait_if_stopping()  # no hang on the board: no wait
+
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes
+        with pytest.raises(Waited):
+            hang_watch.wait_if_stopping()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        (watch.board / "dump").write_text("{}")  # a watch has begun a hang's stop
+        with pytest.raises(Waited):
+            hang_watch.wait_if_stopping()
+    finally:
+        faulthandler.unregister(hang_watch.DUMP_SIGNAL)  # this (pytest) process as it was
+        watch.stack_file.close()
