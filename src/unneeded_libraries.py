@@ -1,10 +1,14 @@
-"""Libraries a training process will not use are not imported: bitsandbytes without 4/8-bit, trackers not asked for.
+"""Libraries a training process will not use are not imported: bitsandbytes without 4/8-bit, trackers not asked for,
+deepspeed without DeepSpeed.
 
 peft imports bitsandbytes whenever it is installed (peft/helpers.py: `try: import bitsandbytes`), and transformers'
 Trainer imports peft; TRL imports wandb whenever it is installed (`if is_wandb_available(): import wandb`), and trackio
 at every checkpoint (its model card asks `get_trackio_space_url()`, which imports trackio and its web server). Measured
 on the 2-core development machine: bitsandbytes ~1.6 s, wandb ~1.0 s and trackio ~0.2 s of every training process
-(`python -X importtime`), for nothing unless the run quantizes or logs to that tracker.
+(`python -X importtime`), for nothing unless the run quantizes or logs to that tracker. accelerate imports deepspeed
+whenever it is installed, at the trainer's start (`extract_model_from_parallel`: `from deepspeed import
+DeepSpeedEngine`): 0.4-1.0 CPU-s of every DDP or FSDP process here, measured, and deepspeed's "Setting accelerator
+to CPU" lines on its console.
 
 A library this run does not need is marked absent for the process (`sys.modules[name] = None`, Python's own way to
 say "not importable"): every library asks `importlib.util.find_spec` or tries the import, gets "not installed", and
@@ -26,10 +30,12 @@ BITSANDBYTES_OPTIMIZER_WORDS = ("bnb", "8bit", "paged", "ademamix", "lion")
 TRACKERS_IMPORTED_UNASKED = ("wandb", "trackio")
 
 
-def unneeded_libraries(config, model_names: list[str]) -> list[str]:
+def unneeded_libraries(config, model_names: list[str], engine_name: str | None = None) -> list[str]:
     """The installed-but-unused libraries of a run: bitsandbytes unless the run loads in 4 or 8 bits, names a
     bitsandbytes optimizer or starts from a bitsandbytes-quantized checkpoint (any of `model_names`: the model, a
-    reward-model judge); wandb and trackio unless --report_to names them (the launch's or a pipeline stage's block's)."""
+    reward-model judge); wandb and trackio unless --report_to names them (the launch's or a pipeline stage's block's);
+    deepspeed unless the launch's engine is DeepSpeed (`engine_name`: src/engines.py's name of it) or a TRL
+    `--deepspeed` config passes through."""
     unneeded = []
     blocks = list(config.stage_overrides.values())  # a pipeline's earlier stages' own keys (`sft:`, `dpo:`)
     optimizers = [str(overrides.get("optim", "")) for overrides in (config.trl_overrides, *blocks)]
@@ -39,6 +45,8 @@ def unneeded_libraries(config, model_names: list[str]) -> list[str]:
         unneeded.append("bitsandbytes")
     asked = (config.training.report_to, *(block.get("report_to") for block in blocks))  # earlier stages': as written
     unneeded += [tracker for tracker in TRACKERS_IMPORTED_UNASKED if not any(tracker in str(trackers) for trackers in asked)]
+    if engine_name != "deepspeed" and not any(overrides.get("deepspeed") for overrides in (config.trl_overrides, *blocks)):
+        unneeded.append("deepspeed")
     return unneeded
 
 

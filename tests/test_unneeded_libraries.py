@@ -1,4 +1,5 @@
-"""A training process imports neither bitsandbytes without 4/8-bit nor a tracker not asked for (src/unneeded_libraries.py)."""
+"""A training process imports neither bitsandbytes without 4/8-bit, nor a tracker not asked for, nor deepspeed without
+DeepSpeed (src/unneeded_libraries.py)."""
 
 from __future__ import annotations
 
@@ -17,33 +18,37 @@ def config_of(*flags):
     return parse_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", *flags])
 
 
-@pytest.mark.parametrize("flags, unneeded", [
-    ([], ["bitsandbytes", "wandb", "trackio"]),
-    (["--use_peft", "true", "--load_in_4bit", "true"], ["wandb", "trackio"]),
-    (["--load_in_8bit", "true"], ["wandb", "trackio"]),
-    (["--optim", "paged_adamw_8bit"], ["wandb", "trackio"]),  # transformers' bitsandbytes optimizers
-    (["--optim", "adamw_torch"], ["bitsandbytes", "wandb", "trackio"]),
-    (["--report_to", "wandb"], ["bitsandbytes", "trackio"]),
-    (["--report_to", "trackio"], ["bitsandbytes", "wandb"]),
-    (["--report_to", "tensorboard"], ["bitsandbytes", "wandb", "trackio"]),
-    (["--stage", "sft_then_dpo", "--sft.report_to", "wandb"], ["bitsandbytes", "trackio"]),
+@pytest.mark.parametrize("flags, engine, unneeded", [
+    ([], None, ["bitsandbytes", "wandb", "trackio", "deepspeed"]),
+    (["--use_peft", "true", "--load_in_4bit", "true"], None, ["wandb", "trackio", "deepspeed"]),
+    (["--load_in_8bit", "true"], None, ["wandb", "trackio", "deepspeed"]),
+    (["--optim", "paged_adamw_8bit"], None, ["wandb", "trackio", "deepspeed"]),  # transformers' bitsandbytes optimizers
+    (["--optim", "adamw_torch"], None, ["bitsandbytes", "wandb", "trackio", "deepspeed"]),
+    (["--report_to", "wandb"], None, ["bitsandbytes", "trackio", "deepspeed"]),
+    (["--report_to", "trackio"], None, ["bitsandbytes", "wandb", "deepspeed"]),
+    (["--report_to", "tensorboard"], None, ["bitsandbytes", "wandb", "trackio", "deepspeed"]),
+    (["--stage", "sft_then_dpo", "--sft.report_to", "wandb"], None, ["bitsandbytes", "trackio", "deepspeed"]),
+    ([], "deepspeed", ["bitsandbytes", "wandb", "trackio"]),  # STRATEGY=zero1|2|3 (src/engines.py)
+    ([], "fsdp", ["bitsandbytes", "wandb", "trackio", "deepspeed"]),
+    (["--deepspeed", "ds_config.json"], None, ["bitsandbytes", "wandb", "trackio"]),  # TRL's own, passed through
+    (["--stage", "sft_then_dpo", "--sft.deepspeed", "ds_config.json"], None, ["bitsandbytes", "wandb", "trackio"]),
 ])
-def test_what_a_run_does_not_need(flags, unneeded, tmp_path):
-    assert unneeded_libraries(config_of(*flags), [str(tmp_path)]) == unneeded
+def test_what_a_run_does_not_need(flags, engine, unneeded, tmp_path):
+    assert unneeded_libraries(config_of(*flags), [str(tmp_path)], engine) == unneeded
 
 
 def test_a_checkpoint_saved_in_4_bits_keeps_bitsandbytes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "bitsandbytes"}}))
-    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["wandb", "trackio"]
+    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["wandb", "trackio", "deepspeed"]
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["bitsandbytes", "wandb", "trackio"]
+    assert unneeded_libraries(config_of(), [str(tmp_path)]) == ["bitsandbytes", "wandb", "trackio", "deepspeed"]
     # a Hub id that is not in the local cache: its config cannot be read, so bitsandbytes stays importable
-    assert unneeded_libraries(config_of(), ["someone/not-cached-model"]) == ["wandb", "trackio"]
+    assert unneeded_libraries(config_of(), ["someone/not-cached-model"]) == ["wandb", "trackio", "deepspeed"]
 
 
 def test_a_training_process_does_not_import_them(tiny_model, tmp_path):
-    # Each costs every training process (~1.6 s, ~1 s, ~0.2 s of CPU here); LoRA goes through peft without them, and
-    # a checkpoint (TRL's model card asks for trackio's space) without trackio.
+    # Each costs every training process (~1.6 s, ~1 s, ~0.2 s, 0.4-1.0 s of CPU here); LoRA goes through peft without
+    # them, a checkpoint (TRL's model card asks for trackio's space) without trackio, DDP without deepspeed.
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(16))
     flags = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--results_dir",
              str(tmp_path / "results"), "--stage", "dpo", "--use_peft", "true", "--max_steps", "1", "--batch_size",
@@ -51,7 +56,8 @@ def test_a_training_process_does_not_import_them(tiny_model, tmp_path):
              "--judge", "none", "--val_size", "0", "--test_size", "0"]
     script = ("import json, sys\nfrom src.main_distributed import main\n"
               f"code = main({flags!r})\n"
-              "print(json.dumps([code, [name for name in ('bitsandbytes', 'wandb', 'trackio', 'peft') if sys.modules.get(name)]]))")
+              "print(json.dumps([code, [name for name in ('bitsandbytes', 'wandb', 'trackio', 'deepspeed', 'peft') "
+              "if sys.modules.get(name)]]))")
     result = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
