@@ -2,7 +2,8 @@
 answer sits in the packed rows, and where each scored token's per-token outputs sit in TRL's padded layout.
 
 Layout (sdpa / eager: a 4D mask; on a GPU FlexAttention's BlockMask of the same rule where src/packed_attention.py
-picks it by row width, all segments then in one bucketed row): one segment per pair, `[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
+picks it by row width, all segments then in one bucketed row): one segment per pair,
+`[prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected]`.
 The last prompt token is the one position that predicts an answer's first token, and it must predict both answers'
 first tokens: it is written once per answer (same token, same position, same visible keys → the same hidden state),
 so each pair repeats exactly one prompt token. Position ids restart after the shared prompt for each answer; the mask
@@ -198,7 +199,8 @@ def _packed_tensors(segments: list[tuple], rows: list[list[int]], width: int, pa
 
 def padded_counts(batch: dict, answers: int = 2) -> torch.Tensor:
     """computed, padding, repeated prompt, useful tokens of TRL's padded batch (rows [chosen; rejected]; with one
-    answer per prompt, no prompt is repeated), on the batch's device: counted without a read (TokenCounts)."""
+    answer per prompt, no prompt is repeated), on the batch's device: counted without a read (src/packed_forward.py
+    TokenCounts)."""
     computed = batch["input_ids"].new_full((), batch["input_ids"].numel())
     real = batch["attention_mask"].sum()
     pairs = batch["input_ids"].shape[0] // answers
