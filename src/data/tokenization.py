@@ -183,7 +183,7 @@ def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> 
 def token_columns_of(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
     """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
     kind = stage_shape(stage)
-    if kind == PAIRS:  # a round's tool trajectories add their loss masks (src/packed_dpo.py ANSWER_MASKS)
+    if kind == PAIRS:  # a round's tool trajectories add their loss masks (src/packed_layout.py ANSWER_MASKS)
         masks = ("chosen_loss_mask", "rejected_loss_mask") if first_row.get("trajectory") else ()
         return ("prompt_ids", "chosen_ids", "rejected_ids") + masks
     if kind == PROMPTS:
