@@ -128,7 +128,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         if objective(stage.name).data_shape == SEQUENCES else None
     held_out = measure_before(stage, model, tokenizer, prepared, world, reward)
     if data_audit.judged(stage):
-        data_audit.judge_training_pairs(prepared, stage, world)
+        data_audit.judge_training_pairs(prepared, stage, world, tokenizer)
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trainer, trackers = build_stage_trainer(stage, model, tokenizer, prepared, start, held_out, sft_forward,
                                             reference_path, world, reward)

@@ -383,7 +383,13 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
     """src/embedded/tools_task.py: held-out questions asked in no training split, SFT calls careless in about
     SFT_WRONG_CALLS of the chats, pairs preferring the right call; its template is Hermes-style with the result in its
     tool role; the judge reads a trajectory's final turn and first call; `measure` tables each stage with intervals."""
+    from datasets import Dataset
+
+    from src.audit.judged import judge_pairs
+    from src.data import sample_fields, tokenize_preference
     from src.embedded import tools_task
+    from src.judges import judge_for
+    from src.world import World
     from src.embedded.model import build_tokenizer
 
     files = tools_task.build()
@@ -396,7 +402,8 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
     assert abs(sum(careless) / len(careless) - tools_task.SFT_WRONG_CALLS) < 0.03
     pair = files["dpo/train"][0]
     assert pair["chosen"][0]["tool_calls"][0]["function"]["arguments"]["b"] == pair["meta"]["b"]
-    tokenizer = build_tokenizer(["What is 123 * 456? 56088 multiply {}:,\"ab"], chat_template=tools_task.CHAT_TEMPLATE,
+    tokenizer = build_tokenizer(["What is 123 * 456? 56088 multiply {}:,\"ab name arguments 0123456789"],
+                                chat_template=tools_task.CHAT_TEMPLATE,
                                 special_tokens=tools_task.TOOL_SPECIALS)
     assert call_syntax(tokenizer) == HERMES
     assert tool_result_text(tokenizer, "<|end|>", [("multiply", "56088")]) == "<|tool|>56088<|assistant|>"
@@ -408,6 +415,22 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
                                                              "turn_rewards": [1.0, 1.0]}
     assert tools_task.check(row, careless_call)["turn_rewards"] == [0.0, 0.0]
     assert tools_task.check(row, "56088<|end|>")["correct"] and not tools_task.check(row, "56088")["called"]
+    # A DPO pair's answers end at their call: scored by the call, so the judge tells the right one from the careless
+    call_only = right.split("<|end|>")[0] + "<|end|>"
+    assert [tools_task.check(row, text)["score"] for text in (call_only, call_only.replace('"b":456', '"b":45'))] \
+        == [1.0, 0.0]
+    # ... and so does the data audit, which reads a pair's answer as the template writes it (not its empty content)
+    pairs = Dataset.from_list([dict(pair, **tokenize_preference(pair, tokenizer)) for pair in files["dpo/train"][:4]])
+    audit, inverted = judge_pairs(judge_for("src.embedded.tools_task:check", None), pairs, None, "dpo", 4, 0, World(),
+                                  tokenizer)
+    assert audit["judge_tie_share"] == 0 and not inverted, audit
+    # The samples show an SFT chat's reference as the template writes it: the call, its result, the answer
+    chat = files["sft/test"][0]
+    shown = sample_fields(chat, tokenizer)["sample_chosen"]
+    call = chat["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert shown == (f'<tool_call>{{"name":"multiply","arguments":{{"a":{call["a"]},"b":{call["b"]}}}}}</tool_call>'
+                     f'<|end|><|tool|>{chat["messages"][2]["content"]}<|assistant|>{chat["messages"][3]["content"]}'
+                     "<|end|>"), shown
     for stage, directory in (("sft", tmp_path / "sft"), ("dpo", tmp_path / "dpo"), ("grpo", tmp_path)):
         directory.mkdir(exist_ok=True)
         verdicts = [{"reference": tools_task.check(row, careless_call), "trained": tools_task.check(
