@@ -403,36 +403,48 @@ def test_a_bad_row_in_a_mixture_names_its_source(tiny_tokenizer, tmp_path):
                  dataset_mixture=[{"name": str(good)}, {"name": str(bad)}])
 
 
+def run_prepare_probe(argv: list[str]) -> int:
+    """tests/prepare_probe.py as its command line runs it, in a process forked from this one (tests/forked.py)."""
+    import runpy
+    import sys
+
+    from conftest import PROJECT_ROOT
+
+    sys.argv = [str(PROJECT_ROOT / "tests" / "prepare_probe.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    return 0
+
+
 def test_a_killed_preparation_leaves_no_worker_and_the_same_command_prepares_the_same_rows(tmp_path):
     """`kill -9` of a one-process data preparation while its 2 pool workers tokenize (a seam: a worker kills it at its
     first batch): no worker is left 10 s later (pool workers outlive a killed parent unless they watch it), and the
-    same command relaunched prepares the rows a preparation left alone does."""
+    same command relaunched prepares the rows a preparation left alone does. The killed one is a fresh process (what
+    its pool workers inherit is a real start's); the relaunch and the one left alone are forked (tests/forked.py):
+    what they check is the rows prepared."""
     import os
     import subprocess
     import sys
 
+    import forked
     from conftest import PROJECT_ROOT
     from src import seams
     from test_resilience import kill_tagged, seconds_until_gone
 
-    def probe(workdir, num_proc: int, **env):
-        log = tmp_path / f"{workdir}.log"
+    killed, tag, log = tmp_path / "killed", f"{tmp_path}-preparation", tmp_path / "killed.log"
+    try:
         with open(log, "w") as output:  # a file, not a pipe: a pipe would wait for any worker left holding it
             status = subprocess.run([sys.executable, str(PROJECT_ROOT / "tests" / "prepare_probe.py"),
-                                     str(tmp_path / workdir), "3000", str(num_proc)], stdout=output,
-                                    stderr=subprocess.STDOUT, env=os.environ | env, timeout=300).returncode
-        return status, log.read_text()
-
-    killed, tag = tmp_path / "killed", f"{tmp_path}-preparation"
-    try:
-        status, output = probe("run", 2, **seams.env({}, kill_starter=f"preparation:{killed}", run_tag=tag))
-        assert status == -9 and killed.exists(), output[-2000:]
+                                     str(tmp_path / "run"), "3000", "2"], stdout=output, stderr=subprocess.STDOUT,
+                                    env=os.environ | seams.env({}, kill_starter=f"preparation:{killed}", run_tag=tag),
+                                    timeout=300).returncode
+        assert status == -9 and killed.exists(), log.read_text()[-2000:]
         print(f"the preparation's pool workers ended {seconds_until_gone(tag):.1f} s after the kill")
     finally:
         kill_tagged(tag)
-    relaunched, alone = probe("run", 2), probe("alone", 1)
-    assert relaunched[0] == alone[0] == 0, relaunched[1][-2000:] + alone[1][-2000:]
-    first, second = (json.loads(output.strip().splitlines()[-1]) for _, output in (relaunched, alone))
+    relaunched, alone = (forked.run_main([str(tmp_path / workdir), "3000", num_proc], entry=run_prepare_probe,
+                                         timeout=300) for workdir, num_proc in (("run", "2"), ("alone", "1")))
+    assert relaunched.returncode == alone.returncode == 0, relaunched.stderr[-2000:] + alone.stderr[-2000:]
+    first, second = (json.loads(result.stdout.strip().splitlines()[-1]) for result in (relaunched, alone))
     assert first["kept"] == second["kept"] == 2800 and first["train_digest"] == second["train_digest"]
 
 
