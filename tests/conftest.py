@@ -223,15 +223,19 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, usable_cores())
 
 
-# The files that start the most training processes, longest first: the xdist workers (pytest.ini) take files in
-# collection order, so the long ones start at once and the short ones fill the gaps, instead of one long file
-# starting last and running alone. Order from `--junitxml` per-file times of a whole run (docs/development.md);
-# a new file that starts several launches goes in by its time.
-LONG_FILES = ("test_disk_space.py", "test_rounds.py", "test_training.py", "test_resilience.py", "test_two_hosts.py",
-              "test_engines.py", "test_cli.py", "test_eval_metrics.py", "test_trackers.py", "test_finished_run.py",
-              "test_hang_watch.py", "test_simpo.py", "test_reference_cache.py", "test_grpo.py", "test_orpo.py",
-              "test_reward.py", "test_ddp_comm_hook.py", "test_launchers.py", "test_run_lock.py", "test_publish.py",
-              "test_kto.py", "test_data.py", "test_packed_support.py", "test_memory_plan_engines.py")
+# The files that cost the most, longest first: the xdist workers (pytest.ini) take files in collection order, so
+# the long ones start at once and the short ones (every file not listed: under ~20 CPU-s each) fill the gaps, instead
+# of one long file starting last and running alone. Order by each file's cost alone: `OMP_NUM_THREADS=1 /usr/bin/time
+# python -m pytest -q -n 0 tests/FILE` (user + system, its processes included), plus what it waits idle (the lost
+# node's --node_timeout, the hang tests' timeouts). Measured 2026-11-27 (CPU-s): two_hosts 117 (+20 idle), resilience
+# 90, engines 70, disk_space 55, rounds 51, data 45, memory_plan_engines 41, training 35, tools 34, trackers 33,
+# hang_watch 23 (+10 idle), cli 30, reference_cache 28, run_lock 27, launchers 26, check_gpu_cli 26, finished_run 24,
+# live_report 23, packed_support 22, grpo 22. A file that grows past ~20 CPU-s goes in by its cost.
+LONG_FILES = ("test_two_hosts.py", "test_resilience.py", "test_engines.py", "test_disk_space.py", "test_rounds.py",
+              "test_data.py", "test_memory_plan_engines.py", "test_training.py", "test_tools.py", "test_trackers.py",
+              "test_hang_watch.py", "test_cli.py", "test_reference_cache.py", "test_run_lock.py", "test_launchers.py",
+              "test_check_gpu_cli.py", "test_finished_run.py", "test_live_report.py", "test_packed_support.py",
+              "test_grpo.py")
 
 
 # Tests that run only when a -m expression names their marker: a plain `pytest` (and CI) deselects them.
