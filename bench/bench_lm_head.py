@@ -10,7 +10,7 @@ The model: a Qwen2-shaped model built locally with random weights (2 layers, hid
 vocabulary 151,936, tied embeddings). A step: TRL's fused LM head (`add_fused_lm_head`, the outputs DPOTrainer asks
 for) on a micro-batch of --pairs pairs, each a prompt of --prompt tokens and two answers of --answer tokens, called as
 DPOTrainer._compute_loss calls it (`model(..., labels=..., fused_lm_head=True)`, redirected to the packed layout by
-src/packed_dpo.py in the packed arms), then `log_probs.sum().backward()`.
+src/packed_forward.py in the packed arms), then `log_probs.sum().backward()`.
 
 Each arm runs in its own process (one per arm, prompt length and repeat; the arms interleaved, repeat after repeat):
 time per step is the median of --steps steps after one warm-up; memory is the process's peak resident set during the
@@ -53,7 +53,8 @@ def worker(args) -> None:
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from trl.trainer.utils import add_fused_lm_head
 
-    from src.packed_dpo import PackedDPOForward, pack_pairs
+    from src.packed_forward import PackedDPOForward
+    from src.packed_layout import pack_pairs
 
     torch.manual_seed(1)
     torch.set_num_threads(args.threads)

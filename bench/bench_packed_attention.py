@@ -225,7 +225,7 @@ def sparsity(widths: tuple[int, ...] = (512, 2048, 8192), rows_per_width: int = 
     import torch
 
     from src.packed_attention import computed_block_share, prefix_shared_block_mask
-    from src.packed_dpo import pack_pairs
+    from src.packed_layout import pack_pairs
 
     lines = ["| lengths | row width | pairs per row | blocks computed, block-sparse | causal only | dense mask |",
              "|---|---|---|---|---|---|"]

@@ -41,6 +41,10 @@ def load_version(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
+    if module.PackedDPOForward.__module__ != spec.name:  # its forward would be this checkout's: a ratio of 1, silently
+        raise SystemExit(f"error: --before {path}: that version's packed forward is spread over src/packed_layout.py, "
+                         "packed_forward.py and packed_attention.py, which would load from this checkout; give a "
+                         "version whose src/packed_dpo.py holds the whole forward (before its split, 2026-11-27)")
     return module
 
 
@@ -68,7 +72,7 @@ def micro_batches() -> list[list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", help="another version's src/packed_dpo.py")
+    parser.add_argument("--before", help="another version's src/packed_dpo.py, from when it held the whole forward")
     parser.add_argument("--objectives", nargs="+", help="per objective: packed vs TRL's padded (dpo simpo orpo kto)")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=256)

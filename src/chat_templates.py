@@ -198,6 +198,17 @@ def answer_text(tokenizer, prompt: list[dict], answer: list[dict], keep_reasonin
     return prompt_text, text
 
 
+def shown_answer(tokenizer, prompt: list[dict], answer: list[dict], chat_template: str | None = None,
+                 **template_kwargs) -> str | None:
+    """A dataset's answer that holds tool calls or results (an SFT chat's call, result, answer) as the template
+    writes it after the generation prompt, special tokens kept: the way a sampled trajectory is shown and judged
+    (src/tools.py). None when the template does not render it as a continuation of the prompt."""
+    kwargs = {"chat_template": chat_template, **template_kwargs}
+    generation_prompt = _render(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+    full = _render(tokenizer, prompt + answer, **kwargs)
+    return full[len(generation_prompt):] if full.startswith(generation_prompt) else None
+
+
 class _Rewritten(Exception):
     """The splice does not apply: answer_text says what the template drops."""
 

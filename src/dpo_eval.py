@@ -8,7 +8,7 @@ vs 0.2380 on 2 for the same model and pairs). Best-checkpoint selection and run 
 
 How, without re-implementing TRL's loss code (every `loss_type`, `ld_alpha`, WPO and metric stays TRL's):
 1. each eval batch runs TRL's `_compute_loss` once, as in training (packed or padded forward), while a tape
-   (src/packed_dpo.py's fused-forward wrapper) records the policy's and the reference's fused-forward outputs;
+   (src/packed_forward.py's fused-forward wrapper) records the policy's and the reference's fused-forward outputs;
 2. TRL's `_compute_loss` then runs once per pair on that pair's two rows, the model's forward replayed from the
    tape (sliced to the pair: no model compute), collectives off, its metrics read from `_metrics["eval"]`;
 3. the per-pair values are gathered with `gather_for_metrics`, which drops accelerate's duplicated pairs, and
@@ -25,7 +25,8 @@ from collections import defaultdict
 
 import torch
 
-from src.packed_dpo import PACKED_KEYS, TAPE, fused_modules, install
+from src.packed_forward import TAPE, fused_modules, install
+from src.packed_layout import PACKED_KEYS
 
 # Which completion tokens weight each metric (as TRL's batch formula weights them); the rest weigh 1 per pair.
 TOKEN_WEIGHTS = {"entropy": "both", "logits/chosen": "chosen", "logits/rejected": "rejected",

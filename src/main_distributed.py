@@ -38,7 +38,7 @@ from src.pipeline.stages import Stage, plan_stages, stage_status, stage_title
 from src.pipeline.stopping import watch_job
 from src.pipeline.training import build_stage_trainer, load_stage_model, merge_wanted, train
 from src.rounds import start_round
-from src.run_safety import hang_watch
+from src.run_safety import hang_board
 from src.run_safety.disk_space import write_failures_noted, write_failures_reported
 from src.run_safety.finished_run import end_step_done
 from src.run_safety.parent_watch import watch_launcher
@@ -59,8 +59,8 @@ def run(argv: list[str] | None = None) -> int:
     hold = hold_run_directory(stages[-1].run_dir, config.training.dry_run, world)
     # torchrun restarts failed workers with the same flags: --overwrite applies to the launch, not to its restarts.
     overwrite = config.training.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    if hold is not None and world.is_main:  # what a killed launch's hang watch left (src/run_safety/hang_watch.py)
-        hang_watch.clear_earlier_boards(stages[-1].run_dir)
+    if hold is not None and world.is_main:  # what a killed launch's hang watch left (src/run_safety/hang_board.py)
+        hang_board.clear_earlier_boards(stages[-1].run_dir)
     finished = check_earlier_run(stages, overwrite)
     if finished:
         return finish_finished_run(stages, config, world, finished)
@@ -128,7 +128,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
         if objective(stage.name).data_shape == SEQUENCES else None
     held_out = measure_before(stage, model, tokenizer, prepared, world, reward)
     if data_audit.judged(stage):
-        data_audit.judge_training_pairs(prepared, stage, world)
+        data_audit.judge_training_pairs(prepared, stage, world, tokenizer)
     os.environ.update(stage.environment)  # read by the tracker integrations when the trainer creates them
     trainer, trackers = build_stage_trainer(stage, model, tokenizer, prepared, start, held_out, sft_forward,
                                             reference_path, world, reward)

@@ -1,7 +1,11 @@
-"""Which attention the packed, prefix-shared forward (src/packed_dpo.py) runs on a row, and the block-sparse mask it
-hands FlexAttention: this module owns the choice (dense mask through sdpa/eager, or FlexAttention with a BlockMask),
-the row widths FlexAttention sees (bucketed, so a run compiles a bounded number of times), the BlockMask built from
-the packed layout's segments and branches, and the count of compiles.
+"""Which attention the packed, prefix-shared forward (src/packed_forward.py) runs on a row, and the masks it hands the
+model: this module owns the choice (dense mask through sdpa/eager, or FlexAttention with a BlockMask), the row widths
+FlexAttention sees (bucketed, so a run compiles a bounded number of times), both masks built from the packed layout's
+segments and branches (src/packed_layout.py) with each layer kind's window (`attention_masks`), and the count of
+compiles.
+
+Sliding windows: a model whose config lists `layer_types` takes one mask per layer kind (a dict keyed by kind), each
+with its window counted in positions; one without (Mistral, Phi-3, StarCoder2) one mask with its `sliding_window`.
 
 Why two: sdpa with an arbitrary 4D mask cannot skip masked blocks (for grouped-query models transformers' sdpa path
 even falls back to the math kernel), so a packed row costs width² in attention whatever its segments. FlexAttention
@@ -44,7 +48,8 @@ CROSSOVER_SOURCE = ("published H200 measure (FlexAttention 0.72x a dense mask at
                     "8,192), not yet measured on this forward on a GPU")
 BLOCK = 128                # FlexAttention's block: rows are whole blocks, so no block is partly outside the row
 OCTAVE_STEPS = 8           # width buckets per doubling above 1,024: at most 1/8 of a row is bucket padding
-SHARED, CHOSEN, REJECTED = 0, 1, 2  # the packed layout's branch ids (src/packed_dpo.py)
+SHARED, CHOSEN, REJECTED = 0, 1, 2  # the packed layout's branch ids (src/packed_layout.py), which the masks read
+ONE_MASK = "*"           # layer_windows' key when every layer takes the same mask
 FLEX_IMPLEMENTATION = "flex_attention"
 # Families of the packed allow-list whose flex forward the suite cannot prove on CPU, with the cause.
 SINKS = ("attention sinks: transformers' flex path cannot run them on CPU, so the suite cannot prove the family "
@@ -143,7 +148,7 @@ def flex_rows(sizes: list[int]) -> tuple[int, list[list[int]]]:
 
 def prefix_shared_block_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor,
                              window: int | None = None):
-    """The BlockMask of the packed layout (the dense mask's rule, src/packed_dpo._prefix_shared_mask): causal within a
+    """The BlockMask of the packed layout (the dense mask's rule, prefix_shared_mask): causal within a
     pair's segment, a rejected answer never sees the chosen one, and with a window only keys fewer than `window`
     positions back. Padding (segment -1) attends to nothing: FlexAttention gives such a row zeros, and skips its
     blocks. Compiled on CUDA (create_block_mask's own default), evaluated eagerly elsewhere."""
@@ -163,6 +168,54 @@ def prefix_shared_block_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor
     rows, width = segment_ids.shape
     return create_block_mask(keep, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=segment_ids.device,
                              BLOCK_SIZE=BLOCK, _compile=segment_ids.device.type == "cuda")
+
+
+def prefix_shared_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor,
+                        window: int | None = None) -> torch.Tensor:
+    """(rows, 1, width, width) boolean, True = may attend: causal within a pair's segment, a rejected answer's token
+    never sees the chosen answer, and with a window only keys fewer than `window` positions back (transformers'
+    `kv_idx > q_idx - sliding_window`, counted in positions: the shared prompt's positions count for both answers)."""
+    width = segment_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    leak = (branch_ids[:, :, None] == REJECTED) & (branch_ids[:, None, :] == CHOSEN)
+    allowed = same & causal & ~leak
+    if window is not None:
+        allowed &= (position_ids[:, :, None] - position_ids[:, None, :]) < window
+    return allowed[:, None]
+
+
+def layer_windows(config) -> dict[str, int | None]:
+    """The attention window, in positions, of each kind of layer the packed mask must reproduce (None: full causal).
+    A model whose config lists `layer_types` takes one mask per kind (a dict keyed by kind, as its forward accepts);
+    one without takes a single mask for every layer, windowed when the config has a `sliding_window` (Mistral, Phi-3,
+    StarCoder2). Kinds a mask cannot express are refused before this is asked (src/packed_dpo_support.py)."""
+    text = config.get_text_config()
+    kinds = list(dict.fromkeys(getattr(text, "layer_types", None) or []))
+    if kinds and kinds != ["full_attention"]:
+        return {kind: text.sliding_window if kind == "sliding_attention" else None for kind in kinds}
+    return {ONE_MASK: None if kinds else getattr(text, "sliding_window", None)}
+
+
+def attention_masks(module, batch: dict, kind: str):
+    """The `attention_mask` `module`'s forward takes for a packed, prefix-shared batch (its packed tensors, on the
+    model's device): FlexAttention's BlockMask where `kind` is FLEX, else the dense boolean mask (additive for eager,
+    which adds the mask to the scores); one per layer kind (a dict keyed by kind, as the forward accepts), or one for
+    every layer (layer_windows)."""
+    eager = str(attention_implementation(module.config)) == "eager"  # eager adds the mask to the scores
+    dtype = next(module.parameters()).dtype
+    masks = {}
+    for layer_kind, window in layer_windows(module.config).items():
+        if kind == FLEX:
+            masks[layer_kind] = prefix_shared_block_mask(batch["packed_segment_ids"], batch["packed_branch_ids"],
+                                                         batch["packed_position_ids"], window)
+            continue
+        mask = prefix_shared_mask(batch["packed_segment_ids"], batch["packed_branch_ids"],
+                                  batch["packed_position_ids"], window)
+        if eager:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        masks[layer_kind] = mask
+    return masks.pop(ONE_MASK) if ONE_MASK in masks else masks
 
 
 def computed_block_share(block_mask) -> float:

@@ -5,7 +5,7 @@ Trust is an allow-list. A model type is packed only if it is in VERIFIED, which 
 for the pinned transformers: a tiny random model of the family (every window and chunk shorter than the test rows,
 one layer of every kind its config lists) gives TRL's padded forward's per-token log-probs within 1e-5. Any other
 type is refused with its cause, or as "not verified", so a transformers upgrade that adds or changes a family
-cannot make the default forward silently wrong; the first-batch check (src/packed_dpo.py) stays as a second guard.
+cannot make the default forward silently wrong; the first-batch check (src/packed_forward.py) stays as a second guard.
 
 Everything here reads the model's config only (no weights), so the launch decides before data preparation and the
 dry run shows it."""
@@ -17,7 +17,7 @@ from src.models import ModelError
 from src.private_api import attention_implementation
 
 # Proven exact by tests/test_packed_support.py (sliding windows, where the family has them, are reproduced per
-# layer kind by src/packed_dpo.layer_windows).
+# layer kind by src/packed_attention.layer_windows).
 VERIFIED = frozenset("""
 afmoe apertus arcee aria_text axk1 beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm diffllama deepseek_v2 deepseek_v3 doge dots1 ernie4_5
 ernie4_5_moe exaone4 exaone_moe falcon flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2
@@ -59,7 +59,7 @@ REFUSED = {
 CANNOT_TRAIN = {
     "llama4_text": "TRL 1.16's fused LM head finds no backbone under its base_model_prefix (both DPO forwards fail)",
 }
-# Layer kinds a 4D mask can reproduce (src/packed_dpo.layer_windows); any other kind is refused.
+# Layer kinds a 4D mask can reproduce (src/packed_attention.layer_windows); any other kind is refused.
 MASKABLE_LAYER_KINDS = ("full_attention", "sliding_attention")
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 FLASH_PREFIX = "flash_attention"

@@ -19,7 +19,7 @@ import pytest
 import forked
 from conftest import preference_rows, write_jsonl
 from src import run_files, seams
-from src.run_safety import hang_watch
+from src.run_safety import hang_blame, hang_board, hang_stacks, hang_watch
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.run_lock import hold_path
 
@@ -203,21 +203,21 @@ def test_the_stuck_rank_is_the_silent_one_outside_torch_distributed():
     collective = ['File "/venv/torch/distributed/distributed_c10d.py", line 4287 in all_gather']
     sleeping = ['File "/src/judges.py", line 127 in scores']
     records = {0: {"rank": 0, "mode": "", "depth": 1}, 1: {"rank": 1, "mode": "", "depth": 2}}
-    assert hang_watch.find_stuck(records, {0: 30.0, 1: 20.0}, {0: collective, 1: sleeping}) == 1
-    assert hang_watch.find_stuck(records, {0: 30.0, 1: 20.0}, {0: sleeping, 1: collective}) == 0
-    waiting = {0: {"rank": 0, "mode": hang_watch.WAITING, "depth": 2}, 1: {"rank": 1, "mode": "", "depth": 1}}
-    assert hang_watch.find_stuck(waiting, {0: 30.0, 1: 20.0}, {}) == 1
-    assert hang_watch.find_stuck(records, {0: 30.0, 1: 20.0}, {}) == 1  # the nested phase (a judged batch)
+    assert hang_blame.find_stuck(records, {0: 30.0, 1: 20.0}, {0: collective, 1: sleeping}) == 1
+    assert hang_blame.find_stuck(records, {0: 30.0, 1: 20.0}, {0: sleeping, 1: collective}) == 0
+    waiting = {0: {"rank": 0, "mode": hang_board.WAITING, "depth": 2}, 1: {"rank": 1, "mode": "", "depth": 1}}
+    assert hang_blame.find_stuck(waiting, {0: 30.0, 1: 20.0}, {}) == 1
+    assert hang_blame.find_stuck(records, {0: 30.0, 1: 20.0}, {}) == 1  # the nested phase (a judged batch)
     flat = {0: {"rank": 0, "mode": "", "depth": 1}, 1: {"rank": 1, "mode": "", "depth": 1}}
-    assert hang_watch.find_stuck(flat, {0: 20.0, 1: 30.0}, {}) == 1  # silent longest
-    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 30.0}, {0: collective, 1: collective}) == 0
+    assert hang_blame.find_stuck(flat, {0: 20.0, 1: 30.0}, {}) == 1  # silent longest
+    assert hang_blame.find_stuck(flat, {0: 30.0, 1: 30.0}, {0: collective, 1: collective}) == 0
     nccl_read = ['File "/repo/src/distributed.py", line 105 in any_rank']  # NCCL: the wait is at the result's read
-    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: nccl_read, 1: sleeping}) == 1
+    assert hang_blame.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: nccl_read, 1: sleeping}) == 1
     # Rank 0 waits in a gather TRL makes (not marked waiting) and falls silent first; rank 1 stuck in the judge after
     # its last beat, silent for less than the timeout yet: its stack names it (seen once in CI, under load).
-    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: collective, 1: sleeping}, timeout_s=25.0) == 1
-    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: collective}, timeout_s=25.0) == 0, "no stack, no blame"
-    assert hang_watch.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: sleeping, 1: sleeping}, timeout_s=25.0) == 0
+    assert hang_blame.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: collective, 1: sleeping}, timeout_s=25.0) == 1
+    assert hang_blame.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: collective}, timeout_s=25.0) == 0, "no stack, no blame"
+    assert hang_blame.find_stuck(flat, {0: 30.0, 1: 20.0}, {0: sleeping, 1: sleeping}, timeout_s=25.0) == 0
 
 
 def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path):
@@ -232,22 +232,22 @@ def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path
         faulthandler.dump_traceback(out, all_threads=True)
         faulthandler.dump_traceback(out, all_threads=True)
     release.set()
-    frames = hang_watch.main_thread_frames((tmp_path / "stack").read_text())
+    frames = hang_stacks.main_thread_frames((tmp_path / "stack").read_text())
     assert "test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump" in frames[0]
-    assert not hang_watch.in_collective(frames)
-    assert "test_hang_watch.py" in hang_watch.innermost_toolkit_frame(frames)
+    assert not hang_stacks.in_collective(frames)
+    assert "test_hang_watch.py" in hang_stacks.innermost_toolkit_frame(frames)
 
 
 def test_the_timeout_is_at_least_three_times_the_longest_pause_measured():
-    assert hang_watch.effective_timeout(600, 30) == 600
-    assert hang_watch.effective_timeout(600, 240) == 720  # a 4-minute first-step compile: 12 minutes from then on
-    assert hang_watch.effective_timeout(10, 0) == 10
+    assert hang_blame.effective_timeout(600, 30) == 600
+    assert hang_blame.effective_timeout(600, 240) == 720  # a 4-minute first-step compile: 12 minutes from then on
+    assert hang_blame.effective_timeout(10, 0) == 10
 
 
 def test_a_stalled_run_says_how_long_since_a_step_instead_of_an_eta():
     from src.reporting.status import Live, run_state, status_line
 
-    line = hang_watch.stalled_line(250, "rank 1 in the judge")
+    line = hang_blame.stalled_line(250, "rank 1 in the judge")
     assert line == "no step for 4 min 10 s; rank 1 in the judge"
     state = run_state({"status": "running"}, [], Live(step=10, total=12, elapsed_s=300, eta_s=None, stalled=line))
     assert status_line(state).startswith("**running** · step 10 of 12 (83%) · elapsed 5 min 0 s · no step for 4 min "
@@ -267,4 +267,4 @@ def test_a_watched_process_that_ends_by_itself_leaves_no_board(tmp_path, monkeyp
     hang_watch._watch[0].thread.join(timeout=30)  # the watch thread ends with it (and arms nothing any more)
     assert not hang_watch._watch[0].thread.is_alive()
     assert list(tmp_path.iterdir()) == []
-    faulthandler.unregister(hang_watch.DUMP_SIGNAL)  # this (pytest) process as it was
+    faulthandler.unregister(hang_stacks.DUMP_SIGNAL)  # this (pytest) process as it was

@@ -26,7 +26,7 @@ def test_bucketed_widths_bound_the_shapes_flex_compiles_for():
 
 def test_auto_picks_the_dense_mask_on_short_rows_and_flex_on_long_ones_with_the_reason():
     from src.packed_attention import AttentionPolicy
-    from src.packed_dpo import pack_pairs
+    from src.packed_layout import pack_pairs
 
     policy = AttentionPolicy("auto", flex_possible=True, crossover_width=32)
     assert policy.kind_for(31) == "dense" and policy.kind_for(32) == "flex"

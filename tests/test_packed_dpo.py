@@ -190,7 +190,8 @@ def test_pairs_prepared_through_a_thinking_template_match_the_padded_forward(tmp
 def test_the_varlen_layout_for_flash_attention_matches_through_restarting_positions(tokenizer, tmp_path):
     """The flash-attention layout (no mask, positions restarting at 0) run with sdpa on CPU: transformers builds the
     block-diagonal mask from the positions, as flash-attention's varlen does."""
-    from src.packed_dpo import PackedDPOForward, PackedPreferenceCollator
+    from src.packed_dpo import PackedPreferenceCollator
+    from src.packed_forward import PackedDPOForward
 
     rows = pairs(10, seed=3)
     model = tiny("qwen2", tokenizer)
@@ -206,17 +207,17 @@ def test_the_varlen_layout_for_flash_attention_matches_through_restarting_positi
 def test_a_mask_that_lets_the_rejected_answer_see_the_chosen_one_is_caught(tokenizer, tmp_path, monkeypatch, capsys):
     """The first-batch check has teeth: with the mask's one rule broken, the run falls back to the padded forward
     (and its numbers), with one warning line."""
-    import src.packed_dpo as packed_dpo
+    import src.packed_attention as packed_attention
 
     rows = pairs(8, seed=4)
     model = tiny("llama", tokenizer)
     padded = reference_logps(trainer_for(model, tokenizer, rows, tmp_path, False), rows)
-    correct_mask = packed_dpo._prefix_shared_mask
+    correct_mask = packed_attention.prefix_shared_mask
 
     def leaky_mask(segment_ids, branch_ids, position_ids, window=None):  # the rejected answer sees all of its pair
-        return correct_mask(segment_ids, branch_ids.clamp(max=packed_dpo.CHOSEN), position_ids, window)
+        return correct_mask(segment_ids, branch_ids.clamp(max=packed_attention.CHOSEN), position_ids, window)
 
-    monkeypatch.setattr(packed_dpo, "_prefix_shared_mask", leaky_mask)
+    monkeypatch.setattr(packed_attention, "prefix_shared_mask", leaky_mask)
     trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
     assert_close(reference_logps(trainer, rows), padded)
     assert not trainer.packed_forward.enabled
@@ -228,7 +229,7 @@ def test_a_mask_that_lets_the_rejected_answer_see_the_chosen_one_is_caught(token
 def test_a_packed_forward_that_raises_falls_back_with_the_error(tokenizer, tmp_path, monkeypatch, capsys):
     """A shape the model cannot take in the packed layout is a failed first-batch check, not a crash: the padded
     forward's numbers, one warning line naming the error."""
-    import src.packed_dpo as packed_dpo
+    import src.packed_attention as packed_attention
 
     rows = pairs(8, seed=5)
     model = tiny("llama", tokenizer)
@@ -237,7 +238,7 @@ def test_a_packed_forward_that_raises_falls_back_with_the_error(tokenizer, tmp_p
     def unbuildable_mask(*args, **kwargs):
         raise ValueError("too many values to unpack (expected 2)")  # what BLOOM's ALiBi raised on a 4D mask
 
-    monkeypatch.setattr(packed_dpo, "_prefix_shared_mask", unbuildable_mask)
+    monkeypatch.setattr(packed_attention, "prefix_shared_mask", unbuildable_mask)
     trainer = trainer_for(model, tokenizer, rows, tmp_path, True)
     assert_close(reference_logps(trainer, rows), padded)
     assert not trainer.packed_forward.enabled
@@ -248,7 +249,7 @@ def test_a_packed_forward_that_raises_falls_back_with_the_error(tokenizer, tmp_p
 
 def test_a_window_the_mask_does_not_reproduce_is_named_as_the_likely_cause(tokenizer, tmp_path, monkeypatch):
     """The first-batch check's warning names a windowed model's window when the numbers differ."""
-    import src.packed_dpo as packed_dpo
+    import src.packed_attention as packed_attention
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -259,8 +260,8 @@ def test_a_window_the_mask_does_not_reproduce_is_named_as_the_likely_cause(token
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, initializer_range=0.2, pad_token_id=tokenizer.pad_token_id, use_sliding_window=True,
         sliding_window=4, max_window_layers=1, attn_implementation="sdpa"))
-    correct_mask = packed_dpo._prefix_shared_mask
-    monkeypatch.setattr(packed_dpo, "_prefix_shared_mask",  # the window left out of the mask
+    correct_mask = packed_attention.prefix_shared_mask
+    monkeypatch.setattr(packed_attention, "prefix_shared_mask",  # the window left out of the mask
                         lambda segment_ids, branch_ids, position_ids, window=None: correct_mask(
                             segment_ids, branch_ids, position_ids, None))
     trainer = trainer_for(model, tokenizer, rows, tmp_path, True)

@@ -54,7 +54,9 @@ def packed_and_padded_log_probs(model, rows: list[dict], attention=None):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from trl.trainer.utils import add_fused_lm_head
 
-    from src.packed_dpo import PACKED_KEYS, PackedDPOForward, PackedPreferenceCollator, attention_layout
+    from src.packed_dpo import PackedPreferenceCollator, attention_layout
+    from src.packed_forward import PackedDPOForward
+    from src.packed_layout import PACKED_KEYS
 
     if not getattr(model, "_packed_dpo_installed", False):  # a second call: TRL's head would cover the redirect
         add_fused_lm_head(model, outputs=("log_probs",))

@@ -383,7 +383,13 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
     """src/embedded/tools_task.py: held-out questions asked in no training split, SFT calls careless in about
     SFT_WRONG_CALLS of the chats, pairs preferring the right call; its template is Hermes-style with the result in its
     tool role; the judge reads a trajectory's final turn and first call; `measure` tables each stage with intervals."""
+    from datasets import Dataset
+
+    from src.audit.judged import judge_pairs
+    from src.data import sample_fields, tokenize_preference
     from src.embedded import tools_task
+    from src.judges import judge_for
+    from src.world import World
     from src.embedded.model import build_tokenizer
 
     files = tools_task.build()
@@ -396,7 +402,8 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
     assert abs(sum(careless) / len(careless) - tools_task.SFT_WRONG_CALLS) < 0.03
     pair = files["dpo/train"][0]
     assert pair["chosen"][0]["tool_calls"][0]["function"]["arguments"]["b"] == pair["meta"]["b"]
-    tokenizer = build_tokenizer(["What is 123 * 456? 56088 multiply {}:,\"ab"], chat_template=tools_task.CHAT_TEMPLATE,
+    tokenizer = build_tokenizer(["What is 123 * 456? 56088 multiply {}:,\"ab name arguments 0123456789"],
+                                chat_template=tools_task.CHAT_TEMPLATE,
                                 special_tokens=tools_task.TOOL_SPECIALS)
     assert call_syntax(tokenizer) == HERMES
     assert tool_result_text(tokenizer, "<|end|>", [("multiply", "56088")]) == "<|tool|>56088<|assistant|>"
@@ -408,6 +415,22 @@ def test_the_embedded_tool_task_holds_out_its_questions_and_judges_trajectories(
                                                              "turn_rewards": [1.0, 1.0]}
     assert tools_task.check(row, careless_call)["turn_rewards"] == [0.0, 0.0]
     assert tools_task.check(row, "56088<|end|>")["correct"] and not tools_task.check(row, "56088")["called"]
+    # A DPO pair's answers end at their call: scored by the call, so the judge tells the right one from the careless
+    call_only = right.split("<|end|>")[0] + "<|end|>"
+    assert [tools_task.check(row, text)["score"] for text in (call_only, call_only.replace('"b":456', '"b":45'))] \
+        == [1.0, 0.0]
+    # ... and so does the data audit, which reads a pair's answer as the template writes it (not its empty content)
+    pairs = Dataset.from_list([dict(pair, **tokenize_preference(pair, tokenizer)) for pair in files["dpo/train"][:4]])
+    audit, inverted = judge_pairs(judge_for("src.embedded.tools_task:check", None), pairs, None, "dpo", 4, 0, World(),
+                                  tokenizer)
+    assert audit["judge_tie_share"] == 0 and not inverted, audit
+    # The samples show an SFT chat's reference as the template writes it: the call, its result, the answer
+    chat = files["sft/test"][0]
+    shown = sample_fields(chat, tokenizer)["sample_chosen"]
+    call = chat["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert shown == (f'<tool_call>{{"name":"multiply","arguments":{{"a":{call["a"]},"b":{call["b"]}}}}}</tool_call>'
+                     f'<|end|><|tool|>{chat["messages"][2]["content"]}<|assistant|>{chat["messages"][3]["content"]}'
+                     "<|end|>"), shown
     for stage, directory in (("sft", tmp_path / "sft"), ("dpo", tmp_path / "dpo"), ("grpo", tmp_path)):
         directory.mkdir(exist_ok=True)
         verdicts = [{"reference": tools_task.check(row, careless_call), "trained": tools_task.check(
@@ -565,20 +588,15 @@ def test_grpo_with_tools_gives_the_same_numbers_on_1x2_and_2x1_and_after_a_kille
             [record[key] for record in reference["metrics"]], abs=1e-5), key
 
 
-def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_masked_on_1x2_and_2x1(tmp_path,
-                                                                                                   monkeypatch):
-    """--rounds 1 from prompts with --tools, forked (tests/forked.py) on 2 processes x 1 accumulation step and 1 x 2:
-    each answer's first turn is scripted from its turn seed (a right multiply call, or a call to a tool that does not
-    exist), the tool runs, the next turn is the tiny model's own seeded sampling; the judge reads the whole trajectory
-    (the product came back: 1). A pair's answers are its trajectories as sampled, their loss mask 0 exactly over the
-    tool blocks (the result in the template's tool role and the generation prompt after it), prepared as the
-    collator's mask columns (tests/test_packed_dpo.py: masked tokens out of the policy, reference and cache); the
-    pairs and the round's loss are the same on either split."""
+def round_first_turns_scripted(monkeypatch) -> None:
+    """A round's sampling (src/generation.py sample_ids) with each answer's first turn scripted from its turn seed: a
+    right multiply call for the question asked (greedy too), or on an even seed a call to `divide`, a tool that does
+    not exist (an error result); every later turn is the tiny model's own seeded sampling after the result. Planted in
+    this process, so the forked runs inherit it."""
     import re
 
     import src.generation as generation
 
-    model, data, tokenizer = multiply_task(tmp_path, 4)
     sample_ids = generation.sample_ids
 
     def first_turn_scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None,
@@ -594,45 +612,31 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_ma
                 written[index] = _ids(tok, call if right else call.replace("multiply", "divide"))
         return written
 
-    monkeypatch.setattr(generation, "sample_ids", first_turn_scripted)  # inherited by the forked runs
-    import forked
-    from src import run_files
+    monkeypatch.setattr(generation, "sample_ids", first_turn_scripted)
 
-    runs = {}
-    for name, processes, accumulation in (("2x1", 2, 1), ("1x2", 1, 2)):
-        arguments = ["--stage", "dpo", "--rounds", "1", "--model_name_or_path", str(model), "--dataset_name",
-                     str(data), "--results_dir", str(tmp_path / "results"), "--run_name", name, "--batch_size", "4",
-                     "--gradient_accumulation_steps", str(accumulation), "--round_max_steps", "2",
-                     "--round_samples", "4", "--eval_strategy", "no", "--save_steps", "1", "--logging_steps", "1",
-                     "--num_samples", "0", "--val_size", "0", "--test_size", "0", "--max_new_tokens", "160",
-                     "--max_length", "320", "--learning_rate", "1e-3", "--seed", "6",
-                     "--judge", "tool_registry:result_judge", "--tools", "tool_registry:MULTIPLY",
-                     "--max_tool_turns", "1", "--audit_judge_pairs", "0"]
-        result = forked.run_job(processes, arguments, env=dict(os.environ) | {"OMP_NUM_THREADS": "1"})
-        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        run_dir = tmp_path / "results" / name
-        pairs = run_files.read_jsonl(run_dir / "pairs" / "train.jsonl")  # the last round's: the run's own
-        losses = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
-        runs[name] = (pairs, losses)
-        # The first micro-batch (2 pairs) read log-probs at the model's own tokens only: the masks reached DPO.
-        check = run_files.read_json(run_dir / run_files.TRAINING_INFO)["forward"]["first_batch_check"]
-        counted = [[sum(pair["trajectory"][f"{answer}_loss_mask"]) for answer in ("chosen", "rejected")]
-                   for pair in pairs]
-        whole = [[len(pair["trajectory"][f"{answer}_ids"]) for answer in ("chosen", "rejected")] for pair in pairs]
-        assert check["passed"] and check["tokens"] in {sum(counted[i] + counted[j]) for i in range(4)
-                                                       for j in range(i + 1, 4)}, check
-        assert check["tokens"] not in {sum(whole[i] + whole[j]) for i in range(4) for j in range(i + 1, 4)}
-    pairs, losses = runs["2x1"]
-    assert pairs == runs["1x2"][0] and losses == pytest.approx(runs["1x2"][1], rel=1e-5, abs=1e-7) and len(losses) == 2
-    assert losses[1] < losses[0]  # it trained (the first step's loss is log 2: the policy is its reference)
-    # 4 pairs, one global batch (a partial one is left out of each epoch: tests/test_training.py's partial_global_batch)
-    assert len(pairs) == 4 and all(pair["chosen_score"] == 1 and pair["rejected_score"] == 0 for pair in pairs)
+
+def round_with_tools_args(model: Path, data: Path, results: Path, name: str, *extra: str) -> list[str]:
+    """A --rounds 1 --tools run of the multiply task: 4 answers per prompt, 2 round steps, a checkpoint at each."""
+    return ["--stage", "dpo", "--rounds", "1", "--model_name_or_path", str(model), "--dataset_name", str(data),
+            "--results_dir", str(results), "--run_name", name, "--batch_size", "4", "--round_max_steps", "2",
+            "--round_samples", "4", "--eval_strategy", "no", "--save_steps", "1", "--logging_steps", "1",
+            "--num_samples", "0", "--val_size", "0", "--test_size", "0", "--max_new_tokens", "160",
+            "--max_length", "320", "--learning_rate", "1e-3", "--seed", "6", "--judge", "tool_registry:result_judge",
+            "--tools", "tool_registry:MULTIPLY", "--max_tool_turns", "1", "--audit_judge_pairs", "0", *extra]
+
+
+def assert_pairs_are_trajectories_with_their_tool_blocks_masked(pairs: list[dict], tokenizer) -> None:
+    """Each pair of the multiply round: chosen ran the right call (the product came back), rejected called `divide`
+    (the error came back); the prompt's ids as generation started from them; each answer's ids decode to what the
+    judge read and its loss mask is 0 exactly over its one tool block (the result in the template's tool role and the
+    generation prompt after it)."""
     for pair in pairs:
-        product = pair["meta"]["product"]
+        assert pair["chosen_score"] == 1 and pair["rejected_score"] == 0
         trajectory = pair["trajectory"]
         assert trajectory["prompt_ids"] == tokenizer.apply_chat_template(
             pair["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        for answer, result in (("chosen", str(product)), ("rejected", '{"error": "unknown tool divide')):
+        for answer, result in (("chosen", str(pair["meta"]["product"])),
+                               ("rejected", '{"error": "unknown tool divide')):
             ids, mask = trajectory[f"{answer}_ids"], trajectory[f"{answer}_loss_mask"]
             assert tokenizer.decode(ids, skip_special_tokens=False) == pair[answer][0]["content"]  # what the judge read
             masked = [position for position, keep in enumerate(mask) if not keep]
@@ -640,6 +644,86 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_ma
             assert masked == list(range(masked[0], masked[-1] + 1))  # one tool block, between the model's turns
             assert block.startswith("\n<|im_start|>user\n<tool_response>\n" + result)
             assert block.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n") and 0 < masked[0]
+
+
+def assert_first_batch_read_the_models_own_tokens(run_dir: Path, pairs: list[dict]) -> None:
+    """The round's first micro-batch (2 pairs: a row twice where the round has fewer pairs than a global batch) read
+    log-probs at the model's own tokens only: the masks reached DPO (the packed forward's check counts the tokens it
+    compared)."""
+    from itertools import combinations_with_replacement
+
+    from src import run_files
+
+    check = run_files.read_json(run_dir / run_files.TRAINING_INFO)["forward"]["first_batch_check"]
+    counted = [sum(sum(pair["trajectory"][f"{answer}_loss_mask"]) for answer in ("chosen", "rejected"))
+               for pair in pairs]
+    whole = [sum(len(pair["trajectory"][f"{answer}_ids"]) for answer in ("chosen", "rejected")) for pair in pairs]
+    two = list(combinations_with_replacement(range(len(pairs)), 2))
+    assert check["passed"] and check["tokens"] in {counted[i] + counted[j] for i, j in two}, check
+    assert check["tokens"] not in {whole[i] + whole[j] for i, j in two}
+
+
+STEP_NUMBERS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
+                "rewards/margins")
+
+
+def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and_2x1_and_after_kills(tmp_path,
+                                                                                                      monkeypatch):
+    """--rounds 1 from prompts with --tools, forked (tests/forked.py) on 2 processes x 1 accumulation step and 1 x 2
+    (round_first_turns_scripted: the tool runs, the next turn is the model's own), the judge reading the whole
+    trajectory (the product came back: 1). A pair's answers are its trajectories as sampled, their loss mask 0 exactly
+    over the tool blocks, prepared as the collator's mask columns (tests/test_packed_dpo.py: masked tokens out of the
+    policy, reference and cache). The 1 x 2 job is killed (SIGKILL) in the round's sampling (its trajectories sampled,
+    its tool worker running, no pairs written), then right after checkpoint-1 (its pairs written), and launched again
+    each time: the pairs, their masks and the round's losses are those of the 2 x 1 job, never killed."""
+    from src import run_files, seams
+    from test_resilience import seconds_until_gone
+
+    model, data, tokenizer = multiply_task(tmp_path, 4)
+    round_first_turns_scripted(monkeypatch)
+    import forked
+
+    runs = {}
+    for name, processes, accumulation in (("2x1", 2, 1), ("1x2", 1, 2)):
+        arguments = round_with_tools_args(model, data, tmp_path / "results", name, "--gradient_accumulation_steps",
+                                          str(accumulation))
+        environment = dict(os.environ) | {"OMP_NUM_THREADS": "1"}
+        run_dir = tmp_path / "results" / name
+        if processes == 1:
+            sampled, saved, tag = tmp_path / "killed-sampling", tmp_path / "killed-checkpoint", f"{tmp_path}-tools"
+            killing = environment | seams.env({}, kill_starter=f"sampling:{sampled}", run_tag=tag,
+                                              kill_at_checkpoint=f"after_complete:1:*:{saved}")
+            killed = forked.run_job(processes, arguments, env=killing)
+            assert sampled.exists() and killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
+            seconds_until_gone(tag)  # the tool worker ended with its job
+            assert not (run_dir / "pairs").exists() and not (run_dir / "round.json").exists()
+            killed = forked.run_job(processes, arguments, env=killing)
+            assert Path(f"{saved}.rank0").exists() and killed.returncode == -9, killed.stdout[-3000:]
+            assert "round 1: sampling" in killed.stdout + killed.stderr
+            assert (run_dir / "model" / "checkpoint-1").is_dir()
+            pairs_written = (run_dir / "pairs" / "train.jsonl").read_bytes()
+        result = forked.run_job(processes, arguments, env=environment)
+        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        if processes == 1:
+            assert "round 1: pairs written by an earlier launch, reused" in result.stdout
+            assert "resuming from" in result.stdout and "round 1: sampling" not in result.stdout + result.stderr
+            assert (run_dir / "pairs" / "train.jsonl").read_bytes() == pairs_written
+        pairs = run_files.read_jsonl(run_dir / "pairs" / "train.jsonl")  # the last round's: the run's own
+        # The step's numbers. Left out: TRL's token-weighted metrics (entropy, logits/*, mean_token_accuracy), which
+        # TRL logs as the unweighted mean of the window's micro-batch ratios: 1 x 2 averages two (step 1 here:
+        # (3/196 + 2/197) / 2), 2 x 1 takes one over both ranks (5/393), for DPO with or without tools.
+        steps = {record["step"]: [record[key] for key in STEP_NUMBERS]
+                 for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record}
+        runs[name] = (pairs, steps)
+        assert_first_batch_read_the_models_own_tokens(run_dir, pairs)
+    pairs, steps = runs["2x1"]
+    assert pairs == runs["1x2"][0] and list(steps) == list(runs["1x2"][1]) == [1, 2]
+    for step in steps:
+        assert steps[step] == pytest.approx(runs["1x2"][1][step], rel=1e-5, abs=1e-6), step
+    assert steps[2][0] < steps[1][0]  # it trained (the first step's loss is log 2: the policy is its reference)
+    # 4 pairs, one global batch (a partial one is left out of each epoch: tests/test_training.py's partial_global_batch)
+    assert len(pairs) == 4
+    assert_pairs_are_trajectories_with_their_tool_blocks_masked(pairs, tokenizer)
     # Prepared as DPO reads them: the sampled ids and the masks as the collator's columns (not the texts retokenized).
     from src.data.shapes import normalize_row
     from src.data.tokenization import token_columns_of, tokenize_preference
@@ -647,6 +731,72 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_with_the_results_ma
     row = normalize_row(pairs[0], "explicit_prompt", None)
     assert tokenize_preference(row, tokenizer) == pairs[0]["trajectory"]
     assert token_columns_of(row, "dpo", tokenizer, None, None)[-2:] == ("chosen_loss_mask", "rejected_loss_mask")
+
+
+def test_a_round_with_tools_after_an_offline_dpo_stage_trains_its_trajectories_beside_the_datas_held_out_pairs(
+        tmp_path, monkeypatch):
+    """`--stage dpo --rounds 1 --tools`, one forked process: the DPO stage on the data's own pairs (text answers), then
+    round 1 samples the train prompts with the tool running (round_first_turns_scripted) and trains on pairs of
+    trajectories (masks 0 over the tool blocks), with the data's held-out pairs beside them (an empty `trajectory`):
+    the round's evaluation reads those whole, every answer token (its eval log-probs are the final model's sums over
+    the whole answers, worked out here), and the held-out answers of both stages are trajectories with the tool run."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import forked
+    from src import run_files
+    from src.config_parse import parse_config
+    from src.rounds import round_data
+
+    model, prompts, tokenizer = multiply_task(tmp_path, 8)
+    rows = [row | {"chosen": [{"role": "assistant", "content": f"It is {row['meta']['product']}."}],
+                   "rejected": [{"role": "assistant", "content": f"It is {row['meta']['product'] + 1}."}]}
+            for row in run_files.read_jsonl(prompts)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    round_first_turns_scripted(monkeypatch)
+    arguments = round_with_tools_args(model, data, tmp_path / "results", "staged", "--max_steps", "1", "--val_size",
+                                      "2", "--test_size", "2", "--gradient_accumulation_steps", "2", "--num_samples", "2", "--eval_strategy", "steps",
+                                      "--eval_steps", "2")
+    result = forked.run_main(arguments, env=dict(os.environ) | {"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "results" / "staged"
+    assert run_files.read_json(run_dir / "dpo" / run_files.TRAINING_INFO)["status"] == "completed"
+    assert run_files.read_json(run_dir / run_files.TRAINING_INFO)["model_name_or_path"] == str(
+        run_dir / "dpo" / "model" / "final")  # the round starts from the DPO stage's model
+    pairs = run_files.read_jsonl(run_dir / "pairs" / "train.jsonl")
+    assert pairs and all(pair["source_row"] is not None for pair in pairs)
+    assert_pairs_are_trajectories_with_their_tool_blocks_masked(pairs, tokenizer)
+    assert_first_batch_read_the_models_own_tokens(run_dir, pairs)
+    held_out = run_files.read_jsonl(run_dir / "pairs" / "validation.jsonl")
+    by_prompt = {row["prompt"][0]["content"]: row for row in rows}
+    assert len(held_out) == 2 and all(row["trajectory"] is None and row["chosen_score"] is None and
+                                      row["chosen"] == by_prompt[row["prompt"][0]["content"]]["chosen"]
+                                      for row in held_out)
+    # The round's evaluation (step 2, its last) read each held-out answer whole: its log-prob sum per pair is the
+    # final model's over every answer token, as prepared (ids from the texts, an empty mask).
+    config = parse_config(arguments, require_sources=False)
+    validation = round_data(config, run_dir / "pairs", tokenizer).splits["validation"]
+    assert [row["chosen_loss_mask"] for row in validation] == [[], []]
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "model" / "final").eval()
+
+    def answer_logps(row, answer):
+        ids = torch.tensor([row["prompt_ids"] + row[f"{answer}_ids"]])
+        with torch.no_grad():
+            logps = final(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+        return logps[len(row["prompt_ids"]) - 1:].sum().item()
+
+    evaluated = [record for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "eval_loss" in record]
+    assert evaluated and evaluated[-1]["step"] == 2 and math.isfinite(evaluated[-1]["eval_loss"])
+    for answer in ("chosen", "rejected"):
+        whole = sum(answer_logps(row, answer) for row in validation) / len(validation)
+        assert evaluated[-1][f"eval_logps/{answer}"] == pytest.approx(whole, abs=1e-3)
+    # Both stages' held-out answers: trajectories with the tool run (greedy: the scripted right call, its result).
+    for directory in (run_dir / "dpo", run_dir):
+        for sample in run_files.read_jsonl(directory / "samples_test.jsonl"):
+            assert sample["answer_stats"]["trained"]["calls"] == 1 and sample["verdict"]["trained"]["score"] == 1.0
 
 
 def test_a_rounds_trajectories_are_prepared_as_sampled_beside_the_datas_own_held_out_pairs(tmp_path):

@@ -55,7 +55,7 @@ def audit_stage(name: str, config, tokenizer, model_path: str, reference: bool, 
     judge = judge_for(config.training.judge, config.data.dataset_name) if count else None
     if judge is not None:
         found, inverted = judge_pairs(judge, prepared.train, source_rows(prepared, "train"),
-                                      prepared.summary["source"], count, seed, World.from_environment())
+                                      prepared.summary["source"], count, seed, World.from_environment(), tokenizer)
         run_files.write_text(out_dir / INVERTED_FILE, "".join(run_files.dumps(row) + "\n" for row in inverted))
         audit["train"].update(found, inverted_pairs_file=str(out_dir / INVERTED_FILE))
     return audit

@@ -20,9 +20,14 @@ from src.judges import JudgeError
 INVERTED_FILE = "data_audit_inverted.jsonl"
 
 
-def answer_text(answer) -> str:
-    """An answer as the judge reads it: the text, or a chat answer's assistant content."""
+def answer_text(answer, ids: list[int] | None = None, tokenizer=None) -> str:
+    """An answer as the judge reads it: the text, or a chat answer's assistant content; an answer that calls a tool,
+    as the template writes it (its ids decoded, special tokens kept), which is how a sampled trajectory is judged
+    (src/tools.py): its content alone is empty, and every pair of calls would tie."""
     if isinstance(answer, list):
+        if tokenizer is not None and ids and any(isinstance(message, dict) and message.get("tool_calls")
+                                                 for message in answer):
+            return tokenizer.decode(ids, skip_special_tokens=False)
         return "".join(str(message.get("content") or "") for message in answer if isinstance(message, dict))
     return str(answer)
 
@@ -34,19 +39,22 @@ def drawn_rows(length: int, count: int, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(length), count))
 
 
-def judge_pairs(judge, train, rows_in_source, source: str, count: int, seed: int, world) -> tuple[dict, list[dict]]:
+def judge_pairs(judge, train, rows_in_source, source: str, count: int, seed: int, world,
+                tokenizer=None) -> tuple[dict, list[dict]]:
     """The judge part of the data audit and the inverted pairs (each with its source and row: `rows_in_source` maps a
-    prepared row to its row in `source`, or is None for a mixture). Identical on every rank."""
+    prepared row to its row in `source`, or is None for a mixture). Identical on every rank. `tokenizer`: the
+    model's, which writes the answers that call tools as the judge reads them (answer_text)."""
     started = time.monotonic()
     indices = drawn_rows(len(train), count, seed)
-    sample = train.select_columns([c for c in ("prompt", "chosen", "rejected", "meta") if c in train.column_names])
+    columns = ("prompt", "chosen", "rejected", "meta", "chosen_ids", "rejected_ids")
+    sample = train.select_columns([c for c in columns if c in train.column_names])
     rows = [dict(sample[index], index=index) for index in indices]
 
     def work(share: list[dict]) -> list:
         judged = [{"prompt": row["prompt"], "meta": row.get("meta") or {}} for row in share]
         try:
-            chosen = judge.scores(judged, [answer_text(row["chosen"]) for row in share])
-            rejected = judge.scores(judged, [answer_text(row["rejected"]) for row in share])
+            chosen, rejected = (judge.scores(judged, [answer_text(row[side], row.get(f"{side}_ids"), tokenizer)
+                                                      for row in share]) for side in ("chosen", "rejected"))
         except JudgeError as error:  # said by every rank, whichever rank's share it was in
             return [{"error": str(error)}] * len(share)
         return list(zip(chosen, rejected))

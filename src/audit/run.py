@@ -2,7 +2,7 @@
 src/pipeline/).
 
     info["data_audit"] = opening(prepared.summary, stage)    # training_info.json as the stage opens
-    judge_training_pairs(prepared, stage, world)              # before training, every rank its share
+    judge_training_pairs(prepared, stage, world, tokenizer)   # before training, every rank its share
     reference_part(trainer.train_dataset, stage, max_length)  # rank 0, once the trainer has the reference log-probs
     info["answers"] = answers_of(run_dir)                     # rank 0, from the samples files the stage wrote
 
@@ -53,7 +53,7 @@ def _update_train(info_path: Path, fields: dict) -> None:
     run_files.update_json(info_path, data_audit=audit)
 
 
-def judge_training_pairs(prepared, stage, world) -> None:
+def judge_training_pairs(prepared, stage, world, tokenizer) -> None:
     """The judge part, with the run's judge (none: nothing): every rank scores its share of the drawn pairs; rank 0
     records it and writes the inverted pairs to data_audit_inverted.jsonl in the run directory. The judge is let go
     before training: a reward model does not sit in the GPU's memory beside the policy."""
@@ -62,7 +62,7 @@ def judge_training_pairs(prepared, stage, world) -> None:
     if judge is None:
         return
     audit, inverted = judge_pairs(judge, prepared.train, source_rows(prepared, "train"), prepared.summary["source"],
-                                  config.training.audit_judge_pairs, config.training.seed, world)
+                                  config.training.audit_judge_pairs, config.training.seed, world, tokenizer)
     del judge
     release_memory()
     if not world.is_main:

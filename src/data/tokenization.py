@@ -6,7 +6,7 @@ reference fields of held-out samples.
 
 from __future__ import annotations
 
-from src.chat_templates import conversation_ids, tools_argument
+from src.chat_templates import conversation_ids, shown_answer, tools_argument
 from src.config import SFTArguments
 from src.data.shapes import stage_shape, text_of
 from src.objectives import PAIRS, PROMPTS, SCORED_PAIRS, UNPAIRED
@@ -172,18 +172,31 @@ def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> 
     return {
         "sample_prompt": rendered,
         "sample_prompt_ids": prompt_ids,
-        "sample_chosen": None if reference is None else text_of(reference),
-        "sample_rejected": None if rejected is None else text_of(rejected),
+        "sample_chosen": None if reference is None else _answer_shown(tokenizer, prompt, reference, row,
+                                                                       template_kwargs),
+        "sample_rejected": None if rejected is None else _answer_shown(tokenizer, prompt, rejected, row,
+                                                                        template_kwargs),
         # The prompt as the data has it (messages or text): a judge renders it with its own tokenizer, the way a
         # reward model trained on this kind of data saw it (src/judges.py).
         "judge_prompt": prompt,
     }
 
 
+def _answer_shown(tokenizer, prompt, answer, row: dict, template_kwargs: dict | None) -> str:
+    """The dataset's answer as the samples show it: its text; one with tool calls or results as the template writes
+    it (its messages' contents alone would drop the calls and run the results into the answer)."""
+    from trl.data_utils import is_conversational
+
+    with_tools = is_conversational({"prompt": prompt}) and isinstance(answer, list) and any(
+        message.get("tool_calls") or message.get("role") == "tool" for message in answer)
+    shown = shown_answer(tokenizer, prompt, answer, **_template_kwargs(row, template_kwargs)) if with_tools else None
+    return text_of(answer) if shown is None else shown
+
+
 def token_columns_of(first_row: dict, stage: str, tokenizer, sft: SFTArguments, chat_template: str | None):
     """The id and mask columns the stage's tokenization writes (SFT's depend on the data and the loss)."""
     kind = stage_shape(stage)
-    if kind == PAIRS:  # a round's tool trajectories add their loss masks (src/packed_dpo.py ANSWER_MASKS)
+    if kind == PAIRS:  # a round's tool trajectories add their loss masks (src/packed_layout.py ANSWER_MASKS)
         masks = ("chosen_loss_mask", "rejected_loss_mask") if first_row.get("trajectory") else ()
         return ("prompt_ids", "chosen_ids", "rejected_ids") + masks
     if kind == PROMPTS:

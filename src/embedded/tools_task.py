@@ -122,7 +122,9 @@ def check(row: dict, text: str) -> dict:
     """The judge (`--judge src.embedded.tools_task:check`) of an answer's trajectory as the template wrote it (the
     judges read it with its special tokens: src/tools.py): correct = its final turn is the product; called = its
     first turn made a call that parses; right_call = that call is multiply with the question's factors. score =
-    correct; reward (GRPO's) = correct, plus a little for a right call."""
+    correct, except for an answer that ends at its call with no result after it (a DPO pair's answer, mid-
+    conversation): its score is right_call, so the judge tells the pairs' right call from the careless one. reward
+    (GRPO's) = correct, plus a little for a right call."""
     meta = row["meta"]
     final = text.rsplit("<|assistant|>", 1)[-1] if "<|tool|>" in text else text
     final = final.replace("<|end|>", "").strip()
@@ -134,7 +136,8 @@ def check(row: dict, text: str) -> dict:
     called = isinstance(first, dict) and first.get("name") == "multiply"
     right_call = called and first.get("arguments") == {"a": meta["a"], "b": meta["b"]}
     correct = final == meta["answer"]
-    return {"score": float(correct), "correct": correct, "called": called, "right_call": right_call,
+    ends_at_call = bool(calls) and "<|tool|>" not in text
+    return {"score": float(right_call if ends_at_call else correct), "correct": correct, "called": called, "right_call": right_call,
             "reward": float(correct) + 0.1 * right_call,
             # per turn (--turn_credit): the call's, then the answer's
             "turn_rewards": [float(right_call), float(correct)] if "<|tool|>" in text else [float(correct)]}

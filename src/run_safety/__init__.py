@@ -13,6 +13,8 @@
 - disk_space.py    what a run will write vs free space (the space check); a failed write → one line, exit 5
 - node_watch.py    a lost node of a multi-node job → the survivors stop in --node_timeout, exit 6
 - hang_watch.py    a stuck rank → every process stops within a minute of --hang_timeout, naming it, exit 7
+                   (its board: hang_board.py; the stacks: hang_stacks.py; who stuck: hang_blame.py; the stop:
+                   hang_stop.py)
 - exit_status.py   the exit statuses, one table (docs/reliability.md follows it)
 - launcher_exit.py run_distributed.sh exits with the job's own status (2/4/5/6/7/8), not torchrun's restart and report
 

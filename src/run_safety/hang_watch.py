@@ -9,20 +9,19 @@ never ends, a filesystem or a GPU that hangs) leaves the others waiting in a col
   save, an evaluation), `waiting(what)` marks a wait for the other ranks (the toolkit's collectives, a preparation
   another process builds); each of these is a beat, kept in memory (no I/O on the training path).
 - A watch thread in every process publishes its record (place, what, step, beat count, pid, host) to the board, a
-  folder next to the run directory (`<results_dir>/.<run>.hang/<launch>/`: on the storage a multi-node job shares),
-  every POLL_S, and reads the others'. A rank whose count has not moved for the timeout (by the reader's own
-  clock: no synchronised clocks needed) has stopped. The job has hung when a rank that is not waiting has stopped,
-  or every rank has (they all wait on one another).
-- Then every process dumps its Python stack (faulthandler, from C: also a process stuck in a C call holding the
-  interpreter's lock, dumped by a signal its peers on the same machine send) to the board, and the stuck rank is the
-  one that is not inside torch.distributed: a rank waiting in a collective for a stuck peer is its victim, not its
-  cause. Ties go to a rank inside a nested phase, then to the one silent longest.
-- The first process to decide writes the verdict; it prints one line (rank, phase, what it was doing, where the
-  stacks are, what a relaunch resumes from). Every process copies its stack to `<run>/hang/rank<N>.txt`, rank 0
-  records the stop in training_info.json and the report (`on_stop`) and releases the run directory's hold at once,
-  and every process exits with ExitStatus.HUNG (7), recorded for run_distributed.sh (src/run_safety/launcher_exit.py).
-  A process frozen with the interpreter's lock held is killed by its peers on its machine once its stack is written,
-  or ends itself from faulthandler's C thread (exit 1) STOP_GRACE_S after the timeout.
+  folder next to the run directory (src/run_safety/hang_board.py: on the storage a multi-node job shares), every
+  POLL_S, and reads the others'. A rank whose count has not moved for the timeout (by the reader's own clock: no
+  synchronised clocks needed) has stopped. The job has hung when a rank that is not waiting has stopped, or every rank
+  has (they all wait on one another).
+- Then every process dumps its Python stack to the board (src/run_safety/hang_stacks.py: faulthandler, from C, also a
+  process stuck in a C call holding the interpreter's lock, dumped by a signal its peers on the same machine send),
+  and the stuck rank is the one that is not inside torch.distributed (src/run_safety/hang_blame.py: a rank waiting in
+  a collective for a stuck peer is its victim, not its cause; ties go to a rank inside a nested phase, then to the one
+  silent longest).
+- The first process to decide writes the verdict and prints one line; every process stops the job
+  (src/run_safety/hang_stop.py: the stacks in `<run>/hang/`, rank 0's record and hold, exit ExitStatus.HUNG (7)). A
+  process frozen with the interpreter's lock held is killed by its peers on its machine once its stack is written, or
+  ends itself from faulthandler's C thread (exit 1) STOP_GRACE_S after the timeout.
 - The timeout: `--hang_timeout` seconds at least, and SCALE times the longest pause between two beats this job has
   measured on any rank (a first step's compile, a save to slow storage, a long evaluation batch): an honest pause
   the run has already lived through never reads as a hang. docs/reliability.md says it for users.
@@ -40,12 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
-import hashlib
-import json
-import mmap
 import os
-import shutil
-import signal
 import socket
 import sys
 import threading
@@ -54,29 +48,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from src import seams
-from src.progress import format_duration
-from src.run_safety import launcher_exit
-from src.run_safety.exit_status import ExitStatus
-from src.run_safety.run_lock import create_once, process_start_time, release_if_held_by
+from src.run_safety.hang_blame import describe, effective_timeout, find_stuck, stalled_line
+from src.run_safety.hang_board import DONE, UNWATCHED, WAITING, RecordFile, board_for, clear_earlier_boards, \
+    read_json, remove_if_all_done
+from src.run_safety.hang_stacks import DUMP_SIGNAL, ask_for_stacks, dump_worker_stacks_apart, innermost_toolkit_frame, \
+    open_stack_file, read_stacks, stack_size
+from src.run_safety.hang_stop import HangStop
+from src.run_safety.run_lock import create_once, process_start_time
 
-SCALE = 3.0            # the timeout is at least this many times the longest pause measured so far
 STOP_GRACE_S = 60.0    # a process frozen with the interpreter's lock held ends itself this long after the timeout
-DUMP_SIGNAL = signal.SIGUSR2  # `kill -USR2 <pid>` dumps a worker's stack into the board at any time
-RECORD_BYTES = 1024   # a rank's record on the board: JSON, padded with spaces
 STALL_STEP_TIMES = 5   # "no step for ...": once no step has finished for this many typical step times
-PLACES = {             # a place's words in the console line and the report
-    "startup": "startup", "data": "data preparation", "model": "model loading", "generation": "generation",
-    "judge": "the judge", "reference": "the reference pass", "step": "a training step", "evaluation": "an evaluation",
-    "checkpoint": "a checkpoint save", "collective": "a collective (waiting for the other ranks)",
-    "report": "the report", "final": "the stage's end (answers, final save, report)",
-}
 
 
 def _poll_s(timeout_s: float) -> float:
     return min(5.0, max(0.25, timeout_s / 20))
-
-
-WAITING, UNWATCHED, DONE = "waiting", "unwatched", "done"  # an activity's mode ("": judged as any work)
 
 
 @dataclass
@@ -255,126 +240,27 @@ def _stall_forever(hold_the_interpreter: bool) -> None:
         time.sleep(3600)
 
 
-# ------------------------------------------------------------------------------------------------ the board
-
-
-def board_for(run_dir: Path, environ=None) -> Path:
-    """This launch's board: next to the run directory (which --overwrite deletes), one folder per launch."""
-    environ = os.environ if environ is None else environ
-    run_dir = Path(run_dir)
-    launch = "|".join(environ.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                                          "TORCHELASTIC_RESTART_COUNT"))
-    if not environ.get("MASTER_PORT"):
-        launch = f"pid-{os.getpid()}"  # one process: its own launch
-    return run_dir.parent / f".{run_dir.name}.hang" / hashlib.sha1(launch.encode()).hexdigest()[:12]
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value))
-    os.replace(temporary, path)
-
-
-# ------------------------------------------------------------------------------------------------ stacks
-
-
-def main_thread_frames(dump: str) -> list[str]:
-    """The main thread's frames (innermost first) in a faulthandler dump (the last one, where a file holds several):
-    faulthandler lists the newest thread first, so the main thread (the only one not started through threading's
-    `_bootstrap`) comes last."""
-    blocks, current = [], None
-    for line in dump.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x", "Stack (most recent call first)")):
-            current = []
-            blocks.append(current)
-        elif current is not None and line.strip().startswith("File "):
-            current.append(line.strip())
-    main = [block for block in blocks if block and "in _bootstrap" not in block[-1]]
-    return main[-1] if main else []
-
-
-def in_collective(frames: list[str]) -> bool:
-    """Waiting for the other ranks: the innermost frames are torch.distributed's, or the innermost is the toolkit's
-    collective helpers (src/distributed.py: with NCCL a collective returns at once and the wait is at the read of its
-    result, there)."""
-    return any("torch/distributed/" in frame for frame in frames[:4]) or bool(frames) and "/src/distributed.py" in \
-        frames[0]
-
-
-def innermost_toolkit_frame(frames: list[str]) -> str | None:
-    """Where in the toolkit (or the user's code it called) the stack stands: the innermost frame outside the standard
-    library, torch and this module."""
-    for frame in frames:
-        if "/src/run_safety/hang_watch.py" in frame or "/python3." in frame and "site-packages" not in frame:
-            continue
-        return frame.replace("File ", "", 1)
-    return frames[0].replace("File ", "", 1) if frames else None
-
-
-def find_stuck(records: dict[int, dict], silent_s: dict[int, float], stacks: dict[int, list[str]],
-               timeout_s: float = 0.0) -> int:
-    """The rank that stuck: a silent one (silent for `timeout_s`) that is not inside torch.distributed (by its stack;
-    by its own record where no stack came back), preferring one that is not marked waiting, inside a nested phase,
-    silent longest, lowest rank. Where every silent rank waits in a collective (a gather inside TRL is not marked
-    waiting, so its rank can fall silent first), the cause is a rank whose stack stands outside one although its
-    silence has not reached the timeout yet (it stuck after the others started waiting)."""
-    silent = sorted(rank for rank, quiet in silent_s.items() if quiet >= timeout_s)
-
-    def waits(rank: int) -> bool:
-        return in_collective(stacks[rank]) if stacks.get(rank) else records[rank].get("mode") == WAITING
-
-    causes = [rank for rank in silent if not waits(rank)] or \
-        [rank for rank in sorted(silent_s) if rank not in silent and stacks.get(rank) and not waits(rank)] or silent
-    return min(causes, key=lambda rank: (records[rank].get("mode") == WAITING,
-                                         -int(records[rank].get("depth") or 1), -silent_s[rank], rank))
-
-
-def describe(record: dict) -> str:
-    """"rank 1 in the judge (tests.judges:slow: 8 answers, step 10)"."""
-    place = PLACES.get(record.get("place"), record.get("place") or "?")
-    details = [part for part in (record.get("what"), f"step {record['step']}" if record.get("step") else "") if part]
-    return f"rank {record['rank']} in {place}" + (f" ({', '.join(details)})" if details else "")
-
-
-def effective_timeout(floor_s: float, longest_pause_s: float) -> float:
-    """--hang_timeout, or SCALE times the longest pause between two beats measured so far, whichever is longer."""
-    return max(floor_s, SCALE * longest_pause_s)
-
-
-def stalled_line(no_step_s: float, where: str | None) -> str:
-    return f"no step for {format_duration(no_step_s)}" + (f"; {where}" if where else "")
-
 
 # ------------------------------------------------------------------------------------------------ the watch
 
 
 class _Watch:
+    """The thread that publishes this process's record, reads its peers', decides a hang and stops the job."""
+
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float, newest_checkpoint,
                  hold=None, on_stop=None):
         self.run_dir, self.rank, self.world_size, self.timeout_s = Path(run_dir), rank, world_size, timeout_s
-        self.newest_checkpoint, self.hold, self.on_stop = newest_checkpoint, hold, on_stop
         self.board = board_for(run_dir)
         self.board.mkdir(parents=True, exist_ok=True)
         self.poll_s = _poll_s(timeout_s)
-        self.stack_path = self.board / f"rank{rank}.stack"
-        self.stack_file = open(self.stack_path, "w")  # noqa: SIM115  faulthandler writes to it from C, any time
-        faulthandler.register(DUMP_SIGNAL, file=self.stack_file, all_threads=True, chain=False)
+        self.stopper = HangStop(self.run_dir, self.board, rank, self.poll_s, newest_checkpoint, hold, on_stop)
+        self.stack_file = open_stack_file(self.board, rank)
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last moved by this clock)
         self.records: dict[int, dict] = {}
         self.on_stall: list = []
         self.stall_said: float | None = None
         self.dumped = False
-        record_path = self.board / f"rank{rank}.json"
-        record_path.write_bytes(b" " * RECORD_BYTES)
-        with open(record_path, "r+b") as handle:
-            self.record_map = mmap.mmap(handle.fileno(), RECORD_BYTES)
+        self.record_file = RecordFile(self.board, rank)
         self.finished = threading.Event()  # this process has left the job (stop_watching)
         self.thread = threading.Thread(target=self._run, name="hang-watch", daemon=True)
         os.register_at_fork(after_in_child=_forked_child)
@@ -389,36 +275,21 @@ class _Watch:
     def write_record(self) -> dict:
         """This process's record into its board file's memory (with _lock held): a memory copy, no system call, so a
         beat costs microseconds, and its peers on this machine read it through the page cache even once it froze."""
-        record = _me.record(self)
-        encoded = json.dumps(record).encode()
-        if len(encoded) > RECORD_BYTES:  # a very long `what`: shortened to fit
-            record["what"] = record["what"][:max(0, len(record["what"]) - (len(encoded) - RECORD_BYTES) - 8)] + "..."
-            encoded = json.dumps(record).encode()
-        self.record_map[:] = encoded.ljust(RECORD_BYTES)
-        return record
+        return self.record_file.write(_me.record(self))
 
     def publish(self) -> dict:
         """The record written back to the file (other machines read it from the shared storage)."""
         with _lock:
             record = self.write_record()
-        self.record_map.flush()
+        self.record_file.flush()
         return record
 
     def tidy(self) -> None:
-        """Any rank, leaving: once every record on the board is done, the board goes (otherwise the next launch's rank
-        0 removes it). Every record it holds, not every rank's: on a node whose storage the others cannot see (a job
-        refused for it: src/distributed.py check_shared_storage), the board holds that node's ranks alone, and goes
-        with the last of them."""
+        """Any rank, leaving: once every record on the board is done, the board goes (src/run_safety/hang_board.py);
+        not while a hang stops the job."""
         if _me.stopping:
             return
-        try:
-            records = [_read_json(path) for path in self.board.glob("rank*.json")]
-        except OSError:  # another rank, done at the same moment, has removed the board already
-            return
-        if records and all(record and record.get("mode") == DONE for record in records):
-            shutil.rmtree(self.board, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                self.board.parent.rmdir()  # the run's board folder, when no other launch's is left in it
+        remove_if_all_done(self.board)
 
     def _run(self) -> None:
         while not self.finished.wait(self.poll_s):
@@ -435,7 +306,7 @@ class _Watch:
     def _look(self, own: dict) -> None:
         now = time.monotonic()
         for rank in range(self.world_size):
-            record = own if rank == self.rank else _read_json(self.board / f"rank{rank}.json")
+            record = own if rank == self.rank else read_json(self.board / f"rank{rank}.json")
             if record is None:  # not started yet (the process group's timeout covers one never started), or unread
                 continue
             if record.get("mode") == DONE:  # gone from the job's collectives: nobody waits for it
@@ -445,7 +316,7 @@ class _Watch:
             self.records[rank] = record
             if rank not in self.seen or self.seen[rank][0] != record["beats"]:
                 self.seen[rank] = (record["beats"], now)
-        verdict = _read_json(self.board / "verdict.json")
+        verdict = read_json(self.board / "verdict.json")
         if verdict is not None:
             self._stop(verdict)
         if (self.board / "dump").exists() and not self.dumped:  # a hang is being decided: this process will stop
@@ -462,7 +333,7 @@ class _Watch:
         if self.rank == 0:
             self._say_if_stalled(now)
 
-    # -- the stop
+    # -- the decision and the stop
 
     def _dump_self(self) -> None:
         """This process's stack, written by this thread (one dump per file: dumps from two threads at once would
@@ -470,38 +341,17 @@ class _Watch:
         self.dumped = True
         faulthandler.dump_traceback(self.stack_file, all_threads=True)
 
-    def _dump_frozen(self, sizes: dict[int, int]) -> None:
-        """The processes of this machine that did not dump their own stack when asked (frozen with the interpreter's
-        lock held: faulthandler's signal handler, in C, still can), and a preparing rank's pool workers."""
-        host = socket.gethostname()
-        for rank, record in self.records.items():
-            if record.get("host") != host:
-                continue
-            pids = [record["pid"]] if self._stack_size(rank) == sizes.get(rank) else []
-            pids += _children(record["pid"]) if record.get("place") == "data" else []
-            for pid in pids:
-                try:
-                    os.kill(pid, DUMP_SIGNAL)
-                except OSError:
-                    pass
-
-    def _stack_size(self, rank: int) -> int:
-        try:
-            return (self.board / f"rank{rank}.stack").stat().st_size
-        except OSError:
-            return 0
-
     def _decide(self, quiet: dict[int, float], timeout: float) -> None:
         """`quiet`: every watched rank's seconds since its last beat; those at `timeout` or more are silent."""
         _me.stopping = True  # from here the watch ends this process: what the main thread meets meanwhile is its echo
         ranks = sorted(self.records)
-        sizes = {rank: self._stack_size(rank) for rank in ranks}
+        sizes = {rank: stack_size(self.board, rank) for rank in ranks}
         create_once(self.board / "dump", {"by": self.rank})  # every watch that runs dumps its own process
         self._dump_self()
         wait_s = max(5.0, 3 * self.poll_s)
-        self._stacks(ranks, sizes, wait_s / 2)
-        self._dump_frozen(sizes)
-        stacks = self._stacks(ranks, sizes, wait_s / 2)
+        read_stacks(self.board, ranks, sizes, wait_s / 2)
+        ask_for_stacks(self.board, self.records, sizes)
+        stacks = read_stacks(self.board, ranks, sizes, wait_s / 2)
         stuck = find_stuck(self.records, quiet, stacks, timeout)
         record = self.records[stuck]
         where = innermost_toolkit_frame(stacks.get(stuck) or [])
@@ -512,90 +362,12 @@ class _Watch:
                    "ranks": {str(rank): describe(self.records[rank]) for rank in sorted(self.records)},
                    "description": describe(record)}
         if create_once(self.board / "verdict.json", verdict):
-            self._announce(verdict)
-        self._stop(_read_json(self.board / "verdict.json") or verdict)
-
-    def _stacks(self, ranks: list[int], sizes: dict[int, int], wait_s: float) -> dict[int, list[str]]:
-        """Each rank's main-thread frames from the dump it wrote since `sizes` were taken, waiting up to `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            written = [rank for rank in ranks if self._stack_size(rank) > sizes.get(rank, 0)]
-            if len(written) == len(ranks) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        time.sleep(0.2)  # a dump in progress finishes
-        stacks = {}
-        for rank in written:
-            try:
-                stacks[rank] = main_thread_frames((self.board / f"rank{rank}.stack").read_text(errors="replace"))
-            except OSError:
-                continue
-        return stacks
-
-    def message(self, verdict: dict) -> str:
-        newest = self.newest_checkpoint() if self.newest_checkpoint else None
-        resume = (f"the same command resumes from {newest}" if newest else "no complete checkpoint was saved yet; the "
-                  "same command starts again")
-        at = f" at {verdict['where']}" if verdict.get("where") else ""
-        return (f"{verdict['description']} made no progress for {format_duration(verdict['silent_s'])} "
-                f"(--hang_timeout: {format_duration(verdict['timeout_s'])}){at}; every rank's Python stack is in "
-                f"{self.run_dir / 'hang'}; every process stopped; {resume}")
-
-    def _announce(self, verdict: dict) -> None:
-        print(f"error: hang: {self.message(verdict)}", file=sys.stderr, flush=True)
+            self.stopper.announce(verdict)
+        self._stop(read_json(self.board / "verdict.json") or verdict)
 
     def _stop(self, verdict: dict) -> None:
         _me.stopping = True
-        folder = self.run_dir / "hang"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            self.stack_file.flush()
-            time.sleep(0.5)  # a dump a peer's signal asked for is written by now
-            # Every stack written here (a frozen peer cannot copy its own), each process copying the same files.
-            for stack in sorted(self.board.glob("rank*.stack")):
-                if stack.stat().st_size:
-                    shutil.copyfile(stack, folder / stack.name.replace(".stack", ".txt"))
-            if verdict.get("by") == self.rank:
-                _write_json(folder / "hang.json", verdict | {"message": self.message(verdict)})
-        except OSError:
-            pass
-        if self.rank == 0:
-            if self.on_stop is not None:
-                try:
-                    self.on_stop(self.stop_reason(verdict), verdict)
-                except Exception as error:  # noqa: BLE001  the stop goes on; the console line said it all
-                    print(f"  warning: the hang was not recorded in the report ({type(error).__name__}: {error})",
-                          file=sys.stderr, flush=True)
-            if self.hold is not None:
-                self.hold.release()  # at once: the same command relaunched is not refused for the hold's 2 minutes
-        elif verdict.get("rank") == 0 and self.hold is None:
-            release_if_held_by(self.run_dir, verdict.get("pid"), verdict.get("host"))
-        self._end_frozen_peer(verdict)
-        if launcher_exit.record(ExitStatus.HUNG):  # run_distributed.sh exits 7; torchrun sees clean ends, no restart
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        # Plain torchrun: its agent ends too (a restart would stick at the same place again)
-        launcher_exit.end_job(ExitStatus.HUNG)
-
-    def stop_reason(self, verdict: dict) -> str:
-        """training_info.json's stop_reason: "stopped by a hang: rank 1 in the judge (...) at step 10: ..."."""
-        step = f" at step {verdict['step']}" if verdict.get("step") is not None else ""
-        return f"stopped by a hang: {verdict['description']}{step}: {self.message(verdict)}"
-
-    def _end_frozen_peer(self, verdict: dict) -> None:
-        """The stuck process, on this machine, once its stack is written: a frozen one cannot end itself."""
-        if verdict.get("host") != socket.gethostname() or verdict.get("rank") == self.rank:
-            return
-        pid, started = verdict.get("pid"), verdict.get("pid_start")
-        deadline = time.monotonic() + self.poll_s * 4 + 2  # its own watch ends it (exit 7) when it can run at all
-        while started is not None and process_start_time(pid) == started and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if started is not None and process_start_time(pid) == started:  # the same process, still there: frozen
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (OSError, TypeError, ValueError):
-                pass
+        self.stopper.stop(verdict, self.stack_file)
 
     # -- "no step for ..."
 
@@ -625,17 +397,6 @@ class _Watch:
                 pass
 
 
-def _children(pid: int) -> list[int]:
-    """The processes `pid` started (a preparation pool's workers), from /proc; none where it is not readable."""
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(child) for child in (task / "children").read_text().split()]
-    except OSError:
-        pass
-    return found
-
-
 def _forked_child() -> None:
     """A process forked from a watched one: a preparation pool worker dumps its stack, on request, into a file of its
     own; any other (a live report's drawing, a data loader's worker) none (the inherited handler would write into its
@@ -647,25 +408,7 @@ def _forked_child() -> None:
     if all(place != "data" for place, _, _ in _me.activities):
         faulthandler.unregister(DUMP_SIGNAL)
         return
-    try:
-        handle = open(watch.board / f"rank{watch.rank}-worker-{os.getpid()}.stack", "w")  # noqa: SIM115
-        faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=False)
-    except OSError:
-        pass
-
-
-def clear_earlier_boards(run_dir: Path) -> None:
-    """Rank 0 of a job that holds the run directory: the boards earlier launches left (a killed job cannot remove its
-    own) go, also when this launch trains nothing (a finished run relaunched). This launch's own board stays: another
-    rank may have put its record there already."""
-    own = board_for(run_dir)
-    if not own.parent.is_dir():
-        return
-    for old in own.parent.iterdir():
-        if old != own and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        own.parent.rmdir()  # when nothing is left in it
+    dump_worker_stacks_apart(watch.board, watch.rank)
 
 
 def start(run_dir: Path, rank: int, world_size: int, timeout_s: float, newest_checkpoint=None, hold=None,

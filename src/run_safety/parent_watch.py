@@ -120,9 +120,9 @@ def launcher_gone() -> bool:
 # process that started this one at that moment: "preparation" (a preparation pool worker kills the preparing process),
 # "step:<N>" (the end of optimizer step N), "sampling" (a round's first sampled batch), "reference" (the reference
 # pass's first batch): rank 0 kills its launcher's whole process group (its torchrun agent's group), as a terminal's
-# `kill -9` of the job does. A kill at a known moment, not a race with a polling test (tests/test_resilience.py,
-# test_rounds.py, test_data.py). "<moment>:<flag file>:TERM" sends SIGTERM instead, as a scheduler does before it
-# preempts the job.
+# `kill -9` of the job does; in a job forked from a test (tests/forked.py), rank 0's own session (`_launch_group`). A
+# kill at a known moment, not a race with a polling test (tests/test_resilience.py, test_rounds.py, test_data.py,
+# test_tools.py). "<moment>:<flag file>:TERM" sends SIGTERM instead, as a scheduler does before it preempts the job.
 
 
 def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = None) -> None:
@@ -139,14 +139,23 @@ def kill_starter_if_injected(moment: str, rank: int = 0, starter: int | None = N
     if starter is not None:
         os.kill(starter, number)
     else:
-        group = os.getpgid(os.getppid())
-        if os.getsid(os.getppid()) != group:  # never a group that is not a launch's own session (a test runner's)
-            raise RuntimeError("the kill_starter seam: the launcher was not started in a session of its own")
-        os.killpg(group, number)
+        os.killpg(_launch_group(), number)
     if number == signal.SIGTERM:  # the job stops as a preempted one does: at the step's end, with a checkpoint
         return
     if not stops.clean_stop_possible():  # the work stops here, at the moment named, not POLL_S later: the watch ends it
         time.sleep(GRACE_S + 60)
+
+
+def _launch_group() -> int:
+    """The process group of the launch this rank 0 belongs to, for the kill_starter seam: its launcher's (torchrun's
+    agent, run_distributed.sh), or this process's own where it leads a session of its own under a parent that does not
+    (a job forked from the test process, tests/forked.py: there the test runner's group is never the one killed)."""
+    group = os.getpgid(os.getppid())
+    if os.getsid(os.getppid()) == group:
+        return group
+    if os.getsid(0) == os.getpid():
+        return os.getpid()
+    raise RuntimeError("the kill_starter seam: the launcher was not started in a session of its own")
 
 
 def exec_bound_to_parent(command: list[str]) -> None:

@@ -21,8 +21,9 @@ from src.distributed import any_rank, barrier, print0
 from src.engines import gathered, partitioned
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
-from src.packed_dpo import (ANSWER_MASKS, AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of,
-                            forward_plan, fused_modules)
+from src.packed_dpo import AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of, forward_plan
+from src.packed_forward import fused_modules
+from src.packed_layout import ANSWER_MASKS
 from src.progress import Progress
 from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted

@@ -49,8 +49,9 @@ from trl import KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from src.packed_dpo import (PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules,
-                             padded_counts)
+from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_plan
+from src.packed_forward import fused_modules
+from src.packed_layout import PACKED_KEYS, padded_counts
 from src.run_safety import hang_watch
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens

@@ -6,7 +6,7 @@ max_length (a prompt that fills max_length was already dropped in preparation, T
 
 The packed, prefix-shared forward (src/packed_dpo.py, DPO's) serves them too: their `concatenated_forward` (TRL's
 padded `[chosen; rejected]` rows, full logits) is replaced by TRL's fused LM head on the same padded batch, which
-src/packed_dpo.py redirects to the packed layout (each prompt once), checked against the padded forward on the first
+src/packed_forward.py redirects to the packed layout (each prompt once), checked against the padded forward on the first
 batch. What the trainers read from it is the same: the answers' summed or averaged log-probs, the NLL term (ORPO's over
 prompt + chosen answer, CPO's over the chosen answer), so the loss, its gradient and every metric but two; the two
 `logits/*` metrics become the mean logit over the answers' tokens (TRL's padded forward averages every position of the
@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from src.packed_dpo import PACKED_KEYS, PackedPreferenceCollator, attention_cost_of, forward_plan, fused_modules
+from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_plan
+from src.packed_forward import fused_modules
+from src.packed_layout import PACKED_KEYS
 from src.trainers.device_metrics import Mean, MetricWindow
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
