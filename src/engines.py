@@ -150,7 +150,8 @@ def partitioned_loading(precision: str):
     sees ZeRO-3 before the trainer does. Yields whether the block partitions; a TRL config alive already (the
     reference loaded beside the trainer) partitions with its own."""
     engine = launched()
-    if engine is None or engine.name != DEEPSPEED:
+    # a stage of None: the launch names a DeepSpeed config file, whose stage accelerate's plugin reads below
+    if engine is None or engine.name != DEEPSPEED or engine.zero_stage not in (3, None):
         yield False
         return
     from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config

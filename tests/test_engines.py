@@ -258,3 +258,27 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
                 assert [record["kl"] for record in metrics[strategy]] == pytest.approx(
                     [record["kl"] for record in metrics["ddp"]], rel=1e-5, abs=1e-9), strategy
 
+
+
+def test_zero3_loads_partitioned_only_where_its_launch_config_keeps_zero3_init(monkeypatch):
+    """In the pytest process, no processes: `partitioned_loading` lets transformers see ZeRO-3 (so from_pretrained
+    loads inside deepspeed.zero.Init) for the block only, under a ZeRO-3 launch with zero3_init_flag; a ZeRO-2 launch or
+    zero3_init_flag off load whole, and a stage that loaded whole under ZeRO-3 says so with the switch to flip."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from src.engines import DEEPSPEED, Engine, load_warning, partitioned_loading
+
+    for name, value in accelerate_environment("zero3").items():
+        monkeypatch.setenv(name, value)
+    with partitioned_loading("fp32") as partitioning:
+        assert partitioning and is_deepspeed_zero3_enabled()
+    assert not is_deepspeed_zero3_enabled()  # after the load: nothing else sees ZeRO-3 before the trainer
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")
+    with partitioned_loading("fp32") as partitioning:
+        assert not partitioning and not is_deepspeed_zero3_enabled()
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    with partitioned_loading("fp32") as partitioning:
+        assert not partitioning
+    assert "zero3_init_flag: true" in load_warning(Engine(DEEPSPEED, 3), loaded_partitioned=False)
+    assert load_warning(Engine(DEEPSPEED, 3), loaded_partitioned=True) is None
+    assert load_warning(Engine(DEEPSPEED, 2), loaded_partitioned=False) is None
