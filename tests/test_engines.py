@@ -263,7 +263,8 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
 def test_zero3_loads_partitioned_only_where_its_launch_config_keeps_zero3_init(monkeypatch):
     """In the pytest process, no processes: `partitioned_loading` lets transformers see ZeRO-3 (so from_pretrained
     loads inside deepspeed.zero.Init) for the block only, under a ZeRO-3 launch with zero3_init_flag; a ZeRO-2 launch or
-    zero3_init_flag off load whole, and a stage that loaded whole under ZeRO-3 says so with the switch to flip."""
+    zero3_init_flag off load whole, a stage that loaded whole under ZeRO-3 says so with the switch to flip, and a
+    model that cannot be built inside zero.Init stops in one line naming it."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     from src.engines import DEEPSPEED, Engine, load_warning, partitioned_loading
@@ -279,6 +280,32 @@ def test_zero3_loads_partitioned_only_where_its_launch_config_keeps_zero3_init(m
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     with partitioned_loading("fp32") as partitioning:
         assert not partitioning
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    assert_zero_init_failure_names_the_switch(monkeypatch)
     assert "zero3_init_flag: true" in load_warning(Engine(DEEPSPEED, 3), loaded_partitioned=False)
     assert load_warning(Engine(DEEPSPEED, 3), loaded_partitioned=True) is None
     assert load_warning(Engine(DEEPSPEED, 2), loaded_partitioned=False) is None
+
+
+def assert_zero_init_failure_names_the_switch(monkeypatch) -> None:
+    """A model whose code fails while transformers builds it inside deepspeed.zero.Init: one line with the switch that
+    loads it whole instead (from_pretrained stood in for: no process group in the pytest process)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from src.config import ModelArguments
+    from src.models import ModelError, load_model
+
+    def fails_under_zero_init(*args, **kwargs):
+        raise RuntimeError("a custom layer's __init__ reads a weight's shape\nmore")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails_under_zero_init)
+    with pytest.raises(ModelError) as raised:
+        load_model("some/model", ModelArguments(model_name_or_path="some/model"),
+                   SimpleNamespace(precision="fp32", device="cpu"), SimpleNamespace(local_rank=0))
+    assert str(raised.value) == (
+        "--model_name_or_path some/model: could not load the model (a custom layer's __init__ reads a weight's shape); "
+        "its code may not build under deepspeed.zero.Init: set zero3_init_flag: false in the launch config (every rank "
+        "then loads it whole)")
