@@ -663,8 +663,11 @@ def assert_first_batch_read_the_models_own_tokens(run_dir: Path, pairs: list[dic
     assert check["tokens"] not in {whole[i] + whole[j] for i, j in two}
 
 
+# the token means too (entropy, logits/*, mean_token_accuracy): before they were logged as the window's means over its
+# tokens, 1 x 2's step 1 read (3/196 + 2/197) / 2 = 0.0127292 against 2 x 1's 5/393 = 0.0127226 (TRL's mean of the
+# micro-batches' ratios)
 STEP_NUMBERS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
-                "rewards/margins")
+                "rewards/margins", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 
 
 def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and_2x1_and_after_kills(tmp_path,
@@ -675,7 +678,8 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and
     over the tool blocks, prepared as the collator's mask columns (tests/test_packed_dpo.py: masked tokens out of the
     policy, reference and cache). The 1 x 2 job is killed (SIGKILL) in the round's sampling (its trajectories sampled,
     its tool worker running, no pairs written), then right after checkpoint-1 (its pairs written), and launched again
-    each time: the pairs, their masks and the round's losses are those of the 2 x 1 job, never killed."""
+    each time: the pairs, their masks and the round's losses and logged metrics are those of the 2 x 1 job, never
+    killed."""
     from src import run_files, seams
     from test_resilience import seconds_until_gone
 
@@ -709,9 +713,6 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and
             assert "resuming from" in result.stdout and "round 1: sampling" not in result.stdout + result.stderr
             assert (run_dir / "pairs" / "train.jsonl").read_bytes() == pairs_written
         pairs = run_files.read_jsonl(run_dir / "pairs" / "train.jsonl")  # the last round's: the run's own
-        # The step's numbers. Left out: TRL's token-weighted metrics (entropy, logits/*, mean_token_accuracy), which
-        # TRL logs as the unweighted mean of the window's micro-batch ratios: 1 x 2 averages two (step 1 here:
-        # (3/196 + 2/197) / 2), 2 x 1 takes one over both ranks (5/393), for DPO with or without tools.
         steps = {record["step"]: [record[key] for key in STEP_NUMBERS]
                  for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record}
         runs[name] = (pairs, steps)
