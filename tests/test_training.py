@@ -94,12 +94,17 @@ SPLIT_INVARIANT = ("loss", "rewards/margins", "logps/chosen", "entropy", "logits
                    "mean_token_accuracy")
 
 
-def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, preference_file, tmp_path):
+def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, tmp_path):
     """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2: the same losses
     and logged metrics (SPLIT_INVARIANT: the token means among them). The data and answer audits (src/audit/) come out
     the same too: the judge part and the answers are split across the ranks.
     The 2-process run trains as one job (each rank its own rows, the same weights at the end) and saves a model that
     reloads, generates and has changed."""
+    rows = preference_rows(48)
+    for index, row in enumerate(rows):  # answers of 1 to 3 more tokens: micro-batches of different token counts
+        for side in ("chosen", "rejected"):
+            row[side][0]["content"] += " very" * (1 + index % 3)
+    preference_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
     logged, audits = {}, {}
     for nproc in (1, 2):
         args = common_args(tiny_model, preference_file, tmp_path / "results", f"w{nproc}", "dpo") + [
