@@ -32,7 +32,8 @@ from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
 
 # What TRL 1.16's DPOTrainer._compute_loss gathers for its training metrics, in its order (MoE models: "aux_loss"
-# first), and how it turns each micro-batch's gathered values into the metrics it logs (src/trainers/device_metrics.py).
+# first), and how it turns each micro-batch's gathered values into the metrics it logs (src/trainers/device_metrics.py;
+# logged as the window's weighted means: the Ratios over its tokens, the Means over its pairs).
 DPO_GATHERED = ("entropy_sum", "entropy_tokens", "batch_tokens", "chosen_logits", "chosen_tokens", "rejected_logits",
                 "rejected_tokens", "correct_tokens", "accuracy_tokens", "rewards/chosen", "rewards/rejected",
                 "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -71,7 +72,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         super().__init__(*args, **kwargs)
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(aux + DPO_GATHERED, {**{name: Mean(name) for name in aux}, **DPO_METRICS},
-                                          "TRL's DPOTrainer", lambda trainer: trainer._metrics)
+                                          "TRL's DPOTrainer", lambda trainer: trainer._metrics, weighted=True)
         if self.args.disable_dropout:
             if self.ref_model is not None and kwargs.get("ref_model") is None:  # TRL loaded it
                 self.dropout_off.append(DropoutOff(self.ref_model))
@@ -103,7 +104,12 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def log(self, *args, **kwargs):
-        self.metric_window.flush(self)  # the training metrics, kept on the device since the last log
+        # The training metrics, kept on the device since the last log, as means over the window's tokens (pairs for
+        # the rewards and log-probs), not TRL's mean of micro-batch ratios: the same on any split of a global batch.
+        if self.model.training:
+            self.metric_window.weighted_means(self)
+        else:  # eval's own metrics are per-pair (evaluation_loop); the training window is logged at the next train log
+            self.metric_window.flush(self)
         return super().log(*args, **kwargs)
 
     def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
