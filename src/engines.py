@@ -4,8 +4,9 @@ launcher's STRATEGY in its preflight), the refusals of what cannot work with it 
 group), what the process group and TRL's config need so that the engine runs on CPU processes too (`accelerate_cpu`;
 FSDP2: `adopt_fsdp_on_cpu`, `trainer_accelerator_config`), what training_info.json records of the engine that
 actually ran (`engine_record`, read from the trainer's accelerator, never assumed), DeepSpeed's buffers sized by the
-model (`size_buffers_by_model`), the final model saved whole under FSDP (`whole_weights_on_save`), and whole weights
-or this rank's shard for code that reads them under ZeRO-3 (`gathered`) and FSDP2 (`whole`, `local_shard`).
+model (`size_buffers_by_model`), ZeRO-3's weights partitioned as they load (`partitioned_loading`; `load_warning` where
+they load whole), the final model saved whole under FSDP (`whole_weights_on_save`), and whole weights or this rank's
+shard for code that reads them under ZeRO-3 (`gathered`, `whole_numel`) and FSDP2 (`whole`, `local_shard`).
 
     STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
 
@@ -133,6 +134,63 @@ def engine_record(accelerator) -> dict:
     if kind == "FSDP":
         return {"engine": FSDP, "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version}
     return {"engine": DDP if accelerator.num_processes > 1 else "none"}
+
+
+ACCELERATE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+@contextlib.contextmanager
+def partitioned_loading(precision: str):
+    """A block in which `from_pretrained` partitions the weights across the ranks as it reads them, under a ZeRO-3
+    launch whose config keeps `zero3_init_flag` (configs/accelerate/zero3.yaml): transformers loads inside
+    `deepspeed.zero.Init` while `is_deepspeed_zero3_enabled()`, which holds while an HfDeepSpeedConfig of the launch
+    config lives. TrainingArguments makes one (accelerate's DeepSpeedPlugin from the launch environment, its mixed
+    precision set), but the policy loads before the stage's TRL config exists: here the same plugin is built the same
+    way and kept alive for the block, then let go, so nothing after (answers before training: no trainer's engine yet)
+    sees ZeRO-3 before the trainer does. Yields whether the block partitions; a TRL config alive already (the
+    reference loaded beside the trainer) partitions with its own."""
+    engine = launched()
+    # a stage of None: the launch names a DeepSpeed config file, whose stage accelerate's plugin reads below
+    if engine is None or engine.name != DEEPSPEED or engine.zero_stage not in (3, None):
+        yield False
+        return
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    if is_deepspeed_zero3_enabled():
+        yield True
+        return
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin()  # from the launch environment, as TrainingArguments builds it
+    if not plugin.is_zero3_init_enabled():  # ZeRO-1/2, or ZeRO-3 with zero3_init_flag off
+        yield False
+        return
+    plugin.set_mixed_precision(ACCELERATE_PRECISION[precision])
+    plugin.set_deepspeed_weakref()
+    try:
+        yield True
+    finally:
+        unset_hf_deepspeed_config()
+        del plugin
+
+
+def partitioned(parameters) -> bool:
+    """Whether ZeRO-3 partitioned these weights (each rank holds its share in `ds_tensor`)."""
+    return any(hasattr(parameter, "ds_id") for parameter in parameters)
+
+
+def whole_numel(parameter) -> int:
+    """A parameter's elements, all of them: ZeRO-3's whole count where it partitioned the parameter."""
+    return getattr(parameter, "ds_numel", None) or parameter.numel()
+
+
+def load_warning(engine: Engine | None, loaded_partitioned: bool) -> str | None:
+    """The line a ZeRO-3 stage says when its model loaded whole on every rank (DeepSpeed partitions it only later)."""
+    if engine is None or engine.zero_stage != 3 or loaded_partitioned:
+        return None
+    return ("ZeRO-3 with zero3_init_flag off in the launch config: every rank loads the whole model into host memory "
+            "before DeepSpeed partitions it; set zero3_init_flag: true (configs/accelerate/zero3.yaml) to load each "
+            "rank's share only")
 
 
 def gathered(parameters):

@@ -113,9 +113,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             written = sample_ids(model, tokenizer, contexts, max(budgets), batch_size, eos_ids, sampling, turn_seeds)
             return [ids[:budget] for ids, budget in zip(written, budgets)]
 
-        trajectories = sample_with_tools(sample, tokenizer, prompts, tools, max_new_tokens, eos_ids)
-        if on_batch:
-            on_batch(len(prompts))
+        trajectories = trajectories_by_batch(sample, tokenizer, prompts, tools, max_new_tokens, eos_ids, batch_size,
+                                             on_batch)
         answers = []
         for prompt, trajectory in zip(prompts, trajectories):
             text = opened_reasoning(tokenizer, prompt) + trajectory.text(tokenizer)
@@ -142,6 +141,30 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
     sample_ids(model, tokenizer, prompts, max_new_tokens, batch_size, eos_ids, sampling, seeds, batch_done,
                trim=False)
     return answers
+
+
+def trajectories_by_batch(sample, tokenizer, prompts: list[list[int]], tools, max_new_tokens: int, eos_ids: set[int],
+                          batch_size: int, on_batch=None) -> list:
+    """Each prompt's trajectory (src/tools.py sample_with_tools; `sample(indices, ...)` with the prompts' own indices),
+    a batch of prompts at a time, every turn of its answers before the next batch starts, so that `on_batch(count)`
+    reports answers as they finish (a round's progress line), not once this process's whole share is done. The
+    batches are the ones the first turn forms without this (sample_ids: by length); a later turn batches only its
+    batch's answers still going."""
+    trajectories: list = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+
+        def sample_batch(indices, contexts, turn, budgets, batch=batch):
+            return sample([batch[index] for index in indices], contexts, turn, budgets)
+
+        finished = sample_with_tools(sample_batch, tokenizer, [prompts[index] for index in batch], tools,
+                                     max_new_tokens, eos_ids)
+        for index, trajectory in zip(batch, finished):
+            trajectories[index] = trajectory
+        if on_batch:
+            on_batch(len(batch))
+    return trajectories
 
 
 def stop_ids(model, tokenizer) -> set[int]:

@@ -123,7 +123,7 @@ def run_stage(stage: Stage, model_path: str, tokenizer, prepared: PreparedData, 
     started = time.monotonic()
     start = open_stage(stage, model_path, prepared, world, previous)  # its record, the checkpoint it resumes from
     reward = not objective(stage.name).causal_lm  # a sequence classifier: a reward model
-    model = load_stage_model(stage, model_path, tokenizer, world, reward, model)
+    model = load_stage_model(stage, model_path, tokenizer, world, reward, start, model)
     sft_forward = announce_sft_forward(stage.config, model, start.info_path, start.warnings, world) \
         if objective(stage.name).data_shape == SEQUENCES else None
     held_out = measure_before(stage, model, tokenizer, prepared, world, reward)

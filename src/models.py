@@ -21,7 +21,7 @@ from src.plan import Plan
 from src.world import World
 from src.distributed import barrier, manifest_across_ranks
 from src.embedded.model import ensure_embedded_model
-from src.engines import whole_weights_on_save
+from src.engines import partitioned, partitioned_loading, whole_weights_on_save
 from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
@@ -163,14 +163,16 @@ def apply_chat_template_path(tokenizer, path: str | None):
     return tokenizer
 
 
-def apply_chat_template_to_model(model, tokenizer, path: str | None):
+def apply_chat_template_to_model(model, tokenizer, path: str | None, precision: str):
     """The model half of --chat_template_path (every stage, DPO included, whose TRL trainer has no such option):
-    TRL's clone_chat_template resizes the embeddings for the tokens the template brought and sets the EOS id."""
+    TRL's clone_chat_template resizes the embeddings for the tokens the template brought and sets the EOS id (under
+    ZeRO-3 transformers resizes the partitioned embeddings as such while it sees the launch's config)."""
     if not path or is_jinja_file(path):
         return model
     from trl import clone_chat_template
 
-    model, _, _ = clone_chat_template(model, tokenizer, path)
+    with partitioned_loading(precision):
+        model, _, _ = clone_chat_template(model, tokenizer, path)
     return model
 
 
@@ -249,11 +251,16 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         kwargs["device_map"] = {"": world.local_rank if plan.device == "cuda" else "cpu"}
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
+    partitioning = False
     try:
-        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):  # a download takes what it takes
+        # A download takes what it takes; under ZeRO-3 each rank keeps only its share of the weights as they load.
+        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED), \
+                partitioned_loading(plan.precision) as partitioning:
             loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
-        raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)})") from None
+        fix = "; its code may not build under deepspeed.zero.Init: set zero3_init_flag: false in the launch config " \
+              "(every rank then loads it whole)" if partitioning and isinstance(error, RuntimeError) else ""
+        raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)}){fix}") from None
     if quantization is not None:
         keep_4bit_layers_trainable(loaded)
         # bitsandbytes packs 4-bit weights lazily, at the first forward: run one now so an unsupported layout fails
@@ -266,8 +273,8 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
                 if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
             raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({first_line(error)}); "
                              f"{hint}") from None
-    if plan.device == "cuda" and quantization is None:
-        loaded.to(torch.device("cuda", world.local_rank))
+    if plan.device == "cuda" and quantization is None and not partitioned(loaded.parameters()):
+        loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's shares are on the device already
     return loaded
 
 

@@ -31,6 +31,7 @@ from src.chat_templates import split_reasoning
 from src.config_error import ConfigError
 from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
+from src.engines import gathered
 from src.generation import Sampling, answer_seed, generate
 from src.judges import JudgeError, judge_for
 from src.models import apply_chat_template_to_model, load_model
@@ -289,17 +290,19 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
     reused) and prepared. Returns (model, prepared pairs, the round's record)."""
     config = stage.config
     model = load_model(model_path, config.model, stage.plan, world)
-    model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
+    model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
+                                         stage.plan.precision)
     print0(f"\n== DPO ROUND {stage.round} of {config.dpo.rounds}: pairs from the answers of {model_path}")
     record = pairs_ready(stage.run_dir)
     if record:  # an earlier launch wrote them: no sampling, no judge
         print0(f"  round {stage.round}: pairs written by an earlier launch, reused ({record['counts']['pairs']:,} pairs)")
     else:
         tools = session_for(config)  # --tools: the round's answers are trajectories with the calls run
-        try:
-            record = make_round_pairs(model, tokenizer, dpo_data,
-                                      judge_for(config.training.judge, config.data.dataset_name),
-                                      round_settings(config, stage.plan), stage.round, stage.run_dir, world, tools)
+        try:  # ZeRO-3 partitioned the weights as they loaded: whole on each rank's device while it samples
+            with gathered(list(model.parameters())):
+                record = make_round_pairs(model, tokenizer, dpo_data,
+                                          judge_for(config.training.judge, config.data.dataset_name),
+                                          round_settings(config, stage.plan), stage.round, stage.run_dir, world, tools)
         finally:
             if tools is not None:
                 tools.close()

@@ -5,7 +5,8 @@
 Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw, a digest of every training row it
 was fed (per optimizer step), a digest of its weights when training ended (the whole weights under ZeRO-3) and what
 it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share,
-ZeRO-3's partitions and FSDP2's DTensor local shards).
+ZeRO-3's partitions and FSDP2's DTensor local shards), and what it held of the model as the stage loaded it, before
+the trainer wrapped it (`loaded`).
 
 Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
 optimizer step K+1 — what a bad kernel or an overflow does to a real run.
@@ -65,8 +66,17 @@ def held_numbers(trainer, parameters) -> dict:
                 engine := trainer.model_wrapped, "zero_reduce_bucket_size") else None}
 
 
+def loaded_numbers(model) -> dict:
+    """What this rank holds of the model as loaded, before the trainer wraps it (elements: ZeRO-3's partitions where
+    the weights were partitioned as they loaded)."""
+    parameters = list(model.parameters())
+    return {"weights": sum(_local(p).numel() for p in parameters),
+            "full_weights": sum(getattr(p, "ds_numel", p.numel()) for p in parameters)}
+
+
 def instrument(build_trainer, probe_dir: Path):
     def build(stage, *args, **kwargs):
+        loaded = loaded_numbers(args[0])  # the model as the stage loaded it (build_trainer's first argument)
         trainer = build_trainer(stage, *args, **kwargs)
         seen: dict[int, list[str]] = {}
         compute_loss = trainer.compute_loss
@@ -88,7 +98,7 @@ def instrument(build_trainer, probe_dir: Path):
                                          .flatten() for p in parameters])  # FSDP2: gathered from the shards
                 record = {"rank": int(os.environ.get("RANK", 0)), "world_size": trainer.args.world_size,
                           "seen": seen, "weights": _digest(weights), "steps": state.global_step,
-                          "held": held_numbers(trainer, parameters)}
+                          "held": held_numbers(trainer, parameters), "loaded": loaded}
                 path = probe_dir / f"{stage}_rank{record['rank']}.json"
                 path.write_text(json.dumps(record))
 

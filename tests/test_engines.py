@@ -90,7 +90,9 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
     ZeRO-3 with the reference log-probs precomputed (TRL's inference engine under DeepSpeed, released before
     training: src/trainers/dpo.py), ZeRO-3 with the live reference (prepared by TRL as a sharded engine too). The
     ZeRO-3 job loses a worker right after checkpoint-2 and is launched again: it resumes from its sharded checkpoint
-    (each rank's own partition of weights and optimizer states) to the uninterrupted DDP curve."""
+    (each rank's own partition of weights and optimizer states) to the uninterrupted DDP curve. Under ZeRO-3 the
+    policy is partitioned as it loads (deepspeed.zero.Init: each rank holds half of it before any trainer exists),
+    recorded as `weights_at_load`, and still trains to DDP's losses (its weights read from disk, not drawn)."""
     run, ddp, root = dpo_engines
     runs = {name: run(name, strategy, extra, killed_after) for name, strategy, extra, killed_after in (
         ("zero2", "zero2", [], None), ("zero3", "zero3", [], 2),
@@ -111,8 +113,11 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
             assert held["full_weights"] == whole["weights"], name
             assert held["optimizer_states"] == whole["optimizer_states"] // 2, name  # each rank its half
             assert held["weights"] == (whole["weights"] // 2 if stage == 3 else whole["weights"]), name
+            # ZeRO-3: each rank read only its share as the model loaded (deepspeed.zero.Init), not all of it
+            assert rank["loaded"] == {"weights": held["weights"], "full_weights": whole["weights"]}, name
             # sized by the model (hidden 32: 32 x 32), not DeepSpeed's 5e8 default (2 GB per ZeRO-3 rank)
             assert held["reduce_bucket"] == 32 * 32, name
+        assert run["info"].get("weights_at_load") == ("partitioned" if stage == 3 else None), name
         if name == "zero3_live":
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [whole["weights"] // 2] * 2
         else:
@@ -189,6 +194,7 @@ def test_lora_sft_under_zero1_zero2_zero3_and_fsdp2_trains_and_saves_the_adapter
                                              ("zero3", ("deepspeed", 3), True), ("fsdp", ("fsdp", 2), True)):
         run = runs[strategy]
         assert (run["info"]["engine"], run["info"].get("zero_stage", run["info"].get("fsdp_version"))) == engine
+        assert run["info"].get("weights_at_load") == ("partitioned" if strategy == "zero3" else None), strategy
         assert run["losses"] == pytest.approx(runs["ddp"]["losses"], rel=1e-5), strategy
         assert [rank["held"]["optimizer_states"] for rank in run["ranks"]] == [whole["optimizer_states"] // 2] * 2
         assert run["ranks"][0]["held"]["weights"] == whole["weights"] // (2 if shards_weights else 1)
@@ -204,7 +210,9 @@ def test_lora_sft_under_zero1_zero2_zero3_and_fsdp2_trains_and_saves_the_adapter
 def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_model, tmp_path):
     """Each objective's own trainer under ZeRO-3 and FSDP2 against plain DDP, 2 steps at the same global batch: the
     same loss curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and
-    optimizer states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live)."""
+    optimizer states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live). Under ZeRO-3
+    each rank read only its half of the policy as it loaded, and KTO's reference cache, keyed by the whole weights,
+    is the DDP run's, reused."""
     from test_grpo import grpo_args, prompt_rows
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
@@ -230,10 +238,15 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
             assert (sharded["info"]["engine"], sharded["info"].get("zero_stage", sharded["info"].get(
                 "fsdp_version"))) == engine, label
             assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), label
+            assert sharded["info"].get("weights_at_load") == ("partitioned" if strategy == "zero3" else None), label
             for rank in sharded["ranks"]:
                 held = rank["held"]
                 assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
                                                                        whole["optimizer_states"] // 2), label
+                if strategy == "zero3":  # each rank read its share only as the policy loaded
+                    assert rank["loaded"]["weights"] == whole["weights"] // 2, label
+            if (stage, strategy) == ("kto", "zero3"):  # its reference cache keyed by the whole weights: DDP's, reused
+                assert sharded["info"]["reference_log_probs"]["train"]["cache"] == "reused", label
                 assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]
                                                      else None), label
         if stage == "grpo":
@@ -245,3 +258,54 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
                 assert [record["kl"] for record in metrics[strategy]] == pytest.approx(
                     [record["kl"] for record in metrics["ddp"]], rel=1e-5, abs=1e-9), strategy
 
+
+
+def test_zero3_loads_partitioned_only_where_its_launch_config_keeps_zero3_init(monkeypatch):
+    """In the pytest process, no processes: `partitioned_loading` lets transformers see ZeRO-3 (so from_pretrained
+    loads inside deepspeed.zero.Init) for the block only, under a ZeRO-3 launch with zero3_init_flag; a ZeRO-2 launch or
+    zero3_init_flag off load whole, a stage that loaded whole under ZeRO-3 says so with the switch to flip, and a
+    model that cannot be built inside zero.Init stops in one line naming it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from src.engines import DEEPSPEED, Engine, load_warning, partitioned_loading
+
+    for name, value in accelerate_environment("zero3").items():
+        monkeypatch.setenv(name, value)
+    with partitioned_loading("fp32") as partitioning:
+        assert partitioning and is_deepspeed_zero3_enabled()
+    assert not is_deepspeed_zero3_enabled()  # after the load: nothing else sees ZeRO-3 before the trainer
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")
+    with partitioned_loading("fp32") as partitioning:
+        assert not partitioning and not is_deepspeed_zero3_enabled()
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    with partitioned_loading("fp32") as partitioning:
+        assert not partitioning
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    assert_zero_init_failure_names_the_switch(monkeypatch)
+    assert "zero3_init_flag: true" in load_warning(Engine(DEEPSPEED, 3), loaded_partitioned=False)
+    assert load_warning(Engine(DEEPSPEED, 3), loaded_partitioned=True) is None
+    assert load_warning(Engine(DEEPSPEED, 2), loaded_partitioned=False) is None
+
+
+def assert_zero_init_failure_names_the_switch(monkeypatch) -> None:
+    """A model whose code fails while transformers builds it inside deepspeed.zero.Init: one line with the switch that
+    loads it whole instead (from_pretrained stood in for: no process group in the pytest process)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from src.config import ModelArguments
+    from src.models import ModelError, load_model
+
+    def fails_under_zero_init(*args, **kwargs):
+        raise RuntimeError("a custom layer's __init__ reads a weight's shape\nmore")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails_under_zero_init)
+    with pytest.raises(ModelError) as raised:
+        load_model("some/model", ModelArguments(model_name_or_path="some/model"),
+                   SimpleNamespace(precision="fp32", device="cpu"), SimpleNamespace(local_rank=0))
+    assert str(raised.value) == (
+        "--model_name_or_path some/model: could not load the model (a custom layer's __init__ reads a weight's shape); "
+        "its code may not build under deepspeed.zero.Init: set zero3_init_flag: false in the launch config (every rank "
+        "then loads it whole)")

@@ -311,8 +311,10 @@ def toolkit_trainer(tiny_model, tmp_path, *extra: str):
 def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
     """Two judges with weights: each one's curves under rewards/<judge>/, the reward their weighted sum; the answers
     are the same as one judge's (the sampling does not depend on the judges), and the plots draw a curve per judge."""
-    from src.reporting.plots import panel_curves
+    from matplotlib.image import imread
+
     from src.objectives import objective
+    from src.reporting.plots import panel_curves, plot_chart
 
     trainer = toolkit_trainer(tiny_model, tmp_path, "--rewards", JUDGE, "tests.round_judges:always_one",
                               "--reward_weights", "1.0", "0.5", "--max_steps", "1")
@@ -331,6 +333,11 @@ def test_judges_are_reward_functions_logged_apart(tiny_model, tmp_path):
                                                                                                      "mean"))
     assert [curve.label for curve in panel_curves([record], panel)] == ["tests.round_judges.by_length mean",
                                                                          "tests.round_judges.always_one mean"]
+    # A panel that would repeat another's one curve is left out: per judge with one judge, held-out with none judged
+    one_judge = {key: value for key, value in record.items() if "always_one" not in key}
+    for records, panels in (([record], 3), ([one_judge], 1), ([one_judge, {"step": 1, "judged_reward": 0.5}], 2)):
+        assert plot_chart(records, objective("grpo").report.charts[1], tmp_path / "rewards.png")
+        assert abs(imread(tmp_path / "rewards.png").shape[0] - (0.75 + 3.75 * panels) * 110) <= 1, panels
 
 
 def grpo_history(steps: int = 40, entropy_end: float = 0.5, tied_end: float = 0.3, length_end: float = 20.0,

@@ -91,8 +91,6 @@ def kto_step(trainer, rows: list[dict], processes: int, accumulation: int, shipp
     """Loss, KL, rewards and gradient of one optimizer step on `rows` split as processes x accumulation."""
     from trl import KTOTrainer
 
-    from src.trainers.kto import window_means
-
     model = trainer.model
     model.train()
     model.zero_grad()
@@ -101,7 +99,7 @@ def kto_step(trainer, rows: list[dict], processes: int, accumulation: int, shipp
         rows = _trl_kl_completions(rows, micro)
     batches = [_collate(trainer, rows[index * micro:(index + 1) * micro]) for index in range(processes * accumulation)]
     trainer._metrics["train"].clear()
-    trainer._weights["train"].clear()
+    trainer.metric_window.weights.clear()
     trainer._step_kl = None if shipped else trainer.kl_estimate(model, batches)  # every rank's batches: the all-reduce
     losses = []
     for step in range(accumulation):
@@ -115,10 +113,10 @@ def kto_step(trainer, rows: list[dict], processes: int, accumulation: int, shipp
             loss = trainer._compute_loss(model, joined, False)
         (loss / accumulation).backward()
         losses.append(float(loss.detach()))
-    trainer.flush_metrics()  # the training metrics, kept on the device (no read per step), as a log reads them
     metrics = trainer._metrics["train"]
+    # the toolkit's: the training metrics, kept on the device (no read per step), as a log reads them
     result = ({key: sum(values) / len(values) for key, values in metrics.items() if key != "num_tokens"} if shipped
-              else window_means(metrics, trainer._weights["train"]))
+              else trainer.window_means())
     result["loss"] = sum(losses) / len(losses)
     result["grad"] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
     model.zero_grad()
@@ -175,19 +173,19 @@ def test_training_loss_and_metrics_are_trls_without_a_read(kto_setup):
     logged = {}
     for name in ("toolkit", "trl"):
         trainer._metrics["train"].clear()
-        trainer._weights["train"].clear()
+        trainer.metric_window.weights.clear()
         tokens_before = trainer._total_train_tokens
         if name == "toolkit":
             trainer._step_kl = kl
             loss = trainer._compute_loss(model, dict(batch), False)
-            trainer.flush_metrics()
+            trainer.metric_window.flush(trainer)
         else:
             with trainer.fixed_kl(kl):
                 loss = KTOTrainer._compute_loss(trainer, model, dict(batch), False)
         logged[name] = {key: values[-1] for key, values in trainer._metrics["train"].items() if key != "num_tokens"}
         logged[name] |= {"loss": float(loss.detach()), "tokens": trainer._total_train_tokens - tokens_before}
     trainer._metrics["train"].clear()
-    trainer._weights["train"].clear()
+    trainer.metric_window.weights.clear()
     trainer._step_kl = None
     assert set(logged["toolkit"]) == set(logged["trl"]) - {"rewards/margins"}  # the margin: the window's, at a log
     for key, value in logged["toolkit"].items():

@@ -323,6 +323,48 @@ def test_every_loss_type_and_wpo_weighting_equal_the_padded_forward(loss_type, u
     assert curves[True] == pytest.approx(curves[False], rel=1e-4, abs=1e-6)
 
 
+TOKEN_MEANS = ("entropy", "mean_token_accuracy", "logits/chosen", "logits/rejected")
+
+
+@pytest.mark.parametrize("packed, precompute", [(True, False), (False, True)], ids=["packed", "padded-reference-cached"])
+def test_token_metrics_are_means_over_the_steps_tokens_on_any_split(packed, precompute, tokenizer, tmp_path):
+    """A global batch of 4 pairs as 1 micro-batch of 4 (what 2 processes x 1 gather: each step one ratio of the two
+    ranks' summed tokens) and as 2 micro-batches of 2 (1 process x 2 accumulation): the same logged entropy, token
+    accuracy and mean logits, each the mean over the step's tokens (its pairs for rewards and log-probs). TRL logs the
+    mean of the micro-batches' ratios, which differs where they hold different token counts (the pairs here vary in
+    length): before, step 1's mean_token_accuracy was (a/n1 + b/n2) / 2 on 1 x 2, against (a + b) / (n1 + n2)."""
+    rows = answers_starting_as_the_model_would(tiny("llama", tokenizer, seed=1), pairs(8, seed=3))
+    logged = {}
+    for micro, accumulation in ((4, 1), (2, 2)):
+        trainer = trainer_for(tiny("llama", tokenizer, seed=1), tokenizer, rows, tmp_path / f"{micro}x{accumulation}",
+                              packed, max_steps=2, per_device_train_batch_size=micro,
+                              gradient_accumulation_steps=accumulation, precompute_ref_log_probs=precompute,
+                              ref_model=tiny("llama", tokenizer, seed=1))
+        trainer.train()
+        logged[accumulation] = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logged[1]) == len(logged[2]) == 2
+    for whole, split in zip(logged[1], logged[2]):
+        for key in ("loss", "rewards/margins", "logps/chosen") + TOKEN_MEANS:
+            assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), (whole["step"], key)
+    assert 0 < logged[1][0]["mean_token_accuracy"] < 1
+
+
+def answers_starting_as_the_model_would(model, rows: list[dict]) -> list[dict]:
+    """The rows with each chosen answer's first half replaced by the model's greedy continuation of its prompt: a
+    token accuracy between 0 and 1 (a random model's is about 0), different in each micro-batch."""
+    import torch
+
+    changed = []
+    for row in rows:
+        ids = list(row["prompt_ids"])
+        with torch.no_grad():
+            for _ in range(len(row["chosen_ids"]) // 2):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        greedy = ids[len(row["prompt_ids"]):]
+        changed.append(row | {"chosen_ids": greedy + row["chosen_ids"][len(greedy):]})
+    return changed
+
+
 def test_lora_with_gradient_checkpointing_matches_the_padded_forward(tokenizer, tmp_path):
     from peft import LoraConfig
 

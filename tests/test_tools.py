@@ -224,6 +224,39 @@ def test_bad_calls_are_counted_errors_the_model_reads_and_turns_and_budget_are_b
     assert short.turns == 1 and short.errors == {"no_budget": 1} and short.mask == [1] * len(short.ids)
 
 
+def test_sampling_with_tools_reports_each_batch_of_prompts_as_its_trajectories_finish(tokenizer, runner, monkeypatch):
+    """A round's progress line (src/rounds.py) counts what generate's `on_batch` reports. With --tools it reported once,
+    after every turn of the process's whole share (on_batch calls [5] here, after all four generate calls); now each
+    batch of prompts runs all its turns and is reported before the next one starts, as without tools; the answers are
+    each prompt's, in order, from its own seed."""
+    from types import SimpleNamespace
+
+    import src.generation as generation
+
+    _use(tokenizer, "chatml-qwen2.5")
+    call, stop, final = TURNS["chatml-qwen2.5"]
+    events = []
+
+    def scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None):
+        # the first turn calls the tool, the turn after the result answers; each answer names its turn seed
+        events.append(("generate", len(contexts)))
+        return [_ids(tok, f"{seed % 1000} {final}" if "<tool_response>" in tok.decode(context) else call)
+                for context, seed in zip(contexts, seeds)]
+
+    monkeypatch.setattr(generation, "sample_ids", scripted)
+    prompts = [_ids(tokenizer, "What is 123 times 456?" + " please" * index) for index in (3, 0, 4, 1, 2)]
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=_ids(tokenizer, stop)))  # a turn's end
+    answers = generation.generate(model, tokenizer, prompts, 400, 2, generation.Sampling(), list(range(5)),
+                                  on_batch=lambda count: events.append(("answered", count)),
+                                  tools=_session(runner, 3), trajectories=True)
+    # by length: prompts 1 and 3, then 4 and 0, then 2; each batch's two turns, then its report
+    assert events == [("generate", 2), ("generate", 2), ("answered", 2)] * 2 + [
+        ("generate", 1), ("generate", 1), ("answered", 1)]
+    for index, answer in enumerate(answers):
+        seed = generation.answer_seed(index, "turn", 1) % 1000
+        assert answer["text"].endswith(f"{seed} {final}") and 0 in answer["loss_mask"], index
+
+
 def test_a_template_with_no_tool_syntax_or_no_result_after_the_models_end_token_is_refused_in_one_line(tokenizer):
     from src.tools import check_template
 
@@ -663,8 +696,11 @@ def assert_first_batch_read_the_models_own_tokens(run_dir: Path, pairs: list[dic
     assert check["tokens"] not in {whole[i] + whole[j] for i, j in two}
 
 
+# the token means too (entropy, logits/*, mean_token_accuracy): before they were logged as the window's means over its
+# tokens, 1 x 2's step 1 read (3/196 + 2/197) / 2 = 0.0127292 against 2 x 1's 5/393 = 0.0127226 (TRL's mean of the
+# micro-batches' ratios)
 STEP_NUMBERS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
-                "rewards/margins")
+                "rewards/margins", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 
 
 def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and_2x1_and_after_kills(tmp_path,
@@ -673,9 +709,10 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and
     (round_first_turns_scripted: the tool runs, the next turn is the model's own), the judge reading the whole
     trajectory (the product came back: 1). A pair's answers are its trajectories as sampled, their loss mask 0 exactly
     over the tool blocks, prepared as the collator's mask columns (tests/test_packed_dpo.py: masked tokens out of the
-    policy, reference and cache). The 1 x 2 job is killed (SIGKILL) in the round's sampling (its trajectories sampled,
-    its tool worker running, no pairs written), then right after checkpoint-1 (its pairs written), and launched again
-    each time: the pairs, their masks and the round's losses are those of the 2 x 1 job, never killed."""
+    policy, reference and cache). The 1 x 2 job is killed (SIGKILL) in the round's sampling (its first batch of
+    trajectories sampled, its tool worker running, no pairs written), then right after checkpoint-1 (its pairs
+    written), and launched again each time: the pairs, their masks and the round's losses and logged metrics are those
+    of the 2 x 1 job, never killed."""
     from src import run_files, seams
     from test_resilience import seconds_until_gone
 
@@ -709,9 +746,6 @@ def test_a_round_with_tools_trains_its_pairs_of_trajectories_the_same_on_1x2_and
             assert "resuming from" in result.stdout and "round 1: sampling" not in result.stdout + result.stderr
             assert (run_dir / "pairs" / "train.jsonl").read_bytes() == pairs_written
         pairs = run_files.read_jsonl(run_dir / "pairs" / "train.jsonl")  # the last round's: the run's own
-        # The step's numbers. Left out: TRL's token-weighted metrics (entropy, logits/*, mean_token_accuracy), which
-        # TRL logs as the unweighted mean of the window's micro-batch ratios: 1 x 2 averages two (step 1 here:
-        # (3/196 + 2/197) / 2), 2 x 1 takes one over both ranks (5/393), for DPO with or without tools.
         steps = {record["step"]: [record[key] for key in STEP_NUMBERS]
                  for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record}
         runs[name] = (pairs, steps)

@@ -89,12 +89,23 @@ def test_sft_on_two_processes_trains_as_one_job(tiny_model, tmp_path):
     assert_reloads_generates_and_changed(tmp_path / "results" / "sft2" / "model" / "final", tiny_model)
 
 
-def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, preference_file, tmp_path):
-    """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2. The data and
-    answer audits (src/audit/) come out the same too: the judge part and the answers are split across the ranks.
+# Logged per step, the same on any split: the token means too (the window's tokens, not TRL's mean of micro-batch ratios)
+SPLIT_INVARIANT = ("loss", "rewards/margins", "logps/chosen", "entropy", "logits/chosen", "logits/rejected",
+                   "mean_token_accuracy")
+
+
+def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(tiny_model, tmp_path):
+    """Global batch 8 with at most 2 per device: 1 process x 4 accumulation steps vs 2 processes x 2: the same losses
+    and logged metrics (SPLIT_INVARIANT: the token means among them). The data and answer audits (src/audit/) come out
+    the same too: the judge part and the answers are split across the ranks.
     The 2-process run trains as one job (each rank its own rows, the same weights at the end) and saves a model that
     reloads, generates and has changed."""
-    losses, audits = {}, {}
+    rows = preference_rows(48)
+    for index, row in enumerate(rows):  # answers of 1 to 3 more tokens: micro-batches of different token counts
+        for side in ("chosen", "rejected"):
+            row[side][0]["content"] += " very" * (1 + index % 3)
+    preference_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    logged, audits = {}, {}
     for nproc in (1, 2):
         args = common_args(tiny_model, preference_file, tmp_path / "results", f"w{nproc}", "dpo") + [
             "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "5", "--learning_rate", "1e-3",
@@ -103,10 +114,11 @@ def test_same_global_batch_gives_the_same_loss_curve_on_one_and_two_processes(ti
         info = run_files.read_json(tmp_path / "results" / f"w{nproc}" / run_files.TRAINING_INFO)
         assert info["gradient_accumulation_steps"] == 4 // nproc and info["per_device_batch_size"] == 2
         metrics = run_files.read_jsonl(tmp_path / "results" / f"w{nproc}" / run_files.METRICS)
-        losses[nproc] = [record["loss"] for record in metrics if "loss" in record]
+        logged[nproc] = [[record[key] for key in SPLIT_INVARIANT] for record in metrics if "loss" in record]
         audits[nproc] = {"data_audit": info["data_audit"], "answers": info["answers"]}
-    assert len(losses[1]) == 5
-    assert losses[1] == pytest.approx(losses[2], rel=1e-4, abs=1e-6)
+    assert len(logged[1]) == 5
+    for step, (one, two) in enumerate(zip(logged[1], logged[2]), start=1):
+        assert one == pytest.approx(two, rel=1e-4, abs=1e-6), step
     train = audits[1]["data_audit"]["train"]
     for key in ("pairs", "identical_pairs", "duplicate_pairs", "chosen_longer_share", "chosen_truncated_share",
                 "rejected_truncated_share", "reference_agreement", "judge_inverted_share", "judge_tie_share",

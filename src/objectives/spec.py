@@ -68,6 +68,9 @@ class Panel:
     # (pattern, label): one curve per logged key the fnmatch pattern matches, labelled by what its "*" stands for
     # (GRPO's "rewards/*/mean": a curve per judge), after `curves`
     per_logged_key: tuple[str, str] | None = None
+    # (pattern, n): drawn only when at least n logged keys match the fnmatch pattern: a panel that would repeat
+    # another's one curve (GRPO's per-judge panels with one judge; its held-out panel with no judged evaluation)
+    shown_when: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)

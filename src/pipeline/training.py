@@ -9,7 +9,7 @@ from src.audit import run as data_audit
 from src.config_error import ConfigError
 from src.data import PreparedData
 from src.distributed import barrier, check_world_size, gather_objects, print0
-from src.engines import engine_record
+from src.engines import engine_record, load_warning, partitioned, requested
 from src.models import apply_chat_template_to_model, load_model, peft_config
 from src.objectives import objective
 from src.pipeline.held_out import HeldOut, judged_eval_of
@@ -22,9 +22,10 @@ from src.run_safety.finished_run import end_step_done
 from src.world import World
 
 
-def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, reward: bool, model=None):
+def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, reward: bool, start: StageStart,
+                     model=None):
     """The stage's starting model: `model` when already loaded (a round's, which answered its prompts), else loaded
-    with the stage's chat template."""
+    with the stage's chat template; how its weights loaded under ZeRO-3 recorded."""
     config = stage.config
     if reward:  # the score head starts random: one seed gives every rank the same head to score "before" with
         from transformers import set_seed
@@ -33,8 +34,27 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
     if model is None:
         model = load_model(model_path, config.model, stage.plan, world,
                            reward_pad_token_id=tokenizer.pad_token_id if reward else None)
-        model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path)
+        model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
+                                             stage.plan.precision)
+    record_weights_at_load(model, start, world)
     return model
+
+
+def record_weights_at_load(model, start: StageStart, world: World) -> None:
+    """Under ZeRO-3, whether the starting model loaded partitioned (each rank its share) or whole on every rank (said
+    in one line, with its fix, and kept with the stage's warnings): `weights_at_load` in training_info.json."""
+    engine = requested()
+    if engine is None or engine.zero_stage != 3:
+        return
+    loaded_partitioned = partitioned(model.parameters())
+    warning = load_warning(engine, loaded_partitioned)
+    if warning:
+        print0(f"  warning: {warning}")
+        start.warnings.append(warning)
+    if world.is_main:
+        with write_failures_noted(start.info_path.parent):
+            run_files.update_json(start.info_path, weights_at_load="partitioned" if loaded_partitioned else "whole",
+                                  warnings=start.warnings)
 
 
 def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, start: StageStart, held_out: HeldOut,

@@ -168,7 +168,8 @@ def panel_curves(metrics: list[dict], panel: Panel) -> tuple[Curve, ...]:
     return panel.curves + found
 
 
-def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
+def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> tuple[bool, set]:
+    """Draw the panel; returns (anything drawn, the smoothing windows its curves used)."""
     from matplotlib.ticker import MaxNLocator
 
     drew, spans = False, set()
@@ -179,9 +180,6 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
         drew |= drew_curve
         spans |= {span} - {None}
     ax.set_title(panel.title, fontsize=12, fontweight="bold", loc="left")
-    if spans:
-        ax.set_title(f"train: bold = centred mean of ~{max(spans)} points, faint = raw", fontsize=8.5,
-                     color="dimgray", loc="right")
     if bottom:
         ax.set_xlabel(X_LABEL)
     ax.set_ylabel(panel.ylabel)
@@ -189,7 +187,7 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if not drew:
         ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray", fontsize=12)
-        return False
+        return False, spans
     for y, label in panel.reference_lines:
         ax.axhline(y, color="gray", linestyle=":", linewidth=1.2, label=label)
     if panel.ylim:
@@ -211,7 +209,7 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> bool:
     ax.set_xlim(left=0)
     if len(ax.get_legend_handles_labels()[1]) > (0 if named else 1):
         ax.legend(fontsize=8.5, framealpha=0.85, loc="best")
-    return True
+    return True, spans
 
 
 def with_info_lines(chart: Chart, info: dict) -> Chart:
@@ -224,19 +222,34 @@ def with_info_lines(chart: Chart, info: dict) -> Chart:
     return dataclasses.replace(chart, panels=tuple(panels))
 
 
+def _shown(metrics: list[dict], panel: Panel) -> bool:
+    """Whether the panel adds a curve of its own (Panel.shown_when)."""
+    if panel.shown_when is None:
+        return True
+    pattern, count = panel.shown_when
+    return len({key for record in metrics for key in record if fnmatch.fnmatchcase(key, pattern)}) >= count
+
+
 def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     """Draw one chart into `path`; False (and no file) when none of its metrics was logged."""
     from matplotlib.figure import Figure  # here, not at import: the preflight reads CHARTS and never draws (1 s)
 
-    height = 0.75 + 3.75 * len(chart.panels)
+    panels = [panel for panel in chart.panels if _shown(metrics, panel)]
+    if not panels:
+        return False
+    height = 0.75 + 3.75 * len(panels)
     figure = Figure(figsize=(8.5, height), dpi=110)
     # Fixed margins instead of a layout engine: the panels are alike, and a layout engine renders every figure twice.
     figure.subplots_adjust(left=0.095, right=0.975, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.22)
-    axes = figure.subplots(len(chart.panels), 1, sharex=True, squeeze=False)[:, 0]
-    drew = [_draw_panel(ax, metrics, panel, bottom=index == len(axes) - 1)
-            for index, (ax, panel) in enumerate(zip(axes, chart.panels))]
-    if not any(drew):
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    drawn = [_draw_panel(ax, metrics, panel, bottom=index == len(axes) - 1)
+             for index, (ax, panel) in enumerate(zip(axes, panels))]
+    if not any(drew for drew, _ in drawn):
         return False
+    spans = set().union(*(panel_spans for _, panel_spans in drawn))
+    if spans:  # once, beside the x label: above a panel it ran into the panel's title
+        figure.text(0.975, 0.12 / height, f"bold: centred mean of ~{max(spans)} points; faint: raw", fontsize=8.5,
+                    color="dimgray", ha="right", va="bottom")
     figure.align_ylabels(axes)
     with atomic_path(path) as temporary:  # the live report redraws these while someone may be looking
         figure.savefig(temporary)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src import seams
+from src.engines import whole_numel
 from src.run_safety import launcher_exit
 from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
 from src.run_safety.exit_status import ExitStatus
@@ -103,14 +104,15 @@ def planned_checkpoints(args, total_steps: int) -> int:
 
 
 def estimate_writes(model, args, total_steps: int, merge: bool, output_dir: Path) -> Estimate:
-    """What the run will write, from the model the trainer holds (PEFT adapters already applied)."""
+    """What the run will write, from the model the trainer holds (PEFT adapters already applied; under ZeRO-3 its
+    weights counted whole, not this rank's share)."""
     parameters = list(model.parameters())
-    whole = sum(p.numel() * p.element_size() for p in parameters)
+    whole = sum(whole_numel(p) * p.element_size() for p in parameters)
     trainable = [p for p in parameters if p.requires_grad]
-    trainable_weights = sum(p.numel() * p.element_size() for p in trainable)
+    trainable_weights = sum(whole_numel(p) * p.element_size() for p in trainable)
     adapter = hasattr(model, "peft_config")
     saved = trainable_weights if adapter else whole
-    optimizer = 2 * 4 * sum(p.numel() for p in trainable)  # AdamW: exp_avg and exp_avg_sq, fp32
+    optimizer = 2 * 4 * sum(whole_numel(p) for p in trainable)  # AdamW: exp_avg and exp_avg_sq, fp32
     # Besides: config, tokenizer and scheduler (~64 KB), one RNG state per rank (~15 KB), and trainer_state.json,
     # which holds every logged record so far (~700 bytes each; measured ~630 on the tiny test model, DPO metrics).
     logs = total_steps // max(1, int(args.logging_steps or 1))

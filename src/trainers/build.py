@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
+from src.engines import whole_numel
 from src.objectives import SEQUENCES, load, objective
 from src.plan import Plan
 from src.reporting.live import LiveReport
@@ -34,7 +35,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     # A trainer with its own forward (the packed one, src/packed_dpo.py) says how it is built: `forward_for(model, ...)`.
     forward_for = getattr(trainer_class, "forward_for", None)
     forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo, packed_attention) if forward_for else {}
-    meter = ThroughputMeter(plan.device, sum(p.numel() for p in model.parameters()), reference_forward,
+    meter = ThroughputMeter(plan.device, sum(whole_numel(p) for p in model.parameters()), reference_forward,
                             _device_name(plan.device), sequences_per_example=row.memory.sequences_per_example)
     trainer = trainer_class(
         model=model,

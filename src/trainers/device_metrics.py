@@ -11,7 +11,13 @@ logs the running token count), `flush` gathers the window's rows from the ranks 
 appends to the trainer's `_metrics["train"]` what TRL would have appended, micro-batch by micro-batch, from the
 objective's formulas (`Ratio`: TRL's `a / b if b > 0 else 0.0` of two gathered sums; `Mean`: TRL's `gather(x).mean()`;
 `Min` / `Max`: TRL's `nanmin(gather(x))` / `nanmax`): the logged values are TRL's (to float rounding: the sums are
-float64 here)."""
+float64 here).
+
+A trainer that logs TRL's mean of micro-batch values would log numbers that depend on the split of a global batch
+(1 process x 2 accumulation steps averages two micro-batch ratios, 2 processes x 1 takes one over both ranks); the
+toolkit's DPO, SimPO, ORPO and KTO trainers log `weighted_means` instead: each metric the mean over the logging
+window weighted by what it averages (a Ratio's denominator: tokens; a Mean's elements: pairs, rows), the same on any
+number of processes. GRPO weighs its token means by its own counts (src/trainers/grpo.py: also without this window)."""
 
 from __future__ import annotations
 
@@ -108,15 +114,20 @@ class MetricWindow:
     """The metrics of the micro-batches since the last flush, as device rows: for each gathered value (named by
     `gathered`, in the order TRL's loss code gathers them) its sum, then its element count. `metrics`: name → Ratio,
     Mean or RunningTokens of those names, in the order TRL appends them; `store`: the trainer → the dict TRL appends
-    them to by mode (`_metrics`; the trl.experimental pair trainers' `_stored_metrics`)."""
+    them to by mode (`_metrics`; the trl.experimental pair trainers' `_stored_metrics`); `weighted`: the trainer logs
+    `weighted_means` (the weights are kept for it)."""
 
-    def __init__(self, gathered: tuple[str, ...], metrics: dict, what: str, store, kept: tuple[str, ...] = ()):
+    def __init__(self, gathered: tuple[str, ...], metrics: dict, what: str, store, kept: tuple[str, ...] = (),
+                 weighted: bool = False):
         self.gathered = gathered
+        self.weighted = weighted
         self.metrics = metrics
         self.what = what
         self.store = store
         self.kept = kept  # what TRL appends during the loss code that is no gathered value (GRPO's entropy_coef)
         self.rows: list[torch.Tensor] = []
+        # each flushed metric's weight per value appended to the store's train lists since the last `weighted_means`
+        self.weights: dict[str, list[float]] = defaultdict(list)
 
     @contextlib.contextmanager
     def recording(self, trainer):
@@ -146,14 +157,12 @@ class MetricWindow:
         self.rows.append(torch.cat([sums, counts, torch.stack([low for low, _ in extremes]),
                                     torch.stack([high for _, high in extremes])]))
 
-    def flush(self, trainer) -> dict[str, list[float]]:
+    def flush(self, trainer) -> None:
         """The window's rows summed over the ranks (every rank calls this at the same point: a log or an evaluation)
-        and appended to the trainer's `_metrics["train"]` (or `store`) as TRL appends them. Returns each appended
-        metric's weight per row (a Ratio's denominator, the elements a Mean averages), for a trainer that logs the
-        window's weighted mean instead of TRL's mean of micro-batch values (KTO, GRPO)."""
-        weights = defaultdict(list)
+        and appended to the trainer's `_metrics["train"]` (or `store`) as TRL appends them; with `weighted`, each
+        appended value's weight (a Ratio's denominator, the elements a Mean averages) kept for `weighted_means`."""
         if not self.rows:
-            return weights
+            return
         logged = self.store(trainer)["train"]
         width = len(self.gathered)
         everyone = trainer.accelerator.gather(torch.stack(self.rows)[None])  # (ranks, rows, 4 x width)
@@ -179,8 +188,23 @@ class MetricWindow:
                     denominator = counts[formula.value]
                     value = sums[formula.value] / denominator
                 logged[name].append(value)
-                weights[name].append(denominator)
-        return weights
+                if self.weighted:
+                    self.weights[name].append(denominator)
+
+    def weighted_means(self, trainer) -> dict[str, float]:
+        """At a training log: the window flushed, then each train metric that has a weight per value replaced by its
+        weighted mean (one value: TRL's log averages each list), the weights cleared; returns those means. A window of
+        zero weight (no token to average) keeps TRL's values."""
+        self.flush(trainer)
+        logged = self.store(trainer)["train"]
+        means = {}
+        for name, weights in self.weights.items():
+            values = logged.get(name, [])
+            if len(values) == len(weights) and sum(weights) > 0:
+                means[name] = sum(value * weight for value, weight in zip(values, weights)) / sum(weights)
+                logged[name] = [means[name]]
+        self.weights.clear()
+        return means
 
 
 def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,8 +15,10 @@ from datasets.fingerprint import Hasher
 from trl import DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.dpo_trainer import DataCollatorForPreference
+from trl.trainer.utils import hash_module
 
 from src.distributed import any_rank, barrier, print0
+from src.engines import gathered, partitioned
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of, forward_plan
@@ -30,7 +32,8 @@ from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
 
 # What TRL 1.16's DPOTrainer._compute_loss gathers for its training metrics, in its order (MoE models: "aux_loss"
-# first), and how it turns each micro-batch's gathered values into the metrics it logs (src/trainers/device_metrics.py).
+# first), and how it turns each micro-batch's gathered values into the metrics it logs (src/trainers/device_metrics.py;
+# logged as the window's weighted means: the Ratios over its tokens, the Means over its pairs).
 DPO_GATHERED = ("entropy_sum", "entropy_tokens", "batch_tokens", "chosen_logits", "chosen_tokens", "rejected_logits",
                 "rejected_tokens", "correct_tokens", "accuracy_tokens", "rewards/chosen", "rewards/rejected",
                 "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -69,7 +72,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         super().__init__(*args, **kwargs)
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(aux + DPO_GATHERED, {**{name: Mean(name) for name in aux}, **DPO_METRICS},
-                                          "TRL's DPOTrainer", lambda trainer: trainer._metrics)
+                                          "TRL's DPOTrainer", lambda trainer: trainer._metrics, weighted=True)
         if self.args.disable_dropout:
             if self.ref_model is not None and kwargs.get("ref_model") is None:  # TRL loaded it
                 self.dropout_off.append(DropoutOff(self.ref_model))
@@ -101,7 +104,12 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def log(self, *args, **kwargs):
-        self.metric_window.flush(self)  # the training metrics, kept on the device since the last log
+        # The training metrics, kept on the device since the last log, as means over the window's tokens (pairs for
+        # the rewards and log-probs), not TRL's mean of micro-batch ratios: the same on any split of a global batch.
+        if self.model.training:
+            self.metric_window.weighted_means(self)
+        else:  # eval's own metrics are per-pair (evaluation_loop); the training window is logged at the next train log
+            self.metric_window.flush(self)
         return super().log(*args, **kwargs)
 
     def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
@@ -216,6 +224,7 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     copy per machine (_LocalMainAccelerator); the same path on every machine (_same_cache_on_every_machine); a failed
     write noted; TRL's tqdm bar off; what happened (computed or reused, seconds) in `trainer.reference_cache`.
     `trl_key`: what the TRL trainer adds to (fingerprint, model hash) in its cache key (KTO: whether the KL is on)."""
+    rehash_whole_weights(trainer)
     original = dataset._fingerprint
     cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
     started = time.monotonic()
@@ -246,6 +255,42 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
         "rows": len(dataset),
         "file": str(created[0]) if created else None,
     }}
+
+
+class _GatheredOnRead:
+    """A ZeRO-3 partitioned weight that TRL's `hash_module` reads (`.cpu()`) as the whole tensor, gathered then."""
+
+    def __init__(self, parameter):
+        self.parameter = parameter
+
+    def cpu(self) -> torch.Tensor:
+        with gathered([self.parameter]):
+            return self.parameter.detach().cpu().clone()
+
+
+class _WholeWeights:
+    """A module as `hash_module` sees it (its state_dict), every partitioned weight whole, one at a time."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return {name: _GatheredOnRead(value) if hasattr(value, "ds_id") else value
+                for name, value in self.module.state_dict(keep_vars=True).items()}
+
+
+def rehash_whole_weights(trainer) -> None:
+    """TRL keys the reference cache by a hash of the reference's weights (`_precompute_model_hash`), taken as the
+    module holds them. Under ZeRO-3 the weights are partitioned as they load: each rank holds empty tensors in their
+    place, and that hash would key every model of the same shapes alike (another model's cache reused). Taken again
+    here with TRL's own function over the whole weights, each gathered as it is read: the key a DDP run of the same
+    model computes, so a cache is shared across engines."""
+    model = trainer.accelerator.unwrap_model(trainer.ref_model or trainer.model)  # TRL hashed it unwrapped
+    if getattr(trainer, "_precompute_model_hash", None) is None or not partitioned(model.parameters()) or \
+            getattr(trainer, "_rehashed_whole", False):
+        return
+    trainer._precompute_model_hash = hash_module(_WholeWeights(model))
+    trainer._rehashed_whole = True
 
 
 def _release_inference_engine(trainer) -> None:

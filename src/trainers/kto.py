@@ -90,18 +90,6 @@ def kto_row_values(policy_logps, reference_logps, labels, kl, beta: float, loss_
     return {"loss": losses, "reward": beta * logratios.detach(), "logps": policy_logps.detach()}
 
 
-def window_means(metrics: dict, weights: dict) -> dict:
-    """The logging window's metrics: each the weighted mean of its micro-step values (the weights the metric window's
-    flush gave), the margin the difference of the chosen and rejected means."""
-    means = {}
-    for key, values in metrics.items():
-        if key in weights and len(weights[key]) == len(values) and sum(weights[key]) > 0:
-            means[key] = sum(value * weight for value, weight in zip(values, weights[key])) / sum(weights[key])
-    if "rewards/chosen" in means and "rewards/rejected" in means:
-        means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-    return means
-
-
 COMPLETIONS = ("completion_ids", "KL_completion_ids")  # a row's two answers to its prompt (the reference pass's pair)
 
 
@@ -189,14 +177,13 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         strategy, args_.train_sampling_strategy = args_.train_sampling_strategy, "sequential"
         self._kl_values: list | None = None  # while _compute_loss runs with a fixed KL: policy's, then reference's
         self._step_kl: torch.Tensor | None = None
-        self._weights = {"train": defaultdict(list), "eval": defaultdict(list)}
         try:
             super().__init__(*args, **kwargs)
         finally:
             args_.train_sampling_strategy = strategy
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(KTO_VALUES + aux, {**KTO_METRICS, **{name: Mean(name) for name in aux}},
-                                          "the KTO training step", lambda trainer: trainer._metrics)
+                                          "the KTO training step", lambda trainer: trainer._metrics, weighted=True)
         self.padded_collator = self.data_collator  # TRL's (the reference pass's collator wraps it)
         if self._packs():
             self.data_collator = self.step_collator()
@@ -330,18 +317,21 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
 
     # --- metrics: weighted over the logging window ----------------------------------------------------------------
 
-    def flush_metrics(self) -> None:
-        """The training metrics kept on the device since the last flush (one read, over every process), appended to
-        `_metrics["train"]` with their weights."""
-        for name, weights in self.metric_window.flush(self).items():
-            self._weights["train"][name] += weights
+    def window_means(self) -> dict[str, float]:
+        """The training metrics since the last log, each its weighted mean over the window (the metric window's
+        `weighted_means`), the margin the difference of the chosen and rejected means: in `_metrics["train"]`, as
+        TRL's log reads them."""
+        means = self.metric_window.weighted_means(self)
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+            self._metrics["train"]["rewards/margins"] = [means["rewards/margins"]]
+        return means
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self.flush_metrics()
-        mode = "train" if self.model.training else "eval"
-        for key, value in window_means(self._metrics[mode], self._weights[mode]).items():
-            self._metrics[mode][key] = [value]  # TRL's log averages each list: one weighted value each
-        self._weights[mode].clear()
+        if self.model.training:
+            self.window_means()
+        else:  # eval's own metrics are per-row (evaluation_loop); the training window is logged at the next train log
+            self.metric_window.flush(self)
         super().log(logs, start_time)
 
     # --- evaluation: the split's KL, then per-row values -----------------------------------------------------------
@@ -349,7 +339,7 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
     def evaluation_loop(self, dataloader, *args, metric_key_prefix: str = "eval", **kwargs):
         """Eval metrics as per-row means with the KL over the whole split: the same on any number of processes and
         any eval batch size."""
-        self.flush_metrics()  # eval logs the running count of training tokens
+        self.metric_window.flush(self)  # eval logs the running count of training tokens
         model = self.model
         self._eval_kl = None
         if self.calculate_KL:
@@ -377,7 +367,6 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in metrics.items()})
         output.metrics[f"{metric_key_prefix}_num_tokens"] = self._total_train_tokens
         self._metrics["eval"].clear()  # TRL's per-batch means, replaced by the above
-        self._weights["eval"].clear()
         return output
 
     def _kl_rows(self, model, batch) -> torch.Tensor:

@@ -87,7 +87,8 @@ class PreparedPairsMixin:
         super().__init__(*args, train_dataset=pairs_only(train_dataset), eval_dataset=pairs_only(eval_dataset),
                          **kwargs)
         self.metric_window = MetricWindow(self.gathered_metrics, {name: Mean(name) for name in self.gathered_metrics},
-                                          "trl.experimental's pair trainer", lambda trainer: trainer._stored_metrics)
+                                          "trl.experimental's pair trainer", lambda trainer: trainer._stored_metrics,
+                                          weighted=True)
         if packed_forward is not None and packed_forward.enabled:
             self.data_collator = PackedPreferenceCollator(self.data_collator, packed_forward.layout,
                                                           attention_cost_of(self.model), cut_pairs, concatenated_width,
@@ -98,7 +99,11 @@ class PreparedPairsMixin:
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     def log(self, *args, **kwargs):
-        self.metric_window.flush(self)
+        # each metric the window's mean over its pairs (the logits and NLL: over its micro-batches' ranks), as DPO's
+        if self.model.training:
+            self.metric_window.weighted_means(self)
+        else:
+            self.metric_window.flush(self)
         return super().log(*args, **kwargs)
 
     def pad_value(self) -> int:
