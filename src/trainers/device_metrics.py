@@ -15,7 +15,7 @@ float64 here).
 
 A trainer that logs TRL's mean of micro-batch values would log numbers that depend on the split of a global batch
 (1 process x 2 accumulation steps averages two micro-batch ratios, 2 processes x 1 takes one over both ranks); the
-toolkit's DPO, SimPO, ORPO and KTO trainers log `weighted_means` instead: each metric the mean over the logging
+toolkit's SFT, DPO, SimPO, ORPO and KTO trainers log `weighted_means` instead: each metric the mean over the logging
 window weighted by what it averages (a Ratio's denominator: tokens; a Mean's elements: pairs, rows), the same on any
 number of processes. GRPO weighs its token means by its own counts (src/trainers/grpo.py: also without this window)."""
 

@@ -29,7 +29,7 @@ class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(SFT_GATHERED + aux, {**SFT_METRICS, **{name: Mean(name) for name in aux}},
-                                          "TRL's SFTTrainer", lambda trainer: trainer._metrics)
+                                          "TRL's SFTTrainer", lambda trainer: trainer._metrics, weighted=True)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if not self.model.training:
@@ -38,7 +38,12 @@ class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     def log(self, *args, **kwargs):
-        self.metric_window.flush(self)
+        # entropy and token accuracy as means over the window's tokens, not TRL's mean of micro-batch ratios: the
+        # same on any split of a global batch (src/trainers/device_metrics.py)
+        if self.model.training:
+            self.metric_window.weighted_means(self)
+        else:
+            self.metric_window.flush(self)
         return super().log(*args, **kwargs)
 
     def evaluation_loop(self, *args, **kwargs):
