@@ -101,20 +101,29 @@ def check_shared_storage(written_by_rank_0: Path, world: World) -> None:
 def any_rank(*flags) -> list[bool]:
     """Each flag OR-ed over all ranks (itself when there is no process group). A flag may be a 0-d tensor on the
     device, not read before the others: one host read for all of them, after the all-reduce."""
+    return [bool(value) for value in _largest_over_ranks(flags)]
+
+
+def most_on_any_rank(*counts: int) -> list[int]:
+    """Each count's largest value over all ranks (itself when there is no process group)."""
+    return [int(value) for value in _largest_over_ranks(counts)]
+
+
+def _largest_over_ranks(values) -> list[float]:
     import torch
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     device = "cuda" if distributed and dist.get_backend() == "nccl" else \
-        next((flag.device for flag in flags if torch.is_tensor(flag)), "cpu")
-    values = torch.stack([flag.detach().float().to(device).reshape(()) if torch.is_tensor(flag) else
-                          torch.full((), float(flag), device=device) for flag in flags])
+        next((value.device for value in values if torch.is_tensor(value)), "cpu")
+    stacked = torch.stack([value.detach().float().to(device).reshape(()) if torch.is_tensor(value) else
+                           torch.full((), float(value), device=device) for value in values])
     if distributed:
         # A stuck peer is not this rank. The read is inside: NCCL's all_reduce returns at once, the wait is there.
         with hang_watch.waiting("an agreement between the ranks"):
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-            return [bool(value) for value in values.tolist()]
-    return [bool(value) for value in values.tolist()]
+            dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+            return stacked.tolist()
+    return stacked.tolist()
 
 
 def write_failure_on_any_rank() -> str | None:

@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning, split_reasoning
-from src.distributed import map_across_ranks
+from src.distributed import any_rank, map_across_ranks, most_on_any_rank
 from src.tools import sample_with_tools
 from src.run_safety import hang_watch
 from src.world import World
@@ -108,13 +108,14 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
     eos_ids = stop_ids(model, tokenizer)
     close_ids = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]  # where an answer's reasoning ends
     if tools is not None:
-        def sample(indices, contexts, turn, budgets):
+        def sample(indices, contexts, turn, budgets):  # none of its own: this process joins its peers' turn
             turn_seeds = None if seeds is None else [answer_seed(seeds[index], "turn", turn) for index in indices]
-            written = sample_ids(model, tokenizer, contexts, max(budgets), batch_size, eos_ids, sampling, turn_seeds)
+            written = sample_ids(model, tokenizer, contexts, max(budgets, default=1), batch_size, eos_ids, sampling,
+                                 turn_seeds)
             return [ids[:budget] for ids, budget in zip(written, budgets)]
 
         trajectories = trajectories_by_batch(sample, tokenizer, prompts, tools, max_new_tokens, eos_ids, batch_size,
-                                             on_batch)
+                                             on_batch, in_lockstep(model))
         answers = []
         for prompt, trajectory in zip(prompts, trajectories):
             text = opened_reasoning(tokenizer, prompt) + trajectory.text(tokenizer)
@@ -144,27 +145,48 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
 
 
 def trajectories_by_batch(sample, tokenizer, prompts: list[list[int]], tools, max_new_tokens: int, eos_ids: set[int],
-                          batch_size: int, on_batch=None) -> list:
+                          batch_size: int, on_batch=None, lockstep: bool = False) -> list:
     """Each prompt's trajectory (src/tools.py sample_with_tools; `sample(indices, ...)` with the prompts' own indices),
     a batch of prompts at a time, every turn of its answers before the next batch starts, so that `on_batch(count)`
     reports answers as they finish (a round's progress line), not once this process's whole share is done. The
     batches are the ones the first turn forms without this (sample_ids: by length); a later turn batches only its
-    batch's answers still going."""
+    batch's answers still going. `lockstep` (in_lockstep): every process runs as many batches and turns as the
+    busiest, with none of its own where it has no more."""
     trajectories: list = [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
-    for start in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    if lockstep:
+        starts = range(0, most_on_any_rank(len(starts))[0] * batch_size, batch_size)
+    for start in starts:
         batch = order[start:start + batch_size]
 
         def sample_batch(indices, contexts, turn, budgets, batch=batch):
             return sample([batch[index] for index in indices], contexts, turn, budgets)
 
         finished = sample_with_tools(sample_batch, tokenizer, [prompts[index] for index in batch], tools,
-                                     max_new_tokens, eos_ids)
+                                     max_new_tokens, eos_ids,
+                                     keep_sampling=(lambda going: any_rank(going)[0]) if lockstep else None)
         for index, trajectory in zip(batch, finished):
             trajectories[index] = trajectory
         if on_batch:
             on_batch(len(batch))
     return trajectories
+
+
+def in_lockstep(model) -> bool:
+    """Whether every generate call is a collective: under DeepSpeed ZeRO-3 or FSDP with more than one process each
+    forward gathers the weights from all of them and transformers keeps the processes' generation in step
+    (synced_gpus). A process with fewer batches or turns than another must then join the other's (its own none);
+    else the other waits inside one, or the next collectives cross (held-out prompts that did not divide evenly:
+    1 over 2 processes under ZeRO-3 ended in gloo's "Received data size doesn't match expected size")."""
+    import torch.distributed as dist
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or any(
+        hasattr(parameter, "ds_id") for parameter in model.parameters())
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -188,15 +210,23 @@ def sample_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, 
     written: list[list[int]] = [[] for _ in prompts]
     was_training = model.training
     model.eval()
+    lockstep = in_lockstep(model)
     with torch.no_grad():
         # Left padding, so every prompt ends where generation starts.
-        for batch, input_ids, attention_mask in padded_batches(model, prompts, batch_size, tokenizer.pad_token_id,
-                                                               left=True):
+        batches = list(padded_batches(model, prompts, batch_size, tokenizer.pad_token_id, left=True))
+        if lockstep:  # as many generate calls as the busiest process: each is a collective
+            one_token = torch.tensor([[tokenizer.pad_token_id]], device=next(model.parameters()).device)
+            for _ in range(most_on_any_rank(len(batches))[0] - len(batches)):
+                with hang_watch.phase("generation", "joining the other processes' batch (none of its own)"):
+                    model.generate(input_ids=one_token, attention_mask=torch.ones_like(one_token),
+                                   generation_config=generation, max_new_tokens=1, synced_gpus=True)
+        for batch, input_ids, attention_mask in batches:
             processors = LogitsProcessorList(
                 [SeededSampling([seeds[index] for index in batch], sampling, input_ids.device)] if sampling else [])
             with hang_watch.phase("generation", f"{len(batch)} prompts, up to {max_new_tokens} new tokens"):
                 output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                        generation_config=generation, logits_processor=processors)
+                                        generation_config=generation, logits_processor=processors,
+                                        synced_gpus=lockstep)
             rows = output[:, input_ids.shape[1]:].tolist()
             if trim:
                 rows = [row[:next((at + 1 for at, token in enumerate(row) if token in eos_ids), len(row))]

@@ -75,6 +75,13 @@ def dpo_engines(tiny_model, tmp_path_factory):
     return run, ddp, root
 
 
+def first_held_out_answers(run: dict) -> list[str]:
+    """The first held-out test prompt's answers before and after training (a job of one prompt per split: one
+    process answers it, the other joins its generate calls under a sharded engine)."""
+    sample = run_files.read_jsonl(run["final"].parent.parent / "samples_test.jsonl")[0]
+    return [sample["reference_answer"], sample["trained_answer"]]
+
+
 def assert_same_final_model(saved_dir: Path, expected_dir: Path, label: str) -> None:
     """The saved model's weights as from_pretrained loads them equal the expected run's to fp32 noise."""
     import torch
@@ -96,7 +103,8 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
     run, ddp, root = dpo_engines
     runs = {name: run(name, strategy, extra, killed_after) for name, strategy, extra, killed_after in (
         ("zero2", "zero2", [], None), ("zero3", "zero3", [], 2),
-        ("zero3_live", "zero3", ["--precompute_ref_log_probs", "false"], None))}
+        # one held-out prompt per split over two processes: one generates, the other joins its generate calls
+        ("zero3_live", "zero3", ["--precompute_ref_log_probs", "false", "--num_samples", "1"], None))}
     assert [resume["from_step"] for resume in runs["zero3"]["info"]["resumes"]] == [2]
     checkpoint = root / "results" / "zero3" / "model" / "checkpoint-2"
     assert sorted(path.name for path in checkpoint.glob("global_step2/*optim_states.pt")) == [
@@ -122,6 +130,7 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [whole["weights"] // 2] * 2
         else:
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [None, None]
+    assert first_held_out_answers(runs["zero3_live"]) == first_held_out_answers(ddp)
     # ZeRO-3's final model: the partitions gathered into ordinary safetensors, DDP's weights to fp32 noise
     assert_reloads_generates_and_changed(runs["zero3"]["final"], tiny_model)
     for name in ("zero2", "zero3"):
@@ -138,7 +147,7 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
 
     run, ddp, root = dpo_engines
     runs = {"fsdp": run("fsdp", "fsdp", killed_after=2, launch_config={"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}),
-            "fsdp_live": run("fsdp_live", "fsdp", ["--precompute_ref_log_probs", "false"])}
+            "fsdp_live": run("fsdp_live", "fsdp", ["--precompute_ref_log_probs", "false", "--num_samples", "1"])}
     whole = ddp["ranks"][0]["held"]
     for name, fsdp in runs.items():
         assert (fsdp["info"]["distributed_type"], fsdp["info"]["engine"], fsdp["info"]["fsdp_version"]) == (
@@ -166,6 +175,7 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
     assert_reloads_generates_and_changed(runs["fsdp"]["final"], tiny_model)
     # the live reference sharded as the policy is (TRL prepares it through the same accelerator)
     assert [rank["held"]["reference_weights"] for rank in runs["fsdp_live"]["ranks"]] == [whole["weights"] // 2] * 2
+    assert first_held_out_answers(runs["fsdp_live"]) == first_held_out_answers(ddp)
     assert [rank["held"]["reference_weights"] for rank in runs["fsdp"]["ranks"]] == [None, None]
 
 

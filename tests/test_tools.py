@@ -257,6 +257,40 @@ def test_sampling_with_tools_reports_each_batch_of_prompts_as_its_trajectories_f
         assert answer["text"].endswith(f"{seed} {final}") and 0 in answer["loss_mask"], index
 
 
+def test_under_a_sharded_engine_a_process_joins_its_peers_turns_and_batches_with_none_of_its_own(tokenizer, runner,
+                                                                                                   monkeypatch):
+    """Under ZeRO-3 or FSDP every generate call is a collective (src/generation.py in_lockstep): a process runs as many
+    batches and turns as its busiest peer, sampling none of its own where it has no more (held-out prompts that do not
+    divide evenly over the processes ended the job before). Here the peer has one more batch, and one more turn in
+    each: this process samples 3 turns of each of its batches (the last with none of its own) and 2 of the peer's
+    extra batch, its own answers unchanged."""
+    from types import SimpleNamespace
+
+    import src.generation as generation
+
+    _use(tokenizer, "chatml-qwen2.5")
+    call, stop, final = TURNS["chatml-qwen2.5"]
+    events = []
+
+    def scripted(model, tok, contexts, max_new_tokens, batch_size, eos_ids, sampling=None, seeds=None):
+        events.append(("generate", len(contexts)))
+        return [_ids(tok, final if "<tool_response>" in tok.decode(context) else call) for context in contexts]
+
+    peer_going = [True, True, True, False] * 3 + [True, True, False]  # each keep_sampling's answer from the peer
+    monkeypatch.setattr(generation, "sample_ids", scripted)
+    monkeypatch.setattr(generation, "in_lockstep", lambda model: True)
+    monkeypatch.setattr(generation, "most_on_any_rank", lambda count: [count + 1])
+    monkeypatch.setattr(generation, "any_rank", lambda going: [peer_going.pop(0) or going])
+    prompts = [_ids(tokenizer, "What is 123 times 456?" + " please" * index) for index in range(5)]
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=_ids(tokenizer, stop)))
+    answers = generation.generate(model, tokenizer, prompts, 400, 2, tools=_session(runner, 3), details=True,
+                                  on_batch=lambda count: events.append(("answered", count)))
+    assert events == [("generate", 2), ("generate", 2), ("generate", 0), ("answered", 2)] * 2 + [
+        ("generate", 1), ("generate", 1), ("generate", 0), ("answered", 1),
+        ("generate", 0), ("generate", 0), ("answered", 0)] and not peer_going
+    assert all(answer["text"].endswith(final) and answer["turns"] == 2 for answer in answers)
+
+
 def test_a_template_with_no_tool_syntax_or_no_result_after_the_models_end_token_is_refused_in_one_line(tokenizer):
     from src.tools import check_template
 
