@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from src.config_error import ConfigError
+from src.private_api import hf_deepspeed_config
 
 DEEPSPEED, FSDP, DDP = "deepspeed", "fsdp", "ddp"
 # run_distributed.sh's STRATEGY values that shard (configs/accelerate/<STRATEGY>.yaml): the engine and ZeRO stage.
@@ -172,6 +173,25 @@ def partitioned_loading(precision: str):
     finally:
         unset_hf_deepspeed_config()
         del plugin
+
+
+@contextlib.contextmanager
+def loading_whole():
+    """A block in which `from_pretrained` loads whole weights on this rank, not inside ZeRO-3's `deepspeed.zero.Init`:
+    for a model a rank loads on its own (the reward-model judge, rank 0 after training), whose partitioned load would
+    wait in collectives the other ranks never join. Measured before: a ZeRO-3 DPO run with a reward-model judge
+    trained its steps, then hung in the judge's load until killed."""
+    config = hf_deepspeed_config()
+    if config is None:
+        yield
+        return
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(config)
 
 
 def partitioned(parameters) -> bool:

@@ -33,6 +33,7 @@ from src.chat_templates import final_answer, reasoning_of
 from src.config import EMBEDDED
 from src.distributed import map_across_ranks
 from src.embedded.tasks import check as check_embedded_answer
+from src.engines import loading_whole
 from src.generation import padded_batches
 from src.run_safety import hang_watch
 
@@ -244,7 +245,8 @@ class RewardModelJudge(Judge):
         self.max_length = max_length
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_name_or_path).to(self.device).eval()
+        with loading_whole():  # whole on the rank that judges, even under ZeRO-3 (which the other ranks would join)
+            self.model = AutoModelForSequenceClassification.from_pretrained(model_name_or_path).to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"RewardModelJudge: {model_name_or_path} has num_labels={self.model.config.num_labels}; "
                              f"a reward model has one output (num_labels=1), e.g. one trained with TRL's RewardTrainer")

@@ -35,3 +35,13 @@ def compile_jinja_template():
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     return _compile_jinja_template
+
+
+def hf_deepspeed_config():
+    """The HfDeepSpeedConfig that makes `from_pretrained` load inside `deepspeed.zero.Init` (transformers 5.23 keeps it
+    in `transformers.integrations.deepspeed._hf_deepspeed_config_weak_ref`, with public set and unset but no getter),
+    or None: src/engines.py `loading_whole` steps out of it for a model one rank loads alone and puts it back."""
+    from transformers.integrations import deepspeed
+
+    reference = deepspeed._hf_deepspeed_config_weak_ref
+    return reference() if reference is not None else None

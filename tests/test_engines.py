@@ -270,19 +270,27 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
 
 
 
-def test_zero3_loads_partitioned_only_where_its_launch_config_keeps_zero3_init(monkeypatch):
+def test_zero3_loads_partitioned_only_where_its_launch_config_keeps_zero3_init(monkeypatch, tmp_path):
     """In the pytest process, no processes: `partitioned_loading` lets transformers see ZeRO-3 (so from_pretrained
     loads inside deepspeed.zero.Init) for the block only, under a ZeRO-3 launch with zero3_init_flag; a ZeRO-2 launch or
     zero3_init_flag off load whole, a stage that loaded whole under ZeRO-3 says so with the switch to flip, and a
     model that cannot be built inside zero.Init stops in one line naming it."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from src.engines import DEEPSPEED, Engine, load_warning, partitioned_loading
+    from src.engines import DEEPSPEED, Engine, load_warning, loading_whole, partitioned, partitioned_loading
+    from src.judges import RewardModelJudge
+    from test_judges import build_reward_model
 
+    reward_model = build_reward_model(tmp_path / "reward_model")
     for name, value in accelerate_environment("zero3").items():
         monkeypatch.setenv(name, value)
     with partitioned_loading("fp32") as partitioning:
         assert partitioning and is_deepspeed_zero3_enabled()
+        # a model one rank loads alone (the reward-model judge on rank 0) loads whole, and ZeRO-3 is seen again after
+        with loading_whole():
+            assert not is_deepspeed_zero3_enabled()
+        judge = RewardModelJudge(reward_model, device="cpu")
+        assert is_deepspeed_zero3_enabled() and not partitioned(judge.model.parameters())
     assert not is_deepspeed_zero3_enabled()  # after the load: nothing else sees ZeRO-3 before the trainer
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")
     with partitioned_loading("fp32") as partitioning:
