@@ -191,6 +191,15 @@ class MetricWindow:
                 if self.weighted:
                     self.weights[name].append(denominator)
 
+    def at_log(self, trainer) -> dict[str, float]:
+        """What a trainer's `log` calls: at a training log, `weighted_means` (returned); at an evaluation's log the
+        window is flushed only (eval's own metrics are per pair or row: its evaluation_loop), and the training window
+        is logged at the next training log."""
+        if trainer.model.training:
+            return self.weighted_means(trainer)
+        self.flush(trainer)
+        return {}
+
     def weighted_means(self, trainer) -> dict[str, float]:
         """At a training log: the window flushed, then each train metric that has a weight per value replaced by its
         weighted mean (one value: TRL's log averages each list), the weights cleared; returns those means. A window of

@@ -106,10 +106,7 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
     def log(self, *args, **kwargs):
         # The training metrics, kept on the device since the last log, as means over the window's tokens (pairs for
         # the rewards and log-probs), not TRL's mean of micro-batch ratios: the same on any split of a global batch.
-        if self.model.training:
-            self.metric_window.weighted_means(self)
-        else:  # eval's own metrics are per-pair (evaluation_loop); the training window is logged at the next train log
-            self.metric_window.flush(self)
+        self.metric_window.at_log(self)
         return super().log(*args, **kwargs)
 
     def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):

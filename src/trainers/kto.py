@@ -319,19 +319,16 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
 
     def window_means(self) -> dict[str, float]:
         """The training metrics since the last log, each its weighted mean over the window (the metric window's
-        `weighted_means`), the margin the difference of the chosen and rejected means: in `_metrics["train"]`, as
-        TRL's log reads them."""
-        means = self.metric_window.weighted_means(self)
+        `at_log`; none at an evaluation's log), the margin the difference of the chosen and rejected means: in
+        `_metrics["train"]`, as TRL's log reads them."""
+        means = self.metric_window.at_log(self)
         if "rewards/chosen" in means and "rewards/rejected" in means:
             means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
             self._metrics["train"]["rewards/margins"] = [means["rewards/margins"]]
         return means
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training:
-            self.window_means()
-        else:  # eval's own metrics are per-row (evaluation_loop); the training window is logged at the next train log
-            self.metric_window.flush(self)
+        self.window_means()
         super().log(logs, start_time)
 
     # --- evaluation: the split's KL, then per-row values -----------------------------------------------------------

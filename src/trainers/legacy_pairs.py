@@ -100,10 +100,7 @@ class PreparedPairsMixin:
 
     def log(self, *args, **kwargs):
         # each metric the window's mean over its pairs (the logits and NLL: over its micro-batches' ranks), as DPO's
-        if self.model.training:
-            self.metric_window.weighted_means(self)
-        else:
-            self.metric_window.flush(self)
+        self.metric_window.at_log(self)
         return super().log(*args, **kwargs)
 
     def pad_value(self) -> int:

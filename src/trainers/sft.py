@@ -40,10 +40,7 @@ class ToolkitSFTTrainer(ToolkitTrainerMixin, SFTTrainer):
     def log(self, *args, **kwargs):
         # entropy and token accuracy as means over the window's tokens, not TRL's mean of micro-batch ratios: the
         # same on any split of a global batch (src/trainers/device_metrics.py)
-        if self.model.training:
-            self.metric_window.weighted_means(self)
-        else:
-            self.metric_window.flush(self)
+        self.metric_window.at_log(self)
         return super().log(*args, **kwargs)
 
     def evaluation_loop(self, *args, **kwargs):
