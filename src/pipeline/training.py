@@ -16,8 +16,10 @@ from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
 from src.pipeline.stages import Stage
 from src.pipeline.stopping import stop_if_interrupted
+from src.run_safety import resharding
+from src.run_safety.checkpoint_split import change_line, saved_split
 from src.run_safety.checkpoints import checkpoint_step
-from src.run_safety.disk_space import check_space, estimate_writes, write_failures_noted
+from src.run_safety.disk_space import check_space, estimate_writes, format_bytes, write_failures_noted
 from src.run_safety.finished_run import end_step_done
 from src.world import World
 
@@ -126,11 +128,32 @@ def train(trainer, stage: Stage, start: StageStart, merge: bool, world: World) -
                                   **engine_record(trainer.accelerator))
     resume_from = start.resume_from
     if resume_from:
-        print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {start.total_steps})")
+        resume_on_this_split(trainer, resume_from, stage, start, world)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     barrier()  # a write that failed after the last step's check (the last metrics line, the live report) stops here
     stop_if_interrupted(trainer, stage, start.info_path, world)
     end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
+
+
+def resume_on_this_split(trainer, checkpoint, stage: Stage, start: StageStart, world: World) -> None:
+    """Every rank, before training goes on from `checkpoint`: what changed since it was saved said (another number
+    of processes, the global batch kept), and the checkpoint made loadable here where its engine needs it
+    (src/run_safety/resharding.py: DeepSpeed's universal checkpoint, converted once); the conversion recorded in the
+    stage's resume record."""
+    saved = saved_split(checkpoint)
+    change = change_line(saved, stage.plan)
+    conversion = resharding.for_resume(trainer, checkpoint, saved, world)
+    print0(f"  resuming from {checkpoint} (step {checkpoint_step(checkpoint)} of {start.total_steps}"
+           f"{f'; {change}' if change else ''})")
+    if conversion and world.is_main:
+        print0(f"  {checkpoint.name} converted to DeepSpeed's universal checkpoint for {world.world_size} "
+               f"process{'es' if world.world_size > 1 else ''} in {conversion['seconds']} s "
+               f"({format_bytes(conversion['bytes'])} written, {conversion['workers']} worker(s)); later resumes reuse it")
+        with write_failures_noted(stage.run_dir):
+            resumes = run_files.read_json(start.info_path).get("resumes", [])
+            if resumes:
+                resumes[-1]["universal_checkpoint"] = conversion
+                run_files.update_json(start.info_path, resumes=resumes)
 
 
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:
