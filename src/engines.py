@@ -95,9 +95,11 @@ def accelerate_cpu(device_kind: str, environ: Mapping[str, str] | None = None) -
 
 
 def fsdp_on_cpu(device_kind: str, world_size: int, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this job runs FSDP on CPU processes: an accelerate FSDP launch on a machine without CUDA."""
+    """Whether this job runs FSDP on CPU processes: an accelerate FSDP launch on a machine without CUDA, on any
+    number of processes (one as well, as accelerate keeps FSDP on one GPU: a sharded checkpoint resumed by the
+    processes that are left is read by FSDP, which reshards it)."""
     engine = launched(environ)
-    return device_kind == "cpu" and world_size > 1 and engine is not None and engine.name == FSDP
+    return device_kind == "cpu" and engine is not None and engine.name == FSDP
 
 
 def adopt_fsdp_on_cpu(device_kind: str, world_size: int) -> None:

@@ -85,7 +85,9 @@ def launch_command(arguments: list[str], per_node: int, nodes: int = 1,
     strategy = environ.get("STRATEGY", "torchrun")
     prefix = f"STRATEGY={shlex.quote(strategy)} " if strategy != "torchrun" else ""
     if nodes > 1:
-        prefix += f"NNODES={nodes} NODE_RANK=<0-{nodes - 1}> MASTER_ADDR=<node 0's address> "
+        prefix += f"NNODES={nodes} NODE_RANK=<0-{nodes - 1}> MASTER_ADDR=<the first node's address> "
+    elif environ.get("NNODES", "1") != "1":  # a launch of several nodes goes on with one
+        prefix += "NNODES=1 "
     flags = [arg for arg in arguments if arg != "--dry_run"]
     return f"{prefix}{LAUNCHER} {per_node} {shlex.join(flags)}".rstrip()
 

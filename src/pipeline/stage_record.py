@@ -196,7 +196,8 @@ def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[di
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "from_checkpoint": str(checkpoint) if checkpoint else None,
         "from_step": step,
-        "saved_by": saved,  # the split that saved the checkpoint; the plan of this launch is the record's own
+        "saved_by": saved,  # the split that saved the checkpoint, and this launch's processes
+        "world_size": stage.plan.world_size,
         "split_change": change_line(saved, stage.plan) if saved else None,
         "previous_status": earlier.get("status"),
         "removed_incomplete_checkpoints": [str(path) for path in removed],

@@ -137,8 +137,9 @@ def _record_in_manifest(checkpoint: Path, world: World) -> None:
         if problem:
             raise WriteFailed(f"reading back {checkpoint}'s universal checkpoint to record its checksums failed "
                               f"({problem}): check the storage, then relaunch the same command")
-        if world.is_main:
-            write_marker(checkpoint, record | {"files": record["files"] | added["files"]})
+        if world.is_main:  # in name order, as the manifest lists its files (a verify reads its blocks so)
+            files = record["files"] | added["files"]
+            write_marker(checkpoint, record | {"files": {name: files[name] for name in sorted(files)}})
     barrier()
 
 
