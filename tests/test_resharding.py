@@ -214,3 +214,133 @@ def test_lora_sft_resumes_on_another_number_of_processes(sft_lora, tmp_path, nam
     run_dir, info, _console = resume_cell(sft_lora, name, strategy, first, then, kill, tmp_path)
     if strategy == "zero3":
         assert_universal_checkpoint_recorded(run_dir, info, first)
+
+
+# ------------------------------------------------------------------------------------ in this process: the lines
+
+
+def plan_of(world_size: int, per_device: int, accumulation: int, nodes: int = 1, mode: str = "global"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(world_size=world_size, num_nodes=nodes, per_device_batch_size=per_device,
+                           gradient_accumulation_steps=accumulation, batch_mode=mode,
+                           global_batch_size=world_size * per_device * accumulation)
+
+
+def test_what_cannot_resume_with_the_same_numbers_is_refused_in_one_line_naming_the_fix(tmp_path):
+    """src/run_safety/checkpoint_split.refusal, on checkpoints laid out as each engine saves them: another global batch
+    (per-device batches on fewer processes), another engine or ZeRO stage, one FSDP shard per process, optimizer
+    states offloaded to NVMe; what reshards is let through, and a checkpoint from before split.json is read from
+    its files."""
+    from src.engines import DEEPSPEED, FSDP, Engine
+    from src.run_safety.checkpoint_split import SPLIT_FILE, change_line, refusal, saved_split, split_record
+
+    def checkpoint(name: str, record: dict | None, *files: str) -> Path:
+        path = tmp_path / "model" / name
+        path.mkdir(parents=True)
+        for file in files:
+            (path / file).parent.mkdir(parents=True, exist_ok=True)
+            (path / file).write_bytes(b"")
+        if record is not None:
+            (path / SPLIT_FILE).write_text(__import__("json").dumps(record))
+        return path
+
+    zero3 = checkpoint("checkpoint-43", split_record(2, 1, 2, 2, {"engine": DEEPSPEED, "zero_stage": 3}),
+                       "global_step43/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    saved = saved_split(zero3)
+    assert refusal(zero3, saved, plan_of(1, 2, 4), Engine(DEEPSPEED, 3)) is None  # converted at the resume
+    assert refusal(zero3, saved, plan_of(2, 8, 1, mode="per_device"), Engine(DEEPSPEED, 3)) == (
+        "model/checkpoint-43 was trained at a global batch of 8, and this launch's is 16 (--per_device_batch_size 8 on "
+        "2 processes): relaunch with --batch_size 8 (the same steps on any number of processes), or start afresh "
+        "with --overwrite")
+    assert refusal(zero3, saved, plan_of(1, 2, 4), None) == (
+        "model/checkpoint-43 was saved under DeepSpeed ZeRO-3 and this launch runs plain DDP: relaunch with "
+        "STRATEGY=zero3, or start afresh with --overwrite")
+    assert "relaunch with STRATEGY=zero3" in refusal(zero3, saved, plan_of(2, 2, 2), Engine(DEEPSPEED, 2))
+    fsdp_local = checkpoint("checkpoint-44", split_record(2, 1, 2, 2, {"engine": FSDP, "fsdp_version": 2,
+                                                                       "state_dict_type": "LOCAL_STATE_DICT"}))
+    assert refusal(fsdp_local, saved_split(fsdp_local), plan_of(1, 2, 4), Engine(FSDP)).startswith(
+        "model/checkpoint-44 holds one FSDP shard per process (saved by 2), which only 2 processes can load: resume "
+        "it on 2 processes; for checkpoints any number can resume, keep fsdp_state_dict_type: SHARDED_STATE_DICT")
+    assert refusal(fsdp_local, saved_split(fsdp_local), plan_of(2, 2, 2), Engine(FSDP)) is None  # the same split
+    nvme = checkpoint("checkpoint-45", split_record(2, 1, 2, 2, {"engine": DEEPSPEED, "zero_stage": 2}),
+                      "global_step45/offloaded_tensors/rank00/x")
+    assert "offloaded to NVMe" in refusal(nvme, saved_split(nvme), plan_of(4, 2, 1), Engine(DEEPSPEED, 2))
+    older = checkpoint("checkpoint-46", None, "model.safetensors", "optimizer.pt", "rng_state_0.pth",
+                       "rng_state_1.pth")
+    assert saved_split(older) == {"world_size": 2, "global_batch_size": None, "engine": "ddp"}
+    assert refusal(older, saved_split(older), plan_of(1, 2, 4), None) is None
+    assert change_line(saved_split(older), plan_of(1, 2, 4)) == "saved by 2 processes, now 1: global batch 8"
+    assert change_line(saved, plan_of(2, 2, 2)) is None
+    two_nodes = split_record(16, 2, 4, 1, {"engine": "ddp"})
+    assert change_line(two_nodes, plan_of(8, 4, 2)) == (
+        "saved by 2 nodes x 8 processes, now 8: accumulation 1 → 2, global batch 64 unchanged")
+
+
+def test_the_lost_node_line_names_the_launch_that_goes_on_with_the_nodes_left(monkeypatch):
+    """A job of 2 nodes x 2 processes at a global batch of 8 loses node 1: the line says the relaunch on every node,
+    or node 0 alone with its 2 processes (NNODES=1: the launch had NNODES=2 set); a batch of 6 splits over 2 nodes
+    of 3 only, so 3 nodes x 2 left with 2 x 2 go on with 2 x 1... the most processes the batch splits over."""
+    from src.config_parse import parse_config
+    from src.pipeline.stopping import without_lost_node
+    from src.run_safety.node_watch import lost_node_line
+    from src.world import Devices, World
+
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.delenv("STRATEGY", raising=False)
+    arguments = ["--stage", "dpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--batch_size", "8"]
+    command = without_lost_node(parse_config(arguments), Devices(kind="cpu"), World(world_size=4,
+                                                                                   local_world_size=2), arguments)
+    assert command == f"NNODES=1 ./run_distributed.sh 2 {' '.join(arguments)} on it (2 processes)"
+    assert lost_node_line(1, "rank(s) 2, 3", 181.2, "results/job/model/checkpoint-40", command) == (
+        "error: node 1 stopped answering (rank(s) 2, 3: nothing for 181 s, --node_timeout); stopping this node; a "
+        "relaunch of the same command on every node resumes from results/job/model/checkpoint-40; or go on without "
+        f"node 1 from there, with the same numbers: {command}")
+    arguments[-1] = "12"  # 3 nodes x 4 left with 2 nodes: 8 does not split 12, 2 x 3 does
+    command = without_lost_node(parse_config(arguments), Devices(kind="cpu"), World(world_size=12,
+                                                                                   local_world_size=4), arguments)
+    assert command.startswith("NNODES=2 NODE_RANK=<0-1> MASTER_ADDR=<the first node's address> ./run_distributed.sh"
+                              " 3 ") and command.endswith(" on each of them (6 processes)")
+    assert lost_node_line(0, "the rendezvous store it holds", 30, None, command).endswith(
+        "stopping this node; no complete checkpoint was saved yet")
+
+
+def test_the_report_curves_mark_each_resume():
+    """Each resume of training_info.json is a dashed vertical line on every panel, labelled with the processes
+    when they changed."""
+    from matplotlib.figure import Figure
+
+    from src.objectives.spec import Curve, Panel
+    from src.reporting.plots import _draw_panel, resume_marks
+
+    info = {"resumes": [{"from_step": 0}, {"from_step": 3, "saved_by": {"world_size": 2}, "world_size": 2},
+                        {"from_step": 6, "saved_by": {"world_size": 2}, "world_size": 1}]}
+    marks = resume_marks(info)
+    assert marks == [(3, "resumed at step 3"), (6, "resumed at step 6 on 1 process (saved by 2)")]
+    axes = Figure().subplots()
+    _draw_panel(axes, [{"step": step, "loss": 1.0 / step} for step in range(1, 9)],
+                Panel("loss", "loss", (Curve("loss", "loss"),)), bottom=True, resumes=marks)
+    lines = {line.get_label(): line.get_xdata()[0] for line in axes.get_lines() if line.get_linestyle() == "-."}
+    assert lines == {label: step for step, label in marks}
+
+
+def test_a_deepspeed_checkpoint_its_converter_cannot_read_is_refused_in_one_line(tmp_path):
+    """DeepSpeed's ds_to_universal failing on a checkpoint (here its optimizer file is not a torch file): one line
+    naming the checkpoint, the converter's last line and log, and what works instead; nothing half-written is left
+    in the checkpoint."""
+    from src.config_error import ConfigError
+    from src.run_safety.resharding import _convert
+
+    checkpoint = tmp_path / "checkpoint-4"
+    (checkpoint / "global_step4").mkdir(parents=True)
+    (checkpoint / "latest").write_text("global_step4")
+    (checkpoint / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
+    (checkpoint / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    refused = _convert(checkpoint, {"world_size": 2})
+    assert isinstance(refused, ConfigError)
+    assert str(refused).startswith(f"{checkpoint} could not be converted for another number of processes by "
+                                   "DeepSpeed's ds_to_universal (exit 1: ") and str(refused).endswith(
+        f"; its log: {checkpoint}/ds_to_universal.log): resume it on 2 processes (the split that saved it), or start "
+        "afresh with --overwrite"), refused
+    assert "\n" not in str(refused) and sorted(path.name for path in checkpoint.iterdir()) == [
+        "ds_to_universal.log", "global_step4", "latest"]

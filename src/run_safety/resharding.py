@@ -107,16 +107,41 @@ def _convert(checkpoint: Path, saved: dict) -> dict | Exception:
             hang_watch.beat()
             time.sleep(0.5)
     if process.returncode != 0:
+        shutil.rmtree(checkpoint / PARTIAL, ignore_errors=True)
         last = [line for line in (checkpoint / LOG).read_text(errors="replace").splitlines() if line.strip()]
         return ConfigError(f"{checkpoint} could not be converted for another number of processes by DeepSpeed's "
                            f"ds_to_universal (exit {process.returncode}: {last[-1] if last else 'no output'}; its log: "
                            f"{checkpoint / LOG}): {resume_there}, or start afresh with --overwrite")
+    _slim_common_state(checkpoint / PARTIAL / f"{tag}_universal")
     os.replace(checkpoint / PARTIAL / f"{tag}_universal", checkpoint / f"{tag}_universal")
     os.replace(checkpoint / PARTIAL / LATEST_UNIVERSAL, checkpoint / LATEST_UNIVERSAL)  # the tag, last
     shutil.rmtree(checkpoint / PARTIAL, ignore_errors=True)
     written = sum(path.stat().st_size for path in (checkpoint / f"{tag}_universal").rglob("*") if path.is_file())
     return {"seconds": round(time.monotonic() - started, 2), "bytes": written, "workers": workers,
             "from_world_size": saved["world_size"], "universal": f"{tag}_universal"}
+
+
+def _slim_common_state(universal: Path) -> None:
+    """Under ZeRO-3 the converter keeps rank 0's whole optimizer file as the universal checkpoint's common state
+    (`zero/optimizer_state.pt`: ds_to_universal's `_save_optimizer_state_stage3`), which every rank of the resumed job
+    loads whole, though DeepSpeed's loader reads only its step, parameter groups and loss scale from it (stage3.py
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`; each parameter's weights and moments come from its own
+    files). Rank 0's partition of the weights and moments (1/N of the whole state) is left out of it: measured on a
+    151M-parameter model saved by 2 processes, 906 MB less written and loaded by each rank. Memory-mapped: the
+    partition is never read."""
+    import torch  # the trainer's process: torch is loaded
+
+    path = universal / "zero" / "optimizer_state.pt"
+    common = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if common.get("zero_stage") != 3:  # ZeRO-1/2: the converter keeps only the common part already
+        return
+    inner = common["optimizer_state_dict"]
+    inner["state"] = {index: {"step": state["step"]} for index, state in inner["state"].items() if "step" in state}
+    common.pop("fp32_flat_groups", None)
+    slim = path.with_name(f".{path.name}.slim")
+    torch.save(common, slim)
+    del common, inner
+    os.replace(slim, path)
 
 
 def _workers(optimizer_files: list[Path]) -> int:
