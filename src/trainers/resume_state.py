@@ -21,6 +21,7 @@ import torch
 from transformers.trainer_pt_utils import nested_gather
 
 from src.engines import engine_record
+from src.run_safety import hang_watch
 from src.run_safety.checkpoint_split import SPLIT_FILE, split_record
 from src.world import World
 
@@ -49,9 +50,10 @@ def window_at_save(trainer) -> dict:
     """The logging window now, the same on every rank (every rank calls it: one gather of the loss, and the metric
     window's flush)."""
     window = getattr(trainer, "metric_window", None)
-    if window is not None:
-        window.flush(trainer)  # its rows summed over the ranks, appended as a log would: values no split
-    loss = nested_gather(trainer._tr_loss.detach(), trainer.args.parallel_mode).mean().item()
+    with hang_watch.waiting("the logging window gathered from every rank"):  # a stuck peer is not this rank
+        if window is not None:
+            window.flush(trainer)  # its rows summed over the ranks, appended as a log would: values of no split
+        loss = nested_gather(trainer._tr_loss.detach(), trainer.args.parallel_mode).mean().item()
     store = _metric_store(trainer)
     return {"loss_sum": loss, "last_logged": trainer._globalstep_last_logged,
             "metrics": {name: [float(value) for value in values] for name, values in store["train"].items()}
