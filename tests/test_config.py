@@ -222,6 +222,25 @@ def test_the_table_of_trl_field_names_is_the_installed_trls():
                                " run python -m src.objectives.trl_field_names")
 
 
+def test_the_table_of_trl_choices_is_the_installed_trls():
+    """The values TRL declares for its fields (a `choices` metadata, or the list its help text gives: DPOConfig's and
+    GRPOConfig's loss_type) are the installed TRL's, so a value TRL would refuse at the first step is refused as the
+    config is parsed; the loss types every row with TRL_CHOICES reads are there."""
+    from src.objectives import OBJECTIVES
+    from src.objectives.spec import TRL_CHOICES
+    from src.objectives.trl_field_names import declared_choices, live_choices
+
+    for path in {row.training.trl_config for row in OBJECTIVES.values()}:
+        live = {name: (tuple(item["values"]), item["several"]) for name, item in live_choices(path).items()}
+        assert {name: (choice.values, choice.several) for name, choice in declared_choices(path).items()} == live, (
+            f"{path}: run python -m src.objectives.trl_field_names")
+    for row in OBJECTIVES.values():
+        if row.training.loss_types == TRL_CHOICES:
+            assert len(declared_choices(row.training.trl_config)["loss_type"].values) > 1, row.name
+    assert declared_choices("trl:DPOConfig")["loss_type"].several and "dapo" in \
+        declared_choices("trl:GRPOConfig")["loss_type"].values
+
+
 def test_a_mistyped_flag_is_one_line_without_importing_torch():
     """A key that is no toolkit or TRL field is refused from the names alone (a fresh interpreter: this one has torch)."""
     script = ("import sys\nfrom src.main_distributed import main\n"

@@ -448,6 +448,16 @@ MISTAKES = [
                                                      micro_batch_size="1")),
     Mistake("kto_dpo_loss_type", "A DPO loss type for `--stage kto`", "--loss_type ipo: KTO takes one of kto, "
             "apo_zero_unpaired", lambda ws: ws.args(stage="kto", kto_from_pairs="true", loss_type="ipo")),
+    # A value an objective does not take, from its row / TRL's declared choices (src/objectives/trl_field_names.json)
+    Mistake("dpo_grpo_loss_type", "A GRPO loss type asked of DPO (`--stage dpo --loss_type dapo`)",
+            "--loss_type dapo: DPO takes one or more (combined with --loss_weights) of sigmoid, hinge",
+            lambda ws: ws.args(loss_type="dapo")),
+    Mistake("sft_loss_type", "A loss type for `--stage sft` (its loss has none to choose)",
+            "--loss_type sigmoid: SFT has no loss type to choose; drop it", lambda ws: ws.args(stage="sft",
+                                                                                           loss_type="sigmoid")),
+    Mistake("trl_value_not_declared", "A TRL field's value its config does not declare (`--truncation_mode "
+            "keep_middle`)", "--truncation_mode: 'truncation_mode' must be one of keep_end, keep_start for --stage dpo",
+            lambda ws: ws.args(truncation_mode="keep_middle")),
     Mistake("kto_flag_on_dpo", "`--kto_from_pairs` on a DPO run", "--kto_from_pairs applies to --stage kto or "
             "sft_then_kto", lambda ws: ws.args(kto_from_pairs="true")),
     Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",
