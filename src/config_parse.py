@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import os
 import sys
 import types
@@ -340,6 +341,45 @@ def _check_for_objective(config: Config, stage: str) -> None:
         raise ConfigError(f"{flag} applies to --stage {' or '.join(unpaired)}, not {stage}")
 
 
+def objective_reads(stage: str, key: str) -> bool:
+    """Whether a stage's objective reads a toolkit key: every key of the run's concerns (model, data, training, hub);
+    of an objective's own knobs (DPOArguments, SFTArguments), those its row names: the row field the key's `read_by`
+    names (--packed_attention: the rows with the packed forward; --loss_type: the rows with loss types), else a field
+    of the same name in its TRL config (--beta, --label_smoothing, --packing)."""
+    concern, _ = toolkit_fields()[key]
+    if concern not in (DPOArguments, SFTArguments):
+        return True
+    row = objective(stage)
+    read_by = concern.__dataclass_fields__[key].metadata.get("read_by")
+    return bool(operator.attrgetter(read_by)(row)) if read_by else key in trl_field_names()[row.training.trl_config]
+
+
+def _run_level(key: str) -> bool:
+    """A key of the run, not of one stage (its directory, watches, copies, the rounds after its final stage): src/config.py
+    marks it `run_level`; a pipeline reads it from the top level only."""
+    concern, _ = toolkit_fields()[key]
+    return bool(concern.__dataclass_fields__[key].metadata.get("run_level"))
+
+
+def block_reads(stage: str, key: str) -> bool:
+    """Whether an earlier stage of a pipeline reads a toolkit key from its block (`sft:`, `dpo:`; --sft.KEY)."""
+    return not _run_level(key) and objective_reads(stage, key)
+
+
+def where_it_belongs(pipeline: str, key: str) -> str:
+    """Where a key a pipeline's block does not read is read: the top level, another stage's block, or another stage."""
+    stages = PIPELINES[pipeline]
+    if _run_level(key):
+        readers = [name for name in STAGES if objective_reads(name, key)]
+        runs = "" if len(readers) == len(STAGES) else f" of --stage {' or '.join(readers)}"
+        return f"it is the run's, not a stage's: a top-level key{runs}"
+    earlier = [name for name in stages[:-1] if block_reads(name, key)]
+    # the top level's objective knobs but the SFT stage's are the final stage's (stage_config)
+    top_level = objective_reads(stages[-1], key) or (earlier and key not in DPOArguments.__dataclass_fields__)
+    places = [f"the {name}: block" for name in earlier] + (["the top level"] if top_level else [])
+    return f"it belongs in {' or '.join(places)}" if places else f"no stage of {pipeline} reads it"
+
+
 def loss_type_choice(stage: str) -> Choice | None:
     """What --loss_type may name for a stage's objective (its row's `loss_types`): TRL's declared values, a loss the
     toolkit fixes, or None where it has no loss type to choose."""
@@ -429,6 +469,9 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
                     raise ConfigError(f"{where}: unknown key '{key}.{block_key}'{closest_name(block_key, known)}")
                 if block_key in ("stage", *PIPELINE_BLOCKS):
                     raise ConfigError(f"{where}: '{key}.{block_key}' cannot be overridden per stage")
+                if block_key in known and not block_reads(key, block_key):
+                    raise ConfigError(f"{where}: '{key}.{block_key}': the {objective(key).display_name} stage of "
+                                      f"{stage} does not read {block_key}; {where_it_belongs(stage, block_key)}")
             stage_overrides[key] = dict(value)
             continue
         if key in known:

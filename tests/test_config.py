@@ -241,6 +241,37 @@ def test_the_table_of_trl_choices_is_the_installed_trls():
         declared_choices("trl:GRPOConfig")["loss_type"].values
 
 
+def test_each_stage_reads_its_rows_knobs_and_a_pipeline_block_no_other():
+    """Which toolkit keys a stage reads, from its row and its TRL config's field names: every objective knob is read by
+    some objective; a pipeline's block refuses the run's keys and the knobs its stage does not read, naming where they
+    belong; a recipe's loss type for another stage's objective gives way to the objective's own default."""
+    import dataclasses
+
+    from src.config import DPOArguments, SFTArguments
+    from src.config_parse import block_reads, objective_reads, where_it_belongs
+    from src.objectives import STAGES
+
+    for concern in (DPOArguments, SFTArguments):
+        for item in dataclasses.fields(concern):
+            assert any(objective_reads(stage, item.name) for stage in STAGES), item.name
+    assert [block_reads("sft", key) for key in ("beta", "packing", "max_steps", "rounds", "results_dir")] == [
+        False, True, True, False, False]
+    assert [block_reads("dpo", key) for key in ("beta", "loss_weights", "packed_attention", "packing", "rounds")] == [
+        True, True, True, False, False]
+    assert [objective_reads(stage, "precompute_ref_log_probs") for stage in ("dpo", "kto", "simpo", "orpo", "grpo")] \
+        == [True, True, False, False, False]
+    assert where_it_belongs("sft_then_dpo_then_grpo", "rounds") == (
+        "it is the run's, not a stage's: a top-level key of --stage dpo or sft_then_dpo")
+    assert where_it_belongs("sft_then_dpo", "loss_weights") == "it belongs in the top level"
+    with pytest.raises(ConfigError, match=r"--sft.packed_attention: 'sft.packed_attention': the SFT stage of "
+                                          r"sft_then_dpo does not read packed_attention; it belongs in the top level"):
+        parse_config(USER + ["--stage", "sft_then_dpo", "--sft.packed_attention", "dense"])
+    kto = parse_config(["--config", str(PROJECT_ROOT / "configs" / "default.yaml"), "--stage", "kto"])
+    assert kto.dpo.loss_type == ["kto"] and "loss_type" not in kto.sources
+    with pytest.raises(ConfigError, match=r"--loss_type sigmoid sft: KTO takes one of kto, apo_zero_unpaired"):
+        parse_config(USER + ["--stage", "kto", "--loss_type", "sigmoid", "sft"])
+
+
 def test_a_mistyped_flag_is_one_line_without_importing_torch():
     """A key that is no toolkit or TRL field is refused from the names alone (a fresh interpreter: this one has torch)."""
     script = ("import sys\nfrom src.main_distributed import main\n"
