@@ -40,6 +40,22 @@ def test_every_shipped_recipe_parses_and_resolves(recipe: Path):
         resolve_plan(staged, World(), Devices("cpu"), stage)
 
 
+def test_flexattention_is_refused_where_it_cannot_train_whichever_flag_asks_and_kept_on_a_gpu():
+    """FlexAttention has no backward on CPU (torch's NotImplementedError at the first step, after the data and the
+    model): the model's own attention (--attn_implementation flex_attention, every stage trains through it) and the
+    packed forward's (--packed_attention flex, on a stage with one: SFT has none) are one rule, refused as the stage is
+    planned on CPU and kept on CUDA."""
+    flex_model = ["--attn_implementation", "flex_attention"]
+    for stage in ("dpo", "sft", "kto", "reward", "grpo"):
+        with pytest.raises(ConfigError, match=r"^--attn_implementation flex_attention needs a CUDA GPU: FlexAttention "
+                                              r"has no backward on CPU; use sdpa \(transformers' default\) or eager$"):
+            plan_for(["--stage", stage, "--judge", "embedded"] + flex_model, 1)
+    with pytest.raises(ConfigError, match=r"^--packed_attention flex needs a CUDA GPU: .* use auto \(the dense"):
+        plan_for(["--stage", "simpo", "--packed_attention", "flex"], 1)
+    assert plan_for(["--stage", "sft", "--packed_attention", "flex"], 1).packed_attention == "flex"  # not SFT's
+    assert plan_for(flex_model + ["--packed_attention", "flex"], 8, H100S).packed_attention == "flex"
+
+
 def test_no_arguments_means_the_embedded_default():
     config = parse_config([])
     assert config.recipe.endswith("configs/default.yaml")

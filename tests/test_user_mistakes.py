@@ -466,6 +466,9 @@ MISTAKES = [
     Mistake("dpo_key_in_the_sft_block", "A DPO key in the `sft:` block (`sft: {beta: 0.3}`)", "recipe.yaml: "
             "'sft.beta': the SFT stage of sft_then_dpo does not read beta; it belongs in the top level",
             lambda ws: _recipe(ws, "stage: sft_then_dpo\nsft:\n  beta: 0.3\n", stage=None)),
+    Mistake("flex_attention_on_cpu", "`--attn_implementation flex_attention` on CPU (no backward there)",
+            "--attn_implementation flex_attention needs a CUDA GPU: FlexAttention has no backward on CPU; use sdpa "
+            "(transformers' default) or eager", lambda ws: ws.args(attn_implementation="flex_attention")),
     Mistake("kto_flag_on_dpo", "`--kto_from_pairs` on a DPO run", "--kto_from_pairs applies to --stage kto or "
             "sft_then_kto", lambda ws: ws.args(kto_from_pairs="true")),
     Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",
