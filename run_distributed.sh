@@ -102,6 +102,11 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
     PREFKIT_QUIET_DRY_RUN=$((1 - dry_run)) "$PYTHON" -m src.main_distributed --dry_run "$@" || exit $?
   [[ $dry_run -eq 1 ]] && exit 0  # the check was all that was asked
   [[ -f $PREFKIT_EXIT_DIR/finished ]] && exit 0  # already finished: no worker to start
+  # What the preflight found the launch's own processes need (src/library_warnings.py: DS_ACCELERATOR=cpu where no GPU
+  # driver is, so that accelerate launch's DeepSpeed import does not warn that it guessed).
+  if [[ -f $PREFKIT_EXIT_DIR/environment ]]; then
+    while IFS= read -r assignment; do export "${assignment?}"; done <"$PREFKIT_EXIT_DIR/environment"
+  fi
   export PREFKIT_PREFLIGHT_DONE=1  # the workers do not repeat its notices (an unreachable Hub)
 fi
 

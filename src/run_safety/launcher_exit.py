@@ -25,6 +25,7 @@ from pathlib import Path
 from src.run_safety.exit_status import FINAL
 
 FINISHED = "finished"  # the preflight's record: the run is finished, no worker needs to start
+ENVIRONMENT = "environment"  # the preflight's record: variables the launcher exports for the launch
 
 
 def _directory() -> Path | None:
@@ -105,4 +106,14 @@ def record_finished() -> bool:
     if not directory or "TORCHELASTIC_RUN_ID" in os.environ or not Path(directory).is_dir():
         return False
     (Path(directory) / FINISHED).write_text("0\n")
+    return True
+
+
+def record_environment(variables: dict[str, str]) -> bool:
+    """The launcher's preflight: variables run_distributed.sh exports before it starts torchrun or accelerate launch
+    (`NAME=value` lines in its directory's `environment`). True when recorded (only under run_distributed.sh)."""
+    directory = os.environ.get("PREFKIT_EXIT_DIR")
+    if not variables or not directory or "TORCHELASTIC_RUN_ID" in os.environ or not Path(directory).is_dir():
+        return False
+    (Path(directory) / ENVIRONMENT).write_text("".join(f"{name}={value}\n" for name, value in variables.items()))
     return True
