@@ -165,11 +165,14 @@ fi
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM HUP  # a scheduler's stop: torchrun stops its workers
 trap ':' INT  # Ctrl-C reaches torchrun and its workers themselves; wait for them to save and exit
+# A worker that ends the job itself (a lost node, a hang, an error no restart cures: src/run_safety/launcher_exit.py)
+# SIGKILLs torchrun's agent after recording the job's status, which this script reports below: bash's own "Killed"
+# notice of the agent (printed by `wait`) would only add a line that says nothing.
 while kill -0 "$launcher" 2>/dev/null; do
-  wait "$launcher" || true
+  wait "$launcher" 2>/dev/null || true
 done
 status=0
-wait "$launcher" || status=$?
+wait "$launcher" 2>/dev/null || status=$?
 for recorded in "$PREFKIT_EXIT_DIR"/rank-*; do
   [[ -f $recorded ]] && status=$(<"$recorded") && break
 done
