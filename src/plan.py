@@ -230,12 +230,25 @@ def resolve_precision(requested: str, devices: Devices) -> str:
     return {"no": "fp32"}.get(requested, requested)
 
 
-def resolve_packed_attention(requested: str, devices: Devices) -> str:
-    """--packed_attention as asked; FlexAttention forced where it cannot train (no backward on CPU) is refused."""
-    if requested == "flex" and devices.kind != "cuda":
-        raise ConfigError("--packed_attention flex needs a CUDA GPU: FlexAttention has no backward on CPU; use auto "
-                          "(the dense mask on CPU) or dense")
-    return requested
+# transformers' name of FlexAttention (--attn_implementation; what the packed forward's flex switches a model to:
+# src/packed_attention.py)
+FLEX_ATTENTION = "flex_attention"
+
+
+def resolve_packed_attention(config: Config, stage: str, devices: Devices) -> str:
+    """--packed_attention as asked, once no attention the stage trains through is FlexAttention where it cannot train.
+
+    FlexAttention has no backward on CPU (torch 2.13: NotImplementedError at the first step, after the data was
+    prepared and the model loaded), whichever flag asks for it: the model's own attention (--attn_implementation
+    flex_attention, every stage trains through it), or the packed forward's (--packed_attention flex, on the stages with
+    one: SFT does not read it). One line before any process starts; a CUDA launch keeps either."""
+    asked = [("--attn_implementation flex_attention", "sdpa (transformers' default) or eager")
+             ] if config.model.attn_implementation == FLEX_ATTENTION else []
+    if config.dpo.packed_attention == "flex" and OBJECTIVES[final_stage(stage)].training.packed_forward:
+        asked.append(("--packed_attention flex", "auto (the dense mask on CPU) or dense"))
+    for flag, instead in asked if devices.kind != "cuda" else []:
+        raise ConfigError(f"{flag} needs a CUDA GPU: FlexAttention has no backward on CPU; use {instead}")
+    return config.dpo.packed_attention
 
 
 def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> str:
@@ -291,7 +304,7 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         learning_rate=learning_rate,
         precision=resolve_precision(training.mixed_precision, devices),
         ddp_comm_hook=resolve_ddp_comm_hook(training.ddp_comm_hook, world.world_size, devices),
-        packed_attention=resolve_packed_attention(config.dpo.packed_attention, devices),
+        packed_attention=resolve_packed_attention(config, stage, devices),
         engine=engine.key if engine else DDP,
         engine_from=requested_source(),
         sources=value_sources(config, PLAN_ROW_KEYS, fallbacks),
