@@ -44,7 +44,26 @@ def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: in
     logged = [record for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
     stage = args[args.index("--stage") + 1]
     return {"info": info, "losses": [record["loss"] for record in logged], "ranks": probes(probe_dir, stage, nproc),
-            "grad_norms": [record["grad_norm"] for record in logged], "final": run_dir / "model" / "final"}
+            "grad_norms": [record["grad_norm"] for record in logged], "final": run_dir / "model" / "final",
+            "console": (result.stdout + result.stderr).splitlines()}
+
+
+# What an engine's libraries printed on the console before src/library_warnings.py (and FSDP2's alarm before the
+# packed forward stopped returning views): none of it may reach an engine run's console.
+LIBRARY_NOISE = ("Warning:", "mismatch", "return func(*args, **kwargs)", "built successfully", "Setting accelerator",
+                 "returned a view tensor")
+
+
+def assert_console_reads_as_ddp(run: dict, ddp: dict, label: str, engine: str) -> None:
+    """An engine run's console is the toolkit's, as DDP's is: no library noise, the engine named in the plan block
+    (`engine`: its title), and as many lines as the DDP run's, within what the runs do differently."""
+    noise = [line for line in run["console"] if any(word in line for word in LIBRARY_NOISE)]
+    assert not noise, f"{label}: {noise[:4]}"
+    rows = [line.split(maxsplit=1)[1] for line in run["console"] if line.strip().startswith("engine ")]
+    assert rows and all(row.startswith(engine) and "over 2 processes" in row for row in rows), (label, rows)
+    # the same lines but the engine's row, within what the runs do differently: one that reuses the DDP run's reference
+    # cache says so in 2 lines where DDP's computed it in 4, a resumed run says where from and skips what it did before
+    assert abs(len(run["console"]) - len(ddp["console"])) <= 4, (label, len(ddp["console"]), run["console"])
 
 
 def final_weights(path: Path) -> dict:
@@ -127,6 +146,7 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
             # sized by the model (hidden 32: 32 x 32), not DeepSpeed's 5e8 default (2 GB per ZeRO-3 rank)
             assert held["reduce_bucket"] == 32 * 32, name
         assert run["info"].get("weights_at_load") == ("partitioned" if stage == 3 else None), name
+        assert_console_reads_as_ddp(run, ddp, name, f"DeepSpeed ZeRO-{stage}")
         if name == "zero3_live":
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [whole["weights"] // 2] * 2
         else:
@@ -161,6 +181,7 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
             assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
                                                                    whole["optimizer_states"] // 2), name
         assert_same_final_model(fsdp["final"], ddp["final"], name)
+        assert_console_reads_as_ddp(fsdp, ddp, name, "FSDP2")
     assert [resume["from_step"] for resume in runs["fsdp"]["info"]["resumes"]] == [2]
     checkpoint = root / "results" / "fsdp" / "model" / "checkpoint-2"
     listed = checkpoint_manifest.read_manifest(checkpoint)["files"]
