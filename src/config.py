@@ -63,6 +63,14 @@ class ModelArguments(ModelConfig):
         metadata={"help": "Train LoRA adapters through peft instead of all weights (same as TRL's --use_peft). "
                   "For DPO the reference model is then the base with adapters disabled: no second copy in memory."},
     )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on LoRA's input (TRL's default 0.05; here peft's own, 0): each process draws its "
+                  "masks from its own random stream, so with dropout the same global batch gives other numbers on "
+                  "another number of GPUs (docs/configuration.md, Dropout); it also keeps a dropped-out copy of "
+                  "every adapted layer's input for the backward. DPO, KTO, SimPO, ORPO and reward turn dropout off "
+                  "anyway."},
+    )
     lora_target_modules: list[str] | None = field(
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Module names to adapt with LoRA, or 'all-linear' (every linear layer but the output head)."},
