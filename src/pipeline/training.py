@@ -16,7 +16,7 @@ from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
 from src.pipeline.stages import Stage
 from src.pipeline.stopping import stop_if_interrupted
-from src.run_safety import resharding
+from src.run_safety import launcher_exit, resharding
 from src.run_safety.checkpoint_split import change_line, saved_split
 from src.run_safety.checkpoints import checkpoint_step
 from src.run_safety.disk_space import check_space, estimate_writes, format_bytes, write_failures_noted
@@ -129,6 +129,7 @@ def train(trainer, stage: Stage, start: StageStart, merge: bool, world: World) -
     resume_from = start.resume_from
     if resume_from:
         resume_on_this_split(trainer, resume_from, stage, start, world)
+    launcher_exit.raise_if_injected("training", world.rank)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     barrier()  # a write that failed after the last step's check (the last metrics line, the live report) stops here
     stop_if_interrupted(trainer, stage, start.info_path, world)
