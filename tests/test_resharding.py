@@ -103,8 +103,9 @@ def dpo(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sft_lora(tiny_model, tmp_path_factory):
-    """SFT with LoRA, its command and uninterrupted 2-process DDP run. Without LoRA's dropout: its masks are drawn by
-    each process from its own random stream, so with dropout no two splits give the same numbers, resumed or not."""
+    """SFT with LoRA, its command and uninterrupted 2-process DDP run. Without LoRA's dropout (the default, said here):
+    its masks are drawn by each process from its own random stream, so with dropout no two splits give the same
+    numbers, resumed or not."""
     root = tmp_path_factory.mktemp("resharding_sft")
     rows = [{"messages": row["prompt"] + row["chosen"]} for row in preference_rows(52)]
     args = run_args(tiny_model, write_jsonl(root / "chat.jsonl", rows), root / "results", "sft")
