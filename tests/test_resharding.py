@@ -53,19 +53,22 @@ def logged(run_dir: Path) -> list[dict]:
 
 def launch(processes: int, args: list[str], strategy: str, seam: dict | None = None):
     """A forked job of `processes` as `STRATEGY=<strategy> ./run_distributed.sh <processes>` starts its workers
-    (fsdp_sharded: configs/accelerate/fsdp.yaml with fsdp_state_dict_type SHARDED_STATE_DICT)."""
+    (fsdp_sharded: configs/accelerate/fsdp.yaml with fsdp_state_dict_type SHARDED_STATE_DICT); `seam`: a test seam's
+    variable (seams.env)."""
     sharded = strategy == "fsdp_sharded"
     strategy = "fsdp" if sharded else strategy
     environment = (accelerate_environment(strategy, processes) if strategy != "ddp" else dict(os.environ)) | {
         "OMP_NUM_THREADS": "1"} | ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"} if sharded else {})
-    return forked.run_job(processes, args, env=seams.env(environment, **(seam or {})))
+    return forked.run_job(processes, args, env=environment | (seam or {}))
 
 
 def killed(processes: int, args: list[str], strategy: str, kill: str, flag: Path) -> None:
     """The job killed: rank 0 SIGKILLed at the end of step 5 (the newest checkpoint is 3, and steps 4-5 were logged
     after it), or every rank right after checkpoint-3 completed."""
-    seam = {"kill_starter": f"step:5:{flag}"} if kill == OFF_GRID else {
-        "kill_at_checkpoint": f"after_complete:3:*:{flag}"}
+    if kill == OFF_GRID:
+        seam = seams.env({}, kill_starter=f"step:5:{flag}")
+    else:
+        seam = seams.env({}, kill_at_checkpoint=f"after_complete:3:*:{flag}")
     result = launch(processes, args, strategy, seam)
     fired = flag.exists() if kill == OFF_GRID else Path(f"{flag}.rank0").exists()
     assert fired and result.returncode != 0, f"the seam never fired: the test proves nothing\n{result.stderr[-3000:]}"

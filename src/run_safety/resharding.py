@@ -71,8 +71,13 @@ def for_resume(trainer, checkpoint: Path, saved: dict, world: World) -> dict | N
         return None
     done = None
     if not universal_ready(checkpoint):
-        outcome = _convert(checkpoint, saved) if world.is_main else None
-        # said by every rank together: a conversion that failed (exit 2) or found no room (a write, exit 5)
+        outcome = None
+        if world.is_main:
+            try:
+                outcome = _convert(checkpoint, saved)
+            except Exception as error:  # noqa: BLE001  raised below by every rank, not by rank 0 alone
+                outcome = error
+        # said by every rank together: a conversion that failed (exit 2), found no room (a write, exit 5) or crashed
         problem = gather_objects([outcome if isinstance(outcome, Exception) else None])[0][0]
         if problem is not None:
             raise problem
