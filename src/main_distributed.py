@@ -69,7 +69,7 @@ def run(argv: list[str] | None = None) -> int:
     if hold is not None and hold.took_over:  # said only for a run that goes on: a finished one says one line
         print0(f"  {stages[-1].run_dir}: took over the hold of a job that is gone ({hold.took_over})")
     if not config.training.dry_run:  # from the start: a restarted job waits in init for every node, even a lost one
-        watch_job(stages, world, config, devices, hold)
+        watch_job(stages, world, config, hold)
     preflight.check_sources(config, stages, world)
     ready = preflight.prepare(config, stages)
     if ready is None:  # a --dry_run: it ended with each stage's plan and data

@@ -93,20 +93,30 @@ def launch_command(arguments: list[str], per_node: int, nodes: int = 1,
     return f"{prefix}{LAUNCHER} {per_node} {shlex.join(flags)}".rstrip()
 
 
-def splits(config: Config, devices: Devices, world_size: int, nodes: int = 1) -> bool:
-    """Whether every stage's batch splits over `world_size` processes on `nodes` machines."""
-    try:
-        stage_plans(config, World(world_size=world_size, local_world_size=world_size // nodes), devices)
-    except ConfigError:
-        return False
-    return True
+def process_counts_that_split(config: Config, counts) -> list[int]:
+    """The numbers of processes among `counts` over which every stage's batch splits (arithmetic only: each stage's
+    batch settings read once)."""
+    names = PIPELINES.get(config.training.stage, (config.training.stage,))
+    trainings = [stage_config(config, name).training for name in names]
+
+    def fits(count: int) -> bool:
+        try:
+            for training in trainings:
+                resolve_batch(training, count)
+        except ConfigError:
+            return False
+        return True
+
+    return [count for count in counts if fits(count)]
 
 
-def largest_split(config: Config, devices: Devices, nodes: int, per_node: int) -> tuple[int, int] | None:
+def largest_split(config: Config, nodes: int, per_node: int) -> tuple[int, int] | None:
     """(nodes, processes per node), at most `nodes` x `per_node`, with the most processes over which every stage's
     batch splits (more nodes first on a tie: the same processes per node, as the machines have); None if none does."""
+    fitting = set(process_counts_that_split(config, {count * each for count in range(1, nodes + 1)
+                                                     for each in range(1, per_node + 1)}))
     found = [(count * each, count, each) for count in range(nodes, 0, -1) for each in range(per_node, 0, -1)
-             if splits(config, devices, count * each, count)]
+             if count * each in fitting]
     return max(found)[1:] if found else None
 
 

@@ -283,26 +283,24 @@ def test_what_cannot_resume_with_the_same_numbers_is_refused_in_one_line_naming_
 
 def test_the_lost_node_line_names_the_launch_that_goes_on_with_the_nodes_left(monkeypatch):
     """A job of 2 nodes x 2 processes at a global batch of 8 loses node 1: the line says the relaunch on every node,
-    or node 0 alone with its 2 processes (NNODES=1: the launch had NNODES=2 set); a batch of 6 splits over 2 nodes
-    of 3 only, so 3 nodes x 2 left with 2 x 2 go on with 2 x 1... the most processes the batch splits over."""
+    or node 0 alone with its 2 processes (NNODES=1: the launch had NNODES=2 set). A job of 3 nodes x 4 at 12 that
+    loses one goes on as 2 nodes x 3 (8 processes would not split 12): the most processes the batch splits over."""
     from src.config_parse import parse_config
     from src.pipeline.stopping import without_lost_node
     from src.run_safety.node_watch import lost_node_line
-    from src.world import Devices, World
+    from src.world import World
 
     monkeypatch.setenv("NNODES", "2")
     monkeypatch.delenv("STRATEGY", raising=False)
     arguments = ["--stage", "dpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--batch_size", "8"]
-    command = without_lost_node(parse_config(arguments), Devices(kind="cpu"), World(world_size=4,
-                                                                                   local_world_size=2), arguments)
+    command = without_lost_node(parse_config(arguments), World(world_size=4, local_world_size=2), arguments)
     assert command == f"NNODES=1 ./run_distributed.sh 2 {' '.join(arguments)} on it (2 processes)"
     assert lost_node_line(1, "rank(s) 2, 3", 181.2, "results/job/model/checkpoint-40", command) == (
         "error: node 1 stopped answering (rank(s) 2, 3: nothing for 181 s, --node_timeout); stopping this node; a "
         "relaunch of the same command on every node resumes from results/job/model/checkpoint-40; or go on without "
         f"node 1 from there, with the same numbers: {command}")
     arguments[-1] = "12"  # 3 nodes x 4 left with 2 nodes: 8 does not split 12, 2 x 3 does
-    command = without_lost_node(parse_config(arguments), Devices(kind="cpu"), World(world_size=12,
-                                                                                   local_world_size=4), arguments)
+    command = without_lost_node(parse_config(arguments), World(world_size=12, local_world_size=4), arguments)
     assert command.startswith("NNODES=2 NODE_RANK=<0-1> MASTER_ADDR=<the first node's address> ./run_distributed.sh"
                               " 3 ") and command.endswith(" on each of them (6 processes)")
     assert lost_node_line(0, "the rendezvous store it holds", 30, None, command).endswith(

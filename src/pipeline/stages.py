@@ -73,7 +73,7 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
     try:
         planned = [(name, staged, plan, 0) for name, staged, plan in stage_plans(config, world, devices)]
     except BatchSplitError as error:  # an unfinished run keeps its batch: the processes that split it, not a new batch
-        raise unsplit_resume(run_dir, config, devices, world) or error
+        raise unsplit_resume(run_dir, config, world) or error
     if config.dpo.rounds:
         name, staged, plan, _ = planned.pop() if from_prompts else planned[-1]
         planned += [(name, round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]

@@ -18,7 +18,7 @@ from src.run_safety.exit_status import ExitStatus
 from src.run_safety.node_watch import watch
 from src.run_safety.parent_watch import launcher_gone
 from src.run_safety.stops import SIGNAL_EXIT_CODES, Status, TrainingDiverged
-from src.world import Devices, World
+from src.world import World
 
 
 class StoppedBySignal(Exception):
@@ -59,10 +59,10 @@ def record_stop(stage: Stage, info_path: Path, world: World, status: str, messag
             publish_pages_after_stop(stage)
 
 
-def without_lost_node(config: Config, devices: Devices, world: World, arguments: list[str]) -> str | None:
+def without_lost_node(config: Config, world: World, arguments: list[str]) -> str | None:
     """The launch that goes on without one lost node: the nodes that remain, each with as many of its processes as
     the global batch splits over (the same numbers on any split); None when no split of them does."""
-    best = largest_split(config, devices, world.num_nodes - 1, world.local_world_size)
+    best = largest_split(config, world.num_nodes - 1, world.local_world_size)
     if best is None:
         return None
     nodes, per_node = best
@@ -78,7 +78,7 @@ def record_hang(stages: list[Stage], world: World, reason: str) -> None:
         record_stop(running[0], running[0].run_dir / run_files.TRAINING_INFO, world, Status.STOPPED, reason)
 
 
-def watch_job(stages: list[Stage], world: World, config: Config, devices: Devices, hold) -> None:
+def watch_job(stages: list[Stage], world: World, config: Config, hold) -> None:
     """The watches that stop a job no step will finish: a lost node (--node_timeout, exit 6: its line names the command
     that goes on with the nodes that remain) and a stuck rank (--hang_timeout, exit 7, its stop recorded in the stage
     that was running). Started before the process group: a restarted job waits in init for every node, even a lost
@@ -86,6 +86,6 @@ def watch_job(stages: list[Stage], world: World, config: Config, devices: Device
     newest = lambda: next(filter(None, (  # noqa: E731
         newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None)
     watch(world, config.training.node_timeout, newest,
-          without_lost_node(config, devices, world, sys.argv[1:]) if world.num_nodes > 1 else None)
+          without_lost_node(config, world, sys.argv[1:]) if world.num_nodes > 1 else None)
     hang_watch.start(stages[-1].run_dir, world.rank, world.world_size, config.training.hang_timeout, newest, hold,
                      on_stop=lambda reason, verdict: record_hang(stages, world, reason))

@@ -20,10 +20,10 @@ from pathlib import Path
 from src.config import Config
 from src.config_error import ConfigError
 from src.engines import DDP, DEEPSPEED, FSDP, Engine
-from src.plan import Plan, largest_split, splits
+from src.plan import Plan, largest_split, process_counts_that_split
 from src.run_files import TRAINING_INFO
 from src.run_safety.stops import Status
-from src.world import Devices, World
+from src.world import World
 
 SPLIT_FILE = "split.json"
 # FSDP state-dict types whose files are one rank's own shard, which only the same number of processes can load:
@@ -153,7 +153,7 @@ class UnsplitResume(ConfigError):
         self.nodes, self.per_node = nodes, per_node
 
 
-def unsplit_resume(run_dir: Path, config: Config, devices: Devices, world: World) -> UnsplitResume | None:
+def unsplit_resume(run_dir: Path, config: Config, world: World) -> UnsplitResume | None:
     """For a launch whose global batch does not split over its processes: when it would resume an unfinished run
     (a stage record running or stopped), the refusal that keeps the run's batch and names the process counts that
     split it, instead of a new batch (a resume at another batch would not be the same run)."""
@@ -166,10 +166,10 @@ def unsplit_resume(run_dir: Path, config: Config, devices: Devices, world: World
             continue
         if record.get("status") in (Status.RUNNING, Status.STOPPED):
             unfinished.append(record)
-    best = largest_split(config, devices, world.num_nodes, world.local_world_size)
+    best = largest_split(config, world.num_nodes, world.local_world_size)
     if not unfinished or best is None:
         return None
-    counts = [count for count in range(1, 2 * world.world_size + 1) if splits(config, devices, count)]
+    counts = process_counts_that_split(config, range(1, 2 * world.world_size + 1))
     batch = unfinished[0].get("global_batch_size")
     return UnsplitResume(
         f"{run_dir} is an unfinished run{f' at a global batch of {batch}' if batch else ''}, which "
