@@ -19,9 +19,10 @@ from src.config import EMBEDDED, ModelArguments
 from src.config_error import ConfigError
 from src.plan import Plan
 from src.world import World
-from src.distributed import barrier, manifest_across_ranks
+from src.distributed import barrier, manifest_across_ranks, print0
 from src.embedded.model import ensure_embedded_model
-from src.engines import partitioned, partitioned_loading, whole_weights_on_save
+from src.engines import FSDP, loads_sharded, partitioned_loading, sharded, whole_weights_on_save
+from src.sharded_weights import load_sharded
 from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
@@ -251,31 +252,53 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         kwargs["device_map"] = {"": world.local_rank if plan.device == "cuda" else "cpu"}
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
-    partitioning = False
+    engine = loads_sharded(world.world_size) if quantization is None else None
+    partitioning = engine is not None and engine.name != FSDP  # ZeRO-3 builds the model inside deepspeed.zero.Init
     try:
-        # A download takes what it takes; under ZeRO-3 each rank keeps only its share of the weights as they load.
-        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED), \
-                partitioned_loading(plan.precision) as partitioning:
-            loaded = model_class.from_pretrained(path, **kwargs)
+        # A download takes what it takes; under FSDP2 and ZeRO-3 each rank reads only its share of the weights.
+        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):
+            loaded = load_shares(path, model_class, kwargs, plan, world, engine) if engine is not None else None
+            if loaded is None:
+                with partitioned_loading(plan.precision) as partitioning:
+                    loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         fix = "; its code may not build under deepspeed.zero.Init: set zero3_init_flag: false in the launch config " \
               "(every rank then loads it whole)" if partitioning and isinstance(error, RuntimeError) else ""
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)}){fix}") from None
     if quantization is not None:
-        keep_4bit_layers_trainable(loaded)
-        # bitsandbytes packs 4-bit weights lazily, at the first forward: run one now so an unsupported layout fails
-        # here with a clear message instead of inside generation or the first training step.
-        try:
-            with torch.no_grad():
-                loaded(input_ids=torch.zeros((1, 1), dtype=torch.long, device=loaded.device))
-        except (RuntimeError, ValueError) as error:
-            hint = "its CPU kernels need layer widths that are multiples of 64 — use a GPU, or drop --load_in_4bit" \
-                if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
-            raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({first_line(error)}); "
-                             f"{hint}") from None
-    if plan.device == "cuda" and quantization is None and not partitioned(loaded.parameters()):
-        loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's shares are on the device already
+        check_4bit_runs(loaded, path, plan)
+    if plan.device == "cuda" and quantization is None and not sharded(loaded.parameters()):
+        loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's and FSDP2's shares are on the device already
     return loaded
+
+
+def load_shares(path: str, model_class, kwargs: dict, plan: Plan, world: World, engine):
+    """Under FSDP2 and ZeRO-3 (`engines.loads_sharded`): the model with each rank holding, and having read, only its
+    share of the weights (src/sharded_weights.py); None where it loads whole instead (said in one line where the
+    checkpoint is why)."""
+    import torch
+
+    device = torch.device("cuda", world.local_rank) if plan.device == "cuda" else torch.device("cpu")
+    loaded, why_not = load_sharded(path, model_class, kwargs, plan.precision, device, engine)
+    if why_not:
+        print0(f"  warning: {path} loads whole on every rank under {engine.title}: {why_not}")
+    return loaded
+
+
+def check_4bit_runs(loaded, path: str, plan: Plan) -> None:
+    """bitsandbytes packs 4-bit weights lazily, at the first forward: one runs now so an unsupported layout fails
+    here with a clear message instead of inside generation or the first training step."""
+    import torch
+
+    keep_4bit_layers_trainable(loaded)
+    try:
+        with torch.no_grad():
+            loaded(input_ids=torch.zeros((1, 1), dtype=torch.long, device=loaded.device))
+    except (RuntimeError, ValueError) as error:
+        hint = "its CPU kernels need layer widths that are multiples of 64 — use a GPU, or drop --load_in_4bit" \
+            if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
+        raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({first_line(error)}); "
+                         f"{hint}") from None
 
 
 def keep_4bit_layers_trainable(model) -> None:

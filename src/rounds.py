@@ -31,7 +31,7 @@ from src.chat_templates import split_reasoning
 from src.config_error import ConfigError
 from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
-from src.engines import gathered
+from src.engines import generating
 from src.generation import Sampling, answer_seed, generate
 from src.judges import JudgeError, judge_for
 from src.models import apply_chat_template_to_model, load_model
@@ -298,8 +298,8 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
         print0(f"  round {stage.round}: pairs written by an earlier launch, reused ({record['counts']['pairs']:,} pairs)")
     else:
         tools = session_for(config)  # --tools: the round's answers are trajectories with the calls run
-        try:  # ZeRO-3 partitioned the weights as they loaded: whole on each rank's device while it samples
-            with gathered(list(model.parameters())):
+        try:  # under ZeRO-3 and FSDP2 each rank holds its share: each module's weights gathered for its forward only
+            with generating(model, stage.plan.precision):
                 record = make_round_pairs(model, tokenizer, dpo_data,
                                           judge_for(config.training.judge, config.data.dataset_name),
                                           round_settings(config, stage.plan), stage.round, stage.run_dir, world, tools)

@@ -9,7 +9,8 @@ from src.audit import run as data_audit
 from src.config_error import ConfigError
 from src.data import PreparedData
 from src.distributed import barrier, check_world_size, gather_objects, print0
-from src.engines import engine_record, load_warning, partitioned, requested
+from src.engines import (FSDP, engine_record, load_warning, loads_sharded, partitioned, requested,
+                         resharded_after_forward)
 from src.models import apply_chat_template_to_model, load_model, peft_config
 from src.objectives import objective
 from src.pipeline.held_out import HeldOut, judged_eval_of
@@ -74,12 +75,13 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, start.total_steps,
                                   sft_forward, start.data_settings)
-    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
+    peft = peft_config(config.model, reward)
+    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft,
                             stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length
                             if getattr(trl_config, "max_length", None) is None else None,
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
                             packed_attention=plan.packed_attention,
-                            ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None,
+                            ref_model=reference_model(stage, model, reference_path, trl_config, peft, world),
                             trainer_inputs=row.training.trainer_inputs(config) if row.training.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
@@ -96,6 +98,21 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
     if world.is_main and getattr(trainer, "reference_cache", None):
         announce_reference_cache(trainer.reference_cache, stage, start.info_path)
     return trainer, trackers
+
+
+def reference_model(stage: Stage, model, reference_path: str | None, trl_config, peft, world: World):
+    """The reference the trainer is given: --round_reference start's model; under FSDP2 and ZeRO-3, where TRL would
+    load the starting model again itself, whole on every rank (FSDP: for the precompute pass too; ZeRO-3: a live
+    reference), the toolkit loads it, each rank reading its share; None: TRL's own (the policy, adapters off, or none)."""
+    config = stage.config
+    if reference_path:
+        return load_model(reference_path, config.model, stage.plan, world)
+    engine = loads_sharded(world.world_size)
+    if engine is None or peft is not None or not objective(stage.name).training.needs_reference:
+        return None
+    if engine.name != FSDP and trl_config.precompute_ref_log_probs:  # ZeRO-3 runs the pass on the policy itself
+        return None
+    return resharded_after_forward(load_model(model.name_or_path, config.model, stage.plan, world))
 
 
 def announce_reference_cache(reference_cache: dict, stage: Stage, info_path) -> None:

@@ -15,10 +15,9 @@ from datasets.fingerprint import Hasher
 from trl import DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.dpo_trainer import DataCollatorForPreference
-from trl.trainer.utils import hash_module
 
 from src.distributed import any_rank, barrier, print0
-from src.engines import gathered, partitioned
+from src.engines import gathered, sharded, whole
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of, forward_plan
@@ -69,7 +68,9 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         if kwargs["args"].disable_dropout:  # before the precompute pass too
             self.dropout_off = [DropoutOff(model) for model in (kwargs.get("model"), kwargs.get("ref_model"))
                                 if model is not None and not isinstance(model, str)]
-        super().__init__(*args, **kwargs)
+        with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")):
+            super().__init__(*args, **kwargs)
+        drop_reference_after_pass(self, kwargs.get("ref_model"))
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(aux + DPO_GATHERED, {**{name: Mean(name) for name in aux}, **DPO_METRICS},
                                           "TRL's DPOTrainer", lambda trainer: trainer._metrics, weighted=True)
@@ -221,7 +222,6 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     copy per machine (_LocalMainAccelerator); the same path on every machine (_same_cache_on_every_machine); a failed
     write noted; TRL's tqdm bar off; what happened (computed or reused, seconds) in `trainer.reference_cache`.
     `trl_key`: what the TRL trainer adds to (fingerprint, model hash) in its cache key (KTO: whether the KL is on)."""
-    rehash_whole_weights(trainer)
     original = dataset._fingerprint
     cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
     started = time.monotonic()
@@ -254,40 +254,45 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     }}
 
 
-class _GatheredOnRead:
-    """A ZeRO-3 partitioned weight that TRL's `hash_module` reads (`.cpu()`) as the whole tensor, gathered then."""
+class _WholeOnRead:
+    """A sharded weight (a ZeRO-3 partition, an FSDP2 DTensor) that TRL's `hash_module` reads (`.cpu()`) as the whole
+    tensor, gathered then."""
 
     def __init__(self, parameter):
         self.parameter = parameter
 
     def cpu(self) -> torch.Tensor:
         with gathered([self.parameter]):
-            return self.parameter.detach().cpu().clone()
+            return whole(self.parameter.detach()).cpu().clone()
 
 
-class _WholeWeights:
-    """A module as `hash_module` sees it (its state_dict), every partitioned weight whole, one at a time."""
+@contextlib.contextmanager
+def hashed_whole(*modules):
+    """TRL's trainers key the reference log-probs cache by `hash_module` of the reference (or of the policy) as their
+    __init__ takes it, reading each weight's `.cpu()`: a ZeRO-3 partition reads as an empty tensor (every model of the
+    same shapes one key, another model's cache reused) and an FSDP2 DTensor not at all (`.numpy()` refuses tensor
+    subclasses). For that __init__, a sharded module's state_dict reads every weight whole, one gathered at a time:
+    the key a DDP run of the same model computes, so a cache is shared across engines."""
+    shadowed = [module for module in modules if module is not None and not isinstance(module, str)
+                and sharded(module.parameters())]
+    for module in shadowed:
+        own = type(module).state_dict
+        module.state_dict = lambda module=module, own=own: {
+            name: _WholeOnRead(value) if sharded([value]) else value
+            for name, value in own(module, keep_vars=True).items()}
+    try:
+        yield
+    finally:
+        for module in shadowed:
+            del module.state_dict
 
-    def __init__(self, module):
-        self.module = module
 
-    def state_dict(self) -> dict:
-        return {name: _GatheredOnRead(value) if hasattr(value, "ds_id") else value
-                for name, value in self.module.state_dict(keep_vars=True).items()}
-
-
-def rehash_whole_weights(trainer) -> None:
-    """TRL keys the reference cache by a hash of the reference's weights (`_precompute_model_hash`), taken as the
-    module holds them. Under ZeRO-3 the weights are partitioned as they load: each rank holds empty tensors in their
-    place, and that hash would key every model of the same shapes alike (another model's cache reused). Taken again
-    here with TRL's own function over the whole weights, each gathered as it is read: the key a DDP run of the same
-    model computes, so a cache is shared across engines."""
-    model = trainer.accelerator.unwrap_model(trainer.ref_model or trainer.model)  # TRL hashed it unwrapped
-    if getattr(trainer, "_precompute_model_hash", None) is None or not partitioned(model.parameters()) or \
-            getattr(trainer, "_rehashed_whole", False):
-        return
-    trainer._precompute_model_hash = hash_module(_WholeWeights(model))
-    trainer._rehashed_whole = True
+def drop_reference_after_pass(trainer, given_reference) -> None:
+    """Under FSDP, TRL frees the reference it loaded for the precompute pass once the pass is done; the one the
+    toolkit gives it there (the starting model loaded a share per rank: src/pipeline/training.py) goes the same way."""
+    precomputed = getattr(trainer, "precompute_ref_logps", None) or trainer.args.precompute_ref_log_probs
+    if given_reference is not None and precomputed and trainer.is_fsdp_enabled:
+        trainer.ref_model = None
 
 
 def _release_inference_engine(trainer) -> None:
