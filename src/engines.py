@@ -5,8 +5,10 @@ group), what the process group and TRL's config need so that the engine runs on 
 FSDP2: `adopt_fsdp_on_cpu`, `trainer_accelerator_config`), what training_info.json records of the engine that
 actually ran (`engine_record`, read from the trainer's accelerator, never assumed), DeepSpeed's buffers sized by the
 model (`size_buffers_by_model`), ZeRO-3's weights partitioned as they load (`partitioned_loading`; `load_warning` where
-they load whole), the final model saved whole under FSDP (`whole_weights_on_save`), and whole weights or this rank's
-shard for code that reads them under ZeRO-3 (`gathered`, `whole_numel`) and FSDP2 (`whole`, `local_shard`).
+they load whole), what each rank holds of a weight under FSDP2 and ZeRO-3 as the model loads (`loads_sharded`, `share`,
+`fsdp2_sharded`, `keep_sharding_from_load`) and answers prompts before training (`generating`), and whole weights or
+this rank's shard for code that reads them under ZeRO-3 (`gathered`, `whole_numel`, `whole_value`, `whole_module`)
+and FSDP2 (`whole`, `local_shard`).
 
     STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
 
@@ -232,6 +234,8 @@ def fsdp2_sharded(model, precision: str, device):
     """A model built on the meta device, wrapped as the trainer's accelerate wraps it under FSDP2 (`fsdp2_prepare_model`:
     `fully_shard` per decoder layer, the embeddings and head, then the whole), and each rank's shards allocated on
     `device`, empty: the caller fills them. The trainer's `prepare` later finds an FSDP module and keeps it as it is.
+    A model with peft's adapters: its base model wrapped so (its final norm found where accelerate looks for it), then
+    the adapters' wrapper as the root.
     The buffers (rotary frequencies, built real on the CPU) and any parameter already real are kept across the
     allocation; tied weights are tied again, as accelerate does after its own load. accelerate's rank-0 broadcast
     (`cpu_ram_efficient_loading`) is off here: no rank holds more than its shards."""
@@ -246,7 +250,13 @@ def fsdp2_sharded(model, precision: str, device):
         precision], is_main_process=int(os.environ.get("RANK", "0")) == 0, device=device)
     real = {name: tensor.detach().clone() for name, tensor in [*model.named_parameters(), *model.named_buffers()]
             if not tensor.is_meta}
-    model = fsdp2_prepare_model(accelerator, model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fsdp2_prepare_model(accelerator, inner)
+    if inner is not model:  # peft's wrapper: the root around its base model, as accelerate wraps the root
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        fully_shard(model, offload_policy=plugin.cpu_offload, mp_policy=plugin.mixed_precision_policy or
+                    MixedPrecisionPolicy())
     model.to_empty(device=device)
     parameters = dict(model.named_parameters())
     for name, value in real.items():  # buffers are not sharded; a parameter that was real keeps its share
@@ -255,6 +265,17 @@ def fsdp2_sharded(model, precision: str, device):
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+def forward_through_root(model, device) -> None:
+    """FSDP2 takes the unit whose forward runs first as the root of all the others, and refuses another root later
+    ("already lazily initialized"). peft's `generate` calls its base model's, so the held-out answers would make that
+    the root and the trainer's first forward, through peft's wrapper, would fail: one token runs through the wrapper
+    first."""
+    import torch
+
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
 
 
 def resharded_after_forward(model):
@@ -267,29 +288,14 @@ def resharded_after_forward(model):
     return model
 
 
-def keep_sharding_from_load(trainer, precision: str) -> None:
-    """Under FSDP2, a model sharded as it loaded (`fsdp2_sharded`) handed to TRL's trainer: accelerate's `prepare` keeps
-    an FSDP module as it is, but first builds its auto-wrap policy by looking the decoder layers' classes up by name,
-    which FSDP renamed (FSDPLlamaDecoderLayer): the policy, which would wrap nothing more, is dropped. The weights TRL
-    added since the load (LoRA's adapters: peft's, drawn alike on every rank) become FSDP units of their own with the
-    same settings, bottom up, so that their gradients are reduced with the rest and each rank keeps its shard (measured:
-    the adapters' gradients the mean of the ranks', as a whole model's)."""
-    model = trainer.model
-    if not getattr(trainer, "is_fsdp_enabled", False) or not any(hasattr(p, "to_local") for p in model.parameters()):
-        return
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    trainer.accelerator.state.fsdp_plugin.auto_wrap_policy = None
-    for module in model.modules():  # a unit kept whole after a forward (the head's) holds its sharded weights again
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    plugin = fsdp2_plugin(precision)
-    mesh = next(parameter.device_mesh for parameter in model.parameters() if hasattr(parameter, "to_local"))
-    for module in reversed(list(model.modules())):
-        if any(not hasattr(parameter, "to_local") for parameter in module.parameters(recurse=False)):
-            fully_shard(module, mesh=mesh, reshard_after_forward=plugin.reshard_after_forward,
-                        offload_policy=plugin.cpu_offload, mp_policy=plugin.mixed_precision_policy or
-                        MixedPrecisionPolicy())
+def keep_sharding_from_load(trainer) -> None:
+    """Under FSDP2, a model sharded as it loaded (`fsdp2_sharded`, LoRA's adapters in it) handed to TRL's trainer:
+    accelerate's `prepare` keeps an FSDP module as it is, but first builds its auto-wrap policy by looking the decoder
+    layers' classes up by name, which FSDP renamed (FSDPLlamaDecoderLayer): that policy, which would wrap nothing more,
+    is dropped. Every unit holds its shards again (the head's, kept whole after the held-out answers' forwards)."""
+    if getattr(trainer, "is_fsdp_enabled", False) and any(hasattr(p, "to_local") for p in trainer.model.parameters()):
+        trainer.accelerator.state.fsdp_plugin.auto_wrap_policy = None
+        resharded(trainer.model)
 
 
 def share(tensor) -> tuple:
@@ -395,12 +401,50 @@ def generating(model, precision: str):
         engine.destroy()
 
 
-def whole_weights_on_save(trainer) -> None:
-    """Under FSDP, the final save gathers the whole weights into ordinary files: with a sharded-checkpoint launch config
-    (fsdp_state_dict_type: SHARDED_STATE_DICT, each rank its own shard in a checkpoint) the Trainer's save_model
-    would write no model file at all. accelerate's public switch of the plugin's state-dict type."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+def whole_value(parameter):
+    """A weight's whole value as a plain tensor of its own, the same on every rank: where an engine shards it, a
+    collective every rank joins (ZeRO-3's gather, FSDP2's all-gather) for this one weight."""
+    if hasattr(parameter, "ds_id"):
+        with gathered([parameter]):
+            return parameter.data.detach().clone()
+    return whole(parameter.detach())
+
+
+@contextlib.contextmanager
+def whole_module(module, root):
+    """A block in which `module`'s weights (a LoRA layer: its base weight and adapter) are whole on every rank as
+    plain tensors in place: ZeRO-3's gather; FSDP2: the units that hold them (found up from each submodule in `root`)
+    unsharded, as for a forward (at most a layer whole), sharded again after."""
+    parameters = list(module.parameters())
+    if partitioned(parameters):
+        with gathered(parameters):
+            yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    parents = {child: parent for parent in root.modules() for child in parent.children()}
+    units = []
+    for submodule in module.modules():
+        owner = submodule if list(submodule.parameters(recurse=False)) else None
+        while owner is not None and not isinstance(owner, FSDPModule):
+            owner = parents.get(owner)
+        if owner is not None and owner not in units:
+            units.append(owner)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def resharded(model) -> None:
+    """FSDP2: every unit holding its shards again (a unit the trainer keeps gathered from a forward to its backward,
+    the head's, stays gathered after a forward without one)."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):  # an FSDP2 unit
+            module.reshard()
 
 
 def local_shard(tensor):

@@ -52,3 +52,4 @@ def init_weights(model, module) -> None:
     one module, which src/sharded_weights.py runs on a whole copy of a module whose weights the checkpoint lacks (a
     reward model's new score head), to draw them as a whole load draws them."""
     model._init_weights(module)
+

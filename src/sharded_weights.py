@@ -17,7 +17,8 @@ import copy
 import json
 from pathlib import Path
 
-from src.engines import FSDP, Engine, fsdp2_sharded, loading_whole, partitioned_loading, share
+from src.engines import (FSDP, Engine, forward_through_root, fsdp2_sharded, loading_whole, partitioned_loading, resharded, share,
+                         whole_module, whole_value)
 from src.private_api import init_weights
 
 SAFE_INDEX, SAFE_WEIGHTS = "model.safetensors.index.json", "model.safetensors"
@@ -78,10 +79,12 @@ def weight_names(model) -> list[str]:
                                                               if name in persistent]
 
 
-def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, engine: Engine):
+def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, engine: Engine, adapters=None):
     """(the model, each rank holding only its share, read as its share; None where it loads whole instead, and the
     reason to say, None where there is nothing to say: ZeRO-3 with zero3_init_flag off). `kwargs`: from_pretrained's
-    (dtype, trust_remote_code, attn_implementation; a reward model's num_labels and pad_token_id)."""
+    (dtype, trust_remote_code, attn_implementation; a reward model's num_labels and pad_token_id). `adapters`: (a peft
+    config, the run's seed): under FSDP2 the LoRA adapters are added before the model is sharded, as TRL adds them
+    (`with_adapters`), so that they are sharded with it; TRL is then given the model with them."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig
@@ -95,17 +98,76 @@ def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, e
     random_state = torch.get_rng_state()  # where a whole load draws the weights the checkpoint lacks from
     with loading_whole(), init_empty_weights():  # on the meta device, not inside a ZeRO-3 config that lives already
         meta = model_class.from_config(config, **build)
+    meta.tie_weights()  # from_config ties them only later (a tied head is the embeddings, read once)
     names, missing = checkpoint.names_for(meta)
     base = f"{meta.base_model_prefix}."
     renamed = [name for name in missing if name.startswith(base)]
     if renamed:
         return None, f"its checkpoint names its weights otherwise than the model ({renamed[0]} is not among them)"
     drawn = drawn_whole(meta, missing, random_state)  # before the wrap: on the model as transformers builds it
-    model = fsdp2_sharded(meta, precision, device) if engine.name == FSDP else zero3_built(meta, precision)
+    if engine.name == FSDP:
+        # the modules that hold each weight, which the wrap keeps (and peft keeps as each adapted layer's base layer)
+        holders = {name: (meta.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                   for name in [*names, *drawn]}
+        model = fsdp2_sharded(with_adapters(meta, adapters), precision, device)
+        tensor_of = lambda name: getattr(*holders[name])  # noqa: E731
+    else:
+        model = zero3_built(meta, precision)
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers()) if model is not None else {}
+        tensor_of = tensors.__getitem__
     if model is None:
         return None, None
-    read_shares(model, names, checkpoint.read, drawn)
-    return finished(model, checkpoint.directory), None
+    read_shares(tensor_of, names, checkpoint.read, drawn)
+    copy_saved_modules(model)
+    model = finished(model, checkpoint.directory)
+    if hasattr(model, "get_base_model"):  # peft's wrapper, LoRA added as it loaded under FSDP2
+        forward_through_root(model, device)
+    return model, None
+
+
+def with_adapters(meta, adapters):
+    """The model with LoRA adapters added as TRL adds them (its seed set, then peft's `get_peft_model`), drawn as TRL
+    draws them beside real weights: peft places a new adapter on its base weight's device, so for the time of
+    `get_peft_model` the base weights are allocations on the CPU that are never written (untouched pages: no host
+    memory is used), then back on the meta device; the adapters and buffers kept, for the wrap to shard."""
+    if adapters is None:
+        return meta
+    import torch
+    from peft import get_peft_model
+    from transformers import set_seed
+
+    peft_config, seed = adapters
+    buffers = {name: buffer.clone() for name, buffer in meta.named_buffers()}
+    persistent = {f"base_model.model.{name}" for name in meta.state_dict(keep_vars=True)}
+    meta.to_empty(device="cpu")
+    set_seed(seed)
+    model = get_peft_model(meta, peft_config)
+    drawn = {name: parameter.detach().clone() for name, parameter in model.named_parameters()
+             if parameter.requires_grad}
+    model.to("meta")
+    with torch.no_grad():
+        for name, value in [*drawn.items(), *((f"base_model.model.{name}", value) for name, value in buffers.items())]:
+            holder, _, attribute = name.rpartition(".")
+            module = model.get_submodule(holder)
+            tensor = getattr(module, attribute)
+            if isinstance(tensor, torch.nn.Parameter):
+                setattr(module, attribute, torch.nn.Parameter(value, requires_grad=tensor.requires_grad))
+            else:
+                module.register_buffer(attribute, value, persistent=name in persistent)
+    return model
+
+
+def copy_saved_modules(model) -> None:
+    """peft's trained copy of a module (a reward model's score head under LoRA: `modules_to_save`) starts as the
+    module's own values, which peft copied while they were still on the meta device: copied again, share by share."""
+    import torch
+
+    for module in model.modules():
+        if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
+            for copied in module.modules_to_save.values():
+                with torch.no_grad():
+                    for source, target in zip(module.original_module.parameters(), copied.parameters()):
+                        share(target)[0].copy_(share(source)[0])
 
 
 def zero3_built(meta, precision: str):
@@ -123,18 +185,15 @@ def zero3_built(meta, precision: str):
     return model
 
 
-def read_shares(model, names: dict[str, str], read, drawn: dict) -> None:
-    """Each of the model's weights filled with this rank's share of it, cast to the weight's own dtype (fp32 master
-    weights from a bf16 checkpoint, as from_pretrained casts them): read from the checkpoint (`read(key, block)`), or
-    cut from its whole drawn value."""
+def read_shares(tensor_of, names: dict[str, str], read, drawn: dict) -> None:
+    """Each of the model's weights (`tensor_of(name)`) filled with this rank's share of it, cast to the weight's own
+    dtype (fp32 master weights from a bf16 checkpoint, as from_pretrained casts them): read from the checkpoint
+    (`read(key, block)`), or cut from its whole drawn value."""
     import torch
 
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     with torch.no_grad():
-        for name, tensor in tensors.items():
-            if name not in names and name not in drawn:
-                continue
-            target, block, flat = share(tensor)
+        for name in [*names, *drawn]:
+            target, block, flat = share(tensor_of(name))
             if target.numel() == 0:
                 continue
             piece = read(names[name], block) if name in names else drawn[name][block]
@@ -167,3 +226,156 @@ def finished(model, directory: Path):
     if model.can_generate() and (directory / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(directory)
     return model.eval()
+
+
+# The final model -----------------------------------------------------------------------------------------------------
+
+# transformers' save_pretrained default: one file up to 50 GB, then shards with an index
+MAX_SHARD_SIZE = "50GB"
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+class StreamedSafetensors:
+    """A safetensors file written a tensor at a time, in the order its header lists them: the format (an 8-byte
+    little-endian header length, a JSON header of each tensor's dtype, shape and byte offsets, padded to 8 bytes, then
+    the data) is written as safetensors writes it, but safetensors 0.8's writers (`save_file`, `serialize_file`) take
+    every tensor at once. Read back by safetensors and from_pretrained as any other file."""
+
+    def __init__(self, path: Path, tensors: list[tuple[str, object, tuple]], metadata: dict[str, str]):
+        header, offset = {}, 0
+        for name, dtype, shape in tensors:
+            size = dtype.itemsize
+            for length in shape:
+                size *= length
+            header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.handle = path.open("wb")
+        self.handle.write(len(encoded).to_bytes(8, "little") + encoded)
+
+    def write(self, tensor) -> None:
+        import torch
+
+        self.handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(dtype=torch.uint8).numpy())
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def saved_tensors(model) -> list[tuple[str, object, tuple, object]]:
+    """What a whole save of the model holds, in order: (name, dtype, shape, a function giving its whole value, which
+    every rank calls together). A model with LoRA adapters is saved merged, as peft's merge_and_unload then
+    save_pretrained saves it: each adapted layer's weight plus its adapter's delta (peft's `get_delta_weight`), a
+    reward model's trained head copy under the head's own name; the names its base model's."""
+    import torch
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    adapter = model.active_adapter if isinstance(model, PeftModel) else None
+    persistent, seen, done, tensors = set(base.state_dict(keep_vars=True)), set(), [], []
+    for name, module in base.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(prefix.startswith(outer) for outer in done):
+            continue
+        if isinstance(module, LoraLayer):
+            done.append(prefix)
+            weight = module.base_layer.weight
+            tensors.append((prefix + "weight", weight.dtype, shape_of(weight),
+                            lambda layer=module: merged_weight(layer, adapter, model)))
+            module = module.base_layer
+            tensors += [(prefix + "bias", module.bias.dtype, shape_of(module.bias),
+                         lambda bias=module.bias: whole_value(bias))] if module.bias is not None else []
+            continue
+        if isinstance(module, ModulesToSaveWrapper):
+            done.append(prefix)
+            module = module.modules_to_save[adapter]
+        for local, tensor in [*module.named_parameters(), *module.named_buffers()] if prefix in done else [
+                *module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if id(tensor) not in seen and (prefix + local in persistent or isinstance(tensor, torch.nn.Parameter)):
+                seen.add(id(tensor))
+                tensors.append((prefix + local, tensor.dtype, shape_of(tensor), lambda tensor=tensor: whole_value(
+                    tensor)))
+    return tensors
+
+
+def shape_of(tensor) -> tuple:
+    """A weight's whole shape (ZeRO-3's, where the tensor itself is an empty placeholder)."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
+def merged_weight(layer, adapter: str, model):
+    """A LoRA layer's weight with its adapter merged in, as peft's safe merge computes it (the base weight plus
+    `get_delta_weight` in the base's dtype), from the layer made whole for the moment (engines.whole_module)."""
+    if layer.use_dora.get(adapter):
+        raise ValueError("merging a DoRA adapter into a sharded model is not supported: save it unmerged "
+                         "(--merge_adapter false) and merge it with peft on one process")
+    with whole_module(layer, model):
+        weight = layer.base_layer.weight.detach()
+        return (weight + layer.get_delta_weight(adapter).to(weight.dtype)).clone()
+
+
+def save_whole(model, directory: Path, is_main: bool) -> None:
+    """Every rank: the model (a LoRA model merged: `saved_tensors`) written whole into ordinary safetensors files, as
+    save_pretrained writes them (one file up to 50 GB, then shards with an index; its config and generation config by
+    save_pretrained itself), by rank 0 one tensor at a time: each gathered whole (a collective every rank joins),
+    written and let go, so no process holds more than one tensor (a LoRA layer: its base weight and adapter) of it.
+    A failed write on rank 0 stops its writing, not the gathers the other ranks are in; it is raised after them."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from peft import PeftModel
+
+    resharded(model)
+    tensors = saved_tensors(model)
+    plan = split_torch_state_dict_into_shards({name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype,
+                                               shape, _ in tensors}, max_shard_size=MAX_SHARD_SIZE)
+    described = {name: (name, dtype, shape) for name, dtype, shape, _ in tensors}
+    value_of = {name: value for name, _, _, value in tensors}
+    failure = None
+    if is_main:
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        base.save_pretrained(directory, state_dict={})  # its config and generation config; earlier shards removed
+    for file, names in plan.filename_to_tensors.items():
+        writer = None
+        if is_main and failure is None:
+            writer, failure = _opened(directory / file, [described[name] for name in names])
+        for name in names:
+            value = value_of[name]()
+            if writer is not None:
+                try:
+                    writer.write(value)
+                except OSError as error:
+                    writer, failure = None, error
+            del value
+        if writer is not None:
+            writer.close()
+    if is_main and plan.is_sharded and failure is None:
+        (directory / SAFE_INDEX).write_text(json.dumps({"metadata": plan.metadata, "weight_map": {
+            name: file for file, names in plan.filename_to_tensors.items() for name in names}}, indent=2) + "\n")
+    if failure is not None:
+        raise failure
+
+
+def _opened(path: Path, tensors: list) -> tuple:
+    """(a writer, None), or (None, the error) where the file cannot be opened."""
+    try:
+        return StreamedSafetensors(path, tensors, {"format": "pt"}), None
+    except OSError as error:
+        return None, error
+
+
+def save_adapter(model, directory: Path, is_main: bool) -> None:
+    """Every rank: a LoRA model's adapter (its trained weights: the adapter and a reward model's head copy) gathered a
+    tensor at a time into rank 0's memory, the base never, and saved by peft as save_pretrained saves it."""
+    adapter = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            value = whole_value(parameter)
+            if is_main:
+                adapter[name] = value.cpu()
+    if is_main:
+        model.save_pretrained(directory, state_dict=adapter)

@@ -2,7 +2,9 @@
 2-process job with accelerate launch's environment for each engine (tests/engine_launch.py), each rank reads and holds
 only its share of every weight, and the weights that arrive, gathered, are bit for bit a whole load's: a causal LM
 from an fp32 checkpoint and from a bf16 one saved as sharded safetensors files with an index (the Hub's layout), and a
-reward model whose new score head the checkpoint lacks (drawn as a whole load draws it, from the same seed)."""
+reward model whose new score head the checkpoint lacks (drawn as a whole load draws it, from the same seed); and each
+model written whole again by rank 0 a tensor at a time (src/sharded_weights.py `save_whole`, the bf16 one into shards
+with an index) reads back as the same weights."""
 
 from __future__ import annotations
 
@@ -67,6 +69,17 @@ def load_entry(argv: list[str]) -> int:
                 value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter.data
                 if world.is_main and not torch.equal(value, whole[name]):
                     differing.append(name)
+        # the model written whole again, rank 0 a tensor at a time (the bf16 one split into shards with an index), and
+        # read back by from_pretrained
+        saved = Path(out_dir, f"saved_{label}")
+        sharded_weights.MAX_SHARD_SIZE = "20KB" if label == "causal1" else "50GB"
+        sharded_weights.save_whole(model, saved, world.is_main)
+        dist.barrier()
+        if world.is_main:
+            reread = whole_class.from_pretrained(saved, dtype=torch.float32).state_dict()
+            differing += [f"saved {name}" for name, value in whole.items() if not torch.equal(reread[name], value)]
+            differing += ["no index"] if label == "causal1" and not (saved / "model.safetensors.index.json").exists() \
+                else []
         results[label] = {"held": held, "read": read["elements"], "whole": sum(parameter.numel() for parameter in whole_model.parameters())
                           if world.is_main else None, "differing": differing, "sharded": type(model.get_input_embeddings().weight
                                                                                ).__name__}

@@ -34,11 +34,19 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
         set_seed(config.training.seed)
     if model is None:
         model = load_model(model_path, config.model, stage.plan, world,
-                           reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+                           reward_pad_token_id=tokenizer.pad_token_id if reward else None,
+                           adapters=stage_adapters(stage, reward))
         model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
                                              stage.plan.precision)
     record_weights_at_load(model, start, world)
     return model
+
+
+def stage_adapters(stage: Stage, reward: bool = False):
+    """(the stage's LoRA config, its seed) for a load that adds them itself (FSDP2, src/models.py `load_model`), or
+    None without --use_lora."""
+    lora = peft_config(stage.config.model, reward)
+    return (lora, stage.config.training.seed) if lora is not None else None
 
 
 def record_weights_at_load(model, start: StageStart, world: World) -> None:
@@ -75,13 +83,14 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, start.total_steps,
                                   sft_forward, start.data_settings)
-    peft = peft_config(config.model, reward)
+    lora = peft_config(config.model, reward)
+    peft = None if hasattr(model, "peft_config") else lora  # adapters added as it loaded (FSDP2): not again
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft,
                             stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length
                             if getattr(trl_config, "max_length", None) is None else None,
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
                             packed_attention=plan.packed_attention,
-                            ref_model=reference_model(stage, model, reference_path, trl_config, peft, world),
+                            ref_model=reference_model(stage, model, reference_path, trl_config, lora, world),
                             trainer_inputs=row.training.trainer_inputs(config) if row.training.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 

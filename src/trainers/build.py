@@ -54,7 +54,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         **(trainer_inputs or {}),
     )
     trainer.remove_callback(PrinterCallback)
-    keep_sharding_from_load(trainer, plan.precision)
+    keep_sharding_from_load(trainer)
     if forward and forward["packed_forward"].enabled:
         meter.computed_tokens = forward["packed_forward"].computed_tokens
     return trainer
