@@ -20,6 +20,7 @@ import json
 import signal
 import sys
 
+from src import library_warnings
 from src.diagnostics.inputs import CheckOptions, InputError, parse_launch_arguments, parse_param_count, training_setup
 from src.diagnostics.render import render
 from src.diagnostics.check import Sources, check
@@ -118,6 +119,7 @@ def options_from(args: argparse.Namespace) -> CheckOptions:
 
 
 def main(argv: list[str] | None = None, sources: Sources | None = None) -> int:
+    library_warnings.install()  # the libraries' known-harmless lines kept off the report (DeepSpeed's, on CPU)
     args = build_parser().parse_args(argv)
     for name in args.old_names:
         print(old_name_notice(name), file=sys.stderr)

@@ -102,6 +102,11 @@ if [[ ${PRINT_LAUNCH:-0} != 1 ]]; then
     PREFKIT_QUIET_DRY_RUN=$((1 - dry_run)) "$PYTHON" -m src.main_distributed --dry_run "$@" || exit $?
   [[ $dry_run -eq 1 ]] && exit 0  # the check was all that was asked
   [[ -f $PREFKIT_EXIT_DIR/finished ]] && exit 0  # already finished: no worker to start
+  # What the preflight found the launch's own processes need (src/library_warnings.py: DS_ACCELERATOR=cpu where no GPU
+  # driver is, so that accelerate launch's DeepSpeed import does not warn that it guessed).
+  if [[ -f $PREFKIT_EXIT_DIR/environment ]]; then
+    while IFS= read -r assignment; do export "${assignment?}"; done <"$PREFKIT_EXIT_DIR/environment"
+  fi
   export PREFKIT_PREFLIGHT_DONE=1  # the workers do not repeat its notices (an unreachable Hub)
 fi
 
@@ -160,11 +165,14 @@ fi
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM HUP  # a scheduler's stop: torchrun stops its workers
 trap ':' INT  # Ctrl-C reaches torchrun and its workers themselves; wait for them to save and exit
+# A worker that ends the job itself (a lost node, a hang, an error no restart cures: src/run_safety/launcher_exit.py)
+# SIGKILLs torchrun's agent after recording the job's status, which this script reports below: bash's own "Killed"
+# notice of the agent (printed by `wait`) would only add a line that says nothing.
 while kill -0 "$launcher" 2>/dev/null; do
-  wait "$launcher" || true
+  wait "$launcher" 2>/dev/null || true
 done
 status=0
-wait "$launcher" || status=$?
+wait "$launcher" 2>/dev/null || status=$?
 for recorded in "$PREFKIT_EXIT_DIR"/rank-*; do
   [[ -f $recorded ]] && status=$(<"$recorded") && break
 done

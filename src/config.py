@@ -28,6 +28,12 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = PROJECT_ROOT / "configs" / "default.yaml"
 EMBEDDED = "embedded"  # model_name_or_path / dataset_name value that selects the shipped default
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report_to values, each the name of the package it needs
+# What a pipeline's blocks read (src/config_parse.py `block_reads`): a key of the run, not of one stage (its directory,
+# watches and copies), is read from the top level only; so are the on-policy rounds' keys (they follow the run's final
+# stage), read where that stage's row has on_policy_rounds. An objective's knob (DPOArguments, SFTArguments) is read by
+# the rows its `read_by` names (a row field), else by the objectives whose TRL config has a field of its name.
+RUN_KEY = {"run_level": True}
+ROUNDS_KEY = {"run_level": True, "read_by": "on_policy_rounds"}
 
 
 @dataclass
@@ -36,7 +42,8 @@ class ModelArguments(ModelConfig):
 
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": f"Hub id or local directory of the model to train; '{EMBEDDED}' builds the small offline "
+        metadata={**RUN_KEY, "help": f"Hub id or local directory of the model to train; '{EMBEDDED}' builds the small "
+                  "offline "
                   "default model on first use (cached after)."},
     )
     chat_template_path: str | None = field(
@@ -55,6 +62,14 @@ class ModelArguments(ModelConfig):
         default=False,
         metadata={"help": "Train LoRA adapters through peft instead of all weights (same as TRL's --use_peft). "
                   "For DPO the reference model is then the base with adapters disabled: no second copy in memory."},
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on LoRA's input (TRL's default 0.05; here peft's own, 0): each process draws its "
+                  "masks from its own random stream, so with dropout the same global batch gives other numbers on "
+                  "another number of GPUs (docs/configuration.md, Dropout); it also keeps a dropped-out copy of "
+                  "every adapted layer's input for the backward. DPO, KTO, SimPO, ORPO and reward turn dropout off "
+                  "anyway."},
     )
     lora_target_modules: list[str] | None = field(
         default_factory=lambda: ["all-linear"],
@@ -196,21 +211,23 @@ class TrainingArguments:
     )
     run_name: str | None = field(
         default=None,
-        metadata={"help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name (with "
+        metadata={**RUN_KEY, "help": "Results go to <results_dir>/<run_name>/. Default: the recipe's file name (with "
                   "-<stage> after it when --stage names another stage than the recipe's: `--stage dpo` alone on "
                   "the default recipe is results/default-dpo), else <stage>-<model name>."},
     )
-    results_dir: str = field(default="results", metadata={"help": "Parent directory of every run's results."})
+    results_dir: str = field(default="results", metadata={**RUN_KEY, "help": "Parent directory of every run's "
+            "results."})
     output_dir: str | None = field(
         default=None, metadata={"help": "Checkpoints and the final model. Default: <results_dir>/<run_name>/model."}
     )
     final_model_dir: str | None = field(
         default=None,
-        metadata={"help": "Also copy the final model (with its model card and plots; a --merge_adapter copy in "
+        metadata={**RUN_KEY, "help": "Also copy the final model (with its model card and plots; a --merge_adapter "
+                  "copy in "
                   "merged/) into this directory at the end. Under SageMaker: SM_MODEL_DIR (uploaded as model.tar.gz)."},
     )
     overwrite: bool = field(
-        default=False, metadata={"help": "Replace the results of an earlier run with the same run name."}
+        default=False, metadata={**RUN_KEY, "help": "Replace the results of an earlier run with the same run name."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order, splits and sampling."})
 
@@ -351,18 +368,21 @@ class TrainingArguments:
     )
     dry_run: bool = field(
         default=False,
-        metadata={"help": "Check the configuration and the data (tokenizing it into the cache), print the plan, "
+        metadata={**RUN_KEY, "help": "Check the configuration and the data (tokenizing it into the cache), print the "
+                  "plan, "
                   "and stop before loading a model or starting a process group."},
     )
     node_timeout: int = field(
         default=180,
-        metadata={"help": "With several nodes: seconds without a sign of life from another node's processes before "
+        metadata={**RUN_KEY, "help": "With several nodes: seconds without a sign of life from another node's "
+                  "processes before "
                   "this node stops with one line naming the silent node (src/run_safety/node_watch.py), instead of waiting on "
                   "a collective for the 60-minute process-group timeout. 0 turns the watch off."},
     )
     hang_timeout: int = field(
         default=600,
-        metadata={"help": "Seconds a rank may make no progress (no step, generation or judged batch, preparation "
+        metadata={**RUN_KEY, "help": "Seconds a rank may make no progress (no step, generation or judged batch, "
+                  "preparation "
                   "chunk, save or evaluation batch) before every process stops with one line naming the stuck rank, "
                   "its phase and its Python stack (in <run dir>/hang/), exit 7 (src/run_safety/hang_watch.py), "
                   "instead of waiting on a collective for the 60-minute process-group timeout. At least 3x the longest "
@@ -390,7 +410,8 @@ class DPOArguments:
     )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": "TRL loss type(s): sigmoid, ipo, hinge, robust, bco_pair, nca_pair, apo_zero, sft, ... "
+        metadata={"read_by": "training.loss_types", "help": "TRL loss type(s): sigmoid, ipo, hinge, robust, bco_pair, "
+                  "nca_pair, apo_zero, sft, ... "
                   "(several are combined with --loss_weights)."},
     )
     loss_weights: list[float] | None = field(default=None, metadata={"help": "Weights when combining loss types."})
@@ -406,7 +427,8 @@ class DPOArguments:
     )
     packed_attention: str = field(
         default="auto",
-        metadata={"help": "The attention of the packed, prefix-shared forward (DPO, SimPO, ORPO, KTO; "
+        metadata={"read_by": "training.packed_forward", "help": "The attention of the packed, prefix-shared forward "
+                  "(DPO, SimPO, ORPO, KTO; "
                   "docs/speed.md): auto (FlexAttention's block-sparse mask on a CUDA GPU where a packed row is at least "
                   "1,024 tokens wide, the dense 4D mask through sdpa/eager on shorter rows and on CPU; the choice and "
                   "its reason are printed and recorded), dense (always the 4D mask), flex (always FlexAttention: a "
@@ -414,23 +436,30 @@ class DPOArguments:
     )
     rounds: int = field(
         default=0,
-        metadata={"help": "On-policy rounds after the DPO stage (iterative DPO, src/rounds.py): each round the current "
+        metadata={**ROUNDS_KEY, "help": "On-policy rounds after the DPO stage (iterative DPO, src/rounds.py): each "
+                  "round the current "
                   "model answers the train prompts --round_samples times, --judge scores every answer, each prompt's "
                   "best and worst answers become a pair, and DPO trains on those pairs. 0: offline DPO only."},
     )
-    round_samples: int = field(default=4, metadata={"help": "Answers sampled per prompt in a round (K, at least 2)."})
+    round_samples: int = field(default=4, metadata={**ROUNDS_KEY, "help": "Answers sampled per prompt in a round (K, "
+            "at least 2)."})
     round_prompts: int = field(
-        default=0, metadata={"help": "Train prompts asked per round, drawn anew each round; 0: every train prompt."}
+        default=0, metadata={**ROUNDS_KEY, "help": "Train prompts asked per round, drawn anew each round; 0: every "
+                "train prompt."}
     )
-    round_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of a round's answers."})
-    round_top_p: float = field(default=1.0, metadata={"help": "Nucleus (top-p) of a round's sampling; 1: off."})
+    round_temperature: float = field(default=1.0, metadata={**ROUNDS_KEY, "help": "Sampling temperature of a round's "
+            "answers."})
+    round_top_p: float = field(default=1.0, metadata={**ROUNDS_KEY, "help": "Nucleus (top-p) of a round's sampling; "
+            "1: off."})
     round_max_steps: int = field(
         default=-1,
-        metadata={"help": "Optimizer steps per round; -1: one pass over the round's pairs (--num_epochs 1)."},
+        metadata={**ROUNDS_KEY, "help": "Optimizer steps per round; -1: one pass over the round's pairs (--num_epochs "
+                "1)."},
     )
     round_reference: str = field(
         default="previous",
-        metadata={"help": "The reference model of each round: previous (the model the round starts from, i.e. the "
+        metadata={**ROUNDS_KEY, "help": "The reference model of each round: previous (the model the round starts "
+                  "from, i.e. the "
                   "previous round's result: the reference moves with the policy) or start (the model the DPO stage "
                   "started from, for every round).", "choices": ["previous", "start"]},
     )
@@ -457,16 +486,18 @@ class HubArguments:
 
     push_to_hub: bool = field(
         default=False,
-        metadata={"help": "After the run, upload the final model (LoRA adapter or full weights) with its model card "
+        metadata={**RUN_KEY, "help": "After the run, upload the final model (LoRA adapter or full weights) with its "
+                  "model card "
                   "and plots to --hub_model_id, from rank 0; a --merge_adapter copy goes to <hub_model_id>-merged. "
                   "The token comes from HF_TOKEN or `hf auth login`; without one, or offline, the model stays local "
                   "and the message says how to push it later."},
     )
     hub_model_id: str | None = field(
-        default=None, metadata={"help": "Hub repository for --push_to_hub: ORG/NAME (created when missing)."}
+        default=None, metadata={**RUN_KEY, "help": "Hub repository for --push_to_hub: ORG/NAME (created when missing)."}
     )
     hub_private_repo: bool | None = field(
-        default=None, metadata={"help": "Create the repository private (default: the Hub's default for its owner)."}
+        default=None, metadata={**RUN_KEY, "help": "Create the repository private (default: the Hub's default for its "
+                "owner)."}
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import os
 import sys
 import types
@@ -26,8 +27,10 @@ from src.config import (CONCERNS, DEFAULT_RECIPE, PROJECT_ROOT, Config, DPOArgum
 from src.config_checks import closest_name, missing_sources, validate
 from src.config_error import ConfigError
 from src.data_file_kinds import data_file_kind
-from src.objectives import DEFAULT_STAGE, PIPELINE_BLOCKS, PIPELINES, STAGES, UNPAIRED, objective
+from src.objectives import DEFAULT_STAGE, PIPELINE_BLOCKS, PIPELINES, STAGES, UNPAIRED, final_stage, objective
 from src.objectives import trl_config_classes, trl_config_paths
+from src.objectives.spec import TRL_CHOICES
+from src.objectives.trl_field_names import Choice, declared_choices
 from src.objectives.trl_field_names import field_names as trl_field_names
 
 
@@ -91,6 +94,16 @@ class _LazyFields:
 
     def names(self) -> list[str]:
         return sorted(self._names)
+
+    def refuse_undeclared(self, name: str, value: Any, where: str) -> None:
+        """A value TRL's config declares no choice for (`--truncation_mode keep_middle`; --train_sampling_strategy
+        batch_rebalance to KTO, whose KTOConfig leaves it out): one line now, not TRL's error once the data is ready.
+        Every config of the stage that has the field must take it (a pipeline's SFT stage gets it too)."""
+        for path in trl_config_paths(self.stage):
+            choice = declared_choices(path).get(name)
+            if choice is not None and value not in choice.values:
+                raise ConfigError(f"{where}: '{name}' must be one of {', '.join(choice.values)} for --stage "
+                                  f"{self.stage}, got {value!r}")
 
 
 def _convert(value: Any, annotation: Any, key: str, where: str) -> Any:
@@ -267,6 +280,7 @@ def parse_config(argv: list[str] | None = None, require_sources: bool = True, de
     config.recipe_stage = recipe_values.get("stage", DEFAULT_STAGE) if recipe else None
     config.sources = sources
     _check_for_objective(config, stage)
+    resolve_loss_type(config, stage, given=_given_for_stage(config, "loss_type"))
     if require_sources:
         for problem in missing_sources(config):
             raise ConfigError(problem)
@@ -327,6 +341,88 @@ def _check_for_objective(config: Config, stage: str) -> None:
         raise ConfigError(f"{flag} applies to --stage {' or '.join(unpaired)}, not {stage}")
 
 
+def objective_reads(stage: str, key: str) -> bool:
+    """Whether a stage's objective reads a toolkit key: every key of the run's concerns (model, data, training, hub);
+    of an objective's own knobs (DPOArguments, SFTArguments), those its row names: the row field the key's `read_by`
+    names (--packed_attention: the rows with the packed forward; --loss_type: the rows with loss types), else a field
+    of the same name in its TRL config (--beta, --label_smoothing, --packing)."""
+    concern, _ = toolkit_fields()[key]
+    if concern not in (DPOArguments, SFTArguments):
+        return True
+    row = objective(stage)
+    read_by = concern.__dataclass_fields__[key].metadata.get("read_by")
+    return bool(operator.attrgetter(read_by)(row)) if read_by else key in trl_field_names()[row.training.trl_config]
+
+
+def _run_level(key: str) -> bool:
+    """A key of the run, not of one stage (its directory, watches, copies, the rounds after its final stage): src/config.py
+    marks it `run_level`; a pipeline reads it from the top level only."""
+    concern, _ = toolkit_fields()[key]
+    return bool(concern.__dataclass_fields__[key].metadata.get("run_level"))
+
+
+def block_reads(stage: str, key: str) -> bool:
+    """Whether an earlier stage of a pipeline reads a toolkit key from its block (`sft:`, `dpo:`; --sft.KEY)."""
+    return not _run_level(key) and objective_reads(stage, key)
+
+
+def where_it_belongs(pipeline: str, key: str) -> str:
+    """Where a key a pipeline's block does not read is read: the top level, another stage's block, or another stage."""
+    stages = PIPELINES[pipeline]
+    if _run_level(key):
+        readers = [name for name in STAGES if objective_reads(name, key)]
+        runs = "" if len(readers) == len(STAGES) else f" of --stage {' or '.join(readers)}"
+        return f"it is the run's, not a stage's: a top-level key{runs}"
+    earlier = [name for name in stages[:-1] if block_reads(name, key)]
+    # the top level's objective knobs but the SFT stage's are the final stage's (stage_config)
+    top_level = objective_reads(stages[-1], key) or (earlier and key not in DPOArguments.__dataclass_fields__)
+    places = [f"the {name}: block" for name in earlier] + (["the top level"] if top_level else [])
+    return f"it belongs in {' or '.join(places)}" if places else f"no stage of {pipeline} reads it"
+
+
+def loss_type_choice(stage: str) -> Choice | None:
+    """What --loss_type may name for a stage's objective (its row's `loss_types`): TRL's declared values, a loss the
+    toolkit fixes, or None where it has no loss type to choose."""
+    row = objective(stage)
+    if row.training.loss_types == TRL_CHOICES:
+        return declared_choices(row.training.trl_config)["loss_type"]
+    fixed = row.training.loss_types
+    return Choice(fixed, fixed[0], False) if fixed else None
+
+
+def resolve_loss_type(config: Config, stage: str, given: bool) -> None:
+    """--loss_type for a stage's objective, in place: one its row takes when given for it (a flag, its own recipe or
+    block), refused in one line otherwise; not given for it (the default, or a recipe's loss of another stage:
+    configs/default.yaml's DPO loss run with --stage kto), its objective's own default (TRL's: kto, dapo)."""
+    choice = loss_type_choice(stage)
+    asked = config.dpo.loss_type
+    if not given:
+        if choice is not None:
+            config.dpo.loss_type = list(choice.default) if choice.several else [choice.default]
+        config.sources.pop("loss_type", None)
+        return
+    where = config.sources["loss_type"]
+    named = f"{where} {' '.join(asked)}" if where.startswith("--") else f"{where}: loss_type {' '.join(asked)}"
+    title = objective(stage).display_name
+    if choice is None:
+        raise ConfigError(f"{named}: {title} has no loss type to choose; drop it")
+    if len(asked) == 1 and len(choice.values) == 1 and asked[0] not in choice.values:
+        raise ConfigError(f"{named}: {title}'s loss is fixed ({choice.values[0]})")
+    if not asked or (len(asked) > 1 and not choice.several) or not set(asked) <= set(choice.values):
+        several = "one or more (combined with --loss_weights)" if choice.several else "one"
+        raise ConfigError(f"{named}: {title} takes {several} of {', '.join(choice.values)}")
+
+
+def _given_for_stage(config: Config, key: str) -> bool:
+    """Whether a key was given for this run's final stage: by flag or SageMaker, or by a recipe that trains the same
+    objective (a recipe's key of another stage's objective, the default recipe's DPO loss under --stage kto, is not)."""
+    where = config.sources.get(key)
+    if where is None:
+        return False
+    from_recipe = config.recipe is not None and where == recipe_label(config.recipe)
+    return not from_recipe or final_stage(config.recipe_stage) == final_stage(config.training.stage)
+
+
 def recipe_label(path: str | os.PathLike) -> str:
     """A recipe as the plan names it: relative to the project when it lives there (configs/default.yaml)."""
     try:
@@ -373,6 +469,9 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
                     raise ConfigError(f"{where}: unknown key '{key}.{block_key}'{closest_name(block_key, known)}")
                 if block_key in ("stage", *PIPELINE_BLOCKS):
                     raise ConfigError(f"{where}: '{key}.{block_key}' cannot be overridden per stage")
+                if block_key in known and not block_reads(key, block_key):
+                    raise ConfigError(f"{where}: '{key}.{block_key}': the {objective(key).display_name} stage of "
+                                      f"{stage} does not read {block_key}; {where_it_belongs(stage, block_key)}")
             stage_overrides[key] = dict(value)
             continue
         if key in known:
@@ -385,6 +484,7 @@ def _build_config(requested: dict[str, tuple[Any, str]], stage: str) -> Config:
             raise ConfigError(f"{where}: '{key}' is derived by the toolkit; set {DERIVED_TRL_FIELDS[key]} instead")
         elif key in passthrough:
             trl_overrides[key] = _convert(value, passthrough[key], key, where)
+            passthrough.refuse_undeclared(key, trl_overrides[key], where)
         else:
             raise ConfigError(f"{where}: unknown key '{key}'{closest_name(key, list(known) + passthrough.names())}")
     try:
@@ -437,6 +537,8 @@ def stage_config(config: Config, stage: str) -> Config:
     staged = _build_config(requested, stage)
     staged.recipe, staged.recipe_stage = config.recipe, config.recipe_stage
     staged.sources = sources
+    if not final:  # the final stage's loss was resolved with the run's config; an earlier one's is its block's
+        resolve_loss_type(staged, stage, given="loss_type" in config.stage_overrides.get(stage, {}))
     return staged
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from src.config_error import ConfigError
 from src.engines import accelerate_cpu, adopt_fsdp_on_cpu
+from src.library_warnings import printed_lines_dropped
 from src.plan import Plan
 from src.world import World
 from src.resource_limits import threads_per_process
@@ -53,7 +54,8 @@ def init(plan: Plan, world: World):
     if world.world_size == 1:
         return PartialState(cpu=cpu)
     _init_process_group(plan.backend, world)  # accelerate finds it initialized and adopts it
-    state = PartialState(cpu=cpu, backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
+    with printed_lines_dropped():  # DeepSpeed's "op built successfully" line, as its comm backend starts here
+        state = PartialState(cpu=cpu, backend=plan.backend, timeout=COLLECTIVE_TIMEOUT)
     adopt_fsdp_on_cpu(plan.device, world.world_size)  # accelerate alone would drop FSDP on CPU processes
     return state
 

@@ -24,6 +24,7 @@ Light: no torch, no deepspeed (the preflight reads it).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -47,6 +48,44 @@ class Engine:
     @property
     def title(self) -> str:
         return f"DeepSpeed ZeRO-{self.zero_stage}" if self.name == DEEPSPEED else "FSDP"
+
+    @property
+    def key(self) -> str:
+        """run_distributed.sh's STRATEGY for this engine (zero1-3, fsdp)."""
+        return f"zero{self.zero_stage}" if self.name == DEEPSPEED else "fsdp"
+
+
+# What each engine spreads over the processes instead of copying it to each (ZeRO-1 the optimizer states, ZeRO-2 the
+# gradients too, ZeRO-3 and FSDP2 the weights too).
+SHARDED = {"zero1": "optimizer states", "zero2": "gradients, optimizer states",
+           "zero3": "weights, gradients, optimizer states", "fsdp": "weights, gradients, optimizer states"}
+
+
+def describe(key: str, world_size: int) -> str:
+    """The plan's engine row: the engine (`key`: a STRATEGY, or "ddp"), its version, and what it shards over how many
+    processes."""
+    if key not in SHARDED:
+        if world_size == 1:
+            return "none: one process, the whole model on it"
+        return f"DDP: the whole model on each of {world_size} processes, gradients all-reduced"
+    name, library = ("FSDP2", "torch") if key == "fsdp" else (f"DeepSpeed ZeRO-{key[-1]}", "deepspeed")
+    processes = "1 process" if world_size == 1 else f"{world_size} processes"
+    return f"{name} ({library} {_version(library)}): {SHARDED[key]} over {processes}"
+
+
+def requested_source(environ: Mapping[str, str] | None = None) -> str:
+    """Where the launch's engine was asked for: run_distributed.sh's STRATEGY, or an accelerate launch config."""
+    environ = os.environ if environ is None else environ
+    if environ.get("STRATEGY") in STRATEGIES or environ.get("STRATEGY") == DDP:
+        return f"STRATEGY={environ['STRATEGY']}"
+    return "accelerate launch config" if launched(environ) else ""
+
+
+def _version(library: str) -> str:
+    try:
+        return importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def launched(environ: Mapping[str, str] | None = None) -> Engine | None:

@@ -23,7 +23,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: `accelerate launch src/main_distributed.py`, SageMaker's entry point
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from src.audit import run as data_audit  # noqa: E402
+from src import library_warnings  # noqa: E402
+from src.audit import run as data_audit
 from src.config_parse import parse_config
 from src.data import PreparedData, prompts_only
 from src.distributed import barrier, finish, init, print0
@@ -47,6 +48,7 @@ from src.world import Devices, World
 
 
 def run(argv: list[str] | None = None) -> int:
+    library_warnings.install()  # the libraries' known-harmless lines kept off the console, any other warning once
     install_signal_handlers()
     if "TORCHELASTIC_RUN_ID" in os.environ or "PREFKIT_EXIT_DIR" in os.environ:  # started by a launcher
         watch_launcher()  # its end (a kill -9 of its process group) stops this process too, as SIGTERM does

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from src import seams
+from src.plan import FLEX_ATTENTION
 from src.private_api import attention_implementation, set_attention_implementation
 
 DENSE, FLEX = "dense", "flex"
@@ -50,7 +51,6 @@ BLOCK = 128                # FlexAttention's block: rows are whole blocks, so no
 OCTAVE_STEPS = 8           # width buckets per doubling above 1,024: at most 1/8 of a row is bucket padding
 SHARED, CHOSEN, REJECTED = 0, 1, 2  # the packed layout's branch ids (src/packed_layout.py), which the masks read
 ONE_MASK = "*"           # layer_windows' key when every layer takes the same mask
-FLEX_IMPLEMENTATION = "flex_attention"
 # Families of the packed allow-list whose flex forward the suite cannot prove on CPU, with the cause.
 SINKS = ("attention sinks: transformers' flex path cannot run them on CPU, so the suite cannot prove the family "
          "exact under FlexAttention")
@@ -233,7 +233,7 @@ def flex_implementation(model):
     """`model` attends through FlexAttention while the block runs: transformers looks up a layer's attention function
     from the config's attention implementation at every call (src/private_api.py)."""
     before = attention_implementation(model.config)
-    set_attention_implementation(model.config, FLEX_IMPLEMENTATION)
+    set_attention_implementation(model.config, FLEX_ATTENTION)
     try:
         yield
     finally:

@@ -218,12 +218,15 @@ class PackedDPOForward:
                             shift_labels=batch["packed_shift_labels"].reshape(-1)[source][None], fused_lm_head=True,
                             **kwargs)
         rows, length = plan.padded_shape
+        # Each value's (row, column) in TRL's padded layout. Scattered straight into 2-D tensors, not into a flat one
+        # then viewed: FSDP2 hooks every output of the model for its backward, and warns (at every step) that a view
+        # changed in place would lose the hook; fresh tensors give it nothing to warn about.
+        at = (target.div(length - 1, rounding_mode="floor"), target.remainder(length - 1))
 
         def unpack(values):
             if values is None:
                 return None
-            picked = values.reshape(-1)
-            return picked.new_zeros(rows * (length - 1)).index_put((target,), picked).view(rows, length - 1)
+            return values.new_zeros(rows, length - 1).index_put(at, values.reshape(-1))
 
         fields = {name: unpack(getattr(outputs, name)) for name in
                   ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")}

@@ -18,6 +18,7 @@ from typing import Any
 from src.config import Config, TrainingArguments
 from src.config_error import ConfigError
 from src.config_parse import BLOCK_PREFIXES, stage_config
+from src.engines import DDP, describe, requested, requested_source
 from src.objectives import OBJECTIVES, PIPELINES, final_stage
 from src.redaction import redact_secrets
 from src.world import Devices, World
@@ -102,6 +103,8 @@ class Plan:
     precision: str
     ddp_comm_hook: str = "none"  # gradient compression DDP uses: none on one process, where nothing is all-reduced
     packed_attention: str = "auto"  # --packed_attention as the packed forward takes it (src/packed_attention.py)
+    engine: str = DDP  # the engine the launch asked for: ddp, or a STRATEGY (zero1-3, fsdp: src/engines.py)
+    engine_from: str = ""  # where it was asked for: "STRATEGY=zero3", "accelerate launch config", or nothing (torchrun)
     # Where the settings came from: {key: {"value": ..., "from": ...}} for every setting not at its src/config.py
     # default (a recipe file, a --flag, a SageMaker variable) and for the settings the rows above are resolved from
     # ("src/config.py" for its default, or the built-in fallback when that default is None).
@@ -227,12 +230,25 @@ def resolve_precision(requested: str, devices: Devices) -> str:
     return {"no": "fp32"}.get(requested, requested)
 
 
-def resolve_packed_attention(requested: str, devices: Devices) -> str:
-    """--packed_attention as asked; FlexAttention forced where it cannot train (no backward on CPU) is refused."""
-    if requested == "flex" and devices.kind != "cuda":
-        raise ConfigError("--packed_attention flex needs a CUDA GPU: FlexAttention has no backward on CPU; use auto "
-                          "(the dense mask on CPU) or dense")
-    return requested
+# transformers' name of FlexAttention (--attn_implementation; what the packed forward's flex switches a model to:
+# src/packed_attention.py)
+FLEX_ATTENTION = "flex_attention"
+
+
+def resolve_packed_attention(config: Config, stage: str, devices: Devices) -> str:
+    """--packed_attention as asked, once no attention the stage trains through is FlexAttention where it cannot train.
+
+    FlexAttention has no backward on CPU (torch 2.13: NotImplementedError at the first step, after the data was
+    prepared and the model loaded), whichever flag asks for it: the model's own attention (--attn_implementation
+    flex_attention, every stage trains through it), or the packed forward's (--packed_attention flex, on the stages with
+    one: SFT does not read it). One line before any process starts; a CUDA launch keeps either."""
+    asked = [("--attn_implementation flex_attention", "sdpa (transformers' default) or eager")
+             ] if config.model.attn_implementation == FLEX_ATTENTION else []
+    if config.dpo.packed_attention == "flex" and OBJECTIVES[final_stage(stage)].training.packed_forward:
+        asked.append(("--packed_attention flex", "auto (the dense mask on CPU) or dense"))
+    for flag, instead in asked if devices.kind != "cuda" else []:
+        raise ConfigError(f"{flag} needs a CUDA GPU: FlexAttention has no backward on CPU; use {instead}")
+    return config.dpo.packed_attention
 
 
 def resolve_ddp_comm_hook(requested: str, world_size: int, devices: Devices) -> str:
@@ -259,6 +275,7 @@ def default_learning_rate(stage: str) -> float:
 
 def resolve_plan(config: Config, world: World, devices: Devices, stage: str | None = None) -> Plan:
     training = config.training
+    engine = requested()  # the launch's (src/engines.py): accelerate launch's environment, or STRATEGY in a preflight
     stage = stage or training.stage
     batch_mode, per_device, accumulation, global_batch = resolve_batch(training, world.world_size)
     if training.base_batch_size is not None:
@@ -287,7 +304,9 @@ def resolve_plan(config: Config, world: World, devices: Devices, stage: str | No
         learning_rate=learning_rate,
         precision=resolve_precision(training.mixed_precision, devices),
         ddp_comm_hook=resolve_ddp_comm_hook(training.ddp_comm_hook, world.world_size, devices),
-        packed_attention=resolve_packed_attention(config.dpo.packed_attention, devices),
+        packed_attention=resolve_packed_attention(config, stage, devices),
+        engine=engine.key if engine else DDP,
+        engine_from=requested_source(),
         sources=value_sources(config, PLAN_ROW_KEYS, fallbacks),
     )
 
@@ -335,6 +354,8 @@ def format_plan(plan: Plan) -> str:
     rows = [
         ("stage", plan.stage),
         ("processes", f"{plan.world_size} on {plan.num_nodes} node(s), {plan.device}, backend {plan.backend}"),
+        ("engine", f"{describe(plan.engine, plan.world_size)}  {f'[{plan.engine_from}]' if plan.engine_from else ''}"
+                   .rstrip()),
         ("batch", f"{plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} accumulation x "
                   f"{plan.world_size} processes = {plan.global_batch_size} global ({plan.batch_mode} mode)"),
         ("learning rate", f"{plan.learning_rate:.3g} = {plan.base_learning_rate:.3g} {rule}"),

@@ -45,9 +45,17 @@ def unneeded_libraries(config, model_names: list[str], engine_name: str | None =
         unneeded.append("bitsandbytes")
     asked = (config.training.report_to, *(block.get("report_to") for block in blocks))  # earlier stages': as written
     unneeded += [tracker for tracker in TRACKERS_IMPORTED_UNASKED if not any(tracker in str(trackers) for trackers in asked)]
+    return unneeded + unneeded_engines(config, engine_name)
+
+
+def unneeded_engines(config, engine_name: str | None) -> list[str]:
+    """deepspeed, unless the launch's engine is DeepSpeed (`engine_name`: src/engines.py's name of it) or a TRL
+    `--deepspeed` config passes through: known from the config alone, so a launch's first step can leave it out (the
+    preflight, before it builds or reads a model: transformers imports deepspeed whenever it is installed)."""
+    blocks = list(config.stage_overrides.values())
     if engine_name != "deepspeed" and not any(overrides.get("deepspeed") for overrides in (config.trl_overrides, *blocks)):
-        unneeded.append("deepspeed")
-    return unneeded
+        return ["deepspeed"]
+    return []
 
 
 def bitsandbytes_checkpoint(name: str) -> bool:

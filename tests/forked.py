@@ -117,7 +117,8 @@ def _new_process_state():
             ("src.run_safety.parent_watch", "_watching", []), ("src.run_safety.parent_watch", "_fork_hook", []),
             ("src.run_safety.parent_watch", "_launcher", []),
             ("src.run_safety.node_watch", "_finished", threading.Event()),
-            ("src.run_safety.hang_watch", "_watch", []), ("src.run_safety.hang_watch", "_me", _new_hang_state())]
+            ("src.run_safety.hang_watch", "_watch", []), ("src.run_safety.hang_watch", "_me", _new_hang_state()),
+            ("src.library_warnings", "_shown", {})]
 
 
 def _new_hang_state():

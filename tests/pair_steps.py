@@ -1,7 +1,10 @@
 """One optimizer step of a trl.experimental pair trainer (SimPO's CPOTrainer, ORPOTrainer) on a global batch split as
 P processes x A accumulation steps, each micro-batch collated and run on its own as a rank runs it: DDP averages the
-P ranks' gradients, accumulation adds the A micro-steps' (each loss divided by A). Used by tests/test_simpo.py and
-tests/test_orpo.py, with the trainer both build (`trainer_on_prepared_pairs`)."""
+P ranks' gradients, accumulation adds the A micro-steps' (each loss divided by A), after the step's token counts over
+every micro-batch (`begin_step`, what transformers' loop hands it, summed over the ranks). The pairs' answers and
+prompts differ in length, so micro-batches of another size hold other token counts (1 x 1 is 8 pairs per micro-batch,
+the others 2). Used by tests/test_simpo.py and tests/test_orpo.py, with the trainer both build
+(`trainer_on_prepared_pairs`)."""
 
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ def one_step(trainer, rows: list[dict], processes: int, accumulation: int) -> di
     micro = len(rows) // (processes * accumulation)
     trainer._stored_metrics["train"].clear()
     losses = []
-    for index in range(processes * accumulation):
-        batch = trainer.data_collator(rows[index * micro:(index + 1) * micro])
+    batches = [trainer.data_collator(rows[index * micro:(index + 1) * micro]) for index in range(processes * accumulation)]
+    trainer.begin_step(batches)
+    for batch in batches:
         loss = trainer.compute_loss(model, batch)
         (loss / (processes * accumulation)).backward()  # DDP's mean over ranks, accumulation's 1/A
         losses.append(float(loss.detach()))
@@ -55,7 +59,12 @@ def trainer_on_prepared_pairs(stage: str, model_path, tokenizer, work, packed: b
     from src.data import prepare_data
     from src.objectives import load, objective
 
-    pairs = write_jsonl(work / "pairs.jsonl", preference_rows(24, seed=5))
+    rows = preference_rows(24, seed=5)
+    for index, row in enumerate(rows):  # other lengths: micro-batches of another size hold other token counts
+        for side in ("chosen", "rejected"):
+            row[side][0]["content"] += " very" * (1 + index % 3)
+        row["prompt"][0]["content"] += " please" * (index % 4)
+    pairs = write_jsonl(work / "pairs.jsonl", rows)
     prepared = prepare_data(DataArguments(dataset_name=str(pairs), max_length=64, val_size=2, test_size=2),
                             SFTArguments(), stage, 7, tokenizer, work / "cache")
     row = objective(stage)

@@ -514,6 +514,19 @@ def test_a_launch_line_checks_to_the_launchers_own_plan(capsys):
     assert [estimate["method"] for estimate in memory["estimates"] if estimate["chosen"]] == ["lora"]
     assert report["command"] == "./run_distributed.sh 2 " + " ".join(launch)
     assert "8 per device x 8 accumulation x 2 processes = 128 global (global mode)" in render(report)  # the table
+    assert "engine         DDP: the whole model on each of 2 processes, gradients all-reduced" in render(report)
+
+
+def test_the_launch_plan_names_the_engine_strategy_asks_for(capsys, monkeypatch):
+    """`STRATEGY=zero3 python check_gpu.py --num_procs 8 ...` prints the plan `STRATEGY=zero3 ./run_distributed.sh 8`
+    prints: the engine, its version and what it shards, and where it was asked for."""
+    import importlib.metadata
+
+    monkeypatch.setenv("STRATEGY", "zero3")
+    report, _ = check_json(capsys, h100_nvswitch(), ["--num_procs", "8", "--config", QWEN_RECIPE])
+    assert report["plan"]["dpo"]["engine"] == "zero3" and report["plan"]["dpo"]["engine_from"] == "STRATEGY=zero3"
+    assert (f"engine         DeepSpeed ZeRO-3 (deepspeed {importlib.metadata.version('deepspeed')}): weights, gradients, "
+            "optimizer states over 8 processes  [STRATEGY=zero3]") in render(report)
 
 
 def test_the_printed_command_checks_to_the_same_plan(capsys, tmp_path):

@@ -40,6 +40,22 @@ def test_every_shipped_recipe_parses_and_resolves(recipe: Path):
         resolve_plan(staged, World(), Devices("cpu"), stage)
 
 
+def test_flexattention_is_refused_where_it_cannot_train_whichever_flag_asks_and_kept_on_a_gpu():
+    """FlexAttention has no backward on CPU (torch's NotImplementedError at the first step, after the data and the
+    model): the model's own attention (--attn_implementation flex_attention, every stage trains through it) and the
+    packed forward's (--packed_attention flex, on a stage with one: SFT has none) are one rule, refused as the stage is
+    planned on CPU and kept on CUDA."""
+    flex_model = ["--attn_implementation", "flex_attention"]
+    for stage in ("dpo", "sft", "kto", "reward", "grpo"):
+        with pytest.raises(ConfigError, match=r"^--attn_implementation flex_attention needs a CUDA GPU: FlexAttention "
+                                              r"has no backward on CPU; use sdpa \(transformers' default\) or eager$"):
+            plan_for(["--stage", stage, "--judge", "embedded"] + flex_model, 1)
+    with pytest.raises(ConfigError, match=r"^--packed_attention flex needs a CUDA GPU: .* use auto \(the dense"):
+        plan_for(["--stage", "simpo", "--packed_attention", "flex"], 1)
+    assert plan_for(["--stage", "sft", "--packed_attention", "flex"], 1).packed_attention == "flex"  # not SFT's
+    assert plan_for(flex_model + ["--packed_attention", "flex"], 8, H100S).packed_attention == "flex"
+
+
 def test_no_arguments_means_the_embedded_default():
     config = parse_config([])
     assert config.recipe.endswith("configs/default.yaml")
@@ -220,6 +236,56 @@ def test_the_table_of_trl_field_names_is_the_installed_trls():
         live = live_field_names(path)
         assert names == live, (f"{path}: not in the table {sorted(live - names)}, gone from TRL {sorted(names - live)}:"
                                " run python -m src.objectives.trl_field_names")
+
+
+def test_the_table_of_trl_choices_is_the_installed_trls():
+    """The values TRL declares for its fields (a `choices` metadata, or the list its help text gives: DPOConfig's and
+    GRPOConfig's loss_type) are the installed TRL's, so a value TRL would refuse at the first step is refused as the
+    config is parsed; the loss types every row with TRL_CHOICES reads are there."""
+    from src.objectives import OBJECTIVES
+    from src.objectives.spec import TRL_CHOICES
+    from src.objectives.trl_field_names import declared_choices, live_choices
+
+    for path in {row.training.trl_config for row in OBJECTIVES.values()}:
+        live = {name: (tuple(item["values"]), item["several"]) for name, item in live_choices(path).items()}
+        assert {name: (choice.values, choice.several) for name, choice in declared_choices(path).items()} == live, (
+            f"{path}: run python -m src.objectives.trl_field_names")
+    for row in OBJECTIVES.values():
+        if row.training.loss_types == TRL_CHOICES:
+            assert len(declared_choices(row.training.trl_config)["loss_type"].values) > 1, row.name
+    assert declared_choices("trl:DPOConfig")["loss_type"].several and "dapo" in \
+        declared_choices("trl:GRPOConfig")["loss_type"].values
+
+
+def test_each_stage_reads_its_rows_knobs_and_a_pipeline_block_no_other():
+    """Which toolkit keys a stage reads, from its row and its TRL config's field names: every objective knob is read by
+    some objective; a pipeline's block refuses the run's keys and the knobs its stage does not read, naming where they
+    belong; a recipe's loss type for another stage's objective gives way to the objective's own default."""
+    import dataclasses
+
+    from src.config import DPOArguments, SFTArguments
+    from src.config_parse import block_reads, objective_reads, where_it_belongs
+    from src.objectives import STAGES
+
+    for concern in (DPOArguments, SFTArguments):
+        for item in dataclasses.fields(concern):
+            assert any(objective_reads(stage, item.name) for stage in STAGES), item.name
+    assert [block_reads("sft", key) for key in ("beta", "packing", "max_steps", "rounds", "results_dir")] == [
+        False, True, True, False, False]
+    assert [block_reads("dpo", key) for key in ("beta", "loss_weights", "packed_attention", "packing", "rounds")] == [
+        True, True, True, False, False]
+    assert [objective_reads(stage, "precompute_ref_log_probs") for stage in ("dpo", "kto", "simpo", "orpo", "grpo")] \
+        == [True, True, False, False, False]
+    assert where_it_belongs("sft_then_dpo_then_grpo", "rounds") == (
+        "it is the run's, not a stage's: a top-level key of --stage dpo or sft_then_dpo")
+    assert where_it_belongs("sft_then_dpo", "loss_weights") == "it belongs in the top level"
+    with pytest.raises(ConfigError, match=r"--sft.packed_attention: 'sft.packed_attention': the SFT stage of "
+                                          r"sft_then_dpo does not read packed_attention; it belongs in the top level"):
+        parse_config(USER + ["--stage", "sft_then_dpo", "--sft.packed_attention", "dense"])
+    kto = parse_config(["--config", str(PROJECT_ROOT / "configs" / "default.yaml"), "--stage", "kto"])
+    assert kto.dpo.loss_type == ["kto"] and "loss_type" not in kto.sources
+    with pytest.raises(ConfigError, match=r"--loss_type sigmoid sft: KTO takes one of kto, apo_zero_unpaired"):
+        parse_config(USER + ["--stage", "kto", "--loss_type", "sigmoid", "sft"])
 
 
 def test_a_mistyped_flag_is_one_line_without_importing_torch():

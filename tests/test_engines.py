@@ -24,9 +24,9 @@ pytest.importorskip("deepspeed")
 
 
 def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: int | None = None,
-               launch_config: dict[str, str] | None = None) -> dict:
+               launch_config: dict[str, str] | None = None, nproc: int = 2) -> dict:
     """A forked 2-process job as `STRATEGY=<strategy> ./run_distributed.sh 2` starts its workers (ddp: torchrun's
-    plain DDP); its training_info.json, loss curve and per-rank probes. `killed_after`: rank 1 is killed right after
+    plain DDP; `nproc` 1: one process); its training_info.json, loss curve, grad norms and per-rank probes. `killed_after`: rank 1 is killed right after
     that checkpoint is complete (the seam in src/run_safety/checkpoints.py), then the same job is launched again.
     `launch_config`: variables as an edited launch config would set them (FSDP_STATE_DICT_TYPE)."""
     environment = (accelerate_environment(strategy) if strategy != "ddp" else dict(os.environ)) | {
@@ -36,14 +36,34 @@ def run_engine(strategy: str, args: list[str], probe_dir: Path, killed_after: in
         first = forked.run_job(2, [str(probe_dir), *args], entry=rank_probe.entry, env=seams.env(
             environment, kill_at_checkpoint=f"after_complete:{killed_after}:1:{killed}"))
         assert killed.exists() and first.returncode != 0, "the seam never fired: the test proves nothing"
-    result = forked.run_job(2, [str(probe_dir), *args], env=environment, entry=rank_probe.entry)
+    result = forked.run_job(nproc, [str(probe_dir), *args], env=environment, entry=rank_probe.entry)
     assert result.returncode == 0, (f"{strategy}: exit {result.returncode}\n{result.stdout[-3000:]}\n"
                                     f"{result.stderr[-4000:]}")
     run_dir = Path(args[args.index("--results_dir") + 1]) / args[args.index("--run_name") + 1]
     info = run_files.read_json(run_dir / run_files.TRAINING_INFO)
-    losses = [record["loss"] for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
+    logged = [record for record in run_files.read_jsonl(run_dir / run_files.METRICS) if "loss" in record]
     stage = args[args.index("--stage") + 1]
-    return {"info": info, "losses": losses, "ranks": probes(probe_dir, stage, 2), "final": run_dir / "model" / "final"}
+    return {"info": info, "losses": [record["loss"] for record in logged], "ranks": probes(probe_dir, stage, nproc),
+            "grad_norms": [record["grad_norm"] for record in logged], "final": run_dir / "model" / "final",
+            "console": (result.stdout + result.stderr).splitlines()}
+
+
+# What an engine's libraries printed on the console before src/library_warnings.py (and FSDP2's alarm before the
+# packed forward stopped returning views): none of it may reach an engine run's console.
+LIBRARY_NOISE = ("Warning:", "mismatch", "return func(*args, **kwargs)", "built successfully", "Setting accelerator",
+                 "returned a view tensor")
+
+
+def assert_console_reads_as_ddp(run: dict, ddp: dict, label: str, engine: str) -> None:
+    """An engine run's console is the toolkit's, as DDP's is: no library noise, the engine named in the plan block
+    (`engine`: its title), and as many lines as the DDP run's, within what the runs do differently."""
+    noise = [line for line in run["console"] if any(word in line for word in LIBRARY_NOISE)]
+    assert not noise, f"{label}: {noise[:4]}"
+    rows = [line.split(maxsplit=1)[1] for line in run["console"] if line.strip().startswith("engine ")]
+    assert rows and all(row.startswith(engine) and "over 2 processes" in row for row in rows), (label, rows)
+    # the same lines but the engine's row, within what the runs do differently: one that reuses the DDP run's reference
+    # cache says so in 2 lines where DDP's computed it in 4, a resumed run says where from and skips what it did before
+    assert abs(len(run["console"]) - len(ddp["console"])) <= 4, (label, len(ddp["console"]), run["console"])
 
 
 def final_weights(path: Path) -> dict:
@@ -126,6 +146,7 @@ def test_dpo_under_zero2_and_zero3_trains_as_ddp_does_each_rank_holding_its_shar
             # sized by the model (hidden 32: 32 x 32), not DeepSpeed's 5e8 default (2 GB per ZeRO-3 rank)
             assert held["reduce_bucket"] == 32 * 32, name
         assert run["info"].get("weights_at_load") == ("partitioned" if stage == 3 else None), name
+        assert_console_reads_as_ddp(run, ddp, name, f"DeepSpeed ZeRO-{stage}")
         if name == "zero3_live":
             assert [rank["held"]["reference_weights"] for rank in run["ranks"]] == [whole["weights"] // 2] * 2
         else:
@@ -160,6 +181,7 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
             assert (held["weights"], held["optimizer_states"]) == (whole["weights"] // 2,
                                                                    whole["optimizer_states"] // 2), name
         assert_same_final_model(fsdp["final"], ddp["final"], name)
+        assert_console_reads_as_ddp(fsdp, ddp, name, "FSDP2")
     assert [resume["from_step"] for resume in runs["fsdp"]["info"]["resumes"]] == [2]
     checkpoint = root / "results" / "fsdp" / "model" / "checkpoint-2"
     listed = checkpoint_manifest.read_manifest(checkpoint)["files"]
@@ -215,6 +237,43 @@ def test_lora_sft_under_zero1_zero2_zero3_and_fsdp2_trains_and_saves_the_adapter
             # in another order, moves by more than fp32 rounding (measured: 1.1e-7 here, 8e-6 at a 1e-2 rate)
             torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-5, msg=f"{strategy} {key}")
     assert_same_final_model(runs["fsdp"]["final"].parent / "merged", runs["ddp"]["final"].parent / "merged", "merged")
+
+
+def test_lora_dpo_under_zero3_zero2_and_fsdp2_trains_and_saves_the_adapter_one_ddp_process_does(tiny_model, tmp_path):
+    """LoRA DPO with its reference log-probs cached, global batch 8 on one DDP process (8 per device) and on 2 x 4
+    under ZeRO-3, ZeRO-2 and FSDP2: the same losses and grad norms (the first step to fp32 summation order, 1e-6;
+    every step 1e-5) and a saved adapter, every tensor whole, equal to one process's. ZeRO-3 runs first and computes
+    the reference cache (its key over the base weights, each gathered as it is read: before the fix, TRL's hash of
+    the LoRA weights, which require grad, ended both ranks); every later run reuses it, its key the same, and every
+    first loss is ln 2 (the cached reference is the starting policy: the base, LoRA's B at zero)."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48, seed=5))  # its own prepared data and cache
+    runs = {}
+    for name, strategy, nproc in (("zero3", "zero3", 2), ("ddp1", "ddp", 1), ("zero2", "zero2", 2), ("fsdp", "fsdp", 2)):
+        args = common_args(tiny_model, data, tmp_path / "results", name, "dpo") + [
+            "--batch_size", "8", "--max_steps", "3", "--learning_rate", "1e-3", "--use_lora", "true",
+            "--num_samples", "0"]
+        runs[name] = run_engine(strategy, args, tmp_path / f"probe_{name}", nproc=nproc)
+    one = runs["ddp1"]
+    adapter = load_file(one["final"] / "adapter_model.safetensors")
+    assert adapter and all(tensor.numel() for tensor in adapter.values())
+    assert [run["info"]["reference_log_probs"]["train"]["cache"] for run in runs.values()] == [
+        "computed", "reused", "reused", "reused"]
+    for name, run in runs.items():
+        assert run["info"]["per_device_batch_size"] == (8 if name == "ddp1" else 4), name
+        assert run["losses"][0] == pytest.approx(math.log(2), rel=1e-7), name
+        assert run["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6), name
+        assert run["grad_norms"][0] == pytest.approx(one["grad_norms"][0], rel=1e-6), name
+        assert run["losses"] == pytest.approx(one["losses"], rel=1e-5), name
+        assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5), name
+        saved = load_file(run["final"] / "adapter_model.safetensors")
+        assert saved.keys() == adapter.keys(), name
+        for key, tensor in adapter.items():
+            torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
 def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_model, tmp_path):

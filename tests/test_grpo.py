@@ -48,6 +48,7 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
     passed through to TRL; --beta and --loss_type are GRPO's when given (TRL's defaults 0 and dapo when not)."""
     from trl import GRPOConfig
 
+    from src.config_error import ConfigError
     from src.config_parse import parse_config, toolkit_fields, trl_fields
     from src.plan import resolve_plan
     from src.world import Devices, World
@@ -66,13 +67,17 @@ def test_grpoconfig_fields_are_flags_and_recipe_keys(tmp_path):
             args.entropy_coef, args.top_entropy_quantile, args.temperature, args.beta, args.loss_type,
             args.reward_weights) == (4, 0.3, 0.28, "batch", True, 0.01, 0.2, 0.7, 0.04, "dr_grpo", [2.0])
     assert args.max_completion_length == config.training.max_new_tokens and not args.remove_unused_columns
-    recipe = tmp_path / "grpo.yaml"
-    recipe.write_text(f"stage: grpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\njudge: {JUDGE}\n"
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(f"stage: sft_then_dpo\nmodel_name_or_path: m\ndataset_name: d.jsonl\njudge: {JUDGE}\n"
                       "num_generations: 4\nmax_completion_length: 16\nloss_type: [sigmoid, sft]\nbeta: 0.3\n")
-    config = parse_config(["--config", str(recipe)])
+    config = parse_config(["--config", str(recipe), "--stage", "grpo"])
     args = build_trl_config("grpo", config, resolve_plan(config, World(), Devices("cpu", 0, [])), tmp_path, False, 10)
-    # A DPO recipe's loss does not apply to GRPO; a flag asking for one is refused (test_mistakes_are_one_line)
+    # A DPO recipe's loss does not apply to GRPO; a flag asking for one is refused (test_mistakes_are_one_line), and
+    # so is a GRPO recipe's (not TRL's error at the first step)
     assert (args.num_generations, args.max_completion_length, args.loss_type, args.beta) == (4, 16, "dapo", 0.3)
+    recipe.write_text(recipe.read_text().replace("sft_then_dpo", "grpo"))
+    with pytest.raises(ConfigError, match=r"dpo.yaml: loss_type sigmoid sft: GRPO takes one of grpo, dr_grpo"):
+        parse_config(["--config", str(recipe)])
     # the settings whose step depends on the split are warned of as the stage opens (docs/grpo.md)
     from src.objectives import objective
 

@@ -27,8 +27,8 @@ def test_a_chosen_stop_is_recorded_and_the_worker_exits_0(under_launcher, code):
     assert [path.name for path in under_launcher.iterdir()] == ["rank-3"], "no temporary file left"
 
 
-@pytest.mark.parametrize("code", [0, 1, 130, 143])
-def test_success_crashes_and_signals_keep_their_status(under_launcher, code):
+@pytest.mark.parametrize("code", [0, 130, 143])
+def test_success_and_signals_keep_their_status(under_launcher, code):
     assert launcher_exit.settle(code) == code and launcher_exit.recorded() is None
 
 
@@ -120,3 +120,55 @@ def test_one_worker_of_a_node_says_why(under_launcher, tmp_path, monkeypatch):
     assert launcher_exit.recorded() is None, "the claim is no exit status"
     monkeypatch.delenv("PREFKIT_EXIT_DIR")  # plain torchrun: local rank 0 says it
     assert launcher_exit.says_why(local_rank=0) and not launcher_exit.says_why(local_rank=1)
+
+
+def test_what_a_restart_can_cure():
+    """A lost worker's peers (gloo's and NCCL's errors, torch.distributed's), a device's or a filesystem's fault: a
+    restart may end otherwise. A code or library error, or one raised while handling nothing of the kind: it will not."""
+    class DistError(RuntimeError):  # torch.distributed.DistError's name is what is read (this module imports no torch)
+        pass
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4503")
+    for cured in (gloo, DistError("NCCL communicator was aborted"), OSError(116, "Stale file handle"),
+                  RuntimeError("CUDA error: uncorrectable ECC error encountered")):
+        assert launcher_exit.restart_can_cure(cured), cured
+    try:
+        try:
+            raise gloo
+        except RuntimeError as raised:
+            raise ValueError("the batch a dead peer never sent") from raised
+    except ValueError as echo:
+        assert launcher_exit.restart_can_cure(echo), "raised from a peer's loss: its echo"
+    for uncured in (ValueError("Unknown loss type: dapo"), RuntimeError("Can't call numpy() on Tensor that requires grad"),
+                    TypeError("forward() got an unexpected keyword argument"), AssertionError()):
+        assert not launcher_exit.restart_can_cure(uncured), uncured
+
+
+@pytest.mark.parametrize("ranks", ["*", "1"])
+def test_an_error_a_restart_would_raise_again_stops_the_job_once(ranks, tiny_model, preference_file, tmp_path):
+    """`./run_distributed.sh 2` (MAX_RESTARTS 3) whose workers raise a ValueError right before the first step (the
+    test seam raise_in): on every rank (`*`), as a library's error about the configuration is, or on rank 1 alone,
+    its peer waiting in a collective. The job ends once, with exit 1, the traceback once and one line naming the rank:
+    no restart (the plan, printed at each start, printed once), no torchrun failure report."""
+    import os
+    import subprocess
+    import sys
+
+    from src import seams
+    from test_training import common_args
+
+    args = common_args(tiny_model, preference_file, tmp_path / "results", "crash", "dpo") + ["--max_steps", "2"]
+    result = subprocess.run(["bash", "run_distributed.sh", "2", *args], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, timeout=300,
+                            env=seams.env(os.environ | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+                                                        "MAX_RESTARTS": "3"}, raise_in=f"training:{ranks}"))
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitStatus.FAILED, output[-4000:]
+    assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
+    assert output.count("ValueError: raised by the test seam raise_in at training") == 1, output[-6000:]
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "raised ValueError: the job is not restarted" in lines[0], output[-4000:]
+    assert ranks == "*" or lines[0].startswith("error: rank 1 "), lines
+    assert output.count("\n== DPO") == 1, "started once: not restarted"
+    assert "ChildFailedError" not in output and "Killed" not in output, output[-4000:]
+    assert result.stderr.rstrip().splitlines()[-1] == lines[0], "the line is the end"

@@ -1,15 +1,19 @@
 """ORPO (issue 37): `--stage orpo` through TRL's ORPOTrainer on the toolkit's prepared pairs.
 
-One optimizer step on the same global batch of 8 pairs, split as 1x1, 1x4, 2x2 and 4x1 processes x accumulation
-steps, each micro-batch run on its own as a rank runs it (tests/pair_steps.py): ORPO's loss is the chosen answers' NLL
-plus beta x the odds-ratio term, each a mean over the micro-batch's pairs with nothing across pairs, so every split
-gives the global batch's step (loss, NLL, odds ratio, rewards and gradient to 1e-5, each micro-batch padded to its own
-longest)."""
+One optimizer step on the same global batch of 8 pairs of varied lengths, split as 1x1 (8 pairs per micro-batch), 1x4,
+2x2 and 4x1 (2) processes x accumulation steps, each micro-batch run on its own as a rank runs it
+(tests/pair_steps.py): ORPO's loss is the chosen answers' NLL, a token mean over the global batch, plus beta x the
+odds-ratio term, a mean over its pairs, so every split gives the global batch's step (loss, NLL, odds ratio, rewards and
+gradient to 1e-5, each micro-batch padded to its own longest); and real jobs of 1 x 8, 2 x 4 and 2 processes x 2
+accumulation steps x 2 give the same losses and grad norms."""
 
 from __future__ import annotations
 
 import pytest
 
+import os
+
+import forked
 from conftest import preference_rows, write_jsonl
 from pair_steps import assert_the_same_on_every_split, trainer_on_prepared_pairs
 from src import run_files
@@ -29,6 +33,38 @@ KEYS = ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen
 def test_orpo_step_is_the_same_on_any_split_of_the_global_batch(orpo_setup):
     trainer, rows = orpo_setup
     assert_the_same_on_every_split(trainer, rows, KEYS)
+
+
+def test_orpo_jobs_give_the_same_numbers_whatever_the_micro_batch(tiny_model, tmp_path):
+    """Issue 57: TRL's NLL term was a token mean over the micro-batch, so 1 process x 8 pairs and 2 x 4 differed at the
+    first step (1.7e-5 relative on the loss, 6.7e-4 on the grad norm, measured on these pairs; 2 x 2 x 2 accumulation
+    4.9e-5 and 1e-2). Now the token counts of the step's global batch are summed over the ranks as each step begins
+    (src/trainers/legacy_pairs.py `begin_step`): the same losses, NLL and grad norms on every split, the first step to
+    fp32 summation order."""
+    from test_training import common_args
+
+    rows = preference_rows(24)
+    for index, row in enumerate(rows):  # answers and prompts of other lengths: micro-batches of other token counts
+        for side in ("chosen", "rejected"):
+            row[side][0]["content"] += " very" * (1 + index % 3)
+        row["prompt"][0]["content"] += " please" * (index % 4)
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    logged = {}
+    for name, processes, micro in (("1x8", 1, "8"), ("2x4", 2, "4"), ("2x2x2", 2, "2")):
+        args = common_args(tiny_model, data, tmp_path / "results", name, "orpo") + [
+            "--batch_size", "8", "--micro_batch_size", micro, "--max_steps", "2", "--learning_rate", "1e-3",
+            "--num_samples", "0", "--eval_strategy", "no"]
+        result = forked.run_job(processes, args, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        logged[name] = [record for record in run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
+                        if "loss" in record]
+    one = logged["1x8"]
+    assert len(one) == 2
+    for name in ("2x4", "2x2x2"):
+        for key in ("loss", "grad_norm", "nll_loss", "log_odds_ratio"):
+            assert logged[name][0][key] == pytest.approx(one[0][key], rel=1e-6), (name, key)
+            assert [record[key] for record in logged[name]] == pytest.approx([record[key] for record in one],
+                                                                             rel=1e-5), (name, key)
 
 
 def test_orpoconfig_fields_are_flags_and_recipe_keys(tmp_path):

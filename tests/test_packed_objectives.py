@@ -2,9 +2,9 @@
 `packed_forward`: SimPO (CPOTrainer), ORPO (ORPOTrainer). Their trainers' own padded forward (TRL's
 `concatenated_forward`: full logits on `[chosen; rejected]` rows) against the packed one, on the same model weights
 and the same global batch of 8 prepared pairs: one optimizer step's loss, logged metrics and gradient agree to 1e-5
-(fp32; the `logits/*` metrics are defined over the answers' tokens when packed: src/trainers/legacy_pairs.py), the
-first-batch check passed, fewer tokens were computed, and the packed step is the same on any split of the global batch
-into processes x accumulation steps."""
+(fp32; the `logits/*` metrics are the answers' mean logit both ways: src/trainers/legacy_pairs.py), the first-batch
+check passed, fewer tokens were computed, and the packed step, its NLL and logits token means over the global batch,
+is the same on any split of the global batch into processes x accumulation steps, micro-batch size included."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SETTINGS = {
     "orpo": dict(beta=0.1),
 }
 COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-            "logps/rejected", "nll_loss", "grad")
+            "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss", "grad")
 ORPO_TERMS = ("log_odds_ratio", "log_odds_chosen")
 
 
@@ -57,10 +57,10 @@ def test_packed_step_equals_the_padded_one(name, tiny_model, tiny_tokenizer, tmp
     assert computed < summary["padded_forward_would_compute"]["policy"]["computed_tokens"]
 
 
-@pytest.mark.parametrize("name", ["simpo", "orpo"])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_packed_step_is_the_same_on_any_split_of_the_global_batch(name, tiny_model, tiny_tokenizer, tmp_path):
     trainer, rows, _ = setup(name, tiny_model, tiny_tokenizer, tmp_path, packed=True)
-    assert_the_same_on_every_split(trainer, rows, COMPARED[:-2] + ("grad",))
+    assert_the_same_on_every_split(trainer, rows, COMPARED)
 
 
 def test_orpo_scores_the_shared_prompt_once_for_its_nll(tiny_model, tiny_tokenizer, tmp_path):

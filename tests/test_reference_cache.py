@@ -133,14 +133,34 @@ def test_reasoning_pairs_cached_by_one_process_serve_two_and_train_the_same(thin
     assert one["info"]["data_audit"]["train"]["chosen_reasoning_share"] == 1.0
 
 
-def test_lora_runs_cache_their_reference_too(setup, tiny_model, tmp_path):
-    """With LoRA the reference is the base with adapters disabled; its log-probs are cached the same way."""
-    _, data, _, _ = setup
-    lora = ["--use_lora", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
-    cold = train(dpo_args(tiny_model, data, tmp_path / "results", "lora-cold", *lora), tmp_path / "cache")
-    warm = train(dpo_args(tiny_model, data, tmp_path / "results", "lora-warm", *lora), tmp_path / "cache")
-    assert (cold["cache"], warm["cache"]) == ("computed", "reused")
-    assert warm["losses"] == cold["losses"] and cold["info"]["use_lora"]
+def test_lora_runs_share_the_reference_cache_of_their_base(setup, tiny_model):
+    """With LoRA the reference is the base with its adapters disabled: the cache is keyed by the base's weights alone
+    (src/trainers/dpo.py `base_weights`: the names and tensors of the same model without adapters), so a LoRA run
+    reuses the cache a full run of the same base built (the module's cold run), whatever its adapters (rank, targets:
+    their random start differs); and what it reuses is its reference's log-probs: a first loss of ln 2, the policy
+    starting as the base (LoRA's B at zero). Before, TRL's key hashed the adapters too and each LoRA setting
+    recomputed."""
+    import math
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from src.config import ModelArguments
+    from src.models import peft_config
+    from src.trainers.dpo import base_weights
+
+    _, data, cache, _ = setup
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), peft_config(ModelArguments(
+        model_name_or_path=str(tiny_model), use_lora=True)))
+    weights = base_weights(adapted)
+    assert weights.keys() == plain.keys() and all(torch.equal(weights[name], plain[name]) for name in plain)
+    lora = [["--use_lora", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"], ["--use_lora", "--lora_r", "8"]]
+    for index, flags in enumerate(lora):
+        run = train(dpo_args(tiny_model, data, setup[0] / "results", f"lora-{index}", *flags), cache)
+        assert run["cache"] == "reused" and run["info"]["use_lora"], flags
+        assert run["losses"][0] == pytest.approx(math.log(2), rel=1e-7), flags
 
 
 def test_every_run_accounts_for_its_throughput(setup):

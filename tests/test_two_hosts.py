@@ -226,6 +226,12 @@ def test_zero2_over_two_hosts_trains_as_two_processes_on_one(two_hosts, tiny_mod
     outcome = launch_nodes(two_hosts, nodes, args, 29513, per_node=1, STRATEGY="zero2", MAX_RESTARTS="0")
     for node, (code, output) in enumerate(outcome):
         assert code == 0, f"node {node} exited {code}:\n{output[-6000:]}"
+        # the launcher's own processes included (accelerate launch imports DeepSpeed): src/library_warnings.py
+        noise = [line for line in output.splitlines() if any(word in line for word in (
+            "Warning:", "Setting accelerator", "built successfully", "mismatch"))]
+        assert not noise, f"node {node}: {noise[:4]}"
+    assert "  engine         DeepSpeed ZeRO-2 (deepspeed " in outcome[0][1]  # the plan block, printed by rank 0
+    assert "gradients, optimizer states over 2 processes  [STRATEGY=zero2]" in outcome[0][1]
     info = run_files.read_json(results / "zero2_nodes" / run_files.TRAINING_INFO)
     assert (info["engine"], info["zero_stage"], info["world_size"], info["num_nodes"]) == ("deepspeed", 2, 2, 2)
     one_node = forked.run_job(2, args[:args.index("--run_name") + 1] + ["one_node"] + args[args.index("--run_name") + 2:],

@@ -62,3 +62,22 @@ def test_a_training_process_does_not_import_them(tiny_model, tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == '[0, ["peft"]]'
+
+
+def test_a_launch_without_deepspeed_leaves_it_out_before_any_model_is_built_or_read(monkeypatch):
+    """transformers imports deepspeed whenever it is installed, as soon as its model code loads: building the embedded
+    model on a new machine did, in the preflight of a DDP launch (a dry run too), and DeepSpeed's accelerator notice
+    was its first line. The preflight leaves deepspeed out first, before it resolves (or builds) the model."""
+    from src.pipeline import preflight
+
+    order = []
+
+    def resolve_model_path(*args):
+        order.append(("model", None))
+        raise StopIteration  # what comes after is not this test's
+
+    monkeypatch.setattr(preflight, "skip_imports", lambda names: order.append(("skip", names)) or names)
+    monkeypatch.setattr(preflight, "resolve_model_path", resolve_model_path)
+    with pytest.raises(StopIteration):
+        preflight.prepare(config_of("--dry_run"), stages=[])
+    assert order == [("skip", ["deepspeed"]), ("model", None)]

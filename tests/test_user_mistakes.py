@@ -187,10 +187,10 @@ def _truncated_gz(ws: Workspace) -> list[str]:
     return ws.args(dataset_name=str(path))
 
 
-def _recipe(ws: Workspace, text: str) -> list[str]:
+def _recipe(ws: Workspace, text: str, **changes: str | None) -> list[str]:
     path = ws.root / "recipe.yaml"
     path.write_text(text)
-    return ws.args() + ["--config", str(path)]
+    return ws.args(**changes) + ["--config", str(path)]
 
 
 def _empty_dir(ws: Workspace) -> str:
@@ -448,6 +448,27 @@ MISTAKES = [
                                                      micro_batch_size="1")),
     Mistake("kto_dpo_loss_type", "A DPO loss type for `--stage kto`", "--loss_type ipo: KTO takes one of kto, "
             "apo_zero_unpaired", lambda ws: ws.args(stage="kto", kto_from_pairs="true", loss_type="ipo")),
+    # A value an objective does not take, from its row / TRL's declared choices (src/objectives/trl_field_names.json)
+    Mistake("dpo_grpo_loss_type", "A GRPO loss type asked of DPO (`--stage dpo --loss_type dapo`)",
+            "--loss_type dapo: DPO takes one or more (combined with --loss_weights) of sigmoid, hinge",
+            lambda ws: ws.args(loss_type="dapo")),
+    Mistake("sft_loss_type", "A loss type for `--stage sft` (its loss has none to choose)",
+            "--loss_type sigmoid: SFT has no loss type to choose; drop it", lambda ws: ws.args(stage="sft",
+                                                                                           loss_type="sigmoid")),
+    Mistake("trl_value_not_declared", "A TRL field's value its config does not declare (`--truncation_mode "
+            "keep_middle`)", "--truncation_mode: 'truncation_mode' must be one of keep_end, keep_start for --stage dpo",
+            lambda ws: ws.args(truncation_mode="keep_middle")),
+    # A key in a pipeline stage's block that the stage does not read (src/config_parse.py block_reads)
+    Mistake("rounds_in_a_stage_block", "`rounds: 2` inside a recipe's `dpo:` block (rounds follow the run's final "
+            "stage)", "recipe.yaml: 'dpo.rounds': the DPO stage of sft_then_dpo_then_grpo does not read rounds; it is "
+            "the run's, not a stage's: a top-level key of --stage dpo or sft_then_dpo", lambda ws: _recipe(
+                ws, "stage: sft_then_dpo_then_grpo\njudge: json:loads\ndpo:\n  rounds: 2\n", stage=None)),
+    Mistake("dpo_key_in_the_sft_block", "A DPO key in the `sft:` block (`sft: {beta: 0.3}`)", "recipe.yaml: "
+            "'sft.beta': the SFT stage of sft_then_dpo does not read beta; it belongs in the top level",
+            lambda ws: _recipe(ws, "stage: sft_then_dpo\nsft:\n  beta: 0.3\n", stage=None)),
+    Mistake("flex_attention_on_cpu", "`--attn_implementation flex_attention` on CPU (no backward there)",
+            "--attn_implementation flex_attention needs a CUDA GPU: FlexAttention has no backward on CPU; use sdpa "
+            "(transformers' default) or eager", lambda ws: ws.args(attn_implementation="flex_attention")),
     Mistake("kto_flag_on_dpo", "`--kto_from_pairs` on a DPO run", "--kto_from_pairs applies to --stage kto or "
             "sft_then_kto", lambda ws: ws.args(kto_from_pairs="true")),
     Mistake("rounds_on_sft", "`--rounds` with `--stage sft`", "--rounds runs DPO rounds after the DPO stage",

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from src import run_files
+from src import library_warnings, run_files
 from src.audit.findings import data_alerts
 from src.audit.judged import INVERTED_FILE, drawn_rows, judge_pairs
 from src.audit.reference import agreement, answer_tokens, sample_logps
@@ -119,6 +119,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    library_warnings.install()  # the libraries' known-harmless lines kept off the console
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
     except HelpRequested:

@@ -37,7 +37,7 @@ class TrainingSetup:
     param_count: int | None = None  # --params: a size instead of a model
     use_lora: bool = False
     lora_r: int = 16
-    lora_dropout: float = 0.05  # PEFT keeps each adapted layer's dropped-out input for backward when > 0
+    lora_dropout: float = 0.0  # PEFT keeps each adapted layer's dropped-out input for backward when > 0
     lora_target_modules: list[str] | str = ALL_LINEAR
     load_in_4bit: bool = False
     per_device_batch_size: int = 1  # the plan's micro-batch on one device

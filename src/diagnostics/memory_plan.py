@@ -29,7 +29,7 @@ attention, which stores no seq x seq matrix: in 16-bit, 12*hidden + 4*kv + 8*int
 Q/K/V, attention output, MLP gate/up/product). Gradient checkpointing keeps only each layer's input (2*hidden
 bytes) plus one layer recomputed in backward. The logits add vocab * (2 + 8) bytes per token (16-bit logits, fp32
 upcast and fp32 log-probs). LoRA adds, per token of each adapted linear layer, its rank r of adapter output and,
-with lora_dropout > 0 (PEFT's default 0.05), the dropped-out copy of its input the adapter's A matrix needs for its
+with lora_dropout > 0 (TRL's default 0.05; the toolkit's is 0), the dropped-out copy of its input the adapter's A matrix needs for its
 gradient (16-bit, plus a 1-byte dropout mask): 3 * d_in bytes. Measured with torch's saved-tensor hooks on a
 Llama block under bf16 autocast: 3.3 * d_in bytes with dropout, about nothing beyond full fine-tuning's without; on an
 H200, a 12 x 1024 Llama at 8 pairs of 512 tokens peaked 1.40x the plan that left this term out. DPO runs chosen and rejected: twice the tokens. A reward model (stage reward) runs both

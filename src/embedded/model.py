@@ -130,8 +130,11 @@ def ensure_embedded_model(reasoning: bool = False) -> Path:
     """Build the model once per cache (concurrent processes wait for the one building it) and return its path."""
 
     def build(target: Path) -> None:
+        import transformers  # seconds: not imported by a preflight that finds the model built
+
         tokenizer = build_tokenizer(_corpus(reasoning), reasoning)
         model = build_model(tokenizer)
+        transformers.utils.logging.disable_progress_bar()  # "Writing model shards" was a new machine's first line
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from src.objectives.spec import (PAIRS, REWARD_ACCURACY_CHART, Advice, Chart, Curve, MemoryPlan, Metric, Objective,
-                                 Panel, Report, SummaryNumber, Training, refuse_batch_rebalance)
+                                 Panel, Report, SummaryNumber, TRL_CHOICES, Training, refuse_batch_rebalance)
 from src.reporting.formatting import format_number
 
 
@@ -81,6 +81,7 @@ OBJECTIVE = Objective(
         trainer="src.trainers.dpo:PreparedDPOTrainer",
         default_learning_rate=1e-6,
         default_beta=0.1,  # TRL's DPOConfig default
+        loss_types=TRL_CHOICES,
         needs_reference=True,
         truncates_to_max_length=True,
         trl_settings=trl_settings,

@@ -10,20 +10,17 @@ The batch counts answers: --batch_size 32 with --num_generations 8 is 4 prompts 
 from __future__ import annotations
 
 from src.config_error import ConfigError
-from src.objectives.spec import (PROMPTS, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel, Report,
-                                 SummaryNumber, Training)
+from src.objectives.spec import (PROMPTS, TRL_CHOICES, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel,
+                                 Report, SummaryNumber, Training)
 from src.reporting.formatting import format_number
 
-# TRL's GRPOConfig defaults where a toolkit flag of the same name has DPO's default (--loss_type sigmoid), or none
-# (--beta: the row's default_beta): GRPO's KL weight is 0 (no reference model) and its loss dapo (normalised over the
-# global batch's answer tokens) unless asked for. The answer length is the held-out answers' (--max_new_tokens, as the
-# rounds sample).
+# TRL's GRPOConfig defaults where a toolkit flag of the same name has none (--beta: the row's default_beta): GRPO's KL
+# weight is 0 (no reference model) unless asked for; its loss, TRL's dapo (normalised over the global batch's answer
+# tokens) unless asked for (the row's loss_types: src/config_parse.py `resolve_loss_type`; bnpo is a token mean per
+# micro-batch: its step depends on how the global batch is split into processes x accumulation, docs/grpo.md). The
+# answer length is the held-out answers' (--max_new_tokens, as the rounds sample).
 DEFAULT_NUM_GENERATIONS = 8
 DEFAULT_BETA = 0.0
-DEFAULT_LOSS_TYPE = "dapo"
-# TRL 1.16 GRPOConfig's loss types. bnpo is a token mean per micro-batch: its step depends on how the global batch
-# is split into processes x accumulation (docs/grpo.md); the others do not.
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 
 def num_generations_of(config) -> int:
@@ -35,10 +32,9 @@ def beta_of(config) -> float:
 
 
 def loss_type_of(config) -> str:
-    """--loss_type when it names one of GRPO's; a recipe's DPO loss (a DPO recipe run with --stage grpo) does not
-    apply (validate refuses one asked for by flag)."""
-    asked = config.dpo.loss_type
-    return asked[0] if len(asked) == 1 and asked[0] in LOSS_TYPES else DEFAULT_LOSS_TYPE
+    """GRPOConfig's loss_type: --loss_type as the config was parsed, one of GRPOConfig's declared choices or its default
+    (src/config_parse.py `resolve_loss_type`: a DPO recipe's loss run with --stage grpo does not apply)."""
+    return config.dpo.loss_type[0]
 
 
 def trl_settings(config, overrides: dict, extras: dict) -> tuple[dict, dict]:
@@ -72,9 +68,6 @@ def memory_setup(config) -> dict:
 
 def validate(config) -> None:
     overrides = config.trl_overrides
-    asked = config.dpo.loss_type
-    if config.sources.get("loss_type", "").startswith("--") and (len(asked) != 1 or asked[0] not in LOSS_TYPES):
-        raise ConfigError(f"--loss_type {' '.join(asked)}: GRPO takes one of {', '.join(LOSS_TYPES)}")
     for flag in ("use_vllm", "use_transformers_continuous_batching", "use_transformers_paged"):
         if overrides.get(flag):
             raise ConfigError(f"--{flag}: the toolkit's GRPO generates through transformers' generate, each answer "
@@ -160,6 +153,7 @@ OBJECTIVE = Objective(
         trainer="src.trainers.grpo:PreparedGRPOTrainer",
         default_learning_rate=1e-6,
         default_beta=DEFAULT_BETA,
+        loss_types=TRL_CHOICES,
         # TRL keeps a reference model only with --beta > 0 (the KL term); its default beta is 0
         needs_reference=False,
         rewards_from_judges=True,

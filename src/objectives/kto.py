@@ -6,29 +6,18 @@ from __future__ import annotations
 
 from src.config_error import ConfigError
 from src.kto_weights import resolve_kto_weights
-from src.objectives.spec import (UNPAIRED, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel, Report,
-                                 SummaryNumber, Training, refuse_batch_rebalance)
+from src.objectives.spec import (TRL_CHOICES, UNPAIRED, Advice, Chart, Curve, MemoryPlan, Metric, Objective, Panel,
+                                 Report, SummaryNumber, Training, refuse_batch_rebalance)
 from src.reporting.formatting import format_number
 
 
-LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16 KTOConfig's loss_type choices
-
-
 def kto_loss_type(config) -> str:
-    """KTOConfig's loss_type from --loss_type (a list for DPO): kto unless one of KTO's own types was asked for. A
-    recipe's DPO loss (configs/default.yaml run with --stage kto) does not apply to KTO; a flag asking for one is
-    refused."""
-    asked = config.dpo.loss_type
-    if len(asked) == 1 and asked[0] in LOSS_TYPES:
-        return asked[0]
-    if asked == ["sigmoid"] or not config.sources.get("loss_type", "").startswith("--"):
-        return LOSS_TYPES[0]
-    raise ConfigError(f"--loss_type {' '.join(asked)}: KTO takes one of {', '.join(LOSS_TYPES)} (the DPO "
-                      "loss types apply to pairs)")
+    """KTOConfig's loss_type: --loss_type (a list for DPO) as the config was parsed, one of KTOConfig's declared
+    choices or its default (src/config_parse.py `resolve_loss_type`: a recipe's DPO loss does not apply to KTO)."""
+    return config.dpo.loss_type[0]
 
 
 def validate(config) -> None:
-    kto_loss_type(config)  # a DPO loss type asked for by flag: refused now, with the flag
     for name in ("desirable_weight", "undesirable_weight"):
         if name in config.trl_overrides and not config.trl_overrides[name] > 0:
             raise ConfigError(f"--{name} weighs the KTO loss of its rows: a positive number, got "
@@ -90,6 +79,7 @@ OBJECTIVE = Objective(
         trainer="src.trainers.kto:PreparedKTOTrainer",
         default_learning_rate=1e-6,
         default_beta=0.1,  # TRL's KTOConfig default
+        loss_types=TRL_CHOICES,
         needs_reference=True,
         truncates_to_max_length=True,
         trl_settings=trl_settings,

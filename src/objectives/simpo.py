@@ -82,6 +82,7 @@ OBJECTIVE = Objective(
         trainer="src.trainers.simpo:PreparedSimPOTrainer",
         **REFERENCE_FREE_TRAINING,
         default_beta=DEFAULT_BETA,
+        loss_types=("simpo",),  # TRL's CPO loss, fixed: SimPO is CPOConfig(loss_type="simpo", cpo_alpha=0)
         trl_settings=trl_settings,
         validate=validate,
         preflight=refuse_batch_rebalance,

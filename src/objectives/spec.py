@@ -42,6 +42,8 @@ TRAIN_COLOR = "#1f77b4"
 # The judged held-out curve of an objective whose row sets `judged_eval` (src/trainers/judged_eval.py logs it)
 JUDGED_CURVE = "eval_judged_reward"
 REFERENCE_FLAGS = ("precompute_ref_log_probs",)  # the toolkit's flags that ask for a reference model
+# A row's `loss_types`: the values its TRL config declares for `loss_type` (src/objectives/trl_field_names.json)
+TRL_CHOICES = "the values its TRL config declares"
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,11 @@ class Training:
     default_beta: float | None = None
     # --beta 0 is a setting, not a mistake (src/config.py): GRPO's beta weighs a KL term that 0 turns off
     beta_may_be_zero: bool = False
+    # What --loss_type may name for it, checked as the config is parsed (src/config_parse.py): TRL_CHOICES, the values
+    # its TRL config declares for `loss_type` (several at once, weighed by --loss_weights, where TRL's field is a list:
+    # DPO's), its default TRL's; a loss the toolkit fixes (SimPO: CPO's "simpo"): that value alone; () where it has no
+    # loss type to choose (SFT: the toolkit passes none; ORPO; a reward model)
+    loss_types: str | tuple[str, ...] = ()
     # (config, overrides, extras) → (its own TRL config fields, the pass-through overrides it leaves): beta, loss,
     # weights from the toolkit's flags; `extras` holds what the run resolved (precompute, sft_forward, kto_weights).
     trl_settings: Callable | None = field(default=None, compare=False)

@@ -38,12 +38,12 @@ def process_exit(run: Run, argv: list[str] | None = None) -> int:
         return 0
     try:
         code = launcher_exit.settle(exit_status(run, argv))
-    except BaseException:
+    except BaseException as error:
         if not launcher_gone():
+            if isinstance(error, Exception):  # one a restart would raise again ends the job here, once
+                launcher_exit.stop_without_restart(error)
             raise
-        # a peer gone from a collective: its launcher is gone too, and its watch ended it (run_safety/parent_watch.py)
-        print(f"error: rank {World.from_environment().rank}: stopped, its launcher is gone", file=sys.stderr)
-        code = ExitStatus.SIGTERM
+        code = launcher_gone_exit()
     # A worker under torchrun (or whose launcher is gone) exits once its exit handlers ran, without the interpreter's
     # teardown: its devices are freed at once, and no daemon thread still inside a C++ call (a store or gloo wait, a
     # library's own) is unwound mid-call by the teardown, which aborts the process ("terminate called without an
@@ -51,6 +51,14 @@ def process_exit(run: Run, argv: list[str] | None = None) -> int:
     if launcher_gone() or "TORCHELASTIC_RUN_ID" in os.environ:
         exit_without_teardown(code)
     return code
+
+
+def launcher_gone_exit() -> int:
+    """A peer gone from a collective: its launcher is gone too, and its watch ended it (run_safety/parent_watch.py).
+    Said in one line, unless the job's stop was recorded already (its own line said why)."""
+    if launcher_exit.recorded() is None:
+        print(f"error: rank {World.from_environment().rank}: stopped, its launcher is gone", file=sys.stderr)
+    return ExitStatus.SIGTERM
 
 
 def exit_status(run: Run, argv: list[str] | None = None) -> int:

@@ -6,7 +6,6 @@ here with each stage's plan, data and warnings (a preflight that passed with the
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 from src import packed_dpo_support
@@ -15,6 +14,7 @@ from src.data import PreparedData, check_source, format_summary, prepare_data
 from src.distributed import print0
 from src.engines import check_engine, requested as requested_engine
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
+from src.library_warnings import launch_environment
 from src.input_checks import check_judge, check_model_inputs
 from src.models import apply_chat_template_path, load_tokenizer, resolve_model_path
 from src.objectives import objective
@@ -22,11 +22,12 @@ from src.pipeline.stages import Stage, hub_sources, reward_model_judge
 from src.plan import format_plan
 from src.preflight_record import record, record_key, recorded
 from src.publish import push_problem
+from src.run_safety import launcher_exit
 from src.run_safety.build_once import cache_root
 from src.run_safety.disk_space import write_failures_reported
 from src.trackers import check_trackers
 from src.trainers.stage_plan import silent_no_op_warnings
-from src.unneeded_libraries import skip_imports, unneeded_libraries
+from src.unneeded_libraries import skip_imports, unneeded_engines, unneeded_libraries
 from src.world import Devices, World, sagemaker_process_hint
 
 
@@ -49,6 +50,7 @@ def check_launch(config: Config, world: World, devices: Devices) -> None:
         print0(f"  warning: {idle_gpus}")
     for note in check_trackers(config.training.report_to):
         print0(f"  {note}")
+    launcher_exit.record_environment(launch_environment())  # for accelerate launch's own process (DeepSpeed's)
 
 
 def check_sources(config: Config, stages: list[Stage], world: World) -> None:
@@ -70,6 +72,8 @@ def check_sources(config: Config, stages: list[Stage], world: World) -> None:
 def prepare(config: Config, stages: list[Stage]) -> Prepared | None:
     """The model-side checks and every stage's data, tokenized now, before any process group or model exists. None:
     a --dry_run, ended here with its plan and data (`end_dry_run`)."""
+    engine = requested_engine()
+    skip_imports(unneeded_engines(config, engine.name if engine else None))  # before transformers imports it
     model_path = resolve_model_path(config.model, config.data.embedded_reasoning)
     # A preflight that passed with these very inputs is not redone (src/preflight_record.py): ~4 s of imports.
     preflight_key = record_key(config, stages, model_path) if config.training.dry_run else None
@@ -93,7 +97,6 @@ def prepare(config: Config, stages: list[Stage]) -> Prepared | None:
     if config.training.dry_run:
         record(cache_root(), preflight_key, prepared, model_warnings, padded_reason)
         return end_dry_run(stages, model_warnings, {name: data.summary for name, data in prepared.items()})
-    engine = requested_engine()
     skip_imports(unneeded_libraries(config, [model_path] + reward_model_judge(config),  # ~3 s of every start
                                     engine.name if engine else None))
     return Prepared(model_path, tokenizer, prepared)
@@ -134,5 +137,3 @@ def quiet_libraries() -> None:
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
-    # TRL 1.16 still calls a transformers method that transformers 5 renamed; the warning is theirs, once per rank.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)

@@ -17,6 +17,7 @@ from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
 from src.pipeline.stages import Stage
 from src.pipeline.stopping import stop_if_interrupted
+from src.run_safety import launcher_exit
 from src.run_safety.checkpoints import checkpoint_step
 from src.run_safety.disk_space import check_space, estimate_writes, write_failures_noted
 from src.run_safety.finished_run import end_step_done
@@ -153,6 +154,7 @@ def train(trainer, stage: Stage, start: StageStart, merge: bool, world: World) -
     resume_from = start.resume_from
     if resume_from:
         print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {start.total_steps})")
+    launcher_exit.raise_if_injected("training", world.rank)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     barrier()  # a write that failed after the last step's check (the last metrics line, the live report) stops here
     stop_if_interrupted(trainer, stage, start.info_path, world)

@@ -8,6 +8,8 @@ from enum import IntEnum
 
 class ExitStatus(IntEnum):
     DONE = 0             # finished; also the same command relaunched on a finished run (src/run_safety/finished_run.py)
+    FAILED = 1           # an error a restart would raise again (a code or library error: its traceback, shown once),
+                         # not restarted (src/run_safety/launcher_exit.py restart_can_cure); also torchrun's own failure
     USER_ERROR = 2       # one `error:` line: a flag, file, row, model, a held run directory, no room on the disk
     DIVERGED = 4         # NaN/inf loss or gradient (src/run_safety/stops.py)
     WRITE_FAILED = 5     # no space left, quota, I/O error while writing (src/run_safety/disk_space.py); resumable
@@ -20,5 +22,5 @@ class ExitStatus(IntEnum):
 
 
 # Stops a restart cannot mend: under run_distributed.sh the launcher exits with them, not torchrun (launcher_exit.py)
-FINAL = (ExitStatus.USER_ERROR, ExitStatus.DIVERGED, ExitStatus.WRITE_FAILED, ExitStatus.NODE_LOST, ExitStatus.HUNG,
+FINAL = (ExitStatus.FAILED, ExitStatus.USER_ERROR, ExitStatus.DIVERGED, ExitStatus.WRITE_FAILED, ExitStatus.NODE_LOST, ExitStatus.HUNG,
          ExitStatus.DAMAGED)

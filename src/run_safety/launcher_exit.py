@@ -17,14 +17,18 @@ exits 0 without starting torchrun.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
-from src.run_safety.exit_status import FINAL
+from src import seams
+from src.run_safety.exit_status import FINAL, ExitStatus
 
 FINISHED = "finished"  # the preflight's record: the run is finished, no worker needs to start
+ENVIRONMENT = "environment"  # the preflight's record: variables the launcher exports for the launch
 
 
 def _directory() -> Path | None:
@@ -106,3 +110,68 @@ def record_finished() -> bool:
         return False
     (Path(directory) / FINISHED).write_text("0\n")
     return True
+
+
+def record_environment(variables: dict[str, str]) -> bool:
+    """The launcher's preflight: variables run_distributed.sh exports before it starts torchrun or accelerate launch
+    (`NAME=value` lines in its directory's `environment`). True when recorded (only under run_distributed.sh)."""
+    directory = os.environ.get("PREFKIT_EXIT_DIR")
+    if not variables or not directory or "TORCHELASTIC_RUN_ID" in os.environ or not Path(directory).is_dir():
+        return False
+    (Path(directory) / ENVIRONMENT).write_text("".join(f"{name}={value}\n" for name, value in variables.items()))
+    return True
+
+
+# What a restart can cure, read from an error and the errors it was raised from: the echo of a peer's or a node's loss
+# in the process group (torch.distributed's Dist*Error; gloo's and NCCL's RuntimeErrors: "Connection closed by peer"),
+# a device's fault ("CUDA error: ..."), a filesystem's (OSError). A lost worker's peers raise these, and torchrun's
+# restart resumes the job from its newest checkpoint. Anything else (a TypeError, a library's ValueError, an assertion,
+# a tensor's "Can't call numpy() on Tensor that requires grad") is raised the same way again by every restart.
+TRANSPORT_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "Socket", "Timed out",
+                   "timed out", "CUDA error", "ECC")
+
+
+def restart_can_cure(error: BaseException) -> bool:
+    """Whether torchrun's restart of the job could end otherwise than `error` did (see TRANSPORT_WORDS)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) or any(kind.__name__ == "DistError" for kind in type(error).__mro__):
+            return True
+        if isinstance(error, RuntimeError) and any(word in str(error) for word in TRANSPORT_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def stop_without_restart(error: BaseException) -> None:
+    """Under run_distributed.sh, an error no restart cures ends the job now, once: its traceback printed by the first
+    worker to raise it (any other raises the same, or joins a collective that cannot finish), exit 1 recorded for the
+    launcher and the torchrun agent ended, so it starts no restart (four loads of a large model for one error). Does
+    nothing elsewhere: plain torchrun keeps its own behaviour."""
+    directory = _directory()
+    if directory is None or not directory.is_dir() or restart_can_cure(error):
+        return
+    if _claimed(directory / "traceback"):
+        traceback.print_exception(error)
+        print(f"error: rank {os.environ.get('RANK', '0')} raised {type(error).__name__}: the job is not restarted, "
+              "a restart would raise it again (torchrun's restarts are for lost workers and nodes)", file=sys.stderr,
+              flush=True)
+    atexit._run_exitfuncs()  # a tracker's last flush, temporary directories: as a worker's normal end runs them
+    end_job(ExitStatus.FAILED)
+
+
+def _claimed(path: Path) -> bool:
+    """The first process of the launch to create `path` (a local directory: atomic)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return False
+    return True
+
+
+def raise_if_injected(place: str, rank: int) -> None:
+    """The test seam raise_in ("<place>:<rank or *>"): that rank raises an error no restart cures at `place`."""
+    wanted = seams.get("raise_in")
+    if wanted and wanted.rsplit(":", 1)[0] == place and wanted.rsplit(":", 1)[1] in ("*", str(rank)):
+        raise ValueError(f"raised by the test seam raise_in at {place} on rank {rank}")

@@ -12,12 +12,15 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast_object_list
 from datasets.fingerprint import Hasher
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
 from trl import DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.dpo_trainer import DataCollatorForPreference
+from trl.trainer.utils import hash_module
 
 from src.distributed import any_rank, barrier, print0
-from src.engines import gathered, sharded, whole
+from src.engines import gathered, partitioned, sharded, whole
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of, forward_plan
@@ -222,6 +225,7 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     copy per machine (_LocalMainAccelerator); the same path on every machine (_same_cache_on_every_machine); a failed
     write noted; TRL's tqdm bar off; what happened (computed or reused, seconds) in `trainer.reference_cache`.
     `trl_key`: what the TRL trainer adds to (fingerprint, model hash) in its cache key (KTO: whether the KL is on)."""
+    rehash_reference_weights(trainer)
     original = dataset._fingerprint
     cache_dir = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
     started = time.monotonic()
@@ -278,7 +282,7 @@ def hashed_whole(*modules):
     for module in shadowed:
         own = type(module).state_dict
         module.state_dict = lambda module=module, own=own: {
-            name: _WholeOnRead(value) if sharded([value]) else value
+            name: _WholeOnRead(value) if sharded([value]) else value.detach()
             for name, value in own(module, keep_vars=True).items()}
     try:
         yield
@@ -293,6 +297,51 @@ def drop_reference_after_pass(trainer, given_reference) -> None:
     precomputed = getattr(trainer, "precompute_ref_logps", None) or trainer.args.precompute_ref_log_probs
     if given_reference is not None and precomputed and trainer.is_fsdp_enabled:
         trainer.ref_model = None
+
+def base_weights(model: PeftModel) -> dict[str, torch.Tensor]:
+    """A PEFT model's base weights, what its reference runs (the base with its adapters disabled), named as the same
+    model without adapters names them: no adapter's tensors (the names each tuner layer declares in
+    `adapter_layer_names`: lora_A, lora_B, ...), and no `base_layer` (where a tuner layer keeps the layer it wraps) in
+    a name."""
+    base = model.get_base_model()
+    adapter_names = {name for module in base.modules() if isinstance(module, BaseTunerLayer)
+                     for name in module.adapter_layer_names}
+    weights = {}
+    for name, tensor in base.state_dict(keep_vars=True).items():
+        parts = name.split(".")
+        if not adapter_names.intersection(parts):
+            weights[".".join(part for part in parts if part != "base_layer")] = tensor
+    return weights
+
+
+class _ReferenceWeights:
+    """A module as `hash_module` sees it (its state_dict): the weights its reference forward runs (a PEFT model's
+    base weights), each detached as state_dict() gives them, a sharded weight (ZeRO-3, FSDP2) whole as it is read, one
+    at a time."""
+
+    def __init__(self, module, adapters: bool):
+        self.module, self.adapters = module, adapters
+
+    def state_dict(self) -> dict:
+        named = base_weights(self.module) if self.adapters else self.module.state_dict(keep_vars=True)
+        return {name: _WholeOnRead(value) if sharded([value]) else value.detach() for name, value in named.items()}
+
+
+def rehash_reference_weights(trainer) -> None:
+    """TRL keys the reference cache by a hash of the reference's weights (`_precompute_model_hash`), taken in its
+    `__init__` over the module as held. Taken again here with TRL's own function where that key is not the
+    reference's: under ZeRO-3 the weights are partitioned as they load (each rank's empty tensors would key every
+    model of the same shapes alike: another model's cache reused), so each is gathered whole as it is read, the key a
+    DDP run computes; with adapters the reference is the base with its adapters disabled, so the key is the base's
+    weights alone, the key of the same base trained without adapters (a LoRA run and a full one share their cache;
+    the adapters' rank and random start do not enter it)."""
+    model = trainer.accelerator.unwrap_model(trainer.ref_model or trainer.model)  # TRL hashed it unwrapped
+    adapters = trainer.ref_model is None and isinstance(model, PeftModel)
+    if getattr(trainer, "_precompute_model_hash", None) is None or getattr(trainer, "_rehashed", False) or not (
+            adapters or partitioned(model.parameters())):  # FSDP2's DTensors: read whole already (hashed_whole)
+        return
+    trainer._precompute_model_hash = hash_module(_ReferenceWeights(model, adapters))
+    trainer._rehashed = True
 
 
 def _release_inference_engine(trainer) -> None:

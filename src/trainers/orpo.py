@@ -1,7 +1,7 @@
 """ORPO's trainer: TRL's ORPOTrainer (trl.experimental.orpo) with the toolkit's additions, on the pairs src/data/
-prepared (src/trainers/legacy_pairs.py). No reference model. Its loss is the chosen answers' NLL plus beta x the
-odds-ratio term, each a mean over the micro-batch's pairs, so equal micro-batches give the same update on any split of
-the global batch into processes x accumulation steps (tests/test_orpo.py)."""
+prepared (src/trainers/legacy_pairs.py). No reference model. Its loss is the chosen answers' NLL, a token mean over the
+global batch (legacy_pairs `begin_step`), plus beta x the odds-ratio term, a mean over its pairs, so the same global
+batch gives the same update on any split into processes x accumulation steps x micro-batch size (tests/test_orpo.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """SimPO's trainer: TRL's CPOTrainer (trl.experimental.cpo, loss_type "simpo", cpo_alpha 0) with the toolkit's
 additions, on the pairs src/data/ prepared (src/trainers/legacy_pairs.py). SimPO has no reference model: no
-reference pass, no reference cache. Its step is the mean over the micro-batch's pairs, so equal micro-batches give the
-same update on any split of the global batch into processes x accumulation steps (tests/test_simpo.py)."""
+reference pass, no reference cache. Its step is the mean over the micro-batch's pairs (CPO-SimPO's NLL term a token mean
+over the global batch: legacy_pairs `begin_step`), so the same global batch gives the same update on any split into
+processes x accumulation steps x micro-batch size (tests/test_simpo.py, test_packed_objectives.py)."""
 
 from __future__ import annotations
 
