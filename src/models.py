@@ -29,6 +29,9 @@ from src.run_safety.checkpoint_manifest import remove_marker, write_marker
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
+LORA_BY_TRL = "lora added by TRL"  # load_model's `adapters` for a LoRA stage whose TRL trainer must add them
+
+
 class ModelError(ValueError):
     """A model that cannot be found, read or run as asked: one line, no traceback."""
 
@@ -235,7 +238,9 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
 
     `adapters` (a peft config, the run's seed): where the model loads sharded under FSDP2, its LoRA adapters are added
     as it loads, before it is sharded (src/sharded_weights.py `with_adapters`); the model returned has them then, and
-    TRL must not add them again. Elsewhere TRL adds them."""
+    TRL must not add them again. Elsewhere TRL adds them; `LORA_BY_TRL`: TRL must add them (a stage with a reference:
+    handed a model with adapters, TRL copies them into a reference adapter of its own, unsharded), so under FSDP2 the
+    model loads whole, as before."""
     from contextlib import nullcontext
 
     import torch
@@ -258,6 +263,10 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     engine = loads_sharded(world.world_size) if quantization is None else None
+    if engine is not None and engine.name == FSDP and adapters == LORA_BY_TRL:
+        print0(f"  warning: {path} loads whole on every rank under FSDP2: a LoRA stage with a reference (DPO, KTO) has "
+               "TRL add the adapters, which it cannot do to a model sharded as it loads")
+        engine = None
     partitioning = engine is not None and engine.name != FSDP  # ZeRO-3 builds the model inside deepspeed.zero.Init
     try:
         # A download takes what it takes; under FSDP2 and ZeRO-3 each rank reads only its share of the weights.

@@ -11,7 +11,7 @@ from src.data import PreparedData
 from src.distributed import barrier, check_world_size, gather_objects, print0
 from src.engines import (FSDP, engine_record, load_warning, loads_sharded, partitioned, requested,
                          resharded_after_forward)
-from src.models import apply_chat_template_to_model, load_model, peft_config
+from src.models import LORA_BY_TRL, apply_chat_template_to_model, load_model, peft_config
 from src.objectives import objective
 from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
@@ -44,10 +44,13 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
 
 
 def stage_adapters(stage: Stage, reward: bool = False):
-    """(the stage's LoRA config, its seed) for a load that adds them itself (FSDP2, src/models.py `load_model`), or
-    None without --use_lora."""
+    """What the stage's load does about its LoRA adapters (src/models.py `load_model`): (their config, the seed) to add
+    them as the model is sharded (FSDP2); `LORA_BY_TRL` for an objective whose trainer keeps a reference (DPO, KTO),
+    which TRL must add; None without --use_lora."""
     lora = peft_config(stage.config.model, reward)
-    return (lora, stage.config.training.seed) if lora is not None else None
+    if lora is None:
+        return None
+    return LORA_BY_TRL if objective(stage.name).training.needs_reference else (lora, stage.config.training.seed)
 
 
 def record_weights_at_load(model, start: StageStart, world: World) -> None:

@@ -279,11 +279,11 @@ def hashed_whole(*modules):
     the key a DDP run of the same model computes, so a cache is shared across engines."""
     shadowed = [module for module in modules if module is not None and not isinstance(module, str)
                 and sharded(module.parameters())]
-    for module in shadowed:
+    for module in shadowed:  # TRL calls `state_dict()` bare; anything else (a wrapper's recursion) gets torch's own
         own = type(module).state_dict
-        module.state_dict = lambda module=module, own=own: {
-            name: _WholeOnRead(value) if sharded([value]) else value.detach()
-            for name, value in own(module, keep_vars=True).items()}
+        module.state_dict = lambda *args, module=module, own=own, **kwargs: own(module, *args, **kwargs) if (
+            args or kwargs) else {name: _WholeOnRead(value) if sharded([value]) else value.detach()
+                                  for name, value in own(module, keep_vars=True).items()}
     try:
         yield
     finally:
