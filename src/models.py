@@ -29,9 +29,6 @@ from src.run_safety.checkpoint_manifest import remove_marker, write_marker
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
 
 
-LORA_BY_TRL = "lora added by TRL"  # load_model's `adapters` for a LoRA stage whose TRL trainer must add them
-
-
 class ModelError(ValueError):
     """A model that cannot be found, read or run as asked: one line, no traceback."""
 
@@ -228,7 +225,7 @@ def load_model_for_audit(path: str, model: ModelArguments):
 
 
 def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None,
-               adapters=None):
+               adapters=None, whole_because: str | None = None):
     """The policy for this rank, on this rank's device. Full fine-tuning keeps fp32 master weights (mixed precision
     autocasts the compute); a 4-bit base is quantized on load.
 
@@ -238,9 +235,9 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
 
     `adapters` (a peft config, the run's seed): where the model loads sharded under FSDP2, its LoRA adapters are added
     as it loads, before it is sharded (src/sharded_weights.py `with_adapters`); the model returned has them then, and
-    TRL must not add them again. Elsewhere TRL adds them; `LORA_BY_TRL`: TRL must add them (a stage with a reference:
-    handed a model with adapters, TRL copies them into a reference adapter of its own, unsharded), so under FSDP2 the
-    model loads whole, as before."""
+    TRL must not add them again. Elsewhere TRL adds them. `whole_because`: why this stage's model cannot be sharded as
+    it loads under FSDP2 (src/pipeline/training.py `fsdp_loads_whole`): it loads whole there, as before, said in one
+    line."""
     from contextlib import nullcontext
 
     import torch
@@ -263,9 +260,8 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     engine = loads_sharded(world.world_size) if quantization is None else None
-    if engine is not None and engine.name == FSDP and adapters == LORA_BY_TRL:
-        print0(f"  warning: {path} loads whole on every rank under FSDP2: a LoRA stage with a reference (DPO, KTO) has "
-               "TRL add the adapters, which it cannot do to a model sharded as it loads")
+    if engine is not None and engine.name == FSDP and whole_because:
+        print0(f"  warning: {path} loads whole on every rank under FSDP2: {whole_because}")
         engine = None
     partitioning = engine is not None and engine.name != FSDP  # ZeRO-3 builds the model inside deepspeed.zero.Init
     try:

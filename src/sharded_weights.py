@@ -1,14 +1,19 @@
-"""A model's weights read a share at a time under the engines that shard them (FSDP2, ZeRO-3): the model is built
-with no weights (on the meta device for FSDP2, inside `deepspeed.zero.Init` for ZeRO-3, each module partitioned as it
-is built), and each rank reads from the checkpoint's safetensors files only its share of each weight (safetensors'
-`get_slice`, one tensor at a time), so that no rank holds the whole model on its host at any moment of the load. Its
-engine-specific parts (how a rank's share is laid out, the FSDP2 wrap) are src/engines.py's; src/models.py
-`load_model` asks for it where `engines.loads_sharded` says so.
+"""A model's weights read and written a share or a tensor at a time under the engines that shard them (FSDP2, ZeRO-3),
+so that no rank holds the whole model on its host at any moment.
 
-A checkpoint whose tensors are not named as the model's (a conversion transformers applies on load, such as fused
-experts) or that has no safetensors files loads whole instead, as before, with one line saying why. Parameters the
-checkpoint lacks (a reward model's new score head) are drawn as a whole load draws them: the model's own initializer,
-from the random state the load started with, on a whole copy of the module, then shared out.
+Loading (`load_sharded`): the model is built with no weights (on the meta device for FSDP2, then wrapped and each
+rank's shards allocated; inside `deepspeed.zero.Init` for ZeRO-3, each module partitioned as it is built), and each
+rank reads from the checkpoint's safetensors files only its share of each weight (safetensors' `get_slice`, one tensor
+at a time). Under FSDP2 a LoRA stage's adapters are added before the wrap (`with_adapters`), as TRL adds them. Weights
+the checkpoint lacks (a reward model's new score head) are drawn as a whole load draws them: the model's own
+initializer, from the random state the load started with, on a whole copy of the module, then shared out. A
+checkpoint whose tensors are not named as the model's (a conversion transformers applies on load, such as fused
+experts) or that has no safetensors files loads whole instead, as before, with one line saying why.
+
+Saving (`save_whole`, `save_adapter`): the final model is written whole into ordinary safetensors files by rank 0 one
+tensor at a time, each gathered whole, written and let go (a LoRA model merged layer by layer); an adapter gathered
+tensor by tensor. The engine-specific parts (how a rank's share is laid out, the FSDP2 wrap, the gathers) are
+src/engines.py's; src/models.py asks for these where `engines.loads_sharded` says so, or the trained model is sharded.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from src.data import PreparedData
 from src.distributed import barrier, check_world_size, gather_objects, print0
 from src.engines import (FSDP, engine_record, load_warning, loads_sharded, partitioned, requested,
                          resharded_after_forward)
-from src.models import LORA_BY_TRL, apply_chat_template_to_model, load_model, peft_config
+from src.models import apply_chat_template_to_model, is_jinja_file, load_model, peft_config
 from src.objectives import objective
 from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
@@ -36,7 +36,7 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
     if model is None:
         model = load_model(model_path, config.model, stage.plan, world,
                            reward_pad_token_id=tokenizer.pad_token_id if reward else None,
-                           adapters=stage_adapters(stage, reward))
+                           adapters=stage_adapters(stage, reward), whole_because=fsdp_loads_whole(stage))
         model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
                                              stage.plan.precision)
     record_weights_at_load(model, start, world)
@@ -44,13 +44,23 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
 
 
 def stage_adapters(stage: Stage, reward: bool = False):
-    """What the stage's load does about its LoRA adapters (src/models.py `load_model`): (their config, the seed) to add
-    them as the model is sharded (FSDP2); `LORA_BY_TRL` for an objective whose trainer keeps a reference (DPO, KTO),
-    which TRL must add; None without --use_lora."""
+    """(the stage's LoRA config, its seed) for a load that adds the adapters as it shards the model (FSDP2,
+    src/models.py `load_model`), or None without --use_lora."""
     lora = peft_config(stage.config.model, reward)
-    if lora is None:
-        return None
-    return LORA_BY_TRL if objective(stage.name).training.needs_reference else (lora, stage.config.training.seed)
+    return (lora, stage.config.training.seed) if lora is not None else None
+
+
+def fsdp_loads_whole(stage: Stage) -> str | None:
+    """Why the stage's model cannot be sharded as it loads under FSDP2 (it then loads whole, as before), or None:
+    a LoRA stage with a reference (DPO, KTO), whose TRL trainer, handed a model with adapters, copies them into a
+    reference adapter of its own, unsharded, and cannot add them to a model already sharded; a chat template taken from
+    another tokenizer, whose new tokens resize the embeddings (transformers resizes whole tensors)."""
+    config = stage.config
+    if config.model.use_peft and objective(stage.name).training.needs_reference:
+        return "a LoRA stage with a reference (DPO, KTO) has TRL add the adapters, which it cannot do to sharded weights"
+    if config.model.chat_template_path and not is_jinja_file(config.model.chat_template_path):
+        return "--chat_template_path from a tokenizer resizes the embeddings, which transformers does on whole weights"
+    return None
 
 
 def record_weights_at_load(model, start: StageStart, world: World) -> None:
