@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from src.engines import whole_numel
+from src.engines import keep_sharding_from_load, whole_numel
 from src.objectives import SEQUENCES, load, objective
 from src.plan import Plan
 from src.reporting.live import LiveReport
@@ -54,6 +54,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
         **(trainer_inputs or {}),
     )
     trainer.remove_callback(PrinterCallback)
+    keep_sharding_from_load(trainer)
     if forward and forward["packed_forward"].enabled:
         meter.computed_tokens = forward["packed_forward"].computed_tokens
     return trainer
