@@ -6,7 +6,8 @@ Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw,
 was fed (per optimizer step), a digest of its weights when training ended (the whole weights under ZeRO-3) and what
 it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share,
 ZeRO-3's partitions and FSDP2's DTensor local shards), and what it held of the model as the stage loaded it, before
-the trainer wrapped it (`loaded`).
+the trainer wrapped it (`loaded`; `loaded.reference`: of a reference model the toolkit loaded and handed the trainer,
+and `loaded.reference_kept_as_given`: whether the trainer runs that one).
 
 Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
 optimizer step K+1 — what a bad kernel or an overflow does to a real run.
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from src import main_distributed  # noqa: E402
-from src.engines import gathered  # noqa: E402
+from src.engines import gathered, resharded  # noqa: E402
 from src.trainers import build  # noqa: E402
 
 
@@ -68,7 +69,9 @@ def held_numbers(trainer, parameters) -> dict:
 
 def loaded_numbers(model) -> dict:
     """What this rank holds of the model as loaded, before the trainer wraps it (elements: ZeRO-3's partitions where
-    the weights were partitioned as they loaded)."""
+    the weights were partitioned as they loaded, FSDP2's shards where it was sharded as it loaded: every unit holding
+    its shards again, as the trainer makes them, where a forward before training left some gathered)."""
+    resharded(model)
     parameters = list(model.parameters())
     return {"weights": sum(_local(p).numel() for p in parameters),
             "full_weights": sum(getattr(p, "ds_numel", p.numel()) for p in parameters)}
@@ -77,7 +80,13 @@ def loaded_numbers(model) -> dict:
 def instrument(build_trainer, probe_dir: Path):
     def build(stage, *args, **kwargs):
         loaded = loaded_numbers(args[0])  # the model as the stage loaded it (build_trainer's first argument)
+        given = kwargs.get("ref_model")  # a reference the toolkit loaded for the trainer
+        if given is not None:
+            loaded["reference"] = loaded_numbers(given)
         trainer = build_trainer(stage, *args, **kwargs)
+        # the trainer runs the reference it was given (an engine may wrap it: DeepSpeed's inference engine), none else
+        loaded["reference_kept_as_given"] = given is not None and getattr(trainer.ref_model, "module",
+                                                                          trainer.ref_model) is given
         seen: dict[int, list[str]] = {}
         compute_loss = trainer.compute_loss
 

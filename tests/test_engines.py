@@ -241,11 +241,14 @@ def test_lora_sft_under_zero1_zero2_zero3_and_fsdp2_trains_and_saves_the_adapter
 
 def test_lora_dpo_under_zero3_zero2_and_fsdp2_trains_and_saves_the_adapter_one_ddp_process_does(tiny_model, tmp_path):
     """LoRA DPO with its reference log-probs cached, global batch 8 on one DDP process (8 per device) and on 2 x 4
-    under ZeRO-3, ZeRO-2 and FSDP2: the same losses and grad norms (the first step to fp32 summation order, 1e-6;
-    every step 1e-5) and a saved adapter, every tensor whole, equal to one process's. ZeRO-3 runs first and computes
-    the reference cache (its key over the base weights, each gathered as it is read: before the fix, TRL's hash of
-    the LoRA weights, which require grad, ended both ranks); every later run reuses it, its key the same, and every
-    first loss is ln 2 (the cached reference is the starting policy: the base, LoRA's B at zero)."""
+    under ZeRO-3, ZeRO-2 and FSDP2, and under FSDP2 with the reference live: the same losses and grad norms (the first
+    step to fp32 summation order, 1e-6; every step 1e-5) and a saved adapter, every tensor whole, equal to one
+    process's. ZeRO-3 runs first and computes the reference cache (its key over the base weights, each gathered as it
+    is read: before the fix, TRL's hash of the LoRA weights, which require grad, ended both ranks); every later run
+    reuses it, its key the same, and every first loss is ln 2 (the reference is the starting policy: the base, LoRA's
+    B at zero). Under FSDP2 each rank loaded only its half of the model, its adapters added as it loaded, and the
+    reference is the base with the adapters disabled (TRL's copy of them into a "ref" adapter skipped:
+    src/trainers/base.py `reference_is_the_base`; before, the model loaded whole on every rank)."""
     import math
 
     import torch
@@ -253,16 +256,18 @@ def test_lora_dpo_under_zero3_zero2_and_fsdp2_trains_and_saves_the_adapter_one_d
 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48, seed=5))  # its own prepared data and cache
     runs = {}
-    for name, strategy, nproc in (("zero3", "zero3", 2), ("ddp1", "ddp", 1), ("zero2", "zero2", 2), ("fsdp", "fsdp", 2)):
+    for name, strategy, nproc, extra in (("zero3", "zero3", 2, []), ("ddp1", "ddp", 1, []), ("zero2", "zero2", 2, []),
+                                         ("fsdp", "fsdp", 2, []),
+                                         ("fsdp_live", "fsdp", 2, ["--precompute_ref_log_probs", "false"])):
         args = common_args(tiny_model, data, tmp_path / "results", name, "dpo") + [
             "--batch_size", "8", "--max_steps", "3", "--learning_rate", "1e-3", "--use_lora", "true",
-            "--num_samples", "0"]
+            "--num_samples", "0", *extra]
         runs[name] = run_engine(strategy, args, tmp_path / f"probe_{name}", nproc=nproc)
     one = runs["ddp1"]
     adapter = load_file(one["final"] / "adapter_model.safetensors")
     assert adapter and all(tensor.numel() for tensor in adapter.values())
-    assert [run["info"]["reference_log_probs"]["train"]["cache"] for run in runs.values()] == [
-        "computed", "reused", "reused", "reused"]
+    assert [run["info"].get("reference_log_probs", {}).get("train", {}).get("cache") for run in runs.values()] == [
+        "computed", "reused", "reused", "reused", None]
     for name, run in runs.items():
         assert run["info"]["per_device_batch_size"] == (8 if name == "ddp1" else 4), name
         assert run["losses"][0] == pytest.approx(math.log(2), rel=1e-7), name
@@ -274,6 +279,45 @@ def test_lora_dpo_under_zero3_zero2_and_fsdp2_trains_and_saves_the_adapter_one_d
         assert saved.keys() == adapter.keys(), name
         for key, tensor in adapter.items():
             torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+    whole = one["ranks"][0]["held"]["full_weights"]  # the base and its adapters, as one process trained them
+    for name in ("fsdp", "fsdp_live"):
+        assert not [line for line in runs[name]["console"] if "loads whole" in line], name
+        for rank in runs[name]["ranks"]:  # its half of every weight as it loaded, and no reference model but the base
+            assert (rank["loaded"]["weights"], rank["loaded"]["full_weights"]) == (whole // 2, whole), name
+            assert rank["held"]["reference_weights"] is None, name
+
+
+def test_lora_kto_and_grpo_with_a_reference_under_fsdp2_load_sharded_and_train_as_ddp_does(tiny_model, tmp_path):
+    """LoRA KTO (its reference log-probs precomputed) and LoRA GRPO with its KL term (--beta 0.1) under FSDP2 against
+    plain DDP, 2 steps at the same global batch: the same losses (GRPO: the same rewards and KL). Each rank loaded only
+    its half of the model, its adapters added as it loaded, and there is no reference model: the reference is the base
+    with the adapters disabled (src/trainers/base.py `reference_is_the_base`). Before: KTO loaded whole on every rank
+    (one line said so); GRPO stopped in TRL's copy of the sharded adapters into a "ref" adapter of its own."""
+    from test_grpo import grpo_args, prompt_rows
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
+    lora = ["--use_lora", "true", "--num_samples", "0"]
+    arguments = {
+        "kto": lambda name: common_args(tiny_model, pairs, tmp_path / "results", name, "kto") + lora + [
+            "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-3",
+            "--kto_from_pairs", "true"],
+        "grpo": lambda name: grpo_args(tiny_model, prompts, tmp_path / "results", name, *lora),
+    }
+    for stage, args_for in arguments.items():
+        ddp, fsdp = (run_engine(strategy, args_for(f"{stage}_{strategy}"), tmp_path / f"probe_{stage}_{strategy}")
+                     for strategy in ("ddp", "fsdp"))
+        whole = ddp["ranks"][0]["held"]["full_weights"]  # the base and its adapters
+        assert len(ddp["losses"]) == 2 and fsdp["info"]["engine"] == "fsdp", stage
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), stage
+        assert not [line for line in fsdp["console"] if "loads whole" in line], stage
+        for rank in fsdp["ranks"]:
+            assert (rank["loaded"]["weights"], rank["loaded"]["full_weights"]) == (whole // 2, whole), stage
+            assert rank["held"]["reference_weights"] is None, stage
+        if stage == "grpo":
+            kl = {name: [record["kl"] for record in run_files.read_jsonl(run["final"].parent.parent / run_files.METRICS)
+                         if "loss" in record] for name, run in (("ddp", ddp), ("fsdp", fsdp))}
+            assert kl["fsdp"] == pytest.approx(kl["ddp"], rel=1e-5, abs=1e-9) and any(kl["ddp"]), kl
 
 
 def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_model, tmp_path):
@@ -281,7 +325,8 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
     same loss curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and
     optimizer states, and half a live reference (KTO here precomputes its reference; GRPO keeps one live). Under ZeRO-3
     each rank read only its half of the policy as it loaded, and KTO's reference cache, keyed by the whole weights,
-    is the DDP run's, reused."""
+    is the DDP run's, reused. GRPO's reference (--beta 0.1) is loaded by the toolkit, each rank reading its half, and
+    TRL runs that one (src/trainers/grpo.py `reference_handed_in`; before, TRL loaded it whole on every rank)."""
     from test_grpo import grpo_args, prompt_rows
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=2))
@@ -314,6 +359,10 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
                                                                        whole["optimizer_states"] // 2), label
                 if strategy == "zero3":  # each rank read its share only as the policy loaded
                     assert rank["loaded"]["weights"] == whole["weights"] // 2, label
+                if stage == "grpo":  # its reference (the KL term) loaded by the toolkit, each rank reading its half,
+                    # and run by TRL in place of the one it would load whole on every rank
+                    assert rank["loaded"]["reference"]["weights"] == whole["weights"] // 2, label
+                    assert rank["loaded"]["reference_kept_as_given"], label
             if (stage, strategy) == ("kto", "zero3"):  # its reference cache keyed by the whole weights: DDP's, reused
                 assert sharded["info"]["reference_log_probs"]["train"]["cache"] == "reused", label
                 assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]

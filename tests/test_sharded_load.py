@@ -117,3 +117,33 @@ def test_each_rank_reads_and_holds_its_share_and_the_weights_are_a_whole_loads(s
         for rank in ranks:
             assert rank[label]["held"] - 32 <= rank[label]["read"] <= rank[label]["held"] + 32 * 20, (label, rank)
         assert rank0["sharded"] == ("DTensor" if strategy == "fsdp" else "Parameter"), label
+
+
+def test_a_new_adapter_is_its_own_reference_and_a_trained_one_is_refused(tiny_model):
+    """TRL 1.16's DPO, KTO and GRPO, handed a model with adapters and no reference, add a "ref" adapter and copy each
+    "default" weight into it (its `__init__`, as done here by hand): in src/trainers/base.py's block for a new adapter
+    (LoRA's B at zero) no "ref" adapter is added and the copy is a no-op, so TRL's reference is the base with the
+    adapters disabled, and the block leaves the model as it was; a trained adapter is refused in one line."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from src.models import ModelError
+    from src.trainers.base import reference_is_the_base
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=4, target_modules="all-linear"))
+    config = model.peft_config["default"]
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    with reference_is_the_base(model):
+        model.add_adapter("ref", config)  # TRL's own lines (trl/trainer/dpo_trainer.py, "ref" adapter)
+        for name, parameter in model.named_parameters():
+            if ".default." in name:
+                model.get_parameter(name.replace(".default.", ".ref.")).data.copy_(parameter.data)
+    assert list(model.peft_config) == ["default"] and not {"add_adapter", "get_parameter"} & set(vars(model))
+    assert all(torch.equal(parameter, before[name]) for name, parameter in model.named_parameters())
+    with torch.no_grad():
+        next(parameter for name, parameter in model.named_parameters() if "lora_B" in name).add_(1.0)
+    with pytest.raises(ModelError, match="trained already"), reference_is_the_base(model):
+        pass
+    model.add_adapter("ref", config)  # the model's own add_adapter again
+    assert list(model.peft_config) == ["default", "ref"]

@@ -53,12 +53,10 @@ def stage_adapters(stage: Stage, reward: bool = False):
 
 def fsdp_loads_whole(stage: Stage) -> str | None:
     """Why the stage's model cannot be sharded as it loads under FSDP2 (it then loads whole, as before), or None:
-    a LoRA stage with a reference (DPO, KTO), whose TRL trainer, handed a model with adapters, copies them into a
-    reference adapter of its own, unsharded, and cannot add them to a model already sharded; a chat template taken from
-    another tokenizer, whose new tokens resize the embeddings (transformers resizes whole tensors)."""
+    a chat template taken from another tokenizer, whose new tokens resize the embeddings (transformers resizes whole
+    tensors). A LoRA stage with a reference (DPO, KTO, GRPO's KL term) loads sharded, its adapters added as it loads:
+    its reference is the base with the adapters disabled (src/trainers/base.py `reference_is_the_base`)."""
     config = stage.config
-    if config.model.use_peft and objective(stage.name).training.needs_reference:
-        return "a LoRA stage with a reference (DPO, KTO) has TRL add the adapters, which it cannot do to sharded weights"
     if config.model.chat_template_path and not is_jinja_file(config.model.chat_template_path):
         return "--chat_template_path from a tokenizer resizes the embeddings, which transformers does on whole weights"
     return None
@@ -126,17 +124,27 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
 
 def reference_model(stage: Stage, model, reference_path: str | None, trl_config, peft, world: World):
     """The reference the trainer is given: --round_reference start's model; under FSDP2 and ZeRO-3, where TRL would
-    load the starting model again itself, whole on every rank (FSDP: for the precompute pass too; ZeRO-3: a live
-    reference), the toolkit loads it, each rank reading its share; None: TRL's own (the policy, adapters off, or none)."""
+    load the starting model again itself, whole on every rank (DPO, KTO: under FSDP for the precompute pass too, under
+    ZeRO-3 a live reference; GRPO's KL term, --beta > 0), the toolkit loads it, each rank reading its share; None:
+    TRL's own (the policy, adapters off, or none)."""
     config = stage.config
     if reference_path:
         return load_model(reference_path, config.model, stage.plan, world)
     engine = loads_sharded(world.world_size)
-    if engine is None or peft is not None or not objective(stage.name).training.needs_reference:
+    if engine is None or peft is not None or not keeps_reference(stage):
         return None
-    if engine.name != FSDP and trl_config.precompute_ref_log_probs:  # ZeRO-3 runs the pass on the policy itself
+    precomputed = getattr(trl_config, "precompute_ref_log_probs", False)
+    if engine.name != FSDP and precomputed:  # ZeRO-3 runs the pass on the policy itself
         return None
     return resharded_after_forward(load_model(model.name_or_path, config.model, stage.plan, world))
+
+
+def keeps_reference(stage: Stage) -> bool:
+    """Whether the stage's trainer runs a reference model: the objective's row says so (DPO, KTO), or its memory
+    setup does, as check_gpu reads it (GRPO: only with its KL term, --beta > 0)."""
+    row = objective(stage.name)
+    setup = row.memory.memory_setup(stage.config) if row.memory.memory_setup else {}
+    return setup.get("reference_kept", row.training.needs_reference)
 
 
 def announce_reference_cache(reference_cache: dict, stage: Stage, info_path) -> None:

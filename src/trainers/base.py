@@ -1,4 +1,5 @@
-"""What every toolkit trainer adds to TRL's: complete-only checkpoints and the hooks its callbacks watch."""
+"""What every toolkit trainer adds to TRL's: complete-only checkpoints and the hooks its callbacks watch; the reference of
+a model whose LoRA adapters the toolkit added as it loaded (`reference_is_the_base`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import time
 from torch.utils.data import RandomSampler
 from transformers import TrainerCallback
 
+from src.distributed import any_rank
+from src.engines import local_shard
+from src.models import ModelError
 from src.run_safety import hang_watch, resharding
 from src.run_safety.disk_space import write_failures_noted
 from src.trainers.checkpointing import CompleteCheckpointsMixin
@@ -134,3 +138,44 @@ class PairLengthsMixin:
         super()._set_signature_columns_if_needed()
         if self.args.train_sampling_strategy == "group_by_length" and "length" not in self._signature_columns:
             self._signature_columns.append("length")
+
+
+# A LoRA adapter's second factor (peft's names for a linear layer's and an embedding's): zero in a new adapter
+LORA_SECOND_FACTORS = ("lora_B", "lora_embedding_B")
+
+
+@contextlib.contextmanager
+def reference_is_the_base(model, ref_model=None):
+    """A block around TRL's DPO, KTO or GRPO `__init__` handed a model whose LoRA adapters were added as it loaded
+    (under FSDP2, before it was sharded: src/sharded_weights.py `with_adapters`), and no reference model.
+
+    Handed a PEFT model, TRL takes its adapter for a trained starting point and copies it into a frozen "ref" adapter to
+    run the reference through (peft's `add_adapter("ref")`, then each "default" weight copied into its twin). That copy
+    cannot be made here (the new adapter's weights are whole tensors beside FSDP2's shards, and FSDP2 takes no new
+    weights once it has sharded a model), and it is not needed: the adapter is new, its second factor (LoRA's B) zero,
+    so the adapted model is the base, as a copy of it would be. In the block TRL's "ref" adapter is not added and its
+    copy of each weight lands on that weight itself (a no-op); TRL then runs its reference as for an adapter it adds
+    itself (as on DDP, where it is given the LoRA config): the base with the adapters disabled, nothing copied.
+
+    An adapter already trained (some second factor not zero) would need TRL's copy as its reference: the toolkit never
+    starts from one (--model_name_or_path refuses an adapter: pass its merged model), and one here is refused."""
+    from peft import PeftModel
+
+    if ref_model is not None or not isinstance(model, PeftModel):
+        yield
+        return
+    (trained,) = any_rank(any(bool(local_shard(parameter.detach()).count_nonzero())
+                              for name, parameter in model.named_parameters()
+                              if any(f"{factor}." in name for factor in LORA_SECOND_FACTORS)))
+    if trained:
+        raise ModelError("the model's LoRA adapter is trained already (its B factors are not zero): a stage with a "
+                         "reference starts from a model whose adapter is new; merge the adapter into its base (peft's "
+                         "merge_and_unload) and start from that")
+    own_add_adapter, own_get_parameter = type(model).add_adapter, type(model).get_parameter
+    model.add_adapter = lambda name, *args, **kwargs: None if name == "ref" else own_add_adapter(
+        model, name, *args, **kwargs)
+    model.get_parameter = lambda target: own_get_parameter(model, target.replace(".ref.", ".default."))
+    try:
+        yield
+    finally:
+        del model.add_adapter, model.get_parameter

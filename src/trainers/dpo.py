@@ -30,7 +30,7 @@ from src.progress import Progress
 from src.run_safety import hang_watch
 from src.run_safety.disk_space import fail_write_if_injected, write_failures_noted
 from src.run_safety.parent_watch import kill_starter_if_injected
-from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin, reference_is_the_base
 from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
 
 # What TRL 1.16's DPOTrainer._compute_loss gathers for its training metrics, in its order (MoE models: "aux_loss"
@@ -71,7 +71,8 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         if kwargs["args"].disable_dropout:  # before the precompute pass too
             self.dropout_off = [DropoutOff(model) for model in (kwargs.get("model"), kwargs.get("ref_model"))
                                 if model is not None and not isinstance(model, str)]
-        with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")):
+        with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")), reference_is_the_base(
+                kwargs.get("model"), kwargs.get("ref_model")):
             super().__init__(*args, **kwargs)
         drop_reference_after_pass(self, kwargs.get("ref_model"))
         aux = ("aux_loss",) if self.aux_loss_enabled else ()

@@ -27,6 +27,7 @@ _generate_single_turn, _calculate_rewards, _compute_loss, log, _metrics) are lis
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -39,7 +40,7 @@ from src.generation import Sampling, SeededSampling, answer_seed
 from src.judges import FUNCTION_JUDGE, JudgeError, judge_for
 from src.tools import sample_with_tools, summary
 from src.run_safety import hang_watch
-from src.trainers.base import ToolkitTrainerMixin
+from src.trainers.base import ToolkitTrainerMixin, reference_is_the_base
 from src.trainers.device_metrics import Max, Mean, MetricWindow, Min, Ratio
 from src.trainers.judged_eval import JudgedEvalMixin
 
@@ -143,6 +144,30 @@ def answer_numbers(prompt_rows: list[int], rank: int) -> list[int]:
     return numbers[start:start + len(prompt_rows)]
 
 
+@contextlib.contextmanager
+def reference_handed_in(reference):
+    """GRPOTrainer takes no reference model: with the KL term (--beta > 0) and no adapters, its `__init__` loads the
+    starting model again itself (`create_model_from_path`, whole on every rank, before the engine shards it). Given
+    one (the starting model loaded by the toolkit, each rank reading its share), TRL's `__init__` is handed that one
+    where it would load its own, and does with it all it does with its own: dropout off, its fused LM head, prepared by
+    the engine (FSDP2: already sharded, kept; ZeRO-3: its inference engine)."""
+    if reference is None:
+        yield
+        return
+    from trl.trainer import grpo_trainer
+
+    own = grpo_trainer.create_model_from_path
+
+    def loaded(model_id, *args, **kwargs):  # the starting model's path, as TRL asks for its reference
+        return reference if model_id == reference.name_or_path else own(model_id, *args, **kwargs)
+
+    grpo_trainer.create_model_from_path = loaded
+    try:
+        yield
+    finally:
+        grpo_trainer.create_model_from_path = own
+
+
 class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
     """GRPOTrainer on prepared prompts, answers sampled from per-answer seeded streams, judges as rewards; its
     evaluations judge held-out prompts (src/trainers/judged_eval.py), not TRL's sampled-answer loss."""
@@ -154,7 +179,11 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         self.tool_session = session
         self.rollout_func = self.rollout_with_tools
 
-    def __init__(self, *args, train_dataset=None, reward_judges: tuple[list[str], str | None] | None = None, **kwargs):
+    def __init__(self, *args, train_dataset=None, reward_judges: tuple[list[str], str | None] | None = None,
+                 ref_model=None, **kwargs):
+        """`ref_model`: the reference of the KL term (--beta > 0) when the toolkit loaded it (under FSDP2 and ZeRO-3,
+        each rank reading its share: src/pipeline/training.py), which TRL then uses instead of loading its own
+        (`reference_handed_in`)."""
         if reward_judges is not None:  # the row's trainer_inputs: (the judges' names, the dataset they judge)
             kwargs["reward_funcs"] = judge_rewards(*reward_judges)
         if train_dataset is not None and PROMPT_INDEX not in train_dataset.column_names:
@@ -162,7 +191,10 @@ class PreparedGRPOTrainer(JudgedEvalMixin, ToolkitTrainerMixin, GRPOTrainer):
         self._generation_inputs: list[dict] = []
         self._micro_batch: dict = {}
         self._micro_batch_weights: dict[str, list[torch.Tensor]] = {}  # per mode: [tokens, sequences] per micro-batch
-        super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        # TRL copies a model's adapters into a reference adapter only for the KL term
+        adapted = kwargs.get("model") if kwargs["args"].beta != 0.0 else None
+        with reference_handed_in(ref_model), reference_is_the_base(adapted, ref_model):
+            super().__init__(*args, train_dataset=train_dataset, **kwargs)
         self.metric_window = grpo_metric_window(self)
 
     def get_train_dataloader(self):

@@ -53,7 +53,7 @@ from src.packed_dpo import PackedPreferenceCollator, attention_cost_of, forward_
 from src.packed_forward import fused_modules
 from src.packed_layout import PACKED_KEYS, padded_counts
 from src.run_safety import hang_watch
-from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
+from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin, reference_is_the_base
 from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
 from src.trainers.dpo import drop_reference_after_pass, hashed_whole, reference_cache_pass
 
@@ -178,7 +178,8 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         self._kl_values: list | None = None  # while _compute_loss runs with a fixed KL: policy's, then reference's
         self._step_kl: torch.Tensor | None = None
         try:
-            with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")):
+            with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")), reference_is_the_base(
+                    kwargs.get("model"), kwargs.get("ref_model")):
                 super().__init__(*args, **kwargs)
         finally:
             args_.train_sampling_strategy = strategy
