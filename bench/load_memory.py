@@ -7,6 +7,14 @@ save_pretrained on rank 0), under each engine's accelerate launch config.
     python bench/load_memory.py                                  # hidden 512 and 1024, ddp zero3 fsdp, 2 processes
     python bench/load_memory.py --hidden 1024 --strategies ddp zero3 --processes 4
     python bench/load_memory.py --mmap-threshold 1048576          # glibc returning freed buffers at once
+    python bench/load_memory.py --lora --strategies ddp fsdp      # the policy with LoRA adapters, as a LoRA stage
+    python bench/load_memory.py --trl-reference                   # the reference as TRL loads its own
+
+`--lora`: the policy loads with LoRA adapters on every linear layer (rank 16) as a LoRA stage loads it (under FSDP2 added
+as it loads, before the wrap: src/sharded_weights.py `with_adapters`; elsewhere the base alone, TRL adding them later).
+`--trl-reference`: the reference is loaded by TRL's `create_model_from_path` under every engine, as TRL's trainers load
+their own (GRPO's with its KL term before src/trainers/grpo.py handed it the toolkit's; under ZeRO-3 inside the DPO
+config's `deepspeed.zero.Init`; under FSDP2 whole, sharded only later by the trainer's `prepare_fsdp`).
 
 For each hidden size a Llama of that width (8 layers, 4x-wide MLP, a 32,000-token vocabulary, untied head) is built
 here with random weights and saved in bf16; each strategy is launched as run_distributed.sh launches it (accelerate
@@ -63,12 +71,13 @@ def held_elements(model) -> tuple[int, int]:
     return local, sum(whole_numel(p) for p in parameters)
 
 
-def worker(model_dir: str, out_dir: str) -> None:
+def worker(model_dir: str, out_dir: str, lora: bool = False, trl_reference: bool = False) -> None:
     """One rank: the process group as the toolkit starts it, then the two loads and the save, measured."""
     from types import SimpleNamespace
 
     import torch
     import torch.distributed as dist
+    from peft import LoraConfig
     from trl import DPOConfig
     from trl.trainer.utils import create_model_from_path
 
@@ -85,15 +94,16 @@ def worker(model_dir: str, out_dir: str) -> None:
     import deepspeed  # noqa: F401  imported before the first measure, as the trainer stack imports it
 
     arguments = ModelArguments(model_name_or_path=model_dir)
+    adapters = (LoraConfig(r=16, target_modules="all-linear", task_type="CAUSAL_LM"), 0) if lora else None
     started = time.perf_counter()
-    policy, numbers = measured(lambda: load_model(model_dir, arguments, plan, world))
+    policy, numbers = measured(lambda: load_model(model_dir, arguments, plan, world, adapters=adapters))
     record = {"rank": world.rank, "policy": numbers | {"held": held_elements(policy),
                                                        "seconds": time.perf_counter() - started}}
     dist.barrier()
     config = DPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=accelerate_cpu("cpu"), report_to=[],  # noqa: F841
                        bf16=False)
     reference, numbers = measured(lambda: resharded_after_forward(load_model(model_dir, arguments, plan, world))
-                                  if loads_sharded(world.world_size) else create_model_from_path(
+                                  if loads_sharded(world.world_size) and not trl_reference else create_model_from_path(
                                       model_dir, dtype=torch.float32))
     record["reference"] = numbers | {"held": held_elements(reference)}
     del reference
@@ -122,10 +132,12 @@ def build_model(directory: Path, hidden: int) -> int:
     return sum(p.numel() for p in model.parameters()) * 4
 
 
-def launch(strategy: str, model_dir: Path, out_dir: Path, processes: int, mmap_threshold: int | None) -> list[dict]:
+def launch(strategy: str, model_dir: Path, out_dir: Path, processes: int, mmap_threshold: int | None,
+           options: tuple[str, ...] = ()) -> list[dict]:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "configs" / "accelerate" / f"{strategy}.yaml"), "--num_processes", str(processes),
-               "--main_process_port", "29731", str(Path(__file__).resolve()), "--worker", str(model_dir), str(out_dir)]
+               "--main_process_port", "29731", str(Path(__file__).resolve()), "--worker", str(model_dir), str(out_dir),
+               *options]
     environment = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error") | (
         {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else {})
     subprocess.run(command, check=True, env=environment, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -155,13 +167,16 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["ddp", "zero3", "fsdp"])
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--mmap-threshold", type=int, default=None, help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes)")
+    parser.add_argument("--lora", action="store_true", help="the policy with LoRA adapters, as a LoRA stage loads it")
+    parser.add_argument("--trl-reference", action="store_true", help="the reference as TRL loads its own")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker)
+        worker(*args.worker, lora=args.lora, trl_reference=args.trl_reference)
         return
+    options = tuple(flag for flag, on in (("--lora", args.lora), ("--trl-reference", args.trl_reference)) if on)
     print(f"{args.processes} processes" + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold
-                                           else ""))
+                                           else "") + "".join(f", {option}" for option in options))
     print("| hidden | whole fp32 | strategy | rank | resident before | policy load: peak rise, kept | held | "
           "reference load: peak rise, kept | held | final save: peak rise, kept | plan: policy load | policy load s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -172,7 +187,7 @@ def main() -> None:
             for strategy in args.strategies:
                 out_dir = Path(temporary, f"{strategy}{hidden}")
                 out_dir.mkdir()
-                records = launch(strategy, model_dir, out_dir, args.processes, args.mmap_threshold)
+                records = launch(strategy, model_dir, out_dir, args.processes, args.mmap_threshold, options)
                 seconds = max(record["policy"]["seconds"] for record in records)
                 planned = host_load_bytes(METHODS[strategy], shape_from_model(str(model_dir)), args.processes, "cpu")
                 for record in records:

@@ -22,7 +22,7 @@ from src.world import World
 from src.distributed import barrier, manifest_across_ranks, print0
 from src.embedded.model import ensure_embedded_model
 from src.engines import FSDP, loads_sharded, partitioned_loading, sharded
-from src.sharded_weights import load_sharded, save_adapter, save_whole
+from src.sharded_weights import load_sharded, resize_draws, save_adapter, save_whole
 from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
@@ -164,17 +164,33 @@ def apply_chat_template_path(tokenizer, path: str | None):
     return tokenizer
 
 
-def apply_chat_template_to_model(model, tokenizer, path: str | None, precision: str):
+def apply_chat_template_to_model(model, tokenizer, path: str | None, precision: str, seed: int):
     """The model half of --chat_template_path (every stage, DPO included, whose TRL trainer has no such option):
     TRL's clone_chat_template resizes the embeddings for the tokens the template brought and sets the EOS id (under
-    ZeRO-3 transformers resizes the partitioned embeddings as such while it sees the launch's config)."""
+    ZeRO-3 transformers resizes the partitioned embeddings as such while it sees the launch's config; a model sharded
+    as it loaded under FSDP2 has its new size already: `load_model`'s `resize`). The rows the resize adds are drawn
+    from `seed` (`resize_draws`): the same on every rank and engine, and for a reference as for its policy."""
     if not path or is_jinja_file(path):
         return model
     from trl import clone_chat_template
 
-    with partitioned_loading(precision):
+    with partitioned_loading(precision), resize_draws(seed, next(model.parameters()).device):
         model, _, _ = clone_chat_template(model, tokenizer, path)
     return model
+
+
+def resized_vocabulary(tokenizer, path: str | None) -> int | None:
+    """The embeddings' rows --chat_template_path gives the model (TRL's clone_chat_template: the tokenizer's
+    vocabulary with the template's tokens added, rounded up to its multiple, 64); None without one or for a Jinja
+    file, which adds no tokens."""
+    if not path or is_jinja_file(path):
+        return None
+    import inspect
+
+    from trl import clone_chat_template
+
+    multiple = inspect.signature(clone_chat_template).parameters["resize_to_multiple_of"].default
+    return -(-len(tokenizer.vocab) // multiple) * multiple
 
 
 def first_line(error: BaseException) -> str:
@@ -225,7 +241,7 @@ def load_model_for_audit(path: str, model: ModelArguments):
 
 
 def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None,
-               adapters=None, whole_because: str | None = None):
+               adapters=None, resize=None):
     """The policy for this rank, on this rank's device. Full fine-tuning keeps fp32 master weights (mixed precision
     autocasts the compute); a 4-bit base is quantized on load.
 
@@ -235,9 +251,10 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
 
     `adapters` (a peft config, the run's seed): where the model loads sharded under FSDP2, its LoRA adapters are added
     as it loads, before it is sharded (src/sharded_weights.py `with_adapters`); the model returned has them then, and
-    TRL must not add them again. Elsewhere TRL adds them. `whole_because`: why this stage's model cannot be sharded as
-    it loads under FSDP2 (src/pipeline/training.py `fsdp_loads_whole`): it loads whole there, as before, said in one
-    line."""
+    TRL must not add them again. Elsewhere TRL adds them. `resize` ((rows, seed): --chat_template_path's vocabulary,
+    src/pipeline/training.py `stage_resize`): where the model loads sharded under FSDP2, it is built with that many
+    token rows, the new ones drawn as transformers' resize draws them (src/sharded_weights.py `resized_reader`);
+    elsewhere `apply_chat_template_to_model` resizes it after the load."""
     from contextlib import nullcontext
 
     import torch
@@ -260,14 +277,11 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
     engine = loads_sharded(world.world_size) if quantization is None else None
-    if engine is not None and engine.name == FSDP and whole_because:
-        print0(f"  warning: {path} loads whole on every rank under FSDP2: {whole_because}")
-        engine = None
     partitioning = engine is not None and engine.name != FSDP  # ZeRO-3 builds the model inside deepspeed.zero.Init
     try:
         # A download takes what it takes; under FSDP2 and ZeRO-3 each rank reads only its share of the weights.
         with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):
-            loaded = load_shares(path, model_class, kwargs, plan, world, engine, adapters) if engine else None
+            loaded = load_shares(path, model_class, kwargs, plan, world, engine, adapters, resize) if engine else None
             if loaded is None:
                 with partitioned_loading(plan.precision) as partitioning:
                     loaded = model_class.from_pretrained(path, **kwargs)
@@ -282,15 +296,16 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     return loaded
 
 
-def load_shares(path: str, model_class, kwargs: dict, plan: Plan, world: World, engine, adapters=None):
+def load_shares(path: str, model_class, kwargs: dict, plan: Plan, world: World, engine, adapters=None, resize=None):
     """Under FSDP2 and ZeRO-3 (`engines.loads_sharded`): the model with each rank holding, and having read, only its
     share of the weights (src/sharded_weights.py); None where it loads whole instead (said in one line where the
     checkpoint is why)."""
     import torch
 
     device = torch.device("cuda", world.local_rank) if plan.device == "cuda" else torch.device("cpu")
+    fsdp = engine.name == FSDP  # under ZeRO-3 TRL adds the adapters, and transformers resizes the embeddings
     loaded, why_not = load_sharded(path, model_class, kwargs, plan.precision, device, engine,
-                                   adapters if engine.name == FSDP else None)
+                                   adapters if fsdp else None, resize if fsdp else None)
     if why_not:
         print0(f"  warning: {path} loads whole on every rank under {engine.title}: {why_not}")
     return loaded

@@ -1,5 +1,5 @@
-"""The private names of TRL and transformers that the toolkit reads outside its trainers' overrides: one file, so a TRL
-or transformers upgrade starts here (docs/development.md lists every other place: the objectives' trainer modules and
+"""The private names of TRL and transformers (and one of torch's) that the toolkit reads outside its trainers' overrides:
+one file, so a TRL, transformers or torch upgrade starts here (docs/development.md lists every other place: the objectives' trainer modules and
 the Trainer internals in src/trainers/base.py and checkpointing.py; tests/test_private_api.py checks the list against
 the code). Each is imported when first asked for: both libraries cost seconds to import, and the preflight needs
 neither."""
@@ -53,3 +53,20 @@ def init_weights(model, module) -> None:
     reward model's new score head), to draw them as a whole load draws them."""
     model._init_weights(module)
 
+
+
+def resized_token_layers(model, embeddings, head, rows: int) -> tuple:
+    """transformers 5.23's `PreTrainedModel._get_resized_embeddings` and `_get_resized_lm_head` (no public form but
+    `resize_token_embeddings`, on the whole model), as `resize_token_embeddings` runs them: the embeddings, then an
+    untied output layer (None: none, or tied), each built anew with `rows` rows and the rows it adds drawn from the old
+    rows' mean and covariance. Returns (the embeddings' new weight, the new output layer or None). src/sharded_weights.py
+    resizes so, on whole copies of the two layers, a model that loads sharded."""
+    resized = model._get_resized_embeddings(embeddings, rows)
+    return resized.weight, model._get_resized_lm_head(head, rows) if head is not None else None
+
+
+def fsdp2_make_root(model) -> None:
+    """torch's `FSDPModule._get_fsdp_state()._lazy_init()` (torch 2.13; no public form but a forward): what FSDP2 does at
+    the first forward of a unit, which makes that unit the root of every unit inside it and settles their shared
+    state, done without the forward (which gathers every unit's weights in turn): src/engines.py `choose_root`."""
+    model._get_fsdp_state()._lazy_init()

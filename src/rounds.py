@@ -285,15 +285,14 @@ def round_data(config, pairs_dir: Path, tokenizer):
     return prepare_data(data, config.sft, ROUNDS_STAGE, config.training.seed, tokenizer, cache_root() / "datasets")
 
 
-def start_round(stage, model_path: str, tokenizer, dpo_data, world: World, adapters=None,
-                whole_because: str | None = None):
-    """Before a round trains: its starting model (the previous round's) loaded on this rank (`adapters`,
-    `whole_because`: as src/models.py `load_model` takes them), its pairs made (or reused) and prepared. Returns
-    (model, prepared pairs, the round's record)."""
+def start_round(stage, model_path: str, tokenizer, dpo_data, world: World, adapters=None, resize=None):
+    """Before a round trains: its starting model (the previous round's) loaded on this rank (`adapters`, `resize`: as
+    src/models.py `load_model` takes them), its pairs made (or reused) and prepared. Returns (model, prepared pairs,
+    the round's record)."""
     config = stage.config
-    model = load_model(model_path, config.model, stage.plan, world, adapters=adapters, whole_because=whole_because)
+    model = load_model(model_path, config.model, stage.plan, world, adapters=adapters, resize=resize)
     model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
-                                         stage.plan.precision)
+                                         stage.plan.precision, config.training.seed)
     print0(f"\n== DPO ROUND {stage.round} of {config.dpo.rounds}: pairs from the answers of {model_path}")
     record = pairs_ready(stage.run_dir)
     if record:  # an earlier launch wrote them: no sampling, no judge

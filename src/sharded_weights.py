@@ -4,7 +4,9 @@ so that no rank holds the whole model on its host at any moment.
 Loading (`load_sharded`): the model is built with no weights (on the meta device for FSDP2, then wrapped and each
 rank's shards allocated; inside `deepspeed.zero.Init` for ZeRO-3, each module partitioned as it is built), and each
 rank reads from the checkpoint's safetensors files only its share of each weight (safetensors' `get_slice`, one tensor
-at a time). Under FSDP2 a LoRA stage's adapters are added before the wrap (`with_adapters`), as TRL adds them. Weights
+at a time). Under FSDP2 a LoRA stage's adapters are added before the wrap (`with_adapters`), as TRL adds them, and a
+stage whose chat template brings new tokens is built at its vocabulary, the rows the resize adds drawn as transformers'
+resize draws them (`resized_reader`). Weights
 the checkpoint lacks (a reward model's new score head) are drawn as a whole load draws them: the model's own
 initializer, from the random state the load started with, on a whole copy of the module, then shared out. A
 checkpoint whose tensors are not named as the model's (a conversion transformers applies on load, such as fused
@@ -18,13 +20,14 @@ src/engines.py's; src/models.py asks for these where `engines.loads_sharded` say
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
 
-from src.engines import (FSDP, Engine, forward_through_root, fsdp2_sharded, loading_whole, partitioned_loading, resharded, share,
+from src.engines import (FSDP, Engine, choose_root, fsdp2_sharded, loading_whole, partitioned_loading, resharded, share,
                          whole_module, whole_value)
-from src.private_api import init_weights
+from src.private_api import init_weights, resized_token_layers
 
 SAFE_INDEX, SAFE_WEIGHTS = "model.safetensors.index.json", "model.safetensors"
 
@@ -53,6 +56,12 @@ class Checkpoint:
 
         with safe_open(directory / SAFE_WEIGHTS, framework="pt") as handle:
             return cls(directory, dict.fromkeys(handle.keys(), directory / SAFE_WEIGHTS))
+
+    def shape(self, key: str) -> list[int]:
+        from safetensors import safe_open
+
+        with safe_open(self.files[key], framework="pt") as handle:
+            return handle.get_slice(key).get_shape()
 
     def read(self, key: str, block: tuple):
         """`block` (a tuple of slices) of tensor `key`: only those bytes are read. The file is opened for this one read,
@@ -84,12 +93,15 @@ def weight_names(model) -> list[str]:
                                                               if name in persistent]
 
 
-def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, engine: Engine, adapters=None):
+def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, engine: Engine, adapters=None,
+                 resize=None):
     """(the model, each rank holding only its share, read as its share; None where it loads whole instead, and the
     reason to say, None where there is nothing to say: ZeRO-3 with zero3_init_flag off). `kwargs`: from_pretrained's
     (dtype, trust_remote_code, attn_implementation; a reward model's num_labels and pad_token_id). `adapters`: (a peft
     config, the run's seed): under FSDP2 the LoRA adapters are added before the model is sharded, as TRL adds them
-    (`with_adapters`), so that they are sharded with it; TRL is then given the model with them."""
+    (`with_adapters`), so that they are sharded with it; TRL is then given the model with them. `resize`: (the rows
+    --chat_template_path's vocabulary gives the embeddings, the seed the rows it adds are drawn from): the model is
+    built at that size and read so (`resized_reader`), as transformers' resize would leave it."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig
@@ -99,6 +111,8 @@ def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, e
         return None, "its weights are not in safetensors files, which are read a share at a time"
     config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs["trust_remote_code"], **{
         key: kwargs[key] for key in ("num_labels", "pad_token_id") if key in kwargs})
+    if resize is not None:
+        config.get_text_config().vocab_size = resize[0]
     build = {key: kwargs[key] for key in ("dtype", "trust_remote_code", "attn_implementation") if key in kwargs}
     random_state = torch.get_rng_state()  # where a whole load draws the weights the checkpoint lacks from
     with loading_whole(), init_empty_weights():  # on the meta device, not inside a ZeRO-3 config that lives already
@@ -110,6 +124,7 @@ def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, e
     if renamed:
         return None, f"its checkpoint names its weights otherwise than the model ({renamed[0]} is not among them)"
     drawn = drawn_whole(meta, missing, random_state)  # before the wrap: on the model as transformers builds it
+    read = resized_reader(meta, checkpoint, names, resize[1], device) if resize is not None else checkpoint.read
     if engine.name == FSDP:
         # the modules that hold each weight, which the wrap keeps (and peft keeps as each adapted layer's base layer)
         holders = {name: (meta.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
@@ -122,12 +137,86 @@ def load_sharded(path: str, model_class, kwargs: dict, precision: str, device, e
         tensor_of = tensors.__getitem__
     if model is None:
         return None, None
-    read_shares(tensor_of, names, checkpoint.read, drawn)
+    read_shares(tensor_of, names, read, drawn)
     copy_saved_modules(model)
     model = finished(model, checkpoint.directory)
     if hasattr(model, "get_base_model"):  # peft's wrapper, LoRA added as it loaded under FSDP2
-        forward_through_root(model, device)
+        choose_root(model)
     return model, None
+
+
+@contextlib.contextmanager
+def resize_draws(seed: int, device):
+    """A block whose random draws (the rows a resize adds to the embeddings) come from `seed`, on `device`'s generator
+    as transformers draws them where the model is, the run's random state left as it was: the same rows on every rank
+    and engine, and for a reference loaded later as for its policy."""
+    import torch
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def resized_reader(meta, checkpoint: Checkpoint, names: dict[str, str], seed: int, device):
+    """`checkpoint.read` for a model built with more (or fewer) token rows than its checkpoint's (`--chat_template_path`
+    from another tokenizer): a block of the embeddings or of an untied output layer gives the checkpoint's rows where
+    it has them and, past them, the rows a resize adds, as transformers' `resize_token_embeddings` adds them to the
+    whole model (src/private_api.py `resized_token_layers`: each layer built anew, its new rows drawn from the old rows'
+    mean and covariance), from `seed` on the load's device (`resize_draws`), as src/models.py
+    `apply_chat_template_to_model` resizes a model loaded whole: the same rows, bit for bit. Where rows are added, the
+    two layers are read whole once on every rank and built anew whole there (the working set: a few times the largest
+    tensor), then only their new rows kept."""
+    import torch
+
+    layers = [meta.get_input_embeddings(), meta.get_output_embeddings()]
+    if layers[1] is not None and layers[1].weight is layers[0].weight:
+        layers[1] = None  # tied: the embeddings, resized once
+    keys = {id(tensor): names[name] for name, tensor in meta.named_parameters()}
+    rows = {keys[id(tensor)]: checkpoint.shape(keys[id(tensor)])[0] for layer in layers if layer is not None
+            for tensor in (layer.weight, getattr(layer, "bias", None)) if tensor is not None}
+    target = layers[0].weight.shape[0]
+    added = {}  # checkpoint key: the rows a resize adds past its checkpoint rows
+    if target > max(rows.values()):
+        with resize_draws(seed, device), torch.no_grad():
+            whole = [whole_layer(layer, checkpoint, keys, device) if layer is not None else None for layer in layers]
+            weight, head = resized_token_layers(meta, whole[0], whole[1], target)
+            new = [(layers[0].weight, weight)] + ([(layers[1].weight, head.weight)] + (
+                [(layers[1].bias, head.bias)] if head.bias is not None else []) if head is not None else [])
+            added = {keys[id(tensor)]: value[rows[keys[id(tensor)]]:].detach().cpu().clone() for tensor, value in new}
+            del whole, weight, head, new
+
+    def read(key: str, block: tuple):
+        if key not in rows:
+            return checkpoint.read(key, block)
+        kept, extra = rows[key], added.get(key)
+        wanted = block[0] if block else slice(0, kept + (len(extra) if extra is not None else 0))
+        rest = tuple(block[1:])
+        parts = [checkpoint.read(key, (slice(wanted.start, min(wanted.stop, kept)), *rest))] if wanted.start < kept \
+            else []
+        if wanted.stop > kept and extra is not None:
+            parts.append(extra[(slice(max(wanted.start, kept) - kept, wanted.stop - kept), *rest)])
+        return torch.cat([part.to(parts[-1].dtype) for part in parts])
+
+    return read
+
+
+def whole_layer(layer, checkpoint: Checkpoint, keys: dict, device):
+    """A whole copy of a token layer (the embeddings, an output layer) as its checkpoint holds it, in the model's dtype
+    on `device`, built without drawing a random number (so the resize's draws are transformers' own, in order)."""
+    import torch
+
+    def saved(tensor):
+        return torch.nn.Parameter(checkpoint.read(keys[id(tensor)], ()).to(device=device, dtype=tensor.dtype))
+
+    if isinstance(layer, torch.nn.Embedding):
+        return torch.nn.Embedding.from_pretrained(saved(layer.weight), freeze=False)
+    weight = saved(layer.weight)
+    copy_of = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=layer.bias is not None,
+                                       device="meta")
+    copy_of.weight = weight
+    if layer.bias is not None:
+        copy_of.bias = saved(layer.bias)
+    return copy_of
 
 
 def with_adapters(meta, adapters):

@@ -6,8 +6,8 @@ Each rank writes PROBE_DIR/<stage>_rank<r>.json: the world size its trainer saw,
 was fed (per optimizer step), a digest of its weights when training ended (the whole weights under ZeRO-3) and what
 it held then (`held`: elements of its weights, a live reference's and its optimizer states: a sharding engine's share,
 ZeRO-3's partitions and FSDP2's DTensor local shards), and what it held of the model as the stage loaded it, before
-the trainer wrapped it (`loaded`; `loaded.reference`: of a reference model the toolkit loaded and handed the trainer,
-and `loaded.reference_kept_as_given`: whether the trainer runs that one).
+the trainer wrapped it (`loaded`), and of a reference model the toolkit loaded and handed the trainer
+(`loaded_reference`, with `kept_as_given`: whether the trainer runs that one; None where it handed none).
 
 Fault injection: with PROBE_NAN_AT_STEP=K (and PROBE_NAN_RANK, default 1), that rank sets one weight to NaN before
 optimizer step K+1 — what a bad kernel or an overflow does to a real run.
@@ -81,12 +81,11 @@ def instrument(build_trainer, probe_dir: Path):
     def build(stage, *args, **kwargs):
         loaded = loaded_numbers(args[0])  # the model as the stage loaded it (build_trainer's first argument)
         given = kwargs.get("ref_model")  # a reference the toolkit loaded for the trainer
-        if given is not None:
-            loaded["reference"] = loaded_numbers(given)
+        loaded_reference = loaded_numbers(given) if given is not None else None
         trainer = build_trainer(stage, *args, **kwargs)
-        # the trainer runs the reference it was given (an engine may wrap it: DeepSpeed's inference engine), none else
-        loaded["reference_kept_as_given"] = given is not None and getattr(trainer.ref_model, "module",
-                                                                          trainer.ref_model) is given
+        if given is not None:  # the trainer runs the one it was given (an engine may wrap it: DeepSpeed's inference
+            # engine), not one of its own
+            loaded_reference["kept_as_given"] = getattr(trainer.ref_model, "module", trainer.ref_model) is given
         seen: dict[int, list[str]] = {}
         compute_loss = trainer.compute_loss
 
@@ -107,7 +106,8 @@ def instrument(build_trainer, probe_dir: Path):
                                          .flatten() for p in parameters])  # FSDP2: gathered from the shards
                 record = {"rank": int(os.environ.get("RANK", 0)), "world_size": trainer.args.world_size,
                           "seen": seen, "weights": _digest(weights), "steps": state.global_step,
-                          "held": held_numbers(trainer, parameters), "loaded": loaded}
+                          "held": held_numbers(trainer, parameters), "loaded": loaded,
+                          "loaded_reference": loaded_reference}
                 path = probe_dir / f"{stage}_rank{record['rank']}.json"
                 path.write_text(json.dumps(record))
 

@@ -371,7 +371,7 @@ def test_chat_template_path_a_jinja_file_or_a_tokenizer_directory(tiny_tokenizer
     assert from_directory.train["input_ids"] == reference.train["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     before = model.get_input_embeddings().weight.shape[0]
-    model = apply_chat_template_to_model(model, tokenizer, str(tmp_path / "source"), "fp32")
+    model = apply_chat_template_to_model(model, tokenizer, str(tmp_path / "source"), "fp32", seed=0)
     assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer) > before
     assert model.config.eos_token_id == tokenizer.eos_token_id
 

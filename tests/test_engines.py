@@ -320,6 +320,37 @@ def test_lora_kto_and_grpo_with_a_reference_under_fsdp2_load_sharded_and_train_a
             assert kl["fsdp"] == pytest.approx(kl["ddp"], rel=1e-5, abs=1e-9) and any(kl["ddp"]), kl
 
 
+def test_dpo_with_a_chat_template_from_another_tokenizer_loads_sharded_under_fsdp2_and_trains_as_ddp_does(
+        tiny_model, tmp_path):
+    """DPO with --chat_template_path from a tokenizer whose template brings a new special token (in every prompt),
+    under FSDP2 (the reference precomputed) and DDP (the reference live), 2 steps at the same global batch: the same
+    losses. Under FSDP2 the policy is built at the template's vocabulary as it loads, each rank holding half, and the
+    reference the precompute pass runs (the toolkit loads it) is resized the same way: the same new rows, drawn from
+    the run's seed (src/sharded_weights.py `resized_reader`). DDP's live reference is the toolkit's, resized too.
+    Before: under FSDP2 the policy loaded whole on every rank (one line said so), then the unresized reference ended
+    both jobs in "IndexError: index out of range in self"."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import CHAT_TEMPLATE
+
+    source = AutoTokenizer.from_pretrained(tiny_model)
+    source.add_special_tokens({"additional_special_tokens": ["<|turn|>"]})
+    source.chat_template = CHAT_TEMPLATE.replace("<|user|>", "<|turn|><|user|>")
+    source.save_pretrained(tmp_path / "source")
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(40, seed=4))
+    runs = {strategy: run_engine(strategy, common_args(tiny_model, pairs, tmp_path / "results", strategy, "dpo") + [
+        "--batch_size", "8", "--micro_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-3",
+        "--num_samples", "0", "--chat_template_path", str(tmp_path / "source"), "--precompute_ref_log_probs",
+        str(strategy == "fsdp").lower()], tmp_path / f"probe_{strategy}") for strategy in ("ddp", "fsdp")}
+    whole = runs["ddp"]["ranks"][0]["held"]["full_weights"]
+    # resized: more rows than the checkpoint's
+    assert whole > sum(parameter.numel() for parameter in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert runs["fsdp"]["losses"] == pytest.approx(runs["ddp"]["losses"], rel=1e-5), runs["fsdp"]["losses"]
+    assert not [line for line in runs["fsdp"]["console"] if "loads whole" in line]
+    for rank in runs["fsdp"]["ranks"]:
+        assert (rank["loaded"]["weights"], rank["loaded"]["full_weights"]) == (whole // 2, whole)
+
+
 def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_model, tmp_path):
     """Each objective's own trainer under ZeRO-3 and FSDP2 against plain DDP, 2 steps at the same global batch: the
     same loss curve (GRPO: the same rewards, so the same sampled answers, and KL), each rank half the weights and
@@ -361,8 +392,8 @@ def test_kto_simpo_orpo_and_grpo_under_zero3_and_fsdp2_train_as_ddp_does(tiny_mo
                     assert rank["loaded"]["weights"] == whole["weights"] // 2, label
                 if stage == "grpo":  # its reference (the KL term) loaded by the toolkit, each rank reading its half,
                     # and run by TRL in place of the one it would load whole on every rank
-                    assert rank["loaded"]["reference"]["weights"] == whole["weights"] // 2, label
-                    assert rank["loaded"]["reference_kept_as_given"], label
+                    assert rank["loaded_reference"]["weights"] == whole["weights"] // 2, label
+                    assert rank["loaded_reference"]["kept_as_given"], label
             if (stage, strategy) == ("kto", "zero3"):  # its reference cache keyed by the whole weights: DDP's, reused
                 assert sharded["info"]["reference_log_probs"]["train"]["cache"] == "reused", label
                 assert held["reference_weights"] == (whole["reference_weights"] // 2 if whole["reference_weights"]

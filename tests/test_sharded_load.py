@@ -88,6 +88,62 @@ def load_entry(argv: list[str]) -> int:
     return 0
 
 
+def resize_entry(argv: list[str]) -> int:
+    """One rank under FSDP2: each model loaded as a stage with --chat_template_path from another tokenizer loads it
+    (src/pipeline/training.py `with_chat_template`: built at the template's vocabulary as it loads sharded, then TRL's
+    clone_chat_template), what this rank held and read, and on rank 0 every weight gathered next to a whole load's
+    resized by clone_chat_template (src/models.py `apply_chat_template_to_model`)."""
+    import torch
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from src import sharded_weights
+    from src.config import ModelArguments
+    from src.engines import share
+    from src.models import apply_chat_template_path, apply_chat_template_to_model, load_model, load_tokenizer
+    from src.models import resized_vocabulary
+    from src.world import World
+
+    out_dir, template, *paths = argv
+    dist.init_process_group("gloo")
+    read = {"elements": 0}
+    checkpoint_read = sharded_weights.Checkpoint.read
+    sharded_weights.Checkpoint.read = lambda checkpoint, key, block: read.__setitem__("elements", read["elements"] + (
+        piece := checkpoint_read(checkpoint, key, block)).numel()) or piece
+    world = World.from_environment()
+    plan = SimpleNamespace(device="cpu", precision="fp32")
+    results = {}
+    for index, path in enumerate(paths):
+        tokenizer = apply_chat_template_path(load_tokenizer(path), template)
+        rows = resized_vocabulary(tokenizer, template)
+        read["elements"] = 0
+        model = load_model(path, ModelArguments(model_name_or_path=path), plan, world, resize=(rows, 7))
+        loaded_read = read["elements"]
+        model = apply_chat_template_to_model(model, tokenizer, template, "fp32", 7)
+        differing = []
+        if world.is_main:
+            whole = apply_chat_template_to_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                                 apply_chat_template_path(load_tokenizer(path), template), template,
+                                                 "fp32", 7)
+            old_rows = AutoModelForCausalLM.from_pretrained(path).get_input_embeddings().weight.shape[0]
+            expected = whole.state_dict()
+        for name, parameter in model.named_parameters():
+            value = parameter.full_tensor()
+            if world.is_main and not torch.equal(value, expected[name]):
+                differing.append(name)
+        results[f"model{index}"] = {
+            "rows": rows, "config_rows": model.config.vocab_size, "held": sum(share(p)[0].numel() for p in
+                                                                            model.parameters()),
+            "read": loaded_read, "whole": sum(p.numel() for p in whole.parameters()) if world.is_main else None,
+            "old_rows": old_rows if world.is_main else None, "differing": differing,
+            "eos": model.config.eos_token_id == tokenizer.eos_token_id}
+    Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    return 0
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model, tmp_path_factory) -> list[Path]:
     """The tiny model (fp32, one file, tied embeddings) and a bf16 copy of it split into shards with an index."""
@@ -147,3 +203,41 @@ def test_a_new_adapter_is_its_own_reference_and_a_trained_one_is_refused(tiny_mo
         pass
     model.add_adapter("ref", config)  # the model's own add_adapter again
     assert list(model.peft_config) == ["default", "ref"]
+
+
+def test_a_chat_template_from_another_tokenizer_resizes_the_embeddings_as_the_model_loads_sharded(
+        tiny_model, tmp_path):
+    """--chat_template_path from a tokenizer with a new special token, under FSDP2 on 2 processes: the model (tied
+    embeddings, and a copy with an untied head) is built at the template's vocabulary as it loads, each rank reading
+    its share of every weight and the old embedding rows whole once (one tensor: the new rows are drawn from all of
+    them, as transformers draws them), and every weight, the new rows included, is bit for bit a whole load resized by
+    TRL's clone_chat_template from the same seed. Before, such a stage loaded whole on every rank (one line said so)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import CHAT_TEMPLATE
+
+    source = AutoTokenizer.from_pretrained(tiny_model)
+    source.add_special_tokens({"additional_special_tokens": ["<|turn|>"]})
+    source.chat_template = CHAT_TEMPLATE.replace("<|user|>", "<|turn|><|user|>")
+    source.save_pretrained(tmp_path / "source")
+    untied = AutoModelForCausalLM.from_pretrained(tiny_model, tie_word_embeddings=False)
+    with torch.no_grad():
+        untied.lm_head.weight.copy_(untied.lm_head.weight + 0.01)  # a head of its own
+    untied.save_pretrained(tmp_path / "untied")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "untied")
+    environment = accelerate_environment("fsdp") | {"OMP_NUM_THREADS": "1"}
+    result = forked.run_job(2, [str(tmp_path), str(tmp_path / "source"), str(tiny_model), str(tmp_path / "untied")],
+                            env=environment, entry=resize_entry)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "loads whole" not in result.stdout
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for label, rank0 in ranks[0].items():
+        assert rank0["differing"] == [] and rank0["rows"] > rank0["old_rows"], (label, rank0)
+        assert all(rank[label]["config_rows"] == rank0["rows"] and rank[label]["eos"] for rank in ranks), label
+        held = [rank[label]["held"] for rank in ranks]
+        assert sum(held) == rank0["whole"] and abs(held[0] - held[1]) <= 64, (label, held)
+        hidden = AutoModelForCausalLM.from_pretrained(tiny_model).config.hidden_size
+        for rank in ranks:  # its share, and the old rows of each resized tensor read whole once (tied: one)
+            whole_reads = (1 if label == "model0" else 2) * rank0["old_rows"] * hidden
+            assert rank[label]["read"] <= rank[label]["held"] + whole_reads, (label, rank)

@@ -11,7 +11,7 @@ from src.data import PreparedData
 from src.distributed import barrier, check_world_size, gather_objects, print0
 from src.engines import (FSDP, engine_record, load_warning, loads_sharded, partitioned, requested,
                          resharded_after_forward)
-from src.models import apply_chat_template_to_model, is_jinja_file, load_model, peft_config
+from src.models import apply_chat_template_to_model, load_model, peft_config, resized_vocabulary
 from src.objectives import objective
 from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
@@ -35,13 +35,20 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
 
         set_seed(config.training.seed)
     if model is None:
-        model = load_model(model_path, config.model, stage.plan, world,
-                           reward_pad_token_id=tokenizer.pad_token_id if reward else None,
-                           adapters=stage_adapters(stage, reward), whole_because=fsdp_loads_whole(stage))
-        model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
-                                             stage.plan.precision)
+        model = with_chat_template(stage, model_path, tokenizer, world, adapters=stage_adapters(stage, reward),
+                                   reward_pad_token_id=tokenizer.pad_token_id if reward else None)
     record_weights_at_load(model, start, world)
     return model
+
+
+def with_chat_template(stage: Stage, model_path: str, tokenizer, world: World, **options):
+    """A model the stage starts from, or its reference, loaded (src/models.py `load_model`, with `options`) with the
+    stage's chat template: a resize to its vocabulary done as it loads where the model is sharded as it loads, after
+    the load elsewhere, the rows it adds the same on every engine (drawn from the run's seed)."""
+    config = stage.config
+    model = load_model(model_path, config.model, stage.plan, world, resize=stage_resize(stage, tokenizer), **options)
+    return apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path, stage.plan.precision,
+                                        config.training.seed)
 
 
 def stage_adapters(stage: Stage, reward: bool = False):
@@ -51,15 +58,12 @@ def stage_adapters(stage: Stage, reward: bool = False):
     return (lora, stage.config.training.seed) if lora is not None else None
 
 
-def fsdp_loads_whole(stage: Stage) -> str | None:
-    """Why the stage's model cannot be sharded as it loads under FSDP2 (it then loads whole, as before), or None:
-    a chat template taken from another tokenizer, whose new tokens resize the embeddings (transformers resizes whole
-    tensors). A LoRA stage with a reference (DPO, KTO, GRPO's KL term) loads sharded, its adapters added as it loads:
-    its reference is the base with the adapters disabled (src/trainers/base.py `reference_is_the_base`)."""
-    config = stage.config
-    if config.model.chat_template_path and not is_jinja_file(config.model.chat_template_path):
-        return "--chat_template_path from a tokenizer resizes the embeddings, which transformers does on whole weights"
-    return None
+def stage_resize(stage: Stage, tokenizer):
+    """(the embeddings' rows the stage's --chat_template_path gives the model, the seed the rows it adds are drawn
+    from), or None: what a model that is sharded as it loads is built with (src/models.py `load_model`), the resize
+    done as it loads."""
+    rows = resized_vocabulary(tokenizer, stage.config.model.chat_template_path)
+    return (rows, stage.config.training.seed) if rows else None
 
 
 def record_weights_at_load(model, start: StageStart, world: World) -> None:
@@ -103,7 +107,7 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
                             if getattr(trl_config, "max_length", None) is None else None,
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
                             packed_attention=plan.packed_attention,
-                            ref_model=reference_model(stage, model, reference_path, trl_config, lora, world),
+                            ref_model=reference_model(stage, model, reference_path, trl_config, lora, tokenizer, world),
                             trainer_inputs=row.training.trainer_inputs(config) if row.training.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
@@ -122,21 +126,26 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
     return trainer, trackers
 
 
-def reference_model(stage: Stage, model, reference_path: str | None, trl_config, peft, world: World):
-    """The reference the trainer is given: --round_reference start's model; under FSDP2 and ZeRO-3, where TRL would
-    load the starting model again itself, whole on every rank (DPO, KTO: under FSDP for the precompute pass too, under
-    ZeRO-3 a live reference; GRPO's KL term, --beta > 0), the toolkit loads it, each rank reading its share; None:
-    TRL's own (the policy, adapters off, or none)."""
-    config = stage.config
+def reference_model(stage: Stage, model, reference_path: str | None, trl_config, peft, tokenizer, world: World):
+    """The reference the trainer is given, with the stage's chat template as its policy has it: --round_reference
+    start's model; under FSDP2 and ZeRO-3, where TRL would load the starting model again itself, whole on every rank
+    (DPO, KTO: under FSDP for the precompute pass too, under ZeRO-3 a live reference; GRPO's KL term, --beta > 0), the
+    toolkit loads it, each rank reading its share; elsewhere, where TRL would load it from the starting model's files
+    and the chat template resizes the embeddings (TRL's copy would lack the template's tokens: "IndexError: index out
+    of range in self" at the first step, measured), the toolkit loads it whole; None: TRL's own (the policy, adapters
+    off, or none)."""
     if reference_path:
-        return load_model(reference_path, config.model, stage.plan, world)
+        return with_chat_template(stage, reference_path, tokenizer, world)
     engine = loads_sharded(world.world_size)
-    if engine is None or peft is not None or not keeps_reference(stage):
+    if peft is not None or not keeps_reference(stage):
         return None
     precomputed = getattr(trl_config, "precompute_ref_log_probs", False)
+    if engine is None:  # TRL's pass runs on the policy itself; a live reference TRL loads from the files
+        resized = stage_resize(stage, tokenizer) is not None
+        return with_chat_template(stage, model.name_or_path, tokenizer, world) if resized and not precomputed else None
     if engine.name != FSDP and precomputed:  # ZeRO-3 runs the pass on the policy itself
         return None
-    return resharded_after_forward(load_model(model.name_or_path, config.model, stage.plan, world))
+    return resharded_after_forward(with_chat_template(stage, model.name_or_path, tokenizer, world))
 
 
 def keeps_reference(stage: Stage) -> bool:
