@@ -9,12 +9,15 @@ save_pretrained on rank 0), under each engine's accelerate launch config.
     python bench/load_memory.py --mmap-threshold 1048576          # glibc returning freed buffers at once
     python bench/load_memory.py --lora --strategies ddp fsdp      # the policy with LoRA adapters, as a LoRA stage
     python bench/load_memory.py --trl-reference                   # the reference as TRL loads its own
+    python bench/load_memory.py --resize 64 --strategies ddp fsdp # a chat template adding 64 token rows
 
 `--lora`: the policy loads with LoRA adapters on every linear layer (rank 16) as a LoRA stage loads it (under FSDP2 added
 as it loads, before the wrap: src/sharded_weights.py `with_adapters`; elsewhere the base alone, TRL adding them later).
 `--trl-reference`: the reference is loaded by TRL's `create_model_from_path` under every engine, as TRL's trainers load
 their own (GRPO's with its KL term before src/trainers/grpo.py handed it the toolkit's; under ZeRO-3 inside the DPO
 config's `deepspeed.zero.Init`; under FSDP2 whole, sharded only later by the trainer's `prepare_fsdp`).
+`--resize N`: the policy gains N token rows as --chat_template_path from another tokenizer gives them (under FSDP2 as it
+loads: src/sharded_weights.py `resized_reader`; loaded whole, by `resize_token_embeddings` after the load).
 
 For each hidden size a Llama of that width (8 layers, 4x-wide MLP, a 32,000-token vocabulary, untied head) is built
 here with random weights and saved in bf16; each strategy is launched as run_distributed.sh launches it (accelerate
@@ -71,7 +74,7 @@ def held_elements(model) -> tuple[int, int]:
     return local, sum(whole_numel(p) for p in parameters)
 
 
-def worker(model_dir: str, out_dir: str, lora: bool = False, trl_reference: bool = False) -> None:
+def worker(model_dir: str, out_dir: str, lora: bool = False, trl_reference: bool = False, resize: int = 0) -> None:
     """One rank: the process group as the toolkit starts it, then the two loads and the save, measured."""
     from types import SimpleNamespace
 
@@ -95,8 +98,16 @@ def worker(model_dir: str, out_dir: str, lora: bool = False, trl_reference: bool
 
     arguments = ModelArguments(model_name_or_path=model_dir)
     adapters = (LoraConfig(r=16, target_modules="all-linear", task_type="CAUSAL_LM"), 0) if lora else None
+    rows = (json.loads(Path(model_dir, "config.json").read_text())["vocab_size"] + resize, 0) if resize else None
+
+    def load_policy():
+        model = load_model(model_dir, arguments, plan, world, adapters=adapters, resize=rows)
+        if rows and model.get_input_embeddings().weight.shape[0] != rows[0]:  # loaded whole: resized after the load
+            model.resize_token_embeddings(rows[0])
+        return model
+
     started = time.perf_counter()
-    policy, numbers = measured(lambda: load_model(model_dir, arguments, plan, world, adapters=adapters))
+    policy, numbers = measured(load_policy)
     record = {"rank": world.rank, "policy": numbers | {"held": held_elements(policy),
                                                        "seconds": time.perf_counter() - started}}
     dist.barrier()
@@ -169,14 +180,16 @@ def main() -> None:
     parser.add_argument("--mmap-threshold", type=int, default=None, help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes)")
     parser.add_argument("--lora", action="store_true", help="the policy with LoRA adapters, as a LoRA stage loads it")
     parser.add_argument("--trl-reference", action="store_true", help="the reference as TRL loads its own")
+    parser.add_argument("--resize", type=int, default=0, help="token rows a chat template adds to the policy")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker, lora=args.lora, trl_reference=args.trl_reference)
+        worker(*args.worker, lora=args.lora, trl_reference=args.trl_reference, resize=args.resize)
         return
-    options = tuple(flag for flag, on in (("--lora", args.lora), ("--trl-reference", args.trl_reference)) if on)
+    options = tuple(flag for flag, on in (("--lora", args.lora), ("--trl-reference", args.trl_reference)) if on) + (
+        ("--resize", str(args.resize)) if args.resize else ())
     print(f"{args.processes} processes" + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold
-                                           else "") + "".join(f", {option}" for option in options))
+                                           else "") + (f", {' '.join(options)}" if options else ""))
     print("| hidden | whole fp32 | strategy | rank | resident before | policy load: peak rise, kept | held | "
           "reference load: peak rise, kept | held | final save: peak rise, kept | plan: policy load | policy load s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

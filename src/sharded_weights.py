@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 from src.engines import (FSDP, Engine, choose_root, fsdp2_sharded, loading_whole, partitioned_loading, resharded, share,
-                         whole_module, whole_value)
+                         whole_module, whole_on_main)
 from src.private_api import init_weights, resized_token_layers
 
 SAFE_INDEX, SAFE_WEIGHTS = "model.safetensors.index.json", "model.safetensors"
@@ -360,8 +360,8 @@ class StreamedSafetensors:
 
 
 def saved_tensors(model) -> list[tuple[str, object, tuple, object]]:
-    """What a whole save of the model holds, in order: (name, dtype, shape, a function giving its whole value, which
-    every rank calls together). A model with LoRA adapters is saved merged, as peft's merge_and_unload then
+    """What a whole save of the model holds, in order: (name, dtype, shape, a function giving its whole value on rank 0
+    (None elsewhere, or the value too), which every rank calls together). A model with LoRA adapters is saved merged, as peft's merge_and_unload then
     save_pretrained saves it: each adapted layer's weight plus its adapter's delta (peft's `get_delta_weight`), a
     reward model's trained head copy under the head's own name; the names its base model's."""
     import torch
@@ -383,7 +383,7 @@ def saved_tensors(model) -> list[tuple[str, object, tuple, object]]:
                             lambda layer=module: merged_weight(layer, adapter, model)))
             module = module.base_layer
             tensors += [(prefix + "bias", module.bias.dtype, shape_of(module.bias),
-                         lambda bias=module.bias: whole_value(bias))] if module.bias is not None else []
+                         lambda bias=module.bias: whole_on_main(bias))] if module.bias is not None else []
             continue
         if isinstance(module, ModulesToSaveWrapper):
             done.append(prefix)
@@ -392,7 +392,7 @@ def saved_tensors(model) -> list[tuple[str, object, tuple, object]]:
                 *module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if id(tensor) not in seen and (prefix + local in persistent or isinstance(tensor, torch.nn.Parameter)):
                 seen.add(id(tensor))
-                tensors.append((prefix + local, tensor.dtype, shape_of(tensor), lambda tensor=tensor: whole_value(
+                tensors.append((prefix + local, tensor.dtype, shape_of(tensor), lambda tensor=tensor: whole_on_main(
                     tensor)))
     return tensors
 
@@ -468,7 +468,7 @@ def save_adapter(model, directory: Path, is_main: bool) -> None:
     adapter = {}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            value = whole_value(parameter)
+            value = whole_on_main(parameter)
             if is_main:
                 adapter[name] = value.cpu()
     if is_main:

@@ -4,7 +4,7 @@ only its share of every weight, and the weights that arrive, gathered, are bit f
 from an fp32 checkpoint and from a bf16 one saved as sharded safetensors files with an index (the Hub's layout), and a
 reward model whose new score head the checkpoint lacks (drawn as a whole load draws it, from the same seed); and each
 model written whole again by rank 0 a tensor at a time (src/sharded_weights.py `save_whole`, the bf16 one into shards
-with an index) reads back as the same weights."""
+with an index: under FSDP2 each weight gathered to rank 0 alone) reads back as the same weights."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def load_entry(argv: list[str]) -> int:
     import torch.distributed as dist
     from types import SimpleNamespace
 
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from src.config import ModelArguments
@@ -73,14 +74,19 @@ def load_entry(argv: list[str]) -> int:
         # read back by from_pretrained
         saved = Path(out_dir, f"saved_{label}")
         sharded_weights.MAX_SHARD_SIZE = "20KB" if label == "causal1" else "50GB"
+        gathers = {"to_every_rank": 0}  # FSDP2's all-gathers of a whole weight to every rank while it saves
+        full_tensor = DTensor.full_tensor
+        DTensor.full_tensor = lambda tensor, *args, **kwargs: gathers.__setitem__(
+            "to_every_rank", gathers["to_every_rank"] + 1) or full_tensor(tensor, *args, **kwargs)
         sharded_weights.save_whole(model, saved, world.is_main)
+        DTensor.full_tensor = full_tensor
         dist.barrier()
         if world.is_main:
             reread = whole_class.from_pretrained(saved, dtype=torch.float32).state_dict()
             differing += [f"saved {name}" for name, value in whole.items() if not torch.equal(reread[name], value)]
             differing += ["no index"] if label == "causal1" and not (saved / "model.safetensors.index.json").exists() \
                 else []
-        results[label] = {"held": held, "read": read["elements"], "whole": sum(parameter.numel() for parameter in whole_model.parameters())
+        results[label] = {"gathers_to_every_rank": gathers["to_every_rank"], "held": held, "read": read["elements"], "whole": sum(parameter.numel() for parameter in whole_model.parameters())
                           if world.is_main else None, "differing": differing, "sharded": type(model.get_input_embeddings().weight
                                                                                ).__name__}
     Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
@@ -173,6 +179,8 @@ def test_each_rank_reads_and_holds_its_share_and_the_weights_are_a_whole_loads(s
         for rank in ranks:
             assert rank[label]["held"] - 32 <= rank[label]["read"] <= rank[label]["held"] + 32 * 20, (label, rank)
         assert rank0["sharded"] == ("DTensor" if strategy == "fsdp" else "Parameter"), label
+        # the save gathered each weight to rank 0 alone, never to every rank (FSDP2: torch.distributed.gather)
+        assert [rank[label]["gathers_to_every_rank"] for rank in ranks] == [0, 0], label
 
 
 def test_a_new_adapter_is_its_own_reference_and_a_trained_one_is_refused(tiny_model):
