@@ -6,6 +6,8 @@
   LoRA the head is trained and saved in full beside the adapters (peft's SEQ_CLS task).
 - 4-bit NF4 (QLoRA) through bitsandbytes, each rank loading onto its own device: `device_map={"": local device}`,
   never "auto", which would spread one copy over every GPU and fight DDP.
+- A vision-language model (src/vision.py says which) loads through its image-text-to-text class with its processor
+  (`load_processing`), its vision tower frozen unless --train_vision_tower, and is saved with its processor.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import re
 from pathlib import Path
 
+from src import vision
 from src.config import EMBEDDED, ModelArguments
 from src.config_error import ConfigError
 from src.plan import Plan
@@ -135,6 +138,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, local_files_only:
     return tokenizer
 
 
+def load_processing(path: str, model: ModelArguments, local_files_only: bool = False):
+    """A vision-language model's processing (src/vision.py ImageProcessing: its processor, whose tokenizer every stage
+    tokenizes with), or None for a text model; a vision family not proven here is refused before its processor is
+    built (one line: its cause, the families that work)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code,
+                                            local_files_only=local_files_only)
+    except (OSError, ValueError, KeyError):
+        return None  # the model-side checks name what is wrong with its config.json
+    if not vision.is_vision_config(config):
+        return None
+    reason = vision.refusal(config)
+    if reason:
+        raise ModelError(f"--model_name_or_path {path}: a vision-language model, {reason}")
+    return vision.ImageProcessing(vision.load_processor(path, model.trust_remote_code, local_files_only))
+
+
 def is_jinja_file(path: str) -> bool:
     return Path(path).is_file() and path.endswith((".jinja", ".j2"))  # TRL's own test (SFTTrainer)
 
@@ -238,7 +260,10 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
 
     kwargs = {"trust_remote_code": model.trust_remote_code, "dtype": torch.float32}
     model_class = AutoModelForCausalLM
-    if reward_pad_token_id is not None:
+    vision_class = _vision_class(path, model) if reward_pad_token_id is None else None
+    if vision_class is not None:
+        model_class = vision_class
+    elif reward_pad_token_id is not None:
         model_class = AutoModelForSequenceClassification
         kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
     if model.attn_implementation:
@@ -275,7 +300,19 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
                              f"{hint}") from None
     if plan.device == "cuda" and quantization is None and not partitioned(loaded.parameters()):
         loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's shares are on the device already
+    if vision_class is not None and not model.train_vision_tower:
+        vision.freeze_vision_tower(loaded)  # the language model learns; the tower and projector stay as they are
     return loaded
+
+
+def _vision_class(path: str, model: ModelArguments):
+    """The class a vision-language model loads with (src/vision.py), else None."""
+    from transformers import AutoConfig
+
+    try:
+        return vision.model_class(AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code))
+    except (OSError, ValueError, KeyError):
+        return None  # from_pretrained names what is wrong
 
 
 def keep_4bit_layers_trainable(model) -> None:
@@ -421,15 +458,18 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
             fail_write_if_injected(final_dir / "model.safetensors")
         whole_weights_on_save(trainer)  # FSDP with sharded checkpoints: the final model whole all the same
         trainer.save_model(str(final_dir))
+    # A vision-language model's processor (its trainer's processing class) is saved whole: image settings, chat
+    # template and tokenizer.
+    saved_with = trainer.processing_class if hasattr(trainer.processing_class, "image_processor") else tokenizer
     if is_main and noticed_write_failure() is None:
         with write_failures_noted(final_dir):
-            tokenizer.save_pretrained(final_dir)
+            saved_with.save_pretrained(final_dir)
             if isinstance(model, PeftModel):
                 verify_adapter(final_dir, model)
             if merge:
                 merged = _merged_model(model, final_dir)
                 merged.save_pretrained(merged_dir)
-                tokenizer.save_pretrained(merged_dir)
+                saved_with.save_pretrained(merged_dir)
     barrier()
     for directory in saved:
         # Not its card and plots (PEFT writes a card of its own here): the run's card replaces it, and is rewritten

@@ -19,6 +19,7 @@ import math
 from src.chat_templates import split_reasoning, tools_argument
 from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
 from src.tool_calls import schema_problem
+from src.vision import IMAGE_COLUMN
 
 # column → Arrow type, in the tokenizing map's output (src/data/prepared.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
@@ -125,8 +126,10 @@ def row_fields(row: dict, ids: dict, source_row: int, tokenizer=None) -> dict:
     `tokenizer` counts the answers' reasoning tokens."""
     answers = {key: row[key] for key in ("chosen", "rejected", "completion", "messages", "text") if key in row}
     prompt = prompt_of(row)
-    fields = {"_row_hash": _hash([row.get("prompt"), answers]), "_prompt_hash": NO_PROMPT if prompt is None else
-              _hash(prompt),
+    # A prompt shows its images too: the same question about two images is two prompts (its images' digests).
+    images = [hashlib.sha256(data).hexdigest() for data in row.get(IMAGE_COLUMN) or []]
+    fields = {"_row_hash": _hash([row.get("prompt"), answers] + ([images] if images else [])),
+              "_prompt_hash": NO_PROMPT if prompt is None else _hash([prompt, images] if images else prompt),
               "_prompt_tokens": 0, "_chosen_tokens": 0, "_rejected_tokens": 0, "_shared_tokens": 0,
               "_source_row": source_row, "_label": NO_LABEL if row.get("label") is None else int(bool(row["label"])),
               **reasoning_fields(row, tokenizer), **tool_fields(row)}

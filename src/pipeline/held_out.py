@@ -19,6 +19,7 @@ from src.pipeline.stages import Stage
 from src.plan import Plan
 from src.tool_calls import ToolsError
 from src.tools import check_template, session_for
+from src.vision import IMAGE_COLUMN
 from src.trainers.judged_eval import JudgedEval, judge_rows
 from src.world import World
 
@@ -46,10 +47,12 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
-                    plan: Plan, world: World, tools=None) -> dict[str, list[str]]:
+                    plan: Plan, world: World, tools=None, processing=None) -> dict[str, list[str]]:
+    """Each split's rows answered; a vision-language model's from their images too (`processing`: src/vision.py)."""
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
-                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools)
+                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools,
+                                images=[row.get(IMAGE_COLUMN) for row in rows], processing=processing)
         for split, rows in rows_by_split.items()
     }
 
@@ -73,7 +76,7 @@ def measure_before(stage: Stage, model, tokenizer, prepared: PreparedData, world
     # ZeRO-3 partitioned the weights as they loaded and no trainer's engine fetches them yet: whole on each rank's
     # device for the time of these answers (as TRL's GRPO gathers them to generate: ds3_gather_for_generation)
     with gathered(list(model.parameters()) if rows or reward else []):
-        before = answer_held_out(model, tokenizer, rows, config, plan, world, tools)
+        before = answer_held_out(model, tokenizer, rows, config, plan, world, tools, prepared.processing)
         pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     return HeldOut(rows, before, pairs_before, tools)
 
@@ -81,7 +84,8 @@ def measure_before(stage: Stage, model, tokenizer, prepared: PreparedData, world
 def measure_after(held_out: HeldOut, stage: Stage, trained, tokenizer, prepared: PreparedData, world: World,
                   reward: bool) -> tuple[dict, dict]:
     """The trained model's answers to the same prompts (its tools closed after), or its scores of the same pairs."""
-    after = answer_held_out(trained, tokenizer, held_out.rows, stage.config, stage.plan, world, held_out.tools)
+    after = answer_held_out(trained, tokenizer, held_out.rows, stage.config, stage.plan, world, held_out.tools,
+                            prepared.processing)
     if held_out.tools is not None:
         held_out.tools.close()
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, stage.plan, world) if reward else {}

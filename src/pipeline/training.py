@@ -4,7 +4,7 @@ first step, training (resumed from a checkpoint when there is one), and a stop o
 
 from __future__ import annotations
 
-from src import packed_dpo_support, run_files
+from src import packed_dpo_support, run_files, vision
 from src.audit import run as data_audit
 from src.config_error import ConfigError
 from src.data import PreparedData
@@ -75,7 +75,8 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, start.total_steps,
                                   sft_forward, start.data_settings)
-    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft_config(config.model, reward),
+    lora = vision.lora_for(peft_config(config.model, reward), model, config.model.train_vision_tower)
+    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, lora,
                             stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length
                             if getattr(trl_config, "max_length", None) is None else None,
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
