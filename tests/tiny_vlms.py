@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import WORDS, build_tiny_tokenizer  # noqa: E402
+from conftest import WORDS, build_tiny_tokenizer, save_seeded  # noqa: E402
 
 # A template that places image parts ({"type": "image"}) where the message has them and reads content as text or as
 # a list of parts, with generation markers (assistant-only loss), like the families' own.
@@ -116,16 +116,7 @@ def build_gemma3(path: Path, corpus: list[str], seed: int = 0) -> Path:
 
 
 def _save(model_class, config, processor, tokenizer, path: Path, seed: int) -> Path:
-    import torch
-    from transformers import GenerationConfig
-
-    torch.manual_seed(seed)
-    model = model_class(config)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+    return save_seeded(model_class, config, tokenizer, processor, path, seed)
 
 
 BUILDERS = {"llava": build_llava, "idefics3": build_idefics3, "gemma3": build_gemma3}

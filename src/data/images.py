@@ -42,20 +42,34 @@ def image_column(columns) -> str | None:
     return next((name for name in IMAGE_COLUMNS if name in columns), None)
 
 
-def _holds_image_parts(feature) -> bool:
-    """A column's Arrow type has message parts that carry an image themselves (image_url, image, url, path)."""
-    inner = getattr(feature, "feature", feature)
-    if isinstance(inner, dict):
-        content = inner.get("content")
-        parts = getattr(content, "feature", None)
-        return isinstance(parts, dict) and bool({"image_url", *PAYLOAD_KEYS} & set(parts))
+def _parts_carry_images(dataset, column: str) -> bool:
+    """Whether any message of a chat column holds an image part (type image or image_url): read from its Arrow
+    column, whether the parts are structs or JSON (datasets' Json feature for parts of mixed keys)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for chunk in dataset.data.column(column).chunks:
+        if not pa.types.is_list(chunk.type) or not pa.types.is_struct(chunk.type.value_type) or \
+                chunk.type.value_type.get_field_index("content") < 0:
+            continue
+        content = pc.struct_field(pc.list_flatten(chunk), "content")
+        if not pa.types.is_list(content.type):
+            continue  # text content
+        parts = pc.list_flatten(content)
+        if isinstance(parts.type, pa.BaseExtensionType):  # JSON text of each part
+            if pc.any(pc.match_substring_regex(parts.storage, r'"type"\s*:\s*"image')).as_py():
+                return True
+        elif pa.types.is_struct(parts.type) and parts.type.get_field_index("type") >= 0:
+            if pc.any(pc.starts_with(pc.struct_field(parts, "type"), "image")).as_py():
+                return True
     return False
 
 
-def has_images(features) -> bool:
-    """Whether a source's rows may carry images: an images / image column, or chat columns whose parts carry them."""
-    return image_column(features) is not None or any(_holds_image_parts(features[name])
-                                                     for name in (*PROMPT_CHATS, *ANSWERS) if name in features)
+def has_images(raw) -> bool:
+    """Whether a source's rows carry images: an images / image column, or a message part that is an image."""
+    return any(image_column(dataset.column_names) is not None or any(
+        _parts_carry_images(dataset, name) for name in (*PROMPT_CHATS, *ANSWERS) if name in dataset.column_names)
+        for dataset in raw.values())
 
 
 def undecoded(raw):
@@ -185,7 +199,7 @@ def _count_line(where: str, number: int, messages: list[dict], given: list) -> s
 
 def _read(source, base: Path, where: str, number: int, index: int) -> tuple[bytes, str | None]:
     """One image's bytes, decoded once to prove them readable, and its file's stamp (None: not read from a file)."""
-    name, stamp = f"image {index}", None
+    name, stamp, file = f"{where} row {number}: image {index}", None, ""
     if isinstance(source, dict):  # datasets' Image feature, undecoded
         data, path = source.get("bytes"), source.get("path")
         source = data if data is not None else path
@@ -195,30 +209,31 @@ def _read(source, base: Path, where: str, number: int, index: int) -> tuple[byte
         try:
             data = base64.b64decode(source.split(",", 1)[1], validate=True)
         except (IndexError, binascii.Error):
-            raise DataError(f"{where} row {number}: {name} is a data URL that is not base64 "
-                            "(data:image/png;base64,...)") from None
+            raise DataError(f"{name} is a data URL that is not base64 (data:image/png;base64,...)") from None
     elif isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise DataError(f"{where} row {number}: {name} is a web address ({source[:80]}); images are read from files "
-                        "here: download them and give their paths (relative to the data file)")
+        raise DataError(f"{name} is a web address; images are read from files here: download them and give their "
+                        f"paths (relative to the data file) ({source[:80]})")
     elif isinstance(source, str) and source:
-        file = Path(source).expanduser()
-        file = file if file.is_absolute() else base / file
-        name = f"{name} ({file})"
+        path = Path(source).expanduser()
+        path = path if path.is_absolute() else base / path
+        file = f" ({path})"
         try:
-            data = file.read_bytes()
-            stamp = file_stamp(file)
+            data = path.read_bytes()
+            stamp = file_stamp(path)
         except FileNotFoundError:
-            raise DataError(f"{where} row {number}: {name} does not exist") from None
+            raise DataError(f"{name} does not exist{file}") from None
         except OSError as error:
-            raise DataError(f"{where} row {number}: {name} cannot be read ({error.strerror})") from None
+            raise DataError(f"{name} cannot be read: {error.strerror}{file}") from None
     else:
-        raise DataError(f"{where} row {number}: {name} is {type(source).__name__}, not an image (a path, a data URL "
-                        "or bytes)")
+        raise DataError(f"{name} is {type(source).__name__}, not an image (a path, a data URL or bytes)")
     try:
         decode(data)
     except Exception as error:  # noqa: BLE001 - PIL raises many types for a damaged or foreign file
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{where} row {number}: {name} is not a readable image ({reason})") from None
+        from PIL import UnidentifiedImageError
+
+        reason = "not a format PIL reads" if isinstance(error, UnidentifiedImageError) else \
+            str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{name} is not a readable image ({reason}){file}") from None
     return data, stamp
 
 

@@ -170,10 +170,10 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
 
 def _check_images(raw, location: str, processing, tokenizer) -> bool:
     """Whether the source's rows carry images (src/data/images.py); a text-only model given them is refused."""
-    if not has_images(raw[next(iter(raw))].features):
+    if not has_images(raw):
         return False
     if processing is None:
-        column = image_column(raw[next(iter(raw))].features)
+        column = image_column(raw[next(iter(raw))].column_names)
         held = f"an '{column}' column" if column else "image parts in its messages"
         raise DataError(f"{location}: the data has images ({held}), and {getattr(tokenizer, 'name_or_path', '')} is a "
                         "text-only model: train a vision-language model on it (docs/vision.md), or drop the images")
