@@ -271,3 +271,22 @@ def test_lora_adapts_the_language_model_alone_unless_the_tower_is_trained(tiny_l
     frozen = vision.freeze_vision_tower(model)
     trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
     assert frozen > 0 and trainable and all(name.startswith(("model.language_model", "lm_head")) for name in trainable)
+
+
+def test_the_tower_trains_on_two_processes_when_asked(tiny_llava, tmp_path):
+    """DPO with --train_vision_tower on 2 processes: the tower's and projector's weights change, although LLaVA reads
+    its tower's last hidden state before the post-layernorm (weights that get no gradient: before, DDP stopped at step
+    2, "Expected to have finished reduction in the prior iteration"). ~6 CPU-s."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    data = write_jsonl(tmp_path / "data" / "pairs.jsonl", colour_pairs(12, tmp_path / "data"))
+    result = forked.run_job(2, _run_args(tiny_llava, data, tmp_path / "results", "tower", "dpo", "--max_steps", "2",
+                                         "--train_vision_tower", "true", "--num_samples", "0"),
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    final = tmp_path / "results" / "tower" / "model" / "final"
+    before, after = (AutoModelForImageTextToText.from_pretrained(path).state_dict() for path in (tiny_llava, final))
+    for name in ("model.vision_tower.encoder.layers.0.mlp.fc1.weight",
+                 "model.multi_modal_projector.linear_1.weight"):
+        assert not torch.equal(before[name], after[name]), name

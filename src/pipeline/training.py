@@ -76,6 +76,10 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, start.total_steps,
                                   sft_forward, start.data_settings)
     lora = vision.lora_for(peft_config(config.model, reward), model, config.model.train_vision_tower)
+    if config.model.train_vision_tower and vision.is_vision_config(model.config):
+        # A tower's weights past the layer the model reads (LLaVA's post-layernorm, its last layer when it reads the
+        # one before) get no gradient: DDP must look for them each step (TRL's default for vision models).
+        trl_config.ddp_find_unused_parameters = True
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, lora,
                             stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length
                             if getattr(trl_config, "max_length", None) is None else None,
