@@ -35,7 +35,7 @@ from src.config import EMBEDDED, Config, ModelArguments
 from src.engines import requested as requested_engine
 from src.judges import FUNCTION_JUDGE, load_function
 from src.models import ModelError, first_line, is_jinja_file
-from src.objectives import OBJECTIVES, objective
+from src.objectives import OBJECTIVES, SEQUENCES, objective
 from src.private_api import compile_jinja_template
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
@@ -220,11 +220,13 @@ def check_vision_model(path: str, config, run_config: Config, stages: list) -> N
                              f"{objective(stage.name).display_name} does not train one yet: use --stage "
                              f"{' or '.join(takes)} (sft_then_dpo), or a text model")
     engine = requested_engine()
+    # SFT's packing and padding-free forwards (TRL's: refused for image data); DPO's packed forward is its own default
+    sft = any(objective(stage.name).data_shape == SEQUENCES for stage in stages)
     options = [("--rounds", run_config.dpo.rounds), ("--load_in_4bit", run_config.model.load_in_4bit),
                ("--chat_template_path", run_config.model.chat_template_path),
                ("--tools", getattr(run_config.training, "tools", None)),
-               ("--packing", run_config.trl_overrides.get("packing")),
-               ("--padding_free", run_config.trl_overrides.get("padding_free")),
+               ("--packing", sft and run_config.trl_overrides.get("packing")),
+               ("--padding_free", sft and run_config.trl_overrides.get("padding_free")),
                (f"{engine.title} (STRATEGY={engine.key})" if engine else "", engine is not None),
                (f"--judge {run_config.training.judge} (a reward model reads the answers' text, not the images)",
                 run_config.training.judge not in ("auto", "none", EMBEDDED)

@@ -49,6 +49,13 @@ REFUSED = {
                     "torch 2.13 is the CUDA build (its ops do not load beside the CPU torch): not verified here"),
 }
 NOT_VERIFIED = "not verified for training here (tests/test_vision.py has no tiny model of it)"
+# Families of FAMILIES the packed, prefix-shared DPO forward (src/packed_dpo.py) does not run, with why; the others
+# are proven exact against the padded forward in tests/test_vision.py (each prompt's images encoded once).
+NOT_PACKED = {
+    "gemma3": "its token_type_ids let an image's tokens attend to each other both ways, which the packed causal mask "
+              "does not reproduce",
+}
+PACKED_PREFIX = "packed_image_"  # a packed batch's image tensors (ImageCollator), swapped in by src/packed_forward.py
 # What a model's processor may return per token (the same length as input_ids): rebuilt from the ids for a padded
 # batch (ImageProcessing.token_inputs); every other key it returns beside the ids is an image tensor.
 TEXT_KEYS = ("input_ids", "attention_mask")
@@ -71,6 +78,17 @@ def refusal(config) -> str | None:
     if model_type in FAMILIES:
         return None
     return f"{model_type}: {REFUSED.get(model_type, NOT_VERIFIED)}; verified: {', '.join(sorted(FAMILIES))}"
+
+
+def packed_refusal(config) -> str | None:
+    """Why the packed DPO forward cannot run this vision-language model, or None (its language model is then checked
+    as any text model: src/packed_dpo_support.py)."""
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in FAMILIES:
+        return f"{model_type}: a vision-language model not verified here"
+    if model_type in NOT_PACKED:
+        return f"{model_type}: {NOT_PACKED[model_type]}"
+    return None
 
 
 def model_class(config):
@@ -206,9 +224,12 @@ class ImageCollator:
 
     collator: object
     processing: ImageProcessing
+    # The packed DPO forward (src/packed_forward.py PackedDPOForward) when the collator packs: once its first-batch check
+    # passed, TRL's padded batch goes without its (repeated) images, which only the padded forward reads
+    packed_forward: object = None
 
     def __getattr__(self, name):  # pad_token_id, max_length, ... of the collator it wraps
-        if name in ("collator", "processing"):
+        if name in ("collator", "processing", "packed_forward"):
             raise AttributeError(name)
         return getattr(self.collator, name)
 
@@ -217,9 +238,27 @@ class ImageCollator:
         examples = [{key: value for key, value in example.items() if key != IMAGE_COLUMN} for example in examples]
         batch = self.collator(examples)
         rows = batch["input_ids"].shape[0]
-        batch.update(self.processing.image_inputs(images * (rows // len(examples))))
+        packed_only = self.packed_forward is not None and self.packed_forward.checked and self.packed_forward.enabled
+        if not packed_only:
+            batch.update(self.processing.image_inputs(images * (rows // len(examples))))
         batch.update(self.processing.token_inputs(batch["input_ids"]))
+        if "packed_segment_ids" in batch:  # the packed layout's images: each prompt's once, in the packed order
+            packed = self.processing.image_inputs([images[index] for index in self._packed_order(batch)])
+            batch.update({PACKED_PREFIX + key: value for key, value in packed.items()})
         return batch
+
+    def _packed_order(self, batch: dict) -> list[int]:
+        """The example of each segment of the packed rows, in the order their tokens come (row after row): the order
+        the model reads their images in. A prefix-shared segment is one example's; a varlen one, one of its answers."""
+        import torch
+
+        segments = batch["packed_segment_ids"].reshape(-1)
+        segments = segments[segments >= 0]
+        first = torch.ones_like(segments, dtype=torch.bool)
+        first[1:] = segments[1:] != segments[:-1]
+        per_example = len(getattr(self.collator, "answers", ())) if getattr(self.collator, "layout", "") == "varlen" \
+            else 1
+        return [int(segment) // max(per_example, 1) for segment in segments[first]]
 
 
 # --- the vision tower ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ VLM_TEMPLATE = (
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
 
 
-def _tokenizer(corpus: list[str], extra: list[str], **named):
+def vlm_tokenizer(corpus: list[str], extra: list[str], **named):
     """The tests' BPE tokenizer with a family's image tokens (special, added at the end of the vocabulary)."""
     from transformers import PreTrainedTokenizerFast
 
@@ -59,7 +59,7 @@ def build_llava(path: Path, corpus: list[str], seed: int = 0) -> Path:
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
                               LlavaProcessor)
 
-    tokenizer = _tokenizer(corpus, ["<image>"])
+    tokenizer = vlm_tokenizer(corpus, ["<image>"])
     template = VLM_TEMPLATE.replace("IMAGE", "<image>")
     tokenizer.chat_template = template
     images = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
@@ -79,7 +79,7 @@ def build_idefics3(path: Path, corpus: list[str], seed: int = 0) -> Path:
                               Idefics3Processor, Idefics3VisionConfig)
 
     tiles = [f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)]
-    tokenizer = _tokenizer(corpus, ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+    tokenizer = vlm_tokenizer(corpus, ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
                                     *tiles])
     template = VLM_TEMPLATE.replace("IMAGE", "<image>")
     tokenizer.chat_template = template
@@ -97,7 +97,7 @@ def build_gemma3(path: Path, corpus: list[str], seed: int = 0) -> Path:
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor,
                               Gemma3TextConfig, SiglipVisionConfig)
 
-    tokenizer = _tokenizer(corpus, [], boi_token="<start_of_image>", eoi_token="<end_of_image>",
+    tokenizer = vlm_tokenizer(corpus, [], boi_token="<start_of_image>", eoi_token="<end_of_image>",
                            image_token="<image_soft_token>")
     template = VLM_TEMPLATE.replace("IMAGE", "<start_of_image>")
     tokenizer.chat_template = template

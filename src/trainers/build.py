@@ -40,7 +40,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     forward = forward_for(model, tokenizer, trl_config, peft_config, packed_dpo, packed_attention) if forward_for else {}
     processing = prepared.processing  # a vision-language model's (src/vision.py), else None
     if processing is not None and "data_collator" in forward:  # before TRL's __init__: its reference pass collates
-        forward["data_collator"] = ImageCollator(forward["data_collator"], processing)
+        forward["data_collator"] = ImageCollator(forward["data_collator"], processing, forward.get("packed_forward"))
     meter = ThroughputMeter(plan.device, sum(whole_numel(p) for p in model.parameters()), reference_forward,
                             _device_name(plan.device), sequences_per_example=row.memory.sequences_per_example)
     trainer = trainer_class(
