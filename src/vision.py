@@ -126,6 +126,15 @@ def load_processor(path: str, trust_remote_code: bool = False, local_files_only:
     return processor
 
 
+def thumbnail(data: bytes, longest: int = 256) -> bytes:
+    """An image file's bytes → a PNG of it at most `longest` pixels a side (a report's picture of what was asked)."""
+    image = decode(data).convert("RGB")
+    image.thumbnail((longest, longest))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def decode(data: bytes):
     """An image file's bytes → a PIL image, read whole (a truncated file fails here, not inside a collator)."""
     from PIL import Image

@@ -178,7 +178,7 @@ def test_dpo_on_images_gives_the_same_numbers_on_two_processes_resumes_and_keeps
     """LLaVA, DPO on 24 RLAIF-V-shaped pairs, global batch 4: 1 process x 2 accumulation and 2 processes x 1 (killed
     after checkpoint 2, relaunched: it resumes) log the same losses and rewards (fp32, 1e-5). The vision tower and
     projector end as they started (frozen by default), the language model changed, the processor is saved with the
-    model; the reference log-probs cached by the first run are reused by the second, and computed again once an image
+    model, report.md shows each held-out prompt's image (a thumbnail); the reference log-probs cached by the first run are reused by the second, and computed again once an image
     file changes (the prepared data's key covers the images). ~40 CPU-s."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -209,6 +209,9 @@ def test_dpo_on_images_gives_the_same_numbers_on_two_processes_resumes_and_keeps
                            after["model.language_model.layers.0.mlp.up_proj.weight"])
     samples = run_files.read_jsonl(results / "w2" / run_files.samples_file("val"))
     assert len(samples) == 2 and all(sample["prompt"].count("<image>") == 1 for sample in samples)
+    # the report shows each sample's image beside its answers: a thumbnail in the run directory, linked
+    assert all(len(sample["images"]) == 1 and (results / "w2" / sample["images"][0]).stat().st_size for sample in samples)
+    assert f"![image 1]({run_files.SAMPLE_IMAGES_DIR}/test_" in (results / "w2" / "report.md").read_text()
 
     (tmp_path / "data" / "images" / "5_0.png").write_bytes(image_file("blue", size=(31, 29)))
     three = forked.run_job(1, _run_args(tiny_llava, data, results, "w3", "dpo", "--max_steps", "1"), env=environment)

@@ -19,7 +19,7 @@ from src.pipeline.stages import Stage
 from src.plan import Plan
 from src.tool_calls import ToolsError
 from src.tools import check_template, session_for
-from src.vision import IMAGE_COLUMN
+from src.vision import IMAGE_COLUMN, thumbnail
 from src.trainers.judged_eval import JudgedEval, judge_rows
 from src.world import World
 
@@ -121,6 +121,7 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
         for index, row in enumerate(rows):
             stats = {side: {key: value for key, value in answers[side][index].items() if key != "text"}
                      for side in answers}
+            images = sample_thumbnails(run_dir, split, index, row.get(IMAGE_COLUMN))
             run_files.append_jsonl(path, {
                 "index": index,
                 "split": split,
@@ -132,8 +133,19 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
                 "meta": row.get("meta") or {},
                 "verdict": judged.verdicts[index] if judged else None,
                 **({"answer_stats": stats} if all(stats.values()) else {}),
+                **({"images": images} if images else {}),
             })
     return results
+
+
+def sample_thumbnails(run_dir: Path, split: str, index: int, images: list | None) -> list[str]:
+    """A held-out prompt's images as thumbnails in the run directory (its pages link them), their relative paths."""
+    paths = []
+    for number, data in enumerate(images or [], start=1):
+        name = f"{run_files.SAMPLE_IMAGES_DIR}/{split}_{index}_{number}.png"
+        run_files.write_bytes(run_dir / name, thumbnail(data))
+        paths.append(name)
+    return paths
 
 
 def tool_session(config: Config, tokenizer, model):
