@@ -208,6 +208,11 @@ class ImageProcessing:
         return {key: torch.tensor(self.processor.create_mm_token_type_ids(input_ids.tolist()),
                                   dtype=input_ids.dtype, device=input_ids.device) for key in self.per_token_keys()}
 
+    def image_token_count(self, ids: list[int]) -> int:
+        """The tokens of `ids` the model fills with image features (the processor's image_token_ids)."""
+        image_ids = set(self.processor.image_token_ids) - {None}
+        return sum(1 for token in ids if token in image_ids)
+
     def last_image_position(self, ids: list[int]) -> int:
         """The position of the last token of the last image (-1: none): its last image token (what the model counts
         against the image's features: the processor's image_token_ids) and the special tokens its expansion closes

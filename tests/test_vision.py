@@ -326,3 +326,24 @@ def test_the_packed_forward_encodes_each_prompts_images_once_and_gives_the_padde
     batch = collator([dict(row) for row in prepared.train.select(range(4))])
     images = "pixel_values"
     assert batch[vision.PACKED_PREFIX + images].shape[0] * 2 == batch[images].shape[0]
+
+
+def test_the_data_audit_counts_the_images(tiny_llava, tmp_path):
+    """The data audit of image pairs: images per row and their tokens (16 a LLaVA image here), repeated images by
+    content, and answers that ignore the image (the same question answered alike for two different images); report.md's
+    Data section shows them. ~2 CPU-s."""
+    from src.reporting.audit import data_section
+
+    rows = colour_pairs(6, tmp_path)
+    rows[3]["images"] = rows[2]["images"]  # the same image file again
+    for row in rows[4:]:  # one question, one answer, two different images
+        row["prompt"][0]["content"][-1]["text"] = "what color is it"
+        row["chosen"] = [{"role": "assistant", "content": "it is red"}]
+    prepared = _prepare(tiny_llava, write_jsonl(tmp_path / "pairs.jsonl", rows), val_size=0)
+    images = prepared.summary["audit"]["train"]["images"]
+    assert images["rows_with_images_share"] == 1 and images["images_per_row"]["mean"] == 1
+    assert images["image_tokens"]["median"] == 16
+    assert images["duplicate_image_share"] == pytest.approx(1 / 6, abs=1e-6)
+    assert images["answer_ignores_image_share"] == pytest.approx(2 / 6, abs=1e-6)
+    assert any("same answer to the same question for other images" in line
+               for line in data_section(prepared.summary["audit"], "dpo", None, tmp_path))

@@ -184,7 +184,7 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
             if not keep and kind in PAIRED_SHAPES and ids["chosen_ids"] == ids["rejected_ids"]:
                 status = IDENTICAL  # the answers differed only in their reasoning, which --reasoning drop removes
         record = {**serializable(row), **item, "length": length, "_status": status,
-                  **row_fields(row, ids, source_row, tokenizer)}
+                  **row_fields(row, ids, source_row, tokenizer, processing)}
         if "sample_prompt" in output_columns:
             record.update(sample_fields(row, tokenizer, kwargs, processing) if status == KEPT and held_out else
                           {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
