@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from src.config_error import ConfigError
-from src.engines import accelerate_cpu, adopt_fsdp_on_cpu
+from src.engines import accelerate_cpu, adopt_fsdp_on_cpu, fsdp_on_cpu
 from src.library_warnings import printed_lines_dropped
 from src.plan import Plan
 from src.world import World
@@ -51,7 +51,7 @@ def init(plan: Plan, world: World):
     if cpu:
         # ACCELERATE_USE_CPU is what TrainingArguments(use_cpu=True) sets too; set it before the first PartialState.
         os.environ["ACCELERATE_USE_CPU"] = "true"
-    if world.world_size == 1:
+    if world.world_size == 1 and not fsdp_on_cpu(plan.device, 1):
         return PartialState(cpu=cpu)
     _init_process_group(plan.backend, world)  # accelerate finds it initialized and adopts it
     with printed_lines_dropped():  # DeepSpeed's "op built successfully" line, as its comm backend starts here
@@ -69,6 +69,10 @@ def _init_process_group(backend: str, world: World) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        return
+    if world.world_size == 1:  # FSDP on one process: a group of one, no rendezvous to wait for
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=COLLECTIVE_TIMEOUT)
         return
     store, rank, world_size = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size,
                                                    timeout=COLLECTIVE_TIMEOUT))

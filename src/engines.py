@@ -5,8 +5,10 @@ group), what the process group and TRL's config need so that the engine runs on 
 FSDP2: `adopt_fsdp_on_cpu`, `trainer_accelerator_config`), what training_info.json records of the engine that
 actually ran (`engine_record`, read from the trainer's accelerator, never assumed), DeepSpeed's buffers sized by the
 model (`size_buffers_by_model`), ZeRO-3's weights partitioned as they load (`partitioned_loading`; `load_warning` where
-they load whole), the final model saved whole under FSDP (`whole_weights_on_save`), and whole weights or this rank's
-shard for code that reads them under ZeRO-3 (`gathered`, `whole_numel`) and FSDP2 (`whole`, `local_shard`).
+they load whole), what each rank holds of a weight under FSDP2 and ZeRO-3 as the model loads (`loads_sharded`, `share`,
+`fsdp2_sharded`, `keep_sharding_from_load`) and answers prompts before training (`generating`), and whole weights or
+this rank's shard for code that reads them under ZeRO-3 (`gathered`, `whole_numel`, `whole_value`, `whole_module`)
+and FSDP2 (`whole`, `local_shard`).
 
     STRATEGY=zero3 ./run_distributed.sh 2 --config configs/<recipe>.yaml
 
@@ -134,9 +136,11 @@ def accelerate_cpu(device_kind: str, environ: Mapping[str, str] | None = None) -
 
 
 def fsdp_on_cpu(device_kind: str, world_size: int, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this job runs FSDP on CPU processes: an accelerate FSDP launch on a machine without CUDA."""
+    """Whether this job runs FSDP on CPU processes: an accelerate FSDP launch on a machine without CUDA, on any
+    number of processes (one as well, as accelerate keeps FSDP on one GPU: a sharded checkpoint resumed by the
+    processes that are left is read by FSDP, which reshards it)."""
     engine = launched(environ)
-    return device_kind == "cpu" and world_size > 1 and engine is not None and engine.name == FSDP
+    return device_kind == "cpu" and engine is not None and engine.name == FSDP
 
 
 def adopt_fsdp_on_cpu(device_kind: str, world_size: int) -> None:
@@ -238,6 +242,152 @@ def partitioned(parameters) -> bool:
     return any(hasattr(parameter, "ds_id") for parameter in parameters)
 
 
+def sharded(parameters) -> bool:
+    """Whether an engine holds these weights in shares across the ranks: ZeRO-3's partitions or FSDP2's DTensors."""
+    return any(hasattr(parameter, "ds_id") or hasattr(parameter, "to_local") for parameter in parameters)
+
+
+def loads_sharded(world_size: int, environ: Mapping[str, str] | None = None) -> Engine | None:
+    """The engine under which each rank reads only its share of the model's weights as it loads them (src/
+    sharded_weights.py): FSDP2, and ZeRO-3 where its launch config keeps zero3_init_flag (`partitioned_loading` says
+    so); None for plain DDP, ZeRO-1/2, FSDP1 and one process, which load whole."""
+    environ = os.environ if environ is None else environ
+    engine = launched(environ)
+    if engine is None or world_size < 2:
+        return None
+    if engine.name == FSDP:
+        return engine if environ.get("FSDP_VERSION", "1") == "2" else None
+    return engine if engine.zero_stage in (3, None) else None
+
+
+def fsdp2_plugin(precision: str):
+    """accelerate's FSDP plugin as the trainer's Accelerator builds it from the launch config (its FSDP_* environment)
+    with the run's mixed precision: the wrap, resharding and precision policy the trainer would apply."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if ACCELERATE_PRECISION[precision] != "no":  # as AcceleratorState sets it
+        plugin.set_mixed_precision(ACCELERATE_PRECISION[precision])
+    return plugin
+
+
+def fsdp2_sharded(model, precision: str, device):
+    """A model built on the meta device, wrapped as the trainer's accelerate wraps it under FSDP2 (`fsdp2_prepare_model`:
+    `fully_shard` per decoder layer, the embeddings and head, then the whole), and each rank's shards allocated on
+    `device`, empty: the caller fills them. The trainer's `prepare` later finds an FSDP module and keeps it as it is.
+    A model with peft's adapters: its base model wrapped so (its final norm found where accelerate looks for it), then
+    the adapters' wrapper as the root.
+    The buffers (rotary frequencies, built real on the CPU) and any parameter already real are kept across the
+    allocation; tied weights are tied again, as accelerate does after its own load. accelerate's rank-0 broadcast
+    (`cpu_ram_efficient_loading`) is off here: no rank holds more than its shards."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import fsdp2_prepare_model
+
+    plugin = fsdp2_plugin(precision)
+    plugin.cpu_ram_efficient_loading = False  # the attribute, not the constructor's argument: that sets the environment
+    # the Accelerator as fsdp2_prepare_model reads it: its plugin, precision and rank
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision=ACCELERATE_PRECISION[
+        precision], is_main_process=int(os.environ.get("RANK", "0")) == 0, device=device)
+    real = {name: tensor.detach().clone() for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if not tensor.is_meta}
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fsdp2_prepare_model(accelerator, inner)
+    if inner is not model:  # peft's wrapper: the root around its base model, as accelerate wraps the root
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        fully_shard(model, offload_policy=plugin.cpu_offload, mp_policy=plugin.mixed_precision_policy or
+                    MixedPrecisionPolicy())
+    model.to_empty(device=device)
+    parameters = dict(model.named_parameters())
+    for name, value in real.items():  # buffers are not sharded; a parameter that was real keeps its share
+        local, block, _ = share(parameters[name] if name in parameters else model.get_buffer(name))
+        local.data.copy_(value[block])
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def forward_through_root(model, device) -> None:
+    """FSDP2 takes the unit whose forward runs first as the root of all the others, and refuses another root later
+    ("already lazily initialized"). peft's `generate` calls its base model's, so the held-out answers would make that
+    the root and the trainer's first forward, through peft's wrapper, would fail: one token runs through the wrapper
+    first."""
+    import torch
+
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+
+
+def resharded_after_forward(model):
+    """A model sharded as it loaded that only runs forwards (a reference): every FSDP unit lets its gathered weights go
+    after its forward. The trainer's wrap keeps the head's and the root's gathered from the forward to the backward,
+    which a model without a backward would keep for good (each rank holding the whole embeddings and head)."""
+    for module in model.modules():
+        if hasattr(module, "set_reshard_after_forward"):  # an FSDP2 unit
+            module.set_reshard_after_forward(True, recurse=False)
+    return model
+
+
+def keep_sharding_from_load(trainer) -> None:
+    """Under FSDP2, a model sharded as it loaded (`fsdp2_sharded`, LoRA's adapters in it) handed to TRL's trainer:
+    accelerate's `prepare` keeps an FSDP module as it is, but first builds its auto-wrap policy by looking the decoder
+    layers' classes up by name, which FSDP renamed (FSDPLlamaDecoderLayer): that policy, which would wrap nothing more,
+    is dropped. Every unit holds its shards again (the head's, kept whole after the held-out answers' forwards)."""
+    if getattr(trainer, "is_fsdp_enabled", False) and any(hasattr(p, "to_local") for p in trainer.model.parameters()):
+        trainer.accelerator.state.fsdp_plugin.auto_wrap_policy = None
+        resharded(trainer.model)
+
+
+def share(tensor) -> tuple:
+    """Where this rank keeps its part of a weight, and which part of the whole weight that is: (the tensor to fill,
+    the block of the whole tensor to read as an index of slices, and for ZeRO-3 the elements of that block, flattened,
+    that the partition holds); a weight no engine shares: itself, whole."""
+    if hasattr(tensor, "ds_id"):
+        return _zero3_share(tensor)
+    if hasattr(tensor, "to_local"):
+        return _fsdp2_share(tensor)
+    return tensor, (), None
+
+
+def _zero3_share(parameter) -> tuple:
+    """DeepSpeed's flat partition `ds_tensor`: rank r holds elements [r p, (r + 1) p) of the flattened weight,
+    p = ceil(n / ranks), the padding past n left as it is; the rows that cover them are read (a rank past the end: an
+    empty share)."""
+    import torch.distributed as dist
+
+    size = parameter.ds_tensor.ds_numel
+    start = dist.get_rank(group=parameter.ds_process_group) * size
+    end = min(start + size, parameter.ds_numel)
+    shape = tuple(parameter.ds_shape)
+    if not shape:  # a scalar: rank 0's
+        return parameter.ds_tensor.data[:max(0, end - start)], (), slice(0, max(0, end - start))
+    if end <= start:
+        return parameter.ds_tensor.data[:0], (slice(0, 0),), slice(0, 0)
+    width = 1
+    for size_of_dimension in shape[1:]:
+        width *= size_of_dimension
+    first, last = start // width, -(-end // width)
+    return parameter.ds_tensor.data[:end - start], (slice(first, last),), slice(start - first * width,
+                                                                                  end - first * width)
+
+
+def _fsdp2_share(parameter) -> tuple:
+    """A DTensor's local shard and its block of the whole: its offset on each sharded dimension from its placements
+    (torch's `Shard.local_shard_size_and_offset`, what DTensor itself computes it with)."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    block = [slice(0, size) for size in parameter.shape]
+    coordinate = parameter.device_mesh.get_coordinate()
+    for mesh_dimension, placement in enumerate(parameter.placements):
+        if isinstance(placement, Shard):
+            current = block[placement.dim]
+            length, offset = Shard.local_shard_size_and_offset(
+                current.stop - current.start, parameter.device_mesh.size(mesh_dimension), coordinate[mesh_dimension])
+            block[placement.dim] = slice(current.start + offset, current.start + offset + length)
+    return parameter.to_local(), tuple(block), None
+
+
 def whole_numel(parameter) -> int:
     """A parameter's elements, all of them: ZeRO-3's whole count where it partitioned the parameter."""
     return getattr(parameter, "ds_numel", None) or parameter.numel()
@@ -263,12 +413,79 @@ def gathered(parameters):
     return deepspeed.zero.GatheredParameters(parameters)
 
 
-def whole_weights_on_save(trainer) -> None:
-    """Under FSDP, the final save gathers the whole weights into ordinary files: with a sharded-checkpoint launch config
-    (fsdp_state_dict_type: SHARDED_STATE_DICT, each rank its own shard in a checkpoint) the Trainer's save_model
-    would write no model file at all. accelerate's public switch of the plugin's state-dict type."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+@contextlib.contextmanager
+def generating(model, precision: str):
+    """A block in which a model no trainer has wrapped yet answers prompts (the held-out answers before training, a
+    round's sampling) with no rank holding the whole of it. Under ZeRO-3: DeepSpeed's own parameter fetching, an
+    inference engine over the model as TRL builds one for its reference pass (`prepare_deepspeed`: each module's
+    weights gathered for its forward and released after it), destroyed at the end of the block, as the toolkit
+    releases TRL's (the trainer's engine adds its own hooks). Under FSDP2 (sharded as it loaded) FSDP's own hooks do
+    it; elsewhere there is nothing to do."""
+    if not partitioned(model.parameters()):
+        yield
+        return
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+    from trl.models import prepare_deepspeed  # ZeRO-3 only: TRL is imported by then
+
+    plugin = DeepSpeedPlugin()  # the launch config's, as partitioned_loading builds it
+    plugin.set_mixed_precision(ACCELERATE_PRECISION[precision])
+    # what TrainingArguments would fill in for "auto": one sequence per forward, no accumulation (no optimizer here)
+    config = {key: value for key, value in plugin.deepspeed_config.items() if key != "train_batch_size"} | {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+    engine = prepare_deepspeed(model, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+        deepspeed_config=config))))
+    try:
+        yield
+    finally:
+        engine.destroy()
+
+
+def whole_value(parameter):
+    """A weight's whole value as a plain tensor of its own, the same on every rank: where an engine shards it, a
+    collective every rank joins (ZeRO-3's gather, FSDP2's all-gather) for this one weight."""
+    if hasattr(parameter, "ds_id"):
+        with gathered([parameter]):
+            return parameter.data.detach().clone()
+    return whole(parameter.detach())
+
+
+@contextlib.contextmanager
+def whole_module(module, root):
+    """A block in which `module`'s weights (a LoRA layer: its base weight and adapter) are whole on every rank as
+    plain tensors in place: ZeRO-3's gather; FSDP2: the units that hold them (found up from each submodule in `root`)
+    unsharded, as for a forward (at most a layer whole), sharded again after."""
+    parameters = list(module.parameters())
+    if partitioned(parameters):
+        with gathered(parameters):
+            yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    parents = {child: parent for parent in root.modules() for child in parent.children()}
+    units = []
+    for submodule in module.modules():
+        owner = submodule if list(submodule.parameters(recurse=False)) else None
+        while owner is not None and not isinstance(owner, FSDPModule):
+            owner = parents.get(owner)
+        if owner is not None and owner not in units:
+            units.append(owner)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def resharded(model) -> None:
+    """FSDP2: every unit holding its shards again (a unit the trainer keeps gathered from a forward to its backward,
+    the head's, stays gathered after a forward without one)."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):  # an FSDP2 unit
+            module.reshard()
 
 
 def local_shard(tensor):

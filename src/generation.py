@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from src.chat_templates import THINK_CLOSE, decoded_answer, opened_reasoning, split_reasoning
 from src.distributed import any_rank, map_across_ranks, most_on_any_rank
-from src.engines import partitioned
+from src.engines import sharded
 from src.tools import sample_with_tools
 from src.run_safety import hang_watch
 from src.vision import decode
@@ -191,7 +191,7 @@ def in_lockstep(model) -> bool:
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
-    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or partitioned(model.parameters())
+    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or sharded(model.parameters())
 
 
 def stop_ids(model, tokenizer) -> set[int]:

@@ -37,7 +37,8 @@ from src.pipeline.run_directory import check_earlier_run, finish_finished_run, h
 from src.pipeline.stage_record import announce_sft_forward, close_stage_record, open_stage
 from src.pipeline.stages import Stage, plan_stages, stage_status, stage_title
 from src.pipeline.stopping import watch_job
-from src.pipeline.training import build_stage_trainer, load_stage_model, merge_wanted, train
+from src.pipeline.training import (build_stage_trainer, fsdp_loads_whole, load_stage_model, merge_wanted,
+                                   stage_adapters, train)
 from src.rounds import start_round
 from src.run_safety import hang_board
 from src.run_safety.disk_space import write_failures_noted, write_failures_reported
@@ -112,7 +113,8 @@ def run_stage_or_round(stage: Stage, model_path: str, tokenizer, prepared: dict,
     """A stage on its prepared data; a round first makes its pairs with the model it starts from (src/rounds.py)."""
     if not stage.round:
         return run_stage(stage, model_path, tokenizer, prepared[stage.name], world, previous)
-    model, pairs, stage.round_record = start_round(stage, model_path, tokenizer, prepared[stage.data_stage], world)
+    model, pairs, stage.round_record = start_round(stage, model_path, tokenizer, prepared[stage.data_stage], world,
+                                                   stage_adapters(stage), fsdp_loads_whole(stage))
     reference = dpo_start if stage.config.dpo.round_reference == "start" else None
     return run_stage(stage, model_path, tokenizer, pairs, world, previous, model=model, reference_path=reference)
 

@@ -22,9 +22,10 @@ from src.config import EMBEDDED, ModelArguments
 from src.config_error import ConfigError
 from src.plan import Plan
 from src.world import World
-from src.distributed import barrier, manifest_across_ranks
+from src.distributed import barrier, manifest_across_ranks, print0
 from src.embedded.model import ensure_embedded_model
-from src.engines import partitioned, partitioned_loading, whole_weights_on_save
+from src.engines import FSDP, loads_sharded, partitioned_loading, sharded
+from src.sharded_weights import load_sharded, save_adapter, save_whole
 from src.run_safety import hang_watch
 from src.run_files import MODEL_CARD, PLOTS_DIR
 from src.run_safety.checkpoint_manifest import remove_marker, write_marker
@@ -245,13 +246,20 @@ def load_model_for_audit(path: str, model: ModelArguments):
     return loaded.to("cuda" if cuda else "cpu").eval()
 
 
-def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None):
+def load_model(path: str, model: ModelArguments, plan: Plan, world: World, reward_pad_token_id: int | None = None,
+               adapters=None, whole_because: str | None = None):
     """The policy for this rank, on this rank's device. Full fine-tuning keeps fp32 master weights (mixed precision
     autocasts the compute); a 4-bit base is quantized on load.
 
     With `reward_pad_token_id`, a reward model instead: the checkpoint (a causal LM, or a reward model) with a score
     head of one output, new and randomly initialised where the checkpoint has none. It scores the last token that is
-    not padding, so it is told the padding id."""
+    not padding, so it is told the padding id.
+
+    `adapters` (a peft config, the run's seed): where the model loads sharded under FSDP2, its LoRA adapters are added
+    as it loads, before it is sharded (src/sharded_weights.py `with_adapters`); the model returned has them then, and
+    TRL must not add them again. Elsewhere TRL adds them. `whole_because`: why this stage's model cannot be sharded as
+    it loads under FSDP2 (src/pipeline/training.py `fsdp_loads_whole`): it loads whole there, as before, said in one
+    line."""
     from contextlib import nullcontext
 
     import torch
@@ -276,30 +284,26 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         kwargs["device_map"] = {"": world.local_rank if plan.device == "cuda" else "cpu"}
     # Loading a causal LM as a classifier reports its new score head and unused LM head: expected, TRL hides it too.
     loading = suppress_seqcls_warning() if model_class is AutoModelForSequenceClassification else nullcontext()
-    partitioning = False
+    engine = loads_sharded(world.world_size) if quantization is None else None
+    if engine is not None and engine.name == FSDP and whole_because:
+        print0(f"  warning: {path} loads whole on every rank under FSDP2: {whole_because}")
+        engine = None
+    partitioning = engine is not None and engine.name != FSDP  # ZeRO-3 builds the model inside deepspeed.zero.Init
     try:
-        # A download takes what it takes; under ZeRO-3 each rank keeps only its share of the weights as they load.
-        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED), \
-                partitioned_loading(plan.precision) as partitioning:
-            loaded = model_class.from_pretrained(path, **kwargs)
+        # A download takes what it takes; under FSDP2 and ZeRO-3 each rank reads only its share of the weights.
+        with loading, hang_watch.phase("model", str(path), hang_watch.UNWATCHED):
+            loaded = load_shares(path, model_class, kwargs, plan, world, engine, adapters) if engine else None
+            if loaded is None:
+                with partitioned_loading(plan.precision) as partitioning:
+                    loaded = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as error:
         fix = "; its code may not build under deepspeed.zero.Init: set zero3_init_flag: false in the launch config " \
               "(every rank then loads it whole)" if partitioning and isinstance(error, RuntimeError) else ""
         raise ModelError(f"--model_name_or_path {path}: could not load the model ({first_line(error)}){fix}") from None
     if quantization is not None:
-        keep_4bit_layers_trainable(loaded)
-        # bitsandbytes packs 4-bit weights lazily, at the first forward: run one now so an unsupported layout fails
-        # here with a clear message instead of inside generation or the first training step.
-        try:
-            with torch.no_grad():
-                loaded(input_ids=torch.zeros((1, 1), dtype=torch.long, device=loaded.device))
-        except (RuntimeError, ValueError) as error:
-            hint = "its CPU kernels need layer widths that are multiples of 64 — use a GPU, or drop --load_in_4bit" \
-                if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
-            raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({first_line(error)}); "
-                             f"{hint}") from None
-    if plan.device == "cuda" and quantization is None and not partitioned(loaded.parameters()):
-        loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's shares are on the device already
+        check_4bit_runs(loaded, path, plan)
+    if plan.device == "cuda" and quantization is None and not sharded(loaded.parameters()):
+        loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's and FSDP2's shares are on the device already
     if vision_class is not None and not model.train_vision_tower:
         vision.freeze_vision_tower(loaded)  # the language model learns; the tower and projector stay as they are
     return loaded
@@ -313,6 +317,36 @@ def _vision_class(path: str, model: ModelArguments):
         return vision.model_class(AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code))
     except (OSError, ValueError, KeyError):
         return None  # from_pretrained names what is wrong
+
+
+def load_shares(path: str, model_class, kwargs: dict, plan: Plan, world: World, engine, adapters=None):
+    """Under FSDP2 and ZeRO-3 (`engines.loads_sharded`): the model with each rank holding, and having read, only its
+    share of the weights (src/sharded_weights.py); None where it loads whole instead (said in one line where the
+    checkpoint is why)."""
+    import torch
+
+    device = torch.device("cuda", world.local_rank) if plan.device == "cuda" else torch.device("cpu")
+    loaded, why_not = load_sharded(path, model_class, kwargs, plan.precision, device, engine,
+                                   adapters if engine.name == FSDP else None)
+    if why_not:
+        print0(f"  warning: {path} loads whole on every rank under {engine.title}: {why_not}")
+    return loaded
+
+
+def check_4bit_runs(loaded, path: str, plan: Plan) -> None:
+    """bitsandbytes packs 4-bit weights lazily, at the first forward: one runs now so an unsupported layout fails
+    here with a clear message instead of inside generation or the first training step."""
+    import torch
+
+    keep_4bit_layers_trainable(loaded)
+    try:
+        with torch.no_grad():
+            loaded(input_ids=torch.zeros((1, 1), dtype=torch.long, device=loaded.device))
+    except (RuntimeError, ValueError) as error:
+        hint = "its CPU kernels need layer widths that are multiples of 64 — use a GPU, or drop --load_in_4bit" \
+            if plan.device == "cpu" else "check the bitsandbytes install (python -m bitsandbytes)"
+        raise ModelError(f"--load_in_4bit: bitsandbytes could not run {path} in 4 bits ({first_line(error)}); "
+                         f"{hint}") from None
 
 
 def keep_4bit_layers_trainable(model) -> None:
@@ -422,19 +456,30 @@ def _is_probability(name: str, value) -> bool:
         DROPOUT_FIELD.search(name) is not None
 
 
-def _merged_model(model, adapter_dir: Path):
-    """The adapter merged into its base. Under FSDP2 rank 0 holds only its shard of the base (and merging alone
-    would wait forever for the other ranks' gather): the base is loaded whole from where the stage loaded it and the
-    adapter just saved is merged into it, the same sum as in place."""
-    if not any(hasattr(parameter, "to_local") for parameter in model.parameters()):
-        return model.merge_and_unload(safe_merge=True)
+def write_trained(trainer, model, directory: Path, is_main: bool) -> None:
+    """Every rank: the trained model (its adapter only under LoRA) into `directory`. Where an engine shards it (FSDP2,
+    ZeRO-3) no process gathers it whole: rank 0 writes it a tensor at a time (src/sharded_weights.py `save_whole`,
+    `save_adapter`), its config and dropout as the Trainer's save writes them; elsewhere the Trainer's own save."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    adapter = model.peft_config[model.active_adapter]
-    loader = AutoModelForSequenceClassification if adapter.task_type == "SEQ_CLS" else AutoModelForCausalLM
-    base = loader.from_pretrained(adapter.base_model_name_or_path, config=model.get_base_model().config)
-    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload(safe_merge=True)
+    if not sharded(model.parameters()):
+        trainer.save_model(str(directory))
+        return
+    with dropouts_restored(trainer):
+        (save_adapter if isinstance(model, PeftModel) else save_whole)(model, directory, is_main)
+    if is_main:
+        import torch
+
+        torch.save(trainer.args, directory / "training_args.bin")  # the Trainer's save writes it beside the model
+
+
+@contextlib.contextmanager
+def dropouts_restored(trainer):
+    """The model's own dropout values in its config while it is saved (DPO's trainers zero them: `DropoutOff`)."""
+    with contextlib.ExitStack() as stack:
+        for dropout in getattr(trainer, "dropout_off", []):
+            stack.enter_context(dropout.restored())
+        yield
 
 
 def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, is_main: bool) -> dict[str, str]:
@@ -456,8 +501,8 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
                 if directory.is_dir():
                     remove_marker(directory)
             fail_write_if_injected(final_dir / "model.safetensors")
-        whole_weights_on_save(trainer)  # FSDP with sharded checkpoints: the final model whole all the same
-        trainer.save_model(str(final_dir))
+        write_trained(trainer, model, final_dir, is_main)
+    streamed_merge = merge and sharded(model.parameters())
     # A vision-language model's processor (its trainer's processing class) is saved whole: image settings, chat
     # template and tokenizer.
     saved_with = trainer.processing_class if hasattr(trainer.processing_class, "image_processor") else tokenizer
@@ -466,11 +511,16 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
             saved_with.save_pretrained(final_dir)
             if isinstance(model, PeftModel):
                 verify_adapter(final_dir, model)
-            if merge:
-                merged = _merged_model(model, final_dir)
-                merged.save_pretrained(merged_dir)
+            if merge and not streamed_merge:
+                model.merge_and_unload(safe_merge=True).save_pretrained(merged_dir)
                 saved_with.save_pretrained(merged_dir)
     barrier()
+    if streamed_merge:  # every rank: each adapted weight gathered and merged in turn, rank 0 writing it
+        with write_failures_noted(merged_dir), dropouts_restored(trainer):
+            save_whole(model, merged_dir, is_main)
+            if is_main:
+                saved_with.save_pretrained(merged_dir)
+        barrier()
     for directory in saved:
         # Not its card and plots (PEFT writes a card of its own here): the run's card replaces it, and is rewritten
         # at each relaunch and publish (src/reporting/model_card.py).

@@ -74,12 +74,50 @@ def with_batch_size(arguments: list[str], batch: int, base: int | None) -> list[
 def batch_split_command(error: BatchSplitError, arguments: list[str], processes: int,
                         environ: Mapping[str, str] | None = None) -> str:
     """The launch command with the nearest batch that splits: what the launcher's preflight proposes."""
+    flags = with_batch_size(arguments, error.batch_sizes[0], error.base_batch_size)
+    return launch_command(flags, processes, 1, environ)
+
+
+def launch_command(arguments: list[str], per_node: int, nodes: int = 1,
+                   environ: Mapping[str, str] | None = None) -> str:
+    """`[STRATEGY=...] [NNODES=...] ./run_distributed.sh N ARGS`: the launch of `per_node` processes on each of
+    `nodes` machines (several: the command each runs, its NODE_RANK and the first one's address to fill in)."""
     environ = os.environ if environ is None else environ
     strategy = environ.get("STRATEGY", "torchrun")
     prefix = f"STRATEGY={shlex.quote(strategy)} " if strategy != "torchrun" else ""
-    flags = with_batch_size([arg for arg in arguments if arg != "--dry_run"], error.batch_sizes[0],
-                            error.base_batch_size)
-    return f"{prefix}{LAUNCHER} {processes} {shlex.join(flags)}"
+    if nodes > 1:
+        prefix += f"NNODES={nodes} NODE_RANK=<0-{nodes - 1}> MASTER_ADDR=<the first node's address> "
+    elif environ.get("NNODES", "1") != "1":  # a launch of several nodes goes on with one
+        prefix += "NNODES=1 "
+    flags = [arg for arg in arguments if arg != "--dry_run"]
+    return f"{prefix}{LAUNCHER} {per_node} {shlex.join(flags)}".rstrip()
+
+
+def process_counts_that_split(config: Config, counts) -> list[int]:
+    """The numbers of processes among `counts` over which every stage's batch splits (arithmetic only: each stage's
+    batch settings read once)."""
+    names = PIPELINES.get(config.training.stage, (config.training.stage,))
+    trainings = [stage_config(config, name).training for name in names]
+
+    def fits(count: int) -> bool:
+        try:
+            for training in trainings:
+                resolve_batch(training, count)
+        except ConfigError:
+            return False
+        return True
+
+    return [count for count in counts if fits(count)]
+
+
+def largest_split(config: Config, nodes: int, per_node: int) -> tuple[int, int] | None:
+    """(nodes, processes per node), at most `nodes` x `per_node`, with the most processes over which every stage's
+    batch splits (more nodes first on a tie: the same processes per node, as the machines have); None if none does."""
+    fitting = set(process_counts_that_split(config, {count * each for count in range(1, nodes + 1)
+                                                     for each in range(1, per_node + 1)}))
+    found = [(count * each, count, each) for count in range(nodes, 0, -1) for each in range(per_node, 0, -1)
+             if count * each in fitting]
+    return max(found)[1:] if found else None
 
 
 @dataclass(frozen=True)

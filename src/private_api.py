@@ -45,3 +45,11 @@ def hf_deepspeed_config():
 
     reference = deepspeed._hf_deepspeed_config_weak_ref
     return reference() if reference is not None else None
+
+
+def init_weights(model, module) -> None:
+    """`PreTrainedModel._init_weights` (transformers 5.23, no public per-module form): the model's own initializer on
+    one module, which src/sharded_weights.py runs on a whole copy of a module whose weights the checkpoint lacks (a
+    reward model's new score head), to draw them as a whole load draws them."""
+    model._init_weights(module)
+

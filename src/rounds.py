@@ -31,7 +31,7 @@ from src.chat_templates import split_reasoning
 from src.config_error import ConfigError
 from src.data import PROMPTS, PreparedData, prepare_data, sample_fields
 from src.distributed import barrier, map_across_ranks, print0
-from src.engines import gathered
+from src.engines import generating
 from src.generation import Sampling, answer_seed, generate
 from src.judges import JudgeError, judge_for
 from src.models import apply_chat_template_to_model, load_model
@@ -285,11 +285,13 @@ def round_data(config, pairs_dir: Path, tokenizer):
     return prepare_data(data, config.sft, ROUNDS_STAGE, config.training.seed, tokenizer, cache_root() / "datasets")
 
 
-def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
-    """Before a round trains: its starting model (the previous round's) loaded on this rank, its pairs made (or
-    reused) and prepared. Returns (model, prepared pairs, the round's record)."""
+def start_round(stage, model_path: str, tokenizer, dpo_data, world: World, adapters=None,
+                whole_because: str | None = None):
+    """Before a round trains: its starting model (the previous round's) loaded on this rank (`adapters`,
+    `whole_because`: as src/models.py `load_model` takes them), its pairs made (or reused) and prepared. Returns
+    (model, prepared pairs, the round's record)."""
     config = stage.config
-    model = load_model(model_path, config.model, stage.plan, world)
+    model = load_model(model_path, config.model, stage.plan, world, adapters=adapters, whole_because=whole_because)
     model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
                                          stage.plan.precision)
     print0(f"\n== DPO ROUND {stage.round} of {config.dpo.rounds}: pairs from the answers of {model_path}")
@@ -298,8 +300,8 @@ def start_round(stage, model_path: str, tokenizer, dpo_data, world: World):
         print0(f"  round {stage.round}: pairs written by an earlier launch, reused ({record['counts']['pairs']:,} pairs)")
     else:
         tools = session_for(config)  # --tools: the round's answers are trajectories with the calls run
-        try:  # ZeRO-3 partitioned the weights as they loaded: whole on each rank's device while it samples
-            with gathered(list(model.parameters())):
+        try:  # under ZeRO-3 and FSDP2 each rank holds its share: each module's weights gathered for its forward only
+            with generating(model, stage.plan.precision):
                 record = make_round_pairs(model, tokenizer, dpo_data,
                                           judge_for(config.training.judge, config.data.dataset_name),
                                           round_settings(config, stage.plan), stage.round, stage.run_dir, world, tools)

@@ -129,7 +129,12 @@ def _new_hang_state():
 
 def _toolkit_as_in_a_new_process() -> None:
     """The toolkit's per-process state (`_new_process_state`) as a new process has it, in the modules imported
-    already; the others start that way when imported. Lists are emptied in place: other modules hold them."""
+    already; the others start that way when imported. Lists are emptied in place: other modules hold them. And
+    accelerate's: an in-process test that built TrainingArguments left its PartialState (one process, no engine) in
+    the test process, which a forked job's FSDP state was then built on (src/engines.py adopt_fsdp_on_cpu: the
+    trainer saw a world of 1)."""
+    if "accelerate.state" in sys.modules:
+        sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
     for name, attribute, value in _new_process_state():
         module = sys.modules.get(name)
         if module is None:

@@ -17,6 +17,8 @@ from src.diagnostics.inputs import (InputError, TrainingSetup, parse_launch_argu
                                    with_plan)
 from src.diagnostics.memory_plan import (
     activation_bytes_per_sample,
+    host_load_bytes,
+    largest_tensor_params,
     adapter_activation_bytes_per_sample,
     GIB,
     largest_batch,
@@ -170,6 +172,20 @@ def test_model_state_per_method(tiny_shape):
     assert model_state_bytes("zero3", tiny_shape, 0, 4, 4) == 24_000 // 4 + 16 * 4 + 8 * 200  # fp32: 24P/N
     assert model_state_bytes("fsdp", tiny_shape, 0, 4, 4) == 16_000 // 4 + 8 * 200  # fp32 shards either way
     assert model_state_bytes("fsdp", tiny_shape, 0, 4, 2) == 16_000 // 4 + 4 * 200
+
+
+def test_host_memory_per_rank_while_the_model_loads(tiny_shape):
+    """P = 1000, N = 4, a 16-bit checkpoint; the largest tensor the embeddings, 10 x 4 = 40 (the widest linear layer
+    4 x 8 = 32). Whole loads hold the fp32 weights and the checkpoint's pages,
+    6P; a sharded load a share of one tensor's checkpoint bytes (2 x 40 / 4 = 20) on a GPU host, plus its share of the
+    fp32 weights (4P/N) on CPU processes, and under ZeRO-3 the largest tensor built whole once (4 x 40)."""
+    assert largest_tensor_params(tiny_shape) == 40
+    for method in ("full", "lora", "zero1", "zero2"):
+        assert host_load_bytes(method, tiny_shape, 4, "gpu") == 6_000 == host_load_bytes(method, tiny_shape, 4, "cpu")
+    assert host_load_bytes("qlora", tiny_shape, 4, "gpu") == 80
+    assert host_load_bytes("fsdp", tiny_shape, 4, "gpu") == host_load_bytes("zero3", tiny_shape, 4, "gpu") == 20
+    assert host_load_bytes("fsdp", tiny_shape, 4, "cpu") == 1_000 + 20
+    assert host_load_bytes("zero3", tiny_shape, 4, "cpu") == 1_000 + 20 + 160
 
 
 def test_reference_model_only_for_full_dpo_without_precomputed_log_probs(tiny_shape):

@@ -167,7 +167,7 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
     from src.run_safety import checkpoint_manifest
 
     run, ddp, root = dpo_engines
-    runs = {"fsdp": run("fsdp", "fsdp", killed_after=2, launch_config={"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}),
+    runs = {"fsdp": run("fsdp", "fsdp", killed_after=2),  # configs/accelerate/fsdp.yaml: sharded checkpoints
             "fsdp_live": run("fsdp_live", "fsdp", ["--precompute_ref_log_probs", "false", "--num_samples", "1"])}
     whole = ddp["ranks"][0]["held"]
     for name, fsdp in runs.items():
@@ -381,7 +381,7 @@ def assert_zero_init_failure_names_the_switch(monkeypatch) -> None:
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails_under_zero_init)
     with pytest.raises(ModelError) as raised:
         load_model("some/model", ModelArguments(model_name_or_path="some/model"),
-                   SimpleNamespace(precision="fp32", device="cpu"), SimpleNamespace(local_rank=0))
+                   SimpleNamespace(precision="fp32", device="cpu"), SimpleNamespace(local_rank=0, world_size=1))
     assert str(raised.value) == (
         "--model_name_or_path some/model: could not load the model (a custom layer's __init__ reads a weight's shape); "
         "its code may not build under deepspeed.zero.Init: set zero3_init_flag: false in the launch config (every rank "

@@ -499,32 +499,35 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
     """16 answers per step (4 prompts x 4), 3 steps, the KL term on: 1 process x 4 accumulation steps, 2 x 2 and 4 x 1
     sample the same answers to the same prompts, gather the same rewards, give each answer the same advantage, and
     log the same loss, KL and entropy (1e-5), and judge 2 held-out prompts to the same curve (the start and every
-    step; 4 x 1: two ranks with none to answer). Two jobs are killed whole right after checkpoint-2 and the same command
-    launched again: the 1 x 4 job (its one process SIGKILLed) and the 2 x 2 job (both its processes SIGKILLed at once:
-    the seam's rank "*"). Each resumed step 3 samples the same answers as the uninterrupted 4 x 1 run, and the curves
-    go on as if nothing happened. All forked (tests/forked.py); a launcher's restart of a killed worker, which
-    resumes the same way, is test_resilience's test_lost_worker_restarts_..."""
+    step; 4 x 1: two ranks with none to answer). One command for every split (--batch_size 16 in micro-batches of 4:
+    the accumulation follows the processes). Two jobs are killed whole right after checkpoint-2 and the same command
+    launched again: the 1 x 4 job (its one process SIGKILLed) on 1 process again, and the 2 x 2 job (both its
+    processes SIGKILLed at once: the seam's rank "*") on 4 processes (issue 58: a job that gained processes goes on
+    as 4 x 1). Each resumed step 3 samples the same answers as the uninterrupted 4 x 1 run, and the curves go on as if
+    nothing happened. All forked (tests/forked.py); a launcher's restart of a killed worker, which resumes the same
+    way, is test_resilience's test_lost_worker_restarts_..."""
     data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
     runs = {}
-    for processes, accumulation in ((1, 4), (2, 2), (4, 1)):
+    for processes, accumulation, resumed_on in ((1, 4, 1), (2, 2, 4), (4, 1, None)):
         name = f"{processes}x{accumulation}"
         probe = tmp_path / "probe" / name
-        arguments = [str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name,
-                                            "--gradient_accumulation_steps", str(accumulation), "--max_steps", "3",
-                                            "--save_steps", "1", "--eval_steps", "1", "--judged_eval_prompts", "2")]
+        arguments = [str(probe), *grpo_args(tiny_model, data, tmp_path / "results", name, "--micro_batch_size", "4",
+                                            "--max_steps", "3", "--save_steps", "1", "--eval_steps", "1",
+                                            "--judged_eval_prompts", "2")]
         killed = tmp_path / f"killed-{name}"
-        seam = seams.env({}, kill_at_checkpoint=f"after_complete:2:*:{killed}") if processes < 4 else {}
+        seam = seams.env({}, kill_at_checkpoint=f"after_complete:2:*:{killed}") if resumed_on else {}
         environment = os.environ | {"OMP_NUM_THREADS": "1"}
         result = forked.run_job(processes, arguments, env=environment | seam, entry=grpo_probe.entry)
-        if processes < 4:  # the whole job killed (every process SIGKILLed): the same command again
+        if resumed_on:  # the whole job killed (every process SIGKILLed): the same command again
             flags = [Path(f"{killed}.rank{rank}") for rank in range(processes)]
             assert all(flag.exists() for flag in flags) and result.returncode == -9, \
                 f"{name}: the seam never fired on every rank: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            result = forked.run_job(processes, arguments, env=environment, entry=grpo_probe.entry)
+            result = forked.run_job(resumed_on, arguments, env=environment, entry=grpo_probe.entry)
             assert "took over the hold of a job that is gone" in result.stdout, result.stdout[-3000:]
         assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(processes)]
-        assert {(rank["world_size"], rank["accumulation"]) for rank in ranks} == {(processes, accumulation)}
+        last = resumed_on or processes
+        ranks = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(last)]
+        assert {(rank["world_size"], rank["accumulation"]) for rank in ranks} == {(last, 4 // last)}
         answers = sorted((answer["step"], answer["prompt"], answer["answer"], answer["advantage"])
                          for rank in ranks for answer in rank["answers"])
         records = run_files.read_jsonl(tmp_path / "results" / name / run_files.METRICS)
@@ -532,9 +535,10 @@ def test_the_same_numbers_on_1x4_2x2_4x1_and_after_a_killed_worker_or_job(tiny_m
         judged = [(record["step"], record["eval_judged_reward"]) for record in records
                   if "eval_judged_reward" in record]
         runs[name] = {"answers": answers, "rewards": ranks[0]["rewards"], "metrics": metrics, "judged": judged}
-    for name in ("1x4", "2x2"):
+    for name, resumed_on in (("1x4", 1), ("2x2", 4)):
         info = run_files.read_json(tmp_path / "results" / name / run_files.TRAINING_INFO)
         assert [resume["from_step"] for resume in info["resumes"]] == [2], name
+        assert (info["world_size"], info["resumes"][0]["saved_by"]["world_size"]) == (resumed_on, int(name[0]))
     reference = runs["4x1"]
     assert len(reference["answers"]) == 3 * 16 and len({answer[1] for answer in reference["answers"]}) == 12
     assert any(answer[3] != 0 for answer in reference["answers"]), "no advantage: the test would prove nothing"

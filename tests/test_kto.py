@@ -278,8 +278,8 @@ def test_ktoconfig_fields_are_flags():
 def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(thinking_model, tmp_path):
     """The one launch of this file: a real 2-process KTO run with LoRA (reference: the adapters off, computed in the
     run), whose rank 1 is killed right after checkpoint-2 (a seam, src/run_safety/checkpoints.py) and the job
-    relaunched, against one uninterrupted process on the same global batch (1 x 2 accumulation vs 2 x 1): every
-    logged train and eval metric agrees. That covers the cross-process sums the in-process test leaves out, the eval's
+    relaunched on the one process left (issue 58: 2 -> 1), against one uninterrupted process on the same global batch
+    (1 x 2 accumulation vs 2 x 1): every logged train and eval metric agrees. That covers the cross-process sums the in-process test leaves out, the eval's
     rows gathered without accelerate's duplicates (7 validation pairs, 14 rows, on 2 ranks) and resume. Its answers
     reason first and the model has DeepSeek-R1-Distill's template (issue 38: the guarantees hold with the reasoning
     trained; the same code prepares plain answers, which every other launch here uses)."""
@@ -292,7 +292,7 @@ def test_kto_with_lora_on_two_processes_killed_and_resumed_matches_one(thinking_
             "--kto_from_pairs", "true", "--use_lora", "true", "--batch_size", "4", "--micro_batch_size", "2",
             "--max_steps", "4", "--learning_rate", "5e-3", "--beta", "0.5", "--eval_steps", "2", "--save_steps", "2",
             "--val_size", "7", "--precompute_ref_log_probs", "false", "--num_samples", "0"],
-        tmp_path / "results", tmp_path / "log.txt")
+        tmp_path / "results", tmp_path / "log.txt", resumed_on=1)
     assert info["data"]["reasoning"] == "keep"  # and the completions trained hold it:
     assert info["data_audit"]["train"]["completion_reasoning_share"] == 1.0
     assert any(record.get("kl", 0) > 0 for record in metrics[1]) and any("eval_kl" in r for r in metrics[1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -261,12 +262,14 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
                                                                             tmp_path):
     """Every process of node 1 is killed mid-training (the machine is lost). Node 0 stops within --node_timeout (20 s
     here) of its workers' (re)start, with one line naming node 1, instead of waiting for the process-group timeout
-    (60 minutes) in the restarted workers' rendezvous; the newest complete checkpoint stays whole."""
+    (60 minutes) in the restarted workers' rendezvous; the newest complete checkpoint stays whole. The line names the
+    launch that goes on with node 0 alone (NNODES=1, its 2 processes: the global batch of 8 splits over them), and
+    that launch resumes the job of 2 nodes from the checkpoint (issue 58; here 2 steps more, as --max_steps says)."""
     import time
 
     from src.run_safety.build_once import COMPLETE_MARKER
     from src.run_safety.exit_status import ExitStatus
-    from src.run_safety.checkpoints import newest_complete_checkpoint
+    from src.run_safety.checkpoints import checkpoint_step, newest_complete_checkpoint
     from test_resilience import wait_for
 
     nodes = [tmp_path / "node0", tmp_path / "node1"]
@@ -301,6 +304,21 @@ def test_a_lost_node_stops_the_survivors_in_one_line_within_the_node_timeout(two
     newest = newest_complete_checkpoint(model_dir)
     assert newest is not None and (newest / COMPLETE_MARKER).exists() and (newest / "model.safetensors").exists()
     print(f"node 0 stopped {stopped_after:.0f} s after node 1 was killed")
+    go_on = lines[0].split("or go on without node 1 from there, with the same numbers: ")[1]
+    assert go_on == f"NNODES=1 ./run_distributed.sh 2 {shlex.join(args)} on it (2 processes)", go_on
+    step = checkpoint_step(newest)
+    args[args.index("--max_steps") + 1] = str(step + 2)
+    alone = subprocess.run(["ip", "netns", "exec", two_hosts.namespaces[0], "./run_distributed.sh", "2", *args],
+                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT,
+                           env=os.environ | {"NNODES": "1", "PREFKIT_CACHE": str(nodes[0] / "prefkit_cache"),
+                                             "HF_HOME": str(nodes[0] / "hf_home"), "PYTHON": sys.executable,
+                                             "OMP_NUM_THREADS": "1"})
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    info = run_files.read_json(results / "lost" / run_files.TRAINING_INFO)
+    resume = info["resumes"][-1]
+    assert (info["world_size"], info["num_nodes"], resume["from_step"]) == (2, 1, step)
+    assert resume["split_change"] == "saved by 2 nodes x 2 processes, now 2: micro-batch 2 → 4, global batch 8 " \
+        "unchanged", resume
 
 
 SBATCH = PROJECT_ROOT / "configs" / "slurm" / "dpo_2nodes.sbatch"

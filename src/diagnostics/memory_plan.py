@@ -41,6 +41,14 @@ Tokens per sequence: --max_length, which every batch may reach; or, when the run
 
 Margin: 10% for allocator fragmentation, plus 1 GiB per process for the CUDA context and cuBLAS/NCCL workspaces
 (on CPU, for the Python/torch runtime).
+
+Host memory per rank while the model loads (`host_load_bytes`, the peak above what the process held before; a 16-bit
+checkpoint, as the Hub ships them): loading whole (DDP, ZeRO-1/2, LoRA) builds the fp32 weights on the host and maps
+the checkpoint's pages as it reads them, 4P + 2P; QLoRA places each tensor on its GPU as it reads it, one tensor; under
+ZeRO-3 and FSDP2 each rank reads only its share of each tensor (src/sharded_weights.py), one tensor's share of the
+checkpoint at a time, 2 T/N for the largest tensor T, and on CPU processes, whose device is the host, it also holds
+its share of the weights, 4P/N, and under ZeRO-3 the largest tensor built whole once (4T) before DeepSpeed partitions
+it. Measured by bench/load_memory.py (docs/configuration.md: within the plan at two sizes and 2 and 4 processes).
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ FRAGMENTATION_MARGIN = 0.10
 NF4_BYTES_PER_PARAM = 0.55
 ADAPTER_BYTES_PER_PARAM = 16
 LOGITS_FP32_BYTES = 8  # the fp32 upcast and the fp32 log-probs of each logit
+CHECKPOINT_BYTES = 2  # a checkpoint's bytes per parameter as the Hub ships them (bf16)
 METHODS = ("full", "lora", "qlora", "zero1", "zero2", "zero3", "fsdp")
 METHOD_LABELS = {"full": "full (DDP)", "lora": "LoRA", "qlora": "QLoRA", "zero1": "ZeRO-1", "zero2": "ZeRO-2",
                  "zero3": "ZeRO-3", "fsdp": "FSDP2"}
@@ -123,6 +132,7 @@ class MethodEstimate:
     note: str | None = None  # why it cannot run here, or a caveat
     # Full fine-tuning under an engine: its model state split into weights, gradients and optimizer states per rank
     engine_state: EngineState | None = None
+    host_load_bytes: int = 0  # host memory per rank while the model loads (see the module doc)
 
 
 @dataclass
@@ -197,6 +207,24 @@ def reference_bytes(method: str, setup: TrainingSetup, shape: ModelShape, num_de
     if method in ("zero3", "fsdp"):  # the reference sharded like the policy (TRL prepares it with the engine)
         return shape.total_params * weight_bytes // num_devices
     return shape.total_params * weight_bytes
+
+
+def largest_tensor_params(shape: ModelShape) -> int:
+    """The largest single weight: the embeddings (or untied output layer), or the widest linear layer."""
+    return max([shape.vocab_size * shape.hidden_size] + [d_in * d_out for _name, d_in, d_out in shape.linear_layers])
+
+
+def host_load_bytes(method: str, shape: ModelShape, num_devices: int, device_kind: str) -> int:
+    """Host memory one rank holds at the peak of the model's load (see the module doc)."""
+    params, largest = shape.total_params, largest_tensor_params(shape)
+    if method == "qlora":
+        return largest * CHECKPOINT_BYTES
+    if method not in ("zero3", "fsdp"):
+        return params * (4 + CHECKPOINT_BYTES)
+    read = largest * CHECKPOINT_BYTES // num_devices
+    if device_kind == "gpu":
+        return read
+    return params * 4 // num_devices + read + (largest * 4 if method == "zero3" else 0)
 
 
 def activation_bytes_per_sample(shape: ModelShape, setup: TrainingSetup, activation_bytes: int) -> int:
@@ -359,4 +387,5 @@ def _method_estimate(method: str, plan: MemoryPlan, setup: TrainingSetup, weight
         chosen=setup.method_chosen and method == setup.method,
         note=_note(method, device_kind, num_devices, deepspeed_installed),
         engine_state=engine_state(method, shape, num_devices, weight_bytes) if method in ENGINE_STATE else None,
+        host_load_bytes=host_load_bytes(method, shape, num_devices, device_kind),
     )

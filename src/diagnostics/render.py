@@ -301,6 +301,7 @@ def _memory_plan(report: dict) -> list[str]:
         )
     lines += _table(rows, right_aligned={1, 2, 3, 4, 5, 7})
     lines += _wrapped(_engine_states(plan), INDENT, INDENT)
+    lines += _wrapped(_host_loads(plan), INDENT, INDENT)
     if plan.get("generation_bytes_per_sample"):
         lines += _wrapped(
             f"{plan['stage'].upper()} samples its answers before each step: a KV cache of "
@@ -332,6 +333,14 @@ def _engine_states(plan: dict) -> str:
                          f"{_gib(state['optimizer'])}{gathered}")
     per = "GPU" if plan["device_kind"] == "gpu" else "process"
     return f"Full fine-tuning's model+optim per {per}, weights + gradients + optimizer states (GiB): " + "; ".join(parts)
+
+
+def _host_loads(plan: dict) -> str:
+    """One line: each method's host memory per rank at the peak of the model's load."""
+    parts = [f"{estimate['label']} {_gib(estimate['host_load_bytes'])}" for estimate in plan["estimates"]
+             if estimate.get("host_load_bytes")]
+    return ("Host memory per rank while the model loads (GiB; ZeRO-3 and FSDP2: each rank reads its share, the final "
+            "model is written by rank 0 a tensor at a time): " + "; ".join(parts))
 
 
 def _seconds(value: float) -> str:

@@ -16,9 +16,10 @@ from src.distributed import print0
 from src.judges import JudgeError
 from src.models import ModelError
 from src.pipeline.stopping import StoppedBySignal
-from src.plan import BatchSplitError, batch_split_command
+from src.plan import BatchSplitError, batch_split_command, launch_command
 from src.run_safety import hang_watch, launcher_exit
 from src.run_safety.checkpoint_manifest import Damaged
+from src.run_safety.checkpoint_split import UnsplitResume
 from src.run_safety.disk_space import WriteFailed, noticed_write_failure, stop_message
 from src.run_safety.exit_status import ExitStatus
 from src.run_safety.parent_watch import exit_without_teardown, launcher_gone
@@ -102,9 +103,13 @@ def user_error(error: Exception, arguments: list[str]) -> int:
     """A user's mistake: one line on rank 0, exit 2."""
     world = World.from_environment()
     if world.is_main:
-        # A batch the processes cannot share: the command that runs, with the nearest batch that splits.
-        command = f"; run: {batch_split_command(error, arguments, world.local_world_size)}" if isinstance(
-            error, BatchSplitError) else ""
+        # A batch the processes cannot share: the command that runs, with the nearest batch that splits; an
+        # unfinished run's batch on the processes that split it.
+        command = ""
+        if isinstance(error, BatchSplitError):
+            command = f"; run: {batch_split_command(error, arguments, world.local_world_size)}"
+        elif isinstance(error, UnsplitResume):
+            command = f"; run: {launch_command(arguments, error.per_node, error.nodes)}"
         print(f"error: {error}{command}", file=sys.stderr, flush=True)
     return ExitStatus.USER_ERROR
 

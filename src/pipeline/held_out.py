@@ -4,6 +4,7 @@ objective judges at each evaluation (GRPO's `judged_eval`)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from src import run_files
 from src.config import Config
 from src.config_error import ConfigError
 from src.data import PreparedData
-from src.engines import gathered
+from src.engines import generating
 from src.generation import generate_answers, stop_ids
 from src.judges import judge_for, pair_accuracy, score_pairs
 from src.objectives import objective
@@ -73,9 +74,9 @@ def measure_before(stage: Stage, model, tokenizer, prepared: PreparedData, world
                               for split in ("validation", "test")}
     rows = {("val" if split == "validation" else split): value for split, value in rows.items() if value}
     tools = tool_session(config, tokenizer, model)
-    # ZeRO-3 partitioned the weights as they loaded and no trainer's engine fetches them yet: whole on each rank's
-    # device for the time of these answers (as TRL's GRPO gathers them to generate: ds3_gather_for_generation)
-    with gathered(list(model.parameters()) if rows or reward else []):
+    # Under ZeRO-3 and FSDP2 each rank holds its share of the weights from the load on, and no trainer's engine
+    # fetches them yet: each module's weights are gathered for its forward only (src/engines.py `generating`).
+    with generating(model, plan.precision) if rows or reward else contextlib.nullcontext():
         before = answer_held_out(model, tokenizer, rows, config, plan, world, tools, prepared.processing)
         pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     return HeldOut(rows, before, pairs_before, tools)

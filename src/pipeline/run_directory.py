@@ -16,7 +16,10 @@ from src.pipeline.publishing import make_copies, publish_end
 from src.pipeline.stages import Stage, data_locations, stage_status
 from src.provenance import git_commit
 from src.reporting.report import report_verdict
+from src.engines import requested
 from src.run_safety import launcher_exit
+from src.run_safety.checkpoint_split import refusal as resume_refusal, saved_split
+from src.run_safety.checkpoints import newest_complete_checkpoint
 from src.run_safety.finished_run import differences, finished_line, refusal
 from src.run_safety.run_lock import acquire, check_free
 from src.run_safety.stops import Status, TrainingDiverged
@@ -46,7 +49,10 @@ def check_earlier_run(stages: list[Stage], overwrite: bool) -> dict | None:
     another command is refused with what differs."""
     run_dir = stages[-1].run_dir
     earlier = stage_status(run_dir)
-    if overwrite or not earlier:
+    if overwrite:
+        return None
+    check_resumable(stages)
+    if not earlier:
         return None
     if earlier.get("status") == Status.DIVERGED:
         raise TrainingDiverged(earlier.get("stop_reason", f"{run_dir}: the run diverged"))
@@ -62,6 +68,20 @@ def check_earlier_run(stages: list[Stage], overwrite: bool) -> dict | None:
     if found:
         raise ConfigError(refusal(run_dir, found))
     return earlier
+
+
+def check_resumable(stages: list[Stage]) -> None:
+    """An unfinished stage goes on from its newest complete checkpoint on any number of processes, with the numbers of
+    the run it continues; what cannot (another global batch or engine, a checkpoint its engine cannot reshard:
+    src/run_safety/checkpoint_split.py) is refused in one line naming what would make it work, before any process
+    group, and nothing of the run is changed."""
+    for stage in stages:
+        if stage_status(stage.run_dir).get("status") not in (Status.RUNNING, Status.STOPPED):
+            continue
+        checkpoint = newest_complete_checkpoint(stage.output_dir)
+        problem = checkpoint and resume_refusal(checkpoint, saved_split(checkpoint), stage.plan, requested())
+        if problem:
+            raise ConfigError(problem)
 
 
 def finish_finished_run(stages: list[Stage], config: Config, world: World, record: dict) -> int:

@@ -26,6 +26,7 @@ from src.reporting.summary import summarize
 from src.resource_limits import usable_cores
 from src.rounds import rounds_summary
 from src.run_safety.checkpoint_manifest import Damaged
+from src.run_safety.checkpoint_split import change_line, saved_split
 from src.run_safety.checkpoints import (checkpoint_step, newest_complete_checkpoint, newest_intact_checkpoint,
                                         remove_incomplete_checkpoints, trim_metrics)
 from src.run_safety.disk_space import write_failures_noted
@@ -190,10 +191,14 @@ def prepare_resume(stage: Stage, info_path: Path, metrics_path: Path) -> list[di
     metrics_path.unlink(missing_ok=True)
     for record in kept:
         run_files.append_jsonl(metrics_path, record)
+    saved = saved_split(checkpoint) if checkpoint else None
     return earlier.get("resumes", []) + [{
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "from_checkpoint": str(checkpoint) if checkpoint else None,
         "from_step": step,
+        "saved_by": saved,  # the split that saved the checkpoint, and this launch's processes
+        "world_size": stage.plan.world_size,
+        "split_change": change_line(saved, stage.plan) if saved else None,
         "previous_status": earlier.get("status"),
         "removed_incomplete_checkpoints": [str(path) for path in removed],
         "damaged_checkpoints_set_aside": [line for line in lines if line.startswith("warning:")],

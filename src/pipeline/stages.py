@@ -12,8 +12,9 @@ from src.config_error import ConfigError
 from src.data import PROMPTS, mixture_sources, source_location, source_names
 from src.judges import names_a_reward_model
 from src.objectives import objective
-from src.plan import Plan, stage_plans
+from src.plan import BatchSplitError, Plan, stage_plans
 from src.rounds import round_stage_config
+from src.run_safety.checkpoint_split import unsplit_resume
 from src.trackers import tracker_environment
 from src.world import Devices, World
 
@@ -69,7 +70,10 @@ def plan_stages(config: Config, world: World, devices: Devices, from_prompts: bo
     stages after the DPO stage, one per on-policy round; `from_prompts` (the DPO data is prompts alone): the rounds
     replace the DPO stage, round 1 starting from the model the DPO stage would have started from."""
     run_dir = Path(config.training.results_dir) / run_name_for(config)
-    planned = [(name, staged, plan, 0) for name, staged, plan in stage_plans(config, world, devices)]
+    try:
+        planned = [(name, staged, plan, 0) for name, staged, plan in stage_plans(config, world, devices)]
+    except BatchSplitError as error:  # an unfinished run keeps its batch: the processes that split it, not a new batch
+        raise unsplit_resume(run_dir, config, world) or error
     if config.dpo.rounds:
         name, staged, plan, _ = planned.pop() if from_prompts else planned[-1]
         planned += [(name, round_stage_config(staged, index), plan, index) for index in range(1, config.dpo.rounds + 1)]

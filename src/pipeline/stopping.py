@@ -4,12 +4,14 @@ recorded in the stage's training_info.json, with its report and the index as the
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from src import run_files
 from src.config import Config
 from src.pipeline.publishing import publish_pages_after_stop
 from src.pipeline.stages import Stage, stage_status
+from src.plan import largest_split, launch_command
 from src.run_safety import hang_watch
 from src.run_safety.checkpoints import newest_complete_checkpoint
 from src.run_safety.exit_status import ExitStatus
@@ -57,6 +59,17 @@ def record_stop(stage: Stage, info_path: Path, world: World, status: str, messag
             publish_pages_after_stop(stage)
 
 
+def without_lost_node(config: Config, world: World, arguments: list[str]) -> str | None:
+    """The launch that goes on without one lost node: the nodes that remain, each with as many of its processes as
+    the global batch splits over (the same numbers on any split); None when no split of them does."""
+    best = largest_split(config, world.num_nodes - 1, world.local_world_size)
+    if best is None:
+        return None
+    nodes, per_node = best
+    where = "on each of them" if nodes > 1 else "on it"
+    return f"{launch_command(arguments, per_node, nodes)} {where} ({nodes * per_node} processes)"
+
+
 def record_hang(stages: list[Stage], world: World, reason: str) -> None:
     """Rank 0, from the hang watch as it stops the job (src/run_safety/hang_watch.py): the stop in the stage that was
     running, its report and the index."""
@@ -66,11 +79,13 @@ def record_hang(stages: list[Stage], world: World, reason: str) -> None:
 
 
 def watch_job(stages: list[Stage], world: World, config: Config, hold) -> None:
-    """The watches that stop a job no step will finish: a lost node (--node_timeout, exit 6) and a stuck rank
-    (--hang_timeout, exit 7, its stop recorded in the stage that was running). Started before the process group: a
-    restarted job waits in init for every node, even a lost one."""
+    """The watches that stop a job no step will finish: a lost node (--node_timeout, exit 6: its line names the command
+    that goes on with the nodes that remain) and a stuck rank (--hang_timeout, exit 7, its stop recorded in the stage
+    that was running). Started before the process group: a restarted job waits in init for every node, even a lost
+    one."""
     newest = lambda: next(filter(None, (  # noqa: E731
         newest_complete_checkpoint(stage.output_dir) for stage in reversed(stages))), None)
-    watch(world, config.training.node_timeout, newest)
+    watch(world, config.training.node_timeout, newest,
+          without_lost_node(config, world, sys.argv[1:]) if world.num_nodes > 1 else None)
     hang_watch.start(stages[-1].run_dir, world.rank, world.world_size, config.training.hang_timeout, newest, hold,
                      on_stop=lambda reason, verdict: record_hang(stages, world, reason))

@@ -9,16 +9,18 @@ from src.audit import run as data_audit
 from src.config_error import ConfigError
 from src.data import PreparedData
 from src.distributed import barrier, check_world_size, gather_objects, print0
-from src.engines import engine_record, load_warning, partitioned, requested
-from src.models import apply_chat_template_to_model, load_model, peft_config
+from src.engines import (FSDP, engine_record, load_warning, loads_sharded, partitioned, requested,
+                         resharded_after_forward)
+from src.models import apply_chat_template_to_model, is_jinja_file, load_model, peft_config
 from src.objectives import objective
 from src.pipeline.held_out import HeldOut, judged_eval_of
 from src.pipeline.stage_record import StageStart
 from src.pipeline.stages import Stage
 from src.pipeline.stopping import stop_if_interrupted
-from src.run_safety import launcher_exit
+from src.run_safety import launcher_exit, resharding
+from src.run_safety.checkpoint_split import change_line, saved_split
 from src.run_safety.checkpoints import checkpoint_step
-from src.run_safety.disk_space import check_space, estimate_writes, write_failures_noted
+from src.run_safety.disk_space import check_space, estimate_writes, format_bytes, write_failures_noted
 from src.run_safety.finished_run import end_step_done
 from src.world import World
 
@@ -34,11 +36,32 @@ def load_stage_model(stage: Stage, model_path: str, tokenizer, world: World, rew
         set_seed(config.training.seed)
     if model is None:
         model = load_model(model_path, config.model, stage.plan, world,
-                           reward_pad_token_id=tokenizer.pad_token_id if reward else None)
+                           reward_pad_token_id=tokenizer.pad_token_id if reward else None,
+                           adapters=stage_adapters(stage, reward), whole_because=fsdp_loads_whole(stage))
         model = apply_chat_template_to_model(model, tokenizer, config.model.chat_template_path,
                                              stage.plan.precision)
     record_weights_at_load(model, start, world)
     return model
+
+
+def stage_adapters(stage: Stage, reward: bool = False):
+    """(the stage's LoRA config, its seed) for a load that adds the adapters as it shards the model (FSDP2,
+    src/models.py `load_model`), or None without --use_lora."""
+    lora = peft_config(stage.config.model, reward)
+    return (lora, stage.config.training.seed) if lora is not None else None
+
+
+def fsdp_loads_whole(stage: Stage) -> str | None:
+    """Why the stage's model cannot be sharded as it loads under FSDP2 (it then loads whole, as before), or None:
+    a LoRA stage with a reference (DPO, KTO), whose TRL trainer, handed a model with adapters, copies them into a
+    reference adapter of its own, unsharded, and cannot add them to a model already sharded; a chat template taken from
+    another tokenizer, whose new tokens resize the embeddings (transformers resizes whole tensors)."""
+    config = stage.config
+    if config.model.use_peft and objective(stage.name).training.needs_reference:
+        return "a LoRA stage with a reference (DPO, KTO) has TRL add the adapters, which it cannot do to sharded weights"
+    if config.model.chat_template_path and not is_jinja_file(config.model.chat_template_path):
+        return "--chat_template_path from a tokenizer resizes the embeddings, which transformers does on whole weights"
+    return None
 
 
 def record_weights_at_load(model, start: StageStart, world: World) -> None:
@@ -80,12 +103,13 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
         # A tower's weights past the layer the model reads (LLaVA's post-layernorm, its last layer when it reads the
         # one before) get no gradient: DDP must look for them each step (TRL's default for vision models).
         trl_config.ddp_find_unused_parameters = True
-    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, lora,
+    peft = None if hasattr(model, "peft_config") else lora  # adapters added as it loaded (FSDP2): not again
+    trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft,
                             stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length
                             if getattr(trl_config, "max_length", None) is None else None,
                             packed_dpo=packed_dpo_support.padding_free_requested(config.trl_overrides),
                             packed_attention=plan.packed_attention,
-                            ref_model=load_model(reference_path, config.model, plan, world) if reference_path else None,
+                            ref_model=reference_model(stage, model, reference_path, trl_config, lora, world),
                             trainer_inputs=row.training.trainer_inputs(config) if row.training.trainer_inputs else None)
     from src.trackers import TrackerRecord  # built on transformers' TrainerCallback (~4 s): not for the preflight
 
@@ -102,6 +126,21 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
     if world.is_main and getattr(trainer, "reference_cache", None):
         announce_reference_cache(trainer.reference_cache, stage, start.info_path)
     return trainer, trackers
+
+
+def reference_model(stage: Stage, model, reference_path: str | None, trl_config, peft, world: World):
+    """The reference the trainer is given: --round_reference start's model; under FSDP2 and ZeRO-3, where TRL would
+    load the starting model again itself, whole on every rank (FSDP: for the precompute pass too; ZeRO-3: a live
+    reference), the toolkit loads it, each rank reading its share; None: TRL's own (the policy, adapters off, or none)."""
+    config = stage.config
+    if reference_path:
+        return load_model(reference_path, config.model, stage.plan, world)
+    engine = loads_sharded(world.world_size)
+    if engine is None or peft is not None or not objective(stage.name).training.needs_reference:
+        return None
+    if engine.name != FSDP and trl_config.precompute_ref_log_probs:  # ZeRO-3 runs the pass on the policy itself
+        return None
+    return resharded_after_forward(load_model(model.name_or_path, config.model, stage.plan, world))
 
 
 def announce_reference_cache(reference_cache: dict, stage: Stage, info_path) -> None:
@@ -132,12 +171,33 @@ def train(trainer, stage: Stage, start: StageStart, merge: bool, world: World) -
                                   **engine_record(trainer.accelerator))
     resume_from = start.resume_from
     if resume_from:
-        print0(f"  resuming from {resume_from} (step {checkpoint_step(resume_from)} of {start.total_steps})")
+        resume_on_this_split(trainer, resume_from, stage, start, world)
     launcher_exit.raise_if_injected("training", world.rank)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     barrier()  # a write that failed after the last step's check (the last metrics line, the live report) stops here
     stop_if_interrupted(trainer, stage, start.info_path, world)
     end_step_done("trained")  # from here on a kill is resumed from the final checkpoint: nothing trains again
+
+
+def resume_on_this_split(trainer, checkpoint, stage: Stage, start: StageStart, world: World) -> None:
+    """Every rank, before training goes on from `checkpoint`: what changed since it was saved said (another number
+    of processes, the global batch kept), and the checkpoint made loadable here where its engine needs it
+    (src/run_safety/resharding.py: DeepSpeed's universal checkpoint, converted once); the conversion recorded in the
+    stage's resume record."""
+    saved = saved_split(checkpoint)
+    change = change_line(saved, stage.plan)
+    conversion = resharding.for_resume(trainer, checkpoint, saved, world)
+    print0(f"  resuming from {checkpoint} (step {checkpoint_step(checkpoint)} of {start.total_steps}"
+           f"{f'; {change}' if change else ''})")
+    if conversion and world.is_main:
+        print0(f"  {checkpoint.name} converted to DeepSpeed's universal checkpoint for {world.world_size} "
+               f"process{'es' if world.world_size > 1 else ''} in {conversion['seconds']} s "
+               f"({format_bytes(conversion['bytes'])} written, {conversion['workers']} worker(s)); later resumes reuse it")
+        with write_failures_noted(stage.run_dir):
+            resumes = run_files.read_json(start.info_path).get("resumes", [])
+            if resumes:
+                resumes[-1]["universal_checkpoint"] = conversion
+                run_files.update_json(start.info_path, resumes=resumes)
 
 
 def check_disk_space(trainer, total_steps: int, merge: bool, stage: Stage, world: World) -> None:

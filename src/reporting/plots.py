@@ -168,8 +168,31 @@ def panel_curves(metrics: list[dict], panel: Panel) -> tuple[Curve, ...]:
     return panel.curves + found
 
 
-def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> tuple[bool, set]:
-    """Draw the panel; returns (anything drawn, the smoothing windows its curves used)."""
+def resume_marks(info: dict) -> list[tuple[int, str]]:
+    """(step, label) of each resume of the run (training_info.json's `resumes`), the processes named where they
+    changed: "resumed at step 43 on 1 process (saved by 2)"."""
+    marks = []
+    for resume in info.get("resumes") or []:
+        step = resume.get("from_step") or 0
+        if step <= 0:
+            continue
+        before, now = (resume.get("saved_by") or {}).get("world_size"), resume.get("world_size")
+        label = f"resumed at step {step}"
+        if before and now and before != now:
+            label += f" on {now} process{'es' if now != 1 else ''} (saved by {before})"
+        marks.append((step, label))
+    return marks
+
+
+def _mark_resumes(ax, resumes: list[tuple[int, str]]) -> None:
+    """A vertical line where the run resumed from a checkpoint (the curve after it comes from another launch)."""
+    for step, label in resumes:
+        ax.axvline(step, color="dimgray", linestyle="-.", linewidth=1.0, alpha=0.8, label=label)
+
+
+def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool,
+                resumes: list[tuple[int, str]] = ()) -> tuple[bool, set]:
+    """Draw the panel (and the run's resumes); returns (anything drawn, the smoothing windows its curves used)."""
     from matplotlib.ticker import MaxNLocator
 
     drew, spans = False, set()
@@ -190,6 +213,7 @@ def _draw_panel(ax, metrics: list[dict], panel: Panel, bottom: bool) -> tuple[bo
         return False, spans
     for y, label in panel.reference_lines:
         ax.axhline(y, color="gray", linestyle=":", linewidth=1.2, label=label)
+    _mark_resumes(ax, resumes)
     if panel.ylim:
         ax.set_ylim(*panel.ylim)
     elif panel.y_from_zero:
@@ -230,8 +254,9 @@ def _shown(metrics: list[dict], panel: Panel) -> bool:
     return len({key for record in metrics for key in record if fnmatch.fnmatchcase(key, pattern)}) >= count
 
 
-def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
-    """Draw one chart into `path`; False (and no file) when none of its metrics was logged."""
+def plot_chart(metrics: list[dict], chart: Chart, path: Path, resumes: list[tuple[int, str]] = ()) -> bool:
+    """Draw one chart into `path` (each resume marked: `resume_marks`); False (and no file) when none of its metrics
+    was logged."""
     from matplotlib.figure import Figure  # here, not at import: the preflight reads CHARTS and never draws (1 s)
 
     panels = [panel for panel in chart.panels if _shown(metrics, panel)]
@@ -242,7 +267,7 @@ def plot_chart(metrics: list[dict], chart: Chart, path: Path) -> bool:
     # Fixed margins instead of a layout engine: the panels are alike, and a layout engine renders every figure twice.
     figure.subplots_adjust(left=0.095, right=0.975, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.22)
     axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    drawn = [_draw_panel(ax, metrics, panel, bottom=index == len(axes) - 1)
+    drawn = [_draw_panel(ax, metrics, panel, bottom=index == len(axes) - 1, resumes=resumes)
              for index, (ax, panel) in enumerate(zip(axes, panels))]
     if not any(drew for drew, _ in drawn):
         return False
@@ -278,8 +303,9 @@ def plot_history(metrics: list[dict], stage: str, out_dir: str | Path, loss_type
     if objective(stage).report.combined_loss and loss_type is not None:
         charts = (dpo_loss_chart(loss_type, loss_weights, charts[0]),) + charts[1:]
     charts = tuple(with_info_lines(chart, info or {}) for chart in charts)
+    resumes = resume_marks(info or {})
     for chart in charts:
         path = out_dir / chart.filename
-        if plot_chart(metrics, chart, path):
+        if plot_chart(metrics, chart, path, resumes):
             written.append((chart.caption, path))
     return written

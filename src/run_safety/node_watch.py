@@ -28,13 +28,15 @@ from src.run_safety.exit_status import ExitStatus
 BEAT_S = 5.0
 
 
-def watch(world: World, timeout_s: float, newest_checkpoint) -> threading.Thread | None:
+def watch(world: World, timeout_s: float, newest_checkpoint, without_lost_node: str | None = None
+          ) -> threading.Thread | None:
     """Start the watch for a multi-node torchrun job (a daemon thread); `newest_checkpoint()` names what a relaunch
-    resumes from. Returns None where there is nothing to watch."""
+    resumes from, `without_lost_node` how the nodes that remain go on without the lost one (the command). Returns None
+    where there is nothing to watch."""
     if world.num_nodes < 2 or timeout_s <= 0 or "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's store only
         return None
-    thread = threading.Thread(target=_watch, args=(world, timeout_s, newest_checkpoint), name="node-watch",
-                              daemon=True)
+    thread = threading.Thread(target=_watch, args=(world, timeout_s, newest_checkpoint, without_lost_node),
+                              name="node-watch", daemon=True)
     thread.start()
     atexit.register(_done, world, thread)
     return thread
@@ -65,7 +67,7 @@ def _connect():
                          timeout=timedelta(seconds=BEAT_S * 2))
 
 
-def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
+def _watch(world: World, timeout_s: float, newest_checkpoint, without_lost_node: str | None) -> None:
     # One counter per rank for the whole job, restarts included: the agent's store outlives restarts, so a rank of a
     # lost node stays silent while the restarted survivors' counters move on. A rank that never beat (a node started
     # late, or still preparing its data) is not judged: the process group's own timeout covers a node never started.
@@ -91,22 +93,32 @@ def _watch(world: World, timeout_s: float, newest_checkpoint) -> None:
         except Exception:  # the store's host (node 0) does not answer: a fresh connection next time
             store = None
         if now - store_answered > timeout_s:
-            _stop(world, 0, now - store_answered, newest_checkpoint, "the rendezvous store it holds")
+            _stop(world, lost_node_line(0, "the rendezvous store it holds", now - store_answered,
+                                        newest_checkpoint(), without_lost_node))
         silent = [rank for rank, (value, moved) in seen.items()
                   if value > 0 and now - moved > timeout_s and rank != world.rank]
         if silent:
             node = silent[0] // world.local_world_size
-            _stop(world, node, now - seen[silent[0]][1], newest_checkpoint,
-                  f"rank(s) {', '.join(map(str, silent))}")
+            _stop(world, lost_node_line(node, f"rank(s) {', '.join(map(str, silent))}", now - seen[silent[0]][1],
+                                        newest_checkpoint(), without_lost_node))
         _finished.wait(BEAT_S)
     store = None  # the connection closes in this thread, before the interpreter's teardown
 
 
-def _stop(world: World, node: int, silent_s: float, newest_checkpoint, what: str) -> None:
+def lost_node_line(node: int, what: str, silent_s: float, newest, without_lost_node: str | None) -> str:
+    """The one line a surviving node says: the lost node, what a relaunch resumes from, on every node or (the
+    global batch kept) on the nodes that remain."""
+    if newest is None:
+        resume = "no complete checkpoint was saved yet"
+    else:
+        resume = f"a relaunch of the same command on every node resumes from {newest}"
+        if without_lost_node:
+            resume += f"; or go on without node {node} from there, with the same numbers: {without_lost_node}"
+    return (f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
+            f"stopping this node; {resume}")
+
+
+def _stop(world: World, line: str) -> None:
     if launcher_exit.says_why(world.local_rank):
-        newest = newest_checkpoint()
-        resume = (f"a relaunch of the same command on every node resumes from {newest}" if newest else
-                  "no complete checkpoint was saved yet")
-        print(f"error: node {node} stopped answering ({what}: nothing for {silent_s:.0f} s, --node_timeout); "
-              f"stopping this node; {resume}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     launcher_exit.end_job(ExitStatus.NODE_LOST)  # its torchrun agent too: a restart would wait

@@ -9,9 +9,10 @@ import time
 from torch.utils.data import RandomSampler
 from transformers import TrainerCallback
 
-from src.run_safety import hang_watch
+from src.run_safety import hang_watch, resharding
 from src.run_safety.disk_space import write_failures_noted
 from src.trainers.checkpointing import CompleteCheckpointsMixin
+from src.trainers.resume_state import restore_window
 from src.trainers.stage_plan import trained_per_epoch
 from src.vision import IMAGE_COLUMN
 
@@ -58,6 +59,8 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
 
     def _prepare_for_training(self, *args, **kwargs):
         model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
+        if resharding.loads_universal(self):  # DeepSpeed has just loaded the universal checkpoint
+            resharding.own_step_counters(self.optimizer)
         for callback in self.callback_handler.callbacks:
             if hasattr(callback, "on_model_wrapped"):
                 callback.on_model_wrapped(model)
@@ -69,6 +72,10 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
         if self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return None
+        checkpoint = kwargs.get("resume_from_checkpoint")
+        if checkpoint is not None and kwargs.get("epoch") == kwargs.get("epochs_trained"):
+            # transformers opened an empty logging window at the resume: the checkpoint's own goes back in
+            restore_window(self, checkpoint)
         return super()._run_epoch(*args, **kwargs)
 
     def training_step(self, model, inputs, *args, **kwargs):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from src.engines import whole_numel
+from src.engines import keep_sharding_from_load, whole_numel
 from src.objectives import SEQUENCES, load, objective
 from src.plan import Plan
 from src.reporting.live import LiveReport
@@ -62,6 +62,7 @@ def build_trainer(stage: str, model, tokenizer, trl_config, prepared, peft_confi
     trainer.remove_callback(PrinterCallback)
     if processing is not None and not isinstance(trainer.data_collator, ImageCollator):  # TRL's own (SFT's)
         trainer.data_collator = ImageCollator(trainer.data_collator, processing)
+    keep_sharding_from_load(trainer)
     if forward and forward["packed_forward"].enabled:
         meter.computed_tokens = forward["packed_forward"].computed_tokens
     return trainer

@@ -16,7 +16,9 @@ from src.distributed import barrier, manifest_across_ranks, write_failure_on_any
 from src.run_safety import hang_watch
 from src.run_safety.build_once import COMPLETE_MARKER, is_complete
 from src.run_safety.checkpoints import kill_if_injected, mark_complete
+from src.run_safety.checkpoint_split import SPLIT_FILE
 from src.run_safety.disk_space import WriteFailed, fail_write_if_injected, noticed_write_failure, write_failures_noted
+from src.trainers.resume_state import window_at_save, write as write_resume_state
 from src.world import World
 
 
@@ -75,6 +77,12 @@ class CompleteCheckpointsMixin:
                 super()._save_checkpoint(model, trial)
                 if self.args.should_save:  # the seam fails it as the save's last write
                     fail_write_if_injected(checkpoint / TRAINER_STATE_NAME)
+            # what a resume on any split needs beside transformers' files: the split, the logging window (src/
+            # trainers/resume_state.py); every rank takes part (the window is gathered), rank 0 writes
+            window = window_at_save(self)
+            if self.args.should_save:
+                self._save_piece(lambda directory: write_resume_state(self, Path(directory), window), checkpoint,
+                                 SPLIT_FILE)
         finally:
             self.args.save_total_limit = limit
         # Every rank's RNG state and shards are on disk, or some rank could not write its share (or an earlier write

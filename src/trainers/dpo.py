@@ -20,7 +20,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from trl.trainer.utils import hash_module
 
 from src.distributed import any_rank, barrier, print0
-from src.engines import gathered, partitioned
+from src.engines import gathered, partitioned, sharded, whole
 from src.dpo_eval import PairMetrics
 from src.models import DropoutOff
 from src.packed_dpo import AnswerMaskedCollator, PackedPreferenceCollator, attention_cost_of, forward_plan
@@ -71,7 +71,9 @@ class PreparedDPOTrainer(PairLengthsMixin, ToolkitTrainerMixin, DPOTrainer):
         if kwargs["args"].disable_dropout:  # before the precompute pass too
             self.dropout_off = [DropoutOff(model) for model in (kwargs.get("model"), kwargs.get("ref_model"))
                                 if model is not None and not isinstance(model, str)]
-        super().__init__(*args, **kwargs)
+        with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")):
+            super().__init__(*args, **kwargs)
+        drop_reference_after_pass(self, kwargs.get("ref_model"))
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(aux + DPO_GATHERED, {**{name: Mean(name) for name in aux}, **DPO_METRICS},
                                           "TRL's DPOTrainer", lambda trainer: trainer._metrics, weighted=True)
@@ -256,16 +258,45 @@ def reference_cache_pass(trainer, dataset, name: str, how: tuple, trl_key: tuple
     }}
 
 
-class _GatheredOnRead:
-    """A ZeRO-3 partitioned weight that TRL's `hash_module` reads (`.cpu()`) as the whole tensor, gathered then."""
+class _WholeOnRead:
+    """A sharded weight (a ZeRO-3 partition, an FSDP2 DTensor) that TRL's `hash_module` reads (`.cpu()`) as the whole
+    tensor, gathered then."""
 
     def __init__(self, parameter):
         self.parameter = parameter
 
     def cpu(self) -> torch.Tensor:
         with gathered([self.parameter]):
-            return self.parameter.detach().cpu().clone()
+            return whole(self.parameter.detach()).cpu().clone()
 
+
+@contextlib.contextmanager
+def hashed_whole(*modules):
+    """TRL's trainers key the reference log-probs cache by `hash_module` of the reference (or of the policy) as their
+    __init__ takes it, reading each weight's `.cpu()`: a ZeRO-3 partition reads as an empty tensor (every model of the
+    same shapes one key, another model's cache reused) and an FSDP2 DTensor not at all (`.numpy()` refuses tensor
+    subclasses). For that __init__, a sharded module's state_dict reads every weight whole, one gathered at a time:
+    the key a DDP run of the same model computes, so a cache is shared across engines."""
+    shadowed = [module for module in modules if module is not None and not isinstance(module, str)
+                and sharded(module.parameters())]
+    for module in shadowed:  # TRL calls `state_dict()` bare; anything else (a wrapper's recursion) gets torch's own
+        own = type(module).state_dict
+        module.state_dict = lambda *args, module=module, own=own, **kwargs: own(module, *args, **kwargs) if (
+            args or kwargs) else {name: _WholeOnRead(value) if sharded([value]) else value.detach()
+                                  for name, value in own(module, keep_vars=True).items()}
+    try:
+        yield
+    finally:
+        for module in shadowed:
+            del module.state_dict
+
+
+def drop_reference_after_pass(trainer, given_reference) -> None:
+    """Under FSDP, TRL frees the reference it loaded for the precompute pass once the pass is done; the one the
+    toolkit gives it there (the starting model loaded a share per rank: src/pipeline/training.py) goes the same way."""
+    precomputed = getattr(trainer, "precompute_ref_logps", None) or trainer.args.precompute_ref_log_probs
+    if given_reference is not None and precomputed and trainer.is_fsdp_enabled:
+        trainer.ref_model = None
 
 def base_weights(model: PeftModel) -> dict[str, torch.Tensor]:
     """A PEFT model's base weights, what its reference runs (the base with its adapters disabled), named as the same
@@ -285,15 +316,15 @@ def base_weights(model: PeftModel) -> dict[str, torch.Tensor]:
 
 class _ReferenceWeights:
     """A module as `hash_module` sees it (its state_dict): the weights its reference forward runs (a PEFT model's
-    base weights), each detached as state_dict() gives them, a ZeRO-3 partition whole as it is read, one at a time."""
+    base weights), each detached as state_dict() gives them, a sharded weight (ZeRO-3, FSDP2) whole as it is read, one
+    at a time."""
 
     def __init__(self, module, adapters: bool):
         self.module, self.adapters = module, adapters
 
     def state_dict(self) -> dict:
         named = base_weights(self.module) if self.adapters else self.module.state_dict(keep_vars=True)
-        return {name: _GatheredOnRead(value) if hasattr(value, "ds_id") else value.detach()
-                for name, value in named.items()}
+        return {name: _WholeOnRead(value) if sharded([value]) else value.detach() for name, value in named.items()}
 
 
 def rehash_reference_weights(trainer) -> None:
@@ -307,7 +338,7 @@ def rehash_reference_weights(trainer) -> None:
     model = trainer.accelerator.unwrap_model(trainer.ref_model or trainer.model)  # TRL hashed it unwrapped
     adapters = trainer.ref_model is None and isinstance(model, PeftModel)
     if getattr(trainer, "_precompute_model_hash", None) is None or getattr(trainer, "_rehashed", False) or not (
-            adapters or partitioned(model.parameters())):
+            adapters or partitioned(model.parameters())):  # FSDP2's DTensors: read whole already (hashed_whole)
         return
     trainer._precompute_model_hash = hash_module(_ReferenceWeights(model, adapters))
     trainer._rehashed = True

@@ -55,7 +55,7 @@ from src.packed_layout import PACKED_KEYS, padded_counts
 from src.run_safety import hang_watch
 from src.trainers.base import PairLengthsMixin, ToolkitTrainerMixin
 from src.trainers.device_metrics import Mean, MetricWindow, Ratio, RunningTokens
-from src.trainers.dpo import reference_cache_pass
+from src.trainers.dpo import drop_reference_after_pass, hashed_whole, reference_cache_pass
 
 # A training micro-batch's values on this rank (`training_values`), kept on the device until a log, and the metrics TRL's
 # KTOTrainer logs from them: each a weighted mean over the logging window, weighted by its denominator (rows of its
@@ -178,9 +178,11 @@ class PreparedKTOTrainer(PairLengthsMixin, ToolkitTrainerMixin, KTOTrainer):
         self._kl_values: list | None = None  # while _compute_loss runs with a fixed KL: policy's, then reference's
         self._step_kl: torch.Tensor | None = None
         try:
-            super().__init__(*args, **kwargs)
+            with hashed_whole(kwargs.get("model"), kwargs.get("ref_model")):
+                super().__init__(*args, **kwargs)
         finally:
             args_.train_sampling_strategy = strategy
+        drop_reference_after_pass(self, kwargs.get("ref_model"))
         aux = ("aux_loss",) if self.aux_loss_enabled else ()
         self.metric_window = MetricWindow(KTO_VALUES + aux, {**KTO_METRICS, **{name: Mean(name) for name in aux}},
                                           "the KTO training step", lambda trainer: trainer._metrics, weighted=True)
