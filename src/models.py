@@ -263,17 +263,11 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     from contextlib import nullcontext
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
     from trl.trainer.reward_trainer import suppress_seqcls_warning
 
     kwargs = {"trust_remote_code": model.trust_remote_code, "dtype": torch.float32}
-    model_class = AutoModelForCausalLM
-    vision_class = _vision_class(path, model) if reward_pad_token_id is None else None
-    if vision_class is not None:
-        model_class = vision_class
-    elif reward_pad_token_id is not None:
-        model_class = AutoModelForSequenceClassification
-        kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
+    model_class = _model_class(path, model, reward_pad_token_id, kwargs)
     if model.attn_implementation:
         kwargs["attn_implementation"] = model.attn_implementation
     quantization = quantization_config(model, plan)
@@ -304,19 +298,24 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         check_4bit_runs(loaded, path, plan)
     if plan.device == "cuda" and quantization is None and not sharded(loaded.parameters()):
         loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's and FSDP2's shares are on the device already
-    if vision_class is not None and not model.train_vision_tower:
+    if vision.is_vision_config(loaded.config) and not model.train_vision_tower:
         vision.freeze_vision_tower(loaded)  # the language model learns; the tower and projector stay as they are
     return loaded
 
 
-def _vision_class(path: str, model: ModelArguments):
-    """The class a vision-language model loads with (src/vision.py), else None."""
-    from transformers import AutoConfig
+def _model_class(path: str, model: ModelArguments, reward_pad_token_id: int | None, kwargs: dict):
+    """The class the model loads with: a reward model's sequence classifier (told the padding id, one output), a
+    vision-language model's image-text-to-text class (src/vision.py), else a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if reward_pad_token_id is not None:
+        kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
+        return AutoModelForSequenceClassification
     try:
-        return vision.model_class(AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code))
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError, KeyError):
-        return None  # from_pretrained names what is wrong
+        return AutoModelForCausalLM  # from_pretrained names what is wrong
+    return vision.model_class(config) or AutoModelForCausalLM
 
 
 def load_shares(path: str, model_class, kwargs: dict, plan: Plan, world: World, engine, adapters=None):
