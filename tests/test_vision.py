@@ -202,6 +202,8 @@ def test_dpo_on_images_gives_the_same_numbers_on_two_processes_resumes_and_keeps
         assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6), step
     final = results / "w2" / "model" / "final"
     assert AutoProcessor.from_pretrained(final).image_token == "<image>"
+    card = (final / "README.md").read_text()  # the model card loads it as what it is
+    assert "AutoModelForImageTextToText.from_pretrained" in card and "AutoProcessor.from_pretrained" in card
     before, after = (AutoModelForImageTextToText.from_pretrained(path).state_dict() for path in (tiny_llava, final))
     tower = [name for name in before if name.startswith(("model.vision_tower", "model.multi_modal_projector"))]
     assert tower and all(torch.equal(before[name], after[name]) for name in tower)
