@@ -128,7 +128,8 @@ def timed(command: list[str], env: dict, log: Path) -> tuple[float, float, str]:
     """Run a command; (wall seconds, peak MB: GPU memory on a GPU machine, else the RSS of its process tree,
     output)."""
     started = time.perf_counter()
-    wrapped = ["/usr/bin/time", "-f", "PEAK_RSS_KB=%M", *command] if Path("/usr/bin/time").exists() else command
+    wrapped = ["/usr/bin/time", "-f", "PEAK_RSS_KB=%M CPU_S=%U+%S", *command] if Path("/usr/bin/time").exists() \
+        else command
     with GpuMemoryPeak() as gpu:
         result = subprocess.run(wrapped, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -140,6 +141,13 @@ def timed(command: list[str], env: dict, log: Path) -> tuple[float, float, str]:
     if gpu.peak_mb is not None:
         return wall, gpu.peak_mb, output
     return wall, int(peak.group(1)) / 1024 if peak else float("nan"), output
+
+
+def cpu_seconds(output: str) -> float:
+    """The user + system CPU seconds of a timed command's process tree (/usr/bin/time), nan where not measured: what
+    a load from other jobs on a shared machine does not stretch, as it stretches wall-clock seconds."""
+    found = re.search(r"CPU_S=([\d.]+)\+([\d.]+)", output)
+    return float(found.group(1)) + float(found.group(2)) if found else float("nan")
 
 
 def device_flags() -> list[str]:
@@ -169,7 +177,7 @@ def trl_dpo(args, model: Path, data: Path, out: Path, log: Path, env: dict) -> d
     seconds = float(final["train_runtime"])
     tokens = float(logs[-1]["num_tokens"])
     return {"samples/s": args.steps * args.batch_size / seconds, "tokens/s": tokens / seconds, "wall s": wall,
-            "peak MB": peak, "losses": [float(record["loss"]) for record in logs]}
+            "peak MB": peak, "losses": [float(record["loss"]) for record in logs], "cpu s": cpu_seconds(output)}
 
 
 def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes: int, log: Path, env: dict,
@@ -183,7 +191,7 @@ def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes
              "--padding_free", "true" if packed else "false"]
     command = (["bash", "run_distributed.sh", str(processes), *flags] if processes > 1
                else [sys.executable, "-m", "src.main_distributed", *flags])
-    wall, peak, _ = timed(command, env | {"PREFKIT_CACHE": str(cache), "PYTHON": sys.executable}, log)
+    wall, peak, output = timed(command, env | {"PREFKIT_CACHE": str(cache), "PYTHON": sys.executable}, log)
     run_dir = results / run_name
     info = json.loads((run_dir / "training_info.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -195,6 +203,7 @@ def toolkit(args, model: Path, data: Path, results: Path, cache: Path, processes
     return {"samples/s": args.steps * args.batch_size / seconds, "tokens/s": train[-1]["num_tokens"] / seconds,
             "wall s": wall, "peak MB": peak, "losses": [record["loss"] for record in train],
             "reference": ",".join(part["cache"] for part in info.get("reference_log_probs", {}).values()),
+            "cpu s": cpu_seconds(output),
             "forward": info.get("forward") or info.get("dpo_forward") or {}}
 
 

@@ -161,6 +161,11 @@ def _common_prefix_length(first: str, second: str) -> int:
 
 
 def _render(tokenizer, messages: list[dict], **kwargs) -> str:
+    """The template's text of the messages; where one message's content is a list of parts (an image's: vision
+    templates iterate the parts), every message's is, text as a text part (TRL's prepare_multimodal_messages shape)."""
+    if any(isinstance(message.get("content"), list) for message in messages):
+        messages = [message | {"content": [{"type": "text", "text": message["content"]}]}
+                    if isinstance(message.get("content"), str) else message for message in messages]
     return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 
 

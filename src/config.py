@@ -83,6 +83,12 @@ class ModelArguments(ModelConfig):
         default=False,
         metadata={"help": "Also save a copy of the final model with the LoRA adapter merged into the base weights."},
     )
+    train_vision_tower: bool = field(
+        default=False,
+        metadata={"help": "A vision-language model: train its vision tower and projector too (full fine-tuning: their "
+                  "weights; LoRA: adapters on their linear layers). Off: the language model alone learns, the tower "
+                  "stays as it was (docs/vision.md)."},
+    )
 
     def __post_init__(self):
         self.use_peft = self.use_peft or self.use_lora

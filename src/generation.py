@@ -3,7 +3,9 @@
 Splitting the work keeps every rank busy (no rank idles in a collective toward a timeout while rank 0 generates) and
 makes sample outputs N times faster on N GPUs. Greedy decoding is deterministic for given weights. Sampling is seeded
 per answer (`SeededSampling`): each answer draws from its own random stream, so the answers do not depend on how the
-prompts were split across processes or batched, and a rerun with the same seed repeats them.
+prompts were split across processes or batched, and a rerun with the same seed repeats them. A vision-language
+model's prompts come with their images (each prompt's image files' bytes), processed per batch by its processing
+(src/vision.py) and given to `generate` beside the ids.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from src.distributed import any_rank, map_across_ranks, most_on_any_rank
 from src.engines import sharded
 from src.tools import sample_with_tools
 from src.run_safety import hang_watch
+from src.vision import decode
 from src.world import World
 
 
@@ -98,14 +101,16 @@ class SeededSampling:
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None,
-             details: bool = False, tools=None, trajectories: bool = False) -> list:
+             details: bool = False, tools=None, trajectories: bool = False, images: list | None = None,
+             processing=None) -> list:
     """This process's answers to `prompts` (token ids), in order: greedy, or sampled with one seed per prompt;
     `on_batch(count)` after every batch (a progress line). `details`: each answer as a dict with its text and what the
     answer audit reads (answer_record: tokens generated, whether it ended, its repetition). `tools` (a
     src/tools.py ToolSession): each answer is a trajectory whose calls are run and their results fed back
     (src/tools.py sample_with_tools), every turn of an answer from its own seed; its text is the whole trajectory;
     `trajectories` (with tools): each answer also carries its ids as sampled and their loss mask (`ids`, `loss_mask`:
-    0 on the tool results), what a round's DPO pair trains on."""
+    0 on the tool results), what a round's DPO pair trains on. `images`: each prompt's image files (bytes), processed
+    by `processing` (src/vision.py)."""
     eos_ids = stop_ids(model, tokenizer)
     close_ids = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]  # where an answer's reasoning ends
     if tools is not None:
@@ -141,7 +146,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             on_batch(len(batch))
 
     sample_ids(model, tokenizer, prompts, max_new_tokens, batch_size, eos_ids, sampling, seeds, batch_done,
-               trim=False)
+               trim=False, images=images, processing=processing)
     return answers
 
 
@@ -197,7 +202,7 @@ def stop_ids(model, tokenizer) -> set[int]:
 
 def sample_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos_ids: set[int],
                sampling: Sampling | None = None, seeds: list[int] | None = None, on_batch=None,
-               trim: bool = True) -> list[list[int]]:
+               trim: bool = True, images: list | None = None, processing=None) -> list[list[int]]:
     """The ids generated after each prompt, in order (greedy, or sampled with one seed per prompt), each cut after its
     first stop token (`trim`; else as the batch padded them); `on_batch(indices, ids)` after every batch."""
     import torch
@@ -226,7 +231,7 @@ def sample_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, 
             with hang_watch.phase("generation", f"{len(batch)} prompts, up to {max_new_tokens} new tokens"):
                 output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                         generation_config=generation, logits_processor=processors,
-                                        synced_gpus=lockstep)
+                                        synced_gpus=lockstep, **image_inputs(processing, images, batch, input_ids))
             rows = output[:, input_ids.shape[1]:].tolist()
             if trim:
                 rows = [row[:next((at + 1 for at, token in enumerate(row) if token in eos_ids), len(row))]
@@ -237,6 +242,16 @@ def sample_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, 
                 on_batch(batch, rows)
     model.train(was_training)
     return written
+
+
+def image_inputs(processing, images: list | None, batch: list[int], input_ids) -> dict:
+    """A batch's image tensors and per-token inputs for `generate` (src/vision.py), on the ids' device; {} without
+    images."""
+    if processing is None or not images or not any(images[index] for index in batch):
+        return {}
+    inputs = processing.image_inputs([[decode(data) for data in images[index]] for index in batch])
+    inputs = {key: value.to(input_ids.device) for key, value in inputs.items()}
+    return inputs | processing.token_inputs(input_ids)
 
 
 def padded_batches(model, sequences: list[list[int]], batch_size: int, pad_token_id: int, left: bool):
@@ -258,12 +273,15 @@ def padded_batches(model, sequences: list[list[int]], batch_size: int, pad_token
 
 
 def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                     world: World, tools=None) -> list[dict]:
+                     world: World, tools=None, images: list | None = None, processing=None) -> list[dict]:
     """The model's greedy answer to each prompt (token ids), identical on every rank, in prompt order: its text and
-    the answer audit's numbers (answer_record; with `tools`, a trajectory's tool record too)."""
+    the answer audit's numbers (answer_record; with `tools`, a trajectory's tool record too). `images`: each
+    prompt's image files (a vision-language model's, with its `processing`)."""
+    items = list(zip(prompts, images or [None] * len(prompts)))
     return map_across_ranks(
-        prompts, lambda share: generate(model, tokenizer, share, max_new_tokens, batch_size, details=True,
-                                        tools=tools), world)
+        items, lambda share: generate(model, tokenizer, [ids for ids, _ in share], max_new_tokens, batch_size,
+                                      details=True, tools=tools, images=[seen for _, seen in share],
+                                      processing=processing), world)
 
 
 def _as_list(value) -> list:

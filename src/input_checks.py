@@ -14,6 +14,8 @@ Owns the checks that need only the model's config.json, its module names and the
   past a rotary model's context (max_position_embeddings, or what its rope scaling extends it to) it runs, on
   positions it never trained at: a warning line at the stage's start (`position_warnings`), not an error;
 - a chat template that does not compile;
+- a vision-language model (src/vision.py) outside the families proven here, or given a stage, engine or option that
+  cannot train it yet (`check_vision_model`: what works is named);
 - a --judge reward model that is not there (it is loaded only after training).
 
 src/pipeline/preflight.py (`check_sources`) calls `check_judge` as soon as the data sources are checked (before any
@@ -28,10 +30,12 @@ import difflib
 import re
 from pathlib import Path
 
+from src import vision
 from src.config import EMBEDDED, Config, ModelArguments
+from src.engines import requested as requested_engine
 from src.judges import FUNCTION_JUDGE, load_function
 from src.models import ModelError, first_line, is_jinja_file
-from src.objectives import OBJECTIVES, objective
+from src.objectives import OBJECTIVES, SEQUENCES, objective
 from src.private_api import compile_jinja_template
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
@@ -45,7 +49,9 @@ def check_model_inputs(path: str, run_config: Config, tokenizer, stages: list) -
     # a reward model is a sequence classifier
     causal_stages = list(dict.fromkeys(stage.name for stage in stages if objective(stage.name).causal_lm))
     causal = bool(causal_stages)
-    if causal:
+    if vision.is_vision_config(config):
+        check_vision_model(path, config, run_config, stages)
+    elif causal:
         check_causal(path, config, [f"--stage {name}" if len(stages) == 1 else name.upper() for name in causal_stages])
     check_vocabulary(path, config, tokenizer, model.chat_template_path)
     check_chat_template(path, tokenizer, model.chat_template_path)
@@ -200,6 +206,38 @@ def check_chat_template(path: str, tokenizer, chat_template_path: str | None) ->
             raise ModelError(f"{where} is not valid Jinja ({first_line(error)}{line}); fix the template") from None
 
 
+def check_vision_model(path: str, config, run_config: Config, stages: list) -> None:
+    """A vision-language model: a family proven here (src/vision.py FAMILIES), for stages whose objective takes images
+    (its row's `takes_images`: SFT and DPO) on DDP or one process, without the options not yet proven with images.
+    Each refusal is one line naming what works instead."""
+    reason = vision.refusal(config)
+    if reason:
+        raise ModelError(f"--model_name_or_path {path}: a vision-language model, {reason}")
+    takes = [name for name, row in OBJECTIVES.items() if row.training.takes_images]
+    for stage in stages:
+        if not objective(stage.name).training.takes_images:
+            raise ModelError(f"--model_name_or_path {path} is a vision-language model ({config.model_type}), and "
+                             f"{objective(stage.name).display_name} does not train one yet: use --stage "
+                             f"{' or '.join(takes)} (sft_then_dpo), or a text model")
+    engine = requested_engine()
+    # SFT's packing and padding-free forwards (TRL's: refused for image data); DPO's packed forward is its own default
+    sft = any(objective(stage.name).data_shape == SEQUENCES for stage in stages)
+    options = [("--rounds", run_config.dpo.rounds), ("--load_in_4bit", run_config.model.load_in_4bit),
+               ("--chat_template_path", run_config.model.chat_template_path),
+               ("--tools", getattr(run_config.training, "tools", None)),
+               ("--packing", sft and run_config.trl_overrides.get("packing")),
+               ("--padding_free", sft and run_config.trl_overrides.get("padding_free")),
+               (f"{engine.title} (STRATEGY={engine.key})" if engine else "", engine is not None),
+               (f"--judge {run_config.training.judge} (a reward model reads the answers' text, not the images)",
+                run_config.training.judge not in ("auto", "none", EMBEDDED)
+                and not FUNCTION_JUDGE.match(run_config.training.judge))]
+    for flag, value in options:
+        if value:
+            raise ModelError(f"{flag} with a vision-language model ({config.model_type}): not verified with images "
+                             "yet; what trains one: --stage sft, dpo or sft_then_dpo on DDP (or one process), full or "
+                             "LoRA, padded")
+
+
 def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", attn_implementation: str | None = None):
     """The model as the stage loads it, built on the meta device: its modules without weights or memory. Building it
     runs transformers' own checks of --attn_implementation (a name it knows, its package installed, a GPU for
@@ -207,7 +245,7 @@ def meta_model(config, causal: bool, trust_remote_code: bool, path: str = "", at
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model_class = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    model_class = vision.model_class(config) or (AutoModelForCausalLM if causal else AutoModelForSequenceClassification)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         with torch.device("meta"):

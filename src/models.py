@@ -6,6 +6,8 @@
   LoRA the head is trained and saved in full beside the adapters (peft's SEQ_CLS task).
 - 4-bit NF4 (QLoRA) through bitsandbytes, each rank loading onto its own device: `device_map={"": local device}`,
   never "auto", which would spread one copy over every GPU and fight DDP.
+- A vision-language model (src/vision.py says which) loads through its image-text-to-text class with its processor
+  (`load_processing`), its vision tower frozen unless --train_vision_tower, and is saved with its processor.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import re
 from pathlib import Path
 
+from src import vision
 from src.config import EMBEDDED, ModelArguments
 from src.config_error import ConfigError
 from src.plan import Plan
@@ -134,6 +137,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, local_files_only:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # what TRL does too; padded positions are masked out
     return tokenizer
+
+
+def load_processing(path: str, model: ModelArguments, local_files_only: bool = False):
+    """A vision-language model's processing (src/vision.py ImageProcessing: its processor, whose tokenizer every stage
+    tokenizes with), or None for a text model; a vision family not proven here is refused before its processor is
+    built (one line: its cause, the families that work)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code,
+                                            local_files_only=local_files_only)
+    except (OSError, ValueError, KeyError):
+        return None  # the model-side checks name what is wrong with its config.json
+    if not vision.is_vision_config(config):
+        return None
+    reason = vision.refusal(config)
+    if reason:
+        raise ModelError(f"--model_name_or_path {path}: a vision-language model, {reason}")
+    return vision.ImageProcessing(vision.load_processor(path, model.trust_remote_code, local_files_only))
 
 
 def is_jinja_file(path: str) -> bool:
@@ -258,14 +280,11 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
     from contextlib import nullcontext
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
     from trl.trainer.reward_trainer import suppress_seqcls_warning
 
     kwargs = {"trust_remote_code": model.trust_remote_code, "dtype": torch.float32}
-    model_class = AutoModelForCausalLM
-    if reward_pad_token_id is not None:
-        model_class = AutoModelForSequenceClassification
-        kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
+    model_class = _model_class(path, model, reward_pad_token_id, kwargs)
     if model.attn_implementation:
         kwargs["attn_implementation"] = model.attn_implementation
     quantization = quantization_config(model, plan)
@@ -293,7 +312,24 @@ def load_model(path: str, model: ModelArguments, plan: Plan, world: World, rewar
         check_4bit_runs(loaded, path, plan)
     if plan.device == "cuda" and quantization is None and not sharded(loaded.parameters()):
         loaded.to(torch.device("cuda", world.local_rank))  # ZeRO-3's and FSDP2's shares are on the device already
+    if vision.is_vision_config(loaded.config) and not model.train_vision_tower:
+        vision.freeze_vision_tower(loaded)  # the language model learns; the tower and projector stay as they are
     return loaded
+
+
+def _model_class(path: str, model: ModelArguments, reward_pad_token_id: int | None, kwargs: dict):
+    """The class the model loads with: a reward model's sequence classifier (told the padding id, one output), a
+    vision-language model's image-text-to-text class (src/vision.py), else a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if reward_pad_token_id is not None:
+        kwargs.update(num_labels=1, pad_token_id=reward_pad_token_id)
+        return AutoModelForSequenceClassification
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return AutoModelForCausalLM  # from_pretrained names what is wrong
+    return vision.model_class(config) or AutoModelForCausalLM
 
 
 def load_shares(path: str, model_class, kwargs: dict, plan: Plan, world: World, engine, adapters=None, resize=None):
@@ -481,20 +517,23 @@ def save_final_model(trainer, tokenizer, output_dir: Path, merge_adapter: bool, 
             fail_write_if_injected(final_dir / "model.safetensors")
         write_trained(trainer, model, final_dir, is_main)
     streamed_merge = merge and sharded(model.parameters())
+    # A vision-language model's processor (its trainer's processing class) is saved whole: image settings, chat
+    # template and tokenizer.
+    saved_with = trainer.processing_class if hasattr(trainer.processing_class, "image_processor") else tokenizer
     if is_main and noticed_write_failure() is None:
         with write_failures_noted(final_dir):
-            tokenizer.save_pretrained(final_dir)
+            saved_with.save_pretrained(final_dir)
             if isinstance(model, PeftModel):
                 verify_adapter(final_dir, model)
             if merge and not streamed_merge:
                 model.merge_and_unload(safe_merge=True).save_pretrained(merged_dir)
-                tokenizer.save_pretrained(merged_dir)
+                saved_with.save_pretrained(merged_dir)
     barrier()
     if streamed_merge:  # every rank: each adapted weight gathered and merged in turn, rank 0 writing it
         with write_failures_noted(merged_dir), dropouts_restored(trainer):
             save_whole(model, merged_dir, is_main)
             if is_main:
-                tokenizer.save_pretrained(merged_dir)
+                saved_with.save_pretrained(merged_dir)
         barrier()
     for directory in saved:
         # Not its card and plots (PEFT writes a card of its own here): the run's card replaces it, and is rewritten

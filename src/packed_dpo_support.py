@@ -12,6 +12,7 @@ dry run shows it."""
 
 from __future__ import annotations
 
+from src import vision
 from src.distributed import print0
 from src.models import ModelError
 from src.private_api import attention_implementation
@@ -72,6 +73,10 @@ def refusal(config, *, attn_implementation: str | None = None, router_aux_loss_c
     model_type = getattr(config, "model_type", "?")
     if model_type in CANNOT_TRAIN:
         return CANNOT_TRAIN[model_type]
+    if vision.is_vision_config(config):  # its images in the packed layout (src/vision.py), then its language model
+        return vision.packed_refusal(config) or refusal(
+            config.get_text_config(), attn_implementation=attn_implementation or attention_implementation(config),
+            router_aux_loss_coef=router_aux_loss_coef, truncation_mode=truncation_mode, prompt_learning=prompt_learning)
     if _text_config(config) is not config:
         return f"{model_type} is {MULTIMODAL}"
     text = _text_config(config)

@@ -34,6 +34,7 @@ import torch
 from src.distributed import any_rank
 from src.packed_attention import DENSE, FLEX, AttentionPolicy, attention_masks, flex_implementation, layer_windows
 from src.packed_layout import PACKED_KEYS, padded_counts
+from src.vision import PACKED_PREFIX
 
 PASSES = ("policy", "kl", "reference")          # the forwards counted apart (PackedDPOForward.counts)
 PACKED_FORMAT = 2        # in the reference cache key: bump when the layout or masks change (2: per-layer windows)
@@ -118,8 +119,8 @@ class PackedDPOForward:
         redirected to the packed layout while the block runs. `padded`: what the trainer's own padded forward computes
         (computed, padding, repeated prompt, useful tokens) where that is not `inputs` as one padded batch (KTO's two
         padded passes)."""
-        packed = {key: inputs[key] for key in PACKED_KEYS if key in inputs}
-        inputs = {key: value for key, value in inputs.items() if key not in PACKED_KEYS}
+        packed = {key: value for key, value in inputs.items() if key in PACKED_KEYS or key.startswith(PACKED_PREFIX)}
+        inputs = {key: value for key, value in inputs.items() if key not in packed}
         plan = None
         if self.enabled and packed:
             install(modules)
@@ -197,6 +198,9 @@ class PackedDPOForward:
         batch = {key: value.to(device) for key, value in plan.batch.items()}
         kwargs = {key: value for key, value in kwargs.items()
                   if key not in ("input_ids", "attention_mask", "labels", "position_ids", "shift_labels")}
+        # A vision model's images: each prompt's once, in the packed order (src/vision.py ImageCollator), in place of
+        # TRL's batch's (every prompt's repeated for its chosen and its rejected row).
+        kwargs.update({key[len(PACKED_PREFIX):]: value for key, value in batch.items() if key.startswith(PACKED_PREFIX)})
         attend = contextlib.nullcontext()
         if self.layout == "prefix_shared":
             width = batch["packed_input_ids"].shape[1]

@@ -30,6 +30,7 @@ OLD_FORWARD = "dpo_forward"
 METRICS = "metrics.jsonl"
 PLOTS_DIR = "plots"  # the run's charts; a copy goes beside each saved model, with its card
 MODEL_CARD = "README.md"  # beside each saved model (src/reporting/model_card.py)
+SAMPLE_IMAGES_DIR = "sample_images"  # thumbnails of the held-out prompts' images, which report.md links
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -144,3 +145,10 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` atomically (see `atomic_path`)."""
     with atomic_path(path) as temporary:
         temporary.write_text(text, encoding="utf-8")
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` atomically (see `atomic_path`), its directory made where missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as temporary:
+        temporary.write_bytes(data)

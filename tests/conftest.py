@@ -114,20 +114,28 @@ def build_template_tokenizer(corpus: list[str], template: str | None = None):
 def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, template: str | None = None) -> Path:
     """A 2-layer, 32-wide Llama with a BPE tokenizer trained on `corpus`, saved (and reloadable) at `path`;
     `template`: a real chat template of TEMPLATES (and its special tokens) instead of the toolkit's tiny one."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_template_tokenizer(corpus, template) if template else build_tiny_tokenizer(corpus)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
+    return save_seeded(LlamaForCausalLM, config, tokenizer, tokenizer, path, seed)
+
+
+def save_seeded(model_class, config, tokenizer, saved_with, path: Path, seed: int) -> Path:
+    """A model of `config` drawn from `seed`, generating to the tokenizer's EOS, saved at `path` with `saved_with` (the
+    tokenizer, or a vision model's processor)."""
+    import torch
+    from transformers import GenerationConfig
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    saved_with.save_pretrained(path)
     return path
 
 
@@ -253,3 +261,11 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item not in deselected]
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, corpus) -> Path:
+    """A tiny LLaVA (CLIP tower + Llama) with its processor, built offline (tests/tiny_vlms.py)."""
+    from tiny_vlms import build_llava
+
+    return build_llava(tmp_path_factory.mktemp("tiny_llava"), corpus)

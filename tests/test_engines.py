@@ -167,7 +167,7 @@ def test_dpo_under_fsdp2_on_cpu_processes_trains_as_ddp_does_each_rank_holding_i
     from src.run_safety import checkpoint_manifest
 
     run, ddp, root = dpo_engines
-    runs = {"fsdp": run("fsdp", "fsdp", killed_after=2, launch_config={"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}),
+    runs = {"fsdp": run("fsdp", "fsdp", killed_after=2),  # configs/accelerate/fsdp.yaml: sharded checkpoints
             "fsdp_live": run("fsdp_live", "fsdp", ["--precompute_ref_log_probs", "false", "--num_samples", "1"])}
     whole = ddp["ranks"][0]["held"]
     for name, fsdp in runs.items():

@@ -53,12 +53,12 @@ def logged(run_dir: Path) -> list[dict]:
 
 def launch(processes: int, args: list[str], strategy: str, seam: dict | None = None):
     """A forked job of `processes` as `STRATEGY=<strategy> ./run_distributed.sh <processes>` starts its workers
-    (fsdp_sharded: configs/accelerate/fsdp.yaml with fsdp_state_dict_type SHARDED_STATE_DICT); `seam`: a test seam's
-    variable (seams.env)."""
-    sharded = strategy == "fsdp_sharded"
-    strategy = "fsdp" if sharded else strategy
+    (fsdp: configs/accelerate/fsdp.yaml, sharded checkpoints; fsdp_whole: with fsdp_state_dict_type FULL_STATE_DICT);
+    `seam`: a test seam's variable (seams.env)."""
+    whole = strategy == "fsdp_whole"
+    strategy = "fsdp" if whole else strategy
     environment = (accelerate_environment(strategy, processes) if strategy != "ddp" else dict(os.environ)) | {
-        "OMP_NUM_THREADS": "1"} | ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"} if sharded else {})
+        "OMP_NUM_THREADS": "1"} | ({"FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"} if whole else {})
     return forked.run_job(processes, args, env=environment | (seam or {}))
 
 
@@ -204,13 +204,13 @@ def test_deepspeed_checkpoints_resume_on_another_number_of_processes(dpo, tmp_pa
 
 def test_fsdp2_sharded_checkpoint_resumes_on_more_processes(dpo, tmp_path):
     """FSDP2 with sharded checkpoints (torch.distributed.checkpoint, which reshards as it loads), DPO, 2 -> 4."""
-    _run_dir, info, _console = resume_cell(dpo, "fsdp", "fsdp_sharded", 2, 4, OFF_GRID, tmp_path)
+    _run_dir, info, _console = resume_cell(dpo, "fsdp", "fsdp", 2, 4, OFF_GRID, tmp_path)
     assert (info["engine"], info["resumes"][-1]["saved_by"]["state_dict_type"]) == ("fsdp", "SHARDED_STATE_DICT")
 
 
 @pytest.mark.parametrize(("name", "strategy", "first", "then", "kill"), [
     ("zero3_lora", "zero3", 2, 1, OFF_GRID),
-    ("fsdp_lora", "fsdp", 2, 1, AT_CHECKPOINT),
+    ("fsdp_lora", "fsdp_whole", 2, 1, AT_CHECKPOINT),
 ])
 def test_lora_sft_resumes_on_another_number_of_processes(sft_lora, tmp_path, name, strategy, first, then, kill):
     """SFT with LoRA (the base frozen, only the adapter in the optimizer): ZeRO-3 2 -> 1 (its universal checkpoint

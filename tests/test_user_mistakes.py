@@ -36,6 +36,7 @@ class Workspace:
     root: Path
     model: Path
     data: Path
+    llava: Path | None = None  # a tiny vision-language model (tests/tiny_vlms.py), for the image rows
 
     def args(self, **changes: str | None) -> list[str]:
         """The flags of a run that works, with `changes` ({flag: value}; None drops the flag)."""
@@ -241,6 +242,49 @@ def _assistant_first(ws: Workspace) -> list[str]:
     rows[5]["prompt"].insert(0, {"role": "assistant", "content": "hi"})
     return ws.args(chat_template_path=_template_file(ws, "strict.jinja", STRICT_TEMPLATE),
                    dataset_name=ws.rows_file("assistant_first.jsonl", rows))
+
+
+def _vlm(ws: Workspace, edit: Callable[[list[dict], Path], None] | None = None, model: Path | None = None,
+         **changes: str | None) -> list[str]:
+    """The tiny LLaVA on RLAIF-V-shaped pairs (tests/tiny_vlms.py), `edit(rows, directory)` breaking them first."""
+    from tiny_vlms import colour_pairs
+
+    directory = ws.root / "vlm"
+    rows = colour_pairs(24, directory)
+    if edit:
+        edit(rows, directory)
+    return ws.args(model_name_or_path=str(model or ws.llava), dataset_name=str(write_jsonl(directory / "pairs.jsonl",
+                                                                                              rows)), **changes)
+
+
+def _vlm_copy(ws: Workspace, name: str) -> Path:
+    return shutil.copytree(ws.llava, ws.root / name)
+
+
+def _without_processor(ws: Workspace) -> list[str]:
+    copy = _vlm_copy(ws, "no_processor")
+    (copy / "processor_config.json").unlink()
+    return _vlm(ws, model=copy)
+
+
+def _unverified_family(ws: Workspace) -> list[str]:
+    copy = _vlm_copy(ws, "llava_next")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"model_type": "llava_next"}))
+    return _vlm(ws, model=copy)
+
+
+def _two_images_one_part(rows: list[dict], directory: Path) -> None:
+    rows[4]["images"] = rows[4]["images"] + rows[5]["images"]
+
+
+def _text_prompts(rows: list[dict], directory: Path) -> None:
+    for row in rows:
+        row.update(prompt=row["prompt"][0]["content"][-1]["text"], chosen="red", rejected="blue")
+
+
+def _image_in_answer(rows: list[dict], directory: Path) -> None:
+    rows[2]["chosen"][0]["content"].append({"type": "image"})
 
 
 STRICT_TEMPLATE = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user "
@@ -490,6 +534,37 @@ MISTAKES = [
     Mistake("template_source_missing", "A `--chat_template_path` that is neither a file nor a tokenizer",
             "neither a .jinja/.j2 file nor a tokenizer directory",
             lambda ws: ws.args(chat_template_path=str(ws.root / "nope"))),
+    # Images and vision-language models (src/vision.py, src/data/images.py)
+    Mistake("image_file_missing", "An image file the data names that is not there", "row 3: image 1 does not exist",
+            lambda ws: _vlm(ws, lambda rows, directory: (directory / rows[2]["images"][0]).unlink())),
+    Mistake("image_unreadable", "An image file that is not an image (damaged, or another kind of file)",
+            "row 3: image 1 is not a readable image", lambda ws: _vlm(
+                ws, lambda rows, directory: (directory / rows[2]["images"][0]).write_bytes(b"not a png"))),
+    Mistake("image_count_mismatch", "More images in a row than image parts in its messages",
+            "row 5: its messages hold 1 image part(s) ({'type': 'image'}) for 2 image(s)",
+            lambda ws: _vlm(ws, _two_images_one_part)),
+    Mistake("image_in_answer", "An image part in an answer", "row 3: 'chosen' holds an image part: images belong to "
+            "the prompt", lambda ws: _vlm(ws, _image_in_answer)),
+    Mistake("image_web_address", "An image given as a web address on a machine that reads files",
+            "row 1: image 1 is a web address", lambda ws: _vlm(
+                ws, lambda rows, directory: rows[0].update(images=["https://example.com/cat.png"]))),
+    Mistake("image_text_prompt", "Images with a text prompt (not chat messages)", "image(s) with a text prompt: give "
+            "the prompt as chat messages", lambda ws: _vlm(ws, _text_prompts)),
+    Mistake("text_model_given_images", "Image data for a text-only model", "is a text-only model: train a "
+            "vision-language model on it", lambda ws: _vlm(ws, model=ws.model)),
+    Mistake("vlm_stage_not_yet", "A vision-language model for a stage that does not train one yet (`--stage kto`, "
+            "`grpo`, `reward`, `simpo`, `orpo`)", "does not train one yet: use --stage dpo or sft (sft_then_dpo)",
+            lambda ws: _vlm(ws, stage="kto", kto_from_pairs="true")),
+    Mistake("vlm_rounds", "On-policy `--rounds` with a vision-language model", "--rounds with a vision-language "
+            "model (llava): not verified with images yet", lambda ws: _vlm(ws, rounds="1", judge="json:loads")),
+    Mistake("vlm_under_sharding", "A vision-language model under a sharding engine (`STRATEGY=zero3`, `fsdp`, ...)",
+            "DeepSpeed ZeRO-3 (STRATEGY=zero3) with a vision-language model (llava): not verified with images yet",
+            lambda ws: _vlm(ws), env={"STRATEGY": "zero3"}),
+    Mistake("vlm_without_processor", "A vision-language model directory without its processor",
+            "a vision-language model without its processor (no processor_config.json or preprocessor_config.json)",
+            _without_processor),
+    Mistake("vlm_family_not_verified", "A vision-language model family not verified here (`llava_next`, Qwen2-VL, "
+            "...)", "a vision-language model, llava_next: not verified for training here", _unverified_family),
     # The launch: environment variables and run_distributed.sh
     Mistake("comm_hook_under_zero", "A DDP communication hook (`--ddp_comm_hook`) with a sharding engine "
             "(`STRATEGY=zero3`)", "--ddp_comm_hook fp16 compresses DDP's all-reduce, and DeepSpeed ZeRO-3 reduces "
@@ -521,8 +596,8 @@ MISTAKES = [
 
 
 @pytest.fixture
-def workspace(tiny_model, tmp_path) -> Workspace:
-    return Workspace(tmp_path, tiny_model, write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24)))
+def workspace(tiny_model, tiny_llava, tmp_path) -> Workspace:
+    return Workspace(tmp_path, tiny_model, write_jsonl(tmp_path / "pairs.jsonl", preference_rows(24)), tiny_llava)
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ from src.config_parse import HelpRequested, format_help, parse_config, stage_con
 from src.data import DataError, check_source, prepare_data, source_rows
 from src.hub_access import needs_hub, use_local_files_only
 from src.judges import JudgeError, judge_for
-from src.models import ModelError, apply_chat_template_path, load_model_for_audit, load_tokenizer, resolve_model_path
+from src.models import (ModelError, apply_chat_template_path, load_model_for_audit, load_processing, load_tokenizer,
+                        resolve_model_path)
 from src.objectives import SEQUENCES, objective
 from src.objectives import PIPELINES
 from src.reporting.alerts import format_alerts
@@ -43,9 +44,12 @@ from src.world import World
 WARNINGS = 1  # the exit status when any warning fired (as check_gpu.py's READY WITH WARNINGS)
 
 
-def audit_stage(name: str, config, tokenizer, model_path: str, reference: bool, out_dir: Path) -> dict:
-    """One stage's data: prepared (or read from the cache), then the reference and judge parts on a sample."""
-    prepared = prepare_data(config.data, config.sft, name, config.training.seed, tokenizer, cache_root() / "datasets")
+def audit_stage(name: str, config, tokenizer, model_path: str, reference: bool, out_dir: Path,
+                processing=None) -> dict:
+    """One stage's data: prepared (or read from the cache), then the reference and judge parts on a sample.
+    `processing`: a vision-language model's (src/vision.py), whose processor counts the images' tokens."""
+    prepared = prepare_data(config.data, config.sft, name, config.training.seed, tokenizer, cache_root() / "datasets",
+                            processing)
     audit = opening(prepared.summary, name)
     if objective(name).data_shape == SEQUENCES:  # no pairs, no rows to rank
         return audit
@@ -98,8 +102,13 @@ def run(argv: list[str]) -> int:
     # No model in this process (no reference part; no judge, or the embedded check): the tokenizer without torch.
     lean = not reference and (not config.training.audit_judge_pairs or config.training.judge in ("none", "auto", EMBEDDED))
     with without_torch() if lean else contextlib.nullcontext():
-        tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
-                                             config.model.chat_template_path)
+        processing = load_processing(model_path, config.model)  # a vision-language model's processor, else None
+        tokenizer = processing.tokenizer if processing else apply_chat_template_path(
+            load_tokenizer(model_path, config.model.trust_remote_code), config.model.chat_template_path)
+    if processing is not None and reference:
+        reference = False
+        print("the reference's ranking is not measured for a vision-language model yet (it would score the answers "
+              "without their images): the data part alone")
     run_name = config.training.run_name or (Path(config.recipe).stem if config.recipe else "data")
     out_dir = Path(config.training.results_dir) / f"audit-{run_name}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +117,7 @@ def run(argv: list[str]) -> int:
     for name in names:
         staged = stage_config(config, name)
         audits[name] = audit_stage(name, staged, tokenizer, model_path, reference and objective(name).data_shape != SEQUENCES,
-                                   out_dir)
+                                   out_dir, processing)
         alerts += data_alerts(audits[name], name, staged.dpo.loss_type)
         print(f"\n== {name.upper()} data: {staged.data.dataset_name}\n")
         print("\n".join(data_section(audits[name], name, None, out_dir)))

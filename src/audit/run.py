@@ -138,7 +138,18 @@ def format_data_audit(audit: dict, stage: str) -> str:
                   f"{format_number(train['tool_unparsed'])} with arguments that do not parse, "
                   f"{format_number(train['tool_unknown'])} naming a tool the row's `tools` lack, "
                   f"{format_number(train['tool_schema'])} breaking its schema")
+    if lines and train.get("images"):
+        lines += f"\n{images_line(train['images'])}"
     return lines
+
+
+def images_line(images: dict) -> str:
+    """The training split's images in one console line (src/data/pair_audit.py images_audit)."""
+    return (f"  data audit (train): images in {format_percent(images['rows_with_images_share'])} of rows, "
+            f"{images['images_per_row']['mean']} a row, {images['image_tokens']['mean']} image tokens a row, "
+            f"{images['megapixels_per_image']['median']} megapixels each (median); repeated images "
+            f"{format_percent(images['duplicate_image_share'])}; the same answer to the same question for different "
+            f"images {format_percent(images['answer_ignores_image_share'])}")
 
 
 def _data_audit_lines(audit: dict, stage: str) -> str:

@@ -29,7 +29,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((state + extra).encode()).hexdigest()[:16]
 
 
-def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> str:
+def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, processing=None) -> str:
+    """The key; `processing` (a vision model's, src/vision.py) adds its processor's settings: how many tokens an image
+    becomes and its tensors (the image files read are checked after: src/data/images.py changed_images)."""
     parts = {
         "format": PREPARED_FORMAT,
         "stage": stage,
@@ -48,9 +50,12 @@ def prepared_key(data: DataArguments, sft: SFTArguments, stage: str, seed: int, 
         "seed": seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
+    if processing is not None:  # a text model's key is unchanged
+        parts["processor"] = processing.fingerprint()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def prepared_path(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> Path:
+def prepared_path(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path,
+                  processing=None) -> Path:
     """Where the prepared data of these settings lives in the cache (complete once built: build_once's marker)."""
-    return Path(cache_dir) / f"{stage}-{prepared_key(data, sft, stage, seed, tokenizer)}"
+    return Path(cache_dir) / f"{stage}-{prepared_key(data, sft, stage, seed, tokenizer, processing)}"

@@ -13,18 +13,24 @@ of the pairs that train for lengths, truncation and overlap.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 
 from src.chat_templates import split_reasoning, tools_argument
 from src.objectives import PROMPTS, SEQUENCES, UNPAIRED, objective, shape_of
 from src.tool_calls import schema_problem
+from src.vision import IMAGE_COLUMN
 
 # column → Arrow type, in the tokenizing map's output (src/data/prepared.py leaves every "_" column out of the prepared files)
 AUDIT_COLUMNS = {"_row_hash": "int64", "_prompt_hash": "int64", "_prompt_tokens": "int32", "_chosen_tokens": "int32",
                  "_rejected_tokens": "int32", "_shared_tokens": "int32", "_source_row": "int64", "_label": "int8",
                  "_chosen_reasoning_tokens": "int32", "_rejected_reasoning_tokens": "int32", "_pair_difference": "int8",
-                 "_tool_calls": "int32", "_tool_unparsed": "int32", "_tool_unknown": "int32", "_tool_schema": "int32"}
+                 "_tool_calls": "int32", "_tool_unparsed": "int32", "_tool_unknown": "int32", "_tool_schema": "int32",
+                 # a row's images (src/data/images.py): how many, their tokens and pixels, their content's hash, and the
+                 # hashes of its question (the prompt without the images) and its answer (the answer ignores the image)
+                 "_images": "int16", "_image_tokens": "int32", "_image_pixels": "int64", "_image_hash": "int64",
+                 "_question_hash": "int64", "_answer_hash": "int64"}
 TOOL_PROBLEMS = ("unparsed", "unknown", "schema")  # what the data audit counts of the rows' tool calls
 # How a pair's answers differ when either reasons (_pair_difference): a pair that differs only in its reasoning
 # teaches which reasoning, not which answer (and --reasoning drop leaves it identical); one that differs only in its
@@ -119,17 +125,65 @@ def tool_fields(row: dict) -> dict:
     return {f"_tool_{name}": count for name, count in counts.items()}
 
 
-def row_fields(row: dict, ids: dict, source_row: int, tokenizer=None) -> dict:
+def image_fields(row: dict, ids: dict, processing) -> dict:
+    """A row's image columns (AUDIT_COLUMNS): its images' count, tokens (`processing`: a vision model's, src/vision.py)
+    and pixels (read from their headers), the hash of their content, of its question and of its answer."""
+    images = row.get(IMAGE_COLUMN) or []
+    if not images:
+        return {"_images": 0, "_image_tokens": 0, "_image_pixels": 0, "_image_hash": NO_PROMPT,
+                "_question_hash": NO_PROMPT, "_answer_hash": NO_PROMPT}
+    from PIL import Image
+
+    pixels = 0
+    for data in images:
+        with Image.open(io.BytesIO(data)) as image:  # the header alone: its size
+            pixels += image.width * image.height
+    prompt_ids = ids.get("prompt_ids") or ids.get("input_ids") or []
+    answer = next((row[key] for key in ("chosen", "completion", "messages") if key in row), None)
+    return {"_images": len(images), "_image_tokens": processing.image_token_count(prompt_ids) if processing else 0,
+            "_image_pixels": pixels, "_image_hash": _hash([hashlib.sha256(data).hexdigest() for data in images]),
+            "_question_hash": _hash(prompt_of(row)), "_answer_hash": _hash(answer)}
+
+
+def images_audit(pieces: list, kept) -> dict:
+    """What a split's images are (rows with images only): how many a row holds, their tokens and size, rows whose
+    images repeat an earlier row's (by content), and rows whose answer ignores the image: the same question answered
+    the same way for different images (a set that teaches the model to answer without looking)."""
+    import numpy as np
+
+    count = _column(pieces, "_images")[kept].astype(np.int64)
+    shown = count > 0
+    if not shown.any():
+        return {}
+    image_hash = _column(pieces, "_image_hash")[kept][shown]
+    _, first = np.unique(image_hash, return_index=True)
+    question, answer = _column(pieces, "_question_hash")[kept][shown], _column(pieces, "_answer_hash")[kept][shown]
+    groups: dict = {}
+    for key, image in zip(zip(question.tolist(), answer.tolist()), image_hash.tolist()):
+        groups.setdefault(key, set()).add(image)
+    ignoring = sum(1 for key in zip(question.tolist(), answer.tolist()) if len(groups[key]) > 1)
+    pixels = _column(pieces, "_image_pixels")[kept][shown] / count[shown] / 1e6
+    return {"images": {"rows_with_images_share": _share(shown.sum(), len(count)),
+                       "images_per_row": _stats(count[shown]),
+                       "image_tokens": _stats(_column(pieces, "_image_tokens")[kept][shown]),
+                       "megapixels_per_image": _stats(pixels),
+                       "duplicate_image_share": _share(len(image_hash) - len(first), len(image_hash)),
+                       "answer_ignores_image_share": _share(ignoring, len(image_hash))}}
+
+
+def row_fields(row: dict, ids: dict, source_row: int, tokenizer=None, processing=None) -> dict:
     """The audit columns of one normalised row and its token ids (`ids`: a pair's prompt_ids / chosen_ids /
     rejected_ids, an SFT row's input_ids and completion_mask, or nothing for a row dropped before tokenizing);
     `tokenizer` counts the answers' reasoning tokens."""
     answers = {key: row[key] for key in ("chosen", "rejected", "completion", "messages", "text") if key in row}
     prompt = prompt_of(row)
-    fields = {"_row_hash": _hash([row.get("prompt"), answers]), "_prompt_hash": NO_PROMPT if prompt is None else
-              _hash(prompt),
+    # A prompt shows its images too: the same question about two images is two prompts (its images' digests).
+    images = [hashlib.sha256(data).hexdigest() for data in row.get(IMAGE_COLUMN) or []]
+    fields = {"_row_hash": _hash([row.get("prompt"), answers] + ([images] if images else [])),
+              "_prompt_hash": NO_PROMPT if prompt is None else _hash([prompt, images] if images else prompt),
               "_prompt_tokens": 0, "_chosen_tokens": 0, "_rejected_tokens": 0, "_shared_tokens": 0,
               "_source_row": source_row, "_label": NO_LABEL if row.get("label") is None else int(bool(row["label"])),
-              **reasoning_fields(row, tokenizer), **tool_fields(row)}
+              **reasoning_fields(row, tokenizer), **tool_fields(row), **image_fields(row, ids, processing)}
     if "completion_ids" in ids:  # a KTO row: its completion's tokens count as "chosen"
         fields.update(_prompt_tokens=len(ids["prompt_ids"]), _chosen_tokens=len(ids["completion_ids"]))
     elif "chosen_ids" in ids:
@@ -185,7 +239,7 @@ def split_audit(pieces: list, stage: str, max_length: int, statuses, kept_status
     import numpy as np
 
     kept = statuses == kept_status
-    audit = _rows_audit(pieces, kept, train_prompts)
+    audit = _rows_audit(pieces, kept, train_prompts) | images_audit(pieces, kept)
     pairs = audit["pairs"]
     prompt = _column(pieces, "_prompt_tokens")[kept].astype(np.int64)
     chosen = _column(pieces, "_chosen_tokens")[kept].astype(np.int64)

@@ -14,6 +14,8 @@ from src.config import EMBEDDED, DataArguments, SFTArguments
 from src.data.cache_key import prepared_path
 from src.data.checks import EMPTY, IDENTICAL, KEPT, TOO_LONG, UNDESIRABLE
 from src.data.errors import DataError
+from src.data.images import (changed_images, has_images, image_column, normalized_image_features, undecoded,
+                              write_image_files)
 from src.data.kto import add_kl_completions, check_kto_classes
 from src.data.mixtures import mix_sources, take_fraction, mixture_sources
 from src.data.pair_audit import NO_PROMPT, counts_of, split_audit
@@ -64,7 +66,8 @@ def _counts(prepared, stage: str, source: str, max_length: int) -> dict:
             "truncated": int((kept & (lengths > max_length)).sum()), "longest_tokens": int(lengths[checked].max())}
 
 
-def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer) -> None:
+def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer,
+           processing=None) -> None:
     num_proc = data.dataset_num_proc or usable_cores()  # a container's CPU quota too
     if num_proc > 1:  # forked workers tokenize one text at a time: no thread pool to fight over, no warning
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -73,7 +76,8 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
     summary = {"stage": stage, "max_length": data.max_length, "reasoning": data.reasoning}
     sources = mixture_sources(data)
     if not sources:
-        location, shape, tokenized, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work)
+        location, shape, tokenized, counts = _prepare_source(data, sft, stage, seed, tokenizer, num_proc, work,
+                                                             processing=processing)
         for kind, dataset in tokenized.items():
             write_kept([dataset], prepared_columns(dataset), split_file(target, kind))
             write_source_rows(dataset, target, kind)
@@ -86,7 +90,7 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         parts = []
         for number, (source, fraction) in enumerate(sources):
             location, shape, tokenized, counts = _prepare_source(source, sft, stage, seed, tokenizer, num_proc,
-                                                                 work / str(number), fraction)
+                                                                 work / str(number), fraction, processing)
             parts.append((location, shape, fraction, tokenized, counts))
         summary |= mix_sources(parts, seed, target)
         if stage_shape(stage) == UNPAIRED:
@@ -99,12 +103,21 @@ def _build(target: Path, data: DataArguments, sft: SFTArguments, stage: str, see
         summary["audit"] = _audit(pieces, summary["splits"], stage, data.max_length, data.reasoning != "drop")
     if stage_shape(stage) == UNPAIRED:
         check_kto_classes(summary["splits"]["train"], summary["source"])
+    write_image_files(target, [dataset for pieces in _work_datasets(tokenized if not sources else parts)
+                               for dataset in pieces])
     shutil.rmtree(work)
     (target / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def _work_datasets(tokenized) -> list[list]:
+    """The tokenizing map's outputs: of one source ({kind: dataset}), or of a mixture's parts."""
+    if isinstance(tokenized, dict):
+        return [list(tokenized.values())]
+    return [list(part[3].values()) for part in tokenized]
+
+
 def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, num_proc: int,
-                    work: Path, fraction: float = 1.0):
+                    work: Path, fraction: float = 1.0, processing=None):
     """One source, recognised in its own shape and columns: (location, shape, tokenized splits, counts per split).
 
     The tokenized splits still hold the dropped rows, with their reason in `_status` (`write_kept` leaves them out)."""
@@ -114,6 +127,7 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     location = source_location(data, stage)
     work.mkdir(parents=True, exist_ok=True)
     raw, origins, mapping = _load_with_columns_mapped(data, stage, location)
+    images = _check_images(raw, location, processing, tokenizer)
     columns = raw[next(iter(raw))].column_names
     features = raw[next(iter(raw))].features
     first_row = raw[next(iter(raw))][0]
@@ -126,6 +140,8 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
     pair_shape = detect_shape(columns, first_row, PAIRS) if shape in ("preference", "kto_pairs") else None
     normalized = normalized_features(features, shape, has_chat_template, pair_shape)
+    if images:
+        normalized = normalized_image_features(normalized)
     try:
         first = normalize_row(first_row, shape, data.system_prompt, has_chat_template)
     except DataError as error:
@@ -144,11 +160,24 @@ def _prepare_source(data: DataArguments, sft: SFTArguments, stage: str, seed: in
                   "rows_in": location if len(raw) == 1 else f"{location} ({split_names[kind]})",
                   "origins": (origins or {}).get(split_names[kind]),
                   "tokenizer": tokenizer, "data": data, "sft": sft, "chat_template": chat_template,
-                  "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output)}
+                  "has_chat_template": has_chat_template, "held_out": held_out, "output_columns": list(output),
+                  "processing": processing, "images": images}
         tokenized[kind] = map_with_progress(split, prepare_batch, kwargs, output, f"tokenizing {kind}", num_proc,
                                              work)
         counts[kind] = _counts(tokenized[kind], stage, kwargs["source"], data.max_length)
     return location, shape, tokenized, counts
+
+
+def _check_images(raw, location: str, processing, tokenizer) -> bool:
+    """Whether the source's rows carry images (src/data/images.py); a text-only model given them is refused."""
+    if not has_images(raw):
+        return False
+    if processing is None:
+        column = image_column(raw[next(iter(raw))].column_names)
+        held = f"an '{column}' column" if column else "image parts in its messages"
+        raise DataError(f"{location}: the data has images ({held}), and {getattr(tokenizer, 'name_or_path', '')} is a "
+                        "text-only model: train a vision-language model on it (docs/vision.md), or drop the images")
+    return True
 
 
 def _load_with_columns_mapped(data: DataArguments, stage: str, location: str):
@@ -156,6 +185,7 @@ def _load_with_columns_mapped(data: DataArguments, stage: str, location: str):
     as {source column: canonical name}), --chat_prompts; and where its rows came from (files, for error lines)."""
     with hang_watch.phase("data", f"loading {location}", hang_watch.UNWATCHED):  # a download: not judged
         raw, origins = load_source_with_origins(data, stage)
+    raw = undecoded(raw)  # images as their files' bytes or paths (src/data/images.py)
     first_split = raw[next(iter(raw))]
     if len(first_split) == 0:
         raise DataError(f"--dataset_name {location}: the data has no rows")
@@ -203,17 +233,23 @@ def _audit(pieces: dict[str, list], counts: dict, stage: str, max_length: int, r
     return audits
 
 
-def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path) -> PreparedData:
-    """Build (once per machine) or reuse the tokenized splits, and open them file-backed in this process."""
+def prepare_data(data: DataArguments, sft: SFTArguments, stage: str, seed: int, tokenizer, cache_dir: Path,
+                 processing=None) -> PreparedData:
+    """Build (once per machine) or reuse the tokenized splits, and open them file-backed in this process.
+    `processing`: a vision model's (src/vision.py ImageProcessing; None for a text model)."""
     import datasets
 
-    path = prepared_path(data, sft, stage, seed, tokenizer, cache_dir)
+    path = prepared_path(data, sft, stage, seed, tokenizer, cache_dir, processing)
     def build(temporary: Path) -> None:
         fail_write_if_injected(path)
-        _build(temporary, data, sft, stage, seed, tokenizer)
+        _build(temporary, data, sft, stage, seed, tokenizer, processing)
 
     with hang_watch.phase("data", f"the {stage} data"):
         target = build_once(path, build)
+        changed = changed_images(target)
+        if changed:  # image files changed under the same data files: prepared again, under their own key
+            path = path.with_name(f"{path.name}-images-{changed}")
+            target = build_once(path, build)
     summary = json.loads((target / SUMMARY_FILE).read_text())
     splits = datasets.DatasetDict({kind: open_split(target, kind) for kind in summary["splits"]})
-    return PreparedData(path=target, splits=splits, summary=summary)
+    return PreparedData(path=target, splits=splits, summary=summary, processing=processing)

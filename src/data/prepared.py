@@ -19,6 +19,9 @@ class PreparedData:
     path: Path
     splits: Any  # datasets.DatasetDict, file-backed
     summary: dict
+    # A vision-language model's processor (src/vision.py ImageProcessing) that tokenized the rows and turns their
+    # images (IMAGE_COLUMN) into the model's tensors; None for a text model
+    processing: Any = None
 
     @property
     def train(self):

@@ -10,6 +10,7 @@ from src.config import DataArguments, SFTArguments
 from src.data.checks import IDENTICAL, KEPT, TOO_LONG, UNDESIRABLE, check_row
 from src.data.errors import DataError
 from src.data.files import row_origin
+from src.data.images import gather_images, image_base
 from src.data.pair_audit import AUDIT_COLUMNS, row_fields
 from src.data.shapes import is_chat, stage_shape, normalize_row, unpaired_rows
 from src.data.templates import template_refusals
@@ -95,13 +96,14 @@ def output_features(normalized: dict, token_columns: list[str], held_out: bool):
 def prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source: str, rows_in: str, tokenizer,
                    data: DataArguments, sft: SFTArguments, chat_template: str | None,
                    has_chat_template: bool, held_out: bool, output_columns: list[str],
-                   origins: list | None = None) -> dict:
+                   origins: list | None = None, processing=None, images: bool = False) -> dict:
     """normalize → check → tokenize → keep-or-drop of one batch of source rows (datasets.map, batched).
 
     Dropped rows stay in the batch with their reason in `_status` (so the counts and the first dropped row numbers
     come out of one pass) and are filtered out afterwards. A bad row is named by its number in `rows_in`, the source
     it was read from (SOURCE_ROW), not by its place in a carved split: in a split of several files, the file and its
-    row (`origins`)."""
+    row (`origins`). `images`: the source's rows carry images (src/data/images.py), read into each row here and
+    tokenized with `processing` (a vision model's: src/vision.py)."""
     source_rows = batch.pop(SOURCE_ROW)
     columns = list(batch)
     out = {column: [] for column in output_columns}
@@ -111,6 +113,8 @@ def prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source:
             normalized = normalize_row(dict(zip(columns, values)), shape, data.system_prompt, has_chat_template)
         except DataError as error:
             raise DataError(f"{where} row {number}: {error}") from None
+        if images:
+            normalized = gather_images(normalized, image_base(where, location), where, number)
         if shape == "kto_pairs":  # one source pair → its desirable and its undesirable row
             identical = normalized["chosen"] == normalized["rejected"]
             check_row(normalized, number, PAIRS, where)
@@ -122,13 +126,15 @@ def prepare_batch(batch: dict, *, shape: str, stage: str, location: str, source:
         else:
             _prepare_row(normalized, None, out, number, source_row, stage=stage, location=location, where=where,
                          tokenizer=tokenizer, data=data, sft=sft, chat_template=chat_template,
-                         has_chat_template=has_chat_template, held_out=held_out, output_columns=output_columns)
+                         has_chat_template=has_chat_template, held_out=held_out, output_columns=output_columns,
+                         processing=processing)
     return out
 
 
 def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_row: int, *, stage: str,
                  location: str, where: str, tokenizer, data: DataArguments, sft: SFTArguments,
-                 chat_template: str | None, has_chat_template: bool, held_out: bool, output_columns: list[str]) -> None:
+                 chat_template: str | None, has_chat_template: bool, held_out: bool, output_columns: list[str],
+                 processing=None) -> None:
     """One normalised row checked, tokenized and appended to `out` (a held-out row with its sample fields; a KTO pair's
     undesirable row is held out without them: each pair's prompt is answered once)."""
     row_status = check_row(row, number, stage, where)
@@ -151,9 +157,10 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
                 length = len(item["prompt_ids"]) + len(item["completion_ids"])
                 kept = len(item["prompt_ids"]) < data.max_length  # TRL's KTO rule, as for DPO
             elif kind == PAIRS:
-                item = ids = tokenize_preference(row, tokenizer, keep, kwargs)
+                item = ids = tokenize_preference(row, tokenizer, keep, kwargs, processing)
                 length = len(item["prompt_ids"]) + max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from.
+                # TRL's rule: a prompt that fills max_length leaves no completion token to learn from. (A kept
+                # pair's images are whole: their tokens are the prompt's, and only the answers are ever cut.)
                 kept = len(item["prompt_ids"]) < data.max_length
             elif kind == PROMPTS:  # the prompt as generation sees it (chat template, generation prompt)
                 item = ids = {"prompt_ids": sample_fields(row, tokenizer, kwargs)["sample_prompt_ids"]}
@@ -167,16 +174,19 @@ def _prepare_row(row: dict, status: int | None, out: dict, number: int, source_r
                 # cut the answer whose last token the score is read from).
                 kept = length <= data.max_length
             else:
-                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template, keep, kwargs)
+                item = ids = tokenize_sft(row, tokenizer, sft.assistant_only_loss, chat_template, keep, kwargs,
+                                          processing)
                 length = len(item["input_ids"])
-                kept = has_trainable_token(item, data.max_length, sft)
+                # Never cut inside an image's tokens: its features would outnumber them (the row is dropped, counted).
+                kept = has_trainable_token(item, data.max_length, sft) and not (
+                    processing is not None and processing.last_image_position(item["input_ids"]) >= data.max_length)
             status = KEPT if kept else TOO_LONG
             if not keep and kind in PAIRED_SHAPES and ids["chosen_ids"] == ids["rejected_ids"]:
                 status = IDENTICAL  # the answers differed only in their reasoning, which --reasoning drop removes
         record = {**serializable(row), **item, "length": length, "_status": status,
-                  **row_fields(row, ids, source_row, tokenizer)}
+                  **row_fields(row, ids, source_row, tokenizer, processing)}
         if "sample_prompt" in output_columns:
-            record.update(sample_fields(row, tokenizer, kwargs) if status == KEPT and held_out else
+            record.update(sample_fields(row, tokenizer, kwargs, processing) if status == KEPT and held_out else
                           {"sample_prompt": "", "sample_prompt_ids": [], "sample_chosen": "",
                            "sample_rejected": None, "judge_prompt": None})
     for column in output_columns:

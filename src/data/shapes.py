@@ -250,7 +250,8 @@ def normalize_row(row: dict, shape: str, system_prompt: str | None, has_chat_tem
     from trl.data_utils import extract_prompt
 
     # `trajectory`: a round's pair of sampled tool trajectories, trained as sampled (src/rounds.py pair_trajectory).
-    extra = {key: row[key] for key in ("meta", "tools", "trajectory") if key in row}
+    # `images` / `image`: the source's images, read into the row by src/data/images.py (gather_images).
+    extra = {key: row[key] for key in ("meta", "tools", "trajectory", "images", "image") if key in row}
     if shape == "explicit_prompt":
         out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"]}
     elif shape in ("ultrafeedback", "implicit_prompt"):
@@ -327,5 +328,12 @@ def text_of(value: Any) -> str:
     if isinstance(value, str):
         return value
     if is_chat(value):
-        return "".join(str(message["content"] or "") for message in value)
+        return "".join(_content_text(message["content"]) for message in value)
     return ""
+
+
+def _content_text(content) -> str:
+    """A message's text: its content, or the text of its parts (an image part: none)."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return str(content or "")

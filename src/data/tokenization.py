@@ -1,16 +1,19 @@
 """A normalised row to token ids, as TRL's trainers would tokenize it themselves (same helpers, same prompt/completion
 boundary, same EOS rules; tests/test_data.py checks the ids are identical): preference pairs, KTO's unpaired rows, a
 reward model's pairs, SFT sequences (assistant-only loss through TRL's training chat template), and the prompt and
-reference fields of held-out samples.
+reference fields of held-out samples. A row with images (src/data/images.py) has its prompt's ids from the model's
+processor (src/vision.py: each image placeholder expanded to the image's tokens, as TRL's vision collators do); its
+answers are text, tokenized alone as for any chat.
 """
 
 from __future__ import annotations
 
-from src.chat_templates import conversation_ids, shown_answer, tools_argument
+from src.chat_templates import answer_texts, conversation_ids, shown_answer, tools_argument
 from src.config import SFTArguments
 from src.data.shapes import stage_shape, text_of
 from src.objectives import PAIRS, PROMPTS, SCORED_PAIRS, UNPAIRED
 from src.private_api import trl_tokenize
+from src.vision import IMAGE_COLUMN, decode
 
 
 def _template_kwargs(row: dict, configured: dict | None = None) -> dict:
@@ -19,10 +22,26 @@ def _template_kwargs(row: dict, configured: dict | None = None) -> dict:
     return {**(configured or {}), **tools_argument(row)}
 
 
-def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True, template_kwargs: dict | None = None) -> dict:
+def row_images(row: dict) -> list:
+    """A prepared row's images, decoded (PIL), in the order of its prompt's image parts."""
+    return [decode(data) for data in row.get(IMAGE_COLUMN) or []]
+
+
+def _conversation_ids(tokenizer, processing, row: dict, prompt, *answers, **kwargs) -> tuple[list[int], ...]:
+    """conversation_ids, with the prompt's ids from the processor where the row has images."""
+    images = row_images(row)
+    if not images:
+        return conversation_ids(tokenizer, prompt, *answers, **kwargs)
+    prompt_text, texts = answer_texts(tokenizer, prompt, list(answers), **kwargs)
+    return (processing.prompt_ids(prompt_text, images), *tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True, template_kwargs: dict | None = None,
+                        processing=None) -> dict:
     """prompt_ids / chosen_ids / rejected_ids: for chats, the prompt as generation starts from it and each answer as
     the model writes it from there (src/chat_templates.py; TRL's ids wherever the template does not rewrite the
-    answer); for text, as TRL's DPOTrainer builds them (EOS appended, the completion where the two diverge)."""
+    answer); for text, as TRL's DPOTrainer builds them (EOS appended, the completion where the two diverge).
+    `processing`: a vision model's (src/vision.py ImageProcessing), for a row with images."""
     from trl.data_utils import common_prefix_length, is_conversational
 
     _tokenize = trl_tokenize()
@@ -30,8 +49,8 @@ def tokenize_preference(row: dict, tokenizer, keep_reasoning: bool = True, templ
     if row.get("trajectory"):  # a round's sampled tool trajectories: their ids as sampled, with their loss masks
         return dict(row["trajectory"])
     if is_conversational(row):
-        prompt_ids, chosen_ids, rejected_ids = conversation_ids(
-            tokenizer, row["prompt"], row["chosen"], row["rejected"], keep_reasoning=keep_reasoning,
+        prompt_ids, chosen_ids, rejected_ids = _conversation_ids(
+            tokenizer, processing, row, row["prompt"], row["chosen"], row["rejected"], keep_reasoning=keep_reasoning,
             **_template_kwargs(row, template_kwargs))
         return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
     eos = tokenizer.eos_token
@@ -93,7 +112,7 @@ def sft_chat_template(tokenizer, sft: SFTArguments) -> str | None:
 
 
 def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template: str | None,
-                 keep_reasoning: bool = True, template_kwargs: dict | None = None) -> dict:
+                 keep_reasoning: bool = True, template_kwargs: dict | None = None, processing=None) -> dict:
     """input_ids (+ completion_mask / assistant_masks). A chat's answer is the one generation writes
     (src/chat_templates.py): TRL's SFTTrainer ids (and its assistant masks) where the template renders the answer
     as written; where it rewrites the last assistant turn, the prompt as generation starts from it and that turn as
@@ -109,11 +128,15 @@ def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template:
             prompt, answer = row["prompt"], row["completion"]
         else:
             assistant = [i for i, message in enumerate(row["messages"]) if message["role"] == "assistant"]
+            if not assistant and row_images(row):  # the whole chat, its images' tokens in it; nothing answers
+                text = tokenizer.apply_chat_template(row["messages"], tokenize=False, **kwargs)
+                return {"input_ids": processing.prompt_ids(text, row_images(row))}
             if not assistant:  # nothing the model answers: the chat trains as the template renders it
                 full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
                 return {key: full[key] for key in ("input_ids", "assistant_masks") if key in full}
             prompt, answer = row["messages"][:assistant[-1]], row["messages"][assistant[-1]:]
-        prompt_ids, answer_ids = conversation_ids(tokenizer, prompt, answer, keep_reasoning=keep_reasoning, **kwargs)
+        prompt_ids, answer_ids = _conversation_ids(tokenizer, processing, row, prompt, answer,
+                                                   keep_reasoning=keep_reasoning, **kwargs)
         input_ids = prompt_ids + answer_ids
         output = {"input_ids": input_ids}
         if "prompt" in row:
@@ -137,7 +160,7 @@ def tokenize_sft(row: dict, tokenizer, assistant_only_loss: bool, chat_template:
     return {"input_ids": _tokenize(tokenizer, text, chat_template=chat_template)["input_ids"]}
 
 
-def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> dict:
+def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None, processing=None) -> dict:
     """What the sample outputs need for a held-out row: the prompt as the model sees it and the dataset's answer."""
     from trl.data_utils import is_conversational
 
@@ -168,7 +191,9 @@ def sample_fields(row: dict, tokenizer, template_kwargs: dict | None = None) -> 
                                                  **_template_kwargs(row, template_kwargs))
     else:
         rendered = prompt
-    prompt_ids = tokenizer(rendered, add_special_tokens=not is_conversational({"prompt": prompt}))["input_ids"]
+    images = row_images(row)
+    prompt_ids = processing.prompt_ids(rendered, images) if images else \
+        tokenizer(rendered, add_special_tokens=not is_conversational({"prompt": prompt}))["input_ids"]
     return {
         "sample_prompt": rendered,
         "sample_prompt_ids": prompt_ids,

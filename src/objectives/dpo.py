@@ -87,6 +87,7 @@ OBJECTIVE = Objective(
         trl_settings=trl_settings,
         preflight=refuse_batch_rebalance,
         packed_forward=True,
+        takes_images=True,
     ),
     memory=MemoryPlan(
         sequences_per_example=2,

@@ -33,6 +33,7 @@ OBJECTIVE = Objective(
         trainer="src.trainers.sft:ToolkitSFTTrainer",
         default_learning_rate=2e-5,
         needs_reference=False,
+        takes_images=True,
         trl_settings=trl_settings,
     ),
     memory=MemoryPlan(

@@ -136,6 +136,9 @@ class Training:
     # The toolkit's packed, prefix-shared forward serves it (src/packed_dpo.py; the model allow-list of
     # src/packed_dpo_support.py): its trainer builds it (`forward_for`), the launch checks the model before preparation
     packed_forward: bool = False
+    # It trains a vision-language model on image + text data (src/vision.py; proven in tests/test_vision.py): a VLM
+    # given to any other objective is refused before launch (src/input_checks.py check_vision_model)
+    takes_images: bool = False
     # Its rewards are the judges' scores (--rewards, else --judge): a launch with no judge is refused as the config is
     # parsed (src/config_checks.py), and its trainer gets the judges as reward functions (`trainer_inputs`)
     rewards_from_judges: bool = False

@@ -20,6 +20,7 @@ from src.pipeline.stages import Stage
 from src.plan import Plan
 from src.tool_calls import ToolsError
 from src.tools import check_template, session_for
+from src.vision import IMAGE_COLUMN, thumbnail
 from src.trainers.judged_eval import JudgedEval, judge_rows
 from src.world import World
 
@@ -47,10 +48,12 @@ def held_out_rows(prepared: PreparedData, split: str, count: int) -> list[dict]:
 
 
 def answer_held_out(model, tokenizer, rows_by_split: dict[str, list[dict]], config: Config,
-                    plan: Plan, world: World, tools=None) -> dict[str, list[str]]:
+                    plan: Plan, world: World, tools=None, processing=None) -> dict[str, list[str]]:
+    """Each split's rows answered; a vision-language model's from their images too (`processing`: src/vision.py)."""
     return {
         split: generate_answers(model, tokenizer, [row["sample_prompt_ids"] for row in rows],
-                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools)
+                                config.training.max_new_tokens, max(8, plan.per_device_batch_size * 4), world, tools,
+                                images=[row.get(IMAGE_COLUMN) for row in rows], processing=processing)
         for split, rows in rows_by_split.items()
     }
 
@@ -74,7 +77,7 @@ def measure_before(stage: Stage, model, tokenizer, prepared: PreparedData, world
     # Under ZeRO-3 and FSDP2 each rank holds its share of the weights from the load on, and no trainer's engine
     # fetches them yet: each module's weights are gathered for its forward only (src/engines.py `generating`).
     with generating(model, plan.precision) if rows or reward else contextlib.nullcontext():
-        before = answer_held_out(model, tokenizer, rows, config, plan, world, tools)
+        before = answer_held_out(model, tokenizer, rows, config, plan, world, tools, prepared.processing)
         pairs_before = score_held_out_pairs(model, tokenizer, prepared, plan, world) if reward else {}
     return HeldOut(rows, before, pairs_before, tools)
 
@@ -82,7 +85,8 @@ def measure_before(stage: Stage, model, tokenizer, prepared: PreparedData, world
 def measure_after(held_out: HeldOut, stage: Stage, trained, tokenizer, prepared: PreparedData, world: World,
                   reward: bool) -> tuple[dict, dict]:
     """The trained model's answers to the same prompts (its tools closed after), or its scores of the same pairs."""
-    after = answer_held_out(trained, tokenizer, held_out.rows, stage.config, stage.plan, world, held_out.tools)
+    after = answer_held_out(trained, tokenizer, held_out.rows, stage.config, stage.plan, world, held_out.tools,
+                            prepared.processing)
     if held_out.tools is not None:
         held_out.tools.close()
     pairs_after = score_held_out_pairs(trained, tokenizer, prepared, stage.plan, world) if reward else {}
@@ -118,6 +122,7 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
         for index, row in enumerate(rows):
             stats = {side: {key: value for key, value in answers[side][index].items() if key != "text"}
                      for side in answers}
+            images = sample_thumbnails(run_dir, split, index, row.get(IMAGE_COLUMN))
             run_files.append_jsonl(path, {
                 "index": index,
                 "split": split,
@@ -129,8 +134,19 @@ def record_samples(run_dir: Path, rows_by_split, before, after, judge) -> dict:
                 "meta": row.get("meta") or {},
                 "verdict": judged.verdicts[index] if judged else None,
                 **({"answer_stats": stats} if all(stats.values()) else {}),
+                **({"images": images} if images else {}),
             })
     return results
+
+
+def sample_thumbnails(run_dir: Path, split: str, index: int, images: list | None) -> list[str]:
+    """A held-out prompt's images as thumbnails in the run directory (its pages link them), their relative paths."""
+    paths = []
+    for number, data in enumerate(images or [], start=1):
+        name = f"{run_files.SAMPLE_IMAGES_DIR}/{split}_{index}_{number}.png"
+        run_files.write_bytes(run_dir / name, thumbnail(data))
+        paths.append(name)
+    return paths
 
 
 def tool_session(config: Config, tokenizer, model):

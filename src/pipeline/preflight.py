@@ -16,7 +16,7 @@ from src.engines import check_engine, requested as requested_engine
 from src.hub_access import needs_hub, use_local_cache_if_hub_unreachable, use_local_files_only
 from src.library_warnings import launch_environment
 from src.input_checks import check_judge, check_model_inputs
-from src.models import apply_chat_template_path, load_tokenizer, resolve_model_path
+from src.models import apply_chat_template_path, load_processing, load_tokenizer, resolve_model_path
 from src.objectives import objective
 from src.pipeline.stages import Stage, hub_sources, reward_model_judge
 from src.plan import format_plan
@@ -83,8 +83,9 @@ def prepare(config: Config, stages: list[Stage]) -> Prepared | None:
             packed_dpo_support.announce_padded(passed["padded_reason"])
         return end_dry_run(stages, passed["model_warnings"], passed["summaries"])
     quiet_libraries()
-    tokenizer = apply_chat_template_path(load_tokenizer(model_path, config.model.trust_remote_code),
-                                         config.model.chat_template_path)
+    processing = load_processing(model_path, config.model)  # a vision-language model's processor, else None
+    tokenizer = processing.tokenizer if processing else apply_chat_template_path(
+        load_tokenizer(model_path, config.model.trust_remote_code), config.model.chat_template_path)
     model_warnings = check_model_inputs(model_path, config, tokenizer, stages)
     for stage in stages:
         stage.model_warnings = model_warnings.get(stage.name, [])
@@ -92,7 +93,8 @@ def prepare(config: Config, stages: list[Stage]) -> Prepared | None:
     # Every stage's data is checked and tokenized now, before any process group or model exists.
     with write_failures_reported(stages[-1].output_dir):  # the prepared-data cache: one process, no peers yet
         prepared = {stage.data_stage: prepare_data(stage.config.data, stage.config.sft, stage.data_stage,
-                                                   stage.config.training.seed, tokenizer, cache_root() / "datasets")
+                                                   stage.config.training.seed, tokenizer, cache_root() / "datasets",
+                                                   processing)
                     for stage in stages}
     if config.training.dry_run:
         record(cache_root(), preflight_key, prepared, model_warnings, padded_reason)

@@ -4,7 +4,7 @@ first step, training (resumed from a checkpoint when there is one), and a stop o
 
 from __future__ import annotations
 
-from src import packed_dpo_support, run_files
+from src import packed_dpo_support, run_files, vision
 from src.audit import run as data_audit
 from src.config_error import ConfigError
 from src.data import PreparedData
@@ -100,7 +100,11 @@ def build_stage_trainer(stage: Stage, model, tokenizer, prepared: PreparedData, 
         "chosen_ids", "completion_ids", "input_ids"}.isdisjoint(prepared.validation.column_names))
     trl_config = build_trl_config(stage.name, config, plan, stage.output_dir, evaluated, start.total_steps,
                                   sft_forward, start.data_settings)
-    lora = peft_config(config.model, reward)
+    lora = vision.lora_for(peft_config(config.model, reward), model, config.model.train_vision_tower)
+    if config.model.train_vision_tower and vision.is_vision_config(model.config):
+        # A tower's weights past the layer the model reads (LLaVA's post-layernorm, its last layer when it reads the
+        # one before) get no gradient: DDP must look for them each step (TRL's default for vision models).
+        trl_config.ddp_find_unused_parameters = True
     peft = None if hasattr(model, "peft_config") else lora  # adapters added as it loaded (FSDP2): not again
     trainer = build_trainer(stage.name, model, tokenizer, trl_config, prepared, peft,
                             stage.run_dir / run_files.METRICS, plan, truncate_to=config.data.max_length

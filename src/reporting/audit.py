@@ -59,12 +59,27 @@ def data_section(audit: dict, stage: str, plot: Path | None, run_dir: Path) -> l
     preference = shape != SEQUENCES
     lines = _pairs_data_table(audit, kinds) if preference else _sequences_data_table(audit, kinds)
     train = audit.get("train") or {}
-    lines += _reasoning_lines(train)
+    lines += _reasoning_lines(train) + _images_lines(audit, kinds)
     if preference:
         lines += ["", _reference_line(train, stage), _judge_line(train)]
     if plot is not None:
         lines += ["", f"![chosen vs rejected length, reference margin]({plot.relative_to(run_dir).as_posix()})"]
     return lines
+
+
+def _images_lines(audit: dict, kinds: list[str]) -> list[str]:
+    """Per split, the rows' images (src/data/pair_audit.py images_audit); none without images."""
+    shown = [kind for kind in kinds if audit[kind].get("images")]
+    if not shown:
+        return []
+    names = ["rows with images", "images per row: mean / median / p95", "image tokens per row: mean / median / p95",
+             "megapixels per image: median", "repeated images (same content)",
+             "same answer to the same question for other images"]
+    rows = [[format_percent(item["rows_with_images_share"]), _tokens(item["images_per_row"]),
+             _tokens(item["image_tokens"]), format_number(item["megapixels_per_image"]["median"]),
+             format_percent(item["duplicate_image_share"]), format_percent(item["answer_ignores_image_share"])]
+            for item in (audit[kind]["images"] for kind in shown)]
+    return ["", "**Images**", "", *_per_split_table(shown, names, rows)]
 
 
 def _pairs_data_table(audit: dict, kinds: list[str]) -> list[str]:

@@ -68,8 +68,24 @@ def _method_table(info: dict, merged: bool) -> list[str]:
     return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
 
 
-def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: str | None = None) -> str:
-    """The card's text for the final model (or, with `merged`, the merged copy), from training_info.json."""
+def _loading(where: str, head: str, adapter: bool, vision: bool, base: str, load_args: str) -> list[str]:
+    """The card's code that loads the model: its class (a vision-language model's image-text-to-text class and its
+    processor; an adapter onto its base, peft having no auto class for vision models) and its tokenizer."""
+    if vision:
+        model = (f'model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("{base}"), "{where}")'
+                 if adapter else f'model = AutoModelForImageTextToText.from_pretrained("{where}")')
+        return ["from transformers import AutoModelForImageTextToText, AutoProcessor",
+                *(["from peft import PeftModel"] if adapter else []), "", model,
+                f'processor = AutoProcessor.from_pretrained("{where}")']
+    load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
+    return [f"from {load}", "from transformers import AutoTokenizer", "",
+            f'model = Model.from_pretrained("{where}"{load_args})', f'tokenizer = AutoTokenizer.from_pretrained("{where}")']
+
+
+def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: str | None = None,
+                      vision: bool = False) -> str:
+    """The card's text for the final model (or, with `merged`, the merged copy), from training_info.json. `vision`: a
+    vision-language model saved with its processor (loaded with AutoModelForImageTextToText and AutoProcessor)."""
     from huggingface_hub import ModelCardData
 
     config = info.get("config") or {}
@@ -83,23 +99,20 @@ def render_model_card(run_dir: Path, info: dict, merged: bool = False, repo_id: 
         ["qlora"] if info.get("load_in_4bit") else [])
     metadata = ModelCardData(base_model=_hub_id(base), datasets=[_hub_id(dataset)] if _hub_id(dataset) else None,
                              library_name="peft" if adapter else "transformers", tags=tags,
-                             pipeline_tag=row.report.hub_pipeline_tag)
+                             pipeline_tag="image-text-to-text" if vision else row.report.hub_pipeline_tag)
     title = repo_id or info.get("run_name") or run_dir.name
     what = ("a LoRA adapter: load it on top of the base model" if adapter else
             "the LoRA adapter merged into the base weights: a full model" if merged else "a full model")
     judged_lines, judged_sentence = judged_section(info, run_dir)
     # A reward model is a one-output sequence classifier; its adapter loads only onto a base built with num_labels=1.
-    head = row.report.auto_class
-    load = f"peft import AutoPeftModelFor{head} as Model" if adapter else f"transformers import AutoModelFor{head} as Model"
     load_args = ", num_labels=1" if not row.causal_lm and adapter else ""
     lines = [f"---\n{metadata.to_yaml()}\n---", "", f"# {title}", "",
              f"A {display_name(stage)} fine-tune of `{base}` on `{dataset}`, trained with prefkit on TRL "
              f"{versions.get('trl', '?')}. This repository holds {what}.", ""]
     if judged_sentence:
         lines += [f"**Judged on held-out prompts:** {judged_sentence}", ""]
-    lines += ["```python", f"from {load}", "from transformers import AutoTokenizer", "",
-              f'model = Model.from_pretrained("{repo_id or "<this directory>"}"{load_args})',
-              f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or "<this directory>"}")', "```", ""]
+    lines += ["```python", *_loading(repo_id or "<this directory>", row.report.auto_class, adapter, vision, base,
+                                     load_args), "```", ""]
     lines += ["## Method", "", *_method_table(info, merged), ""]
     lines += ["## Results on held-out prompts (before → after)", "", *judged_lines, ""]
     lines += ["## Final training numbers", "", *final_numbers_table(info.get("summary") or {}, info), ""]
@@ -120,7 +133,9 @@ def write_model_cards(run_dir: str | Path, hub_model_id: str | None = None) -> d
     dirs = model_dirs(run_dir, info)
     for kind, directory in dirs.items():
         repo_id = (hub_model_id + (MERGED_SUFFIX if kind == "merged" else "")) if hub_model_id else None
-        (directory / CARD).write_text(render_model_card(run_dir, info, kind == "merged", repo_id), encoding="utf-8")
+        vision = (directory / "processor_config.json").is_file()  # a vision-language model's processor beside it
+        (directory / CARD).write_text(render_model_card(run_dir, info, kind == "merged", repo_id, vision),
+                                      encoding="utf-8")
         if (run_dir / PLOTS_DIR).is_dir():
             shutil.copytree(run_dir / PLOTS_DIR, directory / PLOTS_DIR, dirs_exist_ok=True)
     return dirs

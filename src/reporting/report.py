@@ -107,6 +107,8 @@ def render_samples_text(samples: list[dict], split: str, run_name: str = "", jud
             if not isinstance(text, str):
                 text = json.dumps(text, ensure_ascii=False, indent=1)
             lines += [f"--- {title} ---", text.rstrip("\n") or "(empty)"]
+        if sample.get("images"):
+            lines += ["--- images ---", ", ".join(sample["images"])]
         if sample.get("meta"):
             lines += ["--- meta ---", json.dumps(sample["meta"], ensure_ascii=False, sort_keys=True)]
     return "\n".join(lines) + "\n"
@@ -413,6 +415,9 @@ def _examples_section(samples_by_split: dict[str, list[dict]]) -> list[str]:
         label, _ = _change(sample)
         lines += ["", f"#### {split} #{sample.get('index')}: {label}", "", "**Prompt**",
                   *_fenced(sample.get("prompt"), REPORT_TEXT_LIMIT)]
+        if sample.get("images"):  # the prompt's images, in the order it shows them (thumbnails in the run directory)
+            lines += [" ".join(f"![image {number}]({path})" for number, path in enumerate(sample["images"], start=1)),
+                      ""]
         for title, key, side in (("Reference (starting model)", "reference_answer", "reference"),
                                  ("Trained", "trained_answer", "trained")):
             suffix = f" — {_format_verdict(verdict.get(side))}" if verdict else ""

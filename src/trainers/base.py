@@ -18,6 +18,7 @@ from src.run_safety.disk_space import write_failures_noted
 from src.trainers.checkpointing import CompleteCheckpointsMixin
 from src.trainers.resume_state import restore_window
 from src.trainers.stage_plan import trained_per_epoch
+from src.vision import IMAGE_COLUMN
 
 
 class ToolkitTrainerMixin(CompleteCheckpointsMixin):
@@ -30,6 +31,11 @@ class ToolkitTrainerMixin(CompleteCheckpointsMixin):
     where each step repeats some of its rows, else None); Trainer's callbacks only ever see the unwrapped model."""
 
     repeated_from = None  # set by _get_train_sampler where a step holds more rows than the training set
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if self._signature_columns is not None and IMAGE_COLUMN not in self._signature_columns:
+            self._signature_columns.append(IMAGE_COLUMN)  # a row's images reach its collator (src/vision.py)
 
     def train(self, *args, **kwargs):
         for callback in self.callback_handler.callbacks:

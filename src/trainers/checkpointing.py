@@ -4,11 +4,13 @@ failed write on any rank stopping every rank (src/run_safety/disk_space.py)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from src.distributed import barrier, manifest_across_ranks, write_failure_on_any_rank
 from src.run_safety import hang_watch
@@ -42,6 +44,21 @@ class CompleteCheckpointsMixin:
                 if self.args.should_save or name.startswith("rng_state"):
                     fail_write_if_injected(Path(output_dir) / name)
                 save(output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """transformers 5.23 saves a model whose class renames weights as it loads them (a conversion mapping: LLaVA's,
+        Gemma 3's, Idefics3's, ...) under the original checkpoint names, and its Trainer resumes by loading that file by
+        name, not strictly: none of the weights load, with a warning only (transformers issue 43701), and training goes
+        on from the starting weights with the checkpoint's optimizer. Such a checkpoint is loaded as from_pretrained
+        loads it (renamed) and put into the model strictly: every weight, or an error."""
+        target = model if model is not None else self.model
+        saved = _saved_weight_names(Path(resume_from_checkpoint))
+        if saved is None or saved <= set(target.state_dict()) or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        dtype = next(target.parameters()).dtype
+        loaded = type(target).from_pretrained(resume_from_checkpoint, dtype=dtype, config=target.config)
+        target.load_state_dict(loaded.state_dict(), strict=True)
+        return None
 
     def _save_optimizer_and_scheduler(self, output_dir):
         self._save_piece(super()._save_optimizer_and_scheduler, output_dir, "optimizer.pt")
@@ -90,3 +107,18 @@ class CompleteCheckpointsMixin:
                 shutil.rmtree(checkpoint, ignore_errors=True)
         barrier()  # the marker's own failure (rank 0) stops every rank here
         kill_if_injected("after_complete", self.state.global_step, self.args.process_index)
+
+
+def _saved_weight_names(checkpoint: Path) -> set[str] | None:
+    """The weight names a checkpoint's safetensors files hold (one file or an index), or None (no such files: an
+    adapter, DeepSpeed's or FSDP's own layout)."""
+    from safetensors import safe_open
+
+    index = checkpoint / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    if not (checkpoint / SAFE_WEIGHTS_NAME).is_file():
+        return None
+    with safe_open(checkpoint / SAFE_WEIGHTS_NAME, "pt") as weights:
+        return set(weights.keys())
+
